@@ -1,0 +1,688 @@
+//! Where admission is decided.
+//!
+//! The controller holds one [`ClientState`] per configured identity in a `dashmap` (created from
+//! configuration, never from traffic, so memory is bounded by the quota file), the global counts in
+//! one cache-padded block, and the validated limits in an `arc-swap` so a reload never blocks an
+//! admission. A decision reads one consistent limits snapshot, then reserves each dimension with the
+//! [`Gauge`] compare-and-swap in the contract's order, rolling back everything reserved so far at the
+//! first that fails.
+
+use std::sync::atomic::AtomicU64 as StdAtomicU64;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use crossbeam_utils::CachePadded;
+use dashmap::DashMap;
+
+use super::gauge::Gauge;
+use super::gcra::{Bucket, Rate};
+use super::lifecycle::{Operation, OperationState};
+use super::refusal::{Refusal, RefusalCode};
+use super::storage::{StorageCaps, StorageReservation, Store, StoreGauges, StoredObject};
+use crate::clock::{Clock, MonotonicClock, QuantaClock, duration_nanos};
+use crate::config::{ClientLimits, Config, ConfigError, Identity};
+use crate::metrics::{ClientSnapshot, Snapshot, StoreSnapshot};
+
+use std::sync::atomic::Ordering;
+
+/// The default Retry-After hint for capacity refusals.
+pub const DEFAULT_CAPACITY_RETRY: Duration = Duration::from_secs(2);
+
+/// The admission controller a broker embeds. Cheap to clone; clones share all state.
+#[derive(Clone)]
+pub struct Controller {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    clients: DashMap<Identity, Arc<ClientState>>,
+    shared: Arc<Shared>,
+    /// Serializes reloads and client insertions against each other (never taken by admissions).
+    reload: Mutex<()>,
+    unconfigured_refusals: StdAtomicU64,
+    reloads_ok: StdAtomicU64,
+    reloads_failed: StdAtomicU64,
+}
+
+/// State every handle needs to release what it holds: global counts, limits, time.
+pub(crate) struct Shared {
+    pub(crate) global: CachePadded<GlobalGauges>,
+    pub(crate) storage: [StoreGauges; 2],
+    pub(crate) settings: ArcSwap<Settings>,
+    pub(crate) clock: MonotonicClock,
+}
+
+/// Global counts touched by every admission, kept together so one cache line moves.
+pub(crate) struct GlobalGauges {
+    pub(crate) active: Gauge,
+    pub(crate) pending: Gauge,
+    pub(crate) executing: Gauge,
+}
+
+/// One consistent view of every limit, swapped whole on reload.
+pub(crate) struct Settings {
+    pub(crate) config: Config,
+    /// Per-client limits, indexed by [`ClientState::slot`].
+    pub(crate) clients: Vec<ClientSettings>,
+    pub(crate) global_active: u64,
+    pub(crate) global_executing: u64,
+    pub(crate) capacity_retry: Duration,
+    pub(crate) caps: StorageCaps,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ClientSettings {
+    pub(crate) configured: bool,
+    pub(crate) rate: Rate,
+    pub(crate) active: u64,
+    pub(crate) pending: u64,
+}
+
+/// Everything the controller knows about one client.
+pub(crate) struct ClientState {
+    pub(crate) bucket: Bucket,
+    pub(crate) active: Gauge,
+    pub(crate) pending: Gauge,
+    pub(crate) queued: Gauge,
+    pub(crate) executing: Gauge,
+    pub(crate) slot: usize,
+    pub(crate) identity: Identity,
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) storage: [StoreGauges; 2],
+    pub(crate) admitted: StdAtomicU64,
+    pub(crate) rejected: [StdAtomicU64; RefusalCode::ALL.len()],
+}
+
+impl ClientState {
+    pub(crate) fn settings<'a>(&self, settings: &'a Settings) -> &'a ClientSettings {
+        &settings.clients[self.slot]
+    }
+}
+
+/// Builds a [`Controller`] with a non-default clock, Retry-After hint or storage caps.
+pub struct ControllerBuilder {
+    config: Config,
+    clock: Box<dyn Clock>,
+    capacity_retry: Duration,
+    caps: StorageCaps,
+}
+
+impl ControllerBuilder {
+    /// Uses `clock` as the time source (a [`crate::ManualClock`] in tests).
+    pub fn clock(mut self, clock: impl Clock) -> Self {
+        self.clock = Box::new(clock);
+        self
+    }
+
+    /// The Retry-After hint for capacity refusals (default two seconds; rounded up to whole
+    /// seconds, at least one).
+    pub fn capacity_retry(mut self, hint: Duration) -> Self {
+        self.capacity_retry = hint;
+        self
+    }
+
+    /// The stream, sealed-payload and pending-grant store caps.
+    pub fn storage_caps(mut self, caps: StorageCaps) -> Self {
+        self.caps = caps;
+        self
+    }
+
+    /// The controller, with one client state per configured identity.
+    pub fn build(self) -> Controller {
+        let clock = MonotonicClock::new(self.clock);
+        let settings = Settings {
+            clients: Vec::new(),
+            global_active: 0,
+            global_executing: 0,
+            capacity_retry: round_up_to_seconds(self.capacity_retry),
+            caps: self.caps,
+            config: self.config.clone(),
+        };
+        let shared = Arc::new(Shared {
+            global: CachePadded::new(GlobalGauges {
+                active: Gauge::new(),
+                pending: Gauge::new(),
+                executing: Gauge::new(),
+            }),
+            storage: [StoreGauges::new(), StoreGauges::new()],
+            settings: ArcSwap::from_pointee(settings),
+            clock,
+        });
+        let controller = Controller {
+            inner: Arc::new(Inner {
+                clients: DashMap::new(),
+                shared,
+                reload: Mutex::new(()),
+                unconfigured_refusals: StdAtomicU64::new(0),
+                reloads_ok: StdAtomicU64::new(0),
+                reloads_failed: StdAtomicU64::new(0),
+            }),
+        };
+        controller.apply(self.config);
+        controller
+    }
+}
+
+fn round_up_to_seconds(d: Duration) -> Duration {
+    Duration::from_secs(duration_nanos(d).div_ceil(1_000_000_000).max(1))
+}
+
+fn client_settings(limits: ClientLimits) -> ClientSettings {
+    ClientSettings {
+        configured: true,
+        rate: Rate::new(limits.requests_per_window, limits.window_seconds),
+        active: u64::from(limits.active),
+        pending: u64::from(limits.pending),
+    }
+}
+
+impl Controller {
+    /// A controller for `config` with the production clock and default hints and caps.
+    pub fn new(config: Config) -> Controller {
+        Controller::builder(config).build()
+    }
+
+    /// A builder for a controller with other clocks, hints or storage caps.
+    pub fn builder(config: Config) -> ControllerBuilder {
+        ControllerBuilder {
+            config,
+            clock: Box::new(QuantaClock::new()),
+            capacity_retry: DEFAULT_CAPACITY_RETRY,
+            caps: StorageCaps::default(),
+        }
+    }
+
+    /// Decides one submission by `identity`; `needs_approval` when it will wait for an operator.
+    ///
+    /// Checks, in order: the client is configured → a rate token → client active → (if it needs
+    /// approval) client pending and the pending-grant store → global active → global executing.
+    /// The first failure is the refusal's code; everything reserved before it is rolled back, so a
+    /// refusal consumes nothing.
+    pub fn admit(&self, identity: &str, needs_approval: bool) -> Result<Permit, Refusal> {
+        let Some(client) = self
+            .inner
+            .clients
+            .get(identity)
+            .map(|entry| Arc::clone(entry.value()))
+        else {
+            return Err(self.refuse_unconfigured());
+        };
+        let shared = &*self.inner.shared;
+        let settings = shared.settings.load();
+        let limits = *client.settings(&settings);
+        if !limits.configured {
+            return Err(self.refuse_unconfigured());
+        }
+        let now = shared.clock.now();
+        let global = &*shared.global;
+        let caps = &settings.caps;
+
+        if client.bucket.try_take(now, limits.rate).is_err() {
+            return Err(refuse(
+                &client,
+                &settings,
+                RefusalCode::SubmissionRateLimited,
+                now,
+                needs_approval,
+            ));
+        }
+        let code = 'reserve: {
+            if !client.active.try_acquire(1, limits.active) {
+                break 'reserve RefusalCode::ClientOperationLimit;
+            }
+            if needs_approval {
+                if !client
+                    .pending
+                    .try_acquire(1, limits.pending.min(caps.grant_client))
+                {
+                    client.active.release(1);
+                    break 'reserve if client.pending.get() >= limits.pending {
+                        RefusalCode::ClientPendingLimit
+                    } else {
+                        RefusalCode::PendingGrantLimit
+                    };
+                }
+                if !global.pending.try_acquire(1, caps.grant_global) {
+                    client.pending.release(1);
+                    client.active.release(1);
+                    break 'reserve RefusalCode::PendingGrantLimit;
+                }
+            }
+            let release_pending = |client: &ClientState| {
+                if needs_approval {
+                    global.pending.release(1);
+                    client.pending.release(1);
+                }
+                client.active.release(1);
+            };
+            if !global.active.try_acquire(1, settings.global_active) {
+                release_pending(&client);
+                break 'reserve RefusalCode::GlobalOperationLimit;
+            }
+            if global.executing.get() >= settings.global_executing {
+                global.active.release(1);
+                release_pending(&client);
+                break 'reserve RefusalCode::GlobalExecutionLimit;
+            }
+            // Relaxed: a statistic.
+            client.admitted.fetch_add(1, Ordering::Relaxed);
+            return Ok(Permit {
+                client,
+                rate: limits.rate,
+                needs_approval,
+                armed: true,
+            });
+        };
+        client.bucket.give_back(limits.rate);
+        Err(refuse(&client, &settings, code, now, needs_approval))
+    }
+
+    fn refuse_unconfigured(&self) -> Refusal {
+        // Relaxed: a statistic.
+        self.inner
+            .unconfigured_refusals
+            .fetch_add(1, Ordering::Relaxed);
+        Refusal {
+            code: RefusalCode::ClientUnconfigured,
+            retry_after: Duration::ZERO,
+        }
+    }
+
+    /// Puts a non-terminal operation found in the durable store back under the controller's
+    /// counts, at start-up. Restored work counts even above a lowered limit (new work is then
+    /// refused until it drains), so a restart never resets quotas. An identity no longer
+    /// configured is tracked, so its work still counts globally, but cannot be admitted again.
+    pub fn restore(
+        &self,
+        identity: &Identity,
+        state: OperationState,
+    ) -> Result<Operation, RestoreError> {
+        if state.is_terminal() {
+            return Err(RestoreError::Terminal(state));
+        }
+        let client = self.client_or_insert(identity);
+        let global = &self.inner.shared.global;
+        client.active.force_acquire(1);
+        global.active.force_acquire(1);
+        match state {
+            OperationState::Pending => {
+                client.pending.force_acquire(1);
+                global.pending.force_acquire(1);
+            }
+            OperationState::Approved => client.queued.force_acquire(1),
+            OperationState::Executing => {
+                client.executing.force_acquire(1);
+                global.executing.force_acquire(1);
+            }
+            _ => unreachable!("terminal states returned above"),
+        }
+        Ok(Operation::new(client, state))
+    }
+
+    /// Reserves `bytes` (and one file) in `store` for `identity` before a write. Settle the
+    /// reservation to the real size after the write; dropping it releases everything.
+    pub fn reserve_storage(
+        &self,
+        identity: &str,
+        store: Store,
+        bytes: u64,
+    ) -> Result<StorageReservation, Refusal> {
+        let Some(client) = self
+            .inner
+            .clients
+            .get(identity)
+            .map(|e| Arc::clone(e.value()))
+        else {
+            return Err(self.refuse_unconfigured());
+        };
+        let settings = self.inner.shared.settings.load();
+        if !client.settings(&settings).configured {
+            return Err(self.refuse_unconfigured());
+        }
+        StorageReservation::reserve(client, store, bytes, &settings)
+    }
+
+    /// Counts an object already in `store` at start-up (restored usage may exceed the caps).
+    pub fn restore_storage(&self, identity: &Identity, store: Store, bytes: u64) -> StoredObject {
+        StoredObject::restore(self.client_or_insert(identity), store, bytes)
+    }
+
+    fn client_or_insert(&self, identity: &Identity) -> Arc<ClientState> {
+        if let Some(client) = self.inner.clients.get(identity.as_str()) {
+            return Arc::clone(client.value());
+        }
+        let _guard = self.inner.reload.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(client) = self.inner.clients.get(identity.as_str()) {
+            return Arc::clone(client.value());
+        }
+        let shared = &self.inner.shared;
+        let current = shared.settings.load_full();
+        let mut clients = current.clients.clone();
+        let default_limits = current.config.limits().client_defaults();
+        clients.push(ClientSettings {
+            configured: false,
+            ..client_settings(default_limits)
+        });
+        let state = Arc::new(self.new_client_state(identity.clone(), clients.len() - 1));
+        shared.settings.store(Arc::new(Settings {
+            clients,
+            config: current.config.clone(),
+            global_active: current.global_active,
+            global_executing: current.global_executing,
+            capacity_retry: current.capacity_retry,
+            caps: current.caps,
+        }));
+        self.inner
+            .clients
+            .insert(identity.clone(), Arc::clone(&state));
+        state
+    }
+
+    fn new_client_state(&self, identity: Identity, slot: usize) -> ClientState {
+        ClientState {
+            bucket: Bucket::new(),
+            active: Gauge::new(),
+            pending: Gauge::new(),
+            queued: Gauge::new(),
+            executing: Gauge::new(),
+            slot,
+            identity,
+            shared: Arc::clone(&self.inner.shared),
+            storage: [StoreGauges::new(), StoreGauges::new()],
+            admitted: StdAtomicU64::new(0),
+            rejected: Default::default(),
+        }
+    }
+
+    /// Swaps in a new, already validated configuration without blocking any admission.
+    ///
+    /// Live counts are kept; each bucket keeps its fill level scaled to its new capacity; new
+    /// identities get full buckets; removed identities are refused from now on while their live
+    /// operations still release correctly. A limit lowered below current usage refuses new work
+    /// until usage drains.
+    pub fn reload(&self, config: Config) {
+        self.apply(config);
+        // Relaxed: a statistic.
+        self.inner.reloads_ok.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Reads, validates and applies the quota file at `path` against the identities configured now.
+    /// On any error the old configuration stays, and the failure is counted.
+    pub fn reload_from_path(&self, path: &std::path::Path) -> Result<(), ConfigError> {
+        let identities: Vec<Identity> = self
+            .inner
+            .shared
+            .settings
+            .load()
+            .config
+            .identities()
+            .cloned()
+            .collect();
+        match Config::from_path(path, identities) {
+            Ok(config) => {
+                self.reload(config);
+                Ok(())
+            }
+            Err(err) => {
+                self.record_failed_reload();
+                Err(err)
+            }
+        }
+    }
+
+    /// Counts a reload that was rejected before it reached the controller (an invalid file).
+    pub fn record_failed_reload(&self) {
+        // Relaxed: a statistic.
+        self.inner.reloads_failed.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn apply(&self, config: Config) {
+        let _guard = self.inner.reload.lock().unwrap_or_else(|p| p.into_inner());
+        let shared = &self.inner.shared;
+        let current = shared.settings.load_full();
+        let now = shared.clock.now();
+        let mut clients: Vec<ClientSettings> = current
+            .clients
+            .iter()
+            .map(|c| ClientSettings {
+                configured: false,
+                ..*c
+            })
+            .collect();
+        for identity in config.identities() {
+            let limits = client_settings(
+                config
+                    .effective(identity.as_str())
+                    .expect("configured identity"),
+            );
+            let existing = self
+                .inner
+                .clients
+                .get(identity.as_str())
+                .map(|e| Arc::clone(e.value()));
+            match existing {
+                Some(state) => {
+                    let old = clients[state.slot];
+                    if old.rate != limits.rate {
+                        state.bucket.rescale(now, old.rate, limits.rate);
+                    }
+                    clients[state.slot] = limits;
+                }
+                None => {
+                    clients.push(limits);
+                    let state =
+                        Arc::new(self.new_client_state(identity.clone(), clients.len() - 1));
+                    self.inner.clients.insert(identity.clone(), state);
+                }
+            }
+        }
+        let limits = *config.limits();
+        shared.settings.store(Arc::new(Settings {
+            clients,
+            global_active: u64::from(limits.global_active),
+            global_executing: u64::from(limits.global_executing),
+            config,
+            capacity_retry: current.capacity_retry,
+            caps: current.caps,
+        }));
+        // Forget removed identities that hold nothing; the rest stay (refused) until they drain.
+        let settings = shared.settings.load();
+        self.inner.clients.retain(|_, state| {
+            state.settings(&settings).configured
+                || state.active.get() > 0
+                || state.storage.iter().any(|s| s.files.get() > 0)
+        });
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> Config {
+        self.inner.shared.settings.load().config.clone()
+    }
+
+    /// The storage caps in force.
+    pub fn storage_caps(&self) -> StorageCaps {
+        self.inner.shared.settings.load().caps
+    }
+
+    /// A lock-free reading of every count, for metrics and tests.
+    pub fn snapshot(&self) -> Snapshot {
+        let shared = &self.inner.shared;
+        let settings = shared.settings.load();
+        let now = shared.clock.now();
+        let mut clients: Vec<ClientSnapshot> = self
+            .inner
+            .clients
+            .iter()
+            .map(|entry| {
+                let c = entry.value();
+                let limits = c.settings(&settings);
+                ClientSnapshot {
+                    identity: c.identity.clone(),
+                    configured: limits.configured,
+                    active: c.active.get(),
+                    pending: c.pending.get(),
+                    queued: c.queued.get(),
+                    executing: c.executing.get(),
+                    tokens: c.bucket.available(now, limits.rate),
+                    admitted: c.admitted.load(Ordering::Relaxed),
+                    rejected: std::array::from_fn(|i| c.rejected[i].load(Ordering::Relaxed)),
+                    storage: std::array::from_fn(|i| StoreSnapshot {
+                        store: Store::ALL[i],
+                        files: c.storage[i].files.get(),
+                        bytes: c.storage[i].bytes.get(),
+                    }),
+                }
+            })
+            .collect();
+        clients.sort_by(|a, b| a.identity.cmp(&b.identity));
+        let mut rejected: [u64; RefusalCode::ALL.len()] = [0; RefusalCode::ALL.len()];
+        rejected[RefusalCode::ClientUnconfigured.index()] =
+            self.inner.unconfigured_refusals.load(Ordering::Relaxed);
+        for c in &clients {
+            for (total, n) in rejected.iter_mut().zip(c.rejected) {
+                *total += n;
+            }
+        }
+        let global = &shared.global;
+        Snapshot {
+            admitted: clients.iter().map(|c| c.admitted).sum(),
+            rejected,
+            active: global.active.get(),
+            pending: global.pending.get(),
+            queued: clients.iter().map(|c| c.queued).sum(),
+            executing: global.executing.get(),
+            storage: std::array::from_fn(|i| StoreSnapshot {
+                store: Store::ALL[i],
+                files: shared.storage[i].files.get(),
+                bytes: shared.storage[i].bytes.get(),
+            }),
+            reloads_ok: self.inner.reloads_ok.load(Ordering::Relaxed),
+            reloads_failed: self.inner.reloads_failed.load(Ordering::Relaxed),
+            clock_regressions: shared.clock.regressions(),
+            clients,
+        }
+    }
+}
+
+/// The refusal for `code`, with the largest Retry-After among every exhausted dimension, counted
+/// in the client's metrics. Reads only; reserves nothing.
+fn refuse(
+    client: &ClientState,
+    settings: &Settings,
+    code: RefusalCode,
+    now: u64,
+    needs_approval: bool,
+) -> Refusal {
+    // Relaxed: a statistic.
+    client.rejected[code.index()].fetch_add(1, Ordering::Relaxed);
+    let limits = client.settings(settings);
+    let global = &client.shared.global;
+    let caps = &settings.caps;
+    let rate_wait = client.bucket.wait(now, limits.rate);
+    let capacity_exhausted = code.is_capacity()
+        || client.active.get() >= limits.active
+        || (needs_approval
+            && (client.pending.get() >= limits.pending.min(caps.grant_client)
+                || global.pending.get() >= caps.grant_global))
+        || global.active.get() >= settings.global_active
+        || global.executing.get() >= settings.global_executing;
+    let capacity_wait = if capacity_exhausted {
+        duration_nanos(settings.capacity_retry)
+    } else {
+        0
+    };
+    Refusal::after_nanos(code, rate_wait.max(capacity_wait))
+}
+
+/// An admitted submission, before the broker has created its durable operation.
+///
+/// [`Permit::commit`] turns it into a lifecycle [`Operation`]. Dropped without commit, it returns
+/// its slots but its rate token stays spent (a request that fails after admission still pays);
+/// [`Permit::refund`] returns the token too, for the broker's own faults.
+#[must_use = "a permit holds slots until it is committed or dropped"]
+pub struct Permit {
+    client: Arc<ClientState>,
+    rate: Rate,
+    needs_approval: bool,
+    armed: bool,
+}
+
+impl Permit {
+    /// The admitted client.
+    pub fn identity(&self) -> &Identity {
+        &self.client.identity
+    }
+
+    /// Whether the operation waits for an operator (it starts `pending`, else `approved`).
+    pub fn needs_approval(&self) -> bool {
+        self.needs_approval
+    }
+
+    /// The durable operation exists: track it, `pending` if it needs approval, else `approved`.
+    pub fn commit(mut self) -> Operation {
+        self.armed = false;
+        let client = Arc::clone(&self.client);
+        let state = if self.needs_approval {
+            OperationState::Pending
+        } else {
+            client.queued.force_acquire(1);
+            OperationState::Approved
+        };
+        Operation::new(client, state)
+    }
+
+    /// The broker failed through its own fault (say, the store was unavailable): return the
+    /// slots and the rate token.
+    pub fn refund(mut self) {
+        self.release();
+        self.client.bucket.give_back(self.rate);
+    }
+
+    fn release(&mut self) {
+        if !std::mem::take(&mut self.armed) {
+            return;
+        }
+        let global = &self.client.shared.global;
+        if self.needs_approval {
+            global.pending.release(1);
+            self.client.pending.release(1);
+        }
+        global.active.release(1);
+        self.client.active.release(1);
+    }
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+impl std::fmt::Debug for Permit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Permit")
+            .field("identity", &self.client.identity)
+            .field("needs_approval", &self.needs_approval)
+            .finish()
+    }
+}
+
+/// Why an operation could not be restored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RestoreError {
+    /// Terminal operations hold nothing and are not restored.
+    Terminal(OperationState),
+}
+
+impl std::fmt::Display for RestoreError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RestoreError::Terminal(state) => {
+                write!(f, "a {state} operation is terminal and holds no slots")
+            }
+        }
+    }
+}
+
+impl std::error::Error for RestoreError {}

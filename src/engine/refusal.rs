@@ -1,0 +1,179 @@
+//! Why an admission was refused, in the stable words clients and dashboards rely on.
+
+use std::fmt;
+use std::time::Duration;
+
+/// The stable reason for a refusal. [`RefusalCode::as_str`] gives the wire code.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum RefusalCode {
+    /// The identity is not one the controller was configured with (HTTP 403, not a quota).
+    ClientUnconfigured,
+    /// The client's token bucket is empty.
+    SubmissionRateLimited,
+    /// The client already has its `active` limit of live operations.
+    ClientOperationLimit,
+    /// The client already has its `pending` limit of operations awaiting approval.
+    ClientPendingLimit,
+    /// The pending-grant store is full (globally, or for this client).
+    PendingGrantLimit,
+    /// The broker already has `global_active` live operations.
+    GlobalOperationLimit,
+    /// The execution pool is saturated (`global_executing` operations executing).
+    GlobalExecutionLimit,
+    /// The stream store is full (globally, or for this client).
+    StreamStorageLimit,
+    /// The sealed-payload store is full (globally, or for this client).
+    SealedPayloadStorageLimit,
+}
+
+impl RefusalCode {
+    /// Every code, in check order.
+    pub const ALL: [RefusalCode; 9] = [
+        RefusalCode::ClientUnconfigured,
+        RefusalCode::SubmissionRateLimited,
+        RefusalCode::ClientOperationLimit,
+        RefusalCode::ClientPendingLimit,
+        RefusalCode::PendingGrantLimit,
+        RefusalCode::GlobalOperationLimit,
+        RefusalCode::GlobalExecutionLimit,
+        RefusalCode::StreamStorageLimit,
+        RefusalCode::SealedPayloadStorageLimit,
+    ];
+
+    /// The stable wire code, e.g. `client_pending_limit`.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            RefusalCode::ClientUnconfigured => "client_unconfigured",
+            RefusalCode::SubmissionRateLimited => "submission_rate_limited",
+            RefusalCode::ClientOperationLimit => "client_operation_limit",
+            RefusalCode::ClientPendingLimit => "client_pending_limit",
+            RefusalCode::PendingGrantLimit => "pending_grant_limit",
+            RefusalCode::GlobalOperationLimit => "global_operation_limit",
+            RefusalCode::GlobalExecutionLimit => "global_execution_limit",
+            RefusalCode::StreamStorageLimit => "stream_storage_limit",
+            RefusalCode::SealedPayloadStorageLimit => "sealed_payload_storage_limit",
+        }
+    }
+
+    /// The HTTP status a broker answers with: 403 for an unconfigured client, else 429.
+    pub const fn http_status(self) -> u16 {
+        match self {
+            RefusalCode::ClientUnconfigured => 403,
+            _ => 429,
+        }
+    }
+
+    /// Whether this is a capacity refusal (answered with the configured Retry-After hint).
+    pub const fn is_capacity(self) -> bool {
+        !matches!(
+            self,
+            RefusalCode::ClientUnconfigured | RefusalCode::SubmissionRateLimited
+        )
+    }
+
+    pub(crate) const fn index(self) -> usize {
+        self as usize
+    }
+}
+
+impl fmt::Display for RefusalCode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A refused admission (or storage reservation, or execution start): why, and when to retry.
+///
+/// A refusal consumes nothing: no token, no slot, no byte.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Refusal {
+    /// The first check that failed, in the contract's order.
+    pub code: RefusalCode,
+    /// When to try again, in whole seconds and at least one second; the largest hint among every
+    /// exhausted dimension. Zero only for [`RefusalCode::ClientUnconfigured`], where retrying
+    /// cannot help.
+    pub retry_after: Duration,
+}
+
+impl Refusal {
+    /// `retry_after` in whole seconds, as the `Retry-After` header carries it.
+    pub fn retry_after_secs(&self) -> u64 {
+        self.retry_after.as_secs()
+    }
+
+    /// A refusal whose wait is `wait_nanos`, rounded up to whole seconds, at least one.
+    pub(crate) fn after_nanos(code: RefusalCode, wait_nanos: u64) -> Refusal {
+        let secs = wait_nanos.div_ceil(1_000_000_000).max(1);
+        Refusal {
+            code,
+            retry_after: Duration::from_secs(secs),
+        }
+    }
+}
+
+impl fmt::Display for Refusal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} (retry after {}s)",
+            self.code,
+            self.retry_after.as_secs()
+        )
+    }
+}
+
+impl std::error::Error for Refusal {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_have_their_stable_strings_and_statuses() {
+        let strings: Vec<_> = RefusalCode::ALL.iter().map(|c| c.as_str()).collect();
+        assert_eq!(
+            strings,
+            [
+                "client_unconfigured",
+                "submission_rate_limited",
+                "client_operation_limit",
+                "client_pending_limit",
+                "pending_grant_limit",
+                "global_operation_limit",
+                "global_execution_limit",
+                "stream_storage_limit",
+                "sealed_payload_storage_limit"
+            ]
+        );
+        assert_eq!(RefusalCode::ClientUnconfigured.http_status(), 403);
+        assert!(RefusalCode::ALL[1..].iter().all(|c| c.http_status() == 429));
+        assert!(
+            RefusalCode::ALL
+                .iter()
+                .enumerate()
+                .all(|(i, c)| c.index() == i)
+        );
+    }
+
+    #[test]
+    fn waits_round_up_to_whole_seconds_and_at_least_one() {
+        assert_eq!(
+            Refusal::after_nanos(RefusalCode::SubmissionRateLimited, 1).retry_after_secs(),
+            1
+        );
+        assert_eq!(
+            Refusal::after_nanos(RefusalCode::SubmissionRateLimited, 0).retry_after_secs(),
+            1
+        );
+        assert_eq!(
+            Refusal::after_nanos(RefusalCode::SubmissionRateLimited, 1_000_000_001)
+                .retry_after_secs(),
+            2
+        );
+        assert_eq!(
+            Refusal::after_nanos(RefusalCode::SubmissionRateLimited, 3_000_000_000)
+                .retry_after_secs(),
+            3
+        );
+    }
+}

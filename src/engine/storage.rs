@@ -1,0 +1,304 @@
+//! Storage quotas: how many files and bytes the stream and sealed-payload stores may hold,
+//! globally and per client, and how many pending grants the grant store may hold.
+//!
+//! They use the same reservation primitive as admission: bytes are reserved before a write (from
+//! a declared size), settled to the real size after it, and released on delete or expiry.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use super::controller::{ClientState, Settings};
+use super::gauge::Gauge;
+use super::refusal::{Refusal, RefusalCode};
+use crate::clock::duration_nanos;
+use crate::config::Identity;
+
+const MIB: u64 = 1024 * 1024;
+
+/// A store whose files and bytes are capped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Store {
+    /// Uploaded streams.
+    Stream = 0,
+    /// Sealed payloads.
+    SealedPayload = 1,
+}
+
+impl Store {
+    /// Both stores.
+    pub const ALL: [Store; 2] = [Store::Stream, Store::SealedPayload];
+
+    /// The store's name in metrics: `stream` or `sealed_payload`.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Store::Stream => "stream",
+            Store::SealedPayload => "sealed_payload",
+        }
+    }
+
+    /// The refusal code when this store is full.
+    pub const fn refusal_code(self) -> RefusalCode {
+        match self {
+            Store::Stream => RefusalCode::StreamStorageLimit,
+            Store::SealedPayload => RefusalCode::SealedPayloadStorageLimit,
+        }
+    }
+}
+
+/// File and byte caps of one store.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StoreCaps {
+    /// Files across all clients.
+    pub global_files: u64,
+    /// Bytes across all clients.
+    pub global_bytes: u64,
+    /// Files per client.
+    pub client_files: u64,
+    /// Bytes per client.
+    pub client_bytes: u64,
+}
+
+/// The caps of every capped store. The defaults are the contract's; brokers may set others.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StorageCaps {
+    /// The stream store (default 64 files / 1 GiB globally, 16 files / 512 MiB per client).
+    pub stream: StoreCaps,
+    /// The sealed-payload store (default 256 files / 64 MiB globally, 64 files / 16 MiB per client).
+    pub sealed_payload: StoreCaps,
+    /// Pending grants across all clients (default 512).
+    pub grant_global: u64,
+    /// Pending grants per client (default 10); binds before a client's `pending` above it.
+    pub grant_client: u64,
+}
+
+impl Default for StorageCaps {
+    fn default() -> Self {
+        StorageCaps {
+            stream: StoreCaps {
+                global_files: 64,
+                global_bytes: 1024 * MIB,
+                client_files: 16,
+                client_bytes: 512 * MIB,
+            },
+            sealed_payload: StoreCaps {
+                global_files: 256,
+                global_bytes: 64 * MIB,
+                client_files: 64,
+                client_bytes: 16 * MIB,
+            },
+            grant_global: 512,
+            grant_client: u64::from(crate::config::PENDING_GRANT_CLIENT_CAP),
+        }
+    }
+}
+
+impl StorageCaps {
+    /// The caps of `store`.
+    pub fn of(&self, store: Store) -> &StoreCaps {
+        match store {
+            Store::Stream => &self.stream,
+            Store::SealedPayload => &self.sealed_payload,
+        }
+    }
+}
+
+/// Files and bytes held in one store, by one client or by all.
+#[derive(Debug)]
+pub(crate) struct StoreGauges {
+    pub(crate) files: Gauge,
+    pub(crate) bytes: Gauge,
+}
+
+impl StoreGauges {
+    pub(crate) fn new() -> StoreGauges {
+        StoreGauges {
+            files: Gauge::new(),
+            bytes: Gauge::new(),
+        }
+    }
+}
+
+/// Takes `files` and `bytes` in the client's gauges then the global ones, all or nothing.
+fn acquire(client: &ClientState, store: Store, files: u64, bytes: u64, caps: &StoreCaps) -> bool {
+    let mine = &client.storage[store as usize];
+    let all = &client.shared.storage[store as usize];
+    if !mine.files.try_acquire(files, caps.client_files) {
+        return false;
+    }
+    if !mine.bytes.try_acquire(bytes, caps.client_bytes) {
+        mine.files.release(files);
+        return false;
+    }
+    if !all.files.try_acquire(files, caps.global_files) {
+        mine.bytes.release(bytes);
+        mine.files.release(files);
+        return false;
+    }
+    if !all.bytes.try_acquire(bytes, caps.global_bytes) {
+        all.files.release(files);
+        mine.bytes.release(bytes);
+        mine.files.release(files);
+        return false;
+    }
+    true
+}
+
+fn release(client: &ClientState, store: Store, files: u64, bytes: u64) {
+    let mine = &client.storage[store as usize];
+    let all = &client.shared.storage[store as usize];
+    all.bytes.release(bytes);
+    all.files.release(files);
+    mine.bytes.release(bytes);
+    mine.files.release(files);
+}
+
+fn refusal(store: Store, settings: &Settings) -> Refusal {
+    Refusal::after_nanos(
+        store.refusal_code(),
+        duration_nanos(settings.capacity_retry),
+    )
+}
+
+/// Room reserved in a store before a write. Settle it to the real size once written; dropping it
+/// (the write failed) releases everything.
+#[must_use = "a reservation holds room until it is settled or dropped"]
+pub struct StorageReservation {
+    client: Arc<ClientState>,
+    store: Store,
+    bytes: u64,
+    armed: bool,
+}
+
+impl StorageReservation {
+    pub(crate) fn reserve(
+        client: Arc<ClientState>,
+        store: Store,
+        bytes: u64,
+        settings: &Settings,
+    ) -> Result<StorageReservation, Refusal> {
+        if acquire(&client, store, 1, bytes, settings.caps.of(store)) {
+            Ok(StorageReservation {
+                client,
+                store,
+                bytes,
+                armed: true,
+            })
+        } else {
+            Err(refusal(store, settings))
+        }
+    }
+
+    /// The bytes reserved.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// The write is done and took `real_bytes`: keep exactly that. Shrinking always succeeds;
+    /// growing past the reservation must fit under the caps, else everything is released and the
+    /// store's refusal returned.
+    pub fn settle(mut self, real_bytes: u64) -> Result<StoredObject, Refusal> {
+        let client = Arc::clone(&self.client);
+        let store = self.store;
+        if real_bytes <= self.bytes {
+            release(&client, store, 0, self.bytes - real_bytes);
+        } else {
+            let settings = client.shared.settings.load();
+            if !acquire(
+                &client,
+                store,
+                0,
+                real_bytes - self.bytes,
+                settings.caps.of(store),
+            ) {
+                return Err(refusal(store, &settings)); // Drop releases the reservation.
+            }
+        }
+        self.armed = false;
+        Ok(StoredObject {
+            client,
+            store,
+            bytes: real_bytes,
+            released: AtomicBool::new(false),
+        })
+    }
+}
+
+impl Drop for StorageReservation {
+    fn drop(&mut self) {
+        if self.armed {
+            release(&self.client, self.store, 1, self.bytes);
+        }
+    }
+}
+
+impl std::fmt::Debug for StorageReservation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StorageReservation")
+            .field("identity", &self.client.identity)
+            .field("store", &self.store)
+            .field("bytes", &self.bytes)
+            .finish()
+    }
+}
+
+/// An object held in a store. [`StoredObject::release`] (on delete or expiry) or dropping it
+/// gives its file and bytes back, exactly once.
+pub struct StoredObject {
+    client: Arc<ClientState>,
+    store: Store,
+    bytes: u64,
+    released: AtomicBool,
+}
+
+impl StoredObject {
+    pub(crate) fn restore(client: Arc<ClientState>, store: Store, bytes: u64) -> StoredObject {
+        client.storage[store as usize].files.force_acquire(1);
+        client.storage[store as usize].bytes.force_acquire(bytes);
+        client.shared.storage[store as usize].files.force_acquire(1);
+        client.shared.storage[store as usize]
+            .bytes
+            .force_acquire(bytes);
+        StoredObject {
+            client,
+            store,
+            bytes,
+            released: AtomicBool::new(false),
+        }
+    }
+
+    /// The object's size.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// The owning client.
+    pub fn identity(&self) -> &Identity {
+        &self.client.identity
+    }
+
+    /// The object was deleted or expired. Returns whether this call released it.
+    pub fn release(&self) -> bool {
+        // Relaxed: the swap alone decides the one releaser; the counts carry no other data.
+        let first = !self.released.swap(true, Ordering::Relaxed);
+        if first {
+            release(&self.client, self.store, 1, self.bytes);
+        }
+        first
+    }
+}
+
+impl Drop for StoredObject {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+impl std::fmt::Debug for StoredObject {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StoredObject")
+            .field("identity", &self.client.identity)
+            .field("store", &self.store)
+            .field("bytes", &self.bytes)
+            .finish()
+    }
+}

@@ -1,0 +1,273 @@
+//! What the controller exposes to dashboards: a plain [`Snapshot`] read without locks, and its
+//! Prometheus text exposition through `prometheus-client`.
+//!
+//! The counts are the engine's own atomics, read at scrape time, so exposing them costs the hot
+//! path nothing. Clients are a configured, bounded set, so labelling by client is safe.
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::registry::Registry;
+
+use crate::config::Identity;
+use crate::engine::{Controller, RefusalCode, Store};
+
+/// Every count the controller keeps, read at one moment (each count exactly, the set not as one
+/// atomic picture).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Snapshot {
+    /// Submissions admitted.
+    pub admitted: u64,
+    /// Submissions refused, indexed like [`RefusalCode::ALL`].
+    pub rejected: [u64; RefusalCode::ALL.len()],
+    /// Operations pending, approved or executing, across all clients.
+    pub active: u64,
+    /// Operations awaiting an operator decision (the pending-grant store's count).
+    pub pending: u64,
+    /// Approved operations waiting for an execution slot.
+    pub queued: u64,
+    /// Operations executing.
+    pub executing: u64,
+    /// Files and bytes in each capped store, indexed like [`Store::ALL`].
+    pub storage: [StoreSnapshot; 2],
+    /// Reloads applied.
+    pub reloads_ok: u64,
+    /// Reloads rejected (invalid configuration; the old one stayed).
+    pub reloads_failed: u64,
+    /// Clock readings clamped because the time source went backwards.
+    pub clock_regressions: u64,
+    /// Each tracked client, by identity.
+    pub clients: Vec<ClientSnapshot>,
+}
+
+impl Snapshot {
+    /// Refusals with `code`.
+    pub fn rejected(&self, code: RefusalCode) -> u64 {
+        self.rejected[code as usize]
+    }
+
+    /// The client `identity`, if tracked.
+    pub fn client(&self, identity: &str) -> Option<&ClientSnapshot> {
+        self.clients
+            .iter()
+            .find(|c| c.identity.as_str() == identity)
+    }
+
+    /// Whether every operation count and storage count is zero.
+    pub fn is_idle(&self) -> bool {
+        self.active == 0
+            && self.pending == 0
+            && self.queued == 0
+            && self.executing == 0
+            && self.storage.iter().all(|s| s.files == 0 && s.bytes == 0)
+            && self.clients.iter().all(ClientSnapshot::is_idle)
+    }
+}
+
+/// One client's counts.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClientSnapshot {
+    /// The client.
+    pub identity: Identity,
+    /// Whether it is in the configuration in force (a removed client is tracked until it drains).
+    pub configured: bool,
+    /// Operations pending, approved or executing.
+    pub active: u64,
+    /// Operations awaiting approval.
+    pub pending: u64,
+    /// Approved operations waiting for an execution slot.
+    pub queued: u64,
+    /// Operations executing.
+    pub executing: u64,
+    /// Rate tokens available now.
+    pub tokens: u64,
+    /// Submissions admitted.
+    pub admitted: u64,
+    /// Submissions refused, indexed like [`RefusalCode::ALL`].
+    pub rejected: [u64; RefusalCode::ALL.len()],
+    /// Files and bytes in each capped store.
+    pub storage: [StoreSnapshot; 2],
+}
+
+impl ClientSnapshot {
+    /// Whether the client holds nothing.
+    pub fn is_idle(&self) -> bool {
+        self.active == 0
+            && self.pending == 0
+            && self.queued == 0
+            && self.executing == 0
+            && self.storage.iter().all(|s| s.files == 0 && s.bytes == 0)
+    }
+}
+
+/// Files and bytes in one store.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StoreSnapshot {
+    /// The store.
+    pub store: Store,
+    /// Files held.
+    pub files: u64,
+    /// Bytes held.
+    pub bytes: u64,
+}
+
+/// Registers the controller's metrics in `registry`; they are read from the controller at each
+/// scrape.
+pub fn register(registry: &mut Registry, controller: &Controller) {
+    registry.register_collector(Box::new(ControllerCollector {
+        controller: controller.clone(),
+    }));
+}
+
+/// Renders the controller's metrics alone as Prometheus (OpenMetrics) text.
+pub fn render(controller: &Controller) -> String {
+    let mut registry = Registry::default();
+    register(&mut registry, controller);
+    let mut out = String::new();
+    prometheus_client::encoding::text::encode(&mut out, &registry)
+        .expect("writing to a String cannot fail");
+    out
+}
+
+struct ControllerCollector {
+    controller: Controller,
+}
+
+impl std::fmt::Debug for ControllerCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ControllerCollector")
+    }
+}
+
+fn family<L: prometheus_client::encoding::EncodeLabelSet>(
+    encoder: &mut DescriptorEncoder<'_>,
+    name: &str,
+    help: &str,
+    metric_type: MetricType,
+    samples: impl IntoIterator<Item = (L, u64)>,
+) -> Result<(), std::fmt::Error> {
+    let mut metric = encoder.encode_descriptor(name, help, None, metric_type)?;
+    for (labels, value) in samples {
+        let sample = metric.encode_family(&labels)?;
+        match metric_type {
+            MetricType::Counter => ConstCounter::new(value).encode(sample)?,
+            _ => ConstGauge::new(i64::try_from(value).unwrap_or(i64::MAX)).encode(sample)?,
+        }
+    }
+    Ok(())
+}
+
+impl Collector for ControllerCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let s = self.controller.snapshot();
+        let requests = std::iter::once(([("result", "accepted"), ("code", "none")], s.admitted))
+            .chain(RefusalCode::ALL.iter().map(|&code| {
+                (
+                    [("result", "rejected"), ("code", code.as_str())],
+                    s.rejected(code),
+                )
+            }));
+        family(
+            &mut encoder,
+            "admission_requests",
+            "Admission decisions by result and stable refusal code.",
+            MetricType::Counter,
+            requests,
+        )?;
+        let depths = [
+            ("pending", s.pending),
+            ("queued", s.queued),
+            ("executing", s.executing),
+            ("active", s.active),
+        ];
+        family(
+            &mut encoder,
+            "admission_operations",
+            "Operations by state across all clients: pending approval, queued for execution, executing, and all active.",
+            MetricType::Gauge,
+            depths.map(|(state, n)| ([("state", state)], n)),
+        )?;
+        let per_client = s.clients.iter().flat_map(|c| {
+            [
+                ("pending", c.pending),
+                ("queued", c.queued),
+                ("executing", c.executing),
+                ("active", c.active),
+            ]
+            .map(|(state, n)| ([("client", c.identity.as_str()), ("state", state)], n))
+        });
+        family(
+            &mut encoder,
+            "admission_client_operations",
+            "Operations by client and state.",
+            MetricType::Gauge,
+            per_client,
+        )?;
+        let client_requests = s.clients.iter().flat_map(|c| {
+            std::iter::once((
+                [
+                    ("client", c.identity.as_str()),
+                    ("result", "accepted"),
+                    ("code", "none"),
+                ],
+                c.admitted,
+            ))
+            .chain(RefusalCode::ALL[1..].iter().map(|&code| {
+                (
+                    [
+                        ("client", c.identity.as_str()),
+                        ("result", "rejected"),
+                        ("code", code.as_str()),
+                    ],
+                    c.rejected[code as usize],
+                )
+            }))
+        });
+        family(
+            &mut encoder,
+            "admission_client_requests",
+            "Admission decisions by client, result and code.",
+            MetricType::Counter,
+            client_requests,
+        )?;
+        family(
+            &mut encoder,
+            "admission_storage_bytes",
+            "Bytes held in each capped store.",
+            MetricType::Gauge,
+            s.storage
+                .iter()
+                .map(|st| ([("store", st.store.as_str())], st.bytes)),
+        )?;
+        family(
+            &mut encoder,
+            "admission_storage_files",
+            "Files held in each capped store (pending_grant: pending approvals).",
+            MetricType::Gauge,
+            s.storage
+                .iter()
+                .map(|st| ([("store", st.store.as_str())], st.files))
+                .chain(std::iter::once(([("store", "pending_grant")], s.pending))),
+        )?;
+        family(
+            &mut encoder,
+            "admission_config_reloads",
+            "Configuration reloads by result.",
+            MetricType::Counter,
+            [
+                ([("result", "applied")], s.reloads_ok),
+                ([("result", "rejected")], s.reloads_failed),
+            ],
+        )?;
+        family(
+            &mut encoder,
+            "admission_clock_regressions",
+            "Clock readings clamped because the time source went backwards.",
+            MetricType::Counter,
+            [([] as [(&str, &str); 0], s.clock_regressions)],
+        )?;
+        Ok(())
+    }
+}
