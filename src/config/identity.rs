@@ -31,7 +31,9 @@ impl Identity {
         if is_identity(name) {
             Ok(Identity(name.into()))
         } else {
-            Err(IdentityError { name: name.to_owned() })
+            Err(IdentityError {
+                name: name.to_owned(),
+            })
         }
     }
 

@@ -5,11 +5,21 @@
 //! every rule of the contract is checked here, before a controller ever sees the values, and every
 //! error names the JSON path and the rule it broke.
 
+mod error;
 mod identity;
+mod load;
+pub mod secrets;
+mod validate;
+mod wire;
 
+pub use error::{ConfigError, Rule};
 pub use identity::{Identity, IdentityError};
+pub use load::check_path;
+pub use secrets::{Secrets, SecretsError};
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::path::Path;
 
 /// Largest value any count limit may take.
 pub const MAX_LIMIT: u32 = 1_000_000;
@@ -17,6 +27,10 @@ pub const MAX_LIMIT: u32 = 1_000_000;
 pub const MAX_WINDOW_SECONDS: u32 = 86_400;
 /// Largest quota file accepted, in bytes (exactly this many is allowed).
 pub const MAX_FILE_BYTES: usize = 65_536;
+/// The pending-grant store's default per-client cap: at most this many grants may await an
+/// operator decision per client, whatever the client's `pending` limit says. A `pending` limit
+/// above it never binds, which `admission check` warns about.
+pub const PENDING_GRANT_CLIENT_CAP: u32 = 10;
 
 /// The limits that apply to one client: its rate and its share of the broker.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -89,6 +103,119 @@ pub struct Config {
 }
 
 impl Config {
+    /// Builds a configuration from values in code, checking every rule a quota file must satisfy;
+    /// an error names the JSON path a file with these values would have.
+    pub fn new<I: IntoIterator<Item = Identity>>(
+        limits: Limits,
+        overrides: BTreeMap<Identity, ClientLimits>,
+        identities: I,
+    ) -> Result<Config, ConfigError> {
+        let identities: BTreeSet<Identity> = identities.into_iter().collect();
+        validate::validate(&limits, &overrides, &identities)?;
+        Ok(Config {
+            limits,
+            overrides,
+            identities,
+        })
+    }
+
+    /// Parses and validates the bytes of a quota file for the given client identities.
+    ///
+    /// This is the single entry point for untrusted bytes: it never panics, and it refuses
+    /// anything the contract does not allow (see the crate's README and [`Rule`]). With no
+    /// identities, every override key is unknown.
+    ///
+    /// ```
+    /// use unyolo_admission::config::{Config, Identity};
+    ///
+    /// let bot = Identity::new("bot-7").unwrap();
+    /// let file = br#"{"requests_per_window": 60, "window_seconds": 60, "client_active": 25,
+    ///   "client_pending": 10, "global_active": 512, "global_executing": 64,
+    ///   "clients": {"bot-7": {"requests_per_window": 5, "window_seconds": 60,
+    ///                          "active": 8, "pending": 12}}}"#;
+    /// let err = Config::from_bytes(file, [bot]).unwrap_err();
+    /// assert_eq!(err.to_string(), "clients.bot-7.pending: 12 is above active 8");
+    /// ```
+    pub fn from_bytes<I: IntoIterator<Item = Identity>>(
+        bytes: &[u8],
+        identities: I,
+    ) -> Result<Config, ConfigError> {
+        wire::parse(bytes, identities.into_iter().collect())
+    }
+
+    /// Reads and validates the quota file at `path`, which must be absolute and normalized (see
+    /// [`check_path`]), an existing file, and at most [`MAX_FILE_BYTES`] long.
+    pub fn from_path<I: IntoIterator<Item = Identity>>(
+        path: &Path,
+        identities: I,
+    ) -> Result<Config, ConfigError> {
+        let bytes = load::read_quota_file(path)?;
+        Config::from_bytes(&bytes, identities).map_err(|e| e.in_file(path))
+    }
+
+    /// Loads the quota file whose path is the value of the environment variable `var` (brokers use
+    /// `HF_BROKER_ADMISSION_CONFIG`, `GH_BROKER_ADMISSION_CONFIG`); unset or empty means
+    /// [`Config::defaults`].
+    pub fn from_env<I: IntoIterator<Item = Identity>>(
+        var: &str,
+        identities: I,
+    ) -> Result<Config, ConfigError> {
+        let value = std::env::var_os(var);
+        match load::path_from_env(value.as_deref()) {
+            Some(path) => Config::from_path(&path, identities),
+            None => Ok(Config::defaults(identities)),
+        }
+    }
+
+    /// The configuration as a complete quota file, pretty-printed and ending in a newline;
+    /// [`Config::from_bytes`] with the same identities gives back an equal `Config`.
+    pub fn to_json(&self) -> String {
+        wire::write(self)
+    }
+
+    /// Where a store cap binds before a configured limit, so the limit can never be reached: the
+    /// pending limit of the defaults or of an override above [`PENDING_GRANT_CLIENT_CAP`].
+    pub fn warnings(&self) -> Vec<ConfigWarning> {
+        let cap_note = |path: String, pending: u32| ConfigWarning {
+            detail: format!(
+                "{pending} is above the pending-grant store's per-client cap {PENDING_GRANT_CLIENT_CAP}, so at most {PENDING_GRANT_CLIENT_CAP} operations can await approval"
+            ),
+            path,
+        };
+        let mut warnings = Vec::new();
+        if self.limits.client_pending > PENDING_GRANT_CLIENT_CAP {
+            warnings.push(cap_note(
+                "client_pending".to_owned(),
+                self.limits.client_pending,
+            ));
+        }
+        for (identity, o) in &self.overrides {
+            if o.pending > PENDING_GRANT_CLIENT_CAP {
+                warnings.push(cap_note(
+                    error::join_path(&error::join_path("clients", identity.as_str()), "pending"),
+                    o.pending,
+                ));
+            }
+        }
+        warnings
+    }
+
+    /// Every configured identity with the limits that apply to it and where they come from.
+    pub fn effective_all(
+        &self,
+    ) -> impl ExactSizeIterator<Item = (&Identity, ClientLimits, LimitSource)> + '_ {
+        self.identities
+            .iter()
+            .map(|identity| match self.overrides.get(identity) {
+                Some(o) => (identity, *o, LimitSource::Override),
+                None => (
+                    identity,
+                    self.limits.client_defaults(),
+                    LimitSource::Default,
+                ),
+            })
+    }
+
     /// The default limits for the given identities, with no overrides.
     pub fn defaults<I: IntoIterator<Item = Identity>>(identities: I) -> Config {
         Config {
@@ -125,5 +252,50 @@ impl Config {
                 .copied()
                 .unwrap_or_else(|| self.limits.client_defaults()),
         )
+    }
+}
+
+/// Where a client's effective limits come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum LimitSource {
+    /// The client's entry under `clients`.
+    Override,
+    /// The top-level defaults.
+    Default,
+}
+
+impl LimitSource {
+    /// `override` or `default`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LimitSource::Override => "override",
+            LimitSource::Default => "default",
+        }
+    }
+}
+
+impl fmt::Display for LimitSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A valid configuration that will not behave as written: a store cap binds first.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConfigWarning {
+    path: String,
+    detail: String,
+}
+
+impl ConfigWarning {
+    /// The JSON path of the limit that cannot be reached, e.g. `clients.bot-7.pending`.
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+}
+
+impl fmt::Display for ConfigWarning {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.path, self.detail)
     }
 }

@@ -1,0 +1,120 @@
+//! Where a quota file comes from: a path, or a path named by an environment variable.
+//!
+//! A broker resolves its quota file once at start and again on every reload, possibly from a
+//! different working directory, so the path must mean one file without interpretation: absolute
+//! and already normalized. The file is read with a hard bound, never trusting the size the file
+//! system reports (a file can grow between `stat` and `read`, and `/dev/zero` reports zero).
+
+use std::ffi::OsStr;
+use std::fs::File;
+use std::io::{self, Read};
+use std::path::{Path, PathBuf};
+
+use super::MAX_FILE_BYTES;
+use super::error::{ConfigError, Rule, one_line_path};
+
+/// Checks that `path` is absolute and normalized: it starts at the root, and has no `.` or `..`
+/// component, no repeated separator and no trailing separator.
+///
+/// `/etc/admission/quota.json` passes; `quota.json`, `/etc/./quota.json`, `/etc/../quota.json`,
+/// `//etc/quota.json` and `/etc/quota.json/` do not.
+pub fn check_path(path: &Path) -> Result<(), ConfigError> {
+    let bytes = path.as_os_str().as_encoded_bytes();
+    if !path.is_absolute() || !bytes.first().is_some_and(|b| is_separator(*b)) {
+        let hint = std::path::absolute(path)
+            .ok()
+            .filter(|p| p.is_absolute())
+            .map(|p| format!(" (did you mean {}?)", one_line_path(&p)))
+            .unwrap_or_default();
+        return Err(ConfigError::Path {
+            file: path.to_path_buf(),
+            rule: Rule::PathNotAbsolute,
+            detail: format!("the quota file path must be absolute{hint}"),
+        });
+    }
+    if bytes.len() == 1 {
+        // The root itself: normalized, and a directory, which opening reports.
+        return Ok(());
+    }
+    let segments = bytes[1..].split(|b| is_separator(*b));
+    for segment in segments {
+        let problem = match segment {
+            b"" => Some("a repeated or trailing separator"),
+            b"." => Some("a '.' component"),
+            b".." => Some("a '..' component"),
+            _ => None,
+        };
+        if let Some(problem) = problem {
+            return Err(ConfigError::Path {
+                file: path.to_path_buf(),
+                rule: Rule::PathNotNormalized,
+                detail: format!("the quota file path must be normalized, and it has {problem}"),
+            });
+        }
+    }
+    Ok(())
+}
+
+fn is_separator(b: u8) -> bool {
+    b == b'/' || (cfg!(windows) && b == b'\\')
+}
+
+/// Reads at most `limit + 1` bytes of the file at `path`, so a caller can tell "exactly `limit`"
+/// from "more". Refuses directories and reports a missing file as such.
+pub(crate) fn read_bounded(path: &Path, limit: usize) -> Result<Vec<u8>, ConfigError> {
+    let io_error = |source: io::Error| ConfigError::Io {
+        file: path.to_path_buf(),
+        source,
+    };
+    let file = File::open(path).map_err(|source| match source.kind() {
+        io::ErrorKind::NotFound => ConfigError::Path {
+            file: path.to_path_buf(),
+            rule: Rule::FileNotFound,
+            detail: "no such file".to_owned(),
+        },
+        io::ErrorKind::IsADirectory => is_directory(path),
+        _ => io_error(source),
+    })?;
+    // Asked of the open file, so it describes the very thing about to be read.
+    if file.metadata().map_err(io_error)?.is_dir() {
+        return Err(is_directory(path));
+    }
+    let bound = u64::try_from(limit).unwrap_or(u64::MAX).saturating_add(1);
+    let mut bytes = Vec::new();
+    file.take(bound)
+        .read_to_end(&mut bytes)
+        .map_err(|source| match source.kind() {
+            io::ErrorKind::IsADirectory => is_directory(path),
+            _ => io_error(source),
+        })?;
+    Ok(bytes)
+}
+
+fn is_directory(path: &Path) -> ConfigError {
+    ConfigError::Path {
+        file: path.to_path_buf(),
+        rule: Rule::IsDirectory,
+        detail: "is a directory, not a file".to_owned(),
+    }
+}
+
+/// Reads a quota file from `path` after checking the path; contents errors name the file.
+pub(crate) fn read_quota_file(path: &Path) -> Result<Vec<u8>, ConfigError> {
+    check_path(path)?;
+    let bytes = read_bounded(path, MAX_FILE_BYTES)?;
+    if bytes.len() > MAX_FILE_BYTES {
+        return Err(ConfigError::invalid(
+            "",
+            Rule::FileTooLarge,
+            format!("the file is larger than {MAX_FILE_BYTES} bytes, the most a quota file may be"),
+        )
+        .in_file(path));
+    }
+    Ok(bytes)
+}
+
+/// The quota file path named by an environment variable's value: `None` when the variable is unset
+/// or empty, which means "use the defaults".
+pub(crate) fn path_from_env(value: Option<&OsStr>) -> Option<PathBuf> {
+    value.filter(|v| !v.is_empty()).map(PathBuf::from)
+}

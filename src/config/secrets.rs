@@ -1,0 +1,292 @@
+//! Client and operator secret files.
+//!
+//! The broker authenticates each client by a bearer secret and learns the set of client identities
+//! from the same file, so `admission check --secrets FILE` can judge a quota file against exactly
+//! the identities a broker would configure. Secrets never appear in an error message or in `Debug`
+//! output: errors name the line, not its contents.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use super::ConfigError;
+use super::error::one_line_path;
+use super::identity::Identity;
+use super::load::read_bounded;
+
+/// Largest secrets file (or operator secret file) read, in bytes.
+pub const MAX_SECRETS_FILE_BYTES: usize = 1 << 20;
+
+/// The client secrets of a broker: each configured identity and its bearer secret.
+///
+/// Read from a file with one `name = secret` per line; blank lines and lines starting with `#` are
+/// ignored; whitespace around the name and the secret is trimmed; the secret is everything after
+/// the first `=`.
+#[derive(Clone, PartialEq, Eq, Default)]
+pub struct Secrets {
+    by_identity: BTreeMap<Identity, String>,
+}
+
+/// Why a secrets file was refused. Never contains a secret.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum SecretsError {
+    /// A line breaks the format; `line` is 1-based.
+    Line {
+        /// The 1-based line number.
+        line: usize,
+        /// What is wrong with it.
+        problem: LineProblem,
+    },
+    /// The file could not be read, is missing, is a directory, or is too large.
+    File {
+        /// The path as given.
+        file: PathBuf,
+        /// One line: why.
+        detail: String,
+    },
+    /// A problem inside a named file.
+    InFile {
+        /// The path as given.
+        file: PathBuf,
+        /// The problem.
+        error: Box<SecretsError>,
+    },
+}
+
+/// What is wrong with one line of a secrets file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LineProblem {
+    /// The line has no `=`.
+    MissingEquals,
+    /// The name is not a valid identity (the name is safe to show).
+    BadName(String),
+    /// Nothing after the `=`.
+    EmptySecret,
+    /// The name was already given on an earlier line.
+    DuplicateName {
+        /// The name.
+        name: String,
+        /// The earlier line.
+        first_line: usize,
+    },
+    /// The secret is the same as an earlier line's, which would make a bearer token ambiguous.
+    DuplicateSecret {
+        /// The earlier line.
+        first_line: usize,
+    },
+    /// The line is not UTF-8 text.
+    NotUtf8,
+    /// An operator secret file holds more than one line.
+    MoreThanOneLine,
+}
+
+impl fmt::Display for LineProblem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            LineProblem::MissingEquals => f.write_str("expected `name = secret`, found no '='"),
+            LineProblem::BadName(name) => write!(
+                f,
+                "{name:?} is not a valid identity (1 to 64 characters from A-Z a-z 0-9 . _ @ -, starting with a letter or digit)"
+            ),
+            LineProblem::EmptySecret => f.write_str("the secret is empty"),
+            LineProblem::DuplicateName { name, first_line } => {
+                write!(f, "{name} is already defined on line {first_line}")
+            }
+            LineProblem::DuplicateSecret { first_line } => {
+                write!(
+                    f,
+                    "the secret is the same as on line {first_line}; each client needs its own"
+                )
+            }
+            LineProblem::NotUtf8 => f.write_str("not UTF-8 text"),
+            LineProblem::MoreThanOneLine => {
+                f.write_str("an operator secret file holds exactly one line")
+            }
+        }
+    }
+}
+
+impl SecretsError {
+    /// The 1-based line the error is about, if any.
+    pub fn line(&self) -> Option<usize> {
+        match self {
+            SecretsError::Line { line, .. } => Some(*line),
+            SecretsError::File { .. } => None,
+            SecretsError::InFile { error, .. } => error.line(),
+        }
+    }
+
+    /// What is wrong with the line, if the error is about a line.
+    pub fn problem(&self) -> Option<&LineProblem> {
+        match self {
+            SecretsError::Line { problem, .. } => Some(problem),
+            SecretsError::File { .. } => None,
+            SecretsError::InFile { error, .. } => error.problem(),
+        }
+    }
+
+    fn in_file(self, file: &Path) -> SecretsError {
+        SecretsError::InFile {
+            file: file.to_path_buf(),
+            error: Box::new(self),
+        }
+    }
+}
+
+impl fmt::Display for SecretsError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SecretsError::Line { line, problem } => write!(f, "line {line}: {problem}"),
+            SecretsError::File { file, detail } => write!(f, "{}: {detail}", one_line_path(file)),
+            SecretsError::InFile { file, error } => write!(f, "{}: {error}", one_line_path(file)),
+        }
+    }
+}
+
+impl std::error::Error for SecretsError {}
+
+impl Secrets {
+    /// Parses the text of a secrets file.
+    pub fn parse(text: &str) -> Result<Secrets, SecretsError> {
+        let mut by_identity = BTreeMap::new();
+        let mut lines_of_names: BTreeMap<Identity, usize> = BTreeMap::new();
+        let mut lines_of_secrets: BTreeMap<&str, usize> = BTreeMap::new();
+        for (index, raw) in text.lines().enumerate() {
+            let line = index + 1;
+            let fail = |problem| SecretsError::Line { line, problem };
+            let trimmed = raw.trim();
+            if trimmed.is_empty() || trimmed.starts_with('#') {
+                continue;
+            }
+            let (name, secret) = trimmed
+                .split_once('=')
+                .ok_or_else(|| fail(LineProblem::MissingEquals))?;
+            let (name, secret) = (name.trim(), secret.trim());
+            let identity =
+                Identity::new(name).map_err(|_| fail(LineProblem::BadName(name.to_owned())))?;
+            if secret.is_empty() {
+                return Err(fail(LineProblem::EmptySecret));
+            }
+            if let Some(&first_line) = lines_of_names.get(&identity) {
+                return Err(fail(LineProblem::DuplicateName {
+                    name: name.to_owned(),
+                    first_line,
+                }));
+            }
+            if let Some(&first_line) = lines_of_secrets.get(secret) {
+                return Err(fail(LineProblem::DuplicateSecret { first_line }));
+            }
+            lines_of_names.insert(identity.clone(), line);
+            lines_of_secrets.insert(secret, line);
+            by_identity.insert(identity, secret.to_owned());
+        }
+        Ok(Secrets { by_identity })
+    }
+
+    /// Parses the bytes of a secrets file; non-UTF-8 content is an error naming its line.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Secrets, SecretsError> {
+        Secrets::parse(utf8(bytes)?)
+    }
+
+    /// Reads and parses a secrets file (at most [`MAX_SECRETS_FILE_BYTES`]).
+    pub fn from_path(path: &Path) -> Result<Secrets, SecretsError> {
+        let bytes = read_secret_file(path)?;
+        Secrets::from_bytes(&bytes).map_err(|e| e.in_file(path))
+    }
+
+    /// The configured identities, in order.
+    pub fn identities(&self) -> impl ExactSizeIterator<Item = &Identity> + '_ {
+        self.by_identity.keys()
+    }
+
+    /// The secret of `identity`, if it is configured.
+    pub fn secret(&self, identity: &str) -> Option<&str> {
+        self.by_identity.get(identity).map(String::as_str)
+    }
+
+    /// Every identity with its secret, in identity order.
+    pub fn iter(&self) -> impl ExactSizeIterator<Item = (&Identity, &str)> + '_ {
+        self.by_identity.iter().map(|(i, s)| (i, s.as_str()))
+    }
+
+    /// How many identities are configured.
+    pub fn len(&self) -> usize {
+        self.by_identity.len()
+    }
+
+    /// Whether no identity is configured.
+    pub fn is_empty(&self) -> bool {
+        self.by_identity.is_empty()
+    }
+}
+
+impl fmt::Debug for Secrets {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_map()
+            .entries(self.by_identity.keys().map(|i| (i, "<redacted>")))
+            .finish()
+    }
+}
+
+/// Parses the text of an operator secret file: one line, optionally ending in a newline; surrounding
+/// whitespace is trimmed; empty is an error.
+pub fn parse_operator_secret(text: &str) -> Result<String, SecretsError> {
+    let secret = text.trim();
+    if secret.is_empty() {
+        return Err(SecretsError::Line {
+            line: 1,
+            problem: LineProblem::EmptySecret,
+        });
+    }
+    if secret.contains(['\n', '\r']) {
+        return Err(SecretsError::Line {
+            line: 2,
+            problem: LineProblem::MoreThanOneLine,
+        });
+    }
+    Ok(secret.to_owned())
+}
+
+/// Reads an operator secret file (see [`parse_operator_secret`]).
+pub fn read_operator_secret(path: &Path) -> Result<String, SecretsError> {
+    let bytes = read_secret_file(path)?;
+    utf8(&bytes)
+        .and_then(parse_operator_secret)
+        .map_err(|e| e.in_file(path))
+}
+
+fn read_secret_file(path: &Path) -> Result<Vec<u8>, SecretsError> {
+    let bytes = read_bounded(path, MAX_SECRETS_FILE_BYTES).map_err(|e| file_error(path, &e))?;
+    if bytes.len() > MAX_SECRETS_FILE_BYTES {
+        return Err(SecretsError::File {
+            file: path.to_path_buf(),
+            detail: format!("larger than {MAX_SECRETS_FILE_BYTES} bytes"),
+        });
+    }
+    Ok(bytes)
+}
+
+/// Restates a file error from the shared bounded reader without the quota file's wording.
+fn file_error(path: &Path, error: &ConfigError) -> SecretsError {
+    let detail = match error {
+        ConfigError::Io { source, .. } => format!("cannot read: {source}"),
+        ConfigError::Path { detail, .. } => detail.clone(),
+        other => other.to_string(),
+    };
+    SecretsError::File {
+        file: path.to_path_buf(),
+        detail,
+    }
+}
+
+fn utf8(bytes: &[u8]) -> Result<&str, SecretsError> {
+    std::str::from_utf8(bytes).map_err(|e| SecretsError::Line {
+        line: 1 + bytes[..e.valid_up_to()]
+            .iter()
+            .filter(|b| **b == b'\n')
+            .count(),
+        problem: LineProblem::NotUtf8,
+    })
+}
