@@ -1,1 +1,126 @@
-fn main() {}
+//! The `admission` command: flags in, library calls out.
+//!
+//! Exit codes: 0 success; 1 an invalid or unreadable file (the quota file or a secrets file);
+//! 2 a usage error (unknown flag, missing argument, a malformed name in `--identities`).
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+use unyolo_admission::config::{Config, Identity, Secrets};
+
+/// Admission control for agent brokers: check quota files and print the defaults.
+#[derive(Parser)]
+#[command(name = "admission", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Validate a quota file against the client identities and print every client's effective
+    /// limits (exit 0), or the first problem found (exit 1).
+    Check(CheckArgs),
+    /// Print the default configuration as a complete, valid quota file.
+    Defaults,
+}
+
+#[derive(Args)]
+struct CheckArgs {
+    /// Client identities, comma-separated; repeatable.
+    #[arg(long, value_name = "NAME,NAME,...", value_delimiter = ',')]
+    identities: Vec<Identity>,
+    /// A secrets file (`name = secret` per line) whose names are added to the identities.
+    #[arg(long, value_name = "FILE")]
+    secrets: Option<PathBuf>,
+    /// The quota file: an absolute, normalized path, as a broker would be given.
+    #[arg(value_name = "PATH")]
+    path: PathBuf,
+}
+
+fn main() -> ExitCode {
+    match Cli::parse().command {
+        Command::Check(args) => check(args),
+        Command::Defaults => {
+            print!("{}", Config::defaults([]).to_json());
+            ExitCode::SUCCESS
+        }
+    }
+}
+
+fn check(args: CheckArgs) -> ExitCode {
+    let mut identities: BTreeSet<Identity> = args.identities.into_iter().collect();
+    if let Some(file) = &args.secrets {
+        match Secrets::from_path(file) {
+            Ok(secrets) => identities.extend(secrets.identities().cloned()),
+            Err(err) => {
+                eprintln!("error: secrets file {err}");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    let config = match Config::from_path(&args.path, identities) {
+        Ok(config) => config,
+        Err(err) => {
+            eprintln!("error: {err}");
+            return ExitCode::FAILURE;
+        }
+    };
+    for warning in config.warnings() {
+        eprintln!("warning: {warning}");
+    }
+    print!("{}", limits_table(&config));
+    ExitCode::SUCCESS
+}
+
+/// Every identity's effective limits, then the globals, as aligned columns.
+fn limits_table(config: &Config) -> String {
+    let header = [
+        "identity",
+        "requests_per_window",
+        "window_seconds",
+        "active",
+        "pending",
+        "source",
+    ];
+    let mut rows: Vec<[String; 6]> = vec![header.map(str::to_owned)];
+    for (identity, limits, source) in config.effective_all() {
+        rows.push([
+            identity.to_string(),
+            limits.requests_per_window.to_string(),
+            limits.window_seconds.to_string(),
+            limits.active.to_string(),
+            limits.pending.to_string(),
+            source.to_string(),
+        ]);
+    }
+    let mut widths = [0; 6];
+    for row in &rows {
+        for (width, cell) in widths.iter_mut().zip(row) {
+            *width = (*width).max(cell.len());
+        }
+    }
+    let mut out = String::new();
+    for row in &rows {
+        let cells: Vec<String> = row
+            .iter()
+            .zip(widths)
+            .map(|(cell, width)| format!("{cell:<width$}"))
+            .collect();
+        out.push_str(cells.join("  ").trim_end());
+        out.push('\n');
+    }
+    if rows.len() == 1 {
+        out.push_str(
+            "(no identities given: every client would be refused as client_unconfigured)\n",
+        );
+    }
+    let limits = config.limits();
+    out.push_str(&format!(
+        "\nglobal_active     {}\nglobal_executing  {}\n",
+        limits.global_active, limits.global_executing
+    ));
+    out
+}
