@@ -1,0 +1,127 @@
+//! Loading a quota file from a path: the path must be absolute and normalized, name an existing
+//! regular file, and the file is read with a bound.
+
+use std::path::{Path, PathBuf};
+
+use unyolo_admission::config::{Config, Identity, MAX_FILE_BYTES, Rule, check_path};
+
+const VALID: &str = r#"{"requests_per_window": 60, "window_seconds": 60, "client_active": 25,
+  "client_pending": 10, "global_active": 512, "global_executing": 64}"#;
+
+fn rule_of(path: &str) -> Option<Rule> {
+    check_path(Path::new(path)).err().map(|e| e.rule())
+}
+
+#[test]
+fn a_plain_absolute_path_is_accepted() {
+    assert_eq!(rule_of("/etc/admission/quota.json"), None);
+    assert_eq!(rule_of("/a/b"), None);
+    assert_eq!(rule_of("/a/.hidden/b..c"), None);
+}
+
+#[test]
+fn a_relative_path_is_refused() {
+    assert_eq!(rule_of("a"), Some(Rule::PathNotAbsolute));
+    assert_eq!(rule_of("relative.json"), Some(Rule::PathNotAbsolute));
+    assert_eq!(rule_of("./a"), Some(Rule::PathNotAbsolute));
+    assert_eq!(rule_of(""), Some(Rule::PathNotAbsolute));
+}
+
+#[test]
+fn a_dot_component_is_refused() {
+    assert_eq!(rule_of("/a/./b"), Some(Rule::PathNotNormalized));
+    assert_eq!(rule_of("/etc/./x.json"), Some(Rule::PathNotNormalized));
+    assert_eq!(rule_of("/a/b/."), Some(Rule::PathNotNormalized));
+}
+
+#[test]
+fn a_dot_dot_component_is_refused() {
+    assert_eq!(rule_of("/a/../b"), Some(Rule::PathNotNormalized));
+    assert_eq!(rule_of("/etc/../x.json"), Some(Rule::PathNotNormalized));
+}
+
+#[test]
+fn a_repeated_separator_is_refused() {
+    assert_eq!(rule_of("//a"), Some(Rule::PathNotNormalized));
+    assert_eq!(rule_of("//etc/x.json"), Some(Rule::PathNotNormalized));
+    assert_eq!(rule_of("/etc//x.json"), Some(Rule::PathNotNormalized));
+}
+
+#[test]
+fn a_trailing_separator_is_refused() {
+    assert_eq!(rule_of("/a/"), Some(Rule::PathNotNormalized));
+    assert_eq!(rule_of("/etc/x.json/"), Some(Rule::PathNotNormalized));
+}
+
+#[test]
+fn a_relative_path_error_suggests_the_absolute_one() {
+    let err = check_path(Path::new("relative.json")).unwrap_err();
+    let absolute = std::env::current_dir().unwrap().join("relative.json");
+    assert!(
+        err.to_string().contains(&absolute.display().to_string()),
+        "{err}"
+    );
+}
+
+fn write(dir: &Path, name: &str, contents: &[u8]) -> PathBuf {
+    let path = dir.join(name);
+    std::fs::write(&path, contents).unwrap();
+    path
+}
+
+#[test]
+fn a_valid_file_loads() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write(dir.path(), "quota.json", VALID.as_bytes());
+    let config = Config::from_path(&path, [Identity::new("bot-7").unwrap()]).unwrap();
+    assert_eq!(config.limits().global_active, 512);
+}
+
+#[test]
+fn a_missing_file_is_reported_as_missing() {
+    let dir = tempfile::tempdir().unwrap();
+    let err = Config::from_path(&dir.path().join("absent.json"), []).unwrap_err();
+    assert_eq!(err.rule(), Rule::FileNotFound);
+}
+
+#[test]
+fn a_directory_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let err = Config::from_path(dir.path(), []).unwrap_err();
+    assert_eq!(err.rule(), Rule::IsDirectory);
+}
+
+#[test]
+fn a_file_of_exactly_65536_bytes_loads_and_one_more_byte_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let pad = |n: usize| format!("{VALID}{}", " ".repeat(n - VALID.len()));
+    let exact = write(dir.path(), "exact.json", pad(MAX_FILE_BYTES).as_bytes());
+    assert!(Config::from_path(&exact, []).is_ok());
+    let over = write(dir.path(), "over.json", pad(MAX_FILE_BYTES + 1).as_bytes());
+    let err = Config::from_path(&over, []).unwrap_err();
+    assert_eq!(err.rule(), Rule::FileTooLarge);
+}
+
+#[test]
+fn an_endless_file_is_refused_without_reading_it_all() {
+    let err = Config::from_path(Path::new("/dev/zero"), []).unwrap_err();
+    assert_eq!(err.rule(), Rule::FileTooLarge);
+}
+
+#[test]
+fn a_contents_error_names_the_file_and_the_json_path() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write(
+        dir.path(),
+        "quota.json",
+        VALID.replace("512", "0").as_bytes(),
+    );
+    let err = Config::from_path(&path, []).unwrap_err();
+    assert_eq!((err.path(), err.rule()), ("global_active", Rule::Zero));
+    assert_eq!(err.file(), Some(path.as_path()));
+    assert!(
+        err.to_string()
+            .starts_with(&format!("{}: global_active: ", path.display())),
+        "{err}"
+    );
+}

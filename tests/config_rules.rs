@@ -1,0 +1,633 @@
+//! Every rule of the quota file contract (SPEC section 3), one or more rejecting cases each, each
+//! checked for the JSON path it names and the rule it reports.
+
+use std::collections::BTreeMap;
+
+use unyolo_admission::config::{
+    ClientLimits, Config, Identity, LimitSource, Limits, MAX_FILE_BYTES, Rule,
+};
+
+fn identities() -> Vec<Identity> {
+    ["bot-7", "automation-a"]
+        .into_iter()
+        .map(|n| Identity::new(n).unwrap())
+        .collect()
+}
+
+const TOP: &str = r#""requests_per_window": 60, "window_seconds": 60, "client_active": 25,
+  "client_pending": 10, "global_active": 512, "global_executing": 64"#;
+
+const BOT: &str =
+    r#""bot-7": {"requests_per_window": 5, "window_seconds": 60, "active": 8, "pending": 4}"#;
+
+/// A file with the valid top level plus `extra` (which starts with a comma when not empty).
+fn file(extra: &str) -> String {
+    format!("{{{TOP}{extra}}}")
+}
+
+/// A file whose top-level field `field` has the literal value `value`.
+fn top_with(field: &str, value: &str) -> String {
+    let mut fields: Vec<(String, String)> = [
+        ("requests_per_window", "60"),
+        ("window_seconds", "60"),
+        ("client_active", "25"),
+        ("client_pending", "10"),
+        ("global_active", "512"),
+        ("global_executing", "64"),
+    ]
+    .into_iter()
+    .map(|(f, v)| (f.to_owned(), v.to_owned()))
+    .collect();
+    for entry in &mut fields {
+        if entry.0 == field {
+            entry.1 = value.to_owned();
+        }
+    }
+    let body: Vec<String> = fields.iter().map(|(f, v)| format!("{f:?}: {v}")).collect();
+    format!("{{{}}}", body.join(", "))
+}
+
+/// A file with one override for bot-7 whose body is `body`.
+fn bot_with(body: &str) -> String {
+    file(&format!(r#", "clients": {{"bot-7": {{{body}}}}}"#))
+}
+
+fn rejecting_cases() -> Vec<(&'static str, String, &'static str, Rule)> {
+    vec![
+        // Syntax and shape.
+        ("empty file", String::new(), "", Rule::Syntax),
+        ("not json", "quota: 60".to_owned(), "", Rule::Syntax),
+        (
+            "truncated object",
+            "{\"requests_per_window\": 60,".to_owned(),
+            "",
+            Rule::Syntax,
+        ),
+        (
+            "trailing content",
+            format!("{} x", file("")),
+            "",
+            Rule::TrailingContent,
+        ),
+        (
+            "second object",
+            format!("{} {{}}", file("")),
+            "",
+            Rule::TrailingContent,
+        ),
+        ("top level array", "[]".to_owned(), "", Rule::ExpectedObject),
+        (
+            "top level number",
+            "60".to_owned(),
+            "",
+            Rule::ExpectedObject,
+        ),
+        (
+            "top level string",
+            "\"quota\"".to_owned(),
+            "",
+            Rule::ExpectedObject,
+        ),
+        ("top level null", "null".to_owned(), "", Rule::Null),
+        (
+            "empty object",
+            "{}".to_owned(),
+            "requests_per_window",
+            Rule::MissingField,
+        ),
+        // Unknown, case-variant and missing fields.
+        (
+            "unknown field",
+            file(r#", "burst": 5"#),
+            "burst",
+            Rule::UnknownField,
+        ),
+        (
+            "case variant field",
+            top_with("client_active", "25").replace("client_active", "Client_Active"),
+            "Client_Active",
+            Rule::UnknownField,
+        ),
+        (
+            "missing global_executing",
+            top_with("global_executing", "64").replace(", \"global_executing\": 64", ""),
+            "global_executing",
+            Rule::MissingField,
+        ),
+        (
+            "unknown override field",
+            bot_with(
+                r#""requests_per_window": 5, "window_seconds": 60, "active": 8, "pending": 4, "burst": 1"#,
+            ),
+            "clients.bot-7.burst",
+            Rule::UnknownField,
+        ),
+        (
+            "top-level name inside an override",
+            bot_with(
+                r#""requests_per_window": 5, "window_seconds": 60, "client_active": 8, "pending": 4"#,
+            ),
+            "clients.bot-7.client_active",
+            Rule::UnknownField,
+        ),
+        (
+            "override missing pending",
+            bot_with(r#""requests_per_window": 5, "window_seconds": 60, "active": 8"#),
+            "clients.bot-7.pending",
+            Rule::MissingField,
+        ),
+        (
+            "empty override",
+            bot_with(""),
+            "clients.bot-7.requests_per_window",
+            Rule::MissingField,
+        ),
+        // Duplicate keys at every depth.
+        (
+            "duplicate top-level key",
+            file(r#", "global_active": 512"#),
+            "global_active",
+            Rule::DuplicateKey,
+        ),
+        (
+            "two overrides for one client",
+            file(&format!(r#", "clients": {{{BOT}, {BOT}}}"#)),
+            "clients.bot-7",
+            Rule::DuplicateKey,
+        ),
+        (
+            "duplicate key inside an override",
+            bot_with(
+                r#""requests_per_window": 5, "window_seconds": 60, "active": 8, "pending": 4, "active": 9"#,
+            ),
+            "clients.bot-7.active",
+            Rule::DuplicateKey,
+        ),
+        (
+            "duplicate clients object",
+            file(&format!(r#", "clients": {{{BOT}}}, "clients": {{}}"#)),
+            "clients",
+            Rule::DuplicateKey,
+        ),
+        (
+            "duplicate key deep inside an unknown field",
+            file(r#", "notes": [{"a": 1, "a": 2}]"#),
+            "notes[0].a",
+            Rule::DuplicateKey,
+        ),
+        // Null.
+        (
+            "null limit",
+            top_with("client_pending", "null"),
+            "client_pending",
+            Rule::Null,
+        ),
+        (
+            "null clients",
+            file(r#", "clients": null"#),
+            "clients",
+            Rule::Null,
+        ),
+        (
+            "null override",
+            file(r#", "clients": {"bot-7": null}"#),
+            "clients.bot-7",
+            Rule::Null,
+        ),
+        (
+            "null override field",
+            bot_with(
+                r#""requests_per_window": 5, "window_seconds": 60, "active": null, "pending": 4"#,
+            ),
+            "clients.bot-7.active",
+            Rule::Null,
+        ),
+        // Types of objects.
+        (
+            "clients is an array",
+            file(r#", "clients": []"#),
+            "clients",
+            Rule::ExpectedObject,
+        ),
+        (
+            "override is a number",
+            file(r#", "clients": {"bot-7": 5}"#),
+            "clients.bot-7",
+            Rule::ExpectedObject,
+        ),
+        // Integer literals only.
+        (
+            "fraction",
+            top_with("requests_per_window", "60.0"),
+            "requests_per_window",
+            Rule::NotAnInteger,
+        ),
+        (
+            "exponent",
+            top_with("requests_per_window", "6e1"),
+            "requests_per_window",
+            Rule::NotAnInteger,
+        ),
+        (
+            "quoted number",
+            top_with("requests_per_window", "\"60\""),
+            "requests_per_window",
+            Rule::NotAnInteger,
+        ),
+        (
+            "boolean",
+            top_with("global_active", "true"),
+            "global_active",
+            Rule::NotAnInteger,
+        ),
+        (
+            "object as limit",
+            top_with("global_active", "{}"),
+            "global_active",
+            Rule::NotAnInteger,
+        ),
+        (
+            "minus zero",
+            top_with("client_active", "-0"),
+            "client_active",
+            Rule::NotAnInteger,
+        ),
+        (
+            "integer beyond 64 bits",
+            top_with("global_active", "123456789012345678901234567890"),
+            "global_active",
+            Rule::NotAnInteger,
+        ),
+        (
+            "fraction in an override",
+            bot_with(
+                r#""requests_per_window": 5.5, "window_seconds": 60, "active": 8, "pending": 4"#,
+            ),
+            "clients.bot-7.requests_per_window",
+            Rule::NotAnInteger,
+        ),
+        // Zero, negatives, bounds.
+        (
+            "zero",
+            top_with("global_executing", "0"),
+            "global_executing",
+            Rule::Zero,
+        ),
+        (
+            "zero in an override",
+            bot_with(
+                r#""requests_per_window": 5, "window_seconds": 60, "active": 8, "pending": 0"#,
+            ),
+            "clients.bot-7.pending",
+            Rule::Zero,
+        ),
+        (
+            "negative",
+            top_with("client_pending", "-1"),
+            "client_pending",
+            Rule::Negative,
+        ),
+        (
+            "very negative",
+            top_with("client_pending", "-9223372036854775808"),
+            "client_pending",
+            Rule::Negative,
+        ),
+        (
+            "above one million",
+            top_with("global_active", "1000001"),
+            "global_active",
+            Rule::AboveMaximum,
+        ),
+        (
+            "above u32",
+            top_with("global_active", "4294967296"),
+            "global_active",
+            Rule::AboveMaximum,
+        ),
+        (
+            "above u64 max fits",
+            top_with("global_active", "18446744073709551615"),
+            "global_active",
+            Rule::AboveMaximum,
+        ),
+        (
+            "window above a day",
+            top_with("window_seconds", "86401"),
+            "window_seconds",
+            Rule::AboveMaximum,
+        ),
+        (
+            "override window above a day",
+            bot_with(
+                r#""requests_per_window": 5, "window_seconds": 86401, "active": 8, "pending": 4"#,
+            ),
+            "clients.bot-7.window_seconds",
+            Rule::AboveMaximum,
+        ),
+        // Relations.
+        (
+            "default pending above default active",
+            top_with("client_pending", "26"),
+            "client_pending",
+            Rule::PendingAboveActive,
+        ),
+        (
+            "override pending above its active",
+            bot_with(
+                r#""requests_per_window": 5, "window_seconds": 60, "active": 8, "pending": 12"#,
+            ),
+            "clients.bot-7.pending",
+            Rule::PendingAboveActive,
+        ),
+        (
+            "default active above global active",
+            top_with("global_active", "24")
+                .replace("\"global_executing\": 64", "\"global_executing\": 4"),
+            "client_active",
+            Rule::ActiveAboveGlobalActive,
+        ),
+        (
+            "override active above global active",
+            bot_with(
+                r#""requests_per_window": 5, "window_seconds": 60, "active": 513, "pending": 4"#,
+            ),
+            "clients.bot-7.active",
+            Rule::ActiveAboveGlobalActive,
+        ),
+        (
+            "executing above global active",
+            top_with("global_executing", "513"),
+            "global_executing",
+            Rule::ExecutingAboveGlobalActive,
+        ),
+        // Override keys must be configured identities.
+        (
+            "override for an unknown identity",
+            file(
+                r#", "clients": {"ci-runner": {"requests_per_window": 5, "window_seconds": 60, "active": 8, "pending": 4}}"#,
+            ),
+            "clients.ci-runner",
+            Rule::UnknownIdentity,
+        ),
+        (
+            "override key differing only in case",
+            file(
+                r#", "clients": {"Bot-7": {"requests_per_window": 5, "window_seconds": 60, "active": 8, "pending": 4}}"#,
+            ),
+            "clients.Bot-7",
+            Rule::UnknownIdentity,
+        ),
+        (
+            "override key that is not even an identity",
+            file(
+                r#", "clients": {"bot 7": {"requests_per_window": 5, "window_seconds": 60, "active": 8, "pending": 4}}"#,
+            ),
+            "clients.\"bot 7\"",
+            Rule::UnknownIdentity,
+        ),
+        // Size.
+        (
+            "file one byte over the limit",
+            format!(
+                "{}{}",
+                file(""),
+                " ".repeat(MAX_FILE_BYTES + 1 - file("").len())
+            ),
+            "",
+            Rule::FileTooLarge,
+        ),
+    ]
+}
+
+#[test]
+fn every_rejecting_case_names_its_path_and_rule() {
+    let mut failures = Vec::new();
+    for (name, input, path, rule) in rejecting_cases() {
+        match Config::from_bytes(input.as_bytes(), identities()) {
+            Ok(_) => failures.push(format!("{name}: accepted")),
+            Err(err) => {
+                let message = err.to_string();
+                if err.path() != path || err.rule() != rule {
+                    failures.push(format!(
+                        "{name}: got path {:?} rule {}, want path {path:?} rule {rule} ({message})",
+                        err.path(),
+                        err.rule()
+                    ));
+                }
+                if message.contains('\n') {
+                    failures.push(format!("{name}: message spans lines: {message:?}"));
+                }
+                let shown = if path.is_empty() { "top level" } else { path };
+                if !message.starts_with(&format!("{shown}: ")) {
+                    failures.push(format!(
+                        "{name}: message does not lead with the path: {message}"
+                    ));
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn pending_above_active_reads_as_the_contract_example() {
+    let input =
+        bot_with(r#""requests_per_window": 5, "window_seconds": 60, "active": 8, "pending": 12"#);
+    let err = Config::from_bytes(input.as_bytes(), identities()).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "clients.bot-7.pending: 12 is above active 8"
+    );
+}
+
+#[test]
+fn an_unknown_override_key_suggests_the_identity_meant() {
+    let input = file(
+        r#", "clients": {"bot7": {"requests_per_window": 5, "window_seconds": 60, "active": 8, "pending": 4}}"#,
+    );
+    let err = Config::from_bytes(input.as_bytes(), identities()).unwrap_err();
+    assert_eq!(err.rule(), Rule::UnknownIdentity);
+    let message = err.to_string();
+    assert!(message.contains("\"bot7\""), "{message}");
+    assert!(message.contains("did you mean bot-7?"), "{message}");
+}
+
+#[test]
+fn an_unrelated_override_key_gets_no_suggestion() {
+    let input = file(
+        r#", "clients": {"ci-runner": {"requests_per_window": 5, "window_seconds": 60, "active": 8, "pending": 4}}"#,
+    );
+    let err = Config::from_bytes(input.as_bytes(), identities()).unwrap_err();
+    assert!(!err.to_string().contains("did you mean"), "{err}");
+}
+
+#[test]
+fn with_no_identities_every_override_key_is_unknown() {
+    let input = file(&format!(r#", "clients": {{{BOT}}}"#));
+    let err = Config::from_bytes(input.as_bytes(), []).unwrap_err();
+    assert_eq!(err.path(), "clients.bot-7");
+    assert_eq!(err.rule(), Rule::UnknownIdentity);
+}
+
+#[test]
+fn a_case_variant_field_suggests_the_real_name() {
+    let input = top_with("client_active", "25").replace("client_active", "Client_Active");
+    let err = Config::from_bytes(input.as_bytes(), identities()).unwrap_err();
+    assert!(
+        err.to_string().contains("did you mean client_active?"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_minimal_file_gives_its_values_and_no_overrides() {
+    let config = Config::from_bytes(file("").as_bytes(), identities()).unwrap();
+    assert_eq!(*config.limits(), Limits::DEFAULT);
+    assert!(config.overrides().is_empty());
+    assert_eq!(
+        config.effective("bot-7"),
+        Some(Limits::DEFAULT.client_defaults())
+    );
+}
+
+#[test]
+fn an_override_applies_to_its_client_and_the_defaults_to_the_others() {
+    let input = file(&format!(r#", "clients": {{{BOT}}}"#));
+    let config = Config::from_bytes(input.as_bytes(), identities()).unwrap();
+    let bot = ClientLimits {
+        requests_per_window: 5,
+        window_seconds: 60,
+        active: 8,
+        pending: 4,
+    };
+    assert_eq!(config.effective("bot-7"), Some(bot));
+    assert_eq!(
+        config.effective("automation-a"),
+        Some(Limits::DEFAULT.client_defaults())
+    );
+    assert_eq!(config.effective("stranger"), None);
+    let sources: Vec<(String, LimitSource)> = config
+        .effective_all()
+        .map(|(i, _, s)| (i.to_string(), s))
+        .collect();
+    assert_eq!(
+        sources,
+        [
+            ("automation-a".to_owned(), LimitSource::Default),
+            ("bot-7".to_owned(), LimitSource::Override)
+        ]
+    );
+}
+
+#[test]
+fn an_empty_clients_object_means_no_overrides() {
+    let config = Config::from_bytes(file(r#", "clients": {}"#).as_bytes(), []).unwrap();
+    assert!(config.overrides().is_empty());
+}
+
+#[test]
+fn the_bounds_themselves_are_allowed() {
+    let input = top_with("window_seconds", "86400")
+        .replace("\"global_active\": 512", "\"global_active\": 1000000")
+        .replace("\"requests_per_window\": 60", "\"requests_per_window\": 1");
+    let config = Config::from_bytes(input.as_bytes(), []).unwrap();
+    assert_eq!(config.limits().window_seconds, 86_400);
+    assert_eq!(config.limits().global_active, 1_000_000);
+}
+
+#[test]
+fn pending_equal_to_active_and_executing_equal_to_global_active_are_allowed() {
+    let input = top_with("client_pending", "25")
+        .replace("\"global_executing\": 64", "\"global_executing\": 512");
+    assert!(Config::from_bytes(input.as_bytes(), []).is_ok());
+}
+
+#[test]
+fn a_file_of_exactly_the_size_limit_is_allowed() {
+    let body = file("");
+    let input = format!("{body}{}", " ".repeat(MAX_FILE_BYTES - body.len()));
+    assert_eq!(input.len(), MAX_FILE_BYTES);
+    assert!(Config::from_bytes(input.as_bytes(), []).is_ok());
+}
+
+#[test]
+fn to_json_round_trips_to_an_equal_config() {
+    let input = file(&format!(r#", "clients": {{{BOT}}}"#));
+    let config = Config::from_bytes(input.as_bytes(), identities()).unwrap();
+    let again = Config::from_bytes(config.to_json().as_bytes(), identities()).unwrap();
+    assert_eq!(again, config);
+}
+
+#[test]
+fn the_defaults_serialize_to_a_file_that_parses_back_to_the_defaults() {
+    let defaults = Config::defaults(identities());
+    let again = Config::from_bytes(defaults.to_json().as_bytes(), identities()).unwrap();
+    assert_eq!(again, defaults);
+}
+
+#[test]
+fn config_new_applies_the_same_rules_with_the_same_paths() {
+    let bot = Identity::new("bot-7").unwrap();
+    let overrides = BTreeMap::from([(
+        bot.clone(),
+        ClientLimits {
+            requests_per_window: 5,
+            window_seconds: 60,
+            active: 8,
+            pending: 12,
+        },
+    )]);
+    let err = Config::new(Limits::DEFAULT, overrides.clone(), [bot]).unwrap_err();
+    assert_eq!(
+        (err.path(), err.rule()),
+        ("clients.bot-7.pending", Rule::PendingAboveActive)
+    );
+
+    let err = Config::new(Limits::DEFAULT, overrides, []).unwrap_err();
+    assert_eq!(
+        (err.path(), err.rule()),
+        ("clients.bot-7", Rule::UnknownIdentity)
+    );
+
+    let zero = Limits {
+        window_seconds: 0,
+        ..Limits::DEFAULT
+    };
+    let err = Config::new(zero, BTreeMap::new(), []).unwrap_err();
+    assert_eq!((err.path(), err.rule()), ("window_seconds", Rule::Zero));
+}
+
+#[test]
+fn a_pending_limit_above_the_grant_store_cap_is_valid_but_warned_about() {
+    let input =
+        bot_with(r#""requests_per_window": 5, "window_seconds": 60, "active": 20, "pending": 11"#);
+    let config = Config::from_bytes(input.as_bytes(), identities()).unwrap();
+    let warnings = config.warnings();
+    assert_eq!(warnings.len(), 1);
+    assert_eq!(warnings[0].path(), "clients.bot-7.pending");
+    assert!(
+        warnings[0].to_string().contains("cap 10"),
+        "{}",
+        warnings[0]
+    );
+}
+
+#[test]
+fn arbitrary_bytes_never_panic() {
+    let samples: [&[u8]; 8] = [
+        b"\xff\xfe{}",
+        b"{\"\xff\": 1}",
+        b"[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[",
+        b"{\"clients\": {\"\\u0000\": {}}}",
+        b"{\"requests_per_window\": 1e400}",
+        b"\"\\ud800\"",
+        b"{\"a\":",
+        b"\x00",
+    ];
+    for sample in samples {
+        assert!(Config::from_bytes(sample, identities()).is_err());
+    }
+    let deep = "[".repeat(60_000);
+    assert!(Config::from_bytes(deep.as_bytes(), []).is_err());
+}
