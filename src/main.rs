@@ -25,6 +25,33 @@ enum Command {
     Check(CheckArgs),
     /// Print the default configuration as a complete, valid quota file.
     Defaults,
+    /// Run the reference broker: Agent V1 over HTTP, operations in SQLite under the data dir.
+    #[cfg(feature = "broker")]
+    Serve(ServeArgs),
+    /// Walk the overload drill against an in-process broker on loopback; exit 0 only if every
+    /// step held.
+    #[cfg(feature = "broker")]
+    Drill,
+}
+
+#[cfg(feature = "broker")]
+#[derive(Args)]
+struct ServeArgs {
+    /// The address to listen on.
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8080")]
+    listen: std::net::SocketAddr,
+    /// The data dir (SQLite file, stream bodies, generated secrets).
+    #[arg(long, value_name = "DIR", default_value = "./admission-data")]
+    data: PathBuf,
+    /// Client secrets (`name = secret` per line); generated in the data dir when absent.
+    #[arg(long, value_name = "FILE")]
+    secrets: Option<PathBuf>,
+    /// The operator secret (one line); generated in the data dir when absent.
+    #[arg(long, value_name = "FILE")]
+    operator_secret: Option<PathBuf>,
+    /// The quota file (absolute path), re-read on SIGHUP; the defaults when absent.
+    #[arg(long, value_name = "PATH")]
+    admission_config: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -46,6 +73,35 @@ fn main() -> ExitCode {
         Command::Defaults => {
             print!("{}", Config::defaults([]).to_json());
             ExitCode::SUCCESS
+        }
+        #[cfg(feature = "broker")]
+        Command::Serve(args) => serve(args),
+        #[cfg(feature = "broker")]
+        Command::Drill => {
+            if unyolo_admission::broker::drill::run() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            }
+        }
+    }
+}
+
+#[cfg(feature = "broker")]
+fn serve(args: ServeArgs) -> ExitCode {
+    use unyolo_admission::broker::serve::{ServeOptions, run};
+    let options = ServeOptions {
+        listen: args.listen,
+        data_dir: args.data,
+        secrets: args.secrets,
+        operator_secret: args.operator_secret,
+        admission_config: args.admission_config,
+    };
+    match run(options) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("error: {err}");
+            ExitCode::FAILURE
         }
     }
 }

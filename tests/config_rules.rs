@@ -631,3 +631,24 @@ fn arbitrary_bytes_never_panic() {
     let deep = "[".repeat(60_000);
     assert!(Config::from_bytes(deep.as_bytes(), []).is_err());
 }
+
+proptest::proptest! {
+    #[test]
+    fn any_bytes_are_judged_without_panicking(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..512)) {
+        let _ = Config::from_bytes(&bytes, identities());
+    }
+
+    #[test]
+    fn a_mutated_valid_file_is_either_refused_or_round_trips(
+        position in 0usize..400,
+        byte in proptest::sample::select(b"{}[],:\"0123456789-.e \\nx".to_vec()),
+    ) {
+        let mut bytes = file(&format!(r#", "clients": {{{BOT}}}"#)).into_bytes();
+        let at = position % bytes.len();
+        bytes[at] = byte;
+        if let Ok(config) = Config::from_bytes(&bytes, identities()) {
+            let again = Config::from_bytes(config.to_json().as_bytes(), identities()).unwrap();
+            proptest::prop_assert_eq!(again, config);
+        }
+    }
+}
