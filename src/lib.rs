@@ -3,6 +3,8 @@
 //! Admission control for agent brokers.
 // (crate docs with the full example follow once the engine settles)
 
+#[cfg(feature = "broker")]
+pub mod broker;
 pub mod clock;
 pub mod config;
 pub mod engine;

@@ -1,0 +1,141 @@
+//! The demo executor: approved operations wait in a FIFO queue and start when the controller
+//! grants a global execution slot ([`crate::Operation::try_start`]); a saturated pool leaves them
+//! queued until a slot frees. Executing means sleeping `arguments.duration_ms`, then succeeding.
+//!
+//! An operation is written `executing` before its work begins, so after a crash it is known to
+//! have (maybe) run and is failed with `execution_interrupted` rather than run twice.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+
+use super::Core;
+use super::operations::{LiveOp, TransitionFailure};
+use super::store::OperationError;
+use crate::engine::{OperationState, StartError};
+
+/// How often the queue is retried even without a wake-up (a safety net; wake-ups do the work).
+const POLL: Duration = Duration::from_secs(1);
+
+/// The queue of approved operations and the bell that says a slot may have freed.
+#[derive(Default)]
+pub(crate) struct Executor {
+    queue: Mutex<VecDeque<Arc<LiveOp>>>,
+    bell: Notify,
+}
+
+impl Executor {
+    fn queue(&self) -> std::sync::MutexGuard<'_, VecDeque<Arc<LiveOp>>> {
+        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Queues an approved operation for execution.
+    pub(crate) fn enqueue(&self, op: Arc<LiveOp>) {
+        self.queue().push_back(op);
+        self.wake();
+    }
+
+    /// Something changed that may let queued work start (a slot freed, a limit was raised).
+    pub(crate) fn wake(&self) {
+        self.bell.notify_one();
+    }
+}
+
+/// The executor loop; returns when the broker shuts down.
+pub(crate) async fn run(core: Arc<Core>) {
+    let mut shutdown = core.shutdown.clone();
+    loop {
+        if *shutdown.borrow() {
+            return;
+        }
+        start_queued(&core).await;
+        tokio::select! {
+            _ = core.executor.bell.notified() => {}
+            _ = tokio::time::sleep(POLL) => {}
+            _ = shutdown.wait_for(|stop| *stop) => return,
+        }
+    }
+}
+
+/// Starts queued operations, oldest first, until the pool is saturated or the queue is empty.
+async fn start_queued(core: &Arc<Core>) {
+    loop {
+        let Some(op) = core.executor.queue().front().cloned() else {
+            return;
+        };
+        let guard = op.lock.lock().await;
+        match op.handle.try_start() {
+            Ok(()) => {
+                core.executor.queue().pop_front();
+                let written = core
+                    .db
+                    .set_state(
+                        &op.id,
+                        OperationState::Approved,
+                        OperationState::Executing,
+                        None,
+                    )
+                    .await;
+                match written {
+                    Ok(Some(_)) => {
+                        core.changed(&op, OperationState::Approved, OperationState::Executing);
+                        drop(guard);
+                        tokio::spawn(execute(Arc::clone(core), op));
+                    }
+                    other => {
+                        // Not recorded as executing, so it must not run: give the slot back.
+                        let detail = match other {
+                            Err(err) => err.to_string(),
+                            _ => "the stored operation is no longer approved".to_owned(),
+                        };
+                        tracing::error!(operation = %op.id, error = %detail, "cannot start");
+                        let _ = op.handle.fail();
+                        let error = OperationError {
+                            code: "store_unavailable".to_owned(),
+                            message: "The operation could not be recorded as executing.".to_owned(),
+                        };
+                        let _ = core
+                            .db
+                            .set_state(
+                                &op.id,
+                                OperationState::Approved,
+                                OperationState::Failed,
+                                Some(error),
+                            )
+                            .await;
+                        core.changed(&op, OperationState::Approved, OperationState::Failed);
+                    }
+                }
+            }
+            Err(StartError::NotApproved(_)) => {
+                // Canceled or expired while queued.
+                core.executor.queue().pop_front();
+            }
+            Err(StartError::Saturated(_)) => return,
+        }
+    }
+}
+
+/// Runs one operation: sleeps its duration, then records success. A shutdown abandons it as a
+/// crash would (it stays `executing` on disk).
+async fn execute(core: Arc<Core>, op: Arc<LiveOp>) {
+    let mut shutdown = core.shutdown.clone();
+    tokio::select! {
+        _ = tokio::time::sleep(op.duration) => {}
+        _ = shutdown.wait_for(|stop| *stop) => return,
+    }
+    loop {
+        match core.transition(&op, OperationState::Succeeded, None).await {
+            Ok(_) | Err(TransitionFailure::NotAllowed(_)) => return,
+            Err(TransitionFailure::Store(err)) => {
+                tracing::error!(operation = %op.id, error = %err, "cannot record success; retrying");
+                tokio::select! {
+                    _ = tokio::time::sleep(POLL) => {}
+                    _ = shutdown.wait_for(|stop| *stop) => return,
+                }
+            }
+        }
+    }
+}

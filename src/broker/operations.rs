@@ -1,0 +1,131 @@
+//! Live operations and the one way their state changes.
+//!
+//! Each live operation pairs its durable row with the controller's lifecycle handle. Every
+//! transition takes the operation's lock, checks the move is allowed, writes the new state to the
+//! store (durable), and only then applies it to the handle, which releases the operation's slots
+//! on a terminal move. So the store never lags the counts, a store failure changes nothing, and two
+//! racing transitions (a cancel and an approve, say) are written in the order they happened.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::Core;
+use super::store::{OperationError, OperationRecord, StoreError};
+use crate::engine::{Operation, OperationState};
+
+/// Longest `arguments.duration_ms` the demo executor accepts (ten minutes).
+pub(crate) const MAX_DURATION_MS: u64 = 600_000;
+
+/// A non-terminal operation: its id, what the executor needs, and its lifecycle handle.
+pub(crate) struct LiveOp {
+    pub(crate) id: String,
+    pub(crate) client_id: String,
+    pub(crate) duration: Duration,
+    pub(crate) handle: Operation,
+    /// Held across a transition's store write and its handle update.
+    pub(crate) lock: tokio::sync::Mutex<()>,
+}
+
+impl LiveOp {
+    pub(crate) fn new(record: &OperationRecord, handle: Operation) -> LiveOp {
+        LiveOp {
+            id: record.id.clone(),
+            client_id: record.client_id.clone(),
+            duration: Duration::from_millis(duration_ms(&record.arguments).unwrap_or(0)),
+            handle,
+            lock: tokio::sync::Mutex::new(()),
+        }
+    }
+}
+
+/// `arguments.duration_ms`: absent means 0; anything but an integer in 0..=600000 is `None`.
+pub(crate) fn duration_ms(arguments: &serde_json::Value) -> Option<u64> {
+    match arguments.get("duration_ms") {
+        None => Some(0),
+        Some(value) => value.as_u64().filter(|ms| *ms <= MAX_DURATION_MS),
+    }
+}
+
+/// Why a transition did not happen.
+#[derive(Debug)]
+pub(crate) enum TransitionFailure {
+    /// The operation's state does not allow the move.
+    NotAllowed(OperationState),
+    /// The store failed; nothing changed.
+    Store(StoreError),
+}
+
+impl Core {
+    /// The live operation `id`, if it is not terminal.
+    pub(crate) fn live_op(&self, id: &str) -> Option<Arc<LiveOp>> {
+        self.live_ops().get(id).cloned()
+    }
+
+    /// Moves `op` to `to` (not `executing`; see the executor): store first, then the handle.
+    pub(crate) async fn transition(
+        &self,
+        op: &Arc<LiveOp>,
+        to: OperationState,
+        error: Option<OperationError>,
+    ) -> Result<OperationRecord, TransitionFailure> {
+        let _guard = op.lock.lock().await;
+        self.transition_locked(op, to, error).await
+    }
+
+    /// [`Core::transition`] with the operation's lock already held.
+    pub(crate) async fn transition_locked(
+        &self,
+        op: &Arc<LiveOp>,
+        to: OperationState,
+        error: Option<OperationError>,
+    ) -> Result<OperationRecord, TransitionFailure> {
+        debug_assert_ne!(to, OperationState::Executing);
+        let from = op.handle.state();
+        if !from.can_move_to(to) {
+            return Err(TransitionFailure::NotAllowed(from));
+        }
+        let record = self
+            .db
+            .set_state(&op.id, from, to, error)
+            .await
+            .map_err(TransitionFailure::Store)?
+            .ok_or_else(|| {
+                TransitionFailure::Store(StoreError::new(format!(
+                    "operation {} is not {from} in the store",
+                    op.id
+                )))
+            })?;
+        // Every transition holds the lock, so the handle is still in `from`.
+        let applied = match to {
+            OperationState::Approved => op.handle.approve(),
+            OperationState::Denied => op.handle.deny(),
+            OperationState::Canceled => op.handle.cancel().map(|_| ()),
+            OperationState::Expired => op.handle.expire(),
+            OperationState::Failed => op.handle.fail(),
+            OperationState::Succeeded => op.handle.succeed(),
+            OperationState::Pending | OperationState::Executing => Ok(()),
+        };
+        debug_assert!(applied.is_ok(), "{applied:?}");
+        self.changed(op, from, to);
+        Ok(record)
+    }
+
+    /// Logs a state change and follows it up: approved work is queued, terminal work forgotten
+    /// (its slots are already released) and the executor woken.
+    pub(crate) fn changed(&self, op: &Arc<LiveOp>, from: OperationState, to: OperationState) {
+        tracing::info!(
+            operation = %op.id,
+            client = %op.client_id,
+            from = %from,
+            to = %to,
+            "operation state changed"
+        );
+        if to == OperationState::Approved {
+            self.executor.enqueue(Arc::clone(op));
+        }
+        if to.is_terminal() {
+            self.live_ops().remove(&op.id);
+            self.executor.wake();
+        }
+    }
+}

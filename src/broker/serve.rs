@@ -1,0 +1,146 @@
+//! `admission serve`: resolve the secrets and the quota file, start the broker, reload on
+//! `SIGHUP`, stop on `SIGINT`/`SIGTERM`.
+//!
+//! With no secrets given, a client `default` and an operator secret are generated once into the
+//! data dir (mode 0600) and reused on every later start; their paths are printed, never their
+//! contents.
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use super::{Broker, BrokerSettings};
+use crate::config::Secrets;
+use crate::config::secrets::read_operator_secret;
+use crate::{Config, StorageCaps};
+
+/// The default listen address.
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
+/// The default data dir.
+pub const DEFAULT_DATA_DIR: &str = "admission-data";
+/// The generated client secrets file's name in the data dir.
+pub const GENERATED_SECRETS: &str = "client-secrets";
+/// The generated operator secret file's name in the data dir.
+pub const GENERATED_OPERATOR_SECRET: &str = "operator-secret";
+
+/// The flags of `admission serve`.
+#[derive(Clone, Debug)]
+pub struct ServeOptions {
+    /// Where to listen.
+    pub listen: SocketAddr,
+    /// The data dir.
+    pub data_dir: PathBuf,
+    /// A client secrets file; generated in the data dir when absent.
+    pub secrets: Option<PathBuf>,
+    /// An operator secret file; generated in the data dir when absent.
+    pub operator_secret: Option<PathBuf>,
+    /// The quota file, re-read on `SIGHUP`; the defaults when absent.
+    pub admission_config: Option<PathBuf>,
+}
+
+/// Runs the broker until `SIGINT` or `SIGTERM`. Prints `listening on ADDR` once it serves.
+pub fn run(options: ServeOptions) -> Result<(), String> {
+    std::fs::create_dir_all(&options.data_dir)
+        .map_err(|e| format!("cannot create {}: {e}", options.data_dir.display()))?;
+    let secrets = match &options.secrets {
+        Some(path) => Secrets::from_path(path).map_err(|e| format!("secrets file {e}"))?,
+        None => {
+            let path = options.data_dir.join(GENERATED_SECRETS);
+            ensure_secret_file(&path, |secret| format!("default = {secret}\n"))?;
+            println!("client secrets: {}", path.display());
+            Secrets::from_path(&path).map_err(|e| format!("secrets file {e}"))?
+        }
+    };
+    let operator_secret = match &options.operator_secret {
+        Some(path) => read_operator_secret(path).map_err(|e| format!("operator secret {e}"))?,
+        None => {
+            let path = options.data_dir.join(GENERATED_OPERATOR_SECRET);
+            ensure_secret_file(&path, |secret| format!("{secret}\n"))?;
+            println!("operator secret: {}", path.display());
+            read_operator_secret(&path).map_err(|e| format!("operator secret {e}"))?
+        }
+    };
+    let identities: Vec<_> = secrets.identities().cloned().collect();
+    let config = match &options.admission_config {
+        Some(path) => Config::from_path(path, identities).map_err(|e| e.to_string())?,
+        None => Config::defaults(identities),
+    };
+    for warning in config.warnings() {
+        eprintln!("warning: {warning}");
+    }
+    init_tracing();
+    let settings = BrokerSettings {
+        config,
+        storage_caps: StorageCaps::default(),
+        ..BrokerSettings::new(
+            options.listen,
+            options.data_dir.clone(),
+            secrets,
+            operator_secret,
+        )
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start the runtime: {e}"))?;
+    runtime.block_on(serve(settings, options.admission_config))
+}
+
+async fn serve(settings: BrokerSettings, admission_config: Option<PathBuf>) -> Result<(), String> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut hangup = signal(SignalKind::hangup()).map_err(|e| e.to_string())?;
+    let mut terminate = signal(SignalKind::terminate()).map_err(|e| e.to_string())?;
+    let data_dir = settings.data_dir.clone();
+    let (broker, restored) = Broker::start(settings).await.map_err(|e| e.to_string())?;
+    println!("data: {}", data_dir.display());
+    println!(
+        "restored: {} pending, {} approved, {} interrupted, {} streams",
+        restored.pending, restored.approved, restored.interrupted, restored.streams
+    );
+    println!("listening on {}", broker.local_addr());
+    let _ = std::io::stdout().flush();
+    loop {
+        tokio::select! {
+            _ = hangup.recv() => match &admission_config {
+                Some(path) => {
+                    let _ = broker.reload_from_path(path);
+                }
+                None => tracing::warn!("SIGHUP: no --admission-config to reload"),
+            },
+            _ = terminate.recv() => break,
+            _ = tokio::signal::ctrl_c() => break,
+        }
+    }
+    tracing::info!("shutting down");
+    broker.shutdown().await;
+    Ok(())
+}
+
+/// Logs to stderr, one structured line per event; `RUST_LOG` filters (default `info`).
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+/// Creates `path` (mode 0600) holding `contents(new secret)` unless it exists.
+fn ensure_secret_file(path: &Path, contents: impl FnOnce(&str) -> String) -> Result<(), String> {
+    use std::os::unix::fs::OpenOptionsExt;
+    if path.exists() {
+        return Ok(());
+    }
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(|e| format!("cannot create {}: {e}", path.display()))?;
+    let secret = super::new_id("sk");
+    file.write_all(contents(&secret).as_bytes())
+        .and_then(|()| file.sync_all())
+        .map_err(|e| format!("cannot write {}: {e}", path.display()))
+}
