@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use proptest::prelude::*;
 use unyolo_admission::{
-    ClientLimits, Config, Controller, Identity, Limits, ManualClock, Operation, OperationState, Permit, RefusalCode,
-    StorageCaps,
+    ClientLimits, Config, Controller, Identity, Limits, ManualClock, Operation, OperationState,
+    Permit, RefusalCode, StorageCaps,
 };
 
 const SEC: u64 = 1_000_000_000;
@@ -20,8 +20,18 @@ const GRANTS: u64 = 3;
 
 fn client_limits(i: usize) -> ClientLimits {
     [
-        ClientLimits { requests_per_window: 3, window_seconds: 2, active: 3, pending: 2 },
-        ClientLimits { requests_per_window: 2, window_seconds: 1, active: 2, pending: 1 },
+        ClientLimits {
+            requests_per_window: 3,
+            window_seconds: 2,
+            active: 3,
+            pending: 2,
+        },
+        ClientLimits {
+            requests_per_window: 2,
+            window_seconds: 1,
+            active: 2,
+            pending: 1,
+        },
     ][i]
 }
 
@@ -104,7 +114,13 @@ impl Model {
                 }
             })
             .collect();
-        Model { now: 0, clients, global: Counts::default(), permits: vec![], ops: vec![] }
+        Model {
+            now: 0,
+            clients,
+            global: Counts::default(),
+            permits: vec![],
+            ops: vec![],
+        }
     }
 
     fn advance_to(&mut self, raw: u64) {
@@ -120,7 +136,8 @@ impl Model {
     fn capacity_exhausted(&self, i: usize, approval: bool) -> bool {
         let c = &self.clients[i];
         c.counts.active >= c.active_limit
-            || (approval && (c.counts.pending >= c.pending_limit.min(10) || self.global.pending >= GRANTS))
+            || (approval
+                && (c.counts.pending >= c.pending_limit.min(10) || self.global.pending >= GRANTS))
             || self.global.active >= GA
             || self.global.executing >= GE
     }
@@ -147,7 +164,11 @@ impl Model {
         if let Some(code) = code {
             let c = &self.clients[i];
             let rate_wait = c.interval.saturating_sub(c.credit);
-            let cap = if self.capacity_exhausted(i, approval) { HINT } else { 0 };
+            let cap = if self.capacity_exhausted(i, approval) {
+                HINT
+            } else {
+                0
+            };
             let secs = rate_wait.max(cap).div_ceil(SEC).max(1);
             return Err((code, secs));
         }
@@ -192,7 +213,9 @@ impl Model {
     /// Applies a transition if the contract allows it; returns whether it did.
     fn transition(&mut self, k: usize, to: OperationState) -> bool {
         let (i, from) = self.ops[k];
-        if to == OperationState::Executing && (from != OperationState::Approved || self.global.executing >= GE) {
+        if to == OperationState::Executing
+            && (from != OperationState::Approved || self.global.executing >= GE)
+        {
             return false;
         }
         if !from.can_move_to(to) {
@@ -236,24 +259,53 @@ impl Model {
 
 fn engine() -> (Controller, ManualClock) {
     let id = |n: &str| Identity::new(n).unwrap();
-    let limits = Limits { client_active: 3, client_pending: 2, global_active: GA as u32, global_executing: GE as u32, ..Limits::DEFAULT };
-    let overrides: BTreeMap<_, _> = CLIENTS.iter().enumerate().map(|(i, n)| (id(n), client_limits(i))).collect();
+    let limits = Limits {
+        client_active: 3,
+        client_pending: 2,
+        global_active: GA as u32,
+        global_executing: GE as u32,
+        ..Limits::DEFAULT
+    };
+    let overrides: BTreeMap<_, _> = CLIENTS
+        .iter()
+        .enumerate()
+        .map(|(i, n)| (id(n), client_limits(i)))
+        .collect();
     let config = Config::new(limits, overrides, CLIENTS.iter().map(|n| id(n))).unwrap();
     let clock = ManualClock::new();
     clock.set_nanos(0);
-    let caps = StorageCaps { grant_global: GRANTS, ..StorageCaps::default() };
-    (Controller::builder(config).clock(clock.clone()).storage_caps(caps).build(), clock)
+    let caps = StorageCaps {
+        grant_global: GRANTS,
+        ..StorageCaps::default()
+    };
+    (
+        Controller::builder(config)
+            .clock(clock.clone())
+            .storage_caps(caps)
+            .build(),
+        clock,
+    )
 }
 
 fn compare(engine: &Controller, model: &Model) {
     let s = engine.snapshot();
-    let g = Counts { active: s.active, pending: s.pending, queued: s.queued, executing: s.executing };
+    let g = Counts {
+        active: s.active,
+        pending: s.pending,
+        queued: s.queued,
+        executing: s.executing,
+    };
     assert_eq!(g, model.global, "global counts");
     for (i, name) in CLIENTS.iter().enumerate() {
         let c = s.client(name).unwrap();
         let m = &model.clients[i];
         assert_eq!(
-            Counts { active: c.active, pending: c.pending, queued: c.queued, executing: c.executing },
+            Counts {
+                active: c.active,
+                pending: c.pending,
+                queued: c.queued,
+                executing: c.executing
+            },
             m.counts,
             "client {name}"
         );

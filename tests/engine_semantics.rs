@@ -4,8 +4,8 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use unyolo_admission::{
-    ClientLimits, Config, Controller, Identity, Limits, ManualClock, OperationState, RefusalCode, StartError,
-    StorageCaps, Store, TransitionError,
+    ClientLimits, Config, Controller, Identity, Limits, ManualClock, OperationState, RefusalCode,
+    StartError, StorageCaps, Store, TransitionError,
 };
 
 fn id(name: &str) -> Identity {
@@ -13,35 +13,70 @@ fn id(name: &str) -> Identity {
 }
 
 fn limits(n: u32, w: u32, active: u32, pending: u32) -> ClientLimits {
-    ClientLimits { requests_per_window: n, window_seconds: w, active, pending }
+    ClientLimits {
+        requests_per_window: n,
+        window_seconds: w,
+        active,
+        pending,
+    }
 }
 
 fn global(ga: u32, ge: u32) -> Limits {
     let client_active = ga.min(25);
-    Limits { global_active: ga, global_executing: ge, client_active, client_pending: client_active.min(10), ..Limits::DEFAULT }
+    Limits {
+        global_active: ga,
+        global_executing: ge,
+        client_active,
+        client_pending: client_active.min(10),
+        ..Limits::DEFAULT
+    }
 }
 
 fn config(globals: Limits, overrides: &[(&str, ClientLimits)], names: &[&str]) -> Config {
-    let overrides: BTreeMap<Identity, ClientLimits> = overrides.iter().map(|(n, l)| (id(n), *l)).collect();
+    let overrides: BTreeMap<Identity, ClientLimits> =
+        overrides.iter().map(|(n, l)| (id(n), *l)).collect();
     Config::new(globals, overrides, names.iter().map(|n| id(n))).unwrap()
 }
 
 fn controller(config: Config) -> (Controller, ManualClock) {
     let clock = ManualClock::new();
     clock.set_nanos(1_000_000_000);
-    (Controller::builder(config).clock(clock.clone()).build(), clock)
+    (
+        Controller::builder(config).clock(clock.clone()).build(),
+        clock,
+    )
 }
 
 /// A controller where `bot` has its own limits and everything global is roomy.
 fn one_client(n: u32, w: u32, active: u32, pending: u32) -> (Controller, ManualClock) {
-    controller(config(Limits::DEFAULT, &[("bot", limits(n, w, active, pending))], &["bot", "other"]))
+    controller(config(
+        Limits::DEFAULT,
+        &[("bot", limits(n, w, active, pending))],
+        &["bot", "other"],
+    ))
 }
 
 /// The counts a refusal must leave alone: every gauge, every bucket.
 fn counts(c: &Controller) -> Vec<(String, u64, u64, u64, u64, u64)> {
     let s = c.snapshot();
-    let mut v = vec![("global".to_string(), s.active, s.pending, s.queued, s.executing, 0)];
-    v.extend(s.clients.iter().map(|c| (c.identity.to_string(), c.active, c.pending, c.queued, c.executing, c.tokens)));
+    let mut v = vec![(
+        "global".to_string(),
+        s.active,
+        s.pending,
+        s.queued,
+        s.executing,
+        0,
+    )];
+    v.extend(s.clients.iter().map(|c| {
+        (
+            c.identity.to_string(),
+            c.active,
+            c.pending,
+            c.queued,
+            c.executing,
+            c.tokens,
+        )
+    }));
     v
 }
 
@@ -51,7 +86,10 @@ fn unknown_identity_is_refused_as_unconfigured_with_403() {
     let refusal = c.admit("stranger", false).unwrap_err();
     assert_eq!(refusal.code, RefusalCode::ClientUnconfigured);
     assert_eq!(refusal.code.http_status(), 403);
-    assert!(c.snapshot().client("stranger").is_none(), "no state is created from traffic");
+    assert!(
+        c.snapshot().client("stranger").is_none(),
+        "no state is created from traffic"
+    );
     assert_eq!(c.snapshot().rejected(RefusalCode::ClientUnconfigured), 1);
 }
 
@@ -61,7 +99,11 @@ fn rate_is_checked_before_client_active() {
     let _op = c.admit("bot", false).unwrap().commit();
     let refusal = c.admit("bot", false).unwrap_err();
     assert_eq!(refusal.code, RefusalCode::SubmissionRateLimited);
-    assert_eq!(refusal.retry_after, Duration::from_secs(60), "largest hint: the rate wait");
+    assert_eq!(
+        refusal.retry_after,
+        Duration::from_secs(60),
+        "largest hint: the rate wait"
+    );
 }
 
 #[test]
@@ -79,7 +121,10 @@ fn client_active_limit_refuses_with_the_capacity_hint() {
 fn pending_limit_only_applies_to_work_needing_approval() {
     let (c, _) = one_client(10, 60, 5, 1);
     let _p = c.admit("bot", true).unwrap().commit();
-    assert_eq!(c.admit("bot", true).unwrap_err().code, RefusalCode::ClientPendingLimit);
+    assert_eq!(
+        c.admit("bot", true).unwrap_err().code,
+        RefusalCode::ClientPendingLimit
+    );
     let run = c.admit("bot", false).unwrap().commit();
     assert_eq!(run.state(), OperationState::Approved);
 }
@@ -87,7 +132,9 @@ fn pending_limit_only_applies_to_work_needing_approval() {
 #[test]
 fn pending_grant_store_cap_binds_before_a_larger_client_pending() {
     let (c, _) = one_client(100, 60, 20, 12);
-    let ops: Vec<_> = (0..10).map(|_| c.admit("bot", true).unwrap().commit()).collect();
+    let ops: Vec<_> = (0..10)
+        .map(|_| c.admit("bot", true).unwrap().commit())
+        .collect();
     let refusal = c.admit("bot", true).unwrap_err();
     assert_eq!(refusal.code, RefusalCode::PendingGrantLimit);
     assert_eq!(ops.len(), 10);
@@ -95,19 +142,37 @@ fn pending_grant_store_cap_binds_before_a_larger_client_pending() {
 
 #[test]
 fn global_pending_grant_cap_is_shared_by_all_clients() {
-    let caps = StorageCaps { grant_global: 2, ..StorageCaps::default() };
+    let caps = StorageCaps {
+        grant_global: 2,
+        ..StorageCaps::default()
+    };
     let clock = ManualClock::new();
-    let c = Controller::builder(config(Limits::DEFAULT, &[], &["a", "b"])).clock(clock).storage_caps(caps).build();
+    let c = Controller::builder(config(Limits::DEFAULT, &[], &["a", "b"]))
+        .clock(clock)
+        .storage_caps(caps)
+        .build();
     let _a = c.admit("a", true).unwrap().commit();
     let _b = c.admit("b", true).unwrap().commit();
-    assert_eq!(c.admit("a", true).unwrap_err().code, RefusalCode::PendingGrantLimit);
-    assert!(c.admit("a", false).is_ok(), "work that needs no approval is not a grant");
+    assert_eq!(
+        c.admit("a", true).unwrap_err().code,
+        RefusalCode::PendingGrantLimit
+    );
+    assert!(
+        c.admit("a", false).is_ok(),
+        "work that needs no approval is not a grant"
+    );
 }
 
 #[test]
 fn global_active_limit_is_shared_by_all_clients() {
     let (c, _) = controller(config(global(25, 10), &[], &["a", "b"]));
-    let ops: Vec<_> = (0..25).map(|i| c.admit(if i % 2 == 0 { "a" } else { "b" }, false).unwrap().commit()).collect();
+    let ops: Vec<_> = (0..25)
+        .map(|i| {
+            c.admit(if i % 2 == 0 { "a" } else { "b" }, false)
+                .unwrap()
+                .commit()
+        })
+        .collect();
     let refusal = c.admit("b", false).unwrap_err();
     assert_eq!(refusal.code, RefusalCode::GlobalOperationLimit);
     drop(ops);
@@ -125,36 +190,64 @@ fn saturated_execution_pool_refuses_new_work() {
     assert!(c.admit("a", false).is_ok());
 }
 
+/// A controller with one dimension exhausted, the operations holding it, and whether the next
+/// submission needs approval.
+type Exhausted = (
+    Controller,
+    ManualClock,
+    Vec<unyolo_admission::Operation>,
+    bool,
+);
+
 #[test]
 fn every_refusal_consumes_no_token_and_no_slot() {
     // Each scenario exhausts one dimension, then checks a refusal changes nothing.
-    let scenarios: Vec<(RefusalCode, Box<dyn Fn() -> (Controller, ManualClock, Vec<unyolo_admission::Operation>, bool)>)> = vec![
-        (RefusalCode::SubmissionRateLimited, Box::new(|| {
-            let (c, k) = one_client(1, 60, 5, 5);
-            let ops = vec![c.admit("bot", false).unwrap().commit()];
-            (c, k, ops, false)
-        })),
-        (RefusalCode::ClientOperationLimit, Box::new(|| {
-            let (c, k) = one_client(10, 60, 1, 1);
-            let ops = vec![c.admit("bot", false).unwrap().commit()];
-            (c, k, ops, true)
-        })),
-        (RefusalCode::ClientPendingLimit, Box::new(|| {
-            let (c, k) = one_client(10, 60, 5, 1);
-            let ops = vec![c.admit("bot", true).unwrap().commit()];
-            (c, k, ops, true)
-        })),
-        (RefusalCode::GlobalOperationLimit, Box::new(|| {
-            let (c, k) = controller(config(global(1, 1), &[("bot", limits(10, 60, 1, 1))], &["bot", "other"]));
-            let ops = vec![c.admit("other", false).unwrap().commit()];
-            (c, k, ops, true)
-        })),
-        (RefusalCode::GlobalExecutionLimit, Box::new(|| {
-            let (c, k) = controller(config(global(10, 1), &[], &["bot", "other"]));
-            let op = c.admit("other", false).unwrap().commit();
-            op.try_start().unwrap();
-            (c, k, vec![op], true)
-        })),
+    let scenarios: Vec<(RefusalCode, Box<dyn Fn() -> Exhausted>)> = vec![
+        (
+            RefusalCode::SubmissionRateLimited,
+            Box::new(|| {
+                let (c, k) = one_client(1, 60, 5, 5);
+                let ops = vec![c.admit("bot", false).unwrap().commit()];
+                (c, k, ops, false)
+            }),
+        ),
+        (
+            RefusalCode::ClientOperationLimit,
+            Box::new(|| {
+                let (c, k) = one_client(10, 60, 1, 1);
+                let ops = vec![c.admit("bot", false).unwrap().commit()];
+                (c, k, ops, true)
+            }),
+        ),
+        (
+            RefusalCode::ClientPendingLimit,
+            Box::new(|| {
+                let (c, k) = one_client(10, 60, 5, 1);
+                let ops = vec![c.admit("bot", true).unwrap().commit()];
+                (c, k, ops, true)
+            }),
+        ),
+        (
+            RefusalCode::GlobalOperationLimit,
+            Box::new(|| {
+                let (c, k) = controller(config(
+                    global(1, 1),
+                    &[("bot", limits(10, 60, 1, 1))],
+                    &["bot", "other"],
+                ));
+                let ops = vec![c.admit("other", false).unwrap().commit()];
+                (c, k, ops, true)
+            }),
+        ),
+        (
+            RefusalCode::GlobalExecutionLimit,
+            Box::new(|| {
+                let (c, k) = controller(config(global(10, 1), &[], &["bot", "other"]));
+                let op = c.admit("other", false).unwrap().commit();
+                op.try_start().unwrap();
+                (c, k, vec![op], true)
+            }),
+        ),
     ];
     for (code, setup) in scenarios {
         let (c, _clock, _ops, approval) = setup();
@@ -173,9 +266,17 @@ fn rate_retry_after_is_the_exact_wait_rounded_up() {
     clock.advance(Duration::from_millis(3_500));
     let refusal = c.admit("bot", false).unwrap_err();
     assert_eq!(refusal.code, RefusalCode::SubmissionRateLimited);
-    assert_eq!(refusal.retry_after, Duration::from_secs(7), "6.5 s rounds up to 7");
+    assert_eq!(
+        refusal.retry_after,
+        Duration::from_secs(7),
+        "6.5 s rounds up to 7"
+    );
     clock.advance(Duration::from_millis(6_499));
-    assert_eq!(c.admit("bot", false).unwrap_err().retry_after, Duration::from_secs(1), "never below one second");
+    assert_eq!(
+        c.admit("bot", false).unwrap_err().retry_after,
+        Duration::from_secs(1),
+        "never below one second"
+    );
     clock.advance(Duration::from_millis(1));
     assert!(c.admit("bot", false).is_ok());
 }
@@ -184,7 +285,10 @@ fn rate_retry_after_is_the_exact_wait_rounded_up() {
 fn retry_after_is_the_largest_hint_among_exhausted_dimensions() {
     // 60 per second: the rate wait is ~17 ms, so the 5 s capacity hint wins when active is full too.
     let cfg = config(Limits::DEFAULT, &[("bot", limits(60, 1, 1, 1))], &["bot"]);
-    let c = Controller::builder(cfg).clock(ManualClock::new()).capacity_retry(Duration::from_secs(5)).build();
+    let c = Controller::builder(cfg)
+        .clock(ManualClock::new())
+        .capacity_retry(Duration::from_secs(5))
+        .build();
     let _op = c.admit("bot", false).unwrap().commit();
     for _ in 0..59 {
         let _ = c.admit("bot", false);
@@ -223,7 +327,13 @@ fn lifecycle_moves_counts_between_pending_queued_and_executing() {
     op.try_start().unwrap();
     let s = c.snapshot();
     assert_eq!((s.active, s.pending, s.queued, s.executing), (1, 0, 0, 1));
-    assert_eq!(op.cancel(), Err(TransitionError { from: OperationState::Executing, to: OperationState::Canceled }));
+    assert_eq!(
+        op.cancel(),
+        Err(TransitionError {
+            from: OperationState::Executing,
+            to: OperationState::Canceled
+        })
+    );
     op.succeed().unwrap();
     assert!(c.snapshot().is_idle());
     assert_eq!(op.state(), OperationState::Succeeded);
@@ -236,11 +346,19 @@ fn terminal_transitions_release_exactly_once_whatever_the_repetition() {
     let keep = c.admit("bot", true).unwrap().commit();
     op.deny().unwrap();
     assert!(op.deny().is_err(), "a second deny is refused");
-    assert_eq!(op.cancel(), Ok(OperationState::Denied), "cancel of a terminal operation changes nothing");
+    assert_eq!(
+        op.cancel(),
+        Ok(OperationState::Denied),
+        "cancel of a terminal operation changes nothing"
+    );
     assert!(op.fail().is_err());
     drop(op);
     let s = c.snapshot();
-    assert_eq!((s.active, s.pending), (1, 1), "only the other operation is still counted");
+    assert_eq!(
+        (s.active, s.pending),
+        (1, 1),
+        "only the other operation is still counted"
+    );
     drop(keep);
     assert!(c.snapshot().is_idle());
 }
@@ -283,12 +401,21 @@ fn starting_without_a_free_slot_leaves_the_operation_queued() {
 #[test]
 fn restored_work_counts_even_above_a_lowered_limit() {
     let (c, _) = one_client(10, 60, 2, 2);
-    let restored: Vec<_> = (0..3).map(|_| c.restore(&id("bot"), OperationState::Pending).unwrap()).collect();
+    let restored: Vec<_> = (0..3)
+        .map(|_| c.restore(&id("bot"), OperationState::Pending).unwrap())
+        .collect();
     let s = c.snapshot();
     assert_eq!((s.active, s.pending), (3, 3));
-    assert_eq!(c.admit("bot", false).unwrap_err().code, RefusalCode::ClientOperationLimit);
+    assert_eq!(
+        c.admit("bot", false).unwrap_err().code,
+        RefusalCode::ClientOperationLimit
+    );
     restored[0].deny().unwrap();
-    assert_eq!(c.admit("bot", false).unwrap_err().code, RefusalCode::ClientOperationLimit, "still at the limit of 2");
+    assert_eq!(
+        c.admit("bot", false).unwrap_err().code,
+        RefusalCode::ClientOperationLimit,
+        "still at the limit of 2"
+    );
     restored[1].cancel().unwrap();
     assert!(c.admit("bot", false).is_ok());
     assert!(c.restore(&id("bot"), OperationState::Succeeded).is_err());
@@ -299,7 +426,10 @@ fn restore_of_an_unconfigured_identity_counts_globally_but_admits_nothing() {
     let (c, _) = one_client(10, 60, 2, 2);
     let ghost = c.restore(&id("ghost"), OperationState::Executing).unwrap();
     assert_eq!(c.snapshot().executing, 1);
-    assert_eq!(c.admit("ghost", false).unwrap_err().code, RefusalCode::ClientUnconfigured);
+    assert_eq!(
+        c.admit("ghost", false).unwrap_err().code,
+        RefusalCode::ClientUnconfigured
+    );
     ghost.succeed().unwrap();
     assert!(c.snapshot().is_idle());
 }
@@ -315,7 +445,10 @@ fn backward_clock_never_refills_a_bucket() {
     clock.rewind(Duration::from_secs(3600));
     let refusal = c.admit("bot", false).unwrap_err();
     assert_eq!(refusal.code, RefusalCode::SubmissionRateLimited);
-    assert!(refusal.retry_after <= Duration::from_secs(60), "never locked out longer than the window");
+    assert!(
+        refusal.retry_after <= Duration::from_secs(60),
+        "never locked out longer than the window"
+    );
     assert_eq!(c.snapshot().client("bot").unwrap().tokens, 0);
     assert!(c.snapshot().clock_regressions > 0);
     // Time as the engine sees it resumes from where it was, so one interval (20 s) later a token is back.
@@ -327,19 +460,32 @@ fn backward_clock_never_refills_a_bucket() {
 #[test]
 fn reload_keeps_counts_and_scales_the_bucket_fill() {
     let (c, clock) = one_client(10, 60, 5, 5);
-    let held: Vec<_> = (0..4).map(|_| c.admit("bot", true).unwrap().commit()).collect();
+    let held: Vec<_> = (0..4)
+        .map(|_| c.admit("bot", true).unwrap().commit())
+        .collect();
     for _ in 0..1 {
         drop(c.admit("bot", false).unwrap());
     }
     // Half the bucket used; the new capacity is 100, so 50 tokens remain, not a fresh 100.
-    c.reload(config(Limits::DEFAULT, &[("bot", limits(100, 60, 5, 5))], &["bot", "other"]));
+    c.reload(config(
+        Limits::DEFAULT,
+        &[("bot", limits(100, 60, 5, 5))],
+        &["bot", "other"],
+    ));
     let s = c.snapshot();
     assert_eq!(s.client("bot").unwrap().tokens, 50);
     assert_eq!((s.active, s.pending), (4, 4));
     assert_eq!(s.reloads_ok, 1);
     // Lower active below usage: new work is refused until it drains.
-    c.reload(config(Limits::DEFAULT, &[("bot", limits(100, 60, 2, 2))], &["bot", "other"]));
-    assert_eq!(c.admit("bot", false).unwrap_err().code, RefusalCode::ClientOperationLimit);
+    c.reload(config(
+        Limits::DEFAULT,
+        &[("bot", limits(100, 60, 2, 2))],
+        &["bot", "other"],
+    ));
+    assert_eq!(
+        c.admit("bot", false).unwrap_err().code,
+        RefusalCode::ClientOperationLimit
+    );
     drop(held);
     clock.advance(Duration::from_secs(1));
     assert!(c.admit("bot", false).is_ok());
@@ -350,14 +496,25 @@ fn removed_identity_is_refused_but_its_live_work_still_releases() {
     let (c, _) = one_client(10, 60, 5, 5);
     let live = c.admit("bot", true).unwrap().commit();
     c.reload(config(Limits::DEFAULT, &[], &["other"]));
-    assert_eq!(c.admit("bot", false).unwrap_err().code, RefusalCode::ClientUnconfigured);
+    assert_eq!(
+        c.admit("bot", false).unwrap_err().code,
+        RefusalCode::ClientUnconfigured
+    );
     assert_eq!(c.snapshot().active, 1);
     live.deny().unwrap();
     assert!(c.snapshot().is_idle());
     // Added back, it is admitted again with its configured limits.
-    c.reload(config(Limits::DEFAULT, &[("bot", limits(10, 60, 1, 1))], &["bot", "other"]));
+    c.reload(config(
+        Limits::DEFAULT,
+        &[("bot", limits(10, 60, 1, 1))],
+        &["bot", "other"],
+    ));
     assert!(c.admit("bot", false).is_ok());
-    assert_eq!(c.snapshot().client("bot").unwrap().tokens, 8, "tokens spent before the removal stay spent");
+    assert_eq!(
+        c.snapshot().client("bot").unwrap().tokens,
+        8,
+        "tokens spent before the removal stay spent"
+    );
 }
 
 #[test]
@@ -377,27 +534,52 @@ fn invalid_reload_changes_nothing_and_is_counted() {
 #[test]
 fn storage_is_reserved_settled_and_released() {
     let caps = StorageCaps {
-        stream: unyolo_admission::StoreCaps { global_files: 3, global_bytes: 1000, client_files: 2, client_bytes: 600 },
+        stream: unyolo_admission::StoreCaps {
+            global_files: 3,
+            global_bytes: 1000,
+            client_files: 2,
+            client_bytes: 600,
+        },
         ..StorageCaps::default()
     };
-    let c = Controller::builder(config(Limits::DEFAULT, &[], &["a", "b"])).clock(ManualClock::new()).storage_caps(caps).build();
+    let c = Controller::builder(config(Limits::DEFAULT, &[], &["a", "b"]))
+        .clock(ManualClock::new())
+        .storage_caps(caps)
+        .build();
     let r = c.reserve_storage("a", Store::Stream, 500).unwrap();
     let obj = r.settle(100).unwrap();
     assert_eq!(c.snapshot().storage[0].bytes, 100);
     let refusal = c.reserve_storage("a", Store::Stream, 501).unwrap_err();
     assert_eq!(refusal.code, RefusalCode::StreamStorageLimit);
     assert_eq!(refusal.code.as_str(), "stream_storage_limit");
-    assert_eq!(c.snapshot().storage[0].bytes, 100, "a refused reservation takes nothing");
-    let second = c.reserve_storage("a", Store::Stream, 10).unwrap().settle(10).unwrap();
-    assert_eq!(c.reserve_storage("a", Store::Stream, 1).unwrap_err().code, RefusalCode::StreamStorageLimit, "client files");
+    assert_eq!(
+        c.snapshot().storage[0].bytes,
+        100,
+        "a refused reservation takes nothing"
+    );
+    let second = c
+        .reserve_storage("a", Store::Stream, 10)
+        .unwrap()
+        .settle(10)
+        .unwrap();
+    assert_eq!(
+        c.reserve_storage("a", Store::Stream, 1).unwrap_err().code,
+        RefusalCode::StreamStorageLimit,
+        "client files"
+    );
     let big = c.reserve_storage("b", Store::Stream, 500).unwrap();
-    assert!(big.settle(2000).is_err(), "growing past the caps fails and releases");
+    assert!(
+        big.settle(2000).is_err(),
+        "growing past the caps fails and releases"
+    );
     assert_eq!(c.snapshot().storage[0].files, 2);
     assert!(obj.release());
     assert!(!obj.release(), "released exactly once");
     drop(second);
     assert!(c.snapshot().is_idle());
-    let sealed = c.reserve_storage("b", Store::SealedPayload, 17 * 1024 * 1024).unwrap_err();
+    let sealed = c
+        .reserve_storage("b", Store::SealedPayload, 17 * 1024 * 1024)
+        .unwrap_err();
     assert_eq!(sealed.code.as_str(), "sealed_payload_storage_limit");
 }
 

@@ -7,7 +7,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use unyolo_admission::{
-    ClientLimits, Config, Controller, Identity, Limits, ManualClock, Operation, OperationState, StorageCaps, Store,
+    ClientLimits, Config, Controller, Identity, Limits, ManualClock, Operation, OperationState,
+    StorageCaps, Store,
 };
 
 const CLIENTS: [&str; 4] = ["a", "b", "c", "d"];
@@ -42,7 +43,12 @@ fn config(client_active: u32, client_pending: u32, ga: u32, ge: u32) -> Config {
     };
     let overrides = BTreeMap::from([(
         id("d"),
-        ClientLimits { requests_per_window: 50, window_seconds: 1, active: 3, pending: 2 },
+        ClientLimits {
+            requests_per_window: 50,
+            window_seconds: 1,
+            active: 3,
+            pending: 2,
+        },
     )]);
     Config::new(limits, overrides, CLIENTS.iter().map(|n| id(n))).unwrap()
 }
@@ -59,10 +65,18 @@ struct Bounds {
 fn bounds(configs: &[Config], caps: &StorageCaps) -> Bounds {
     let max = |f: &dyn Fn(&Config) -> u64| configs.iter().map(f).max().unwrap();
     Bounds {
-        client_active: CLIENTS.iter().map(|&n| (n, max(&|c| u64::from(c.effective(n).unwrap().active)))).collect(),
+        client_active: CLIENTS
+            .iter()
+            .map(|&n| (n, max(&|c| u64::from(c.effective(n).unwrap().active))))
+            .collect(),
         client_pending: CLIENTS
             .iter()
-            .map(|&n| (n, max(&|c| u64::from(c.effective(n).unwrap().pending)).min(caps.grant_client)))
+            .map(|&n| {
+                (
+                    n,
+                    max(&|c| u64::from(c.effective(n).unwrap().pending)).min(caps.grant_client),
+                )
+            })
             .collect(),
         global_active: max(&|c| u64::from(c.limits().global_active)),
         global_executing: max(&|c| u64::from(c.limits().global_executing)),
@@ -72,15 +86,44 @@ fn bounds(configs: &[Config], caps: &StorageCaps) -> Bounds {
 
 fn check(c: &Controller, b: &Bounds, caps: &StorageCaps) {
     let s = c.snapshot();
-    assert!(s.active <= b.global_active, "global active {} above {}", s.active, b.global_active);
-    assert!(s.executing <= b.global_executing, "executing {} above {}", s.executing, b.global_executing);
-    assert!(s.pending <= b.global_pending, "pending {} above {}", s.pending, b.global_pending);
-    assert!(s.storage[0].files <= caps.stream.global_files && s.storage[0].bytes <= caps.stream.global_bytes);
+    assert!(
+        s.active <= b.global_active,
+        "global active {} above {}",
+        s.active,
+        b.global_active
+    );
+    assert!(
+        s.executing <= b.global_executing,
+        "executing {} above {}",
+        s.executing,
+        b.global_executing
+    );
+    assert!(
+        s.pending <= b.global_pending,
+        "pending {} above {}",
+        s.pending,
+        b.global_pending
+    );
+    assert!(
+        s.storage[0].files <= caps.stream.global_files
+            && s.storage[0].bytes <= caps.stream.global_bytes
+    );
     for client in &s.clients {
         let name = client.identity.as_str();
-        assert!(client.active <= b.client_active[name], "{name} active {} above limit", client.active);
-        assert!(client.pending <= b.client_pending[name], "{name} pending {} above limit", client.pending);
-        assert!(client.pending + client.queued + client.executing <= client.active.max(b.client_active[name]));
+        assert!(
+            client.active <= b.client_active[name],
+            "{name} active {} above limit",
+            client.active
+        );
+        assert!(
+            client.pending <= b.client_pending[name],
+            "{name} pending {} above limit",
+            client.pending
+        );
+        assert!(
+            client.pending + client.queued + client.executing
+                <= client.active.max(b.client_active[name])
+        );
         assert!(client.storage[0].files <= caps.stream.client_files);
     }
 }
@@ -148,13 +191,21 @@ fn work(c: &Controller, shared: &Mutex<Vec<Arc<Operation>>>, seed: u64) {
 }
 
 fn unreachable_transition() -> unyolo_admission::TransitionError {
-    unyolo_admission::TransitionError { from: OperationState::Approved, to: OperationState::Executing }
+    unyolo_admission::TransitionError {
+        from: OperationState::Approved,
+        to: OperationState::Executing,
+    }
 }
 
 fn hammer(reload_between: Option<[Config; 2]>) {
     let caps = StorageCaps {
         grant_global: 6,
-        stream: unyolo_admission::StoreCaps { global_files: 6, global_bytes: 1500, client_files: 3, client_bytes: 900 },
+        stream: unyolo_admission::StoreCaps {
+            global_files: 6,
+            global_bytes: 1500,
+            client_files: 3,
+            client_bytes: 900,
+        },
         ..StorageCaps::default()
     };
     let first = config(5, 3, 12, 4);
@@ -164,7 +215,10 @@ fn hammer(reload_between: Option<[Config; 2]>) {
     };
     let b = bounds(&configs, &caps);
     let clock = ManualClock::new();
-    let c = Controller::builder(configs[0].clone()).clock(clock.clone()).storage_caps(caps).build();
+    let c = Controller::builder(configs[0].clone())
+        .clock(clock.clone())
+        .storage_caps(caps)
+        .build();
     let shared = Mutex::new(Vec::new());
     let done = AtomicBool::new(false);
     std::thread::scope(|s| {
@@ -194,8 +248,15 @@ fn hammer(reload_between: Option<[Config; 2]>) {
     check(&c, &b, &caps);
     let s = c.snapshot();
     assert!(s.is_idle(), "counts left behind: {s:?}");
-    assert!(s.admitted > 1_000, "the run admitted too little to mean anything: {}", s.admitted);
-    assert!(s.rejected.iter().sum::<u64>() > 1_000, "the run refused too little to test the limits");
+    assert!(
+        s.admitted > 1_000,
+        "the run admitted too little to mean anything: {}",
+        s.admitted
+    );
+    assert!(
+        s.rejected.iter().sum::<u64>() > 1_000,
+        "the run refused too little to test the limits"
+    );
 }
 
 #[test]

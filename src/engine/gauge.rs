@@ -77,7 +77,10 @@ impl Gauge {
             ) {
                 Ok(_) => {
                     // Releasing more than was held is a bookkeeping bug; make tests fail loudly.
-                    debug_assert!(current >= n, "released {n} slots but only {current} were held");
+                    debug_assert!(
+                        current >= n,
+                        "released {n} slots but only {current} were held"
+                    );
                     return current >= n;
                 }
                 Err(actual) => current = actual,
