@@ -2,7 +2,7 @@
 //!
 //! The engine only ever asks "how many nanoseconds since this controller started?". Production
 //! reads `quanta`'s monotonic clock; tests use [`ManualClock`], which can also be stepped
-//! backwards to prove the clamp. Whatever the source, [`MonotonicClock`] clamps each reading to
+//! backwards to prove the clamp. Whatever the source, the controller's monotonic wrapper clamps each reading to
 //! the latest one seen, so time as the engine sees it never goes back: a backward step can neither
 //! refill a bucket nor lock a client out for longer than its window.
 

@@ -1,13 +1,84 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 //! Admission control for agent brokers.
-// (crate docs with the full example follow once the engine settles)
+//!
+//! A broker executes operations that coding agents ask for, some only after a human operator
+//! approves them. One looping agent must not be able to flood the operator's approval inbox or
+//! exhaust the broker's durable store, while cancellation, operator decisions and health checks keep
+//! working during exactly that overload. This crate is the admission controller such a broker
+//! embeds.
+//!
+//! # Where things are
+//!
+//! - [`config`]: the quota file — wire format, strict validation, loading from a path, bytes or an
+//!   environment variable. A [`Config`] can only exist validated.
+//! - [`engine`]: where admission is decided. [`Controller::admit`] checks a client's rate token
+//!   bucket (GCRA on one atomic word), its active and pending counts, the pending-grant store, and
+//!   the global active and executing counts — each a compare-and-swap reservation, rolled back
+//!   whole at the first refusal. A [`Permit`] becomes an [`Operation`] whose terminal transition
+//!   releases its slots exactly once. Storage quotas use the same primitive.
+//! - [`clock`]: where time comes from (`quanta` in production, [`ManualClock`] in tests), clamped
+//!   so time as the engine sees it never goes back.
+//! - [`metrics`]: a lock-free [`Snapshot`] of every count and its Prometheus exposition.
+//! - `broker` (cargo feature `broker`, on by default): the reference broker behind `admission
+//!   serve`, an HTTP server with a SQLite store. The library ends where it begins.
+//!
+//! # The broker-side sequence
+//!
+//! Authenticate, validate and replay come first and touch no quota; then admit, create the durable
+//! operation, and commit the permit into a lifecycle handle:
+//!
+//! ```
+//! use std::collections::HashMap;
+//! use unyolo_admission::{Config, Controller, Identity, OperationState, RefusalCode};
+//!
+//! // Start-up: the identities come from the broker's secrets; the limits from the quota file
+//! // (here the defaults), and non-terminal operations from the durable store are restored.
+//! let bot = Identity::new("bot-7").unwrap();
+//! let controller = Controller::new(Config::defaults([bot.clone()]));
+//! let mut store: HashMap<(String, String), OperationState> = HashMap::new();
+//!
+//! // 1. Authenticate (the token names `bot-7`) and 2. validate the request: no quota involved.
+//! let (client, key, needs_approval) = ("bot-7", "deploy-42", true);
+//!
+//! // 3. Replay: the same client and key return the existing operation and consume nothing.
+//! assert!(!store.contains_key(&(client.to_string(), key.to_string())));
+//!
+//! // 4. Admit: a permit, or a refusal with a stable code and a Retry-After.
+//! let permit = match controller.admit(client, needs_approval) {
+//!     Ok(permit) => permit,
+//!     Err(refusal) => panic!("429 {} Retry-After: {}", refusal.code, refusal.retry_after_secs()),
+//! };
+//!
+//! // 5. Create the durable operation. Had that failed through the broker's own fault,
+//! //    `permit.refund()` would return the slots and the rate token.
+//! store.insert((client.to_string(), key.to_string()), OperationState::Pending);
+//!
+//! // 6. Commit: the permit becomes the operation's lifecycle handle.
+//! let operation = permit.commit();
+//! assert_eq!(operation.state(), OperationState::Pending);
+//! assert_eq!(controller.snapshot().pending, 1);
+//!
+//! // 7. Transitions: an operator approves; an execution slot is taken; the work finishes and
+//! //    every slot it held is released exactly once.
+//! operation.approve().unwrap();
+//! operation.try_start().unwrap();
+//! operation.succeed().unwrap();
+//! assert!(controller.snapshot().is_idle());
+//!
+//! // An identity the controller was not configured with is refused, not rate limited (HTTP 403).
+//! let refusal = controller.admit("stranger", false).unwrap_err();
+//! assert_eq!(refusal.code, RefusalCode::ClientUnconfigured);
+//! assert_eq!(refusal.code.http_status(), 403);
+//! ```
 
 #[cfg(feature = "broker")]
 pub mod broker;
 pub mod clock;
 pub mod config;
 pub mod engine;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod metrics;
 mod sync;
 
