@@ -1,6 +1,6 @@
-//! The admission engine: rate maths ([`gcra`]), the reservation primitive ([`gauge`]), the
-//! decision ([`controller`]), the life of admitted work ([`lifecycle`]) and storage quotas
-//! ([`storage`]). Nothing here knows about HTTP, JSON or SQL.
+//! The admission engine: rate maths (`gcra`), the reservation primitive (`gauge`), the
+//! decision (`controller`), the life of admitted work (`lifecycle`) and storage quotas
+//! (`storage`). Nothing here knows about HTTP, JSON or SQL.
 
 pub(crate) mod controller;
 pub(crate) mod gauge;
