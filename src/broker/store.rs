@@ -427,8 +427,8 @@ impl Database {
         let client_id = client_id.to_owned();
         self.read(move |conn| {
             let mut stmt = conn.prepare(&format!(
-                "SELECT * FROM ({SELECT_OPERATION}, rowid AS seq WHERE client_id = ?1 \
-                 ORDER BY rowid DESC LIMIT ?2) ORDER BY seq"
+                "{SELECT_OPERATION} WHERE rowid IN (SELECT rowid FROM operations \
+                 WHERE client_id = ?1 ORDER BY rowid DESC LIMIT ?2) ORDER BY rowid"
             ))?;
             stmt.query_map(params![client_id, limit], OperationRecord::from_row)?
                 .collect()

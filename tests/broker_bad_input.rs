@@ -1,0 +1,370 @@
+//! Bad input of every kind gets its status and stable code, and creates and consumes nothing:
+//! no row, no admission decision, no token, no slot.
+#![cfg(feature = "broker")]
+
+mod broker_support;
+
+use broker_support::*;
+use serde_json::{Value, json};
+use std::io::{Read, Write};
+
+/// Sends `body` as a submission with `token` and asserts the status and code, that the response
+/// carries `Cache-Control: no-store` and the error shape, and that nothing was created or consumed.
+async fn refused_without_trace(
+    h: &Harness,
+    token: Option<&str>,
+    body: impl Into<reqwest::Body>,
+    status: u16,
+    code: &str,
+) -> Reply {
+    let (rows, snapshot) = (h.rows().await, h.snapshot());
+    let reply = h
+        .send("POST", "/api/agent/v1/operations", token, Some(body.into()))
+        .await;
+    assert_eq!(
+        (reply.status, reply.code()),
+        (status, code),
+        "{}",
+        reply.body
+    );
+    assert_error_shape(&reply);
+    assert_eq!(h.rows().await, rows, "a row was written");
+    assert_eq!(h.snapshot(), snapshot, "admission state changed");
+    reply
+}
+
+fn assert_error_shape(reply: &Reply) {
+    assert_eq!(reply.header("cache-control"), Some("no-store"));
+    let error = reply.body["error"].as_object().expect("an error object");
+    assert_eq!(error.len(), 2, "{}", reply.body);
+    assert!(error["message"].as_str().is_some_and(|m| !m.is_empty()));
+}
+
+fn with(field: &str, value: Value) -> String {
+    let mut body = request("key-1", "demo.request", 0);
+    body[field] = value;
+    body.to_string()
+}
+
+#[tokio::test]
+async fn malformed_and_mistyped_bodies_are_invalid_requests_that_create_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = start(dir.path(), ROOMY).await;
+    let token = Some(AGENT_SECRET);
+    let cases: Vec<(&str, String)> = vec![
+        (
+            "malformed json",
+            r#"{"idempotency_key": "k1", "operation": "#.to_owned(),
+        ),
+        ("not an object", "[1, 2, 3]".to_owned()),
+        ("empty body", String::new()),
+        (
+            "trailing content",
+            format!("{} x", request("key-1", "demo.run", 0)),
+        ),
+        ("unknown field", with("priority", json!("high"))),
+        ("unknown field differing in case", {
+            let mut v = request("key-1", "demo.run", 0);
+            let reason = v.as_object_mut().unwrap().remove("reason").unwrap();
+            v["Reason"] = reason;
+            v.to_string()
+        }),
+        ("missing reason", {
+            let mut v = request("key-1", "demo.run", 0);
+            v.as_object_mut().unwrap().remove("reason");
+            v.to_string()
+        }),
+        (
+            "duplicate field",
+            r#"{"idempotency_key":"a","idempotency_key":"b","operation":"demo.run","reason":"r"}"#
+                .to_owned(),
+        ),
+        ("empty idempotency key", with("idempotency_key", json!(""))),
+        (
+            "key with a leading dash",
+            with("idempotency_key", json!("-key")),
+        ),
+        ("key with a space", with("idempotency_key", json!("a key"))),
+        ("key with a slash", with("idempotency_key", json!("a/b"))),
+        ("key not ascii", with("idempotency_key", json!("clé"))),
+        (
+            "key of 129 bytes",
+            with("idempotency_key", json!("k".repeat(129))),
+        ),
+        ("key not a string", with("idempotency_key", json!(7))),
+        ("empty reason", with("reason", json!(""))),
+        (
+            "reason of 2001 bytes",
+            with("reason", json!("r".repeat(2001))),
+        ),
+        ("target not an object", with("target", json!("repo"))),
+        ("target null", with("target", Value::Null)),
+        ("arguments an array", with("arguments", json!([1]))),
+        (
+            "duration above ten minutes",
+            with("arguments", json!({"duration_ms": 600_001})),
+        ),
+        (
+            "negative duration",
+            with("arguments", json!({"duration_ms": -1})),
+        ),
+        (
+            "duration as a string",
+            with("arguments", json!({"duration_ms": "5"})),
+        ),
+        (
+            "fractional duration",
+            with("arguments", json!({"duration_ms": 1.5})),
+        ),
+    ];
+    for (name, body) in cases {
+        eprintln!("case: {name}");
+        refused_without_trace(&h, token, body, 400, "invalid_request").await;
+    }
+    // The limits of the contract are accepted.
+    let mut edge = request(&"k".repeat(128), "demo.request", 600_000);
+    edge["reason"] = json!("r".repeat(2000));
+    let reply = h.submit(AGENT_SECRET, &edge).await;
+    assert_eq!(reply.status, 202, "{}", reply.body);
+    let reply = h
+        .post(
+            &format!("/api/agent/v1/operations/{}/cancel", reply.id()),
+            token,
+        )
+        .await;
+    assert_eq!(reply.state(), "canceled");
+}
+
+#[tokio::test]
+async fn an_unknown_operation_is_not_registered() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = start(dir.path(), ROOMY).await;
+    for operation in ["demo.delete", "Demo.run", "", "demo.run "] {
+        refused_without_trace(
+            &h,
+            Some(AGENT_SECRET),
+            with("operation", json!(operation)),
+            400,
+            "operation_not_registered",
+        )
+        .await;
+    }
+}
+
+#[tokio::test]
+async fn a_body_over_one_mebibyte_is_413_whether_declared_or_streamed() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = start(dir.path(), ROOMY).await;
+    let mut big = request("key-1", "demo.run", 0);
+    big["reason"] = json!("r".repeat(1 << 20));
+    let reply = refused_without_trace(
+        &h,
+        Some(AGENT_SECRET),
+        big.to_string(),
+        413,
+        "payload_too_large",
+    )
+    .await;
+    assert!(reply.retry_after().is_none());
+
+    // Chunked, so no Content-Length announces it: the limit applies while reading.
+    let (rows, snapshot) = (h.rows().await, h.snapshot());
+    let addr = h.broker.local_addr();
+    let head = format!(
+        "POST /api/agent/v1/operations HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {AGENT_SECRET}\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+    );
+    let response = tokio::task::spawn_blocking(move || {
+        let mut stream = std::net::TcpStream::connect(addr).unwrap();
+        stream.write_all(head.as_bytes()).unwrap();
+        let chunk = vec![b' '; 64 * 1024];
+        for _ in 0..20 {
+            if stream
+                .write_all(format!("{:x}\r\n", chunk.len()).as_bytes())
+                .and_then(|()| stream.write_all(&chunk))
+                .and_then(|()| stream.write_all(b"\r\n"))
+                .is_err()
+            {
+                break; // The server answered and closed.
+            }
+        }
+        let _ = stream.write_all(b"0\r\n\r\n");
+        let mut response = String::new();
+        let _ = stream.read_to_string(&mut response);
+        response
+    })
+    .await
+    .unwrap();
+    assert!(response.starts_with("HTTP/1.1 413"), "{response}");
+    assert!(response.contains("payload_too_large"), "{response}");
+    assert_eq!(h.rows().await, rows);
+    assert_eq!(h.snapshot(), snapshot);
+}
+
+#[tokio::test]
+async fn missing_tokens_are_401_and_wrong_tokens_403_before_the_body_is_judged() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = start(dir.path(), ROOMY).await;
+    let good = request("key-1", "demo.run", 0).to_string();
+    let reply = refused_without_trace(&h, None, good.clone(), 401, "authentication_failed").await;
+    assert_eq!(reply.header("www-authenticate"), Some("Bearer"));
+    refused_without_trace(
+        &h,
+        Some("not-a-secret"),
+        good.clone(),
+        403,
+        "authentication_failed",
+    )
+    .await;
+    refused_without_trace(
+        &h,
+        Some(&AGENT_SECRET[..5]),
+        good.clone(),
+        403,
+        "authentication_failed",
+    )
+    .await;
+    refused_without_trace(
+        &h,
+        Some(OPERATOR_SECRET),
+        good.clone(),
+        403,
+        "authentication_failed",
+    )
+    .await;
+    // Authentication comes first: a bad body with no token is still 401.
+    refused_without_trace(&h, None, "{", 401, "authentication_failed").await;
+
+    // Other schemes are not bearer tokens.
+    let (rows, snapshot) = (h.rows().await, h.snapshot());
+    let response = h
+        .http
+        .post(format!("{}/api/agent/v1/operations", h.base))
+        .header("authorization", format!("Basic {AGENT_SECRET}"))
+        .body(good)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 401);
+    assert_eq!(h.rows().await, rows);
+    assert_eq!(h.snapshot(), snapshot);
+
+    for path in ["/api/agent/v1/operations", "/api/agent/v1/operations/op_x"] {
+        let reply = h.get(path, None).await;
+        assert_eq!((reply.status, reply.code()), (401, "authentication_failed"));
+        let reply = h.get(path, Some("wrong")).await;
+        assert_eq!((reply.status, reply.code()), (403, "authentication_failed"));
+    }
+}
+
+#[tokio::test]
+async fn operator_routes_refuse_client_tokens_and_client_routes_refuse_the_operator() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = start(dir.path(), ROOMY).await;
+    let created = h
+        .submit(AGENT_SECRET, &request("key-1", "demo.request", 0))
+        .await;
+    assert_eq!(created.status, 202);
+    let id = created.id();
+    let (rows, snapshot) = (h.rows().await, h.snapshot());
+    let operator_routes = [
+        ("GET", "/api/operator/v1/requests".to_owned()),
+        ("POST", format!("/api/operator/v1/requests/{id}/approve")),
+        ("POST", format!("/api/operator/v1/requests/{id}/deny")),
+        ("GET", "/metrics".to_owned()),
+    ];
+    for (method, path) in &operator_routes {
+        for token in [Some(AGENT_SECRET), Some(OTHER_SECRET), Some("nope")] {
+            let reply = h.send(method, path, token, None).await;
+            assert_eq!(
+                (reply.status, reply.code()),
+                (403, "authentication_failed"),
+                "{path}"
+            );
+            assert_error_shape(&reply);
+        }
+        let reply = h.send(method, path, None, None).await;
+        assert_eq!(
+            (reply.status, reply.code()),
+            (401, "authentication_failed"),
+            "{path}"
+        );
+    }
+    let cancel = format!("/api/agent/v1/operations/{id}/cancel");
+    let reply = h.post(&cancel, Some(OPERATOR_SECRET)).await;
+    assert_eq!((reply.status, reply.code()), (403, "authentication_failed"));
+    // Nothing moved: still pending, nothing consumed.
+    assert_eq!(h.rows().await, rows);
+    assert_eq!(h.snapshot(), snapshot);
+    let reply = h
+        .get(
+            &format!("/api/agent/v1/operations/{id}"),
+            Some(AGENT_SECRET),
+        )
+        .await;
+    assert_eq!(reply.state(), "pending");
+}
+
+#[tokio::test]
+async fn another_clients_operation_is_not_found_and_cannot_be_canceled() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = start(dir.path(), ROOMY).await;
+    let created = h
+        .submit(AGENT_SECRET, &request("key-1", "demo.request", 0))
+        .await;
+    let id = created.id();
+    let snapshot = h.snapshot();
+    let reply = h
+        .get(
+            &format!("/api/agent/v1/operations/{id}"),
+            Some(OTHER_SECRET),
+        )
+        .await;
+    assert_eq!((reply.status, reply.code()), (404, "operation_not_found"));
+    let reply = h
+        .post(
+            &format!("/api/agent/v1/operations/{id}/cancel"),
+            Some(OTHER_SECRET),
+        )
+        .await;
+    assert_eq!((reply.status, reply.code()), (404, "operation_not_found"));
+    let reply = h.get("/api/agent/v1/operations", Some(OTHER_SECRET)).await;
+    assert_eq!(reply.body, json!({"operations": []}));
+    let reply = h
+        .get("/api/agent/v1/operations/op_missing", Some(AGENT_SECRET))
+        .await;
+    assert_eq!((reply.status, reply.code()), (404, "operation_not_found"));
+    for decision in ["approve", "deny"] {
+        let path = format!("/api/operator/v1/requests/op_missing/{decision}");
+        let reply = h.post(&path, Some(OPERATOR_SECRET)).await;
+        assert_eq!((reply.status, reply.code()), (404, "request_not_found"));
+    }
+    assert_eq!(h.snapshot(), snapshot);
+    let reply = h
+        .get(
+            &format!("/api/agent/v1/operations/{id}"),
+            Some(AGENT_SECRET),
+        )
+        .await;
+    assert_eq!(reply.state(), "pending");
+}
+
+#[tokio::test]
+async fn unknown_routes_and_methods_answer_json_errors_with_no_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = start(dir.path(), ROOMY).await;
+    let reply = h.get("/api/agent/v1/nothing", Some(AGENT_SECRET)).await;
+    assert_eq!((reply.status, reply.code()), (404, "not_found"));
+    assert_error_shape(&reply);
+    let reply = h
+        .send("PUT", "/api/agent/v1/operations", Some(AGENT_SECRET), None)
+        .await;
+    assert_eq!((reply.status, reply.code()), (405, "method_not_allowed"));
+    assert_error_shape(&reply);
+    for path in ["/healthz", "/readyz"] {
+        let reply = h.get(path, None).await;
+        assert_eq!(reply.status, 200);
+        assert_eq!(reply.header("cache-control"), Some("no-store"));
+    }
+    assert_eq!(h.get("/healthz", None).await.body, json!({"ok": true}));
+    assert_eq!(h.get("/readyz", None).await.body, json!({"ready": true}));
+}
