@@ -1,0 +1,286 @@
+//! Criterion benchmarks of the admission engine, each group measured side by side with its
+//! baseline in the same run (see BENCHMARKS.md for the figures and ratios).
+//!
+//! The engine runs on a clock that reads `quanta` like production but runs 1,000× fast, and the
+//! clients may make 1,000,000 requests per 50 s (20 million a second of real time), so the rate
+//! limit does not bind while we time the rest of the cycle; the clock read costs the same. A thread
+//! preempted for over 50 ms between its clock read and its token CAS sees a stale `now` and can be
+//! refused; such refusals are retried and counted (printed when any happened).
+
+#[path = "support/mutex_baseline.rs"]
+mod mutex_baseline;
+
+use std::collections::BTreeMap;
+use std::hint::black_box;
+use std::num::NonZeroU32;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use criterion::{Criterion, criterion_group, criterion_main};
+use governor::{Quota, RateLimiter};
+use mutex_baseline::{BaselineLimits, MutexAdmission};
+use unyolo_admission::config::{ClientLimits, Config, Identity, Limits};
+use unyolo_admission::fuzzing::RateCheck;
+use unyolo_admission::{Clock, Controller, RefusalCode};
+
+/// Production's clock source, read the same way, running 1,000× fast.
+struct FastQuanta {
+    clock: quanta::Clock,
+    origin: quanta::Instant,
+}
+
+impl Clock for FastQuanta {
+    fn now_nanos(&self) -> u64 {
+        let real = self.clock.now().saturating_duration_since(self.origin);
+        (real.as_nanos() as u64).saturating_mul(1_000)
+    }
+}
+
+fn fast_clock() -> FastQuanta {
+    let clock = quanta::Clock::new();
+    let origin = clock.now();
+    FastQuanta { clock, origin }
+}
+
+const CLIENTS: [&str; 4] = ["bot-0", "bot-1", "bot-2", "bot-3"];
+
+/// Generous limits: nothing binds, so every cycle does the full work of an admission.
+fn roomy_limits() -> Limits {
+    Limits {
+        requests_per_window: 1_000_000,
+        window_seconds: 50,
+        client_active: 1_000,
+        client_pending: 1_000,
+        global_active: 1_000_000,
+        global_executing: 1_000_000,
+    }
+}
+
+fn roomy_config() -> Config {
+    let ids = CLIENTS.map(|c| Identity::new(c).expect("valid"));
+    Config::new(roomy_limits(), BTreeMap::new(), ids).expect("valid config")
+}
+
+fn controller() -> Controller {
+    Controller::builder(roomy_config())
+        .clock(fast_clock())
+        .build()
+}
+
+fn baseline() -> MutexAdmission {
+    MutexAdmission::new(
+        &CLIENTS,
+        BaselineLimits {
+            requests_per_window: 1_000_000_000,
+            window_nanos: 1_000_000_000,
+            client_active: 1_000,
+            global_active: 1_000_000,
+            global_executing: 1_000_000,
+        },
+    )
+}
+
+/// Rate refusals retried in [`cycle`] (see the module docs).
+static STALE_CLOCK_RETRIES: AtomicU64 = AtomicU64::new(0);
+
+/// admit → commit → start → succeed, for work that needs no approval.
+#[inline]
+fn cycle(c: &Controller, client: &str) {
+    let permit = loop {
+        match c.admit(client, false) {
+            Ok(permit) => break permit,
+            Err(r) if r.code == RefusalCode::SubmissionRateLimited => {
+                STALE_CLOCK_RETRIES.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(r) => panic!("refused: {r:?}"),
+        }
+    };
+    let op = permit.commit();
+    op.try_start().expect("started");
+    op.succeed().expect("succeeded");
+}
+
+#[inline]
+fn baseline_cycle(b: &MutexAdmission, client: &str) {
+    let op = b.admit(client).expect("admitted");
+    b.commit(&op);
+    assert!(b.start(&op));
+    b.finish(op);
+}
+
+/// Runs `iters` calls of `work(thread)` split across `threads` threads; the wall time.
+fn threaded<F: Fn(usize) + Sync>(iters: u64, threads: usize, work: F) -> Duration {
+    let per = iters / threads as u64;
+    let start = Instant::now();
+    std::thread::scope(|s| {
+        for t in 0..threads {
+            let work = &work;
+            s.spawn(move || {
+                for _ in 0..per {
+                    work(t);
+                }
+            });
+        }
+    });
+    start.elapsed()
+}
+
+/// 1. The full cycle on one thread, and the refusal path alone.
+fn full_cycle(cr: &mut Criterion) {
+    let mut g = cr.benchmark_group("1_full_cycle");
+    let c = controller();
+    g.bench_function("admit_commit_start_succeed", |b| {
+        b.iter(|| cycle(&c, black_box("bot-0")))
+    });
+    // A client with one request a day, spent: every admission is a rate refusal.
+    let id = Identity::new("bot-0").expect("valid");
+    let mut overrides = BTreeMap::new();
+    overrides.insert(
+        id.clone(),
+        ClientLimits {
+            requests_per_window: 1,
+            window_seconds: 86_400,
+            active: 10,
+            pending: 10,
+        },
+    );
+    let config = Config::new(roomy_limits(), overrides, [id]).expect("valid");
+    let refusing = Controller::builder(config).clock(fast_clock()).build();
+    drop(refusing.admit("bot-0", false).expect("the one token"));
+    g.bench_function("refusal_rate_limited", |b| {
+        b.iter(|| {
+            refusing
+                .admit(black_box("bot-0"), false)
+                .expect_err("refused")
+        })
+    });
+    g.bench_function("refusal_unconfigured", |b| {
+        b.iter(|| {
+            refusing
+                .admit(black_box("stranger"), false)
+                .expect_err("refused")
+        })
+    });
+    g.finish();
+}
+
+/// 2. The rate check alone against governor's keyed limiter, same 1,000 keys and quota.
+fn rate_check(cr: &mut Criterion) {
+    let mut g = cr.benchmark_group("2_rate_check_1000_keys");
+    let keys: Vec<String> = (0..1_000).map(|i| format!("client-{i}")).collect();
+    let ours = RateCheck::new(
+        keys.iter().map(|k| Identity::new(k).expect("valid")),
+        1_000_000,
+        1,
+    );
+    let governor = RateLimiter::dashmap(Quota::per_second(
+        NonZeroU32::new(1_000_000).expect("non-zero"),
+    ));
+    for k in &keys {
+        // Create each key's state up front, as ours is created from configuration.
+        let _ = governor.check_key(k);
+    }
+    let mut i = 0;
+    g.bench_function("ours", |b| {
+        b.iter(|| {
+            i = (i + 1) % keys.len();
+            assert!(ours.check(black_box(&keys[i])));
+        })
+    });
+    let mut i = 0;
+    g.bench_function("governor_dashmap", |b| {
+        b.iter(|| {
+            i = (i + 1) % keys.len();
+            assert!(governor.check_key(black_box(&keys[i])).is_ok());
+        })
+    });
+    g.finish();
+}
+
+/// 3. The full cycle against the mutex baseline, one and two threads (distinct clients).
+fn versus_mutex(cr: &mut Criterion) {
+    let mut g = cr.benchmark_group("3_full_cycle_vs_mutex");
+    let c = controller();
+    let m = baseline();
+    g.bench_function("ours_1_thread", |b| {
+        b.iter_custom(|iters| threaded(iters, 1, |t| cycle(&c, CLIENTS[t])))
+    });
+    g.bench_function("mutex_1_thread", |b| {
+        b.iter_custom(|iters| threaded(iters, 1, |t| baseline_cycle(&m, CLIENTS[t])))
+    });
+    g.bench_function("ours_2_threads", |b| {
+        b.iter_custom(|iters| threaded(iters, 2, |t| cycle(&c, CLIENTS[t])))
+    });
+    g.bench_function("mutex_2_threads", |b| {
+        b.iter_custom(|iters| threaded(iters, 2, |t| baseline_cycle(&m, CLIENTS[t])))
+    });
+    g.finish();
+}
+
+/// 4. Scaling: two threads on distinct clients vs one thread; two threads on one client.
+fn scaling(cr: &mut Criterion) {
+    let mut g = cr.benchmark_group("4_scaling");
+    let c = controller();
+    g.bench_function("1_thread", |b| {
+        b.iter_custom(|iters| threaded(iters, 1, |t| cycle(&c, CLIENTS[t])))
+    });
+    g.bench_function("2_threads_distinct_clients", |b| {
+        b.iter_custom(|iters| threaded(iters, 2, |t| cycle(&c, CLIENTS[t])))
+    });
+    g.bench_function("2_threads_same_client", |b| {
+        b.iter_custom(|iters| threaded(iters, 2, |_| cycle(&c, CLIENTS[0])))
+    });
+    g.finish();
+}
+
+/// 5. Admission throughput (full cycle, one thread) while another thread reloads the config.
+fn under_reload(cr: &mut Criterion) {
+    let mut g = cr.benchmark_group("5_reload");
+    let c = controller();
+    let config = roomy_config();
+    g.bench_function("without_reloads", |b| {
+        b.iter_custom(|iters| threaded(iters, 1, |_| cycle(&c, CLIENTS[0])))
+    });
+    for (name, pause) in [
+        ("reloading_in_a_tight_loop", None),
+        ("reloading_every_1ms", Some(Duration::from_millis(1))),
+    ] {
+        g.bench_function(name, |b| {
+            b.iter_custom(|iters| {
+                let stop = AtomicBool::new(false);
+                std::thread::scope(|s| {
+                    s.spawn(|| {
+                        while !stop.load(Ordering::Relaxed) {
+                            c.reload(config.clone());
+                            if let Some(p) = pause {
+                                std::thread::sleep(p);
+                            }
+                        }
+                    });
+                    let elapsed = threaded(iters, 1, |_| cycle(&c, CLIENTS[0]));
+                    stop.store(true, Ordering::Relaxed);
+                    elapsed
+                })
+            })
+        });
+    }
+    g.finish();
+    let retries = STALE_CLOCK_RETRIES.load(Ordering::Relaxed);
+    if retries > 0 {
+        println!("rate refusals retried after a stale clock read: {retries}");
+    }
+}
+
+fn config() -> Criterion {
+    Criterion::default()
+        .warm_up_time(Duration::from_millis(700))
+        .measurement_time(Duration::from_secs(2))
+        .sample_size(30)
+}
+
+criterion_group! {
+    name = benches;
+    config = config();
+    targets = full_cycle, rate_check, versus_mutex, scaling, under_reload
+}
+criterion_main!(benches);
