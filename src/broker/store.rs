@@ -232,6 +232,10 @@ const SELECT_OPERATION: &str = "SELECT id, client_id, idempotency_key, operation
     arguments, reason, state, created_at, updated_at, terminal_at, error_code, error_message \
     FROM operations";
 
+const FIND_BY_KEY: &str = "SELECT id, client_id, idempotency_key, operation, target, \
+    arguments, reason, state, created_at, updated_at, terminal_at, error_code, error_message \
+    FROM operations WHERE client_id = ?1 AND idempotency_key = ?2";
+
 impl Database {
     /// Opens (creating if needed) the database in `dir`, creating the schema on first start.
     /// Blocking; call it before serving.
@@ -294,6 +298,19 @@ impl Database {
         })
         .await
         .map_err(|e| StoreError(format!("store task failed: {e}")))?
+    }
+
+    /// Runs a point lookup (one indexed row) on the read connection: inline when the connection
+    /// is idle, since a lookup of one row blocks this worker for microseconds and a hop to the
+    /// blocking pool costs more than the lookup; on the blocking pool otherwise.
+    async fn lookup<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
+    ) -> Result<T, StoreError> {
+        if let Ok(conn) = self.reader.try_lock() {
+            return f(&conn).map_err(StoreError::from);
+        }
+        self.read(f).await
     }
 
     /// Start-up recovery (blocking): operations that were executing become `failed` with
@@ -393,13 +410,10 @@ impl Database {
         key: &str,
     ) -> Result<Option<OperationRecord>, StoreError> {
         let (client_id, key) = (client_id.to_owned(), key.to_owned());
-        self.read(move |conn| {
-            conn.query_row(
-                &format!("{SELECT_OPERATION} WHERE client_id = ?1 AND idempotency_key = ?2"),
-                params![client_id, key],
-                OperationRecord::from_row,
-            )
-            .optional()
+        self.lookup(move |conn| {
+            conn.prepare_cached(FIND_BY_KEY)?
+                .query_row(params![client_id, key], OperationRecord::from_row)
+                .optional()
         })
         .await
     }
@@ -407,7 +421,7 @@ impl Database {
     /// The operation `id`.
     pub async fn get(&self, id: &str) -> Result<Option<OperationRecord>, StoreError> {
         let id = id.to_owned();
-        self.read(move |conn| {
+        self.lookup(move |conn| {
             conn.query_row(
                 &format!("{SELECT_OPERATION} WHERE id = ?1"),
                 params![id],
@@ -538,7 +552,7 @@ impl Database {
     /// The stream `id`.
     pub async fn get_stream(&self, id: &str) -> Result<Option<StreamRecord>, StoreError> {
         let id = id.to_owned();
-        self.read(move |conn| {
+        self.lookup(move |conn| {
             conn.query_row(
                 "SELECT id, client_id, size FROM streams WHERE id = ?1",
                 params![id],
