@@ -432,7 +432,7 @@ async fn submit(State(core): State<Arc<Core>>, headers: HeaderMap, body: Body) -
     tracing::info!(
         operation = %record.id,
         client = %client,
-        to = record.state.as_str(),
+        to = %record.state,
         "operation created"
     );
     if record.state == OperationState::Approved {
