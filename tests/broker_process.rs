@@ -241,6 +241,15 @@ async fn after_kill_9_every_operation_is_back_counts_are_restored_and_executing_
         )
         .await;
     assert_eq!(state(&pending), "pending");
+    // Keys used before the crash still replay (and conflict), and consume nothing.
+    let (status, replayed) = server
+        .submit(AGENT_SECRET, request("pending", "demo.request", 0))
+        .await;
+    assert_eq!((status, &replayed["id"]), (200, &pending["id"]));
+    let (status, _) = server
+        .submit(AGENT_SECRET, request("pending", "demo.request", 5))
+        .await;
+    assert_eq!(status, 409);
     assert_eq!(
         server
             .metric(r#"admission_operations{state="pending"}"#)

@@ -366,11 +366,14 @@ async fn submit(State(core): State<Arc<Core>>, headers: HeaderMap, body: Body) -
     let stripe = (hasher.finish() % core.key_locks.len() as u64) as usize;
     let _same_key = core.key_locks[stripe].lock().await;
 
-    if let Some(existing) = core
-        .db
-        .find_by_key(client.as_str(), &request.idempotency_key)
-        .await
-        .map_err(ApiError::store)?
+    if core
+        .keys
+        .may_contain(client.as_str(), &request.idempotency_key)
+        && let Some(existing) = core
+            .db
+            .find_by_key(client.as_str(), &request.idempotency_key)
+            .await
+            .map_err(ApiError::store)?
     {
         return replay(&core, existing, &request);
     }
@@ -408,7 +411,12 @@ async fn submit(State(core): State<Arc<Core>>, headers: HeaderMap, body: Body) -
         terminal_at: None,
         error: None,
     };
-    match core.db.insert(record.clone()).await {
+    let inserted = core.db.insert(record.clone()).await;
+    if matches!(inserted, Ok(()) | Err(InsertError::Duplicate)) {
+        // Before the per-key lock is released, so the next submission with this key looks it up.
+        core.keys.insert(client.as_str(), &request.idempotency_key);
+    }
+    match inserted {
         Ok(()) => {}
         Err(InsertError::Duplicate) => {
             // Another process or path created it first: this request is a replay after all.

@@ -15,6 +15,7 @@
 pub mod drill;
 mod exec;
 pub mod http;
+mod keys;
 mod operations;
 pub mod serve;
 pub mod store;
@@ -124,6 +125,8 @@ pub(crate) struct Core {
     pub(crate) auth: http::Auth,
     pub(crate) registry: Registry,
     pub(crate) submissions: Family<SubmissionLabels, Counter>,
+    /// The (client, key) pairs that may have an operation, so a new key skips the store lookup.
+    pub(crate) keys: keys::KeyFilter,
     /// Serializes submissions with the same (client, idempotency key), so concurrent duplicates
     /// create one operation. Striped: bounded memory whatever the traffic.
     pub(crate) key_locks: Box<[tokio::sync::Mutex<()>]>,
@@ -189,10 +192,12 @@ impl Broker {
             .capacity_retry(settings.capacity_retry)
             .build();
         let data_dir = settings.data_dir.clone();
-        let (db, recovered) = tokio::task::spawn_blocking(move || {
+        let (db, recovered, keys) = tokio::task::spawn_blocking(move || {
             let db = Database::open(&data_dir)?;
             let recovered = db.recover()?;
-            Ok::<_, StoreError>((db, recovered))
+            let keys = keys::KeyFilter::new();
+            db.for_each_key(|client, key| keys.insert(client, key))?;
+            Ok::<_, StoreError>((db, recovered, keys))
         })
         .await
         .map_err(|e| BrokerError::Io(format!("start-up task failed: {e}")))??;
@@ -218,6 +223,7 @@ impl Broker {
             auth: http::Auth::new(&settings.secrets, &settings.operator_secret),
             registry,
             submissions,
+            keys,
             key_locks: (0..64).map(|_| tokio::sync::Mutex::new(())).collect(),
             shutdown: shutdown.clone(),
         });

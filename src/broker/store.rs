@@ -300,19 +300,6 @@ impl Database {
         .map_err(|e| StoreError(format!("store task failed: {e}")))?
     }
 
-    /// Runs a point lookup (one indexed row) on the read connection: inline when the connection
-    /// is idle, since a lookup of one row blocks this worker for microseconds and a hop to the
-    /// blocking pool costs more than the lookup; on the blocking pool otherwise.
-    async fn lookup<T: Send + 'static>(
-        &self,
-        f: impl FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
-    ) -> Result<T, StoreError> {
-        if let Ok(conn) = self.reader.try_lock() {
-            return f(&conn).map_err(StoreError::from);
-        }
-        self.read(f).await
-    }
-
     /// Start-up recovery (blocking): operations that were executing become `failed` with
     /// `execution_interrupted` (they never run twice); returns them, the live ones and the
     /// streams.
@@ -373,6 +360,19 @@ impl Database {
         })
     }
 
+    /// Calls `f` with the client and idempotency key of every operation (blocking; at start-up).
+    pub fn for_each_key(&self, mut f: impl FnMut(&str, &str)) -> Result<(), StoreError> {
+        let conn = self.reader.lock().unwrap_or_else(|p| p.into_inner());
+        let mut stmt = conn.prepare("SELECT client_id, idempotency_key FROM operations")?;
+        let mut rows = stmt.query([])?;
+        while let Some(row) = rows.next()? {
+            let client: String = row.get(0)?;
+            let key: String = row.get(1)?;
+            f(&client, &key);
+        }
+        Ok(())
+    }
+
     /// Inserts a new operation; durable when this returns `Ok`.
     pub async fn insert(&self, record: OperationRecord) -> Result<(), InsertError> {
         let result = self
@@ -410,7 +410,7 @@ impl Database {
         key: &str,
     ) -> Result<Option<OperationRecord>, StoreError> {
         let (client_id, key) = (client_id.to_owned(), key.to_owned());
-        self.lookup(move |conn| {
+        self.read(move |conn| {
             conn.prepare_cached(FIND_BY_KEY)?
                 .query_row(params![client_id, key], OperationRecord::from_row)
                 .optional()
@@ -421,7 +421,7 @@ impl Database {
     /// The operation `id`.
     pub async fn get(&self, id: &str) -> Result<Option<OperationRecord>, StoreError> {
         let id = id.to_owned();
-        self.lookup(move |conn| {
+        self.read(move |conn| {
             conn.query_row(
                 &format!("{SELECT_OPERATION} WHERE id = ?1"),
                 params![id],
@@ -552,7 +552,7 @@ impl Database {
     /// The stream `id`.
     pub async fn get_stream(&self, id: &str) -> Result<Option<StreamRecord>, StoreError> {
         let id = id.to_owned();
-        self.lookup(move |conn| {
+        self.read(move |conn| {
             conn.query_row(
                 "SELECT id, client_id, size FROM streams WHERE id = ?1",
                 params![id],
