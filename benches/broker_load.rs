@@ -3,7 +3,8 @@
 //! SQLite (operation rows and the WAL file unchanged).
 //!
 //! `cargo bench --bench broker_load` (release build). `LOAD_REQUESTS` (default 20000 refusals,
-//! a tenth as many creations) and `LOAD_CONCURRENCY` (default 32) tune it.
+//! a tenth as many creations) and `LOAD_CONCURRENCY` (default 32) tune it. Under `cargo test` it
+//! runs a short smoke version with the same assertions.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -131,7 +132,10 @@ fn wal_bytes(dir: &std::path::Path) -> u64 {
 
 #[tokio::main(flavor = "multi_thread")]
 async fn main() {
-    let refusals = env("LOAD_REQUESTS", 20_000);
+    // `cargo bench` passes `--bench`; under `cargo test --all-targets` a short smoke run checks
+    // the same assertions.
+    let full = std::env::args().any(|a| a == "--bench");
+    let refusals = env("LOAD_REQUESTS", if full { 20_000 } else { 1_000 });
     let creations = (refusals / 10).max(100);
     let concurrency = env("LOAD_CONCURRENCY", 32);
     let dir = tempfile::tempdir().unwrap();
