@@ -368,3 +368,25 @@ async fn unknown_routes_and_methods_answer_json_errors_with_no_store() {
     assert_eq!(h.get("/healthz", None).await.body, json!({"ok": true}));
     assert_eq!(h.get("/readyz", None).await.body, json!({"ready": true}));
 }
+
+#[tokio::test]
+async fn an_authenticated_client_missing_from_the_admission_config_is_403_client_unconfigured() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = unyolo_admission::Identity::new(AGENT).unwrap();
+    let config = unyolo_admission::Config::from_bytes(ROOMY.as_bytes(), [agent]).unwrap();
+    let h = start_with(unyolo_admission::broker::BrokerSettings {
+        config,
+        ..settings(dir.path(), ROOMY, unyolo_admission::StorageCaps::default())
+    })
+    .await;
+    let body = request("key-1", "demo.request", 0).to_string();
+    let reply =
+        refused_without_trace(&h, Some(OTHER_SECRET), body, 403, "client_unconfigured").await;
+    assert!(reply.retry_after().is_none());
+    assert_eq!(
+        h.submit(AGENT_SECRET, &request("key-1", "demo.request", 0))
+            .await
+            .status,
+        202
+    );
+}
