@@ -7,6 +7,7 @@ mod broker_support;
 use broker_support::*;
 use serde_json::{Value, json};
 use std::io::{Read, Write};
+use unyolo_admission::RefusalCode;
 
 /// Sends `body` as a submission with `token` and asserts the status and code, that the response
 /// carries `Cache-Control: no-store` and the error shape, and that nothing was created or consumed.
@@ -379,10 +380,19 @@ async fn an_authenticated_client_missing_from_the_admission_config_is_403_client
         ..settings(dir.path(), ROOMY, unyolo_admission::StorageCaps::default())
     })
     .await;
-    let body = request("key-1", "demo.request", 0).to_string();
-    let reply =
-        refused_without_trace(&h, Some(OTHER_SECRET), body, 403, "client_unconfigured").await;
+    // An admission decision (counted as a refusal), but nothing stored or held.
+    let (rows, before) = (h.rows().await, h.snapshot());
+    let reply = h
+        .submit(OTHER_SECRET, &request("key-1", "demo.request", 0))
+        .await;
+    assert_eq!((reply.status, reply.code()), (403, "client_unconfigured"));
+    assert_error_shape(&reply);
     assert!(reply.retry_after().is_none());
+    let after = h.snapshot();
+    assert_eq!(h.rows().await, rows);
+    assert_eq!(after.rejected(RefusalCode::ClientUnconfigured), 1);
+    assert_eq!(after.clients, before.clients);
+    assert!(after.is_idle());
     assert_eq!(
         h.submit(AGENT_SECRET, &request("key-1", "demo.request", 0))
             .await
