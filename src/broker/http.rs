@@ -492,9 +492,11 @@ async fn cancel(
     Path(id): Path<String>,
 ) -> ApiResult {
     let client = core.auth.client(&headers)?;
-    let record = own_record(&core, client, &id).await?;
+    own_record(&core, client, &id).await?;
     let Some(op) = core.live_op(&id) else {
-        // Terminal (or never live): canceling changes nothing.
+        // Terminal: canceling changes nothing. Read again, after the live lookup, so the answer
+        // is not older than the terminal transition.
+        let record = own_record(&core, client, &id).await?;
         return Ok(json_response(StatusCode::OK, record.to_json()));
     };
     match core.transition(&op, OperationState::Canceled, None).await {
