@@ -4,10 +4,12 @@
 //!
 //! - [`store`]: the SQLite file; what is on disk is what counts after a restart.
 //! - [`http`]: the routes; the order authenticate → validate → replay → admit → create → commit.
-//! - [`operations`]: live operations, each with a lifecycle handle; a transition is written to
+//! - `operations`: live operations, each with a lifecycle handle; a transition is written to
 //!   the store first and then applied to the handle, under the operation's lock.
-//! - [`exec`]: the demo executor; approved work starts when the controller grants an execution
+//! - `exec`: the demo executor; approved work starts when the controller grants an execution
 //!   slot.
+//! - `keys`: a fixed-size filter that answers "this key was never used" without the store, so
+//!   refusals stay off SQLite.
 //! - [`serve`] and [`drill`]: the `admission serve` and `admission drill` commands.
 //!
 //! Only this module knows about HTTP, JSON bodies and SQL; the engine does not.
