@@ -7,6 +7,8 @@
 //! refill a bucket nor lock a client out for longer than its window.
 
 use std::sync::Arc;
+
+use crossbeam_utils::CachePadded;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -87,10 +89,32 @@ impl Clock for ManualClock {
     }
 }
 
-/// Clamps another clock so its readings never go backwards, and counts the times they tried.
+/// How far a reading may run ahead of the last published one before it is published. Publishing
+/// every reading would make every admission write one word shared by all threads; publishing at
+/// most every 50 µs of progress keeps that word read-mostly.
+const PUBLISH_STRIDE: u64 = 50_000;
+
+/// Clamps another clock so time as the engine sees it never goes back, and counts the times the
+/// source tried.
+///
+/// When the source steps back, the reading is clamped to the latest one published and the step is
+/// absorbed into an offset, so time then *continues* from where it was instead of standing still
+/// until the source catches up: a backward step can neither refill a bucket (time never jumps
+/// forward) nor lock a client out for longer than its window (time never freezes). Readings are
+/// published at most every [`PUBLISH_STRIDE`], so a step back smaller than that stride passes
+/// through unclamped. That is harmless by construction: an earlier time can only make a bucket
+/// look emptier, never refill it, and the next forward reading refills nothing that real time did
+/// not.
 pub(crate) struct MonotonicClock {
     source: Box<dyn Clock>,
+    state: CachePadded<ClampState>,
+}
+
+struct ClampState {
+    /// The latest published reading (after the offset).
     latest: AtomicU64,
+    /// Nanoseconds added to every source reading: the sum of the backward steps absorbed.
+    offset: AtomicU64,
     regressions: AtomicU64,
 }
 
@@ -99,31 +123,49 @@ impl MonotonicClock {
         let latest = source.now_nanos();
         MonotonicClock {
             source,
-            latest: AtomicU64::new(latest),
-            regressions: AtomicU64::new(0),
+            state: CachePadded::new(ClampState {
+                latest: AtomicU64::new(latest),
+                offset: AtomicU64::new(0),
+                regressions: AtomicU64::new(0),
+            }),
         }
     }
 
-    /// The source's reading, or the latest reading seen if the source went backwards.
+    /// The source's reading plus the absorbed offset, never below the latest published reading.
     #[inline]
     pub(crate) fn now(&self) -> u64 {
-        let raw = self.source.now_nanos();
-        // Relaxed: `latest` is a lone value; fetch_max makes concurrent updates keep the largest.
-        let latest = self.latest.load(Ordering::Relaxed);
-        if raw > latest {
-            let prev = self.latest.fetch_max(raw, Ordering::Relaxed);
-            return raw.max(prev);
+        let state = &*self.state;
+        // Relaxed: `latest` and `offset` are lone values that publish no other data. `latest` is
+        // loaded before the source is read so that, for a well-behaved source, it cannot exceed
+        // this reading; a stale (smaller) value only makes the comparison below more lenient.
+        let latest = state.latest.load(Ordering::Relaxed);
+        let offset = state.offset.load(Ordering::Relaxed);
+        let now = self.source.now_nanos().saturating_add(offset);
+        if now >= latest {
+            if now - latest >= PUBLISH_STRIDE {
+                // Relaxed: fetch_max keeps the largest of concurrent publications.
+                state.latest.fetch_max(now, Ordering::Relaxed);
+            }
+            return now;
         }
-        if raw < latest {
-            // Relaxed: a statistic.
-            self.regressions.fetch_add(1, Ordering::Relaxed);
+        if latest - now > PUBLISH_STRIDE {
+            // A real step back (not just a neighbour's reading published a moment ago): absorb it
+            // so time continues from `latest`. Relaxed: statistics and a lone value; if another
+            // thread absorbed the step first the CAS fails and this reading is clamped anyway.
+            state.regressions.fetch_add(1, Ordering::Relaxed);
+            let _ = state.offset.compare_exchange(
+                offset,
+                offset + (latest - now),
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            );
         }
         latest
     }
 
-    /// How many readings were clamped because the source went backwards.
+    /// How many backward steps of the source were absorbed.
     pub(crate) fn regressions(&self) -> u64 {
-        self.regressions.load(Ordering::Relaxed)
+        self.state.regressions.load(Ordering::Relaxed)
     }
 }
 
@@ -136,17 +178,41 @@ mod tests {
     use super::*;
 
     #[test]
-    fn backward_source_is_clamped_to_the_latest_reading() {
+    fn backward_step_is_clamped_then_time_continues_from_there() {
         let manual = ManualClock::new();
-        manual.set_nanos(5_000);
+        manual.set_nanos(5_000_000);
         let clock = MonotonicClock::new(Box::new(manual.clone()));
-        manual.advance(Duration::from_nanos(1_000));
-        assert_eq!(clock.now(), 6_000);
+        manual.advance(Duration::from_millis(1));
+        assert_eq!(clock.now(), 6_000_000);
         manual.rewind(Duration::from_secs(3600));
-        assert_eq!(clock.now(), 6_000);
+        assert_eq!(clock.now(), 6_000_000, "clamped to the latest reading");
         assert_eq!(clock.regressions(), 1);
-        manual.set_nanos(7_000);
-        assert_eq!(clock.now(), 7_000);
+        manual.advance(Duration::from_millis(3));
+        assert_eq!(
+            clock.now(),
+            9_000_000,
+            "and it flows on from there, not an hour later"
+        );
+    }
+
+    #[test]
+    fn readings_never_go_back_by_more_than_the_publish_stride() {
+        let manual = ManualClock::new();
+        let clock = MonotonicClock::new(Box::new(manual.clone()));
+        let mut last = 0;
+        for step in 0..1_000u64 {
+            if step % 7 == 0 {
+                manual.rewind(Duration::from_micros(step * 13));
+            } else {
+                manual.advance(Duration::from_micros(step % 90));
+            }
+            let now = clock.now();
+            assert!(
+                now + PUBLISH_STRIDE >= last,
+                "went back from {last} to {now}"
+            );
+            last = last.max(now);
+        }
     }
 
     #[test]

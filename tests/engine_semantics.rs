@@ -434,9 +434,10 @@ fn restore_of_an_unconfigured_identity_counts_globally_but_admits_nothing() {
     assert!(c.snapshot().is_idle());
 }
 
-/// The clock drill: a wall clock stepping back must not reset or refill a window.
+/// The clock drill: a clock stepping back an hour must neither refill a bucket nor lock the client
+/// out for the hour; time as the engine sees it stands still at the step, then flows on.
 #[test]
-fn backward_clock_never_refills_a_bucket() {
+fn backward_clock_never_refills_a_bucket_nor_locks_out_past_the_window() {
     let (c, clock) = one_client(3, 60, 10, 10);
     clock.set_nanos(7_200_000_000_000);
     for _ in 0..3 {
@@ -445,16 +446,47 @@ fn backward_clock_never_refills_a_bucket() {
     clock.rewind(Duration::from_secs(3600));
     let refusal = c.admit("bot", false).unwrap_err();
     assert_eq!(refusal.code, RefusalCode::SubmissionRateLimited);
-    assert!(
-        refusal.retry_after <= Duration::from_secs(60),
-        "never locked out longer than the window"
+    assert_eq!(
+        refusal.retry_after,
+        Duration::from_secs(20),
+        "one interval, never the hour"
     );
-    assert_eq!(c.snapshot().client("bot").unwrap().tokens, 0);
+    assert!(refusal.retry_after <= Duration::from_secs(60));
+    assert_eq!(
+        c.snapshot().client("bot").unwrap().tokens,
+        0,
+        "not refilled"
+    );
     assert!(c.snapshot().clock_regressions > 0);
-    // Time as the engine sees it resumes from where it was, so one interval (20 s) later a token is back.
-    clock.advance(Duration::from_secs(3600 + 20));
-    assert!(c.admit("bot", false).is_ok());
+    clock.advance(Duration::from_secs(19));
+    assert!(
+        c.admit("bot", false).is_err(),
+        "19 s after the step: still empty"
+    );
+    clock.advance(Duration::from_secs(1));
+    assert!(
+        c.admit("bot", false).is_ok(),
+        "20 s after the step: one token, as if the step never happened"
+    );
     assert!(c.admit("bot", false).is_err());
+}
+
+/// A forward jump after a backward one refills only what real time allows.
+#[test]
+fn stepping_back_then_forward_counts_only_the_forward_progress() {
+    let (c, clock) = one_client(3, 60, 10, 10);
+    clock.set_nanos(7_200_000_000_000);
+    for _ in 0..3 {
+        drop(c.admit("bot", false).unwrap());
+    }
+    clock.rewind(Duration::from_secs(30));
+    let _ = c.admit("bot", false);
+    clock.advance(Duration::from_secs(30)); // the source is back where it was: 0 s really elapsed
+    assert_eq!(
+        c.snapshot().client("bot").unwrap().tokens,
+        1,
+        "30 s flowed after the step: 1 token, not 3"
+    );
 }
 
 #[test]
@@ -514,6 +546,35 @@ fn removed_identity_is_refused_but_its_live_work_still_releases() {
         c.snapshot().client("bot").unwrap().tokens,
         8,
         "tokens spent before the removal stay spent"
+    );
+}
+
+#[test]
+fn identities_removed_by_reload_are_forgotten_once_drained() {
+    let (c, _) = one_client(10, 60, 5, 5);
+    let held = c.admit("other", false).unwrap().commit();
+    for round in 0..50 {
+        let names: Vec<String> = (0..20).map(|i| format!("gen{round}-{i}")).collect();
+        let mut all: Vec<&str> = names.iter().map(String::as_str).collect();
+        all.push("bot");
+        c.reload(config(Limits::DEFAULT, &[], &all));
+        assert!(c.admit(&names[round % 20], false).is_ok());
+    }
+    let s = c.snapshot();
+    assert_eq!(
+        s.clients.len(),
+        22,
+        "20 configured, bot, and other still draining: {:?}",
+        s.clients.len()
+    );
+    assert!(!s.client("other").unwrap().configured);
+    drop(held);
+    c.reload(config(Limits::DEFAULT, &[], &["bot"]));
+    assert_eq!(c.snapshot().clients.len(), 1);
+    assert!(c.admit("bot", false).is_ok());
+    assert_eq!(
+        c.admit("gen0-0", false).unwrap_err().code,
+        RefusalCode::ClientUnconfigured
     );
 }
 

@@ -178,10 +178,10 @@ fn work(c: &Controller, shared: &Mutex<Vec<Arc<Operation>>>, seed: u64) {
             _ => {
                 if stored.len() > 3 || rng.below(3) == 0 {
                     stored.pop();
-                } else if let Ok(r) = c.reserve_storage(client, Store::Stream, rng.below(400)) {
-                    if let Ok(obj) = r.settle(rng.below(500)) {
-                        stored.push(obj);
-                    }
+                } else if let Ok(r) = c.reserve_storage(client, Store::Stream, rng.below(400))
+                    && let Ok(obj) = r.settle(rng.below(500))
+                {
+                    stored.push(obj);
                 }
             }
         }

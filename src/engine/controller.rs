@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use crossbeam_utils::CachePadded;
-use dashmap::DashMap;
+use dashmap::DashSet;
 
 use super::gauge::Gauge;
 use super::gcra::{Bucket, Rate};
@@ -36,13 +36,39 @@ pub struct Controller {
 }
 
 struct Inner {
-    clients: DashMap<Identity, Arc<ClientState>>,
+    /// One state per tracked identity, keyed by the identity it holds.
+    clients: DashSet<ClientKey>,
     shared: Arc<Shared>,
     /// Serializes reloads and client insertions against each other (never taken by admissions).
     reload: Mutex<()>,
     unconfigured_refusals: StdAtomicU64,
     reloads_ok: StdAtomicU64,
     reloads_failed: StdAtomicU64,
+}
+
+/// A client state as a key of the client table: hashed and compared by its identity, so the table
+/// is looked up by `&str` and the identity is stored once.
+struct ClientKey(Arc<ClientState>);
+
+impl std::hash::Hash for ClientKey {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        // Must hash exactly as the borrowed `str` does.
+        self.0.identity.as_str().hash(state);
+    }
+}
+
+impl PartialEq for ClientKey {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.identity == other.0.identity
+    }
+}
+
+impl Eq for ClientKey {}
+
+impl std::borrow::Borrow<str> for ClientKey {
+    fn borrow(&self) -> &str {
+        self.0.identity.as_str()
+    }
 }
 
 /// State every handle needs to release what it holds: global counts, limits, time.
@@ -63,8 +89,9 @@ pub(crate) struct GlobalGauges {
 /// One consistent view of every limit, swapped whole on reload.
 pub(crate) struct Settings {
     pub(crate) config: Config,
-    /// Per-client limits, indexed by [`ClientState::slot`].
-    pub(crate) clients: Vec<ClientSettings>,
+    /// Per-client limits, indexed by [`ClientState::slot`]. A slot is reused only once no handle
+    /// holds the state that had it.
+    pub(crate) clients: Box<[ClientSettings]>,
     pub(crate) global_active: u64,
     pub(crate) global_executing: u64,
     pub(crate) capacity_retry: Duration,
@@ -73,10 +100,10 @@ pub(crate) struct Settings {
 
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct ClientSettings {
-    pub(crate) configured: bool,
     pub(crate) rate: Rate,
-    pub(crate) active: u64,
-    pub(crate) pending: u64,
+    pub(crate) active: u32,
+    pub(crate) pending: u32,
+    pub(crate) configured: bool,
 }
 
 /// Everything the controller knows about one client.
@@ -103,7 +130,7 @@ impl ClientState {
 /// Builds a [`Controller`] with a non-default clock, Retry-After hint or storage caps.
 pub struct ControllerBuilder {
     config: Config,
-    clock: Box<dyn Clock>,
+    clock: Option<Box<dyn Clock>>,
     capacity_retry: Duration,
     caps: StorageCaps,
 }
@@ -111,7 +138,7 @@ pub struct ControllerBuilder {
 impl ControllerBuilder {
     /// Uses `clock` as the time source (a [`crate::ManualClock`] in tests).
     pub fn clock(mut self, clock: impl Clock) -> Self {
-        self.clock = Box::new(clock);
+        self.clock = Some(Box::new(clock));
         self
     }
 
@@ -130,9 +157,10 @@ impl ControllerBuilder {
 
     /// The controller, with one client state per configured identity.
     pub fn build(self) -> Controller {
-        let clock = MonotonicClock::new(self.clock);
+        let source = self.clock.unwrap_or_else(|| Box::new(QuantaClock::new()));
+        let clock = MonotonicClock::new(source);
         let settings = Settings {
-            clients: Vec::new(),
+            clients: Box::new([]),
             global_active: 0,
             global_executing: 0,
             capacity_retry: round_up_to_seconds(self.capacity_retry),
@@ -151,7 +179,7 @@ impl ControllerBuilder {
         });
         let controller = Controller {
             inner: Arc::new(Inner {
-                clients: DashMap::new(),
+                clients: DashSet::new(),
                 shared,
                 reload: Mutex::new(()),
                 unconfigured_refusals: StdAtomicU64::new(0),
@@ -159,7 +187,7 @@ impl ControllerBuilder {
                 reloads_failed: StdAtomicU64::new(0),
             }),
         };
-        controller.apply(self.config);
+        controller.apply(self.config, None);
         controller
     }
 }
@@ -168,12 +196,12 @@ fn round_up_to_seconds(d: Duration) -> Duration {
     Duration::from_secs(duration_nanos(d).div_ceil(1_000_000_000).max(1))
 }
 
-fn client_settings(limits: ClientLimits) -> ClientSettings {
+fn client_settings(limits: ClientLimits, configured: bool) -> ClientSettings {
     ClientSettings {
-        configured: true,
         rate: Rate::new(limits.requests_per_window, limits.window_seconds),
-        active: u64::from(limits.active),
-        pending: u64::from(limits.pending),
+        active: limits.active,
+        pending: limits.pending,
+        configured,
     }
 }
 
@@ -187,7 +215,7 @@ impl Controller {
     pub fn builder(config: Config) -> ControllerBuilder {
         ControllerBuilder {
             config,
-            clock: Box::new(QuantaClock::new()),
+            clock: None,
             capacity_retry: DEFAULT_CAPACITY_RETRY,
             caps: StorageCaps::default(),
         }
@@ -200,12 +228,7 @@ impl Controller {
     /// The first failure is the refusal's code; everything reserved before it is rolled back, so a
     /// refusal consumes nothing.
     pub fn admit(&self, identity: &str, needs_approval: bool) -> Result<Permit, Refusal> {
-        let Some(client) = self
-            .inner
-            .clients
-            .get(identity)
-            .map(|entry| Arc::clone(entry.value()))
-        else {
+        let Some(client) = self.client(identity) else {
             return Err(self.refuse_unconfigured());
         };
         let shared = &*self.inner.shared;
@@ -228,16 +251,16 @@ impl Controller {
             ));
         }
         let code = 'reserve: {
-            if !client.active.try_acquire(1, limits.active) {
+            if !client.active.try_acquire(1, u64::from(limits.active)) {
                 break 'reserve RefusalCode::ClientOperationLimit;
             }
             if needs_approval {
                 if !client
                     .pending
-                    .try_acquire(1, limits.pending.min(caps.grant_client))
+                    .try_acquire(1, u64::from(limits.pending).min(caps.grant_client))
                 {
                     client.active.release(1);
-                    break 'reserve if client.pending.get() >= limits.pending {
+                    break 'reserve if client.pending.get() >= u64::from(limits.pending) {
                         RefusalCode::ClientPendingLimit
                     } else {
                         RefusalCode::PendingGrantLimit
@@ -328,12 +351,7 @@ impl Controller {
         store: Store,
         bytes: u64,
     ) -> Result<StorageReservation, Refusal> {
-        let Some(client) = self
-            .inner
-            .clients
-            .get(identity)
-            .map(|e| Arc::clone(e.value()))
-        else {
+        let Some(client) = self.client(identity) else {
             return Err(self.refuse_unconfigured());
         };
         let settings = self.inner.shared.settings.load();
@@ -348,35 +366,23 @@ impl Controller {
         StoredObject::restore(self.client_or_insert(identity), store, bytes)
     }
 
-    fn client_or_insert(&self, identity: &Identity) -> Arc<ClientState> {
-        if let Some(client) = self.inner.clients.get(identity.as_str()) {
-            return Arc::clone(client.value());
-        }
-        let _guard = self.inner.reload.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(client) = self.inner.clients.get(identity.as_str()) {
-            return Arc::clone(client.value());
-        }
-        let shared = &self.inner.shared;
-        let current = shared.settings.load_full();
-        let mut clients = current.clients.clone();
-        let default_limits = current.config.limits().client_defaults();
-        clients.push(ClientSettings {
-            configured: false,
-            ..client_settings(default_limits)
-        });
-        let state = Arc::new(self.new_client_state(identity.clone(), clients.len() - 1));
-        shared.settings.store(Arc::new(Settings {
-            clients,
-            config: current.config.clone(),
-            global_active: current.global_active,
-            global_executing: current.global_executing,
-            capacity_retry: current.capacity_retry,
-            caps: current.caps,
-        }));
+    /// The state of `identity`, if tracked (configured, or draining after removal).
+    #[inline]
+    fn client(&self, identity: &str) -> Option<Arc<ClientState>> {
         self.inner
             .clients
-            .insert(identity.clone(), Arc::clone(&state));
-        state
+            .get(identity)
+            .map(|key| Arc::clone(&key.0))
+    }
+
+    fn client_or_insert(&self, identity: &Identity) -> Arc<ClientState> {
+        if let Some(client) = self.client(identity.as_str()) {
+            return client;
+        }
+        let config = self.inner.shared.settings.load().config.clone();
+        self.apply(config, Some(identity));
+        self.client(identity.as_str())
+            .expect("apply tracks the extra identity")
     }
 
     fn new_client_state(&self, identity: Identity, slot: usize) -> ClientState {
@@ -402,7 +408,7 @@ impl Controller {
     /// operations still release correctly. A limit lowered below current usage refuses new work
     /// until usage drains.
     pub fn reload(&self, config: Config) {
-        self.apply(config);
+        self.apply(config, None);
         // Relaxed: a statistic.
         self.inner.reloads_ok.fetch_add(1, Ordering::Relaxed);
     }
@@ -437,62 +443,103 @@ impl Controller {
         self.inner.reloads_failed.fetch_add(1, Ordering::Relaxed);
     }
 
-    fn apply(&self, config: Config) {
+    /// Installs `config` (and tracks `extra`, an unconfigured identity met while restoring).
+    ///
+    /// Order matters so that an admission never reads a slot that is not its own: states no handle
+    /// holds any more and that `config` no longer names are removed first (their slots become
+    /// free); the new limits table is swapped in; only then are new states inserted, so a state is
+    /// findable only once the table has its slot. Admissions take none of the locks used here but
+    /// the table's shard locks, and only for the identities being added or removed.
+    fn apply(&self, config: Config, extra: Option<&Identity>) {
         let _guard = self.inner.reload.lock().unwrap_or_else(|p| p.into_inner());
         let shared = &self.inner.shared;
         let current = shared.settings.load_full();
         let now = shared.clock.now();
-        let mut clients: Vec<ClientSettings> = current
+        // Forget removed identities that nothing holds any more. `remove_if` runs under the
+        // shard's write lock, where nobody can clone the state: a count of one (the table's own)
+        // means no permit, operation or stored object holds it, so its slot is free.
+        let removed: Vec<Identity> = self
+            .inner
             .clients
             .iter()
-            .map(|c| ClientSettings {
-                configured: false,
-                ..*c
-            })
+            .filter(|key| !is_named(&config, extra, &key.0.identity))
+            .map(|key| key.0.identity.clone())
             .collect();
+        for identity in removed {
+            self.inner
+                .clients
+                .remove_if(identity.as_str(), |key| Arc::strong_count(&key.0) == 1);
+        }
+        // Slots of the states still tracked keep their place; the others are free.
+        let mut slots: Vec<Option<ClientSettings>> = vec![None; current.clients.len()];
+        for key in self.inner.clients.iter() {
+            let slot = key.0.slot;
+            slots[slot] = Some(ClientSettings {
+                configured: false,
+                ..current.clients[slot]
+            });
+        }
+        let mut free = (0..slots.len())
+            .filter(|&i| slots[i].is_none())
+            .collect::<Vec<_>>()
+            .into_iter();
+        let mut place =
+            |slots: &mut Vec<Option<ClientSettings>>, limits: ClientSettings| match free.next() {
+                Some(i) => {
+                    slots[i] = Some(limits);
+                    i
+                }
+                None => {
+                    slots.push(Some(limits));
+                    slots.len() - 1
+                }
+            };
+        let mut new_states = Vec::new();
         for identity in config.identities() {
             let limits = client_settings(
                 config
                     .effective(identity.as_str())
                     .expect("configured identity"),
+                true,
             );
-            let existing = self
-                .inner
-                .clients
-                .get(identity.as_str())
-                .map(|e| Arc::clone(e.value()));
-            match existing {
+            match self.client(identity.as_str()) {
                 Some(state) => {
-                    let old = clients[state.slot];
+                    let old = current.clients[state.slot];
                     if old.rate != limits.rate {
                         state.bucket.rescale(now, old.rate, limits.rate);
                     }
-                    clients[state.slot] = limits;
+                    slots[state.slot] = Some(limits);
                 }
                 None => {
-                    clients.push(limits);
-                    let state =
-                        Arc::new(self.new_client_state(identity.clone(), clients.len() - 1));
-                    self.inner.clients.insert(identity.clone(), state);
+                    let slot = place(&mut slots, limits);
+                    new_states.push(self.new_client_state(identity.clone(), slot));
                 }
             }
         }
+        if let Some(identity) = extra
+            && self.client(identity.as_str()).is_none()
+            && config.effective(identity.as_str()).is_none()
+        {
+            let limits = client_settings(config.limits().client_defaults(), false);
+            let slot = place(&mut slots, limits);
+            new_states.push(self.new_client_state(identity.clone(), slot));
+        }
+        while slots.last().is_some_and(Option::is_none) {
+            slots.pop();
+        }
+        let unused = client_settings(config.limits().client_defaults(), false);
         let limits = *config.limits();
         shared.settings.store(Arc::new(Settings {
-            clients,
+            clients: slots.into_iter().map(|s| s.unwrap_or(unused)).collect(),
             global_active: u64::from(limits.global_active),
             global_executing: u64::from(limits.global_executing),
             config,
             capacity_retry: current.capacity_retry,
             caps: current.caps,
         }));
-        // Forget removed identities that hold nothing; the rest stay (refused) until they drain.
-        let settings = shared.settings.load();
-        self.inner.clients.retain(|_, state| {
-            state.settings(&settings).configured
-                || state.active.get() > 0
-                || state.storage.iter().any(|s| s.files.get() > 0)
-        });
+        for state in new_states {
+            self.inner.clients.insert(ClientKey(Arc::new(state)));
+        }
     }
 
     /// The configuration in force.
@@ -515,7 +562,7 @@ impl Controller {
             .clients
             .iter()
             .map(|entry| {
-                let c = entry.value();
+                let c = &entry.0;
                 let limits = c.settings(&settings);
                 ClientSnapshot {
                     identity: c.identity.clone(),
@@ -581,9 +628,9 @@ fn refuse(
     let caps = &settings.caps;
     let rate_wait = client.bucket.wait(now, limits.rate);
     let capacity_exhausted = code.is_capacity()
-        || client.active.get() >= limits.active
+        || client.active.get() >= u64::from(limits.active)
         || (needs_approval
-            && (client.pending.get() >= limits.pending.min(caps.grant_client)
+            && (client.pending.get() >= u64::from(limits.pending).min(caps.grant_client)
                 || global.pending.get() >= caps.grant_global))
         || global.active.get() >= settings.global_active
         || global.executing.get() >= settings.global_executing;
@@ -686,3 +733,8 @@ impl std::fmt::Display for RestoreError {
 }
 
 impl std::error::Error for RestoreError {}
+
+/// Whether a reload to `config` keeps tracking `identity` by name.
+fn is_named(config: &Config, extra: Option<&Identity>, identity: &Identity) -> bool {
+    config.effective(identity.as_str()).is_some() || extra == Some(identity)
+}
