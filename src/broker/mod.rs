@@ -112,6 +112,9 @@ impl From<StoreError> for BrokerError {
     }
 }
 
+/// How long [`Broker::shutdown`] waits for the broker's tasks to end.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
 /// The `broker_submissions_total{result}` label set.
 type SubmissionLabels = [(&'static str, &'static str); 1];
 
@@ -287,11 +290,22 @@ impl Broker {
     }
 
     /// Stops serving and executing. Work in progress is abandoned exactly as in a crash: nothing
-    /// more is written, so a broker started on the same data dir recovers it.
+    /// more is written, so a broker started on the same data dir recovers it. Returns once every
+    /// task of this broker has let go of it, so the data dir's lock is released (unless the caller
+    /// still holds a clone of [`Broker::database`]) and another broker may start on the dir.
     pub async fn shutdown(self) {
         let _ = self.stop.send(true);
         let _ = self.server.await;
         let _ = self.executor.await;
+        // Connection and execution tasks see the stop and return; each holds the core until it
+        // ends. Bounded, so a stuck store call cannot hang shutdown forever.
+        let deadline = std::time::Instant::now() + SHUTDOWN_GRACE;
+        while Arc::strong_count(&self.core) > 1 && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        if Arc::strong_count(&self.core) > 1 {
+            tracing::warn!("shutdown: some broker tasks are still running");
+        }
     }
 }
 

@@ -5,8 +5,11 @@
 //! returns, which is what lets the HTTP layer answer 202 only for work that survives a crash.
 //!
 //! SQLite is blocking, so every call runs on tokio's blocking pool. Writes go through one
-//! connection; reads through another, so a read (a replay lookup, `/readyz`) never queues behind
-//! an `fsync`.
+//! connection; reads through another, so a read (a replay lookup) never queues behind an `fsync`.
+//!
+//! One broker owns a data dir: opening takes an exclusive lock on [`LOCK_FILE`] and holds it while
+//! any handle on the database lives. Two brokers on one dir would both restore, count and execute
+//! the same operations, so the second is refused at start-up instead.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -22,6 +25,9 @@ pub const SCHEMA_VERSION: i64 = 1;
 
 /// The database file's name inside the data dir.
 pub const DATABASE_FILE: &str = "admission.sqlite3";
+
+/// The lock file's name inside the data dir: locked exclusively by the broker that owns the dir.
+pub const LOCK_FILE: &str = "admission.lock";
 
 const SCHEMA: &str = "
 CREATE TABLE operations (
@@ -211,6 +217,8 @@ pub struct Database {
     writer: Arc<Mutex<Connection>>,
     reader: Arc<Mutex<Connection>>,
     dir: PathBuf,
+    /// The data dir's lock, held until the last handle is dropped (closing the file unlocks it).
+    _lock: Arc<std::fs::File>,
 }
 
 impl std::fmt::Debug for Database {
@@ -228,6 +236,28 @@ fn open_connection(path: &Path) -> rusqlite::Result<Connection> {
     Ok(conn)
 }
 
+/// Takes the exclusive lock on `dir`'s [`LOCK_FILE`], or says which dir is in use.
+fn lock_data_dir(dir: &Path) -> Result<std::fs::File, StoreError> {
+    let path = dir.join(LOCK_FILE);
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(|e| StoreError(format!("cannot open {}: {e}", path.display())))?;
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => Err(StoreError(format!(
+            "the data dir {} is in use by another broker (it holds {}); stop it or choose another --data",
+            dir.display(),
+            path.display()
+        ))),
+        Err(std::fs::TryLockError::Error(e)) => {
+            Err(StoreError(format!("cannot lock {}: {e}", path.display())))
+        }
+    }
+}
+
 const SELECT_OPERATION: &str = "SELECT id, client_id, idempotency_key, operation, target, \
     arguments, reason, state, created_at, updated_at, terminal_at, error_code, error_message \
     FROM operations";
@@ -238,10 +268,11 @@ const FIND_BY_KEY: &str = "SELECT id, client_id, idempotency_key, operation, tar
 
 impl Database {
     /// Opens (creating if needed) the database in `dir`, creating the schema on first start.
-    /// Blocking; call it before serving.
+    /// Fails if another broker holds the data dir. Blocking; call it before serving.
     pub fn open(dir: &Path) -> Result<Database, StoreError> {
         std::fs::create_dir_all(dir)
             .map_err(|e| StoreError(format!("cannot create {}: {e}", dir.display())))?;
+        let lock = lock_data_dir(dir)?;
         let path = dir.join(DATABASE_FILE);
         let writer = open_connection(&path)?;
         let version: i64 = writer.pragma_query_value(None, "user_version", |r| r.get(0))?;
@@ -264,6 +295,7 @@ impl Database {
             writer: Arc::new(Mutex::new(writer)),
             reader: Arc::new(Mutex::new(reader)),
             dir: dir.to_owned(),
+            _lock: Arc::new(lock),
         })
     }
 
