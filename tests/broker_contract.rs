@@ -43,6 +43,43 @@ fn path_of(reply: &Reply) -> String {
 }
 
 #[tokio::test]
+async fn readyz_is_503_while_another_process_holds_the_store_and_200_once_it_lets_go() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = start(dir.path(), ROOMY).await;
+    assert_eq!(h.get("/readyz", None).await.body, json!({"ready": true}));
+
+    // Another process (a stuck sqlite3 shell, a backup tool) holds the database's write lock.
+    let path = dir
+        .path()
+        .join(unyolo_admission::broker::store::DATABASE_FILE);
+    let foreign = rusqlite::Connection::open(&path).unwrap();
+    foreign.execute_batch("BEGIN IMMEDIATE").unwrap();
+    let (rows, snapshot) = (h.rows().await, h.snapshot());
+
+    let reply = h.get("/readyz", None).await;
+    assert_error_shape(&reply, 503, "store_unavailable", "readyz");
+    assert_eq!(
+        h.get("/healthz", None).await.body,
+        json!({"ok": true}),
+        "alive"
+    );
+    // Reads still answer from the database (WAL readers are not blocked by a writer).
+    assert_eq!(
+        h.get("/api/agent/v1/operations", Some(AGENT_SECRET))
+            .await
+            .status,
+        200
+    );
+
+    foreign.execute_batch("ROLLBACK").unwrap();
+    drop(foreign);
+    assert!(eventually(async || h.get("/readyz", None).await.status == 200).await);
+    assert_eq!(h.get("/readyz", None).await.body, json!({"ready": true}));
+    assert_eq!(h.rows().await, rows);
+    assert_eq!(h.snapshot(), snapshot);
+}
+
+#[tokio::test]
 async fn a_second_broker_on_the_same_data_dir_is_refused_until_the_first_shuts_down() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");

@@ -685,8 +685,13 @@ async fn healthz() -> Response {
     json_response(StatusCode::OK, json!({"ok": true}))
 }
 
+/// How long `/readyz` waits for the store before answering 503.
+const READY_DEADLINE: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Ready when the store would take a write within [`READY_DEADLINE`]; a broker that cannot make
+/// a submission durable is taken out of rotation.
 async fn readyz(State(core): State<Arc<Core>>) -> ApiResult {
-    let answered = tokio::time::timeout(std::time::Duration::from_secs(2), core.db.ping()).await;
+    let answered = tokio::time::timeout(READY_DEADLINE, core.db.ping()).await;
     match answered {
         Ok(Ok(())) => Ok(json_response(StatusCode::OK, json!({"ready": true}))),
         _ => Err(ApiError::new(

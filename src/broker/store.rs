@@ -552,11 +552,16 @@ impl Database {
         .map(|n| n.max(0) as u64)
     }
 
-    /// Whether the store answers a query.
+    /// Whether the store would take a write now: the write connection takes SQLite's write lock
+    /// and lets it go, writing nothing. Fails (after the busy timeout) while another process holds
+    /// the database's write lock, and fails if the file cannot be read or locked: the states in
+    /// which a submission could not be made durable.
     pub async fn ping(&self) -> Result<(), StoreError> {
-        self.read(|conn| conn.query_row("SELECT 1", [], |r| r.get::<_, i64>(0)))
-            .await
-            .map(|_| ())
+        self.write(|conn| {
+            conn.execute_batch("BEGIN IMMEDIATE")?;
+            conn.execute_batch("ROLLBACK")
+        })
+        .await
     }
 
     /// The directory stream bodies are written to.
