@@ -43,6 +43,161 @@ fn path_of(reply: &Reply) -> String {
 }
 
 #[tokio::test]
+async fn every_answer_carries_no_store_and_every_error_the_error_shape() {
+    let dir = tempfile::tempdir().unwrap();
+    let caps = unyolo_admission::StorageCaps {
+        stream: unyolo_admission::engine::StoreCaps {
+            global_files: 1,
+            global_bytes: 100,
+            client_files: 1,
+            client_bytes: 100,
+        },
+        ..unyolo_admission::StorageCaps::default()
+    };
+    let h = start_with(settings(dir.path(), TWO_PER_MINUTE, caps)).await;
+
+    // Successes.
+    let created = h
+        .submit(AGENT_SECRET, &request("a", "demo.request", 0))
+        .await;
+    assert_eq!(created.status, 202);
+    assert_no_store(&created, "202");
+    let replayed = h
+        .submit(AGENT_SECRET, &request("a", "demo.request", 0))
+        .await;
+    assert_eq!(replayed.status, 200);
+    assert_no_store(&replayed, "replay");
+    for (path, token) in [
+        (path_of(&created), Some(AGENT_SECRET)),
+        ("/api/agent/v1/operations".to_owned(), Some(AGENT_SECRET)),
+        (
+            "/api/operator/v1/requests".to_owned(),
+            Some(OPERATOR_SECRET),
+        ),
+        ("/healthz".to_owned(), None),
+        ("/readyz".to_owned(), None),
+        ("/metrics".to_owned(), Some(OPERATOR_SECRET)),
+    ] {
+        let reply = h.get(&path, token).await;
+        assert_eq!(reply.status, 200, "{path}");
+        assert_no_store(&reply, &path);
+    }
+    let stream = h
+        .send(
+            "POST",
+            "/api/agent/v1/streams",
+            Some(AGENT_SECRET),
+            Some(vec![1u8; 10].into()),
+        )
+        .await;
+    assert_eq!(stream.status, 201);
+    assert_no_store(&stream, "201");
+
+    // Errors, each with its status and code.
+    let reply = h.get("/api/agent/v1/operations", None).await;
+    assert_error_shape(&reply, 401, "authentication_failed", "no token");
+    let reply = h.get("/api/agent/v1/operations", Some("wrong")).await;
+    assert_error_shape(&reply, 403, "authentication_failed", "wrong token");
+    let reply = h.get("/metrics", Some(AGENT_SECRET)).await;
+    assert_error_shape(
+        &reply,
+        403,
+        "authentication_failed",
+        "metrics, client token",
+    );
+    let reply = h
+        .get("/api/agent/v1/operations/op_x", Some(AGENT_SECRET))
+        .await;
+    assert_error_shape(&reply, 404, "operation_not_found", "unknown operation");
+    let reply = h.get("/nowhere", None).await;
+    assert_error_shape(&reply, 404, "not_found", "unknown route");
+    let reply = h
+        .send("DELETE", "/metrics", Some(OPERATOR_SECRET), None)
+        .await;
+    assert_error_shape(&reply, 405, "method_not_allowed", "405");
+    let reply = h
+        .send(
+            "POST",
+            "/api/agent/v1/operations",
+            Some(AGENT_SECRET),
+            Some("{".into()),
+        )
+        .await;
+    assert_error_shape(&reply, 400, "invalid_request", "malformed JSON");
+    let mut big = request("big", "demo.run", 0);
+    big["reason"] = json!("r".repeat(1 << 20));
+    let reply = h.submit(AGENT_SECRET, &big).await;
+    assert_error_shape(&reply, 413, "payload_too_large", "413");
+    let mut conflict = request("a", "demo.request", 0);
+    conflict["reason"] = json!("another reason");
+    let reply = h.submit(AGENT_SECRET, &conflict).await;
+    assert_error_shape(&reply, 409, "idempotency_conflict", "409");
+    let deny = format!("/api/operator/v1/requests/{}/deny", created.id());
+    assert_eq!(h.post(&deny, Some(OPERATOR_SECRET)).await.status, 200);
+    let reply = h.post(&deny, Some(OPERATOR_SECRET)).await;
+    assert_error_shape(&reply, 409, "request_not_pending", "not pending");
+    let reply = h
+        .send(
+            "POST",
+            "/api/agent/v1/streams",
+            Some(AGENT_SECRET),
+            Some(vec![1u8; 10].into()),
+        )
+        .await;
+    assert_error_shape(&reply, 429, "stream_storage_limit", "stream cap");
+    assert!(reply.retry_after().is_some_and(|s| s >= 1));
+    // Two tokens spent ("a" and nothing else: the replay, the conflict and the 413 spent none).
+    assert_eq!(
+        h.submit(AGENT_SECRET, &request("b", "demo.request", 0))
+            .await
+            .status,
+        202
+    );
+    let reply = h
+        .submit(AGENT_SECRET, &request("c", "demo.request", 0))
+        .await;
+    assert_error_shape(&reply, 429, "submission_rate_limited", "rate");
+    assert_eq!(
+        reply.body["error"]["message"],
+        "Operation admission limit reached"
+    );
+    let raw = reply.header("retry-after").expect("Retry-After");
+    assert!(
+        raw.bytes().all(|b| b.is_ascii_digit()) && raw.parse::<u64>().unwrap() >= 1,
+        "Retry-After {raw:?} is not an integer of at least 1"
+    );
+
+    // A path parameter that is not valid UTF-8 once decoded: still the error shape, not text.
+    for path in [
+        "/api/agent/v1/operations/%FF",
+        "/api/agent/v1/operations/%FF/cancel",
+        "/api/operator/v1/requests/%C3%28/approve",
+    ] {
+        let token = if path.starts_with("/api/operator") {
+            OPERATOR_SECRET
+        } else {
+            AGENT_SECRET
+        };
+        let method = if path.ends_with("approve") || path.ends_with("cancel") {
+            "POST"
+        } else {
+            "GET"
+        };
+        let reply = h.send(method, path, Some(token), None).await;
+        assert_error_shape(&reply, 400, "invalid_request", path);
+    }
+    let reply = h
+        .send(
+            "DELETE",
+            "/api/agent/v1/streams/%FF",
+            Some(AGENT_SECRET),
+            None,
+        )
+        .await;
+    assert_error_shape(&reply, 400, "invalid_request", "stream path");
+}
+
+#[tokio::test]
 async fn readyz_is_503_while_another_process_holds_the_store_and_200_once_it_lets_go() {
     let dir = tempfile::tempdir().unwrap();
     let h = start(dir.path(), ROOMY).await;

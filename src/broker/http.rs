@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 use axum::Router;
 use axum::body::Body;
+use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -454,6 +455,13 @@ async fn submit(State(core): State<Arc<Core>>, headers: HeaderMap, body: Body) -
     Ok(response)
 }
 
+/// The `{id}` of a route, judged after authentication; an id that is not UTF-8 once
+/// percent-decoded is a 400 in the error shape (axum's own rejection would be plain text).
+fn path_id(id: Result<Path<String>, PathRejection>) -> Result<String, ApiError> {
+    id.map(|Path(id)| id)
+        .map_err(|rejection| ApiError::invalid(rejection.body_text()))
+}
+
 /// The caller's own operation `id`, else 404.
 async fn own_record(core: &Core, client: &Identity, id: &str) -> Result<OperationRecord, ApiError> {
     match core.db.get(id).await.map_err(ApiError::store)? {
@@ -465,9 +473,10 @@ async fn own_record(core: &Core, client: &Identity, id: &str) -> Result<Operatio
 async fn get_own(
     State(core): State<Arc<Core>>,
     headers: HeaderMap,
-    Path(id): Path<String>,
+    id: Result<Path<String>, PathRejection>,
 ) -> ApiResult {
     let client = core.auth.client(&headers)?;
+    let id = path_id(id)?;
     let record = own_record(&core, client, &id).await?;
     Ok(json_response(StatusCode::OK, record.to_json()))
 }
@@ -489,9 +498,10 @@ async fn list_own(State(core): State<Arc<Core>>, headers: HeaderMap) -> ApiResul
 async fn cancel(
     State(core): State<Arc<Core>>,
     headers: HeaderMap,
-    Path(id): Path<String>,
+    id: Result<Path<String>, PathRejection>,
 ) -> ApiResult {
     let client = core.auth.client(&headers)?;
+    let id = path_id(id)?;
     own_record(&core, client, &id).await?;
     let Some(op) = core.live_op(&id) else {
         // Terminal: canceling changes nothing. Read again, after the live lookup, so the answer
@@ -525,8 +535,14 @@ async fn list_pending(State(core): State<Arc<Core>>, headers: HeaderMap) -> ApiR
     Ok(json_response(StatusCode::OK, json!({"requests": requests})))
 }
 
-async fn decide(core: &Core, headers: &HeaderMap, id: &str, to: OperationState) -> ApiResult {
+async fn decide(
+    core: &Core,
+    headers: &HeaderMap,
+    id: Result<Path<String>, PathRejection>,
+    to: OperationState,
+) -> ApiResult {
     core.auth.operator(headers)?;
+    let id = &path_id(id)?;
     let not_pending = || {
         ApiError::new(
             StatusCode::CONFLICT,
@@ -555,17 +571,17 @@ async fn decide(core: &Core, headers: &HeaderMap, id: &str, to: OperationState) 
 async fn approve(
     State(core): State<Arc<Core>>,
     headers: HeaderMap,
-    Path(id): Path<String>,
+    id: Result<Path<String>, PathRejection>,
 ) -> ApiResult {
-    decide(&core, &headers, &id, OperationState::Approved).await
+    decide(&core, &headers, id, OperationState::Approved).await
 }
 
 async fn deny(
     State(core): State<Arc<Core>>,
     headers: HeaderMap,
-    Path(id): Path<String>,
+    id: Result<Path<String>, PathRejection>,
 ) -> ApiResult {
-    decide(&core, &headers, &id, OperationState::Denied).await
+    decide(&core, &headers, id, OperationState::Denied).await
 }
 
 async fn upload_stream(State(core): State<Arc<Core>>, headers: HeaderMap, body: Body) -> ApiResult {
@@ -659,9 +675,10 @@ async fn write_stream(
 async fn delete_stream(
     State(core): State<Arc<Core>>,
     headers: HeaderMap,
-    Path(id): Path<String>,
+    id: Result<Path<String>, PathRejection>,
 ) -> ApiResult {
     let client = core.auth.client(&headers)?;
+    let id = path_id(id)?;
     let not_found = || ApiError::new(StatusCode::NOT_FOUND, "stream_not_found", "No such stream.");
     match core.db.get_stream(&id).await.map_err(ApiError::store)? {
         Some(stream) if stream.client_id == client.as_str() => {}
