@@ -261,3 +261,13 @@ async fn a_second_broker_on_the_same_data_dir_is_refused_until_the_first_shuts_d
     assert_eq!(second.restored.pending, 1);
     assert_eq!(second.snapshot().pending, 1);
 }
+
+#[test]
+fn broker_settings_debug_shows_no_secret() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = format!("{:?}", settings(dir.path(), ROOMY, Default::default()));
+    for secret in [AGENT_SECRET, OTHER_SECRET, OPERATOR_SECRET] {
+        assert!(!text.contains(secret), "{text}");
+    }
+    assert!(text.contains("redacted"), "{text}");
+}

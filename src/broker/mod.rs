@@ -42,8 +42,8 @@ pub use store::{Database, OperationError, OperationRecord, StoreError};
 
 use operations::LiveOp;
 
-/// Everything a broker needs to start.
-#[derive(Clone, Debug)]
+/// Everything a broker needs to start. Its `Debug` output shows no secret.
+#[derive(Clone)]
 pub struct BrokerSettings {
     /// Where to listen (port 0 picks a free port; see [`Broker::local_addr`]).
     pub listen: SocketAddr,
@@ -59,6 +59,20 @@ pub struct BrokerSettings {
     pub storage_caps: StorageCaps,
     /// The Retry-After hint for capacity refusals.
     pub capacity_retry: Duration,
+}
+
+impl std::fmt::Debug for BrokerSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BrokerSettings")
+            .field("listen", &self.listen)
+            .field("data_dir", &self.data_dir)
+            .field("secrets", &self.secrets)
+            .field("operator_secret", &"<redacted>")
+            .field("config", &self.config)
+            .field("storage_caps", &self.storage_caps)
+            .field("capacity_retry", &self.capacity_retry)
+            .finish()
+    }
 }
 
 impl BrokerSettings {
