@@ -43,6 +43,82 @@ fn path_of(reply: &Reply) -> String {
 }
 
 #[tokio::test]
+async fn a_created_operation_has_exactly_the_agent_v1_fields_and_a_location_that_reads_it_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = start(dir.path(), ROOMY).await;
+    let body = request("key-1", "demo.request", 5);
+    let created = h.submit(AGENT_SECRET, &body).await;
+    assert_eq!(created.status, 202, "{}", created.body);
+    let mut fields: Vec<&str> = created
+        .body
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(String::as_str)
+        .collect();
+    fields.sort_unstable();
+    assert_eq!(
+        fields,
+        [
+            "api_version",
+            "arguments",
+            "client_id",
+            "created_at",
+            "error",
+            "id",
+            "idempotency_key",
+            "operation",
+            "reason",
+            "state",
+            "target",
+            "terminal_at",
+            "updated_at",
+        ]
+    );
+    let op = &created.body;
+    assert_eq!(op["api_version"], "unyolo.io/agent/v1");
+    assert!(op["id"].as_str().is_some_and(|id| !id.is_empty()));
+    assert_eq!(op["client_id"], AGENT);
+    assert_eq!(op["idempotency_key"], "key-1");
+    assert_eq!(op["operation"], "demo.request");
+    assert_eq!(op["target"], body["target"]);
+    assert_eq!(op["arguments"], body["arguments"]);
+    assert_eq!(op["reason"], body["reason"]);
+    assert_eq!(op["state"], "pending");
+    assert!(op["created_at"].is_string());
+    assert_eq!(op["updated_at"], op["created_at"]);
+    assert_eq!(op["terminal_at"], Value::Null);
+    assert_eq!(op["error"], Value::Null);
+
+    let location = created.header("location").expect("a Location header");
+    assert_eq!(location, path_of(&created));
+    let read = h.get(location, Some(AGENT_SECRET)).await;
+    assert_eq!(read.status, 200);
+    assert_eq!(read.body, created.body);
+    let listed = h.get("/api/agent/v1/operations", Some(AGENT_SECRET)).await;
+    assert_eq!(listed.body, json!({"operations": [created.body.clone()]}));
+    let requests = h
+        .get("/api/operator/v1/requests", Some(OPERATOR_SECRET))
+        .await;
+    assert_eq!(requests.body, json!({"requests": [created.body.clone()]}));
+
+    // A run that needs no approval starts approved and ends succeeded with the same fields.
+    let run = h
+        .submit(AGENT_SECRET, &request("key-2", "demo.run", 0))
+        .await;
+    assert_eq!((run.status, run.state()), (202, "approved"));
+    assert_eq!(run.header("location"), Some(path_of(&run).as_str()));
+    assert!(
+        eventually(async || h.get(&path_of(&run), Some(AGENT_SECRET)).await.state() == "succeeded")
+            .await
+    );
+    let done = h.get(&path_of(&run), Some(AGENT_SECRET)).await;
+    assert_eq!(done.body.as_object().unwrap().len(), 13);
+    assert!(done.body["terminal_at"].is_string());
+    assert_eq!(done.body["error"], Value::Null);
+}
+
+#[tokio::test]
 async fn every_answer_carries_no_store_and_every_error_the_error_shape() {
     let dir = tempfile::tempdir().unwrap();
     let caps = unyolo_admission::StorageCaps {
@@ -195,6 +271,257 @@ async fn every_answer_carries_no_store_and_every_error_the_error_shape() {
         )
         .await;
     assert_error_shape(&reply, 400, "invalid_request", "stream path");
+}
+
+#[tokio::test]
+async fn cancel_is_200_for_pending_and_approved_409_while_executing_and_200_unchanged_when_terminal()
+ {
+    let dir = tempfile::tempdir().unwrap();
+    let h = start(dir.path(), ROOMY).await;
+    let cancel = async |op: &Reply| {
+        h.post(&format!("{}/cancel", path_of(op)), Some(AGENT_SECRET))
+            .await
+    };
+    let approve = async |op: &Reply| {
+        h.post(
+            &format!("/api/operator/v1/requests/{}/approve", op.id()),
+            Some(OPERATOR_SECRET),
+        )
+        .await
+    };
+
+    let pending = h
+        .submit(AGENT_SECRET, &request("pending", "demo.request", 0))
+        .await;
+    let reply = cancel(&pending).await;
+    assert_eq!((reply.status, reply.state()), (200, "canceled"));
+    assert!(reply.body["terminal_at"].is_string());
+
+    // Approved and queued behind long runs. Submitted first: a saturated pool refuses new work.
+    let queued = h
+        .submit(OTHER_SECRET, &request("queued", "demo.request", 0))
+        .await;
+    assert_eq!(queued.status, 202);
+    let denied = h
+        .submit(AGENT_SECRET, &request("denied", "demo.request", 0))
+        .await;
+    let mut runs = Vec::new();
+    for i in 0..10 {
+        runs.push(
+            h.submit(
+                AGENT_SECRET,
+                &request(&format!("run-{i}"), "demo.run", 60_000),
+            )
+            .await,
+        );
+    }
+    assert!(eventually(async || h.snapshot().executing == 10).await);
+    assert_eq!(approve(&queued).await.state(), "approved");
+    assert_eq!(h.snapshot().queued, 1);
+    let reply = h
+        .post(&format!("{}/cancel", path_of(&queued)), Some(OTHER_SECRET))
+        .await;
+    assert_eq!((reply.status, reply.state()), (200, "canceled"));
+
+    // Executing: 409, and it keeps executing.
+    let reply = cancel(&runs[0]).await;
+    assert_error_shape(&reply, 409, "operation_not_cancelable", "executing");
+    let still = h.get(&path_of(&runs[0]), Some(AGENT_SECRET)).await;
+    assert_eq!(still.state(), "executing");
+
+    // Terminal (canceled, denied, succeeded): 200 with the operation exactly as it was.
+    let deny = format!("/api/operator/v1/requests/{}/deny", denied.id());
+    assert_eq!(h.post(&deny, Some(OPERATOR_SECRET)).await.state(), "denied");
+    for op in [&pending, &denied] {
+        let before = h.get(&path_of(op), Some(AGENT_SECRET)).await;
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        let reply = cancel(op).await;
+        assert_eq!(reply.status, 200);
+        assert_eq!(reply.body, before.body, "a terminal operation changed");
+        assert_eq!(
+            h.get(&path_of(op), Some(AGENT_SECRET)).await.body,
+            before.body
+        );
+    }
+    let snapshot = h.snapshot();
+    assert_eq!(snapshot.executing, 10);
+    assert_eq!(snapshot.pending, 0);
+    assert_eq!(snapshot.queued, 0);
+}
+
+#[tokio::test]
+async fn the_operator_list_shows_pending_requests_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = start(dir.path(), ROOMY).await;
+    let waiting = h
+        .submit(AGENT_SECRET, &request("waiting", "demo.request", 0))
+        .await;
+    let other_waiting = h
+        .submit(OTHER_SECRET, &request("waiting", "demo.request", 0))
+        .await;
+    let approved = h
+        .submit(AGENT_SECRET, &request("approved", "demo.request", 60_000))
+        .await;
+    let denied = h
+        .submit(AGENT_SECRET, &request("denied", "demo.request", 0))
+        .await;
+    let canceled = h
+        .submit(AGENT_SECRET, &request("canceled", "demo.request", 0))
+        .await;
+    let run = h.submit(AGENT_SECRET, &request("run", "demo.run", 0)).await;
+    h.post(
+        &format!("/api/operator/v1/requests/{}/approve", approved.id()),
+        Some(OPERATOR_SECRET),
+    )
+    .await;
+    h.post(
+        &format!("/api/operator/v1/requests/{}/deny", denied.id()),
+        Some(OPERATOR_SECRET),
+    )
+    .await;
+    h.post(
+        &format!("{}/cancel", path_of(&canceled)),
+        Some(AGENT_SECRET),
+    )
+    .await;
+    assert!(
+        eventually(async || h.get(&path_of(&run), Some(AGENT_SECRET)).await.state() == "succeeded")
+            .await
+    );
+    let reply = h
+        .get("/api/operator/v1/requests", Some(OPERATOR_SECRET))
+        .await;
+    assert_eq!(reply.status, 200);
+    let ids: Vec<&str> = reply.body["requests"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|op| {
+            assert_eq!(op["state"], "pending");
+            op["id"].as_str().unwrap()
+        })
+        .collect();
+    assert_eq!(ids, [waiting.id(), other_waiting.id()]);
+}
+
+#[tokio::test]
+async fn approve_and_deny_answer_409_request_not_pending_for_anything_not_pending() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = start(dir.path(), ROOMY).await;
+    let decide = async |op: &Reply, decision: &str| {
+        h.post(
+            &format!("/api/operator/v1/requests/{}/{decision}", op.id()),
+            Some(OPERATOR_SECRET),
+        )
+        .await
+    };
+    let approved = h
+        .submit(AGENT_SECRET, &request("approved", "demo.request", 60_000))
+        .await;
+    let reply = decide(&approved, "approve").await;
+    assert_eq!((reply.status, reply.state()), (200, "approved"));
+    let denied = h
+        .submit(AGENT_SECRET, &request("denied", "demo.request", 0))
+        .await;
+    let reply = decide(&denied, "deny").await;
+    assert_eq!((reply.status, reply.state()), (200, "denied"));
+    let canceled = h
+        .submit(AGENT_SECRET, &request("canceled", "demo.request", 0))
+        .await;
+    h.post(
+        &format!("{}/cancel", path_of(&canceled)),
+        Some(AGENT_SECRET),
+    )
+    .await;
+    let run = h.submit(AGENT_SECRET, &request("run", "demo.run", 0)).await;
+    assert!(
+        eventually(async || h.get(&path_of(&run), Some(AGENT_SECRET)).await.state() == "succeeded")
+            .await
+    );
+    assert!(
+        eventually(
+            async || h.get(&path_of(&approved), Some(AGENT_SECRET)).await.state() == "executing"
+        )
+        .await
+    );
+    let snapshot = h.snapshot();
+    for op in [&approved, &denied, &canceled, &run] {
+        let before = h.get(&path_of(op), Some(AGENT_SECRET)).await;
+        for decision in ["approve", "deny"] {
+            let reply = decide(op, decision).await;
+            let what = format!("{decision} of a {} operation", before.state());
+            assert_error_shape(&reply, 409, "request_not_pending", &what);
+        }
+        assert_eq!(
+            h.get(&path_of(op), Some(AGENT_SECRET)).await.body,
+            before.body
+        );
+    }
+    assert_eq!(h.snapshot(), snapshot);
+}
+
+#[tokio::test]
+async fn metrics_use_the_spec_names_with_code_none_for_accepted_submissions() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = start(dir.path(), TWO_PER_MINUTE).await;
+    h.submit(AGENT_SECRET, &request("a", "demo.request", 0))
+        .await;
+    h.submit(AGENT_SECRET, &request("a", "demo.request", 0))
+        .await;
+    h.submit(AGENT_SECRET, &request("b", "demo.request", 0))
+        .await;
+    let refused = h
+        .submit(AGENT_SECRET, &request("c", "demo.request", 0))
+        .await;
+    assert_eq!(refused.status, 429);
+    let reply = h.get("/metrics", Some(OPERATOR_SECRET)).await;
+    assert_eq!(reply.status, 200);
+    assert!(
+        reply.header("content-type").is_some_and(
+            |t| t.starts_with("application/openmetrics-text") || t.starts_with("text/plain")
+        ),
+        "{:?}",
+        reply.header("content-type")
+    );
+    let text = reply.body.as_str().unwrap();
+    let expect = [
+        (
+            r#"admission_requests_total{result="accepted",code="none"}"#,
+            2,
+        ),
+        (
+            r#"admission_requests_total{result="rejected",code="submission_rate_limited"}"#,
+            1,
+        ),
+        (
+            r#"admission_requests_total{result="rejected",code="client_pending_limit"}"#,
+            0,
+        ),
+        (r#"admission_operations{state="pending"}"#, 2),
+        (r#"admission_operations{state="queued"}"#, 0),
+        (r#"admission_operations{state="executing"}"#, 0),
+        (
+            r#"admission_client_operations{client="agent",state="pending"}"#,
+            2,
+        ),
+        (
+            r#"admission_client_operations{client="other",state="pending"}"#,
+            0,
+        ),
+        (r#"broker_submissions_total{result="created"}"#, 2),
+        (r#"broker_submissions_total{result="replayed"}"#, 1),
+        (r#"broker_submissions_total{result="rejected"}"#, 1),
+        (r#"admission_storage_bytes{store="stream"}"#, 0),
+        (r#"admission_config_reloads_total{result="applied"}"#, 0),
+        (r#"admission_config_reloads_total{result="rejected"}"#, 0),
+    ];
+    for (series, value) in expect {
+        assert_eq!(metric(text, series), Some(value), "{series}\n{text}");
+    }
+    assert!(
+        text.contains("admission_storage_bytes{store=\"sealed_payload\"}"),
+        "{text}"
+    );
 }
 
 #[tokio::test]
