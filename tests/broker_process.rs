@@ -7,6 +7,7 @@ mod broker_support;
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
 
 use broker_support::{AGENT_SECRET, OPERATOR_SECRET, eventually, metric, request};
 use serde_json::Value;
@@ -16,6 +17,8 @@ struct Server {
     child: Child,
     base: String,
     stdout: String,
+    /// Everything the server has logged so far.
+    stderr: Arc<Mutex<Vec<u8>>>,
     http: reqwest::Client,
 }
 
@@ -28,10 +31,16 @@ impl Drop for Server {
 
 impl Server {
     fn spawn(args: &[&str]) -> Server {
+        Server::spawn_logging(args, "info")
+    }
+
+    /// Starts `admission serve` with `RUST_LOG=log_filter`.
+    fn spawn_logging(args: &[&str], log_filter: &str) -> Server {
         let mut child = Command::new(env!("CARGO_BIN_EXE_admission"))
             .arg("serve")
             .args(["--listen", "127.0.0.1:0"])
             .args(args)
+            .env("RUST_LOG", log_filter)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -52,13 +61,22 @@ impl Server {
         };
         // Keep draining stderr so logging never blocks the server.
         let mut stderr = child.stderr.take().unwrap();
+        let logged = Arc::new(Mutex::new(Vec::new()));
+        let sink = Arc::clone(&logged);
         std::thread::spawn(move || {
-            let _ = std::io::copy(&mut stderr, &mut std::io::sink());
+            let mut chunk = [0u8; 8192];
+            while let Ok(n) = stderr.read(&mut chunk) {
+                if n == 0 {
+                    break;
+                }
+                sink.lock().unwrap().extend_from_slice(&chunk[..n]);
+            }
         });
         Server {
             child,
             base: format!("http://{addr}"),
             stdout: seen,
+            stderr: logged,
             http: reqwest::Client::new(),
         }
     }
@@ -398,4 +416,249 @@ async fn serve_without_secrets_generates_private_files_and_prints_only_their_pat
     let (status, body) = server.get("/api/agent/v1/operations", &client).await;
     assert_eq!(status, 200);
     assert_eq!(body["operations"].as_array().unwrap().len(), 1);
+}
+
+/// Runs `admission serve` expecting it to fail at start-up: its exit code, stdout and stderr.
+fn serve_fails(args: &[&str]) -> (Option<i32>, String, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_admission"))
+        .arg("serve")
+        .args(["--listen", "127.0.0.1:0"])
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // A server that starts anyway must not hang the test.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let mut out = String::new();
+            let _ = child.stdout.take().unwrap().read_to_string(&mut out);
+            panic!("serve kept running:\n{out}");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let output = child.wait_with_output().unwrap();
+    (
+        output.status.code(),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_serve_on_a_data_dir_in_use_exits_1_naming_the_dir() {
+    let dir = tempfile::tempdir().unwrap();
+    let (args, _) = files(dir.path(), 2);
+    let server = Server::spawn(&as_args(&args));
+    let (status, created) = server
+        .submit(AGENT_SECRET, request("a", "demo.request", 0))
+        .await;
+    assert_eq!(status, 202);
+
+    let (code, stdout, stderr) = serve_fails(&as_args(&args));
+    assert_eq!(code, Some(1), "{stdout}\n{stderr}");
+    let data = dir.path().join("data");
+    assert!(
+        stderr.starts_with("error: ")
+            && stderr.contains(data.to_str().unwrap())
+            && stderr.contains("in use"),
+        "{stderr}"
+    );
+    assert!(!stdout.contains("listening on"), "{stdout}");
+    // The first broker still owns the dir and its operation.
+    let (status, read) = server
+        .get(
+            &format!(
+                "/api/agent/v1/operations/{}",
+                created["id"].as_str().unwrap()
+            ),
+            AGENT_SECRET,
+        )
+        .await;
+    assert_eq!((status, state(&read)), (200, "pending"));
+    assert_eq!(
+        server
+            .metric(r#"admission_operations{state="pending"}"#)
+            .await,
+        Some(1)
+    );
+}
+
+#[test]
+fn an_invalid_secrets_file_stops_serve_with_its_line_and_problem_and_shows_no_secret() {
+    let dir = tempfile::tempdir().unwrap();
+    let operator = dir.path().join("operator");
+    std::fs::write(&operator, "operator-s3cret-zz\n").unwrap();
+    let cases = [
+        (
+            "duplicate name",
+            "agent = s3cret-one\nagent = s3cret-two\n",
+            "line 2: agent is already defined on line 1",
+        ),
+        (
+            "bad name",
+            "# clients\nbad name! = s3cret-three\n",
+            "line 2: \"bad name!\" is not a valid identity",
+        ),
+        (
+            "empty secret",
+            "agent = s3cret-four\nother =\n",
+            "line 2: the secret is empty",
+        ),
+        (
+            "no equals sign",
+            "agent s3cret-five\n",
+            "line 1: expected `name = secret`",
+        ),
+    ];
+    for (name, text, problem) in cases {
+        let secrets = dir.path().join("secrets");
+        std::fs::write(&secrets, text).unwrap();
+        let data = dir.path().join(format!("data-{}", name.replace(' ', "-")));
+        let (code, stdout, stderr) = serve_fails(&[
+            "--data",
+            data.to_str().unwrap(),
+            "--secrets",
+            secrets.to_str().unwrap(),
+            "--operator-secret",
+            operator.to_str().unwrap(),
+        ]);
+        assert_eq!(code, Some(1), "{name}: {stderr}");
+        let expected = format!("error: secrets file {}: {problem}", secrets.display());
+        assert!(stderr.starts_with(&expected), "{name}: {stderr}");
+        for output in [&stdout, &stderr] {
+            assert!(
+                !output.contains("s3cret"),
+                "{name} showed a secret: {output}"
+            );
+        }
+    }
+
+    // A missing file, and an empty operator secret.
+    let secrets = dir.path().join("secrets");
+    std::fs::write(&secrets, "agent = s3cret-six\n").unwrap();
+    let missing = dir.path().join("missing");
+    let empty = dir.path().join("empty-operator");
+    std::fs::write(&empty, "\n").unwrap();
+    let data = dir.path().join("data");
+    for (flag, file, expected) in [
+        ("--secrets", &missing, "error: secrets file"),
+        ("--operator-secret", &empty, "error: operator secret"),
+    ] {
+        let mut args = vec!["--data", data.to_str().unwrap()];
+        if flag == "--secrets" {
+            args.extend(["--secrets", file.to_str().unwrap()]);
+        } else {
+            args.extend(["--secrets", secrets.to_str().unwrap()]);
+            args.extend(["--operator-secret", file.to_str().unwrap()]);
+        }
+        let (code, _, stderr) = serve_fails(&args);
+        assert_eq!(code, Some(1), "{stderr}");
+        assert!(
+            stderr.starts_with(expected) && stderr.contains(file.to_str().unwrap()),
+            "{stderr}"
+        );
+        assert!(!stderr.contains("s3cret"), "{stderr}");
+    }
+}
+
+#[test]
+fn an_invalid_admission_config_stops_serve_with_the_config_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let (args, config) = files(dir.path(), 9); // pending 9 above active 5
+    let identities = ["agent", "other"].map(|n| unyolo_admission::Identity::new(n).unwrap());
+    let expected = unyolo_admission::Config::from_path(&config, identities.clone())
+        .unwrap_err()
+        .to_string();
+    let (code, stdout, stderr) = serve_fails(&as_args(&args));
+    assert_eq!(code, Some(1), "{stdout}\n{stderr}");
+    assert_eq!(stderr.trim_end(), format!("error: {expected}"));
+    assert!(!stdout.contains("listening on"), "{stdout}");
+
+    // An override for a client the secrets file does not name, and a relative path.
+    std::fs::write(
+        &config,
+        r#"{"requests_per_window": 10, "window_seconds": 60, "client_active": 5,
+            "client_pending": 2, "global_active": 100, "global_executing": 1,
+            "clients": {"agnet": {"requests_per_window": 1, "window_seconds": 60,
+                                  "active": 1, "pending": 1}}}"#,
+    )
+    .unwrap();
+    let expected = unyolo_admission::Config::from_path(&config, identities)
+        .unwrap_err()
+        .to_string();
+    assert!(expected.contains("agnet"), "{expected}");
+    let (code, _, stderr) = serve_fails(&as_args(&args));
+    assert_eq!(code, Some(1));
+    assert_eq!(stderr.trim_end(), format!("error: {expected}"));
+    let mut relative = args.clone();
+    *relative.last_mut().unwrap() = "admission.json".to_owned();
+    let (code, _, stderr) = serve_fails(&as_args(&relative));
+    assert_eq!(code, Some(1));
+    assert!(
+        stderr.starts_with("error: ") && stderr.contains("absolute"),
+        "{stderr}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_secret_reaches_the_log_even_at_trace_level() {
+    let dir = tempfile::tempdir().unwrap();
+    let (args, config) = files(dir.path(), 1);
+    let server = Server::spawn_logging(&as_args(&args), "trace");
+    let (status, created) = server
+        .submit(AGENT_SECRET, request("a", "demo.request", 0))
+        .await;
+    assert_eq!(status, 202);
+    // A refusal, a wrong token, the operator's routes, a reload: every kind of log line.
+    assert_eq!(
+        server
+            .submit(AGENT_SECRET, request("b", "demo.request", 0))
+            .await
+            .0,
+        429
+    );
+    assert_eq!(
+        server
+            .submit("not-the-secret-x9", request("c", "demo.request", 0))
+            .await
+            .0,
+        403
+    );
+    let approve = format!(
+        "/api/operator/v1/requests/{}/approve",
+        created["id"].as_str().unwrap()
+    );
+    assert_eq!(server.post(&approve, OPERATOR_SECRET).await.0, 200);
+    assert_eq!(server.post(&approve, AGENT_SECRET).await.0, 403);
+    write_config(&config, 9);
+    server.sighup();
+    assert!(
+        eventually(async || {
+            server
+                .metric(r#"admission_config_reloads_total{result="rejected"}"#)
+                .await
+                == Some(1)
+        })
+        .await
+    );
+    let logged = || String::from_utf8_lossy(&server.stderr.lock().unwrap()).into_owned();
+    assert!(
+        eventually(async || logged().contains("admission config rejected")).await,
+        "{}",
+        logged()
+    );
+    let log = logged();
+    assert!(log.contains("submission refused"), "{log}");
+    for secret in [
+        AGENT_SECRET,
+        "other-secret-4567",
+        OPERATOR_SECRET,
+        "not-the-secret-x9",
+    ] {
+        assert!(!log.contains(secret), "the log holds {secret:?}");
+    }
+    assert!(!server.stdout.contains(AGENT_SECRET) && !server.stdout.contains(OPERATOR_SECRET));
 }
