@@ -91,8 +91,8 @@ impl Clock for ManualClock {
 
 /// How far a reading may run ahead of the last published one before it is published. Publishing
 /// every reading would make every admission write one word shared by all threads; publishing at
-/// most every 50 µs of progress keeps that word read-mostly.
-const PUBLISH_STRIDE: u64 = 50_000;
+/// most every millisecond of progress keeps that word read-mostly.
+const PUBLISH_STRIDE: u64 = 1_000_000;
 
 /// Clamps another clock so time as the engine sees it never goes back, and counts the times the
 /// source tried.
