@@ -445,6 +445,8 @@ impl Harness {
             let c = model.entry(p.identity).or_default();
             c.active += 1;
             c.pending += u64::from(p.item.needs_approval());
+            // Admitted work that needs no approval counts as queued until it starts.
+            c.queued += u64::from(!p.item.needs_approval());
         }
         for o in &self.ops {
             let c = model.entry(o.identity).or_default();

@@ -174,6 +174,10 @@ impl Model {
         if approval {
             c.counts.pending += 1;
             self.global.pending += 1;
+        } else {
+            // Admitted work that needs no approval is queued from the start.
+            c.counts.queued += 1;
+            self.global.queued += 1;
         }
         self.permits.push((i, approval));
         Ok(())
@@ -187,6 +191,9 @@ impl Model {
         if approval {
             c.counts.pending -= 1;
             self.global.pending -= 1;
+        } else {
+            c.counts.queued -= 1;
+            self.global.queued -= 1;
         }
         if refund {
             c.credit = (c.credit + c.interval).min(c.span);
@@ -198,8 +205,6 @@ impl Model {
         let state = if approval {
             OperationState::Pending
         } else {
-            self.clients[i].counts.queued += 1;
-            self.global.queued += 1;
             OperationState::Approved
         };
         self.ops.push((i, state));

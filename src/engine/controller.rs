@@ -17,6 +17,7 @@ use dashmap::DashMap;
 
 use super::gauge::Gauge;
 use super::gcra::{Bucket, Rate};
+use super::global::{Counts, GlobalCounts, GlobalLimits, GlobalRefusal};
 use super::lifecycle::{Operation, OperationState};
 use super::refusal::{Refusal, RefusalCode};
 use super::storage::{StorageCaps, StorageReservation, Store, StoreGauges, StoredObject};
@@ -78,17 +79,13 @@ impl std::borrow::Borrow<str> for ClientKey {
 
 /// State every handle needs to release what it holds: global counts, limits, time.
 pub(crate) struct Shared {
-    pub(crate) global: CachePadded<GlobalGauges>,
+    pub(crate) global: CachePadded<GlobalCounts>,
     pub(crate) storage: [StoreGauges; 2],
     pub(crate) settings: ArcSwap<Settings>,
+    /// `global_executing` of the settings in force, mirrored so starting an operation reads one
+    /// word rather than loading the whole settings.
+    pub(crate) executing_limit: StdAtomicU64,
     pub(crate) clock: MonotonicClock,
-}
-
-/// Global counts touched by every admission, kept together so one cache line moves.
-pub(crate) struct GlobalGauges {
-    pub(crate) active: Gauge,
-    pub(crate) pending: Gauge,
-    pub(crate) executing: Gauge,
 }
 
 /// One consistent view of every limit, swapped whole on reload.
@@ -123,7 +120,6 @@ pub(crate) struct ClientState {
     pub(crate) bucket: Bucket,
     pub(crate) active: Gauge,
     pub(crate) pending: Gauge,
-    pub(crate) queued: Gauge,
     pub(crate) executing: Gauge,
     pub(crate) admitted: StdAtomicU64,
     pub(crate) slot: usize,
@@ -180,13 +176,10 @@ impl ControllerBuilder {
             config: self.config.clone(),
         };
         let shared = Arc::new(Shared {
-            global: CachePadded::new(GlobalGauges {
-                active: Gauge::new(),
-                pending: Gauge::new(),
-                executing: Gauge::new(),
-            }),
+            global: CachePadded::new(GlobalCounts::new()),
             storage: [StoreGauges::new(), StoreGauges::new()],
             settings: ArcSwap::from_pointee(settings),
+            executing_limit: StdAtomicU64::new(0),
             clock,
         });
         let controller = Controller {
@@ -269,39 +262,33 @@ impl Controller {
             if !client.active.try_acquire(1, u64::from(limits.active)) {
                 break 'reserve RefusalCode::ClientOperationLimit;
             }
-            if needs_approval {
-                if !client
+            if needs_approval
+                && !client
                     .pending
                     .try_acquire(1, u64::from(limits.pending).min(caps.grant_client))
-                {
-                    client.active.release(1);
-                    break 'reserve if client.pending.get() >= u64::from(limits.pending) {
-                        RefusalCode::ClientPendingLimit
-                    } else {
-                        RefusalCode::PendingGrantLimit
-                    };
-                }
-                if !global.pending.try_acquire(1, caps.grant_global) {
-                    client.pending.release(1);
-                    client.active.release(1);
-                    break 'reserve RefusalCode::PendingGrantLimit;
-                }
+            {
+                client.active.release(1);
+                break 'reserve if client.pending.get() >= u64::from(limits.pending) {
+                    RefusalCode::ClientPendingLimit
+                } else {
+                    RefusalCode::PendingGrantLimit
+                };
             }
-            let release_pending = |client: &ClientState| {
+            let limits_now = GlobalLimits {
+                active: settings.global_active,
+                executing: settings.global_executing,
+                pending_grants: caps.grant_global,
+            };
+            if let Err(refusal) = global.try_admit(needs_approval, limits_now) {
                 if needs_approval {
-                    global.pending.release(1);
                     client.pending.release(1);
                 }
                 client.active.release(1);
-            };
-            if !global.active.try_acquire(1, settings.global_active) {
-                release_pending(&client);
-                break 'reserve RefusalCode::GlobalOperationLimit;
-            }
-            if global.executing.get() >= settings.global_executing {
-                global.active.release(1);
-                release_pending(&client);
-                break 'reserve RefusalCode::GlobalExecutionLimit;
+                break 'reserve match refusal {
+                    GlobalRefusal::PendingGrants => RefusalCode::PendingGrantLimit,
+                    GlobalRefusal::Active => RefusalCode::GlobalOperationLimit,
+                    GlobalRefusal::Executing => RefusalCode::GlobalExecutionLimit,
+                };
             }
             // Relaxed: a statistic.
             client.admitted.fetch_add(1, Ordering::Relaxed);
@@ -342,16 +329,15 @@ impl Controller {
         let client = self.client_or_insert(identity);
         let global = &self.inner.shared.global;
         client.active.force_acquire(1);
-        global.active.force_acquire(1);
         match state {
             OperationState::Pending => {
                 client.pending.force_acquire(1);
-                global.pending.force_acquire(1);
+                global.force(Counts::ACTIVE.plus(Counts::PENDING));
             }
-            OperationState::Approved => client.queued.force_acquire(1),
+            OperationState::Approved => global.force(Counts::ACTIVE),
             OperationState::Executing => {
                 client.executing.force_acquire(1);
-                global.executing.force_acquire(1);
+                global.force(Counts::ACTIVE.plus(Counts::EXECUTING));
             }
             _ => unreachable!("terminal states returned above"),
         }
@@ -405,7 +391,6 @@ impl Controller {
             bucket: Bucket::new(),
             active: Gauge::new(),
             pending: Gauge::new(),
-            queued: Gauge::new(),
             executing: Gauge::new(),
             slot,
             identity,
@@ -544,6 +529,11 @@ impl Controller {
         }
         let unused = client_settings(config.limits().client_defaults(), false);
         let limits = *config.limits();
+        // Relaxed: a lone value; a start racing the reload may use either limit, as it may the
+        // settings themselves.
+        shared
+            .executing_limit
+            .store(u64::from(limits.global_executing), Ordering::Relaxed);
         shared.settings.store(Arc::new(Settings {
             clients: slots.into_iter().map(|s| s.unwrap_or(unused)).collect(),
             global_active: u64::from(limits.global_active),
@@ -579,13 +569,17 @@ impl Controller {
             .map(|entry| {
                 let c = &entry.key().0;
                 let limits = c.settings(&settings);
+                let (executing, pending, active) =
+                    (c.executing.get(), c.pending.get(), c.active.get());
                 ClientSnapshot {
                     identity: c.identity.clone(),
                     configured: limits.configured,
-                    active: c.active.get(),
-                    pending: c.pending.get(),
-                    queued: c.queued.get(),
-                    executing: c.executing.get(),
+                    active,
+                    pending,
+                    // Queued is what is active but neither pending nor executing: approved work,
+                    // and admitted work needing no approval whose permit is not committed yet.
+                    queued: active.saturating_sub(pending + executing),
+                    executing,
                     tokens: c.bucket.available(now, limits.rate),
                     admitted: c.admitted.load(Ordering::Relaxed),
                     rejected: std::array::from_fn(|i| c.rejected[i].load(Ordering::Relaxed)),
@@ -606,14 +600,14 @@ impl Controller {
                 *total += n;
             }
         }
-        let global = &shared.global;
+        let global = shared.global.get();
         Snapshot {
             admitted: clients.iter().map(|c| c.admitted).sum(),
             rejected,
-            active: global.active.get(),
-            pending: global.pending.get(),
+            active: global.active,
+            pending: global.pending,
             queued: clients.iter().map(|c| c.queued).sum(),
-            executing: global.executing.get(),
+            executing: global.executing,
             storage: std::array::from_fn(|i| StoreSnapshot {
                 store: Store::ALL[i],
                 files: shared.storage[i].files.get(),
@@ -639,16 +633,16 @@ fn refuse(
     // Relaxed: a statistic.
     client.rejected[code.index()].fetch_add(1, Ordering::Relaxed);
     let limits = client.settings(settings);
-    let global = &client.shared.global;
+    let global = client.shared.global.get();
     let caps = &settings.caps;
     let rate_wait = client.bucket.wait(now, limits.rate);
     let capacity_exhausted = code.is_capacity()
         || client.active.get() >= u64::from(limits.active)
         || (needs_approval
             && (client.pending.get() >= u64::from(limits.pending).min(caps.grant_client)
-                || global.pending.get() >= caps.grant_global))
-        || global.active.get() >= settings.global_active
-        || global.executing.get() >= settings.global_executing;
+                || global.pending >= caps.grant_global))
+        || global.active >= settings.global_active
+        || global.executing >= settings.global_executing;
     let capacity_wait = if capacity_exhausted {
         duration_nanos(settings.capacity_retry)
     } else {
@@ -688,7 +682,6 @@ impl Permit {
         let state = if self.needs_approval {
             OperationState::Pending
         } else {
-            client.queued.force_acquire(1);
             OperationState::Approved
         };
         Operation::new(client, state)
@@ -705,12 +698,15 @@ impl Permit {
         if !std::mem::take(&mut self.armed) {
             return;
         }
-        let global = &self.client.shared.global;
         if self.needs_approval {
-            global.pending.release(1);
+            self.client
+                .shared
+                .global
+                .release(Counts::ACTIVE.plus(Counts::PENDING));
             self.client.pending.release(1);
+        } else {
+            self.client.shared.global.release(Counts::ACTIVE);
         }
-        global.active.release(1);
         self.client.active.release(1);
     }
 }

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
 
 use super::controller::ClientState;
+use super::global::Counts;
 use super::refusal::{Refusal, RefusalCode};
 use crate::clock::duration_nanos;
 use crate::config::Identity;
@@ -206,17 +207,16 @@ impl Operation {
     /// the operation stays `approved` (queued) and the call can be retried.
     pub fn try_start(&self) -> Result<(), StartError> {
         let shared = &self.client.shared;
-        let settings = shared.settings.load();
         let current = self.state();
         if current != OperationState::Approved {
             return Err(StartError::NotApproved(current));
         }
+        // Relaxed: a lone value mirrored from the settings in force.
         if !shared
             .global
-            .executing
-            .try_acquire(1, settings.global_executing)
+            .try_start(shared.executing_limit.load(Ordering::Relaxed))
         {
-            let hint = duration_nanos(settings.capacity_retry);
+            let hint = duration_nanos(shared.settings.load().capacity_retry);
             return Err(StartError::Saturated(Refusal::after_nanos(
                 RefusalCode::GlobalExecutionLimit,
                 hint,
@@ -230,13 +230,12 @@ impl Operation {
             Ordering::Acquire,
         ) {
             Ok(_) => {
-                self.client.queued.release(1);
                 self.client.executing.force_acquire(1);
                 Ok(())
             }
             Err(actual) => {
                 // Lost to a cancel or expiry: the slot was never the operation's.
-                shared.global.executing.release(1);
+                shared.global.release(Counts::EXECUTING);
                 Err(StartError::NotApproved(OperationState::from_u8(actual)))
             }
         }
@@ -270,27 +269,26 @@ impl Operation {
 
     fn account(&self, from: OperationState, to: OperationState) {
         let client = &*self.client;
-        let global = &client.shared.global;
+        // What the state left held globally, and what the new one no longer holds: released in
+        // one step on the global word.
+        let mut global = Counts::default();
         match from {
             OperationState::Pending => {
                 client.pending.release(1);
-                global.pending.release(1);
-            }
-            OperationState::Approved => {
-                client.queued.release(1);
+                global.pending = 1;
             }
             OperationState::Executing => {
                 client.executing.release(1);
-                global.executing.release(1);
+                global.executing = 1;
             }
             _ => {}
         }
-        if to == OperationState::Approved {
-            client.queued.force_acquire(1);
-        }
         if to.is_terminal() {
             client.active.release(1);
-            global.active.release(1);
+            global.active = 1;
+        }
+        if global != Counts::default() {
+            client.shared.global.release(global);
         }
     }
 }

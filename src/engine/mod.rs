@@ -5,6 +5,7 @@
 pub(crate) mod controller;
 pub(crate) mod gauge;
 pub(crate) mod gcra;
+pub(crate) mod global;
 pub(crate) mod lifecycle;
 pub(crate) mod refusal;
 pub(crate) mod storage;
