@@ -260,7 +260,19 @@ fn scaling(cr: &mut Criterion) {
 fn under_reload(cr: &mut Criterion) {
     let mut g = cr.benchmark_group("5_reload");
     let c = controller();
-    let config = roomy_config();
+    // Each reload swaps in a configuration that really differs (global and per-client active
+    // limits), alternating, so none is skipped as unchanged.
+    let configs = [roomy_config(), {
+        let ids = CLIENTS.map(|c| Identity::new(c).expect("valid"));
+        let limits = Limits {
+            client_active: 999,
+            client_pending: 999,
+            global_active: 999_999,
+            global_executing: 999_999,
+            ..roomy_limits()
+        };
+        Config::new(limits, BTreeMap::new(), ids).expect("valid config")
+    }];
     g.bench_function("without_reloads", |b| {
         b.iter_custom(|iters| threaded(iters, 1, |_| cycle(&c, CLIENTS[0])))
     });
@@ -273,8 +285,10 @@ fn under_reload(cr: &mut Criterion) {
                 let stop = AtomicBool::new(false);
                 std::thread::scope(|s| {
                     s.spawn(|| {
+                        let mut i = 0;
                         while !stop.load(Ordering::Relaxed) {
-                            c.reload(config.clone());
+                            c.reload(configs[i % 2].clone());
+                            i += 1;
                             if let Some(p) = pause {
                                 std::thread::sleep(p);
                             }

@@ -7,6 +7,7 @@
 //! [`Gauge`] compare-and-swap in the contract's order, rolling back everything reserved so far at the
 //! first that fails.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::AtomicU64 as StdAtomicU64;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -45,11 +46,23 @@ struct Inner {
     /// the keys are configured identities, never inserted from traffic, so a fast hash is safe.
     clients: DashMap<ClientKey, (), foldhash::fast::RandomState>,
     shared: Arc<Shared>,
-    /// Serializes reloads and client insertions against each other (never taken by admissions).
-    reload: Mutex<()>,
+    /// Every tracked state, by identity: the reload path's own index of the client table, so a
+    /// reload reads no shard of the table that admissions use. The mutex serializes reloads and
+    /// insertions against each other; admissions never take it.
+    tracked: Mutex<Tracked>,
     unconfigured_refusals: StdAtomicU64,
     reloads_ok: StdAtomicU64,
     reloads_failed: StdAtomicU64,
+}
+
+/// What the reload path keeps to itself, under its mutex.
+#[derive(Default)]
+struct Tracked {
+    /// Every tracked state, by identity.
+    states: BTreeMap<Identity, Arc<ClientState>>,
+    /// The settings replaced by the last reload, kept alive until the next one so that an
+    /// admission still reading them never pays for freeing them.
+    retired: Option<Arc<Settings>>,
 }
 
 /// A client state as a key of the client table: hashed and compared by its identity, so the table
@@ -189,7 +202,7 @@ impl ControllerBuilder {
                     CLIENT_SHARDS,
                 ),
                 shared,
-                reload: Mutex::new(()),
+                tracked: Mutex::new(Tracked::default()),
                 unconfigured_refusals: StdAtomicU64::new(0),
                 reloads_ok: StdAtomicU64::new(0),
                 reloads_failed: StdAtomicU64::new(0),
@@ -451,32 +464,42 @@ impl Controller {
     /// findable only once the table has its slot. Admissions take none of the locks used here but
     /// the table's shard locks, and only for the identities being added or removed.
     fn apply(&self, config: Config, extra: Option<&Identity>) {
-        let _guard = self.inner.reload.lock().unwrap_or_else(|p| p.into_inner());
+        let mut guard = self.inner.tracked.lock().unwrap_or_else(|p| p.into_inner());
+        let Tracked {
+            states: tracked,
+            retired,
+        } = &mut *guard;
         let shared = &self.inner.shared;
         let current = shared.settings.load_full();
+        let nothing_new = extra.is_none_or(|identity| tracked.contains_key(identity.as_str()));
+        if nothing_new && current.config == config && !current.clients.is_empty() {
+            return; // The same configuration again (a SIGHUP with an unchanged file): nothing to swap.
+        }
         let now = shared.clock.now();
         // Forget removed identities that nothing holds any more. `remove_if` runs under the
-        // shard's write lock, where nobody can clone the state: a count of one (the table's own)
-        // means no permit, operation or stored object holds it, so its slot is free.
-        let removed: Vec<Identity> = self
-            .inner
-            .clients
-            .iter()
-            .filter(|entry| !is_named(&config, extra, &entry.key().0.identity))
-            .map(|entry| entry.key().0.identity.clone())
+        // shard's write lock, where nobody can clone the state: a count of two (the table's and
+        // `tracked`'s) means no permit, operation or stored object holds it, so its slot is free.
+        let removed: Vec<Identity> = tracked
+            .keys()
+            .filter(|identity| !is_named(&config, extra, identity))
+            .cloned()
             .collect();
         for identity in removed {
-            self.inner
+            if self
+                .inner
                 .clients
-                .remove_if(identity.as_str(), |key, _| Arc::strong_count(&key.0) == 1);
+                .remove_if(identity.as_str(), |key, _| Arc::strong_count(&key.0) == 2)
+                .is_some()
+            {
+                tracked.remove(&identity);
+            }
         }
         // Slots of the states still tracked keep their place; the others are free.
         let mut slots: Vec<Option<ClientSettings>> = vec![None; current.clients.len()];
-        for entry in self.inner.clients.iter() {
-            let slot = entry.key().0.slot;
-            slots[slot] = Some(ClientSettings {
+        for state in tracked.values() {
+            slots[state.slot] = Some(ClientSettings {
                 configured: false,
-                ..current.clients[slot]
+                ..current.clients[state.slot]
             });
         }
         let mut free = (0..slots.len())
@@ -502,7 +525,7 @@ impl Controller {
                     .expect("configured identity"),
                 true,
             );
-            match self.client(identity.as_str()) {
+            match tracked.get(identity.as_str()) {
                 Some(state) => {
                     let old = current.clients[state.slot];
                     if old.rate != limits.rate {
@@ -517,7 +540,7 @@ impl Controller {
             }
         }
         if let Some(identity) = extra
-            && self.client(identity.as_str()).is_none()
+            && !tracked.contains_key(identity.as_str())
             && config.effective(identity.as_str()).is_none()
         {
             let limits = client_settings(config.limits().client_defaults(), false);
@@ -534,16 +557,18 @@ impl Controller {
         shared
             .executing_limit
             .store(u64::from(limits.global_executing), Ordering::Relaxed);
-        shared.settings.store(Arc::new(Settings {
+        *retired = Some(shared.settings.swap(Arc::new(Settings {
             clients: slots.into_iter().map(|s| s.unwrap_or(unused)).collect(),
             global_active: u64::from(limits.global_active),
             global_executing: u64::from(limits.global_executing),
             config,
             capacity_retry: current.capacity_retry,
             caps: current.caps,
-        }));
+        })));
         for state in new_states {
-            self.inner.clients.insert(ClientKey(Arc::new(state)), ());
+            let state = Arc::new(state);
+            tracked.insert(state.identity.clone(), Arc::clone(&state));
+            self.inner.clients.insert(ClientKey(state), ());
         }
     }
 
