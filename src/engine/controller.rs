@@ -7,7 +7,6 @@
 //! [`Gauge`] compare-and-swap in the contract's order, rolling back everything reserved so far at the
 //! first that fails.
 
-use std::collections::BTreeMap;
 use std::sync::atomic::AtomicU64 as StdAtomicU64;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -58,8 +57,8 @@ struct Inner {
 /// What the reload path keeps to itself, under its mutex.
 #[derive(Default)]
 struct Tracked {
-    /// Every tracked state, by identity.
-    states: BTreeMap<Identity, Arc<ClientState>>,
+    /// Every tracked state, sorted by identity (a plain sorted vector: one pointer per client).
+    states: Vec<Arc<ClientState>>,
     /// The settings replaced by the last reload, kept alive until the next one so that an
     /// admission still reading them never pays for freeing them.
     retired: Option<Arc<Settings>>,
@@ -139,7 +138,9 @@ pub(crate) struct ClientState {
     pub(crate) shared: Arc<Shared>,
     pub(crate) identity: Identity,
     pub(crate) storage: [StoreGauges; 2],
-    pub(crate) rejected: [StdAtomicU64; RefusalCode::ALL.len()],
+    /// Refusals by code, indexed like [`RefusalCode::ALL`] less one: an unconfigured identity has
+    /// no state, so `ClientUnconfigured` is never counted here.
+    pub(crate) rejected: [StdAtomicU64; RefusalCode::ALL.len() - 1],
 }
 
 impl ClientState {
@@ -186,7 +187,7 @@ impl ControllerBuilder {
             global_executing: 0,
             capacity_retry: round_up_to_seconds(self.capacity_retry),
             caps: self.caps,
-            config: self.config.clone(),
+            config: Config::defaults([]),
         };
         let shared = Arc::new(Shared {
             global: CachePadded::new(GlobalCounts::new()),
@@ -471,7 +472,7 @@ impl Controller {
         } = &mut *guard;
         let shared = &self.inner.shared;
         let current = shared.settings.load_full();
-        let nothing_new = extra.is_none_or(|identity| tracked.contains_key(identity.as_str()));
+        let nothing_new = extra.is_none_or(|identity| find(tracked, identity.as_str()).is_ok());
         if nothing_new && current.config == config && !current.clients.is_empty() {
             return; // The same configuration again (a SIGHUP with an unchanged file): nothing to swap.
         }
@@ -479,24 +480,18 @@ impl Controller {
         // Forget removed identities that nothing holds any more. `remove_if` runs under the
         // shard's write lock, where nobody can clone the state: a count of two (the table's and
         // `tracked`'s) means no permit, operation or stored object holds it, so its slot is free.
-        let removed: Vec<Identity> = tracked
-            .keys()
-            .filter(|identity| !is_named(&config, extra, identity))
-            .cloned()
-            .collect();
-        for identity in removed {
-            if self
-                .inner
-                .clients
-                .remove_if(identity.as_str(), |key, _| Arc::strong_count(&key.0) == 2)
-                .is_some()
-            {
-                tracked.remove(&identity);
-            }
-        }
+        let clients = &self.inner.clients;
+        tracked.retain(|state| {
+            is_named(&config, extra, &state.identity)
+                || clients
+                    .remove_if(state.identity.as_str(), |key, _| {
+                        Arc::strong_count(&key.0) == 2
+                    })
+                    .is_none()
+        });
         // Slots of the states still tracked keep their place; the others are free.
         let mut slots: Vec<Option<ClientSettings>> = vec![None; current.clients.len()];
-        for state in tracked.values() {
+        for state in tracked.iter() {
             slots[state.slot] = Some(ClientSettings {
                 configured: false,
                 ..current.clients[state.slot]
@@ -525,7 +520,7 @@ impl Controller {
                     .expect("configured identity"),
                 true,
             );
-            match tracked.get(identity.as_str()) {
+            match find(tracked, identity.as_str()).ok().map(|i| &tracked[i]) {
                 Some(state) => {
                     let old = current.clients[state.slot];
                     if old.rate != limits.rate {
@@ -540,7 +535,7 @@ impl Controller {
             }
         }
         if let Some(identity) = extra
-            && !tracked.contains_key(identity.as_str())
+            && find(tracked, identity.as_str()).is_err()
             && config.effective(identity.as_str()).is_none()
         {
             let limits = client_settings(config.limits().client_defaults(), false);
@@ -567,9 +562,11 @@ impl Controller {
         })));
         for state in new_states {
             let state = Arc::new(state);
-            tracked.insert(state.identity.clone(), Arc::clone(&state));
+            tracked.push(Arc::clone(&state));
             self.inner.clients.insert(ClientKey(state), ());
         }
+        tracked.sort_unstable_by(|a, b| a.identity.cmp(&b.identity));
+        tracked.shrink_to_fit();
     }
 
     /// The configuration in force.
@@ -607,7 +604,10 @@ impl Controller {
                     executing,
                     tokens: c.bucket.available(now, limits.rate),
                     admitted: c.admitted.load(Ordering::Relaxed),
-                    rejected: std::array::from_fn(|i| c.rejected[i].load(Ordering::Relaxed)),
+                    rejected: std::array::from_fn(|i| match i.checked_sub(1) {
+                        Some(i) => c.rejected[i].load(Ordering::Relaxed),
+                        None => 0,
+                    }),
                     storage: std::array::from_fn(|i| StoreSnapshot {
                         store: Store::ALL[i],
                         files: c.storage[i].files.get(),
@@ -656,7 +656,8 @@ fn refuse(
     needs_approval: bool,
 ) -> Refusal {
     // Relaxed: a statistic.
-    client.rejected[code.index()].fetch_add(1, Ordering::Relaxed);
+    // `code` is never ClientUnconfigured here: refusals of unknown identities have no client.
+    client.rejected[code.index() - 1].fetch_add(1, Ordering::Relaxed);
     let limits = client.settings(settings);
     let global = client.shared.global.get();
     let caps = &settings.caps;
@@ -769,6 +770,11 @@ impl std::fmt::Display for RestoreError {
 }
 
 impl std::error::Error for RestoreError {}
+
+/// Where `identity` is in the sorted `states` (or where it would go).
+fn find(states: &[Arc<ClientState>], identity: &str) -> Result<usize, usize> {
+    states.binary_search_by(|state| state.identity.as_str().cmp(identity))
+}
 
 /// Whether a reload to `config` keeps tracking `identity` by name.
 fn is_named(config: &Config, extra: Option<&Identity>, identity: &Identity) -> bool {

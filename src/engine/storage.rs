@@ -152,7 +152,10 @@ fn release(client: &ClientState, store: Store, files: u64, bytes: u64) {
     mine.files.release(files);
 }
 
-fn refusal(store: Store, settings: &Settings) -> Refusal {
+/// The store's refusal, counted in the client's metrics.
+fn refusal(client: &ClientState, store: Store, settings: &Settings) -> Refusal {
+    // Relaxed: a statistic. Storage codes are never ClientUnconfigured, so index - 1 is valid.
+    client.rejected[store.refusal_code().index() - 1].fetch_add(1, Ordering::Relaxed);
     Refusal::after_nanos(
         store.refusal_code(),
         duration_nanos(settings.capacity_retry),
@@ -184,7 +187,7 @@ impl StorageReservation {
                 armed: true,
             })
         } else {
-            Err(refusal(store, settings))
+            Err(refusal(&client, store, settings))
         }
     }
 
@@ -210,7 +213,7 @@ impl StorageReservation {
                 real_bytes - self.bytes,
                 settings.caps.of(store),
             ) {
-                return Err(refusal(store, &settings)); // Drop releases the reservation.
+                return Err(refusal(&client, store, &settings)); // Drop releases the reservation.
             }
         }
         self.armed = false;
