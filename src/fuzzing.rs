@@ -586,7 +586,7 @@ fn within(allowance: &mut u64, value: u64, limit: u64, raised: bool, what: &str)
     *allowance = (*allowance).min(value);
 }
 
-/// The engine's rate check alone, for `benches/`: the real [`Bucket`](crate::engine::gcra) GCRA
+/// The engine's rate check alone, for `benches/`: the real `Bucket` GCRA
 /// word, the real clamped clock over `quanta`, and per-identity buckets in a `dashmap` looked up by
 /// name, as the controller stores its clients. [`Controller::admit`] does this and then reserves
 /// the counts, so it cannot be timed alone through the public API.

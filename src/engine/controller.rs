@@ -2,10 +2,11 @@
 //!
 //! The controller holds one [`ClientState`] per configured identity in a `dashmap` (created from
 //! configuration, never from traffic, so memory is bounded by the quota file), the global counts in
-//! one cache-padded block, and the validated limits in an `arc-swap` so a reload never blocks an
-//! admission. A decision reads one consistent limits snapshot, then reserves each dimension with the
-//! [`Gauge`] compare-and-swap in the contract's order, rolling back everything reserved so far at the
-//! first that fails.
+//! one packed, cache-padded word ([`GlobalCounts`]), and the validated limits in an `arc-swap` so a
+//! reload never blocks an admission. A decision reads one consistent limits snapshot, then reserves
+//! each dimension by compare-and-swap in the contract's order — the client's token, its active and
+//! pending counts ([`Gauge`]), then the global counts in one step — rolling back everything
+//! reserved so far at the first that fails.
 
 use std::sync::atomic::AtomicU64 as StdAtomicU64;
 use std::sync::{Arc, Mutex};
