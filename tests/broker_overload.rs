@@ -9,8 +9,10 @@ use std::sync::Arc;
 
 use broker_support::*;
 use serde_json::json;
-use unyolo_admission::StorageCaps;
+use unyolo_admission::broker::BrokerSettings;
+use unyolo_admission::config::Secrets;
 use unyolo_admission::engine::StoreCaps;
+use unyolo_admission::{Config, StorageCaps};
 
 const TIGHT: &str = r#"{"requests_per_window": 1000, "window_seconds": 60,
   "client_active": 3, "client_pending": 2, "global_active": 100, "global_executing": 10}"#;
@@ -537,4 +539,90 @@ async fn a_stream_without_content_length_or_with_a_short_body_holds_nothing() {
     assert_eq!(h.snapshot().storage[0].bytes, 0);
     let files = std::fs::read_dir(dir.path().join("streams")).map_or(0, |d| d.count());
     assert_eq!(files, 0, "a partial body was left on disk");
+}
+
+/// A client removed from the secrets file while it had pending work: after the restart its
+/// operations still count against the global limits, the operator can still decide them, and the
+/// client itself can no longer authenticate.
+#[tokio::test]
+async fn work_of_a_client_removed_from_the_secrets_survives_a_restart_and_can_be_decided() {
+    let dir = tempfile::tempdir().unwrap();
+    let limits = r#"{"requests_per_window": 1000, "window_seconds": 60, "client_active": 2,
+      "client_pending": 2, "global_active": 3, "global_executing": 2}"#;
+    let h = start(dir.path(), limits).await;
+    let first = h
+        .submit(OTHER_SECRET, &request("gone-1", "demo.request", 0))
+        .await;
+    let second = h
+        .submit(OTHER_SECRET, &request("gone-2", "demo.request", 0))
+        .await;
+    assert_eq!((first.status, second.status), (202, 202));
+    h.broker.shutdown().await;
+
+    // Restart with only AGENT configured.
+    let secrets = Secrets::parse(&format!("{AGENT} = {AGENT_SECRET}\n")).unwrap();
+    let config = Config::from_bytes(
+        limits.as_bytes(),
+        secrets.identities().cloned().collect::<Vec<_>>(),
+    )
+    .unwrap();
+    let settings = BrokerSettings {
+        config,
+        ..BrokerSettings::new(
+            "127.0.0.1:0".parse().unwrap(),
+            dir.path().to_owned(),
+            secrets,
+            OPERATOR_SECRET.to_owned(),
+        )
+    };
+    let h = start_with(settings).await;
+    assert_eq!(h.restored.pending, 2, "both operations restored");
+    assert_eq!(h.snapshot().active, 2, "and they count globally");
+    assert_eq!(
+        h.get(
+            &format!("/api/agent/v1/operations/{}", first.id()),
+            Some(OTHER_SECRET)
+        )
+        .await
+        .status,
+        403
+    );
+    // Global active is 3: AGENT gets the one slot left, then the removed client's work binds.
+    assert_eq!(
+        h.submit(AGENT_SECRET, &request("a-1", "demo.run", 0))
+            .await
+            .status,
+        202
+    );
+    let refused = h.submit(AGENT_SECRET, &request("a-2", "demo.run", 0)).await;
+    assert_eq!(
+        (refused.status, refused.code()),
+        (429, "global_operation_limit")
+    );
+    // The operator still sees and decides them, and deciding frees the slots.
+    let listed = h
+        .get("/api/operator/v1/requests", Some(OPERATOR_SECRET))
+        .await;
+    assert_eq!(listed.body["requests"].as_array().unwrap().len(), 2);
+    let denied = h
+        .post(
+            &format!("/api/operator/v1/requests/{}/deny", first.id()),
+            Some(OPERATOR_SECRET),
+        )
+        .await;
+    assert_eq!((denied.status, denied.state()), (200, "denied"));
+    let canceled_by_operator = h
+        .post(
+            &format!("/api/operator/v1/requests/{}/deny", second.id()),
+            Some(OPERATOR_SECRET),
+        )
+        .await;
+    assert_eq!(canceled_by_operator.status, 200);
+    assert_eq!(
+        h.submit(AGENT_SECRET, &request("a-3", "demo.run", 0))
+            .await
+            .status,
+        202
+    );
+    h.broker.shutdown().await;
 }
