@@ -26,7 +26,9 @@ pub struct Snapshot {
     pub active: u64,
     /// Operations awaiting an operator decision (the pending-grant store's count).
     pub pending: u64,
-    /// Approved operations waiting for an execution slot.
+    /// Operations waiting for an execution slot: approved ones, and admitted ones that need no
+    /// approval (counted from admission, before the broker commits the permit). Derived as
+    /// active − pending − executing.
     pub queued: u64,
     /// Operations executing.
     pub executing: u64,
@@ -77,7 +79,9 @@ pub struct ClientSnapshot {
     pub active: u64,
     /// Operations awaiting approval.
     pub pending: u64,
-    /// Approved operations waiting for an execution slot.
+    /// Operations waiting for an execution slot: approved ones, and admitted ones that need no
+    /// approval (counted from admission, before the broker commits the permit). Derived as
+    /// active − pending − executing.
     pub queued: u64,
     /// Operations executing.
     pub executing: u64,
