@@ -28,6 +28,9 @@ impl Gauge {
     /// Takes `n` slots if that keeps the count at or below `limit`. Returns whether it did.
     #[inline]
     pub(crate) fn try_acquire(&self, n: u64, limit: u64) -> bool {
+        if n == 0 {
+            return true; // Taking nothing fits even where restored usage is above the limit.
+        }
         // Relaxed throughout: the count is the only data; the CAS alone guarantees that every
         // increment was decided against the value it replaced, which is what bounds the count.
         let mut current = self.held.load(Ordering::Relaxed);
@@ -119,6 +122,14 @@ mod tests {
         assert!(!g.try_acquire(4, 10));
         assert_eq!(g.get(), 7);
         assert!(g.try_acquire(3, 10));
+    }
+
+    #[test]
+    fn taking_nothing_always_fits() {
+        let g = Gauge::new();
+        g.force_acquire(5);
+        assert!(g.try_acquire(0, 3));
+        assert_eq!(g.get(), 5);
     }
 
     #[test]
