@@ -308,10 +308,9 @@ impl Controller {
             // Relaxed: a statistic.
             client.admitted.fetch_add(1, Ordering::Relaxed);
             return Ok(Permit {
-                client,
+                client: Some(client),
                 rate: limits.rate,
                 needs_approval,
-                armed: true,
             });
         };
         client.bucket.give_back(limits.rate);
@@ -685,16 +684,24 @@ fn refuse(
 /// [`Permit::refund`] returns the token too, for the broker's own faults.
 #[must_use = "a permit holds slots until it is committed or dropped"]
 pub struct Permit {
-    client: Arc<ClientState>,
+    /// The client, until the permit is committed, refunded or dropped (then `None`): moving it
+    /// out on commit hands the operation the permit's own reference, no second count.
+    client: Option<Arc<ClientState>>,
     rate: Rate,
     needs_approval: bool,
-    armed: bool,
 }
 
 impl Permit {
+    fn client(&self) -> &ClientState {
+        // Only `commit`, `refund` and `drop` take the client, and each consumes the permit.
+        self.client
+            .as_deref()
+            .expect("a live permit holds its client")
+    }
+
     /// The admitted client.
     pub fn identity(&self) -> &Identity {
-        &self.client.identity
+        &self.client().identity
     }
 
     /// Whether the operation waits for an operator (it starts `pending`, else `approved`).
@@ -704,8 +711,7 @@ impl Permit {
 
     /// The durable operation exists: track it, `pending` if it needs approval, else `approved`.
     pub fn commit(mut self) -> Operation {
-        self.armed = false;
-        let client = Arc::clone(&self.client);
+        let client = self.client.take().expect("a live permit holds its client");
         let state = if self.needs_approval {
             OperationState::Pending
         } else {
@@ -717,37 +723,39 @@ impl Permit {
     /// The broker failed through its own fault (say, the store was unavailable): return the
     /// slots and the rate token.
     pub fn refund(mut self) {
-        self.release();
-        self.client.bucket.give_back(self.rate);
+        if let Some(client) = self.client.take() {
+            release_admission(&client, self.needs_approval);
+            client.bucket.give_back(self.rate);
+        }
     }
+}
 
-    fn release(&mut self) {
-        if !std::mem::take(&mut self.armed) {
-            return;
-        }
-        if self.needs_approval {
-            self.client
-                .shared
-                .global
-                .release(Counts::ACTIVE.plus(Counts::PENDING));
-            self.client.pending.release(1);
-        } else {
-            self.client.shared.global.release(Counts::ACTIVE);
-        }
-        self.client.active.release(1);
+/// Returns what an uncommitted admission holds.
+fn release_admission(client: &ClientState, needs_approval: bool) {
+    if needs_approval {
+        client
+            .shared
+            .global
+            .release(Counts::ACTIVE.plus(Counts::PENDING));
+        client.pending.release(1);
+    } else {
+        client.shared.global.release(Counts::ACTIVE);
     }
+    client.active.release(1);
 }
 
 impl Drop for Permit {
     fn drop(&mut self) {
-        self.release();
+        if let Some(client) = self.client.take() {
+            release_admission(&client, self.needs_approval);
+        }
     }
 }
 
 impl std::fmt::Debug for Permit {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Permit")
-            .field("identity", &self.client.identity)
+            .field("identity", &self.client.as_ref().map(|c| &c.identity))
             .field("needs_approval", &self.needs_approval)
             .finish()
     }
