@@ -80,6 +80,11 @@ fn baseline() -> MutexAdmission {
     )
 }
 
+/// Reloads done, and nanoseconds of admissions timed while they ran (group 5), to report the
+/// reload rate behind each figure.
+static RELOADS: AtomicU64 = AtomicU64::new(0);
+static RELOAD_NANOS: AtomicU64 = AtomicU64::new(0);
+
 /// Rate refusals retried in [`cycle`] (see the module docs).
 static STALE_CLOCK_RETRIES: AtomicU64 = AtomicU64::new(0);
 
@@ -280,6 +285,8 @@ fn under_reload(cr: &mut Criterion) {
         ("reloading_in_a_tight_loop", None),
         ("reloading_every_1ms", Some(Duration::from_millis(1))),
     ] {
+        RELOADS.store(0, Ordering::Relaxed);
+        RELOAD_NANOS.store(0, Ordering::Relaxed);
         g.bench_function(name, |b| {
             b.iter_custom(|iters| {
                 let stop = AtomicBool::new(false);
@@ -289,6 +296,7 @@ fn under_reload(cr: &mut Criterion) {
                         while !stop.load(Ordering::Relaxed) {
                             c.reload(configs[i % 2].clone());
                             i += 1;
+                            RELOADS.fetch_add(1, Ordering::Relaxed);
                             if let Some(p) = pause {
                                 std::thread::sleep(p);
                             }
@@ -296,10 +304,18 @@ fn under_reload(cr: &mut Criterion) {
                     });
                     let elapsed = threaded(iters, 1, |_| cycle(&c, CLIENTS[0]));
                     stop.store(true, Ordering::Relaxed);
+                    RELOAD_NANOS.fetch_add(elapsed.as_nanos() as u64, Ordering::Relaxed);
                     elapsed
                 })
             })
         });
+        let seconds = RELOAD_NANOS.load(Ordering::Relaxed) as f64 / 1e9;
+        if seconds > 0.0 {
+            println!(
+                "{name}: {:.0} reloads per second while admitting",
+                RELOADS.load(Ordering::Relaxed) as f64 / seconds
+            );
+        }
     }
     g.finish();
     let retries = STALE_CLOCK_RETRIES.load(Ordering::Relaxed);
