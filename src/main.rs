@@ -10,7 +10,8 @@ use std::process::ExitCode;
 use clap::{Args, Parser, Subcommand};
 use unyolo_admission::config::{Config, Identity, Secrets};
 
-/// Admission control for agent brokers: check quota files and print the defaults.
+/// Admission control for agent brokers: check quota files, print the defaults, run the reference
+/// broker and its overload drill.
 #[derive(Parser)]
 #[command(name = "admission", version, about)]
 struct Cli {
