@@ -569,6 +569,15 @@ fn identities_removed_by_reload_are_forgotten_once_drained() {
     );
     assert!(!s.client("other").unwrap().configured);
     drop(held);
+    let last: Vec<String> = (0..20).map(|i| format!("gen49-{i}")).collect();
+    let mut same: Vec<&str> = last.iter().map(String::as_str).collect();
+    same.push("bot");
+    c.reload(config(Limits::DEFAULT, &[], &same));
+    assert_eq!(
+        c.snapshot().clients.len(),
+        21,
+        "an unchanged reload still forgets what drained"
+    );
     c.reload(config(Limits::DEFAULT, &[], &["bot"]));
     assert_eq!(c.snapshot().clients.len(), 1);
     assert!(c.admit("bot", false).is_ok());

@@ -472,9 +472,16 @@ impl Controller {
         } = &mut *guard;
         let shared = &self.inner.shared;
         let current = shared.settings.load_full();
+        // The same configuration again (a SIGHUP with an unchanged file), with no identity to add
+        // and none draining to forget: nothing to swap.
         let nothing_new = extra.is_none_or(|identity| find(tracked, identity.as_str()).is_ok());
-        if nothing_new && current.config == config && !current.clients.is_empty() {
-            return; // The same configuration again (a SIGHUP with an unchanged file): nothing to swap.
+        let nothing_draining = tracked.len() == config.identities().len();
+        if nothing_new
+            && nothing_draining
+            && current.config == config
+            && !current.clients.is_empty()
+        {
+            return;
         }
         let now = shared.clock.now();
         // Forget removed identities that nothing holds any more. `remove_if` runs under the
