@@ -65,6 +65,9 @@ async fn start_queued(core: &Arc<Core>) {
         let Some(op) = core.executor.queue().front().cloned() else {
             return;
         };
+        // The gate first, then the operation's lock, as every transition takes them: from the
+        // slot taken to the row written, no drift reading sees the start half made.
+        let quiet = core.hold_counts().await;
         let guard = op.lock.lock().await;
         match op.handle.try_start() {
             Ok(()) => {
@@ -82,6 +85,7 @@ async fn start_queued(core: &Arc<Core>) {
                     Ok(Some(_)) => {
                         core.changed(&op, OperationState::Approved, OperationState::Executing);
                         drop(guard);
+                        drop(quiet);
                         tokio::spawn(execute(Arc::clone(core), op));
                     }
                     other => {
@@ -127,7 +131,10 @@ async fn execute(core: Arc<Core>, op: Arc<LiveOp>) {
         _ = shutdown.wait_for(|stop| *stop) => return,
     }
     loop {
-        match core.transition(&op, OperationState::Succeeded, None).await {
+        let outcome = Arc::clone(&core)
+            .transition(Arc::clone(&op), OperationState::Succeeded, None)
+            .await;
+        match outcome {
             Ok(_) | Err(TransitionFailure::NotAllowed(_)) => return,
             Err(TransitionFailure::Store(err)) => {
                 tracing::error!(operation = %op.id, error = %err, "cannot record success; retrying");
