@@ -96,18 +96,16 @@ fn lock_store(data: &Path, hold: Duration) -> std::thread::JoinHandle<()> {
 }
 
 /// Takes drift readings until `stop` is set and returns every one that was not clean.
-fn watch_drift(broker: &Broker, stop: Arc<AtomicBool>) -> impl Future<Output = Vec<DriftReport>> {
-    async move {
-        let mut dirty = Vec::new();
-        while !stop.load(Ordering::Relaxed) {
-            let report = broker.check_drift().await.unwrap();
-            if !report.is_clean() {
-                dirty.push(report);
-            }
-            tokio::time::sleep(Duration::from_millis(5)).await;
+async fn watch_drift(broker: &Broker, stop: Arc<AtomicBool>) -> Vec<DriftReport> {
+    let mut dirty = Vec::new();
+    while !stop.load(Ordering::Relaxed) {
+        let report = broker.check_drift().await.unwrap();
+        if !report.is_clean() {
+            dirty.push(report);
         }
-        dirty
+        tokio::time::sleep(Duration::from_millis(5)).await;
     }
+    dirty
 }
 
 /// Sends the hang-ups while drift is read continuously; asserts every reading was clean.
@@ -161,10 +159,18 @@ async fn assert_counts_match_the_store(h: &Harness, data: &Path) {
     assert_eq!(route.body["drift"], 0, "{}", route.body);
     assert_eq!(metric(&h.metrics().await, "admission_store_drift"), Some(0));
     let s = stored(data);
-    assert_eq!(files_on_disk(data), s.streams, "stream files on disk vs rows");
+    assert_eq!(
+        files_on_disk(data),
+        s.streams,
+        "stream files on disk vs rows"
+    );
     let inbox = h.get(INBOX, Some(OPERATOR_SECRET)).await;
     let listed = inbox.body["requests"].as_array().unwrap().len() as u64;
-    assert_eq!(listed, h.snapshot().pending, "inbox vs the controller's pending count");
+    assert_eq!(
+        listed,
+        h.snapshot().pending,
+        "inbox vs the controller's pending count"
+    );
 }
 
 /// The operator decides every request in the inbox, approving or denying in turn; each decision
@@ -185,7 +191,11 @@ async fn decide_the_inbox(h: &Harness) -> usize {
         assert_eq!(reply.status, 200, "{decision} {id}: {}", reply.body);
     }
     let inbox = h.get(INBOX, Some(OPERATOR_SECRET)).await;
-    assert_eq!(inbox.body["requests"], json!([]), "the inbox is empty after deciding");
+    assert_eq!(
+        inbox.body["requests"],
+        json!([]),
+        "the inbox is empty after deciding"
+    );
     ids.len()
 }
 
@@ -233,7 +243,12 @@ async fn create_pending(h: &Harness, prefix: &str, n: usize) -> Vec<String> {
 
 async fn upload(h: &Harness, size: usize) -> String {
     let reply = h
-        .send("POST", STREAMS, Some(AGENT_SECRET), Some(vec![7u8; size].into()))
+        .send(
+            "POST",
+            STREAMS,
+            Some(AGENT_SECRET),
+            Some(vec![7u8; size].into()),
+        )
         .await;
     assert_eq!(reply.status, 201, "{}", reply.body);
     reply.id()
@@ -242,7 +257,11 @@ async fn upload(h: &Harness, size: usize) -> String {
 fn submissions(prefix: &str, n: usize, bodies: &mut BTreeMap<String, Value>) -> Vec<HangUp> {
     (0..n)
         .map(|i| {
-            let operation = if i % 4 == 3 { "demo.run" } else { "demo.request" };
+            let operation = if i % 4 == 3 {
+                "demo.run"
+            } else {
+                "demo.request"
+            };
             let key = format!("{prefix}-{i}");
             let body = request(&key, operation, 0);
             bodies.insert(key, body.clone());
@@ -291,7 +310,14 @@ fn uploads(n: usize, size: usize) -> Vec<HangUp> {
 
 fn deletes(ids: &[String]) -> Vec<HangUp> {
     ids.iter()
-        .map(|id| HangUp::new("DELETE", format!("{STREAMS}/{id}"), AGENT_SECRET, Vec::new()))
+        .map(|id| {
+            HangUp::new(
+                "DELETE",
+                format!("{STREAMS}/{id}"),
+                AGENT_SECRET,
+                Vec::new(),
+            )
+        })
         .collect()
 }
 
@@ -321,7 +347,9 @@ async fn approvals_and_denials_whose_operator_hangs_up_are_made_whole_or_not_at_
     burst_watching_drift(&h, decisions(&ids)).await;
     quiet(&h, dir.path()).await;
     for id in &ids {
-        let op = h.get(&format!("{OPERATIONS}/{id}"), Some(AGENT_SECRET)).await;
+        let op = h
+            .get(&format!("{OPERATIONS}/{id}"), Some(AGENT_SECRET))
+            .await;
         assert!(
             ["pending", "approved", "executing", "succeeded", "denied"].contains(&op.state()),
             "{}",
@@ -341,7 +369,10 @@ async fn cancels_whose_client_hangs_up_release_exactly_what_the_store_released()
     let mut long = Vec::new();
     for i in 0..2 {
         let reply = h
-            .submit(AGENT_SECRET, &request(&format!("long-{i}"), "demo.run", 600_000))
+            .submit(
+                AGENT_SECRET,
+                &request(&format!("long-{i}"), "demo.run", 600_000),
+            )
             .await;
         assert_eq!(reply.status, 202, "{}", reply.body);
         long.push(reply.id());
@@ -359,11 +390,19 @@ async fn cancels_whose_client_hangs_up_release_exactly_what_the_store_released()
     burst_watching_drift(&h, cancels(&targets)).await;
     quiet(&h, dir.path()).await;
     for id in &long {
-        let op = h.get(&format!("{OPERATIONS}/{id}"), Some(AGENT_SECRET)).await;
-        assert_eq!(op.state(), "executing", "an executing run is not cancelable");
+        let op = h
+            .get(&format!("{OPERATIONS}/{id}"), Some(AGENT_SECRET))
+            .await;
+        assert_eq!(
+            op.state(),
+            "executing",
+            "an executing run is not cancelable"
+        );
     }
     for id in &ids {
-        let op = h.get(&format!("{OPERATIONS}/{id}"), Some(AGENT_SECRET)).await;
+        let op = h
+            .get(&format!("{OPERATIONS}/{id}"), Some(AGENT_SECRET))
+            .await;
         assert!(
             ["pending", "approved", "canceled"].contains(&op.state()),
             "{}",
@@ -398,7 +437,12 @@ async fn uploads_whose_client_hangs_up_leave_no_file_without_a_row_and_no_room_h
         .unwrap();
     for id in ids {
         let reply = h
-            .send("DELETE", &format!("{STREAMS}/{id}"), Some(AGENT_SECRET), None)
+            .send(
+                "DELETE",
+                &format!("{STREAMS}/{id}"),
+                Some(AGENT_SECRET),
+                None,
+            )
             .await;
         assert_eq!(reply.status, 200, "{}", reply.body);
     }
@@ -423,7 +467,12 @@ async fn deletes_whose_client_hangs_up_remove_row_file_and_room_together() {
     ends_whole(&h, dir.path()).await;
     for id in &ids {
         let reply = h
-            .send("DELETE", &format!("{STREAMS}/{id}"), Some(AGENT_SECRET), None)
+            .send(
+                "DELETE",
+                &format!("{STREAMS}/{id}"),
+                Some(AGENT_SECRET),
+                None,
+            )
             .await;
         assert!(
             reply.status == 200 || reply.code() == "stream_not_found",
@@ -474,6 +523,60 @@ async fn hang_ups_while_another_process_holds_the_store_locked_change_nothing_ha
     quiet(&h, dir.path()).await;
     assert_counts_match_the_store(&h, dir.path()).await;
     assert_every_key_replays(&h, dir.path(), &bodies).await;
+    ends_whole(&h, dir.path()).await;
+    h.broker.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn submissions_admitted_before_their_clients_hang_up_are_created_once_the_store_frees() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = start(dir.path()).await;
+    let bodies: Vec<Value> = (0..4)
+        .map(|i| request(&format!("admitted-{i}"), "demo.request", 0))
+        .collect();
+    let path = dir.path().join("admission.sqlite3");
+    let (locked, is_locked) = std::sync::mpsc::channel();
+    let (release, released) = std::sync::mpsc::channel::<()>();
+    let holder = std::thread::spawn(move || {
+        let conn = rusqlite::Connection::open(path).unwrap();
+        conn.execute_batch("BEGIN IMMEDIATE").unwrap();
+        locked.send(()).unwrap();
+        released.recv().unwrap();
+        conn.execute_batch("COMMIT").unwrap();
+    });
+    is_locked.recv().unwrap();
+    // Each request is sent whole on a connection kept open until the controller has admitted it:
+    // its creation is then waiting on the locked store.
+    let mut open = Vec::new();
+    for body in &bodies {
+        use tokio::io::AsyncWriteExt;
+        let text = body.to_string();
+        let mut stream = tokio::net::TcpStream::connect(h.broker.local_addr())
+            .await
+            .unwrap();
+        let head = format!(
+            "POST {OPERATIONS} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {AGENT_SECRET}\r\n\
+             Content-Length: {}\r\n\r\n{text}",
+            text.len()
+        );
+        stream.write_all(head.as_bytes()).await.unwrap();
+        open.push(stream);
+    }
+    assert!(eventually(async || h.snapshot().pending == 4).await);
+    drop(open);
+    release.send(()).unwrap();
+    holder.join().unwrap();
+    for body in &bodies {
+        let reply = h.submit(AGENT_SECRET, body).await;
+        assert_eq!(
+            reply.status, 200,
+            "created by the hung-up request: {}",
+            reply.body
+        );
+    }
+    assert_eq!(stored(dir.path()).states.get("pending"), Some(&4));
+    assert_counts_match_the_store(&h, dir.path()).await;
+    assert_eq!(decide_the_inbox(&h).await, 4);
     ends_whole(&h, dir.path()).await;
     h.broker.shutdown().await;
 }
@@ -558,7 +661,9 @@ async fn call(
     token: &str,
     body: Option<Value>,
 ) -> (u16, Value) {
-    let mut req = http.request(method, format!("{base}{path}")).bearer_auth(token);
+    let mut req = http
+        .request(method, format!("{base}{path}"))
+        .bearer_auth(token);
     if let Some(body) = body {
         req = req.json(&body);
     }
@@ -606,14 +711,13 @@ async fn a_kill_9_in_the_middle_of_a_hang_up_burst_restarts_with_counts_equal_to
     }
     let mut streams = Vec::new();
     for _ in 0..4 {
-        let response = c
-            .0
-            .post(format!("{}{STREAMS}", c.1))
-            .bearer_auth(AGENT_SECRET)
-            .body(vec![3u8; 512])
-            .send()
-            .await
-            .unwrap();
+        let response =
+            c.0.post(format!("{}{STREAMS}", c.1))
+                .bearer_auth(AGENT_SECRET)
+                .body(vec![3u8; 512])
+                .send()
+                .await
+                .unwrap();
         assert_eq!(response.status().as_u16(), 201);
         let body: Value = response.json().await.unwrap();
         streams.push(body["id"].as_str().unwrap().to_owned());
@@ -650,7 +754,14 @@ async fn a_kill_9_in_the_middle_of_a_hang_up_burst_restarts_with_counts_equal_to
     // Every stored operation replays; every request in the inbox is decidable.
     for key in stored(&data).keys {
         if let Some(body) = bodies.get(&key) {
-            let (status, op) = call(&c, Method::POST, OPERATIONS, AGENT_SECRET, Some(body.clone())).await;
+            let (status, op) = call(
+                &c,
+                Method::POST,
+                OPERATIONS,
+                AGENT_SECRET,
+                Some(body.clone()),
+            )
+            .await;
             assert_eq!(status, 200, "replay of {key}: {op}");
         }
     }

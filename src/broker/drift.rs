@@ -245,7 +245,8 @@ fn compare(snapshot: &Snapshot, stored: &StoredCounts, uploading: &[(String, u64
     };
     push(None, &controller_global, &store_global);
     let none = Counts::default();
-    let names: std::collections::BTreeSet<&String> = controller.keys().chain(store.keys()).collect();
+    let names: std::collections::BTreeSet<&String> =
+        controller.keys().chain(store.keys()).collect();
     for name in names {
         push(
             Some(name),
@@ -302,9 +303,9 @@ pub(crate) async fn watch(core: std::sync::Arc<Core>, every: std::time::Duration
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Config;
     use crate::config::{Identity, Secrets};
     use crate::engine::Controller;
-    use crate::Config;
 
     fn controller() -> Controller {
         let secrets = Secrets::parse("a = secret-a\nb = secret-b\n").unwrap();

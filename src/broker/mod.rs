@@ -57,8 +57,8 @@
 //! write either committed (restored at start-up) or did not (nothing to restore), and a stream
 //! body without a row is removed at start-up.
 
-pub mod drill;
 mod drift;
+pub mod drill;
 mod exec;
 pub mod http;
 mod keys;
@@ -358,7 +358,10 @@ impl Broker {
         match drift::check(&core).await {
             Ok(report) if report.is_clean() => {}
             Ok(report) => {
-                tracing::warn!(drift = report.total(), "restored counts differ from the store")
+                tracing::warn!(
+                    drift = report.total(),
+                    "restored counts differ from the store"
+                )
             }
             Err(err) => tracing::warn!(error = %err, "start-up drift check failed"),
         }

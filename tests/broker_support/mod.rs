@@ -191,7 +191,12 @@ pub struct HangUp {
 }
 
 impl HangUp {
-    pub fn new(method: &'static str, path: impl Into<String>, token: &str, body: Vec<u8>) -> HangUp {
+    pub fn new(
+        method: &'static str,
+        path: impl Into<String>,
+        token: &str,
+        body: Vec<u8>,
+    ) -> HangUp {
         HangUp {
             method,
             path: path.into(),
