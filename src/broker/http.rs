@@ -5,6 +5,11 @@
 //! refusal writes nothing. Cancel, operator decisions, reads, `/healthz`, `/readyz` and `/metrics`
 //! never call admission. Every error body is `{"error":{"code","message"}}` and every response
 //! carries `Cache-Control: no-store`.
+//!
+//! Each mutating handler (submit, cancel, approve, deny, upload, delete) hands everything from its
+//! decision on to a task of its own and only waits for the answer, so a client that hangs up
+//! cannot leave a change half made (the broker module's docs say what is atomic, route by route).
+//! `GET /api/operator/v1/drift` (operator) answers a drift reading on demand.
 
 use std::sync::Arc;
 

@@ -431,8 +431,10 @@ impl Broker {
         reload(&self.core, path)
     }
 
-    /// Stops serving and executing. Work in progress is abandoned exactly as in a crash: nothing
-    /// more is written, so a broker started on the same data dir recovers it. Returns once every
+    /// Stops serving and executing. A change already decided (a creation, decision, cancel,
+    /// upload or delete in progress) runs to its end first; executing work is abandoned exactly
+    /// as in a crash (it stays `executing` on disk), so a broker started on the same data dir
+    /// recovers it. Returns once every
     /// task of this broker has let go of it, so the data dir's lock is released (unless the caller
     /// still holds a clone of [`Broker::database`]) and another broker may start on the dir.
     pub async fn shutdown(self) {
