@@ -796,3 +796,85 @@ async fn a_kill_9_in_the_middle_of_a_hang_up_burst_restarts_with_counts_equal_to
     assert_eq!(report["drift"], 0, "{report}");
     drop(server);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_written_behind_the_brokers_back_is_reported_as_drift_on_the_timer_and_on_demand() {
+    use unyolo_admission::broker::{Difference, DriftCount};
+    let dir = tempfile::tempdir().unwrap();
+    let mut settings = settings(dir.path(), LIMITS, StorageCaps::default());
+    settings.drift_interval = Duration::from_millis(50);
+    let h = start_with(settings).await;
+    assert!(h.broker.check_drift().await.unwrap().is_clean());
+    let conn = rusqlite::Connection::open(dir.path().join("admission.sqlite3")).unwrap();
+    conn.busy_timeout(Duration::from_secs(30)).unwrap();
+    conn.execute(
+        "INSERT INTO operations (id, client_id, idempotency_key, operation, target, arguments, \
+         reason, state, created_at, updated_at) VALUES ('op_behind', 'agent', 'behind', \
+         'demo.request', '{}', '{}', 'written by hand', 'pending', '2026-01-01T00:00:00Z', \
+         '2026-01-01T00:00:00Z')",
+        [],
+    )
+    .unwrap();
+    conn.execute(
+        "INSERT INTO streams (id, client_id, size, created_at) VALUES ('st_behind', 'other', 100, \
+         '2026-01-01T00:00:00Z')",
+        [],
+    )
+    .unwrap();
+    // Pending and active, for the client and globally: 4; files 1 and bytes 100, for the client
+    // and globally: 202.
+    let seen =
+        eventually(async || metric(&h.metrics().await, "admission_store_drift") == Some(4 + 202))
+            .await;
+    assert!(seen, "{}", h.metrics().await);
+    let report = h.broker.check_drift().await.unwrap();
+    assert_eq!(report.total(), 206);
+    assert!(report.differences.contains(&Difference {
+        client: Some(AGENT.to_owned()),
+        count: DriftCount::Pending,
+        controller: 0,
+        store: 1,
+    }));
+    let route = h.get("/api/operator/v1/drift", Some(OPERATOR_SECRET)).await;
+    assert_eq!(route.body["drift"], 206);
+    assert!(
+        route.body["differences"].as_array().unwrap().contains(
+            &json!({"client": OTHER, "count": "stream_bytes", "controller": 0, "store": 100})
+        ),
+        "{}",
+        route.body
+    );
+    let agent_only = h.get("/api/operator/v1/drift", Some(AGENT_SECRET)).await;
+    assert_eq!(agent_only.status, 403, "the drift route is the operator's");
+    conn.execute("DELETE FROM operations WHERE id = 'op_behind'", [])
+        .unwrap();
+    conn.execute("DELETE FROM streams WHERE id = 'st_behind'", [])
+        .unwrap();
+    let cleared =
+        eventually(async || metric(&h.metrics().await, "admission_store_drift") == Some(0)).await;
+    assert!(cleared, "{}", h.metrics().await);
+    h.broker.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_start_up_cannot_restore_is_drift_from_the_first_reading() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = start(dir.path()).await;
+    h.broker.shutdown().await;
+    let conn = rusqlite::Connection::open(dir.path().join("admission.sqlite3")).unwrap();
+    conn.execute(
+        "INSERT INTO operations (id, client_id, idempotency_key, operation, target, arguments, \
+         reason, state, created_at, updated_at) VALUES ('op_orphan', 'not a valid id!', 'k', \
+         'demo.request', '{}', '{}', 'written by hand', 'approved', '2026-01-01T00:00:00Z', \
+         '2026-01-01T00:00:00Z')",
+        [],
+    )
+    .unwrap();
+    drop(conn);
+    let mut settings = settings(dir.path(), LIMITS, StorageCaps::default());
+    settings.drift_interval = Duration::from_secs(3600);
+    let h = start_with(settings).await;
+    // Queued and active, for that client and globally, from the start-up reading alone.
+    assert_eq!(metric(&h.metrics().await, "admission_store_drift"), Some(4));
+    h.broker.shutdown().await;
+}
