@@ -164,39 +164,59 @@ async fn assert_counts_match_the_store(h: &Harness, data: &Path) {
         s.streams,
         "stream files on disk vs rows"
     );
-    let inbox = h.get(INBOX, Some(OPERATOR_SECRET)).await;
-    let listed = inbox.body["requests"].as_array().unwrap().len() as u64;
-    assert_eq!(
-        listed,
-        h.snapshot().pending,
-        "inbox vs the controller's pending count"
+    // Two reads, so a request still arriving may move one between them: poll until they agree.
+    let agree = eventually(async || {
+        let inbox = h.get(INBOX, Some(OPERATOR_SECRET)).await;
+        inbox.body["requests"].as_array().unwrap().len() as u64 == h.snapshot().pending
+    })
+    .await;
+    assert!(
+        agree,
+        "the inbox never matched the controller's pending count"
     );
 }
 
-/// The operator decides every request in the inbox, approving or denying in turn; each decision
-/// is 200. Returns how many were decided.
+/// The operator decides every request in the inbox, approving or denying in turn, until it is
+/// empty. Each decision is 200, unless a late request of the burst decided it first (409, and the
+/// operation is then no longer pending). Returns how many this call decided.
 async fn decide_the_inbox(h: &Harness) -> usize {
-    let inbox = h.get(INBOX, Some(OPERATOR_SECRET)).await;
-    let ids: Vec<String> = inbox.body["requests"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|op| op["id"].as_str().unwrap().to_owned())
-        .collect();
-    for (i, id) in ids.iter().enumerate() {
-        let decision = if i % 2 == 0 { "approve" } else { "deny" };
-        let reply = h
-            .post(&format!("{INBOX}/{id}/{decision}"), Some(OPERATOR_SECRET))
-            .await;
-        assert_eq!(reply.status, 200, "{decision} {id}: {}", reply.body);
-    }
-    let inbox = h.get(INBOX, Some(OPERATOR_SECRET)).await;
-    assert_eq!(
-        inbox.body["requests"],
-        json!([]),
-        "the inbox is empty after deciding"
-    );
-    ids.len()
+    let mut decided = 0;
+    let emptied = eventually(async || {
+        let inbox = h.get(INBOX, Some(OPERATOR_SECRET)).await;
+        let ids: Vec<String> = inbox.body["requests"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|op| op["id"].as_str().unwrap().to_owned())
+            .collect();
+        if ids.is_empty() {
+            return true;
+        }
+        for id in &ids {
+            let decision = if decided % 2 == 0 { "approve" } else { "deny" };
+            let reply = h
+                .post(&format!("{INBOX}/{id}/{decision}"), Some(OPERATOR_SECRET))
+                .await;
+            if reply.status == 200 {
+                decided += 1;
+                continue;
+            }
+            assert_eq!(reply.status, 409, "{decision} {id}: {}", reply.body);
+            let op = h
+                .get(&format!("{OPERATIONS}/{id}"), Some(AGENT_SECRET))
+                .await;
+            assert_ne!(
+                op.state(),
+                "pending",
+                "{decision} {id} refused while it is pending: {}",
+                reply.body
+            );
+        }
+        false
+    })
+    .await;
+    assert!(emptied, "the inbox never emptied");
+    decided
 }
 
 /// Every stored operation of the agent is replayed (200) by its own request, whatever the limits.
