@@ -281,8 +281,11 @@ pub(crate) async fn check(core: &Core) -> Result<DriftReport, StoreError> {
     Ok(report)
 }
 
-/// Takes a reading every `every` until the broker shuts down.
+/// Takes a reading every `every` until the broker shuts down; a zero interval takes none.
 pub(crate) async fn watch(core: std::sync::Arc<Core>, every: std::time::Duration) {
+    if every.is_zero() {
+        return;
+    }
     let mut shutdown = core.shutdown.clone();
     loop {
         tokio::select! {

@@ -21,10 +21,10 @@
 //! A handler future is dropped at whatever `.await` it is parked on when its client hangs up. So
 //! each mutating route is split in two at the moment the broker *decides* to change something.
 //! Before it, the handler only authenticates, validates and reads; dropped there, nothing was
-//! changed. From it on, the whole change runs in a task of its own ([`run_to_end`]: a
+//! changed. From it on, the whole change runs in a task of its own (`run_to_end`: a
 //! `tokio::spawn`ed task the handler merely awaits; dropping a `JoinHandle` does not cancel the
 //! task), so it ends the same way whether or not anyone waits for the answer. Each change also
-//! holds the counts gate ([`Core::hold_counts`]) from its first touch of a count to its last, so a
+//! holds the counts gate (`Core::hold_counts`) from its first touch of a count to its last, so a
 //! drift reading never sees it half made. Per route:
 //!
 //! - **submit**: authenticate, read the body, validate, take the per-key lock, look for a replay:
@@ -106,7 +106,7 @@ pub struct BrokerSettings {
     /// The Retry-After hint for capacity refusals.
     pub capacity_retry: Duration,
     /// How often the controller's counts are compared with the store (besides start-up and
-    /// [`Broker::check_drift`]); [`DEFAULT_DRIFT_INTERVAL`] by default.
+    /// [`Broker::check_drift`]); [`DEFAULT_DRIFT_INTERVAL`] by default, zero for never.
     pub drift_interval: Duration,
 }
 
