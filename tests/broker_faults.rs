@@ -898,3 +898,41 @@ async fn a_row_start_up_cannot_restore_is_drift_from_the_first_reading() {
     assert_eq!(metric(&h.metrics().await, "admission_store_drift"), Some(4));
     h.broker.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_the_locked_store_cannot_record_waits_for_the_store_and_then_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let one_slot = LIMITS.replace(r#""global_executing": 2"#, r#""global_executing": 1"#);
+    let h = start_with(settings(dir.path(), &one_slot, StorageCaps::default())).await;
+    let queued = create_pending(&h, "start", 1).await.remove(0);
+    let long = h
+        .submit(AGENT_SECRET, &request("long", "demo.run", 600_000))
+        .await;
+    assert_eq!(long.status, 202, "{}", long.body);
+    assert!(eventually(async || h.snapshot().executing == 1).await);
+    let approved = h
+        .post(&format!("{INBOX}/{queued}/approve"), Some(OPERATOR_SECRET))
+        .await;
+    assert_eq!(approved.status, 200);
+    assert_eq!(h.snapshot().queued, 1);
+    // Longer than the broker's busy timeout (5 s), so its first attempt to record the start
+    // fails; then a second slot opens and the executor tries at once.
+    let holder = lock_store(dir.path(), Duration::from_secs(6));
+    let config = dir.path().join("two-slots.json");
+    std::fs::write(&config, LIMITS).unwrap();
+    h.broker.reload_from_path(&config).unwrap();
+    tokio::task::spawn_blocking(move || holder.join().unwrap())
+        .await
+        .unwrap();
+    let path = format!("{OPERATIONS}/{queued}");
+    let ran = eventually(async || {
+        let state = h.get(&path, Some(AGENT_SECRET)).await.state().to_owned();
+        state == "succeeded" || state == "failed"
+    })
+    .await;
+    assert!(ran);
+    let op = h.get(&path, Some(AGENT_SECRET)).await;
+    assert_eq!(op.state(), "succeeded", "{}", op.body);
+    assert_counts_match_the_store(&h, dir.path()).await;
+    h.broker.shutdown().await;
+}
