@@ -15,9 +15,11 @@
 //! store (on the read connection; every gated write has committed) and the controller's
 //! snapshot, then lets go. Retrying until two optimistic readings agree was the alternative; under
 //! steady load two readings can agree on the same in-flight difference, so it can report drift
-//! that is not there, and it may never settle. The gate's price is that a change waits while a
-//! reading holds it (one store query, a few milliseconds), and a reading waits for the changes in
-//! progress; reads, replays and refusals never take the gate.
+//! that is not there, and it may never settle. The gate's price: a reading waits for the changes
+//! in progress, and (the gate is fair) new changes wait behind a waiting reading, then while it
+//! holds the gate (one store query, a few milliseconds). With a slow store that is at most the
+//! store's busy timeout, which those changes would spend on the store anyway. Reads, replays and
+//! operator listings never take the gate; a submission takes it only to be admitted.
 
 use std::collections::BTreeMap;
 use std::fmt;
