@@ -2,6 +2,8 @@
 //! temporary data dir and talk to it over HTTP.
 #![allow(dead_code)]
 
+pub mod faults;
+
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
