@@ -1,10 +1,9 @@
 //! Faults (SPEC section 6) against an in-process broker on real SQLite: clients that send a whole
 //! request and hang up at once, and a store that another connection holds locked (the `kill -9`
 //! of the real binary is in `broker_faults_crash.rs`; the helpers in `broker_support/faults.rs`).
-//! Each test ends with the
-//! controller's counts equal to the store (drift 0) and the operator able to decide everything in
-//! the inbox. Drift readings taken *during* the bursts must be 0 too: a reading never catches a
-//! change half made.
+//! Each test ends with the controller's counts equal to the store (drift 0) and the operator able
+//! to decide everything in the inbox. Drift readings taken *during* the bursts must be 0 too: a
+//! reading never catches a change half made.
 #![cfg(feature = "broker")]
 
 mod broker_support;
