@@ -4,8 +4,10 @@
 //! needs to trust: a looping agent fills its pending and active limits and is refused with a code
 //! and a Retry-After while nothing is written; replay, cancel, operator decisions, `/readyz` and
 //! `/metrics` keep answering; freed capacity admits again; a saturated execution pool refuses new
-//! work; and a restart on the same data dir restores every count. Each step prints what it
-//! expected and what it saw.
+//! work; a restart on the same data dir restores every count; and clients that hang up after
+//! admission while their creation waits on a store another connection holds locked leave the
+//! counts equal to the store. Each step prints what it expected
+//! and what it saw.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -539,8 +541,131 @@ pub async fn walk(dir: &Path) -> Vec<Step> {
         ),
         ran && idle,
     );
+    let (observed, passed) = hang_up_mid_submission(&broker, dir, &c).await;
+    step(
+        "clients hang up mid-submission",
+        "replays 200; drift 0; inbox decidable",
+        observed,
+        passed,
+    );
     broker.shutdown().await;
     steps
+}
+
+/// Two clients send an approval request while another connection holds the store's write lock;
+/// once the controller has admitted both (their creations now wait on the store), the clients
+/// hang up, and only then is the lock let go. Each creation must still end whole: the same
+/// requests again are replays (200), the controller's counts equal the store (drift 0), and the
+/// operator can deny both.
+async fn hang_up_mid_submission(broker: &Broker, dir: &Path, c: &Client) -> (String, bool) {
+    let addr = broker.local_addr();
+    let bodies: Vec<Value> = (1..=2)
+        .map(|i| {
+            json!({
+                "idempotency_key": format!("hang-up-{i}"),
+                "operation": "demo.request",
+                "target": {"repo": "unyolo/drill"},
+                "arguments": {"duration_ms": 0},
+                "reason": "overload drill",
+            })
+        })
+        .collect();
+    let pending_before = broker.controller().snapshot().pending;
+    let database = dir.join(super::store::DATABASE_FILE);
+    let (locked, is_locked) = std::sync::mpsc::channel();
+    let (release, released) = std::sync::mpsc::channel::<()>();
+    let holder = std::thread::spawn(move || -> Result<(), String> {
+        let conn = rusqlite::Connection::open(database).map_err(|e| e.to_string())?;
+        conn.busy_timeout(Duration::from_secs(5))
+            .map_err(|e| e.to_string())?;
+        conn.execute_batch("BEGIN IMMEDIATE")
+            .map_err(|e| e.to_string())?;
+        let _ = locked.send(());
+        // Until the drill says so (or gives up), bounded so a failed drill cannot hang.
+        let _ = released.recv_timeout(Duration::from_secs(10));
+        conn.execute_batch("COMMIT").map_err(|e| e.to_string())
+    });
+    if is_locked.recv().is_err() {
+        let err = holder
+            .join()
+            .map_or_else(|_| "panicked".to_owned(), |r| format!("{r:?}"));
+        return (format!("cannot lock the store: {err}"), false);
+    }
+    let mut connections = Vec::new();
+    for body in &bodies {
+        if let Some(stream) = send_submission(addr, AGENT_SECRET, body).await {
+            connections.push(stream);
+        }
+    }
+    let admitted =
+        eventually(async || broker.controller().snapshot().pending == pending_before + 2).await;
+    let sent = connections.len();
+    drop(connections); // The clients hang up while their creations wait on the store.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let _ = release.send(());
+    let unlocked = tokio::task::spawn_blocking(move || holder.join())
+        .await
+        .map(|joined| joined.is_ok_and(|r| r.is_ok()))
+        .unwrap_or(false);
+    let mut again = Vec::new();
+    for body in &bodies {
+        let reply = c
+            .call(
+                "POST",
+                "/api/agent/v1/operations",
+                AGENT_SECRET,
+                Some(body.clone()),
+            )
+            .await;
+        again.push(reply.status);
+    }
+    let drift = broker.check_drift().await;
+    let pending = broker.controller().snapshot().pending;
+    let inbox = c
+        .call("GET", "/api/operator/v1/requests", OPERATOR_SECRET, None)
+        .await;
+    let mut denied = Vec::new();
+    for request in inbox.body["requests"].as_array().into_iter().flatten() {
+        let id = request["id"].as_str().unwrap_or_default();
+        denied.push(decide(c, id, "deny").await.status);
+    }
+    let after = broker.check_drift().await;
+    let drift_text = |d: &Result<super::DriftReport, super::StoreError>| match d {
+        Ok(report) => report.total().to_string(),
+        Err(err) => err.to_string(),
+    };
+    let observed = format!(
+        "{sent} admitted then hung up; again {again:?}; pending {pending}, drift {}; denied {denied:?}, drift {}",
+        drift_text(&drift),
+        drift_text(&after)
+    );
+    let passed = sent == 2
+        && admitted
+        && unlocked
+        && again == [200, 200]
+        && drift.as_ref().is_ok_and(|d| d.is_clean())
+        && pending == pending_before + 2
+        && denied == [200, 200]
+        && after.as_ref().is_ok_and(|d| d.is_clean());
+    (observed, passed)
+}
+
+/// Writes a whole submission to the broker and returns the open connection, answer unread.
+async fn send_submission(
+    addr: SocketAddr,
+    token: &str,
+    body: &Value,
+) -> Option<tokio::net::TcpStream> {
+    use tokio::io::AsyncWriteExt;
+    let body = body.to_string();
+    let request = format!(
+        "POST /api/agent/v1/operations HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {token}\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let mut stream = tokio::net::TcpStream::connect(addr).await.ok()?;
+    stream.write_all(request.as_bytes()).await.ok()?;
+    Some(stream)
 }
 
 async fn decide(c: &Client, id: &str, decision: &str) -> Reply {

@@ -3,7 +3,12 @@
 //! queued until a slot frees. Executing means sleeping `arguments.duration_ms`, then succeeding.
 //!
 //! An operation is written `executing` before its work begins, so after a crash it is known to
-//! have (maybe) run and is failed with `execution_interrupted` rather than run twice.
+//! have (maybe) run and is failed with `execution_interrupted` rather than run twice. A store that
+//! cannot take that write (locked past its busy timeout) delays the work, never fails it: the
+//! operation keeps its slot and the start is recorded once the store answers.
+//!
+//! Starting and finishing hold the counts gate and the operation's lock, like every transition;
+//! the executor is its own task, so no client's hangup cancels either.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -65,6 +70,9 @@ async fn start_queued(core: &Arc<Core>) {
         let Some(op) = core.executor.queue().front().cloned() else {
             return;
         };
+        // The gate first, then the operation's lock, as every transition takes them: from the
+        // slot taken to the row written, no drift reading sees the start half made.
+        let quiet = core.hold_counts().await;
         let guard = op.lock.lock().await;
         match op.handle.try_start() {
             Ok(()) => {
@@ -82,30 +90,22 @@ async fn start_queued(core: &Arc<Core>) {
                     Ok(Some(_)) => {
                         core.changed(&op, OperationState::Approved, OperationState::Executing);
                         drop(guard);
+                        drop(quiet);
                         tokio::spawn(execute(Arc::clone(core), op));
                     }
-                    other => {
-                        // Not recorded as executing, so it must not run: give the slot back.
-                        let detail = match other {
-                            Err(err) => err.to_string(),
-                            _ => "the stored operation is no longer approved".to_owned(),
-                        };
-                        tracing::error!(operation = %op.id, error = %detail, "cannot start");
-                        let _ = op.handle.fail();
-                        let error = OperationError {
-                            code: "store_unavailable".to_owned(),
-                            message: "The operation could not be recorded as executing.".to_owned(),
-                        };
-                        let _ = core
-                            .db
-                            .set_state(
-                                &op.id,
-                                OperationState::Approved,
-                                OperationState::Failed,
-                                Some(error),
-                            )
-                            .await;
-                        core.changed(&op, OperationState::Approved, OperationState::Failed);
+                    Ok(None) => {
+                        let detail = "the stored operation is no longer approved";
+                        abandon_start(core, &op, detail).await;
+                    }
+                    Err(err) => {
+                        // The store is unavailable (locked past its busy timeout, say): the work
+                        // has not run and must not run until it is recorded. It keeps its slot
+                        // and the start is recorded later; until then the store lags the counts
+                        // and drift says so.
+                        tracing::warn!(operation = %op.id, error = %err, "cannot record the start yet; retrying");
+                        drop(guard);
+                        drop(quiet);
+                        tokio::spawn(record_start(Arc::clone(core), op));
                     }
                 }
             }
@@ -118,6 +118,68 @@ async fn start_queued(core: &Arc<Core>) {
     }
 }
 
+/// Retries recording a start the store could not take, then runs the operation; ends at
+/// shutdown with nothing more written (the row is still `approved`, so a restart queues it again:
+/// it never ran).
+async fn record_start(core: Arc<Core>, op: Arc<LiveOp>) {
+    let mut shutdown = core.shutdown.clone();
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(POLL) => {}
+            _ = shutdown.wait_for(|stop| *stop) => return,
+        }
+        let quiet = core.hold_counts().await;
+        let guard = op.lock.lock().await;
+        let written = core
+            .db
+            .set_state(
+                &op.id,
+                OperationState::Approved,
+                OperationState::Executing,
+                None,
+            )
+            .await;
+        match written {
+            Ok(Some(_)) => {
+                core.changed(&op, OperationState::Approved, OperationState::Executing);
+                drop(guard);
+                drop(quiet);
+                execute(core, op).await;
+                return;
+            }
+            Ok(None) => {
+                abandon_start(&core, &op, "the stored operation is no longer approved").await;
+                return;
+            }
+            Err(err) => {
+                tracing::warn!(operation = %op.id, error = %err, "cannot record the start yet; retrying");
+            }
+        }
+    }
+}
+
+/// A start that can never be recorded (the row is not `approved` any more): the operation does
+/// not run; its handle fails (releasing its slots) and the row is failed if it can be. Called with
+/// the counts gate and the operation's lock held.
+async fn abandon_start(core: &Arc<Core>, op: &Arc<LiveOp>, detail: &str) {
+    tracing::error!(operation = %op.id, error = %detail, "cannot start");
+    let _ = op.handle.fail();
+    let error = OperationError {
+        code: "store_unavailable".to_owned(),
+        message: "The operation could not be recorded as executing.".to_owned(),
+    };
+    let _ = core
+        .db
+        .set_state(
+            &op.id,
+            OperationState::Approved,
+            OperationState::Failed,
+            Some(error),
+        )
+        .await;
+    core.changed(op, OperationState::Approved, OperationState::Failed);
+}
+
 /// Runs one operation: sleeps its duration, then records success. A shutdown abandons it as a
 /// crash would (it stays `executing` on disk).
 async fn execute(core: Arc<Core>, op: Arc<LiveOp>) {
@@ -127,7 +189,10 @@ async fn execute(core: Arc<Core>, op: Arc<LiveOp>) {
         _ = shutdown.wait_for(|stop| *stop) => return,
     }
     loop {
-        match core.transition(&op, OperationState::Succeeded, None).await {
+        let outcome = Arc::clone(&core)
+            .transition(Arc::clone(&op), OperationState::Succeeded, None)
+            .await;
+        match outcome {
             Ok(_) | Err(TransitionFailure::NotAllowed(_)) => return,
             Err(TransitionFailure::Store(err)) => {
                 tracing::error!(operation = %op.id, error = %err, "cannot record success; retrying");

@@ -5,8 +5,12 @@
 //! refusal writes nothing. Cancel, operator decisions, reads, `/healthz`, `/readyz` and `/metrics`
 //! never call admission. Every error body is `{"error":{"code","message"}}` and every response
 //! carries `Cache-Control: no-store`.
+//!
+//! Each mutating handler (submit, cancel, approve, deny, upload, delete) hands everything from its
+//! decision on to a task of its own and only waits for the answer, so a client that hangs up
+//! cannot leave a change half made (the broker module's docs say what is atomic, route by route).
+//! `GET /api/operator/v1/drift` (operator) answers a drift reading on demand.
 
-use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
 use axum::Router;
@@ -196,6 +200,7 @@ pub(crate) fn router(core: Arc<Core>) -> Router {
         .route("/api/operator/v1/requests", get(list_pending))
         .route("/api/operator/v1/requests/{id}/approve", post(approve))
         .route("/api/operator/v1/requests/{id}/deny", post(deny))
+        .route("/api/operator/v1/drift", get(drift))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
@@ -354,18 +359,19 @@ fn replay(core: &Core, existing: OperationRecord, request: &Submission) -> ApiRe
 }
 
 async fn submit(State(core): State<Arc<Core>>, headers: HeaderMap, body: Body) -> ApiResult {
-    let client = core.auth.client(&headers)?;
+    let client = core.auth.client(&headers)?.clone();
     let bytes = read_body(&headers, body, MAX_BODY_BYTES).await?;
     let Validated {
         request,
         needs_approval,
     } = validate(&bytes)?;
 
-    // Same client and key: one at a time, so concurrent duplicates create one operation.
-    let mut hasher = std::collections::hash_map::DefaultHasher::new();
-    (client.as_str(), request.idempotency_key.as_str()).hash(&mut hasher);
-    let stripe = (hasher.finish() % core.key_locks.len() as u64) as usize;
-    let _same_key = core.key_locks[stripe].lock().await;
+    // Same client and key: one at a time, so concurrent duplicates create one operation. Held
+    // until the operation is created (or not), inside the detached part below.
+    let same_key = core
+        .key_lock(client.as_str(), &request.idempotency_key)
+        .lock_owned()
+        .await;
 
     if core
         .keys
@@ -379,6 +385,9 @@ async fn submit(State(core): State<Arc<Core>>, headers: HeaderMap, body: Body) -
         return replay(&core, existing, &request);
     }
 
+    // The decision: from the gate on there is no `.await` until the creation is detached, so a
+    // permit is never dropped by a client hanging up.
+    let quiet = core.hold_counts().await;
     let permit = match core.controller.admit(client.as_str(), needs_approval) {
         Ok(permit) => permit,
         Err(refusal) => {
@@ -392,7 +401,38 @@ async fn submit(State(core): State<Arc<Core>>, headers: HeaderMap, body: Body) -
             return Err(ApiError::refused(refusal));
         }
     };
+    let creation = create(Arc::clone(&core), client, request, permit, needs_approval);
+    detached(async move {
+        let _same_key = same_key;
+        let _quiet = quiet;
+        creation.await
+    })
+    .await
+}
 
+/// Runs a decided change to its end ([`super::run_to_end`]) and returns its answer; a panic in it
+/// is a 500.
+async fn detached(work: impl Future<Output = ApiResult> + Send + 'static) -> ApiResult {
+    let outcome = super::run_to_end(work);
+    outcome.await.unwrap_or_else(|err| {
+        tracing::error!(error = %err, "a detached change did not finish");
+        Err(ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal_error",
+            "The change did not finish; check the operation before retrying.",
+        ))
+    })
+}
+
+/// The creation of an admitted operation: durable row, replay filter, permit commit (or refund),
+/// live map, executor hand-off. Runs detached, under the per-key lock and the counts gate.
+async fn create(
+    core: Arc<Core>,
+    client: Identity,
+    request: Submission,
+    permit: crate::Permit,
+    needs_approval: bool,
+) -> ApiResult {
     let now = now_rfc3339();
     let record = OperationRecord {
         id: new_id("op"),
@@ -509,7 +549,8 @@ async fn cancel(
         let record = own_record(&core, client, &id).await?;
         return Ok(json_response(StatusCode::OK, record.to_json()));
     };
-    match core.transition(&op, OperationState::Canceled, None).await {
+    // Decided: the write and the handle's move run to their end even if the client hangs up.
+    match transition_to_end(&core, op, OperationState::Canceled).await {
         Ok(record) => Ok(json_response(StatusCode::OK, record.to_json())),
         Err(TransitionFailure::NotAllowed(OperationState::Executing)) => Err(ApiError::new(
             StatusCode::CONFLICT,
@@ -524,6 +565,20 @@ async fn cancel(
     }
 }
 
+/// Runs [`Core::transition`] detached ([`super::run_to_end`]) and returns its outcome.
+async fn transition_to_end(
+    core: &Arc<Core>,
+    op: Arc<LiveOp>,
+    to: OperationState,
+) -> Result<OperationRecord, TransitionFailure> {
+    let transition = Arc::clone(core).transition(op, to, None);
+    super::run_to_end(transition).await.unwrap_or_else(|err| {
+        Err(TransitionFailure::Store(StoreError::new(format!(
+            "the transition did not finish: {err}"
+        ))))
+    })
+}
+
 async fn list_pending(State(core): State<Arc<Core>>, headers: HeaderMap) -> ApiResult {
     core.auth.operator(&headers)?;
     let records = core
@@ -536,7 +591,7 @@ async fn list_pending(State(core): State<Arc<Core>>, headers: HeaderMap) -> ApiR
 }
 
 async fn decide(
-    core: &Core,
+    core: &Arc<Core>,
     headers: &HeaderMap,
     id: Result<Path<String>, PathRejection>,
     to: OperationState,
@@ -561,7 +616,8 @@ async fn decide(
     if op.handle.state() != OperationState::Pending {
         return Err(not_pending());
     }
-    match core.transition(&op, to, None).await {
+    // Decided: the write and the handle's move run to their end even if the operator hangs up.
+    match transition_to_end(core, op, to).await {
         Ok(record) => Ok(json_response(StatusCode::OK, record.to_json())),
         Err(TransitionFailure::NotAllowed(_)) => Err(not_pending()),
         Err(TransitionFailure::Store(err)) => Err(ApiError::store(err)),
@@ -585,7 +641,7 @@ async fn deny(
 }
 
 async fn upload_stream(State(core): State<Arc<Core>>, headers: HeaderMap, body: Body) -> ApiResult {
-    let client = core.auth.client(&headers)?;
+    let client = core.auth.client(&headers)?.clone();
     let declared = content_length(&headers)?.ok_or_else(|| {
         ApiError::new(
             StatusCode::LENGTH_REQUIRED,
@@ -593,39 +649,66 @@ async fn upload_stream(State(core): State<Arc<Core>>, headers: HeaderMap, body: 
             "A stream upload needs a Content-Length.",
         )
     })?;
-    // Reserve before reading a byte: a full store refuses without taking the body.
-    let reservation = core
-        .controller
-        .reserve_storage(client.as_str(), Store::Stream, declared)
-        .map_err(|refusal| {
-            tracing::info!(
-                client = %client,
-                code = refusal.code.as_str(),
-                retry_after = refusal.retry_after_secs(),
-                "stream refused"
-            );
-            ApiError::refused(refusal)
-        })?;
+    // From here on everything runs detached, reading the body included: a client that hangs up
+    // mid-body is a body error there, and the same task removes the file and releases the room.
+    detached(store_stream(core, client, declared, body)).await
+}
+
+/// Reserves room for a stream, writes its body, then records it; or, if the body or the store
+/// fails, removes the file and releases the room. Runs detached.
+async fn store_stream(core: Arc<Core>, client: Identity, declared: u64, body: Body) -> ApiResult {
     let id = new_id("st");
+    // Reserve before reading a byte: a full store refuses without taking the body. The room is
+    // recorded as an upload in progress in the same gated step, so drift counts it as stored.
+    let reservation = {
+        let _quiet = core.hold_counts().await;
+        let reservation = core
+            .controller
+            .reserve_storage(client.as_str(), Store::Stream, declared)
+            .map_err(|refusal| {
+                tracing::info!(
+                    client = %client,
+                    code = refusal.code.as_str(),
+                    retry_after = refusal.retry_after_secs(),
+                    "stream refused"
+                );
+                ApiError::refused(refusal)
+            })?;
+        core.uploads()
+            .insert(id.clone(), (client.to_string(), declared));
+        reservation
+    };
     let dir = core.db.streams_dir();
     let path = dir.join(&id);
     let written = write_stream(&dir, &path, body, declared).await;
+
+    // The body is complete (or never will be): settle or undo, under the gate.
+    let _quiet = core.hold_counts().await;
+    core.uploads().remove(&id);
+    // Undoing: the file goes; dropping the reservation or the stored object releases its room.
+    async fn undo(path: &std::path::Path, err: ApiError) -> ApiResult {
+        let _ = tokio::fs::remove_file(path).await;
+        Err(err)
+    }
     let size = match written {
         Ok(size) => size,
         Err(err) => {
-            let _ = tokio::fs::remove_file(&path).await;
-            return Err(err); // Dropping the reservation releases it.
+            drop(reservation);
+            return undo(&path, err).await;
         }
     };
-    let stored = reservation.settle(size).map_err(ApiError::refused)?;
+    let stored = match reservation.settle(size) {
+        Ok(stored) => stored,
+        Err(refusal) => return undo(&path, ApiError::refused(refusal)).await,
+    };
     let row = StreamRecord {
         id: id.clone(),
         client_id: client.to_string(),
         size,
     };
     if let Err(err) = core.db.insert_stream(row).await {
-        let _ = tokio::fs::remove_file(&path).await;
-        return Err(ApiError::store(err));
+        drop(stored);
+        return undo(&path, ApiError::store(err)).await;
     }
     core.stored_streams().insert(id.clone(), stored);
     tracing::info!(stream = %id, client = %client, size, "stream stored");
@@ -684,18 +767,32 @@ async fn delete_stream(
         Some(stream) if stream.client_id == client.as_str() => {}
         _ => return Err(not_found()),
     }
-    if !core.db.delete_stream(&id).await.map_err(ApiError::store)? {
-        return Err(not_found());
-    }
-    let _ = tokio::fs::remove_file(core.db.streams_dir().join(&id)).await;
-    if let Some(object) = core.stored_streams().remove(&id) {
-        object.release();
-    }
-    tracing::info!(stream = %id, client = %client, "stream deleted");
-    Ok(json_response(
-        StatusCode::OK,
-        json!({"id": id, "deleted": true}),
-    ))
+    // Decided: row, file and room go together, whether or not the client waits.
+    let client = client.clone();
+    detached(async move {
+        let _quiet = core.hold_counts().await;
+        if !core.db.delete_stream(&id).await.map_err(ApiError::store)? {
+            return Err(not_found());
+        }
+        let _ = tokio::fs::remove_file(core.db.streams_dir().join(&id)).await;
+        if let Some(object) = core.stored_streams().remove(&id) {
+            object.release();
+        }
+        tracing::info!(stream = %id, client = %client, "stream deleted");
+        Ok(json_response(
+            StatusCode::OK,
+            json!({"id": id, "deleted": true}),
+        ))
+    })
+    .await
+}
+
+/// `GET /api/operator/v1/drift` (operator): compares the controller's counts with the store now
+/// and answers the report, `{"drift": N, "differences": [...]}` (see [`super::DriftReport::to_json`]).
+async fn drift(State(core): State<Arc<Core>>, headers: HeaderMap) -> ApiResult {
+    core.auth.operator(&headers)?;
+    let report = super::drift::check(&core).await.map_err(ApiError::store)?;
+    Ok(json_response(StatusCode::OK, report.to_json()))
 }
 
 async fn healthz() -> Response {

@@ -10,10 +10,54 @@
 //!   slot.
 //! - `keys`: a fixed-size filter that answers "this key was never used" without the store, so
 //!   refusals stay off SQLite.
+//! - `drift`: compares the controller's counts with the store (at start-up, on a timer, on
+//!   demand) and exports the difference as `admission_store_drift`.
 //! - [`serve`] and [`drill`]: the `admission serve` and `admission drill` commands.
 //!
 //! Only this module knows about HTTP, JSON bodies and SQL; the engine does not.
+//!
+//! # What a client that hangs up can and cannot leave half done
+//!
+//! A handler future is dropped at whatever `.await` it is parked on when its client hangs up. So
+//! each mutating route is split in two at the moment the broker *decides* to change something.
+//! Before it, the handler only authenticates, validates and reads; dropped there, nothing was
+//! changed. From it on, the whole change runs in a task of its own (`run_to_end`: a
+//! `tokio::spawn`ed task the handler merely awaits; dropping a `JoinHandle` does not cancel the
+//! task), so it ends the same way whether or not anyone waits for the answer. Each change also
+//! holds the counts gate (`Core::hold_counts`) from its first touch of a count to its last, so a
+//! drift reading never sees it half made. Per route:
+//!
+//! - **submit**: authenticate, read the body, validate, take the per-key lock, look for a replay:
+//!   a hangup here changes nothing (the lock is released with the future). Then the gate is taken
+//!   and `admit` runs; from the permit on, the row insert, the replay filter, the commit into a
+//!   lifecycle handle (or the refund on a store failure), the live map and the executor hand-off
+//!   run detached, still holding the per-key lock, so a retry with the same key waits for them and
+//!   then replays. There is no `.await` between `admit` and the spawn, so no permit is ever
+//!   dropped by a hangup.
+//! - **approve / deny / cancel**: authenticate and look the operation up (a hangup here changes
+//!   nothing); then gate, the operation's lock, the state check, the durable write and the handle
+//!   transition (which releases slots on a terminal move; approved work is queued) run detached.
+//!   A decision that loses the race to another (approve vs cancel) is refused inside the task, by
+//!   the same state check.
+//! - **upload**: authenticate and read `Content-Length` in the handler; everything else runs
+//!   detached, reading the body included: the room is reserved (under the gate, recorded as an
+//!   upload in progress, which drift counts as stored), the body is written to its file, then
+//!   under the gate either the reservation is settled, the row inserted and the stream recorded,
+//!   or (the body ended early: the client hung up, or the store failed) the file is removed and
+//!   the reservation released. The detached task sees a hangup as a body error and cleans up;
+//!   nothing is left to a `Drop` in a future that may never run again.
+//! - **delete**: authenticate and check the owner; then, detached under the gate, the row is
+//!   deleted, the file removed and the stored room released.
+//! - **the executor** is its own task: starting work (slot, durable `executing`) and recording the
+//!   outcome are done under the gate and the operation's lock and are not cancelled by any client.
+//!
+//! **Shutdown.** Detached work holds the broker's core until it ends, and [`Broker::shutdown`]
+//! waits (bounded) for every holder, so a change in progress finishes before the data dir is
+//! released. A task still running when the runtime itself stops is lost as in a crash: its store
+//! write either committed (restored at start-up) or did not (nothing to restore), and a stream
+//! body without a row is removed at start-up.
 
+mod drift;
 pub mod drill;
 mod exec;
 pub mod http;
@@ -30,6 +74,7 @@ use std::time::Duration;
 
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -38,7 +83,8 @@ use crate::config::{ConfigError, Identity, Secrets};
 use crate::engine::{Controller, DEFAULT_CAPACITY_RETRY, StorageCaps, StoredObject};
 use crate::{Config, OperationState};
 
-pub use store::{Database, OperationError, OperationRecord, StoreError};
+pub use drift::{Difference, DriftCount, DriftReport};
+pub use store::{Database, OperationError, OperationRecord, StoreError, StoredCounts};
 
 use operations::LiveOp;
 
@@ -59,7 +105,13 @@ pub struct BrokerSettings {
     pub storage_caps: StorageCaps,
     /// The Retry-After hint for capacity refusals.
     pub capacity_retry: Duration,
+    /// How often the controller's counts are compared with the store (besides start-up and
+    /// [`Broker::check_drift`]); [`DEFAULT_DRIFT_INTERVAL`] by default, zero for never.
+    pub drift_interval: Duration,
 }
+
+/// How often, by default, the broker compares its counts with the store.
+pub const DEFAULT_DRIFT_INTERVAL: Duration = Duration::from_secs(30);
 
 impl std::fmt::Debug for BrokerSettings {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -71,6 +123,7 @@ impl std::fmt::Debug for BrokerSettings {
             .field("config", &self.config)
             .field("storage_caps", &self.storage_caps)
             .field("capacity_retry", &self.capacity_retry)
+            .field("drift_interval", &self.drift_interval)
             .finish()
     }
 }
@@ -93,6 +146,7 @@ impl BrokerSettings {
             config,
             storage_caps: StorageCaps::default(),
             capacity_retry: DEFAULT_CAPACITY_RETRY,
+            drift_interval: DEFAULT_DRIFT_INTERVAL,
         }
     }
 }
@@ -148,7 +202,14 @@ pub(crate) struct Core {
     pub(crate) keys: keys::KeyFilter,
     /// Serializes submissions with the same (client, idempotency key), so concurrent duplicates
     /// create one operation. Striped: bounded memory whatever the traffic.
-    pub(crate) key_locks: Box<[tokio::sync::Mutex<()>]>,
+    pub(crate) key_locks: Box<[Arc<tokio::sync::Mutex<()>>]>,
+    /// Held shared by every change of the counts or the store while it is in progress, and
+    /// exclusively by a drift reading (see the `drift` module).
+    pub(crate) counts_gate: Arc<tokio::sync::RwLock<()>>,
+    /// Uploads whose room is reserved while their body arrives: stream id → (client, bytes).
+    pub(crate) uploading: Mutex<HashMap<String, (String, u64)>>,
+    /// `admission_store_drift`: the total difference found by the last drift reading.
+    pub(crate) drift: Gauge,
     pub(crate) shutdown: watch::Receiver<bool>,
 }
 
@@ -165,6 +226,40 @@ impl Core {
     fn stored_streams(&self) -> std::sync::MutexGuard<'_, HashMap<String, StoredObject>> {
         self.streams.lock().unwrap_or_else(|p| p.into_inner())
     }
+
+    fn uploads(&self) -> std::sync::MutexGuard<'_, HashMap<String, (String, u64)>> {
+        self.uploading.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The uploads in progress: (client, bytes reserved) each.
+    pub(crate) fn uploads_in_progress(&self) -> Vec<(String, u64)> {
+        self.uploads().values().cloned().collect()
+    }
+
+    /// A shared hold on the counts gate: while it lives, no drift reading is taken. Take it before
+    /// the first count a change touches and keep it until the store and the counts agree again.
+    /// Never take it twice in one task (a reading waiting in between would deadlock it).
+    pub(crate) async fn hold_counts(&self) -> tokio::sync::OwnedRwLockReadGuard<()> {
+        Arc::clone(&self.counts_gate).read_owned().await
+    }
+
+    /// The lock serializing submissions of `client` with idempotency `key`.
+    pub(crate) fn key_lock(&self, client: &str, key: &str) -> Arc<tokio::sync::Mutex<()>> {
+        use std::hash::{Hash, Hasher};
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        (client, key).hash(&mut hasher);
+        let stripe = (hasher.finish() % self.key_locks.len() as u64) as usize;
+        Arc::clone(&self.key_locks[stripe])
+    }
+}
+
+/// Starts `work` on a task of its own at once (not at the first poll) and returns a future of its
+/// outcome. The caller only waits: if the caller is dropped (its client hung up), the work goes on
+/// to its end regardless. `Err` only if the work panicked or the runtime is shutting down.
+pub(crate) fn run_to_end<T: Send + 'static>(
+    work: impl Future<Output = T> + Send + 'static,
+) -> impl Future<Output = Result<T, tokio::task::JoinError>> {
+    tokio::spawn(work)
 }
 
 /// A running broker. Dropping it without [`Broker::shutdown`] leaves the server running until the
@@ -175,6 +270,7 @@ pub struct Broker {
     stop: watch::Sender<bool>,
     server: JoinHandle<()>,
     executor: JoinHandle<()>,
+    drift: JoinHandle<()>,
 }
 
 impl std::fmt::Debug for Broker {
@@ -223,6 +319,13 @@ impl Broker {
 
         let mut registry = Registry::default();
         crate::metrics::register(&mut registry, &controller);
+        let drift = Gauge::default();
+        registry.register(
+            "admission_store_drift",
+            "Total absolute difference between the controller's counts and the store at the last \
+             check (0 when they agree).",
+            drift.clone(),
+        );
         let submissions = Family::<SubmissionLabels, Counter>::default();
         for result in ["created", "replayed", "rejected"] {
             let _ = submissions.get_or_create(&[("result", result)]);
@@ -243,12 +346,28 @@ impl Broker {
             registry,
             submissions,
             keys,
-            key_locks: (0..64).map(|_| tokio::sync::Mutex::new(())).collect(),
+            key_locks: (0..64)
+                .map(|_| Arc::new(tokio::sync::Mutex::new(())))
+                .collect(),
+            counts_gate: Arc::new(tokio::sync::RwLock::new(())),
+            uploading: Mutex::new(HashMap::new()),
+            drift,
             shutdown: shutdown.clone(),
         });
         let summary = restore(&core, recovered);
+        match drift::check(&core).await {
+            Ok(report) if report.is_clean() => {}
+            Ok(report) => {
+                tracing::warn!(
+                    drift = report.total(),
+                    "restored counts differ from the store"
+                )
+            }
+            Err(err) => tracing::warn!(error = %err, "start-up drift check failed"),
+        }
 
         let executor = tokio::spawn(exec::run(Arc::clone(&core)));
+        let drift = tokio::spawn(drift::watch(Arc::clone(&core), settings.drift_interval));
         let app = http::router(Arc::clone(&core));
         let mut until = shutdown.clone();
         let server = tokio::spawn(async move {
@@ -277,6 +396,7 @@ impl Broker {
                 stop,
                 server,
                 executor,
+                drift,
             },
             summary,
         ))
@@ -297,22 +417,33 @@ impl Broker {
         &self.core.db
     }
 
+    /// Compares the controller's counts with the store now (per client and global: pending,
+    /// queued, executing, active; per store: files and bytes), sets `admission_store_drift` to the
+    /// total difference and logs each one. Waits for the changes in progress to finish, so the
+    /// reading never catches one half made. The same reading `GET /api/operator/v1/drift` answers.
+    pub async fn check_drift(&self) -> Result<DriftReport, StoreError> {
+        drift::check(&self.core).await
+    }
+
     /// Re-reads the quota file at `path` (the identities stay those of the secrets file); an
     /// invalid file leaves the old configuration in force and is counted.
     pub fn reload_from_path(&self, path: &Path) -> Result<(), ConfigError> {
         reload(&self.core, path)
     }
 
-    /// Stops serving and executing. Work in progress is abandoned exactly as in a crash: nothing
-    /// more is written, so a broker started on the same data dir recovers it. Returns once every
+    /// Stops serving and executing. A change already decided (a creation, decision, cancel,
+    /// upload or delete in progress) runs to its end first; executing work is abandoned exactly
+    /// as in a crash (it stays `executing` on disk), so a broker started on the same data dir
+    /// recovers it. Returns once every
     /// task of this broker has let go of it, so the data dir's lock is released (unless the caller
     /// still holds a clone of [`Broker::database`]) and another broker may start on the dir.
     pub async fn shutdown(self) {
         let _ = self.stop.send(true);
         let _ = self.server.await;
         let _ = self.executor.await;
-        // Connection and execution tasks see the stop and return; each holds the core until it
-        // ends. Bounded, so a stuck store call cannot hang shutdown forever.
+        let _ = self.drift.await;
+        // Connection and execution tasks see the stop and return; changes in progress (see
+        // `run_to_end`) run to their end. Each holds the core until it ends. Bounded, so a stuck store call cannot hang shutdown forever.
         let deadline = std::time::Instant::now() + SHUTDOWN_GRACE;
         while Arc::strong_count(&self.core) > 1 && std::time::Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(5)).await;

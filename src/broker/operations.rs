@@ -1,7 +1,8 @@
 //! Live operations and the one way their state changes.
 //!
 //! Each live operation pairs its durable row with the controller's lifecycle handle. Every
-//! transition takes the operation's lock, checks the move is allowed, writes the new state to the
+//! transition takes the counts gate (so a drift reading never sees it half made) and the
+//! operation's lock, checks the move is allowed, writes the new state to the
 //! store (durable), and only then applies it to the handle, which releases the operation's slots
 //! on a terminal move. So the store never lags the counts, a store failure changes nothing, and two
 //! racing transitions (a cancel and an approve, say) are written in the order they happened.
@@ -61,19 +62,22 @@ impl Core {
         self.live_ops().get(id).cloned()
     }
 
-    /// Moves `op` to `to` (not `executing`; see the executor): store first, then the handle.
+    /// Moves `op` to `to` (not `executing`; see the executor): store first, then the handle,
+    /// holding the counts gate and the operation's lock throughout. Owns what it needs, so it can
+    /// run detached ([`super::run_to_end`]): once started, it ends whether or not anyone waits.
     pub(crate) async fn transition(
-        &self,
-        op: &Arc<LiveOp>,
+        self: Arc<Self>,
+        op: Arc<LiveOp>,
         to: OperationState,
         error: Option<OperationError>,
     ) -> Result<OperationRecord, TransitionFailure> {
+        let _quiet = self.hold_counts().await;
         let _guard = op.lock.lock().await;
-        self.transition_locked(op, to, error).await
+        self.transition_locked(&op, to, error).await
     }
 
-    /// [`Core::transition`] with the operation's lock already held.
-    pub(crate) async fn transition_locked(
+    /// [`Core::transition`] with the counts gate and the operation's lock already held.
+    async fn transition_locked(
         &self,
         op: &Arc<LiveOp>,
         to: OperationState,

@@ -206,6 +206,16 @@ pub struct Recovered {
     pub streams: Vec<StreamRecord>,
 }
 
+/// What the store holds, for the drift check: operation rows by client and non-terminal state,
+/// and stream files and bytes by client, read in one transaction.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StoredCounts {
+    /// (client, state, rows) for the pending, approved and executing operations.
+    pub operations: Vec<(String, OperationState, u64)>,
+    /// (client, files, bytes) of the stored streams.
+    pub streams: Vec<(String, u64, u64)>,
+}
+
 /// The current time in RFC 3339 (UTC, milliseconds).
 pub fn now_rfc3339() -> String {
     humantime::format_rfc3339_millis(SystemTime::now()).to_string()
@@ -612,5 +622,52 @@ impl Database {
         self.write(move |conn| conn.execute("DELETE FROM streams WHERE id = ?1", params![id]))
             .await
             .map(|n| n == 1)
+    }
+
+    /// The counts the controller's must equal (see [`StoredCounts`]), from one read transaction
+    /// on the read connection.
+    pub async fn counts(&self) -> Result<StoredCounts, StoreError> {
+        self.read(|conn| {
+            let tx = conn.unchecked_transaction()?;
+            let operations = {
+                let mut stmt = tx.prepare(
+                    "SELECT client_id, state, COUNT(*) FROM operations \
+                     WHERE state IN ('pending', 'approved', 'executing') \
+                     GROUP BY client_id, state",
+                )?;
+                stmt.query_map([], |row| {
+                    let state: String = row.get(1)?;
+                    let state = OperationState::parse(&state).ok_or_else(|| {
+                        rusqlite::Error::FromSqlConversionFailure(
+                            1,
+                            rusqlite::types::Type::Text,
+                            format!("unknown operation state {state:?}").into(),
+                        )
+                    })?;
+                    Ok((row.get(0)?, state, row.get::<_, i64>(2)?.max(0) as u64))
+                })?
+                .collect::<rusqlite::Result<Vec<_>>>()?
+            };
+            let streams = {
+                let mut stmt = tx.prepare(
+                    "SELECT client_id, COUNT(*), COALESCE(SUM(size), 0) FROM streams \
+                     GROUP BY client_id",
+                )?;
+                stmt.query_map([], |row| {
+                    Ok((
+                        row.get(0)?,
+                        row.get::<_, i64>(1)?.max(0) as u64,
+                        row.get::<_, i64>(2)?.max(0) as u64,
+                    ))
+                })?
+                .collect::<rusqlite::Result<Vec<_>>>()?
+            };
+            tx.finish()?;
+            Ok(StoredCounts {
+                operations,
+                streams,
+            })
+        })
+        .await
     }
 }

@@ -2,6 +2,8 @@
 //! temporary data dir and talk to it over HTTP.
 #![allow(dead_code)]
 
+pub mod faults;
+
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
@@ -175,5 +177,75 @@ pub async fn eventually(mut check: impl AsyncFnMut() -> bool) -> bool {
             return false;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// One raw HTTP/1.1 request, written whole (or, with `declared` above the body's length, cut
+/// short) by a client that then closes the connection without reading the answer.
+#[derive(Clone, Debug)]
+pub struct HangUp {
+    pub method: &'static str,
+    pub path: String,
+    pub token: String,
+    pub body: Vec<u8>,
+    /// The `Content-Length` sent; `None` sends the body's length.
+    pub declared: Option<usize>,
+}
+
+impl HangUp {
+    pub fn new(
+        method: &'static str,
+        path: impl Into<String>,
+        token: &str,
+        body: Vec<u8>,
+    ) -> HangUp {
+        HangUp {
+            method,
+            path: path.into(),
+            token: token.to_owned(),
+            body,
+            declared: None,
+        }
+    }
+
+    pub fn submit(token: &str, body: &Value) -> HangUp {
+        HangUp::new(
+            "POST",
+            "/api/agent/v1/operations",
+            token,
+            body.to_string().into_bytes(),
+        )
+    }
+
+    /// Connects to `addr`, writes the request and closes at once. Returns whether it was sent (a
+    /// broker that is gone refuses the connection).
+    pub async fn send(&self, addr: std::net::SocketAddr) -> bool {
+        use tokio::io::AsyncWriteExt;
+        let Ok(mut stream) = tokio::net::TcpStream::connect(addr).await else {
+            return false;
+        };
+        let head = format!(
+            "{} {} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {}\r\n\
+             Content-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+            self.method,
+            self.path,
+            self.token,
+            self.declared.unwrap_or(self.body.len())
+        );
+        let sent = stream.write_all(head.as_bytes()).await.is_ok()
+            && stream.write_all(&self.body).await.is_ok();
+        drop(stream);
+        sent
+    }
+}
+
+/// Sends every request at once, each on its own connection closed right after writing.
+pub async fn hang_up_all(addr: std::net::SocketAddr, requests: Vec<HangUp>) {
+    let tasks: Vec<_> = requests
+        .into_iter()
+        .map(|r| tokio::spawn(async move { r.send(addr).await }))
+        .collect();
+    for task in tasks {
+        let _ = task.await;
     }
 }

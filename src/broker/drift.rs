@@ -1,0 +1,380 @@
+//! Drift: whether the controller's counts still equal what the store holds (SPEC section 6).
+//!
+//! The controller's counts are a promise about the store: each client's and the global pending,
+//! queued (approved), executing and active counts equal the operation rows in those states, and
+//! each store's files and bytes equal the stream rows plus the uploads whose room is reserved
+//! while their body is still arriving. A reading compares the two, exports the total absolute
+//! difference as `admission_store_drift` (0 when every count agrees) and logs each difference.
+//!
+//! **Why a reading cannot report drift that is not there.** Counts move while a reading is taken:
+//! an admitted permit is counted before its row is written, a transition writes its row before
+//! the handle moves. Every such change in the broker holds a shared hold on the *counts gate*
+//! ([`super::Core::hold_counts`]) from the moment it first touches a count until both sides agree
+//! again (row written and permit committed, row and handle moved, stream row and reservation
+//! settled). A reading takes the gate exclusively, so it sees no change half made: it reads the
+//! store (on the read connection; every gated write has committed) and the controller's
+//! snapshot, then lets go. Retrying until two optimistic readings agree was the alternative; under
+//! steady load two readings can agree on the same in-flight difference, so it can report drift
+//! that is not there, and it may never settle. The gate's price: a reading waits for the changes
+//! in progress, and (the gate is fair) new changes wait behind a waiting reading, then while it
+//! holds the gate (one store query, a few milliseconds). With a slow store that is at most the
+//! store's busy timeout, which those changes would spend on the store anyway. Reads, replays and
+//! operator listings never take the gate; a submission takes it only to be admitted.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use serde_json::{Value, json};
+
+use super::Core;
+use super::store::{StoreError, StoredCounts};
+use crate::engine::{OperationState, Store};
+use crate::metrics::Snapshot;
+
+/// Which count differs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum DriftCount {
+    /// Operations awaiting an operator decision.
+    Pending,
+    /// Approved operations waiting for an execution slot.
+    Queued,
+    /// Operations executing.
+    Executing,
+    /// Pending + queued + executing.
+    Active,
+    /// Files in a capped store.
+    Files(Store),
+    /// Bytes in a capped store.
+    Bytes(Store),
+}
+
+impl fmt::Display for DriftCount {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DriftCount::Pending => f.write_str("pending"),
+            DriftCount::Queued => f.write_str("queued"),
+            DriftCount::Executing => f.write_str("executing"),
+            DriftCount::Active => f.write_str("active"),
+            DriftCount::Files(store) => write!(f, "{}_files", store.as_str()),
+            DriftCount::Bytes(store) => write!(f, "{}_bytes", store.as_str()),
+        }
+    }
+}
+
+/// One count on which the controller and the store disagree.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Difference {
+    /// The client, or `None` for the global count.
+    pub client: Option<String>,
+    /// Which count.
+    pub count: DriftCount,
+    /// What the controller counts.
+    pub controller: u64,
+    /// What the store holds.
+    pub store: u64,
+}
+
+impl Difference {
+    /// How far apart the two are.
+    pub fn size(&self) -> u64 {
+        self.controller.abs_diff(self.store)
+    }
+}
+
+/// The outcome of one comparison of the controller's counts with the store.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DriftReport {
+    /// Every count that differs (none when the promise holds), global ones first.
+    pub differences: Vec<Difference>,
+}
+
+impl DriftReport {
+    /// The sum of the absolute differences: the `admission_store_drift` gauge; 0 when every count
+    /// agrees.
+    pub fn total(&self) -> u64 {
+        self.differences.iter().map(Difference::size).sum()
+    }
+
+    /// Whether every count agrees.
+    pub fn is_clean(&self) -> bool {
+        self.differences.is_empty()
+    }
+
+    /// The report as the operator route answers it:
+    /// `{"drift": N, "differences": [{"client", "count", "controller", "store"}]}` with `client`
+    /// `"*"` for a global count.
+    pub fn to_json(&self) -> Value {
+        let differences: Vec<Value> = self
+            .differences
+            .iter()
+            .map(|d| {
+                json!({
+                    "client": d.client.as_deref().unwrap_or("*"),
+                    "count": d.count.to_string(),
+                    "controller": d.controller,
+                    "store": d.store,
+                })
+            })
+            .collect();
+        json!({"drift": self.total(), "differences": differences})
+    }
+}
+
+/// One side's counts for one client (or all of them).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Counts {
+    pending: u64,
+    queued: u64,
+    executing: u64,
+    active: u64,
+    files: [u64; 2],
+    bytes: [u64; 2],
+}
+
+impl Counts {
+    fn add(&mut self, other: &Counts) {
+        self.pending += other.pending;
+        self.queued += other.queued;
+        self.executing += other.executing;
+        self.active += other.active;
+        for i in 0..2 {
+            self.files[i] += other.files[i];
+            self.bytes[i] += other.bytes[i];
+        }
+    }
+
+    fn each(&self) -> impl Iterator<Item = (DriftCount, u64)> + '_ {
+        [
+            (DriftCount::Pending, self.pending),
+            (DriftCount::Queued, self.queued),
+            (DriftCount::Executing, self.executing),
+            (DriftCount::Active, self.active),
+        ]
+        .into_iter()
+        .chain(Store::ALL.into_iter().flat_map(|store| {
+            [
+                (DriftCount::Files(store), self.files[store as usize]),
+                (DriftCount::Bytes(store), self.bytes[store as usize]),
+            ]
+        }))
+    }
+}
+
+/// What the store holds, per client, with the uploads in progress counted as stored (their room
+/// is reserved in the controller while their body arrives).
+fn store_side(stored: &StoredCounts, uploading: &[(String, u64)]) -> BTreeMap<String, Counts> {
+    let mut clients: BTreeMap<String, Counts> = BTreeMap::new();
+    for (client, state, n) in &stored.operations {
+        let c = clients.entry(client.clone()).or_default();
+        match state {
+            OperationState::Pending => c.pending += n,
+            OperationState::Approved => c.queued += n,
+            OperationState::Executing => c.executing += n,
+            _ => continue,
+        }
+        c.active += n;
+    }
+    for (client, files, bytes) in &stored.streams {
+        let c = clients.entry(client.clone()).or_default();
+        c.files[Store::Stream as usize] += files;
+        c.bytes[Store::Stream as usize] += bytes;
+    }
+    for (client, bytes) in uploading {
+        let c = clients.entry(client.clone()).or_default();
+        c.files[Store::Stream as usize] += 1;
+        c.bytes[Store::Stream as usize] += bytes;
+    }
+    clients
+}
+
+fn controller_side(snapshot: &Snapshot) -> (Counts, BTreeMap<String, Counts>) {
+    let per_store = |s: &[crate::metrics::StoreSnapshot; 2]| {
+        (
+            std::array::from_fn(|i| s[i].files),
+            std::array::from_fn(|i| s[i].bytes),
+        )
+    };
+    let (files, bytes) = per_store(&snapshot.storage);
+    let global = Counts {
+        pending: snapshot.pending,
+        queued: snapshot.queued,
+        executing: snapshot.executing,
+        active: snapshot.active,
+        files,
+        bytes,
+    };
+    let clients = snapshot
+        .clients
+        .iter()
+        .map(|c| {
+            let (files, bytes) = per_store(&c.storage);
+            (
+                c.identity.as_str().to_owned(),
+                Counts {
+                    pending: c.pending,
+                    queued: c.queued,
+                    executing: c.executing,
+                    active: c.active,
+                    files,
+                    bytes,
+                },
+            )
+        })
+        .collect();
+    (global, clients)
+}
+
+/// Compares a controller snapshot with the store's counts (and the uploads in progress).
+fn compare(snapshot: &Snapshot, stored: &StoredCounts, uploading: &[(String, u64)]) -> DriftReport {
+    let (controller_global, controller) = controller_side(snapshot);
+    let store = store_side(stored, uploading);
+    let mut store_global = Counts::default();
+    for counts in store.values() {
+        store_global.add(counts);
+    }
+    let mut differences = Vec::new();
+    let mut push = |client: Option<&str>, ours: &Counts, theirs: &Counts| {
+        for ((count, controller), (_, store)) in ours.each().zip(theirs.each()) {
+            if controller != store {
+                differences.push(Difference {
+                    client: client.map(str::to_owned),
+                    count,
+                    controller,
+                    store,
+                });
+            }
+        }
+    };
+    push(None, &controller_global, &store_global);
+    let none = Counts::default();
+    let names: std::collections::BTreeSet<&String> =
+        controller.keys().chain(store.keys()).collect();
+    for name in names {
+        push(
+            Some(name),
+            controller.get(name).unwrap_or(&none),
+            store.get(name).unwrap_or(&none),
+        );
+    }
+    DriftReport { differences }
+}
+
+/// Takes one reading: holds the counts gate exclusively while it reads the store and the
+/// controller, then exports the total and logs every difference.
+pub(crate) async fn check(core: &Core) -> Result<DriftReport, StoreError> {
+    let report = {
+        let _quiet = core.counts_gate.write().await;
+        let uploading = core.uploads_in_progress();
+        let stored = core.db.counts().await?;
+        let snapshot = core.controller.snapshot();
+        compare(&snapshot, &stored, &uploading)
+    };
+    core.drift
+        .set(i64::try_from(report.total()).unwrap_or(i64::MAX));
+    for d in &report.differences {
+        tracing::warn!(
+            client = d.client.as_deref().unwrap_or("*"),
+            count = %d.count,
+            controller = d.controller,
+            store = d.store,
+            "admission counts differ from the store"
+        );
+    }
+    Ok(report)
+}
+
+/// Takes a reading every `every` until the broker shuts down; a zero interval takes none.
+pub(crate) async fn watch(core: std::sync::Arc<Core>, every: std::time::Duration) {
+    if every.is_zero() {
+        return;
+    }
+    let mut shutdown = core.shutdown.clone();
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(every) => {}
+            _ = shutdown.wait_for(|stop| *stop) => return,
+        }
+        tokio::select! {
+            checked = check(&core) => {
+                if let Err(err) = checked {
+                    tracing::warn!(error = %err, "drift check failed");
+                }
+            }
+            _ = shutdown.wait_for(|stop| *stop) => return,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Config;
+    use crate::config::{Identity, Secrets};
+    use crate::engine::Controller;
+
+    fn controller() -> Controller {
+        let secrets = Secrets::parse("a = secret-a\nb = secret-b\n").unwrap();
+        let identities: Vec<Identity> = secrets.identities().cloned().collect();
+        Controller::new(Config::defaults(identities))
+    }
+
+    #[test]
+    fn counts_that_match_the_store_report_no_drift() {
+        let controller = controller();
+        let pending = controller.admit("a", true).unwrap().commit();
+        let queued = controller.admit("b", false).unwrap().commit();
+        let stream = controller
+            .reserve_storage("a", Store::Stream, 10)
+            .unwrap()
+            .settle(10)
+            .unwrap();
+        let stored = StoredCounts {
+            operations: vec![
+                ("a".into(), OperationState::Pending, 1),
+                ("b".into(), OperationState::Approved, 1),
+                ("a".into(), OperationState::Succeeded, 7),
+            ],
+            streams: vec![("a".into(), 1, 10)],
+        };
+        let report = compare(&controller.snapshot(), &stored, &[]);
+        assert!(report.is_clean(), "{report:?}");
+        assert_eq!(report.total(), 0);
+        drop((pending, queued, stream));
+    }
+
+    #[test]
+    fn a_row_the_controller_does_not_count_is_drift_per_client_and_global() {
+        let controller = controller();
+        let stored = StoredCounts {
+            operations: vec![("a".into(), OperationState::Pending, 3)],
+            streams: vec![],
+        };
+        let report = compare(&controller.snapshot(), &stored, &[]);
+        // pending and active, each for client a and globally.
+        assert_eq!(report.total(), 12);
+        assert!(report.differences.contains(&Difference {
+            client: Some("a".into()),
+            count: DriftCount::Pending,
+            controller: 0,
+            store: 3,
+        }));
+        assert!(report.differences.contains(&Difference {
+            client: None,
+            count: DriftCount::Active,
+            controller: 0,
+            store: 3,
+        }));
+        assert_eq!(report.to_json()["drift"], 12);
+    }
+
+    #[test]
+    fn an_upload_in_progress_counts_as_stored() {
+        let controller = controller();
+        let reservation = controller.reserve_storage("b", Store::Stream, 42).unwrap();
+        let empty = StoredCounts::default();
+        assert_eq!(compare(&controller.snapshot(), &empty, &[]).total(), 2 * 43);
+        let report = compare(&controller.snapshot(), &empty, &[("b".into(), 42)]);
+        assert!(report.is_clean(), "{report:?}");
+        drop(reservation);
+    }
+}

@@ -1,0 +1,372 @@
+//! Faults (SPEC section 6) against an in-process broker on real SQLite: clients that send a whole
+//! request and hang up at once, and a store that another connection holds locked (the `kill -9`
+//! of the real binary is in `broker_faults_crash.rs`; the helpers in `broker_support/faults.rs`).
+//! Each test ends with the controller's counts equal to the store (drift 0) and the operator able
+//! to decide everything in the inbox. Drift readings taken *during* the bursts must be 0 too: a
+//! reading never catches a change half made.
+#![cfg(feature = "broker")]
+
+mod broker_support;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use broker_support::faults::*;
+use broker_support::*;
+use serde_json::{Value, json};
+use unyolo_admission::StorageCaps;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn submissions_whose_clients_hang_up_are_counted_exactly_as_stored_and_all_decidable() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = start_tight(dir.path()).await;
+    let mut bodies = BTreeMap::new();
+    burst_watching_drift(&h, submissions("gone", 40, &mut bodies)).await;
+    quiet(&h, dir.path()).await;
+    assert_counts_match_the_store(&h, dir.path()).await;
+    assert_every_key_replays(&h, dir.path(), &bodies).await;
+    ends_whole(&h, dir.path()).await;
+    // Capacity that the hung-up submissions held is free again: a new request is admitted.
+    let fresh = h
+        .submit(AGENT_SECRET, &request("after", "demo.request", 0))
+        .await;
+    assert_eq!(fresh.status, 202, "{}", fresh.body);
+    h.broker.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn approvals_and_denials_whose_operator_hangs_up_are_made_whole_or_not_at_all() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = start_tight(dir.path()).await;
+    let ids = create_pending(&h, "decide", 10).await;
+    burst_watching_drift(&h, decisions(&ids)).await;
+    quiet(&h, dir.path()).await;
+    for id in &ids {
+        let op = h
+            .get(&format!("{OPERATIONS}/{id}"), Some(AGENT_SECRET))
+            .await;
+        assert!(
+            ["pending", "approved", "executing", "succeeded", "denied"].contains(&op.state()),
+            "{}",
+            op.body
+        );
+    }
+    ends_whole(&h, dir.path()).await;
+    h.broker.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancels_whose_client_hangs_up_release_exactly_what_the_store_released() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = start_tight(dir.path()).await;
+    let ids = create_pending(&h, "cancel", 8).await;
+    // Two long runs fill the execution pool, so approved work stays queued.
+    let mut long = Vec::new();
+    for i in 0..2 {
+        let reply = h
+            .submit(
+                AGENT_SECRET,
+                &request(&format!("long-{i}"), "demo.run", 600_000),
+            )
+            .await;
+        assert_eq!(reply.status, 202, "{}", reply.body);
+        long.push(reply.id());
+    }
+    assert!(eventually(async || h.snapshot().executing == 2).await);
+    for id in &ids[..4] {
+        let approved = h
+            .post(&format!("{INBOX}/{id}/approve"), Some(OPERATOR_SECRET))
+            .await;
+        assert_eq!(approved.status, 200);
+    }
+    assert_eq!(h.snapshot().queued, 4);
+    let mut targets = ids.clone();
+    targets.extend(long.iter().cloned());
+    burst_watching_drift(&h, cancels(&targets)).await;
+    quiet(&h, dir.path()).await;
+    for id in &long {
+        let op = h
+            .get(&format!("{OPERATIONS}/{id}"), Some(AGENT_SECRET))
+            .await;
+        assert_eq!(
+            op.state(),
+            "executing",
+            "an executing run is not cancelable"
+        );
+    }
+    for id in &ids {
+        let op = h
+            .get(&format!("{OPERATIONS}/{id}"), Some(AGENT_SECRET))
+            .await;
+        assert!(
+            ["pending", "approved", "canceled"].contains(&op.state()),
+            "{}",
+            op.body
+        );
+    }
+    quiet(&h, dir.path()).await;
+    assert_counts_match_the_store(&h, dir.path()).await;
+    decide_the_inbox(&h).await;
+    assert_counts_match_the_store(&h, dir.path()).await;
+    h.broker.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uploads_whose_client_hangs_up_leave_no_file_without_a_row_and_no_room_held() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = start_tight(dir.path()).await;
+    // 40 uploads against a per-client cap of 16 files; half are cut short.
+    burst_watching_drift(&h, uploads(40, 1024)).await;
+    ends_whole(&h, dir.path()).await;
+    let stream_files = h.snapshot().storage[0].files;
+    assert_eq!(stream_files, stored(dir.path()).streams);
+    assert!(stream_files <= 16);
+    // Everything stored can be deleted, and the room comes back to zero.
+    let conn = rusqlite::Connection::open(dir.path().join("admission.sqlite3")).unwrap();
+    let ids: Vec<String> = conn
+        .prepare("SELECT id FROM streams")
+        .unwrap()
+        .query_map([], |r| r.get(0))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    for id in ids {
+        let reply = h
+            .send(
+                "DELETE",
+                &format!("{STREAMS}/{id}"),
+                Some(AGENT_SECRET),
+                None,
+            )
+            .await;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+    }
+    assert!(h.snapshot().is_idle(), "{:?}", h.snapshot());
+    assert_eq!(files_on_disk(dir.path()), 0);
+    assert_counts_match_the_store(&h, dir.path()).await;
+    h.broker.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deletes_whose_client_hangs_up_remove_row_file_and_room_together() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = start_tight(dir.path()).await;
+    let mut ids = Vec::new();
+    for _ in 0..12 {
+        ids.push(upload(&h, 2048).await);
+    }
+    // Each delete twice: the second races the first.
+    let mut requests = deletes(&ids);
+    requests.extend(deletes(&ids));
+    burst_watching_drift(&h, requests).await;
+    ends_whole(&h, dir.path()).await;
+    for id in &ids {
+        let reply = h
+            .send(
+                "DELETE",
+                &format!("{STREAMS}/{id}"),
+                Some(AGENT_SECRET),
+                None,
+            )
+            .await;
+        assert!(
+            reply.status == 200 || reply.code() == "stream_not_found",
+            "{}",
+            reply.body
+        );
+    }
+    assert!(h.snapshot().is_idle(), "{:?}", h.snapshot());
+    assert_counts_match_the_store(&h, dir.path()).await;
+    h.broker.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hang_ups_while_another_process_holds_the_store_locked_change_nothing_half_way() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = start_tight(dir.path()).await;
+    let prepared = prepare(&h, "locked").await;
+    let mut bodies = BTreeMap::new();
+    let requests = everything("locked", &prepared, &mut bodies);
+    let holder = lock_store(dir.path(), Duration::from_secs(1));
+    burst_watching_drift(&h, requests).await;
+    holder.join().unwrap();
+    quiet(&h, dir.path()).await;
+    assert_counts_match_the_store(&h, dir.path()).await;
+    assert_every_key_replays(&h, dir.path(), &bodies).await;
+    ends_whole(&h, dir.path()).await;
+    h.broker.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn submissions_admitted_before_their_clients_hang_up_are_created_once_the_store_frees() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = start_tight(dir.path()).await;
+    let bodies: Vec<Value> = (0..4)
+        .map(|i| request(&format!("admitted-{i}"), "demo.request", 0))
+        .collect();
+    let path = dir.path().join("admission.sqlite3");
+    let (locked, is_locked) = std::sync::mpsc::channel();
+    let (release, released) = std::sync::mpsc::channel::<()>();
+    let holder = std::thread::spawn(move || {
+        let conn = rusqlite::Connection::open(path).unwrap();
+        conn.execute_batch("BEGIN IMMEDIATE").unwrap();
+        locked.send(()).unwrap();
+        released.recv().unwrap();
+        conn.execute_batch("COMMIT").unwrap();
+    });
+    is_locked.recv().unwrap();
+    // Each request is sent whole on a connection kept open until the controller has admitted it:
+    // its creation is then waiting on the locked store.
+    let mut open = Vec::new();
+    for body in &bodies {
+        use tokio::io::AsyncWriteExt;
+        let text = body.to_string();
+        let mut stream = tokio::net::TcpStream::connect(h.broker.local_addr())
+            .await
+            .unwrap();
+        let head = format!(
+            "POST {OPERATIONS} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {AGENT_SECRET}\r\n\
+             Content-Length: {}\r\n\r\n{text}",
+            text.len()
+        );
+        stream.write_all(head.as_bytes()).await.unwrap();
+        open.push(stream);
+    }
+    assert!(eventually(async || h.snapshot().pending == 4).await);
+    drop(open);
+    release.send(()).unwrap();
+    holder.join().unwrap();
+    for body in &bodies {
+        let reply = h.submit(AGENT_SECRET, body).await;
+        assert_eq!(
+            reply.status, 200,
+            "created by the hung-up request: {}",
+            reply.body
+        );
+    }
+    assert_eq!(stored(dir.path()).states.get("pending"), Some(&4));
+    assert_counts_match_the_store(&h, dir.path()).await;
+    assert_eq!(decide_the_inbox(&h).await, 4);
+    ends_whole(&h, dir.path()).await;
+    h.broker.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_written_behind_the_brokers_back_is_reported_as_drift_on_the_timer_and_on_demand() {
+    use unyolo_admission::broker::{Difference, DriftCount};
+    let dir = tempfile::tempdir().unwrap();
+    let mut settings = settings(dir.path(), LIMITS, StorageCaps::default());
+    settings.drift_interval = Duration::from_millis(50);
+    let h = start_with(settings).await;
+    assert!(h.broker.check_drift().await.unwrap().is_clean());
+    let conn = rusqlite::Connection::open(dir.path().join("admission.sqlite3")).unwrap();
+    conn.busy_timeout(Duration::from_secs(30)).unwrap();
+    conn.execute(
+        "INSERT INTO operations (id, client_id, idempotency_key, operation, target, arguments, \
+         reason, state, created_at, updated_at) VALUES ('op_behind', 'agent', 'behind', \
+         'demo.request', '{}', '{}', 'written by hand', 'pending', '2026-01-01T00:00:00Z', \
+         '2026-01-01T00:00:00Z')",
+        [],
+    )
+    .unwrap();
+    conn.execute(
+        "INSERT INTO streams (id, client_id, size, created_at) VALUES ('st_behind', 'other', 100, \
+         '2026-01-01T00:00:00Z')",
+        [],
+    )
+    .unwrap();
+    // Pending and active, for the client and globally: 4; files 1 and bytes 100, for the client
+    // and globally: 202.
+    let seen =
+        eventually(async || metric(&h.metrics().await, "admission_store_drift") == Some(4 + 202))
+            .await;
+    assert!(seen, "{}", h.metrics().await);
+    let report = h.broker.check_drift().await.unwrap();
+    assert_eq!(report.total(), 206);
+    assert!(report.differences.contains(&Difference {
+        client: Some(AGENT.to_owned()),
+        count: DriftCount::Pending,
+        controller: 0,
+        store: 1,
+    }));
+    let route = h.get("/api/operator/v1/drift", Some(OPERATOR_SECRET)).await;
+    assert_eq!(route.body["drift"], 206);
+    assert!(
+        route.body["differences"].as_array().unwrap().contains(
+            &json!({"client": OTHER, "count": "stream_bytes", "controller": 0, "store": 100})
+        ),
+        "{}",
+        route.body
+    );
+    let agent_only = h.get("/api/operator/v1/drift", Some(AGENT_SECRET)).await;
+    assert_eq!(agent_only.status, 403, "the drift route is the operator's");
+    conn.execute("DELETE FROM operations WHERE id = 'op_behind'", [])
+        .unwrap();
+    conn.execute("DELETE FROM streams WHERE id = 'st_behind'", [])
+        .unwrap();
+    let cleared =
+        eventually(async || metric(&h.metrics().await, "admission_store_drift") == Some(0)).await;
+    assert!(cleared, "{}", h.metrics().await);
+    h.broker.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_start_up_cannot_restore_is_drift_from_the_first_reading() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = start_tight(dir.path()).await;
+    h.broker.shutdown().await;
+    let conn = rusqlite::Connection::open(dir.path().join("admission.sqlite3")).unwrap();
+    conn.execute(
+        "INSERT INTO operations (id, client_id, idempotency_key, operation, target, arguments, \
+         reason, state, created_at, updated_at) VALUES ('op_orphan', 'not a valid id!', 'k', \
+         'demo.request', '{}', '{}', 'written by hand', 'approved', '2026-01-01T00:00:00Z', \
+         '2026-01-01T00:00:00Z')",
+        [],
+    )
+    .unwrap();
+    drop(conn);
+    let mut settings = settings(dir.path(), LIMITS, StorageCaps::default());
+    settings.drift_interval = Duration::from_secs(3600);
+    let h = start_with(settings).await;
+    // Queued and active, for that client and globally, from the start-up reading alone.
+    assert_eq!(metric(&h.metrics().await, "admission_store_drift"), Some(4));
+    h.broker.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_the_locked_store_cannot_record_waits_for_the_store_and_then_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let one_slot = LIMITS.replace(r#""global_executing": 2"#, r#""global_executing": 1"#);
+    let h = start_with(settings(dir.path(), &one_slot, StorageCaps::default())).await;
+    let queued = create_pending(&h, "start", 1).await.remove(0);
+    let long = h
+        .submit(AGENT_SECRET, &request("long", "demo.run", 600_000))
+        .await;
+    assert_eq!(long.status, 202, "{}", long.body);
+    assert!(eventually(async || h.snapshot().executing == 1).await);
+    let approved = h
+        .post(&format!("{INBOX}/{queued}/approve"), Some(OPERATOR_SECRET))
+        .await;
+    assert_eq!(approved.status, 200);
+    assert_eq!(h.snapshot().queued, 1);
+    // Longer than the broker's busy timeout (5 s), so its first attempt to record the start
+    // fails; then a second slot opens and the executor tries at once.
+    let holder = lock_store(dir.path(), Duration::from_secs(6));
+    let config = dir.path().join("two-slots.json");
+    std::fs::write(&config, LIMITS).unwrap();
+    h.broker.reload_from_path(&config).unwrap();
+    tokio::task::spawn_blocking(move || holder.join().unwrap())
+        .await
+        .unwrap();
+    let path = format!("{OPERATIONS}/{queued}");
+    let ran = eventually(async || {
+        let state = h.get(&path, Some(AGENT_SECRET)).await.state().to_owned();
+        state == "succeeded" || state == "failed"
+    })
+    .await;
+    assert!(ran);
+    let op = h.get(&path, Some(AGENT_SECRET)).await;
+    assert_eq!(op.state(), "succeeded", "{}", op.body);
+    assert_counts_match_the_store(&h, dir.path()).await;
+    h.broker.shutdown().await;
+}

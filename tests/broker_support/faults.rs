@@ -1,0 +1,362 @@
+//! Shared by the fault tests: bursts of clients that hang up, a store held locked by another
+//! connection, and the promise every fault test ends with (the controller's counts equal the
+//! store, the inbox is decidable).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use serde_json::Value;
+use unyolo_admission::StorageCaps;
+use unyolo_admission::broker::{Broker, DriftReport};
+
+use super::*;
+
+/// Tight enough that the bursts hit the limits: 10 pending per client, 2 executing at once.
+pub const LIMITS: &str = r#"{"requests_per_window": 1000, "window_seconds": 60,
+  "client_active": 25, "client_pending": 10, "global_active": 100, "global_executing": 2}"#;
+
+pub const OPERATIONS: &str = "/api/agent/v1/operations";
+pub const STREAMS: &str = "/api/agent/v1/streams";
+pub const INBOX: &str = "/api/operator/v1/requests";
+
+/// A broker with [`LIMITS`] in `dir`.
+pub async fn start_tight(dir: &Path) -> Harness {
+    start_with(settings(dir, LIMITS, StorageCaps::default())).await
+}
+
+/// What the SQLite file holds, read through a connection of our own.
+pub struct Stored {
+    /// Operation rows by state.
+    pub states: BTreeMap<String, u64>,
+    /// The agent's idempotency keys.
+    pub keys: Vec<String>,
+    /// Stream rows.
+    pub streams: u64,
+}
+
+pub fn stored(data: &Path) -> Stored {
+    let conn = rusqlite::Connection::open(data.join("admission.sqlite3")).unwrap();
+    conn.busy_timeout(Duration::from_secs(30)).unwrap();
+    let mut states = BTreeMap::new();
+    let mut stmt = conn
+        .prepare("SELECT state, COUNT(*) FROM operations GROUP BY state")
+        .unwrap();
+    for row in stmt
+        .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)))
+        .unwrap()
+    {
+        let (state, n) = row.unwrap();
+        states.insert(state, n as u64);
+    }
+    let keys = conn
+        .prepare("SELECT idempotency_key FROM operations WHERE client_id = 'agent'")
+        .unwrap()
+        .query_map([], |r| r.get::<_, String>(0))
+        .unwrap()
+        .collect::<Result<Vec<_>, _>>()
+        .unwrap();
+    let streams: i64 = conn
+        .query_row("SELECT COUNT(*) FROM streams", [], |r| r.get(0))
+        .unwrap();
+    Stored {
+        states,
+        keys,
+        streams: streams as u64,
+    }
+}
+
+/// Stream bodies on disk.
+pub fn files_on_disk(data: &Path) -> u64 {
+    std::fs::read_dir(data.join("streams")).map_or(0, |entries| entries.count() as u64)
+}
+
+/// Holds SQLite's write lock from another connection (`BEGIN IMMEDIATE`) for `hold`; returns
+/// once the lock is taken, and a handle that ends when it is let go.
+pub fn lock_store(data: &Path, hold: Duration) -> std::thread::JoinHandle<()> {
+    let path = data.join("admission.sqlite3");
+    let (taken, is_taken) = std::sync::mpsc::channel();
+    let holder = std::thread::spawn(move || {
+        let conn = rusqlite::Connection::open(path).unwrap();
+        conn.busy_timeout(Duration::from_secs(30)).unwrap();
+        conn.execute_batch("BEGIN IMMEDIATE").unwrap();
+        taken.send(()).unwrap();
+        std::thread::sleep(hold);
+        conn.execute_batch("COMMIT").unwrap();
+    });
+    is_taken.recv().unwrap();
+    holder
+}
+
+/// Takes drift readings until `stop` is set and returns every one that was not clean.
+pub async fn watch_drift(broker: &Broker, stop: Arc<AtomicBool>) -> Vec<DriftReport> {
+    let mut dirty = Vec::new();
+    while !stop.load(Ordering::Relaxed) {
+        let report = broker.check_drift().await.unwrap();
+        if !report.is_clean() {
+            dirty.push(report);
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    dirty
+}
+
+/// Sends the hang-ups while drift is read continuously; asserts every reading was clean.
+pub async fn burst_watching_drift(h: &Harness, requests: Vec<HangUp>) {
+    let stop = Arc::new(AtomicBool::new(false));
+    let watcher = watch_drift(&h.broker, Arc::clone(&stop));
+    let sender = async {
+        hang_up_all(h.broker.local_addr(), requests).await;
+        stop.store(true, Ordering::Relaxed);
+    };
+    let (dirty, ()) = tokio::join!(watcher, sender);
+    assert!(dirty.is_empty(), "drift seen during the burst: {dirty:?}");
+}
+
+/// What the broker holds that a late request could still change.
+pub async fn observed(h: &Harness, data: &Path) -> (BTreeMap<String, u64>, u64, u64, String) {
+    let s = stored(data);
+    let snap = h.snapshot();
+    (
+        s.states,
+        s.streams,
+        files_on_disk(data),
+        format!(
+            "{} {} {} {} {:?}",
+            snap.active, snap.pending, snap.queued, snap.executing, snap.storage
+        ),
+    )
+}
+
+/// Waits until the broker has handled every request sent (nothing changes across two readings).
+pub async fn quiet(h: &Harness, data: &Path) {
+    let mut last = observed(h, data).await;
+    let settled = eventually(async || {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let now = observed(h, data).await;
+        let same = now == last;
+        last = now;
+        same
+    })
+    .await;
+    assert!(settled, "the broker never settled: {last:?}");
+}
+
+/// The promise: drift 0 by the on-demand reading, on the operator route and in the gauge; the
+/// stream files on disk are the stream rows; the inbox is what the controller counts pending.
+pub async fn assert_counts_match_the_store(h: &Harness, data: &Path) {
+    let report = h.broker.check_drift().await.unwrap();
+    assert!(report.is_clean(), "drift: {report:?}");
+    let route = h.get("/api/operator/v1/drift", Some(OPERATOR_SECRET)).await;
+    assert_eq!(route.status, 200);
+    assert_eq!(route.body["drift"], 0, "{}", route.body);
+    assert_eq!(metric(&h.metrics().await, "admission_store_drift"), Some(0));
+    let s = stored(data);
+    assert_eq!(
+        files_on_disk(data),
+        s.streams,
+        "stream files on disk vs rows"
+    );
+    // Two reads, so a request still arriving may move one between them: poll until they agree.
+    let agree = eventually(async || {
+        let inbox = h.get(INBOX, Some(OPERATOR_SECRET)).await;
+        inbox.body["requests"].as_array().unwrap().len() as u64 == h.snapshot().pending
+    })
+    .await;
+    assert!(
+        agree,
+        "the inbox never matched the controller's pending count"
+    );
+}
+
+/// The operator decides every request in the inbox, approving or denying in turn, until it is
+/// empty. Each decision is 200, unless a late request of the burst decided it first (409, and the
+/// operation is then no longer pending). Returns how many this call decided.
+pub async fn decide_the_inbox(h: &Harness) -> usize {
+    let mut decided = 0;
+    let emptied = eventually(async || {
+        let inbox = h.get(INBOX, Some(OPERATOR_SECRET)).await;
+        let ids: Vec<String> = inbox.body["requests"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|op| op["id"].as_str().unwrap().to_owned())
+            .collect();
+        if ids.is_empty() {
+            return true;
+        }
+        for id in &ids {
+            let decision = if decided % 2 == 0 { "approve" } else { "deny" };
+            let reply = h
+                .post(&format!("{INBOX}/{id}/{decision}"), Some(OPERATOR_SECRET))
+                .await;
+            if reply.status == 200 {
+                decided += 1;
+                continue;
+            }
+            assert_eq!(reply.status, 409, "{decision} {id}: {}", reply.body);
+            let op = h
+                .get(&format!("{OPERATIONS}/{id}"), Some(AGENT_SECRET))
+                .await;
+            assert_ne!(
+                op.state(),
+                "pending",
+                "{decision} {id} refused while it is pending: {}",
+                reply.body
+            );
+        }
+        false
+    })
+    .await;
+    assert!(emptied, "the inbox never emptied");
+    decided
+}
+
+/// Every stored operation of the agent is replayed (200) by its own request, whatever the limits.
+pub async fn assert_every_key_replays(h: &Harness, data: &Path, bodies: &BTreeMap<String, Value>) {
+    for key in stored(data).keys {
+        let Some(body) = bodies.get(&key) else {
+            continue;
+        };
+        let reply = h.submit(AGENT_SECRET, body).await;
+        assert_eq!(reply.status, 200, "replay of {key}: {}", reply.body);
+    }
+}
+
+/// The ending every test shares: quiet, counts equal the store, the inbox decidable, and once
+/// the approved work has run, the counts still equal the store.
+pub async fn ends_whole(h: &Harness, data: &Path) {
+    quiet(h, data).await;
+    assert_counts_match_the_store(h, data).await;
+    decide_the_inbox(h).await;
+    let drained = eventually(async || {
+        let s = h.snapshot();
+        s.pending == 0 && s.queued == 0
+    })
+    .await;
+    assert!(drained, "approved work never ran: {:?}", h.snapshot());
+    quiet(h, data).await;
+    assert_counts_match_the_store(h, data).await;
+}
+
+pub async fn create_pending(h: &Harness, prefix: &str, n: usize) -> Vec<String> {
+    let mut ids = Vec::new();
+    for i in 0..n {
+        let reply = h
+            .submit(
+                AGENT_SECRET,
+                &request(&format!("{prefix}-{i}"), "demo.request", 0),
+            )
+            .await;
+        assert_eq!(reply.status, 202, "{}", reply.body);
+        ids.push(reply.id());
+    }
+    ids
+}
+
+pub async fn upload(h: &Harness, size: usize) -> String {
+    let reply = h
+        .send(
+            "POST",
+            STREAMS,
+            Some(AGENT_SECRET),
+            Some(vec![7u8; size].into()),
+        )
+        .await;
+    assert_eq!(reply.status, 201, "{}", reply.body);
+    reply.id()
+}
+
+pub fn submissions(prefix: &str, n: usize, bodies: &mut BTreeMap<String, Value>) -> Vec<HangUp> {
+    (0..n)
+        .map(|i| {
+            let operation = if i % 4 == 3 {
+                "demo.run"
+            } else {
+                "demo.request"
+            };
+            let key = format!("{prefix}-{i}");
+            let body = request(&key, operation, 0);
+            bodies.insert(key, body.clone());
+            HangUp::submit(AGENT_SECRET, &body)
+        })
+        .collect()
+}
+
+pub fn decisions(ids: &[String]) -> Vec<HangUp> {
+    ids.iter()
+        .enumerate()
+        .map(|(i, id)| {
+            let decision = if i % 2 == 0 { "approve" } else { "deny" };
+            HangUp::new(
+                "POST",
+                format!("{INBOX}/{id}/{decision}"),
+                OPERATOR_SECRET,
+                Vec::new(),
+            )
+        })
+        .collect()
+}
+
+pub fn cancels(ids: &[String]) -> Vec<HangUp> {
+    ids.iter()
+        .map(|id| {
+            HangUp::new(
+                "POST",
+                format!("{OPERATIONS}/{id}/cancel"),
+                AGENT_SECRET,
+                Vec::new(),
+            )
+        })
+        .collect()
+}
+
+/// Uploads of `size` bytes; every other one declares more than it sends (cut short).
+pub fn uploads(n: usize, size: usize) -> Vec<HangUp> {
+    (0..n)
+        .map(|i| HangUp {
+            declared: (i % 2 == 1).then_some(size * 4),
+            ..HangUp::new("POST", STREAMS, AGENT_SECRET, vec![1u8; size])
+        })
+        .collect()
+}
+
+pub fn deletes(ids: &[String]) -> Vec<HangUp> {
+    ids.iter()
+        .map(|id| {
+            HangUp::new(
+                "DELETE",
+                format!("{STREAMS}/{id}"),
+                AGENT_SECRET,
+                Vec::new(),
+            )
+        })
+        .collect()
+}
+
+/// Every kind of hang-up at once: submissions, approvals and denials, cancels, uploads (whole and
+/// cut short) and deletes, against the state `prepare` made.
+pub async fn prepare(h: &Harness, prefix: &str) -> (Vec<String>, Vec<String>, Vec<String>) {
+    let to_decide = create_pending(h, &format!("{prefix}-decide"), 4).await;
+    let to_cancel = create_pending(h, &format!("{prefix}-cancel"), 4).await;
+    let mut streams = Vec::new();
+    for _ in 0..4 {
+        streams.push(upload(h, 512).await);
+    }
+    (to_decide, to_cancel, streams)
+}
+
+pub fn everything(
+    prefix: &str,
+    (to_decide, to_cancel, streams): &(Vec<String>, Vec<String>, Vec<String>),
+    bodies: &mut BTreeMap<String, Value>,
+) -> Vec<HangUp> {
+    let mut requests = submissions(prefix, 12, bodies);
+    requests.extend(decisions(to_decide));
+    requests.extend(cancels(to_cancel));
+    requests.extend(uploads(8, 256));
+    requests.extend(deletes(streams));
+    requests
+}
