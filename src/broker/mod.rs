@@ -10,17 +10,24 @@
 //!   slot.
 //! - `keys`: a fixed-size filter that answers "this key was never used" without the store, so
 //!   refusals stay off SQLite.
+//! - [`discovery`], [`listing`] and [`waits`]: the Agent V1 reads: the descriptor, pages of
+//!   summaries, and long-poll waits on an operation's revision; [`presentation`]: what an
+//!   operator reads about each operation.
 //! - [`serve`] and [`drill`]: the `admission serve` and `admission drill` commands.
 //!
 //! Only this module knows about HTTP, JSON bodies and SQL; the engine does not.
 
+pub mod discovery;
 pub mod drill;
 mod exec;
 pub mod http;
 mod keys;
+pub mod listing;
 mod operations;
+pub mod presentation;
 pub mod serve;
 pub mod store;
+pub mod waits;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -59,6 +66,8 @@ pub struct BrokerSettings {
     pub storage_caps: StorageCaps,
     /// The Retry-After hint for capacity refusals.
     pub capacity_retry: Duration,
+    /// The broker's name, shown as every operation's `broker` (1–64 characters).
+    pub broker_name: String,
 }
 
 impl std::fmt::Debug for BrokerSettings {
@@ -71,6 +80,7 @@ impl std::fmt::Debug for BrokerSettings {
             .field("config", &self.config)
             .field("storage_caps", &self.storage_caps)
             .field("capacity_retry", &self.capacity_retry)
+            .field("broker_name", &self.broker_name)
             .finish()
     }
 }
@@ -93,8 +103,20 @@ impl BrokerSettings {
             config,
             storage_caps: StorageCaps::default(),
             capacity_retry: DEFAULT_CAPACITY_RETRY,
+            broker_name: store::DEFAULT_BROKER_NAME.to_owned(),
         }
     }
+}
+
+/// Checks a broker name: 1 to 64 characters, none of them a control character.
+pub fn validate_broker_name(name: &str) -> Result<(), String> {
+    let chars = name.chars().count();
+    if !(1..=64).contains(&chars) || name.chars().any(char::is_control) {
+        return Err(format!(
+            "broker name {name:?} must be 1 to 64 characters, none of them a control character"
+        ));
+    }
+    Ok(())
 }
 
 /// Why a broker could not start.
@@ -106,6 +128,8 @@ pub enum BrokerError {
     Store(StoreError),
     /// Another file problem (data dir, secrets).
     Io(String),
+    /// A setting is out of its bounds (the broker name).
+    Settings(String),
 }
 
 impl std::fmt::Display for BrokerError {
@@ -113,7 +137,7 @@ impl std::fmt::Display for BrokerError {
         match self {
             BrokerError::Bind(addr, err) => write!(f, "cannot listen on {addr}: {err}"),
             BrokerError::Store(err) => write!(f, "{err}"),
-            BrokerError::Io(detail) => f.write_str(detail),
+            BrokerError::Io(detail) | BrokerError::Settings(detail) => f.write_str(detail),
         }
     }
 }
@@ -150,6 +174,8 @@ pub(crate) struct Core {
     /// create one operation. Striped: bounded memory whatever the traffic.
     pub(crate) key_locks: Box<[tokio::sync::Mutex<()>]>,
     pub(crate) shutdown: watch::Receiver<bool>,
+    /// Open long-poll waits and the bells that wake them.
+    pub(crate) waits: waits::Waits,
 }
 
 impl Core {
@@ -200,6 +226,7 @@ impl Broker {
     /// Opens the store in the data dir, restores every non-terminal operation and stream into a
     /// new controller, starts the executor and serves. Must run inside a tokio runtime.
     pub async fn start(settings: BrokerSettings) -> Result<(Broker, RestoreSummary), BrokerError> {
+        validate_broker_name(&settings.broker_name).map_err(BrokerError::Settings)?;
         let listener = tokio::net::TcpListener::bind(settings.listen)
             .await
             .map_err(|e| BrokerError::Bind(settings.listen, e))?;
@@ -211,8 +238,9 @@ impl Broker {
             .capacity_retry(settings.capacity_retry)
             .build();
         let data_dir = settings.data_dir.clone();
+        let broker_name = settings.broker_name.clone();
         let (db, recovered, keys) = tokio::task::spawn_blocking(move || {
-            let db = Database::open(&data_dir)?;
+            let db = Database::open_as(&data_dir, &broker_name)?;
             let recovered = db.recover()?;
             let keys = keys::KeyFilter::new();
             db.for_each_key(|client, key| keys.insert(client, key))?;
@@ -245,6 +273,7 @@ impl Broker {
             keys,
             key_locks: (0..64).map(|_| tokio::sync::Mutex::new(())).collect(),
             shutdown: shutdown.clone(),
+            waits: waits::Waits::default(),
         });
         let summary = restore(&core, recovered);
 
