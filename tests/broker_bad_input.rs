@@ -320,20 +320,23 @@ async fn another_clients_operation_is_not_found_and_cannot_be_canceled() {
             Some(OTHER_SECRET),
         )
         .await;
-    assert_eq!((reply.status, reply.code()), (404, "operation_not_found"));
+    assert_eq!((reply.status, reply.code()), (404, "not_found"));
     let reply = h
         .post(
             &format!("/api/agent/v1/operations/{id}/cancel"),
             Some(OTHER_SECRET),
         )
         .await;
-    assert_eq!((reply.status, reply.code()), (404, "operation_not_found"));
+    assert_eq!((reply.status, reply.code()), (404, "not_found"));
     let reply = h.get("/api/agent/v1/operations", Some(OTHER_SECRET)).await;
-    assert_eq!(reply.body, json!({"operations": []}));
+    assert_eq!(
+        reply.body,
+        json!({"api_version": "unyolo.io/agent/v1", "operations": [], "next_cursor": null})
+    );
     let reply = h
         .get("/api/agent/v1/operations/op_missing", Some(AGENT_SECRET))
         .await;
-    assert_eq!((reply.status, reply.code()), (404, "operation_not_found"));
+    assert_eq!((reply.status, reply.code()), (404, "not_found"));
     for decision in ["approve", "deny"] {
         let path = format!("/api/operator/v1/requests/op_missing/{decision}");
         let reply = h.post(&path, Some(OPERATOR_SECRET)).await;

@@ -202,7 +202,10 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 /// The routes, with their state.
 pub(crate) fn router(core: Arc<Core>) -> Router {
     Router::new()
-        .route("/.well-known/unyolo-agent", get(super::discovery::descriptor))
+        .route(
+            "/.well-known/unyolo-agent",
+            get(super::discovery::descriptor),
+        )
         .route(
             "/api/agent/v1/operations",
             post(submit).get(super::listing::list_operations),

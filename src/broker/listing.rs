@@ -178,7 +178,9 @@ pub(crate) async fn list_operations(
     let more = rows.len() > query.limit as usize;
     rows.truncate(query.limit as usize);
     let next_cursor = match rows.last() {
-        Some((position, _)) if more => Value::from(encode_cursor(*position, client.as_str(), &query)),
+        Some((position, _)) if more => {
+            Value::from(encode_cursor(*position, client.as_str(), &query))
+        }
         _ => Value::Null,
     };
     let operations: Vec<Value> = rows
@@ -254,7 +256,10 @@ mod tests {
         bytes[8] ^= 1;
         assert!(decode_cursor(&URL_SAFE_NO_PAD.encode(bytes), "agent", &query).is_err());
         for garbled in ["", "!!!", "AAAA", &"A".repeat(200), "bm90IGEgY3Vyc29y"] {
-            assert!(decode_cursor(garbled, "agent", &query).is_err(), "{garbled}");
+            assert!(
+                decode_cursor(garbled, "agent", &query).is_err(),
+                "{garbled}"
+            );
         }
     }
 }

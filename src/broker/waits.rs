@@ -149,9 +149,8 @@ fn parse_query(pairs: Vec<(String, String)>) -> Result<WaitQuery, ApiError> {
     let params = single_params(pairs, &["after_revision", "wait_seconds"])?;
     let after_revision = match params.get("after_revision") {
         None => 0,
-        Some(text) => parse_integer(text).ok_or_else(|| {
-            ApiError::invalid("after_revision must be an integer of at least 0.")
-        })?,
+        Some(text) => parse_integer(text)
+            .ok_or_else(|| ApiError::invalid("after_revision must be an integer of at least 0."))?,
     };
     let seconds = match params.get("wait_seconds") {
         None => DEFAULT_WAIT_SECONDS,
@@ -189,15 +188,18 @@ pub(crate) async fn wait_for_change(
     } = parse_query(pairs)?;
     let deadline = tokio::time::Instant::now() + wait;
     // Enter before the first read: a change committed after that read rings this slot's bell.
-    let mut slot = core.waits.enter(client.as_str(), &id).map_err(|TooManyWaits| {
-        tracing::info!(client = %client, "wait refused: too many open");
-        ApiError::new(
-            StatusCode::TOO_MANY_REQUESTS,
-            "too_many_waits",
-            format!("This client already holds {MAX_WAITS_PER_CLIENT} open waits."),
-        )
-        .with_retry_after(1)
-    })?;
+    let mut slot = core
+        .waits
+        .enter(client.as_str(), &id)
+        .map_err(|TooManyWaits| {
+            tracing::info!(client = %client, "wait refused: too many open");
+            ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "too_many_waits",
+                format!("This client already holds {MAX_WAITS_PER_CLIENT} open waits."),
+            )
+            .with_retry_after(1)
+        })?;
     let mut shutdown = core.shutdown.clone();
     loop {
         let record = own_record(&core, client, &id).await?;
@@ -258,7 +260,9 @@ mod tests {
             .map(|_| waits.enter("a", "op_1").unwrap())
             .collect();
         assert!(waits.enter("a", "op_2").is_err());
-        let other = waits.enter("b", "op_1").expect("another client is not blocked");
+        let other = waits
+            .enter("b", "op_1")
+            .expect("another client is not blocked");
         assert_eq!(waits.open(), MAX_WAITS_PER_CLIENT + 1);
         drop(held);
         drop(other);

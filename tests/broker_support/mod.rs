@@ -2,6 +2,8 @@
 //! temporary data dir and talk to it over HTTP.
 #![allow(dead_code)]
 
+pub mod contract;
+
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
@@ -105,6 +107,7 @@ impl Harness {
         token: Option<&str>,
         body: Option<reqwest::Body>,
     ) -> Reply {
+        let method_name = method;
         let method = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
         let mut req = self.http.request(method, format!("{}{path}", self.base));
         if let Some(token) = token {
@@ -118,6 +121,8 @@ impl Harness {
         let headers = response.headers().clone();
         let text = response.text().await.unwrap();
         let body = serde_json::from_str(&text).unwrap_or(Value::String(text));
+        // Every body the broker sends in these tests is checked against the contract's schema.
+        contract::check_reply(method_name, path, status, &body);
         Reply {
             status,
             headers,
