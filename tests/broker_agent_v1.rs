@@ -524,17 +524,17 @@ async fn waits_are_bounded_per_client_never_block_others_and_end_at_shutdown() {
         .collect();
     // Once all are open, one more is refused (a zero-second probe, so a probe let in ends at once).
     let probe = events(&id, 1, 0);
-    let mut refused = None;
-    assert!(
-        eventually(async || {
-            let reply = h.get(&probe, Some(AGENT_SECRET)).await;
-            let full = reply.status == 429;
-            refused = Some(reply);
-            full
-        })
-        .await
-    );
-    let refused = refused.unwrap();
+    // Probed until full: the 32 waits open in their own time on a busy machine.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let refused = loop {
+        let reply = h.get(&probe, Some(AGENT_SECRET)).await;
+        if reply.status == 429 || Instant::now() > deadline {
+            break reply;
+        }
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(refused.status, 429, "{}", refused.body);
     assert_eq!(refused.code(), "too_many_waits");
     assert!(refused.retry_after().is_some_and(|s| s >= 1));
     // Nothing else of this client waits behind them, nor does any other client.
@@ -575,16 +575,16 @@ async fn a_wait_after_a_restart_sees_the_change_made_during_the_crash() {
             .await
     );
     let executing = h.get(&op_path(&id), Some(AGENT_SECRET)).await;
-    assert_eq!(revision(&executing.body), 3);
+    assert_eq!(revision(&executing.body), 2);
     h.broker.shutdown().await;
 
     let h = start(dir.path(), ROOMY).await;
     assert_eq!(h.restored.interrupted, 1);
     let started = Instant::now();
-    let reply = h.get(&events(&id, 3, 30), Some(AGENT_SECRET)).await;
+    let reply = h.get(&events(&id, 2, 30), Some(AGENT_SECRET)).await;
     assert_eq!(
         (reply.status, reply.state(), revision(&reply.body)),
-        (200, "failed", 4)
+        (200, "failed", 3)
     );
     assert_eq!(reply.body["error"]["code"], "execution_interrupted");
     assert!(
