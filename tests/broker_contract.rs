@@ -7,7 +7,7 @@
 mod broker_support;
 
 use broker_support::*;
-use serde_json::{Value, json};
+use serde_json::json;
 use unyolo_admission::broker::Broker;
 
 /// Fast limits: one rate token every 60 s after the first two, so the third submission is refused.

@@ -324,19 +324,19 @@ fn validate(bytes: &[u8]) -> Result<Validated, ApiError> {
     if request.reason.is_empty() || request.reason.len() > 2000 {
         return Err(ApiError::invalid("reason must be 1 to 2000 bytes."));
     }
-    if !request
+    if request
         .target
         .as_object()
-        .is_some_and(|o| o.len() <= MAX_TARGET_PROPERTIES)
+        .is_none_or(|o| o.len() > MAX_TARGET_PROPERTIES)
     {
         return Err(ApiError::invalid(
             "target must be a JSON object of at most 32 properties.",
         ));
     }
-    if !request
+    if request
         .arguments
         .as_object()
-        .is_some_and(|o| o.len() <= MAX_ARGUMENT_PROPERTIES)
+        .is_none_or(|o| o.len() > MAX_ARGUMENT_PROPERTIES)
     {
         return Err(ApiError::invalid(
             "arguments must be a JSON object of at most 128 properties.",

@@ -274,7 +274,7 @@ mod tests {
     async fn a_ring_wakes_the_waiters_of_that_operation_only() {
         let waits = Waits::default();
         let mut one = waits.enter("a", "op_1").unwrap();
-        let mut two = waits.enter("a", "op_2").unwrap();
+        let two = waits.enter("a", "op_2").unwrap();
         waits.ring("op_1");
         tokio::time::timeout(Duration::from_secs(10), one.rung())
             .await
