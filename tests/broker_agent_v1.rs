@@ -563,6 +563,59 @@ async fn waits_are_bounded_per_client_never_block_others_and_end_at_shutdown() {
 }
 
 #[tokio::test]
+async fn a_client_that_hangs_up_mid_wait_gives_its_wait_slots_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = start(dir.path(), ROOMY).await;
+    let id = h
+        .submit(AGENT_SECRET, &request("hang-up", "demo.request", 0))
+        .await
+        .id();
+    let max = unyolo_admission::broker::waits::MAX_WAITS_PER_CLIENT;
+    // A separate client, so dropping it closes every connection the waits use.
+    let impatient = reqwest::Client::new();
+    let waiters: Vec<_> = (0..max)
+        .map(|_| {
+            let request = impatient
+                .get(format!("{}{}", h.base, events(&id, 1, 30)))
+                .bearer_auth(AGENT_SECRET)
+                .send();
+            tokio::spawn(request)
+        })
+        .collect();
+    let probe = events(&id, 1, 0);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while h.get(&probe, Some(AGENT_SECRET)).await.status != 429 {
+        assert!(
+            Instant::now() < deadline,
+            "the waits never filled the client's slots"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    for waiter in &waiters {
+        waiter.abort();
+    }
+    for waiter in waiters {
+        let _ = waiter.await;
+    }
+    drop(impatient);
+    // The server drops each abandoned wait; its slot comes back well before the 30 s timeout.
+    let deadline = Instant::now() + Duration::from_secs(25);
+    let freed = loop {
+        let reply = h.get(&probe, Some(AGENT_SECRET)).await;
+        if reply.status == 200 || Instant::now() > deadline {
+            break reply;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(
+        (freed.status, revision(&freed.body)),
+        (200, 1),
+        "{}",
+        freed.body
+    );
+}
+
+#[tokio::test]
 async fn a_wait_after_a_restart_sees_the_change_made_during_the_crash() {
     let dir = tempfile::tempdir().unwrap();
     let h = start(dir.path(), ROOMY).await;
