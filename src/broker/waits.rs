@@ -2,15 +2,18 @@
 //!
 //! A wait answers with the operation as soon as its revision is above N (at once if it already
 //! is), after S seconds as it is, or at shutdown as it is. It wakes on a per-operation bell rung
-//! by [`Core::changed`](super::Core) right after every durable state change, never by polling
-//! the store: an idle wait is a parked task. Bells are created when the first waiter of an
-//! operation arrives and dropped with its last, so the registry holds only what is waited on.
+//! by `Core::changed` right after every durable state change (the executor's start and its
+//! failures included), never by polling the store: an idle wait is a parked task. Bells are
+//! created when the first waiter of an operation arrives and dropped with its last, so the
+//! registry holds only what is waited on. A change made while the broker was down (recovery
+//! failing interrupted work) is in the durable revision, so a wait after a restart that names an
+//! older revision answers at once.
 //!
 //! Waiting is not work: it is never admitted and holds no quota. A client may hold at most
 //! [`MAX_WAITS_PER_CLIENT`] waits at once; one more is refused with 429 `too_many_waits`, which
 //! concerns that client only.
 //!
-//! A client that hangs up drops the handler at an `.await`; the [`WaitSlot`] it held is released
+//! A client that hangs up drops the handler at an `.await`; the `WaitSlot` it held is released
 //! by its `Drop`, so no count leaks. Nothing is written, so nothing can be left half-done.
 
 use std::collections::HashMap;
