@@ -163,6 +163,19 @@ impl Harness {
     }
 }
 
+/// Asserts that nothing was admitted, refused, counted or spent between two snapshots. Rate
+/// tokens may only have refilled (time passes between the two); a spent token still shows.
+#[track_caller]
+pub fn assert_unchanged(before: &Snapshot, after: &Snapshot, what: &str) {
+    let mut after = after.clone();
+    for (now, then) in after.clients.iter_mut().zip(&before.clients) {
+        if now.tokens >= then.tokens {
+            now.tokens = then.tokens;
+        }
+    }
+    assert_eq!(&after, before, "{what}");
+}
+
 /// The value of one series in Prometheus text.
 pub fn metric(text: &str, series: &str) -> Option<u64> {
     text.lines()
