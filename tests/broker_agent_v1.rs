@@ -443,6 +443,9 @@ async fn every_bad_listing_or_wait_parameter_is_a_400_invalid_request() {
         format!("{wait}?after_revision=one"),
         format!("{wait}?wait_seconds=5&wait_seconds=5"),
         format!("{wait}?timeout=5"),
+        // The message quoting a long bad value stays within the contract's 500 characters.
+        format!("{list}?{}=1", "x".repeat(2000)),
+        format!("{list}?state={}", "y".repeat(2000)),
     ];
     for path in &bad {
         let reply = h.get(path, Some(AGENT_SECRET)).await;

@@ -54,16 +54,25 @@ pub struct ApiError {
     retry_after: Option<u64>,
 }
 
+/// The longest error message the contract allows, in characters.
+const MAX_MESSAGE_CHARS: usize = 500;
+
 impl ApiError {
+    /// An error; a message past [`MAX_MESSAGE_CHARS`] (one quoting a long input) is cut to it.
     pub(crate) fn new(
         status: StatusCode,
         code: &'static str,
         message: impl Into<String>,
     ) -> ApiError {
+        let mut message = message.into();
+        if message.chars().count() > MAX_MESSAGE_CHARS {
+            message = message.chars().take(MAX_MESSAGE_CHARS - 1).collect();
+            message.push('…');
+        }
         ApiError {
             status,
             code,
-            message: message.into(),
+            message,
             retry_after: None,
         }
     }
@@ -777,6 +786,14 @@ mod tests {
         assert!(!is_idempotency_key("-leading"));
         assert!(!is_idempotency_key("has space"));
         assert!(!is_idempotency_key("slash/no"));
+    }
+
+    #[test]
+    fn error_messages_are_cut_to_the_contracts_500_characters() {
+        let long = ApiError::invalid(format!("Unknown query parameter {:?}.", "é".repeat(900)));
+        assert_eq!(long.message.chars().count(), MAX_MESSAGE_CHARS);
+        assert!(long.message.ends_with('…'));
+        assert_eq!(ApiError::invalid("short").message, "short");
     }
 
     #[test]
