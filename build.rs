@@ -18,17 +18,19 @@ fn main() {
     let commit = git(&["rev-parse", "--short", "HEAD"])
         .filter(|c| c.bytes().all(|b| b.is_ascii_hexdigit()))
         .unwrap_or_else(|| "unknown".to_owned());
-    // Rebuild when HEAD moves: the HEAD file, and the branch ref it names.
+    // Rebuild when HEAD moves: the HEAD file, the branch ref it names, and packed refs. Only
+    // files that exist: cargo takes a missing one as changed and would rebuild every time.
     if commit != "unknown" {
-        for name in ["HEAD", "packed-refs"] {
-            if let Some(path) = git(&["rev-parse", "--git-path", name]) {
+        let mut watched = vec!["HEAD".to_owned(), "packed-refs".to_owned()];
+        if let Some(branch) = git(&["symbolic-ref", "-q", "HEAD"]) {
+            watched.push(branch);
+        }
+        for name in &watched {
+            if let Some(path) = git(&["rev-parse", "--git-path", name])
+                && std::path::Path::new(&path).exists()
+            {
                 println!("cargo:rerun-if-changed={path}");
             }
-        }
-        if let Some(branch) = git(&["symbolic-ref", "-q", "HEAD"])
-            && let Some(path) = git(&["rev-parse", "--git-path", &branch])
-        {
-            println!("cargo:rerun-if-changed={path}");
         }
     }
     println!("cargo:rustc-env=ADMISSION_BUILD_COMMIT={commit}");
