@@ -53,6 +53,15 @@ struct ServeArgs {
     /// The quota file (absolute path), re-read on SIGHUP; the defaults when absent.
     #[arg(long, value_name = "PATH")]
     admission_config: Option<PathBuf>,
+    /// The broker's name, shown as every operation's `broker` (1 to 64 characters).
+    #[arg(long, value_name = "NAME", default_value = "admission", value_parser = broker_name)]
+    broker_name: String,
+}
+
+/// A `--broker-name` within its bounds.
+#[cfg(feature = "broker")]
+fn broker_name(name: &str) -> Result<String, String> {
+    unyolo_admission::broker::validate_broker_name(name).map(|()| name.to_owned())
 }
 
 #[derive(Args)]
@@ -97,6 +106,7 @@ fn serve(args: ServeArgs) -> ExitCode {
         secrets: args.secrets,
         operator_secret: args.operator_secret,
         admission_config: args.admission_config,
+        broker_name: args.broker_name,
     };
     match run(options) {
         Ok(()) => ExitCode::SUCCESS,

@@ -30,7 +30,7 @@ async fn refused_without_trace(
     );
     assert_error_shape(&reply);
     assert_eq!(h.rows().await, rows, "a row was written");
-    assert_eq!(h.snapshot(), snapshot, "admission state changed");
+    assert_unchanged(&snapshot, &h.snapshot(), "admission state changed");
     reply
 }
 
@@ -198,7 +198,7 @@ async fn a_body_over_one_mebibyte_is_413_whether_declared_or_streamed() {
     assert!(response.starts_with("HTTP/1.1 413"), "{response}");
     assert!(response.contains("payload_too_large"), "{response}");
     assert_eq!(h.rows().await, rows);
-    assert_eq!(h.snapshot(), snapshot);
+    assert_unchanged(&snapshot, &h.snapshot(), "admission state changed");
 }
 
 #[tokio::test]
@@ -247,7 +247,7 @@ async fn missing_tokens_are_401_and_wrong_tokens_403_before_the_body_is_judged()
         .unwrap();
     assert_eq!(response.status(), 401);
     assert_eq!(h.rows().await, rows);
-    assert_eq!(h.snapshot(), snapshot);
+    assert_unchanged(&snapshot, &h.snapshot(), "admission state changed");
 
     for path in ["/api/agent/v1/operations", "/api/agent/v1/operations/op_x"] {
         let reply = h.get(path, None).await;
@@ -295,7 +295,7 @@ async fn operator_routes_refuse_client_tokens_and_client_routes_refuse_the_opera
     assert_eq!((reply.status, reply.code()), (403, "authentication_failed"));
     // Nothing moved: still pending, nothing consumed.
     assert_eq!(h.rows().await, rows);
-    assert_eq!(h.snapshot(), snapshot);
+    assert_unchanged(&snapshot, &h.snapshot(), "admission state changed");
     let reply = h
         .get(
             &format!("/api/agent/v1/operations/{id}"),
@@ -320,26 +320,29 @@ async fn another_clients_operation_is_not_found_and_cannot_be_canceled() {
             Some(OTHER_SECRET),
         )
         .await;
-    assert_eq!((reply.status, reply.code()), (404, "operation_not_found"));
+    assert_eq!((reply.status, reply.code()), (404, "not_found"));
     let reply = h
         .post(
             &format!("/api/agent/v1/operations/{id}/cancel"),
             Some(OTHER_SECRET),
         )
         .await;
-    assert_eq!((reply.status, reply.code()), (404, "operation_not_found"));
+    assert_eq!((reply.status, reply.code()), (404, "not_found"));
     let reply = h.get("/api/agent/v1/operations", Some(OTHER_SECRET)).await;
-    assert_eq!(reply.body, json!({"operations": []}));
+    assert_eq!(
+        reply.body,
+        json!({"api_version": "unyolo.io/agent/v1", "operations": [], "next_cursor": null})
+    );
     let reply = h
         .get("/api/agent/v1/operations/op_missing", Some(AGENT_SECRET))
         .await;
-    assert_eq!((reply.status, reply.code()), (404, "operation_not_found"));
+    assert_eq!((reply.status, reply.code()), (404, "not_found"));
     for decision in ["approve", "deny"] {
         let path = format!("/api/operator/v1/requests/op_missing/{decision}");
         let reply = h.post(&path, Some(OPERATOR_SECRET)).await;
         assert_eq!((reply.status, reply.code()), (404, "request_not_found"));
     }
-    assert_eq!(h.snapshot(), snapshot);
+    assert_unchanged(&snapshot, &h.snapshot(), "admission state changed");
     let reply = h
         .get(
             &format!("/api/agent/v1/operations/{id}"),

@@ -7,7 +7,7 @@
 mod broker_support;
 
 use broker_support::*;
-use serde_json::{Value, json};
+use serde_json::json;
 use unyolo_admission::broker::Broker;
 
 /// Fast limits: one rate token every 60 s after the first two, so the third submission is refused.
@@ -62,16 +62,17 @@ async fn a_created_operation_has_exactly_the_agent_v1_fields_and_a_location_that
         [
             "api_version",
             "arguments",
+            "broker",
             "client_id",
             "created_at",
-            "error",
             "id",
             "idempotency_key",
             "operation",
+            "presentation",
             "reason",
+            "revision",
             "state",
             "target",
-            "terminal_at",
             "updated_at",
         ]
     );
@@ -87,8 +88,12 @@ async fn a_created_operation_has_exactly_the_agent_v1_fields_and_a_location_that
     assert_eq!(op["state"], "pending");
     assert!(op["created_at"].is_string());
     assert_eq!(op["updated_at"], op["created_at"]);
-    assert_eq!(op["terminal_at"], Value::Null);
-    assert_eq!(op["error"], Value::Null);
+    assert_eq!(op["broker"], "admission");
+    assert_eq!(op["revision"], 1);
+    assert!(op["presentation"]["title"].is_string());
+    // Optional fields without a value are omitted, never null.
+    assert!(op.get("terminal_at").is_none());
+    assert!(op.get("error").is_none());
 
     let location = created.header("location").expect("a Location header");
     assert_eq!(location, path_of(&created));
@@ -96,7 +101,14 @@ async fn a_created_operation_has_exactly_the_agent_v1_fields_and_a_location_that
     assert_eq!(read.status, 200);
     assert_eq!(read.body, created.body);
     let listed = h.get("/api/agent/v1/operations", Some(AGENT_SECRET)).await;
-    assert_eq!(listed.body, json!({"operations": [created.body.clone()]}));
+    let mut summary = created.body.clone();
+    for field in ["target", "arguments", "reason"] {
+        summary.as_object_mut().unwrap().remove(field);
+    }
+    assert_eq!(
+        listed.body,
+        json!({"api_version": "unyolo.io/agent/v1", "operations": [summary], "next_cursor": null})
+    );
     let requests = h
         .get("/api/operator/v1/requests", Some(OPERATOR_SECRET))
         .await;
@@ -113,9 +125,11 @@ async fn a_created_operation_has_exactly_the_agent_v1_fields_and_a_location_that
             .await
     );
     let done = h.get(&path_of(&run), Some(AGENT_SECRET)).await;
-    assert_eq!(done.body.as_object().unwrap().len(), 13);
+    // Created (1), executing (2), succeeded (3); terminal_at now has a value, error still none.
+    assert_eq!(done.body.as_object().unwrap().len(), 15);
+    assert_eq!(done.body["revision"], 3);
     assert!(done.body["terminal_at"].is_string());
-    assert_eq!(done.body["error"], Value::Null);
+    assert!(done.body.get("error").is_none());
 }
 
 #[tokio::test]
@@ -145,6 +159,14 @@ async fn every_answer_carries_no_store_and_every_error_the_error_shape() {
     assert_no_store(&replayed, "replay");
     for (path, token) in [
         (path_of(&created), Some(AGENT_SECRET)),
+        (
+            format!(
+                "{}/events?after_revision=0&wait_seconds=0",
+                path_of(&created)
+            ),
+            Some(AGENT_SECRET),
+        ),
+        ("/.well-known/unyolo-agent".to_owned(), Some(AGENT_SECRET)),
         ("/api/agent/v1/operations".to_owned(), Some(AGENT_SECRET)),
         (
             "/api/operator/v1/requests".to_owned(),
@@ -184,7 +206,7 @@ async fn every_answer_carries_no_store_and_every_error_the_error_shape() {
     let reply = h
         .get("/api/agent/v1/operations/op_x", Some(AGENT_SECRET))
         .await;
-    assert_error_shape(&reply, 404, "operation_not_found", "unknown operation");
+    assert_error_shape(&reply, 404, "not_found", "unknown operation");
     let reply = h.get("/nowhere", None).await;
     assert_error_shape(&reply, 404, "not_found", "unknown route");
     let reply = h
@@ -457,7 +479,7 @@ async fn approve_and_deny_answer_409_request_not_pending_for_anything_not_pendin
             before.body
         );
     }
-    assert_eq!(h.snapshot(), snapshot);
+    assert_unchanged(&snapshot, &h.snapshot(), "admission state changed");
 }
 
 #[tokio::test]
@@ -558,7 +580,7 @@ async fn readyz_is_503_while_another_process_holds_the_store_and_200_once_it_let
     assert!(eventually(async || h.get("/readyz", None).await.status == 200).await);
     assert_eq!(h.get("/readyz", None).await.body, json!({"ready": true}));
     assert_eq!(h.rows().await, rows);
-    assert_eq!(h.snapshot(), snapshot);
+    assert_unchanged(&snapshot, &h.snapshot(), "admission state changed");
 }
 
 #[tokio::test]

@@ -94,18 +94,19 @@ impl Server {
     ) -> (u16, Value) {
         let mut req = self
             .http
-            .request(method, format!("{}{path}", self.base))
+            .request(method.clone(), format!("{}{path}", self.base))
             .bearer_auth(token);
         if let Some(body) = body {
             req = req.json(&body);
         }
+        let method_name = method.to_string();
         let response = req.send().await.unwrap();
         let status = response.status().as_u16();
         let text = response.text().await.unwrap();
-        (
-            status,
-            serde_json::from_str(&text).unwrap_or(Value::String(text)),
-        )
+        let body = serde_json::from_str(&text).unwrap_or(Value::String(text));
+        // The binary speaks the contract too.
+        broker_support::contract::check_reply(&method_name, path, status, &body);
+        (status, body)
     }
 
     async fn submit(&self, token: &str, body: Value) -> (u16, Value) {
@@ -416,6 +417,52 @@ async fn serve_without_secrets_generates_private_files_and_prints_only_their_pat
     let (status, body) = server.get("/api/agent/v1/operations", &client).await;
     assert_eq!(status, 200);
     assert_eq!(body["operations"].as_array().unwrap().len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_shows_its_broker_name_on_every_operation_and_refuses_one_out_of_bounds() {
+    let dir = tempfile::tempdir().unwrap();
+    let (args, _) = files(dir.path(), 2);
+    let mut named = as_args(&args);
+    named.extend(["--broker-name", "lab-broker"]);
+    let server = Server::spawn(&named);
+    let (status, created) = server
+        .submit(AGENT_SECRET, request("named", "demo.request", 0))
+        .await;
+    assert_eq!(
+        (status, created["broker"].as_str()),
+        (202, Some("lab-broker"))
+    );
+    let (_, page) = server.get("/api/agent/v1/operations", AGENT_SECRET).await;
+    assert_eq!(page["operations"][0]["broker"], "lab-broker");
+    let (status, descriptor) = server.get("/.well-known/unyolo-agent", AGENT_SECRET).await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        descriptor["contract_digest"],
+        "sha256:bdc7fc2230ea7db9ede54305f2adcb3e3c21451056e58f9467fd5dbcc4a3ddc7"
+    );
+    drop(server);
+
+    let too_long = "n".repeat(65);
+    for bad in ["", too_long.as_str()] {
+        let mut flags = as_args(&args);
+        flags.extend(["--broker-name", bad]);
+        let (code, stdout, stderr) = serve_fails(&flags);
+        assert_eq!(code, Some(2), "{bad:?}: {stdout}\n{stderr}");
+        assert!(stderr.contains("broker name"), "{stderr}");
+    }
+    // Without the flag, the broker is `admission`.
+    let server = Server::spawn(&as_args(&args));
+    let (_, read) = server
+        .get(
+            &format!(
+                "/api/agent/v1/operations/{}",
+                created["id"].as_str().unwrap()
+            ),
+            AGENT_SECRET,
+        )
+        .await;
+    assert_eq!(read["broker"], "admission");
 }
 
 /// Runs `admission serve` expecting it to fail at start-up: its exit code, stdout and stderr.

@@ -34,14 +34,20 @@ use crate::engine::{OperationState, Refusal, RefusalCode, Store};
 /// Largest operation submission body, in bytes.
 pub const MAX_BODY_BYTES: usize = 1 << 20;
 
-/// Most operations a list returns (the newest).
+/// Most pending requests the operator's list returns (the oldest).
 const LIST_LIMIT: u32 = 1000;
+
+/// Most properties a submission's `target` may have.
+pub const MAX_TARGET_PROPERTIES: usize = 32;
+
+/// Most properties a submission's `arguments` may have.
+pub const MAX_ARGUMENT_PROPERTIES: usize = 128;
 
 /// The message of every admission refusal.
 pub const REFUSAL_MESSAGE: &str = "Operation admission limit reached";
 
 /// The registered operations: name and whether it needs an operator's approval.
-const OPERATIONS: [(&str, bool); 2] = [("demo.run", false), ("demo.request", true)];
+pub(crate) const OPERATIONS: [(&str, bool); 2] = [("demo.run", false), ("demo.request", true)];
 
 /// An error response: status, stable code, message, and a Retry-After for refusals.
 #[derive(Debug)]
@@ -52,21 +58,34 @@ pub struct ApiError {
     retry_after: Option<u64>,
 }
 
+/// The longest error message the contract allows, in characters.
+const MAX_MESSAGE_CHARS: usize = 500;
+
 impl ApiError {
-    fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> ApiError {
+    /// An error; a message past [`MAX_MESSAGE_CHARS`] (one quoting a long input) is cut to it.
+    pub(crate) fn new(
+        status: StatusCode,
+        code: &'static str,
+        message: impl Into<String>,
+    ) -> ApiError {
+        let mut message = message.into();
+        if message.chars().count() > MAX_MESSAGE_CHARS {
+            message = message.chars().take(MAX_MESSAGE_CHARS - 1).collect();
+            message.push('…');
+        }
         ApiError {
             status,
             code,
-            message: message.into(),
+            message,
             retry_after: None,
         }
     }
 
-    fn invalid(message: impl Into<String>) -> ApiError {
+    pub(crate) fn invalid(message: impl Into<String>) -> ApiError {
         ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", message)
     }
 
-    fn store(err: StoreError) -> ApiError {
+    pub(crate) fn store(err: StoreError) -> ApiError {
         tracing::error!(error = %err, "store failed");
         ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -93,12 +112,16 @@ impl ApiError {
         }
     }
 
+    /// This error with a `Retry-After` of `secs` (a refusal the client may retry).
+    pub(crate) fn with_retry_after(self, secs: u64) -> ApiError {
+        ApiError {
+            retry_after: Some(secs),
+            ..self
+        }
+    }
+
     fn operation_not_found() -> ApiError {
-        ApiError::new(
-            StatusCode::NOT_FOUND,
-            "operation_not_found",
-            "No such operation.",
-        )
+        ApiError::new(StatusCode::NOT_FOUND, "not_found", "No such operation.")
     }
 }
 
@@ -138,7 +161,7 @@ impl Auth {
         }
     }
 
-    fn client(&self, headers: &HeaderMap) -> Result<&Identity, ApiError> {
+    pub(crate) fn client(&self, headers: &HeaderMap) -> Result<&Identity, ApiError> {
         let token = bearer(headers)?;
         // Compare against every secret so the time taken does not say which one matched.
         let mut found = None;
@@ -192,8 +215,19 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 /// The routes, with their state.
 pub(crate) fn router(core: Arc<Core>) -> Router {
     Router::new()
-        .route("/api/agent/v1/operations", post(submit).get(list_own))
+        .route(
+            "/.well-known/unyolo-agent",
+            get(super::discovery::descriptor),
+        )
+        .route(
+            "/api/agent/v1/operations",
+            post(submit).get(super::listing::list_operations),
+        )
         .route("/api/agent/v1/operations/{id}", get(get_own))
+        .route(
+            "/api/agent/v1/operations/{id}/events",
+            get(super::waits::wait_for_change),
+        )
         .route("/api/agent/v1/operations/{id}/cancel", post(cancel))
         .route("/api/agent/v1/streams", post(upload_stream))
         .route("/api/agent/v1/streams/{id}", delete(delete_stream))
@@ -223,31 +257,25 @@ async fn no_store(mut response: Response) -> Response {
     response
 }
 
-type ApiResult = Result<Response, ApiError>;
+pub(crate) type ApiResult = Result<Response, ApiError>;
 
-fn json_response(status: StatusCode, body: Value) -> Response {
+pub(crate) fn json_response(status: StatusCode, body: Value) -> Response {
     (status, axum::Json(body)).into_response()
 }
 
-/// A submission body. Unknown fields are refused.
+/// A submission body: every field required, unknown fields refused.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Submission {
     idempotency_key: String,
     operation: String,
-    #[serde(default = "empty_object")]
     target: Value,
-    #[serde(default = "empty_object")]
     arguments: Value,
     reason: String,
 }
 
-fn empty_object() -> Value {
-    Value::Object(serde_json::Map::new())
-}
-
 /// Whether `key` matches `^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$`.
-fn is_idempotency_key(key: &str) -> bool {
+pub(crate) fn is_idempotency_key(key: &str) -> bool {
     let bytes = key.as_bytes();
     !bytes.is_empty()
         && bytes.len() <= 128
@@ -310,11 +338,23 @@ fn validate(bytes: &[u8]) -> Result<Validated, ApiError> {
     if request.reason.is_empty() || request.reason.len() > 2000 {
         return Err(ApiError::invalid("reason must be 1 to 2000 bytes."));
     }
-    if !request.target.is_object() {
-        return Err(ApiError::invalid("target must be a JSON object."));
+    if request
+        .target
+        .as_object()
+        .is_none_or(|o| o.len() > MAX_TARGET_PROPERTIES)
+    {
+        return Err(ApiError::invalid(
+            "target must be a JSON object of at most 32 properties.",
+        ));
     }
-    if !request.arguments.is_object() {
-        return Err(ApiError::invalid("arguments must be a JSON object."));
+    if request
+        .arguments
+        .as_object()
+        .is_none_or(|o| o.len() > MAX_ARGUMENT_PROPERTIES)
+    {
+        return Err(ApiError::invalid(
+            "arguments must be a JSON object of at most 128 properties.",
+        ));
     }
     let Some(&(_, needs_approval)) = OPERATIONS
         .iter()
@@ -451,6 +491,8 @@ async fn create(
         updated_at: now,
         terminal_at: None,
         error: None,
+        revision: 1,
+        broker: core.db.broker().to_owned(),
     };
     let inserted = core.db.insert(record.clone()).await;
     if matches!(inserted, Ok(()) | Err(InsertError::Duplicate)) {
@@ -497,13 +539,17 @@ async fn create(
 
 /// The `{id}` of a route, judged after authentication; an id that is not UTF-8 once
 /// percent-decoded is a 400 in the error shape (axum's own rejection would be plain text).
-fn path_id(id: Result<Path<String>, PathRejection>) -> Result<String, ApiError> {
+pub(crate) fn path_id(id: Result<Path<String>, PathRejection>) -> Result<String, ApiError> {
     id.map(|Path(id)| id)
         .map_err(|rejection| ApiError::invalid(rejection.body_text()))
 }
 
 /// The caller's own operation `id`, else 404.
-async fn own_record(core: &Core, client: &Identity, id: &str) -> Result<OperationRecord, ApiError> {
+pub(crate) async fn own_record(
+    core: &Core,
+    client: &Identity,
+    id: &str,
+) -> Result<OperationRecord, ApiError> {
     match core.db.get(id).await.map_err(ApiError::store)? {
         Some(record) if record.client_id == client.as_str() => Ok(record),
         _ => Err(ApiError::operation_not_found()),
@@ -519,20 +565,6 @@ async fn get_own(
     let id = path_id(id)?;
     let record = own_record(&core, client, &id).await?;
     Ok(json_response(StatusCode::OK, record.to_json()))
-}
-
-async fn list_own(State(core): State<Arc<Core>>, headers: HeaderMap) -> ApiResult {
-    let client = core.auth.client(&headers)?;
-    let records = core
-        .db
-        .list_by_client(client.as_str(), LIST_LIMIT)
-        .await
-        .map_err(ApiError::store)?;
-    let operations: Vec<Value> = records.iter().map(OperationRecord::to_json).collect();
-    Ok(json_response(
-        StatusCode::OK,
-        json!({"operations": operations}),
-    ))
 }
 
 async fn cancel(
@@ -851,6 +883,14 @@ mod tests {
         assert!(!is_idempotency_key("-leading"));
         assert!(!is_idempotency_key("has space"));
         assert!(!is_idempotency_key("slash/no"));
+    }
+
+    #[test]
+    fn error_messages_are_cut_to_the_contracts_500_characters() {
+        let long = ApiError::invalid(format!("Unknown query parameter {:?}.", "é".repeat(900)));
+        assert_eq!(long.message.chars().count(), MAX_MESSAGE_CHARS);
+        assert!(long.message.ends_with('…'));
+        assert_eq!(ApiError::invalid("short").message, "short");
     }
 
     #[test]

@@ -12,6 +12,9 @@
 //!   refusals stay off SQLite.
 //! - `drift`: compares the controller's counts with the store (at start-up, on a timer, on
 //!   demand) and exports the difference as `admission_store_drift`.
+//! - [`discovery`], [`listing`] and [`waits`]: the Agent V1 reads: the descriptor, pages of
+//!   summaries, and long-poll waits on an operation's revision; [`presentation`]: what an
+//!   operator reads about each operation.
 //! - [`serve`] and [`drill`]: the `admission serve` and `admission drill` commands.
 //!
 //! Only this module knows about HTTP, JSON bodies and SQL; the engine does not.
@@ -58,13 +61,17 @@
 //! body without a row is removed at start-up.
 
 mod drift;
+pub mod discovery;
 pub mod drill;
 mod exec;
 pub mod http;
 mod keys;
+pub mod listing;
 mod operations;
+pub mod presentation;
 pub mod serve;
 pub mod store;
+pub mod waits;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -108,6 +115,8 @@ pub struct BrokerSettings {
     /// How often the controller's counts are compared with the store (besides start-up and
     /// [`Broker::check_drift`]); [`DEFAULT_DRIFT_INTERVAL`] by default, zero for never.
     pub drift_interval: Duration,
+    /// The broker's name, shown as every operation's `broker` (1–64 characters).
+    pub broker_name: String,
 }
 
 /// How often, by default, the broker compares its counts with the store.
@@ -124,6 +133,7 @@ impl std::fmt::Debug for BrokerSettings {
             .field("storage_caps", &self.storage_caps)
             .field("capacity_retry", &self.capacity_retry)
             .field("drift_interval", &self.drift_interval)
+            .field("broker_name", &self.broker_name)
             .finish()
     }
 }
@@ -147,8 +157,20 @@ impl BrokerSettings {
             storage_caps: StorageCaps::default(),
             capacity_retry: DEFAULT_CAPACITY_RETRY,
             drift_interval: DEFAULT_DRIFT_INTERVAL,
+            broker_name: store::DEFAULT_BROKER_NAME.to_owned(),
         }
     }
+}
+
+/// Checks a broker name: 1 to 64 characters, none of them a control character.
+pub fn validate_broker_name(name: &str) -> Result<(), String> {
+    let chars = name.chars().count();
+    if !(1..=64).contains(&chars) || name.chars().any(char::is_control) {
+        return Err(format!(
+            "broker name {name:?} must be 1 to 64 characters, none of them a control character"
+        ));
+    }
+    Ok(())
 }
 
 /// Why a broker could not start.
@@ -160,6 +182,8 @@ pub enum BrokerError {
     Store(StoreError),
     /// Another file problem (data dir, secrets).
     Io(String),
+    /// A setting is out of its bounds (the broker name).
+    Settings(String),
 }
 
 impl std::fmt::Display for BrokerError {
@@ -167,7 +191,7 @@ impl std::fmt::Display for BrokerError {
         match self {
             BrokerError::Bind(addr, err) => write!(f, "cannot listen on {addr}: {err}"),
             BrokerError::Store(err) => write!(f, "{err}"),
-            BrokerError::Io(detail) => f.write_str(detail),
+            BrokerError::Io(detail) | BrokerError::Settings(detail) => f.write_str(detail),
         }
     }
 }
@@ -211,6 +235,8 @@ pub(crate) struct Core {
     /// `admission_store_drift`: the total difference found by the last drift reading.
     pub(crate) drift: Gauge,
     pub(crate) shutdown: watch::Receiver<bool>,
+    /// Open long-poll waits and the bells that wake them.
+    pub(crate) waits: waits::Waits,
 }
 
 impl Core {
@@ -296,6 +322,7 @@ impl Broker {
     /// Opens the store in the data dir, restores every non-terminal operation and stream into a
     /// new controller, starts the executor and serves. Must run inside a tokio runtime.
     pub async fn start(settings: BrokerSettings) -> Result<(Broker, RestoreSummary), BrokerError> {
+        validate_broker_name(&settings.broker_name).map_err(BrokerError::Settings)?;
         let listener = tokio::net::TcpListener::bind(settings.listen)
             .await
             .map_err(|e| BrokerError::Bind(settings.listen, e))?;
@@ -307,8 +334,9 @@ impl Broker {
             .capacity_retry(settings.capacity_retry)
             .build();
         let data_dir = settings.data_dir.clone();
+        let broker_name = settings.broker_name.clone();
         let (db, recovered, keys) = tokio::task::spawn_blocking(move || {
-            let db = Database::open(&data_dir)?;
+            let db = Database::open_as(&data_dir, &broker_name)?;
             let recovered = db.recover()?;
             let keys = keys::KeyFilter::new();
             db.for_each_key(|client, key| keys.insert(client, key))?;
@@ -353,6 +381,7 @@ impl Broker {
             uploading: Mutex::new(HashMap::new()),
             drift,
             shutdown: shutdown.clone(),
+            waits: waits::Waits::default(),
         });
         let summary = restore(&core, recovered);
         match drift::check(&core).await {

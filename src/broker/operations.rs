@@ -114,9 +114,11 @@ impl Core {
         Ok(record)
     }
 
-    /// Logs a state change and follows it up: approved work is queued, terminal work forgotten
-    /// (its slots are already released) and the executor woken.
+    /// Logs a state change (already durable) and follows it up: waiters on the operation are
+    /// woken, approved work is queued, terminal work forgotten (its slots are already released)
+    /// and the executor woken.
     pub(crate) fn changed(&self, op: &Arc<LiveOp>, from: OperationState, to: OperationState) {
+        self.waits.ring(&op.id);
         tracing::info!(
             operation = %op.id,
             client = %op.client_id,

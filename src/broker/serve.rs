@@ -36,6 +36,8 @@ pub struct ServeOptions {
     pub operator_secret: Option<PathBuf>,
     /// The quota file, re-read on `SIGHUP`; the defaults when absent.
     pub admission_config: Option<PathBuf>,
+    /// The broker's name, shown as every operation's `broker`.
+    pub broker_name: String,
 }
 
 /// Runs the broker until `SIGINT` or `SIGTERM`. Prints `listening on ADDR` once it serves.
@@ -72,6 +74,7 @@ pub fn run(options: ServeOptions) -> Result<(), String> {
     let settings = BrokerSettings {
         config,
         storage_caps: StorageCaps::default(),
+        broker_name: options.broker_name.clone(),
         ..BrokerSettings::new(
             options.listen,
             options.data_dir.clone(),

@@ -5,7 +5,15 @@
 //! returns, which is what lets the HTTP layer answer 202 only for work that survives a crash.
 //!
 //! SQLite is blocking, so every call runs on tokio's blocking pool. Writes go through one
-//! connection; reads through another, so a read (a replay lookup) never queues behind an `fsync`.
+//! connection; reads (replay lookups, gets, list pages, waits) through a small pool of reader
+//! connections ([`READERS`]), so a read never queues behind an `fsync` nor behind another read.
+//!
+//! Every operation row carries a `revision`: 1 at creation, +1 in the same statement as every
+//! change (state, error, recovery), so a client that saw revision N knows whether anything
+//! changed since, across restarts too. Listing pages walk the implicit `rowid` (creation order;
+//! never reused while newer rows exist, and this store never runs `VACUUM`, which could renumber
+//! it) through the `(client_id)` and `(client_id, state)` indexes, so a page costs the same
+//! however many rows there are.
 //!
 //! One broker owns a data dir: opening takes an exclusive lock on [`LOCK_FILE`] and holds it while
 //! any handle on the database lives. Two brokers on one dir would both restore, count and execute
@@ -15,13 +23,20 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
+use r2d2_sqlite::SqliteConnectionManager;
 use rusqlite::{Connection, OptionalExtension, Row, params};
 use serde_json::{Value, json};
 
 use crate::engine::OperationState;
 
 /// The schema version this code writes (`PRAGMA user_version`).
-pub const SCHEMA_VERSION: i64 = 1;
+pub const SCHEMA_VERSION: i64 = 2;
+
+/// How many reader connections serve gets, list pages and waits.
+pub const READERS: u32 = 4;
+
+/// The broker name an operation shows when none is configured.
+pub const DEFAULT_BROKER_NAME: &str = "admission";
 
 /// The database file's name inside the data dir.
 pub const DATABASE_FILE: &str = "admission.sqlite3";
@@ -44,15 +59,26 @@ CREATE TABLE operations (
     terminal_at     TEXT,
     error_code      TEXT,
     error_message   TEXT,
+    revision        INTEGER NOT NULL DEFAULT 1,
     UNIQUE (client_id, idempotency_key)
 );
 CREATE INDEX operations_by_state ON operations (state);
+CREATE INDEX operations_by_client ON operations (client_id);
+CREATE INDEX operations_by_client_state ON operations (client_id, state);
 CREATE TABLE streams (
     id         TEXT PRIMARY KEY NOT NULL,
     client_id  TEXT NOT NULL,
     size       INTEGER NOT NULL,
     created_at TEXT NOT NULL
 );
+";
+
+/// From schema version 1: every existing operation starts at revision 1 (it has no recorded
+/// history), and the indexes that listing pages walk.
+const MIGRATE_1_TO_2: &str = "
+ALTER TABLE operations ADD COLUMN revision INTEGER NOT NULL DEFAULT 1;
+CREATE INDEX operations_by_client ON operations (client_id);
+CREATE INDEX operations_by_client_state ON operations (client_id, state);
 ";
 
 /// Why the store could not do what was asked.
@@ -125,29 +151,53 @@ pub struct OperationRecord {
     pub terminal_at: Option<String>,
     /// Why it failed, if it did.
     pub error: Option<OperationError>,
+    /// 1 at creation, +1 on every change; durable.
+    pub revision: u64,
+    /// The name of the broker that holds it (not stored: the broker's configured name).
+    pub broker: String,
 }
 
 impl OperationRecord {
-    /// The Agent V1 JSON representation.
+    /// The Agent V1 operation object: every field the contract has, optional ones only when
+    /// they have a value (never a `null`).
     pub fn to_json(&self) -> Value {
-        json!({
-            "api_version": "unyolo.io/agent/v1",
+        let mut object = self.to_summary_json();
+        let fields = object.as_object_mut().expect("a summary is an object");
+        fields.insert("target".to_owned(), self.target.clone());
+        fields.insert("arguments".to_owned(), self.arguments.clone());
+        fields.insert("reason".to_owned(), Value::from(self.reason.as_str()));
+        if let Some(error) = &self.error {
+            fields.insert(
+                "error".to_owned(),
+                json!({"code": error.code, "message": error.message}),
+            );
+        }
+        object
+    }
+
+    /// The Agent V1 operation summary: the operation object without `target`, `arguments`,
+    /// `reason`, `result`, `error`, `approval_id` and `plan_digest`.
+    pub fn to_summary_json(&self) -> Value {
+        let mut object = json!({
+            "api_version": super::discovery::API_VERSION,
             "id": self.id,
+            "broker": self.broker,
             "client_id": self.client_id,
             "idempotency_key": self.idempotency_key,
             "operation": self.operation,
-            "target": self.target,
-            "arguments": self.arguments,
-            "reason": self.reason,
             "state": self.state.as_str(),
+            "revision": self.revision,
             "created_at": self.created_at,
             "updated_at": self.updated_at,
-            "terminal_at": self.terminal_at,
-            "error": self.error.as_ref().map(|e| json!({"code": e.code, "message": e.message})),
-        })
+            "presentation": super::presentation::presentation(self),
+        });
+        if let Some(terminal_at) = &self.terminal_at {
+            object["terminal_at"] = Value::from(terminal_at.as_str());
+        }
+        object
     }
 
-    fn from_row(row: &Row<'_>) -> rusqlite::Result<OperationRecord> {
+    fn from_row(row: &Row<'_>, broker: &str) -> rusqlite::Result<OperationRecord> {
         let state: String = row.get("state")?;
         let state = OperationState::parse(&state).ok_or_else(|| {
             rusqlite::Error::FromSqlConversionFailure(
@@ -180,6 +230,8 @@ impl OperationRecord {
                 code,
                 message: error_message.unwrap_or_default(),
             }),
+            revision: row.get::<_, i64>("revision")?.max(1) as u64,
+            broker: broker.to_owned(),
         })
     }
 }
@@ -225,8 +277,10 @@ pub fn now_rfc3339() -> String {
 #[derive(Clone)]
 pub struct Database {
     writer: Arc<Mutex<Connection>>,
-    reader: Arc<Mutex<Connection>>,
+    readers: r2d2::Pool<SqliteConnectionManager>,
     dir: PathBuf,
+    /// The broker name operations show.
+    broker: Arc<str>,
     /// The data dir's lock, held until the last handle is dropped (closing the file unlocks it).
     _lock: Arc<std::fs::File>,
 }
@@ -269,17 +323,56 @@ fn lock_data_dir(dir: &Path) -> Result<std::fs::File, StoreError> {
 }
 
 const SELECT_OPERATION: &str = "SELECT id, client_id, idempotency_key, operation, target, \
-    arguments, reason, state, created_at, updated_at, terminal_at, error_code, error_message \
-    FROM operations";
+    arguments, reason, state, created_at, updated_at, terminal_at, error_code, error_message, \
+    revision FROM operations";
 
 const FIND_BY_KEY: &str = "SELECT id, client_id, idempotency_key, operation, target, \
-    arguments, reason, state, created_at, updated_at, terminal_at, error_code, error_message \
-    FROM operations WHERE client_id = ?1 AND idempotency_key = ?2";
+    arguments, reason, state, created_at, updated_at, terminal_at, error_code, error_message, \
+    revision FROM operations WHERE client_id = ?1 AND idempotency_key = ?2";
+
+/// What a listing page selects: the caller's operations, newest first, after a position.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PageQuery {
+    /// Only the operation with this idempotency key.
+    pub idempotency_key: Option<String>,
+    /// Only operations in this state.
+    pub state: Option<OperationState>,
+    /// Only operations older than this position (the previous page's last).
+    pub before: Option<i64>,
+    /// At most this many.
+    pub limit: u32,
+}
+
+/// The SQL of a listing page: the filters present, in a fixed order so each shape is one cached
+/// statement. Each walks an index in `rowid` order and stops after `limit` rows.
+fn page_sql(query: &PageQuery) -> String {
+    let mut sql = format!(
+        "SELECT rowid AS position, {} WHERE client_id = ?1",
+        SELECT_OPERATION.trim_start_matches("SELECT ")
+    );
+    if query.idempotency_key.is_some() {
+        sql.push_str(" AND idempotency_key = ?2");
+    }
+    if query.state.is_some() {
+        sql.push_str(" AND state = ?3");
+    }
+    if query.before.is_some() {
+        sql.push_str(" AND rowid < ?4");
+    }
+    sql.push_str(" ORDER BY rowid DESC LIMIT ?5");
+    sql
+}
 
 impl Database {
-    /// Opens (creating if needed) the database in `dir`, creating the schema on first start.
-    /// Fails if another broker holds the data dir. Blocking; call it before serving.
+    /// Opens (creating if needed) the database in `dir`, creating the schema on first start and
+    /// migrating an older one; operations show [`DEFAULT_BROKER_NAME`]. Fails if another broker
+    /// holds the data dir. Blocking; call it before serving.
     pub fn open(dir: &Path) -> Result<Database, StoreError> {
+        Database::open_as(dir, DEFAULT_BROKER_NAME)
+    }
+
+    /// [`Database::open`], with operations showing `broker` as their broker's name.
+    pub fn open_as(dir: &Path, broker: &str) -> Result<Database, StoreError> {
         std::fs::create_dir_all(dir)
             .map_err(|e| StoreError(format!("cannot create {}: {e}", dir.display())))?;
         let lock = lock_data_dir(dir)?;
@@ -292,6 +385,11 @@ impl Database {
                     "BEGIN; {SCHEMA} PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;"
                 ))?;
             }
+            1 => {
+                writer.execute_batch(&format!(
+                    "BEGIN; {MIGRATE_1_TO_2} PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;"
+                ))?;
+            }
             SCHEMA_VERSION => {}
             other => {
                 return Err(StoreError(format!(
@@ -300,10 +398,21 @@ impl Database {
                 )));
             }
         }
-        let reader = open_connection(&path)?;
+        // Readers only read: WAL is already on (it is a property of the file), and a reader never
+        // takes the write lock.
+        let manager = SqliteConnectionManager::file(&path).with_init(|conn| {
+            conn.busy_timeout(std::time::Duration::from_secs(5))?;
+            conn.pragma_update(None, "query_only", true)
+        });
+        let readers = r2d2::Pool::builder()
+            .max_size(READERS)
+            .connection_timeout(std::time::Duration::from_secs(5))
+            .build(manager)
+            .map_err(|e| StoreError(format!("cannot open readers on {}: {e}", path.display())))?;
         Ok(Database {
             writer: Arc::new(Mutex::new(writer)),
-            reader: Arc::new(Mutex::new(reader)),
+            readers,
+            broker: Arc::from(broker),
             dir: dir.to_owned(),
             _lock: Arc::new(lock),
         })
@@ -312,6 +421,18 @@ impl Database {
     /// The data dir.
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// The broker name operations show.
+    pub fn broker(&self) -> &str {
+        &self.broker
+    }
+
+    /// A reader connection from the pool (blocking until one is free, at most its timeout).
+    fn reader(&self) -> Result<r2d2::PooledConnection<SqliteConnectionManager>, StoreError> {
+        self.readers
+            .get()
+            .map_err(|e| StoreError(format!("no reader connection: {e}")))
     }
 
     /// Runs `f` on the write connection, off the async threads.
@@ -328,15 +449,16 @@ impl Database {
         .map_err(|e| StoreError(format!("store task failed: {e}")))?
     }
 
-    /// Runs `f` on the read connection, off the async threads.
+    /// Runs `f` on a pooled reader connection, off the async threads; `f` gets the broker name
+    /// records show.
     async fn read<T: Send + 'static>(
         &self,
-        f: impl FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
+        f: impl FnOnce(&Connection, &str) -> rusqlite::Result<T> + Send + 'static,
     ) -> Result<T, StoreError> {
-        let conn = Arc::clone(&self.reader);
+        let db = self.clone();
         tokio::task::spawn_blocking(move || {
-            let conn = conn.lock().unwrap_or_else(|p| p.into_inner());
-            f(&conn).map_err(StoreError::from)
+            let conn = db.reader()?;
+            f(&conn, &db.broker).map_err(StoreError::from)
         })
         .await
         .map_err(|e| StoreError(format!("store task failed: {e}")))?
@@ -358,12 +480,13 @@ impl Database {
             let mut stmt = tx.prepare(&format!(
                 "{SELECT_OPERATION} WHERE state = 'executing' ORDER BY rowid"
             ))?;
-            stmt.query_map([], OperationRecord::from_row)?
+            stmt.query_map([], |row| OperationRecord::from_row(row, &self.broker))?
                 .collect::<rusqlite::Result<Vec<_>>>()?
         };
         tx.execute(
             "UPDATE operations SET state = 'failed', updated_at = ?1, terminal_at = ?1, \
-             error_code = ?2, error_message = ?3 WHERE state = 'executing'",
+             error_code = ?2, error_message = ?3, revision = revision + 1 \
+             WHERE state = 'executing'",
             params![now, error.code, error.message],
         )?;
         let interrupted = interrupted
@@ -373,6 +496,7 @@ impl Database {
                 updated_at: now.clone(),
                 terminal_at: Some(now.clone()),
                 error: Some(error.clone()),
+                revision: record.revision + 1,
                 ..record
             })
             .collect();
@@ -380,7 +504,7 @@ impl Database {
             let mut stmt = tx.prepare(&format!(
                 "{SELECT_OPERATION} WHERE state IN ('pending', 'approved') ORDER BY rowid"
             ))?;
-            stmt.query_map([], OperationRecord::from_row)?
+            stmt.query_map([], |row| OperationRecord::from_row(row, &self.broker))?
                 .collect::<rusqlite::Result<Vec<_>>>()?
         };
         let streams = {
@@ -404,7 +528,7 @@ impl Database {
 
     /// Calls `f` with the client and idempotency key of every operation (blocking; at start-up).
     pub fn for_each_key(&self, mut f: impl FnMut(&str, &str)) -> Result<(), StoreError> {
-        let conn = self.reader.lock().unwrap_or_else(|p| p.into_inner());
+        let conn = self.reader()?;
         let mut stmt = conn.prepare("SELECT client_id, idempotency_key FROM operations")?;
         let mut rows = stmt.query([])?;
         while let Some(row) = rows.next()? {
@@ -422,7 +546,8 @@ impl Database {
                 conn.execute(
                     "INSERT INTO operations (id, client_id, idempotency_key, operation, target, \
                      arguments, reason, state, created_at, updated_at, terminal_at, error_code, \
-                     error_message) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, NULL, NULL, NULL)",
+                     error_message, revision) \
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, NULL, NULL, NULL, 1)",
                     params![
                         record.id,
                         record.client_id,
@@ -452,9 +577,11 @@ impl Database {
         key: &str,
     ) -> Result<Option<OperationRecord>, StoreError> {
         let (client_id, key) = (client_id.to_owned(), key.to_owned());
-        self.read(move |conn| {
+        self.read(move |conn, broker| {
             conn.prepare_cached(FIND_BY_KEY)?
-                .query_row(params![client_id, key], OperationRecord::from_row)
+                .query_row(params![client_id, key], |row| {
+                    OperationRecord::from_row(row, broker)
+                })
                 .optional()
         })
         .await
@@ -463,31 +590,66 @@ impl Database {
     /// The operation `id`.
     pub async fn get(&self, id: &str) -> Result<Option<OperationRecord>, StoreError> {
         let id = id.to_owned();
-        self.read(move |conn| {
-            conn.query_row(
-                &format!("{SELECT_OPERATION} WHERE id = ?1"),
-                params![id],
-                OperationRecord::from_row,
-            )
-            .optional()
+        self.read(move |conn, broker| {
+            conn.prepare_cached(&format!("{SELECT_OPERATION} WHERE id = ?1"))?
+                .query_row(params![id], |row| OperationRecord::from_row(row, broker))
+                .optional()
         })
         .await
     }
 
-    /// The client's operations, oldest first, at most `limit` (the newest ones).
-    pub async fn list_by_client(
+    /// One listing page: the client's operations matching `query`, newest first, each with its
+    /// position (pass the last one as the next page's `before`).
+    pub async fn list_page(
         &self,
         client_id: &str,
-        limit: u32,
-    ) -> Result<Vec<OperationRecord>, StoreError> {
+        query: PageQuery,
+    ) -> Result<Vec<(i64, OperationRecord)>, StoreError> {
         let client_id = client_id.to_owned();
-        self.read(move |conn| {
-            let mut stmt = conn.prepare(&format!(
-                "{SELECT_OPERATION} WHERE rowid IN (SELECT rowid FROM operations \
-                 WHERE client_id = ?1 ORDER BY rowid DESC LIMIT ?2) ORDER BY rowid"
-            ))?;
-            stmt.query_map(params![client_id, limit], OperationRecord::from_row)?
-                .collect()
+        self.read(move |conn, broker| {
+            let mut stmt = conn.prepare_cached(&page_sql(&query))?;
+            let mut bind = |index: usize, value: &dyn rusqlite::ToSql| -> rusqlite::Result<()> {
+                stmt.raw_bind_parameter(index, value)
+            };
+            bind(1, &client_id)?;
+            if let Some(key) = &query.idempotency_key {
+                bind(2, key)?;
+            }
+            if let Some(state) = query.state {
+                bind(3, &state.as_str())?;
+            }
+            if let Some(before) = query.before {
+                bind(4, &before)?;
+            }
+            bind(5, &query.limit)?;
+            let mut rows = stmt.raw_query();
+            let mut page = Vec::new();
+            while let Some(row) = rows.next()? {
+                page.push((
+                    row.get::<_, i64>("position")?,
+                    OperationRecord::from_row(row, broker)?,
+                ));
+            }
+            Ok(page)
+        })
+        .await
+    }
+
+    /// How SQLite plans the listing page for `query` (one line per step), so a test can check
+    /// that every page shape walks an index and sorts nothing.
+    pub async fn explain_page(&self, query: PageQuery) -> Result<Vec<String>, StoreError> {
+        self.read(move |conn, _| {
+            let sql = format!("EXPLAIN QUERY PLAN {}", page_sql(&query));
+            let mut stmt = conn.prepare(&sql)?;
+            for index in 1..=stmt.parameter_count() {
+                stmt.raw_bind_parameter(index, 1)?;
+            }
+            let mut rows = stmt.raw_query();
+            let mut plan = Vec::new();
+            while let Some(row) = rows.next()? {
+                plan.push(row.get::<_, String>(3)?);
+            }
+            Ok(plan)
         })
         .await
     }
@@ -498,12 +660,14 @@ impl Database {
         state: OperationState,
         limit: u32,
     ) -> Result<Vec<OperationRecord>, StoreError> {
-        self.read(move |conn| {
-            let mut stmt = conn.prepare(&format!(
+        self.read(move |conn, broker| {
+            let mut stmt = conn.prepare_cached(&format!(
                 "{SELECT_OPERATION} WHERE state = ?1 ORDER BY rowid LIMIT ?2"
             ))?;
-            stmt.query_map(params![state.as_str(), limit], OperationRecord::from_row)?
-                .collect()
+            stmt.query_map(params![state.as_str(), limit], |row| {
+                OperationRecord::from_row(row, broker)
+            })?
+            .collect()
         })
         .await
     }
@@ -518,13 +682,15 @@ impl Database {
         error: Option<OperationError>,
     ) -> Result<Option<OperationRecord>, StoreError> {
         let id = id.to_owned();
+        let broker = Arc::clone(&self.broker);
         self.write(move |conn| {
             let now = now_rfc3339();
             let terminal_at = to.is_terminal().then_some(now.as_str());
             let tx = conn.transaction()?;
             let changed = tx.execute(
                 "UPDATE operations SET state = ?3, updated_at = ?4, terminal_at = ?5, \
-                 error_code = ?6, error_message = ?7 WHERE id = ?1 AND state = ?2",
+                 error_code = ?6, error_message = ?7, revision = revision + 1 \
+                 WHERE id = ?1 AND state = ?2",
                 params![
                     id,
                     from.as_str(),
@@ -539,7 +705,7 @@ impl Database {
                 tx.query_row(
                     &format!("{SELECT_OPERATION} WHERE id = ?1"),
                     params![id],
-                    OperationRecord::from_row,
+                    |row| OperationRecord::from_row(row, &broker),
                 )
                 .optional()?
             } else {
@@ -553,7 +719,7 @@ impl Database {
 
     /// How many operation rows exist (for tests and the drill).
     pub async fn count_operations(&self) -> Result<u64, StoreError> {
-        self.read(|conn| {
+        self.read(|conn, _| {
             conn.query_row("SELECT COUNT(*) FROM operations", [], |r| {
                 r.get::<_, i64>(0)
             })
@@ -599,7 +765,7 @@ impl Database {
     /// The stream `id`.
     pub async fn get_stream(&self, id: &str) -> Result<Option<StreamRecord>, StoreError> {
         let id = id.to_owned();
-        self.read(move |conn| {
+        self.read(move |conn, _| {
             conn.query_row(
                 "SELECT id, client_id, size FROM streams WHERE id = ?1",
                 params![id],
@@ -627,7 +793,7 @@ impl Database {
     /// The counts the controller's must equal (see [`StoredCounts`]), from one read transaction
     /// on the read connection.
     pub async fn counts(&self) -> Result<StoredCounts, StoreError> {
-        self.read(|conn| {
+        self.read(|conn, _| {
             let tx = conn.unchecked_transaction()?;
             let operations = {
                 let mut stmt = tx.prepare(

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod faults;
+pub mod contract;
 
 use std::time::{Duration, Instant};
 
@@ -107,6 +108,7 @@ impl Harness {
         token: Option<&str>,
         body: Option<reqwest::Body>,
     ) -> Reply {
+        let method_name = method;
         let method = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
         let mut req = self.http.request(method, format!("{}{path}", self.base));
         if let Some(token) = token {
@@ -120,6 +122,8 @@ impl Harness {
         let headers = response.headers().clone();
         let text = response.text().await.unwrap();
         let body = serde_json::from_str(&text).unwrap_or(Value::String(text));
+        // Every body the broker sends in these tests is checked against the contract's schema.
+        contract::check_reply(method_name, path, status, &body);
         Reply {
             status,
             headers,
@@ -158,6 +162,19 @@ impl Harness {
         assert_eq!(reply.status, 200);
         reply.body.as_str().unwrap().to_owned()
     }
+}
+
+/// Asserts that nothing was admitted, refused, counted or spent between two snapshots. Rate
+/// tokens may only have refilled (time passes between the two); a spent token still shows.
+#[track_caller]
+pub fn assert_unchanged(before: &Snapshot, after: &Snapshot, what: &str) {
+    let mut after = after.clone();
+    for (now, then) in after.clients.iter_mut().zip(&before.clients) {
+        if now.tokens >= then.tokens {
+            now.tokens = then.tokens;
+        }
+    }
+    assert_eq!(&after, before, "{what}");
 }
 
 /// The value of one series in Prometheus text.
