@@ -10,6 +10,7 @@
 //!   slot.
 //! - `keys`: a fixed-size filter that answers "this key was never used" without the store, so
 //!   refusals stay off SQLite.
+//! - [`listener`]: the accept loop; header, body and idle timeouts and the connection cap.
 //! - [`serve`] and [`drill`]: the `admission serve` and `admission drill` commands.
 //!
 //! Only this module knows about HTTP, JSON bodies and SQL; the engine does not.
@@ -18,6 +19,7 @@ pub mod drill;
 mod exec;
 pub mod http;
 mod keys;
+pub mod listener;
 mod operations;
 pub mod serve;
 pub mod store;
@@ -26,7 +28,7 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -38,6 +40,7 @@ use crate::config::{ConfigError, Identity, Secrets};
 use crate::engine::{Controller, DEFAULT_CAPACITY_RETRY, StorageCaps, StoredObject};
 use crate::{Config, OperationState};
 
+pub use listener::ConnectionSettings;
 pub use store::{Database, OperationError, OperationRecord, StoreError};
 
 use operations::LiveOp;
@@ -59,6 +62,8 @@ pub struct BrokerSettings {
     pub storage_caps: StorageCaps,
     /// The Retry-After hint for capacity refusals.
     pub capacity_retry: Duration,
+    /// Header, body and idle timeouts and the connection cap.
+    pub connections: ConnectionSettings,
 }
 
 impl std::fmt::Debug for BrokerSettings {
@@ -71,6 +76,7 @@ impl std::fmt::Debug for BrokerSettings {
             .field("config", &self.config)
             .field("storage_caps", &self.storage_caps)
             .field("capacity_retry", &self.capacity_retry)
+            .field("connections", &self.connections)
             .finish()
     }
 }
@@ -93,8 +99,35 @@ impl BrokerSettings {
             config,
             storage_caps: StorageCaps::default(),
             capacity_retry: DEFAULT_CAPACITY_RETRY,
+            connections: ConnectionSettings::default(),
         }
     }
+
+    /// Why these settings cannot start a broker, if they cannot: the operator secret equal to a
+    /// client's (that client could decide its own requests), or connection settings that cannot
+    /// serve.
+    pub fn validate(&self) -> Result<(), BrokerError> {
+        if let Some(client) = client_sharing_secret(&self.secrets, &self.operator_secret) {
+            return Err(BrokerError::SharedSecret(client.clone()));
+        }
+        if let Some(problem) = self.connections.problem() {
+            return Err(BrokerError::Settings(problem));
+        }
+        Ok(())
+    }
+}
+
+/// The client whose secret equals `operator_secret`, if any. Every secret is compared, in constant
+/// time, so the time taken says nothing about which one matched.
+pub fn client_sharing_secret<'a>(secrets: &'a Secrets, operator_secret: &str) -> Option<&'a Identity> {
+    use subtle::ConstantTimeEq;
+    let mut found = None;
+    for (identity, secret) in secrets.iter() {
+        if bool::from(secret.as_bytes().ct_eq(operator_secret.as_bytes())) {
+            found = Some(identity);
+        }
+    }
+    found
 }
 
 /// Why a broker could not start.
@@ -106,6 +139,10 @@ pub enum BrokerError {
     Store(StoreError),
     /// Another file problem (data dir, secrets).
     Io(String),
+    /// The operator secret is also this client's secret.
+    SharedSecret(Identity),
+    /// A setting that cannot serve (such as a zero timeout).
+    Settings(String),
 }
 
 impl std::fmt::Display for BrokerError {
@@ -114,6 +151,11 @@ impl std::fmt::Display for BrokerError {
             BrokerError::Bind(addr, err) => write!(f, "cannot listen on {addr}: {err}"),
             BrokerError::Store(err) => write!(f, "{err}"),
             BrokerError::Io(detail) => f.write_str(detail),
+            BrokerError::SharedSecret(client) => write!(
+                f,
+                "the operator secret is also the secret of client `{client}`; that client could decide its own requests, so give the operator a secret of its own"
+            ),
+            BrokerError::Settings(detail) => f.write_str(detail),
         }
     }
 }
@@ -200,6 +242,19 @@ impl Broker {
     /// Opens the store in the data dir, restores every non-terminal operation and stream into a
     /// new controller, starts the executor and serves. Must run inside a tokio runtime.
     pub async fn start(settings: BrokerSettings) -> Result<(Broker, RestoreSummary), BrokerError> {
+        settings.validate()?;
+        let connection_cap = settings.connections.connection_cap();
+        if let Some(limit) = listener::file_limit() {
+            let derived = listener::connection_cap_for_file_limit(Some(limit));
+            if connection_cap > derived {
+                tracing::warn!(
+                    connection_cap,
+                    file_limit = limit,
+                    "the connection limit is above what the file limit leaves for connections"
+                );
+            }
+        }
+        let rate_window = largest_window(&settings.config);
         let listener = tokio::net::TcpListener::bind(settings.listen)
             .await
             .map_err(|e| BrokerError::Bind(settings.listen, e))?;
@@ -211,12 +266,16 @@ impl Broker {
             .capacity_retry(settings.capacity_retry)
             .build();
         let data_dir = settings.data_dir.clone();
-        let (db, recovered, keys) = tokio::task::spawn_blocking(move || {
+        let (db, recovered, keys, created) = tokio::task::spawn_blocking(move || {
             let db = Database::open(&data_dir)?;
             let recovered = db.recover()?;
             let keys = keys::KeyFilter::new();
             db.for_each_key(|client, key| keys.insert(client, key))?;
-            Ok::<_, StoreError>((db, recovered, keys))
+            let since = SystemTime::now()
+                .checked_sub(rate_window)
+                .unwrap_or(SystemTime::UNIX_EPOCH);
+            let created = db.created_since(since)?;
+            Ok::<_, StoreError>((db, recovered, keys, created))
         })
         .await
         .map_err(|e| BrokerError::Io(format!("start-up task failed: {e}")))??;
@@ -247,23 +306,20 @@ impl Broker {
             shutdown: shutdown.clone(),
         });
         let summary = restore(&core, recovered);
+        restore_rates(&core.controller, created, SystemTime::now());
 
         let executor = tokio::spawn(exec::run(Arc::clone(&core)));
         let app = http::router(Arc::clone(&core));
-        let mut until = shutdown.clone();
-        let server = tokio::spawn(async move {
-            let stopped = async move {
-                let _ = until.wait_for(|stop| *stop).await;
-            };
-            if let Err(err) = axum::serve(listener, app)
-                .with_graceful_shutdown(stopped)
-                .await
-            {
-                tracing::error!(error = %err, "server stopped");
-            }
-        });
+        let server = tokio::spawn(listener::serve(
+            listener,
+            app,
+            settings.connections,
+            connection_cap,
+            shutdown.clone(),
+        ));
         tracing::info!(
             %addr,
+            connection_cap,
             pending = summary.pending,
             approved = summary.approved,
             interrupted = summary.interrupted,
@@ -399,6 +455,36 @@ fn restore(core: &Arc<Core>, recovered: store::Recovered) -> RestoreSummary {
         }
     }
     summary
+}
+
+/// The longest rate window of any configured client: how far back start-up reads admissions.
+fn largest_window(config: &Config) -> Duration {
+    let seconds = config
+        .identities()
+        .filter_map(|identity| config.effective(identity.as_str()))
+        .map(|limits| limits.window_seconds)
+        .max()
+        .unwrap_or(0);
+    Duration::from_secs(u64::from(seconds))
+}
+
+/// Rebuilds each client's rate bucket from the creation times of its operations created within
+/// the largest window (`created`, read at start-up), as of `now`, so a restart never hands out a
+/// fresh burst. It costs no write per admission: the operation's row is the record. What a restart
+/// cannot know: tokens spent by admissions whose operation was never created (the store failed
+/// after admission, or the process died in between); those come back early.
+fn restore_rates(controller: &Controller, created: Vec<(String, SystemTime)>, now: SystemTime) {
+    let mut ages: HashMap<String, Vec<Duration>> = HashMap::new();
+    for (client, at) in created {
+        // A creation time after now (the wall clock stepped back) counts as just now.
+        let age = now.duration_since(at).unwrap_or(Duration::ZERO);
+        ages.entry(client).or_default().push(age);
+    }
+    for (client, ages) in ages {
+        if let Ok(identity) = Identity::new(&client) {
+            controller.restore_rate(&identity, ages);
+        }
+    }
 }
 
 /// A fresh random id: `prefix`, `_`, 32 hex digits.
