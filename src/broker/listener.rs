@@ -9,24 +9,30 @@
 //!   has no other idle state, and a separate longer idle setting could never take effect.
 //! - **Body timeout** (tower-http's `RequestBodyTimeout`): the longest wait for the next piece of
 //!   a request body once its head is in; the handler then sees a body that could not be read.
-//! - **Connection cap**: a semaphore permit per open connection, taken *before* `accept`, so when
-//!   the cap is reached new connections wait in the kernel's backlog (using no descriptor of ours)
-//!   until a slow one times out. The cap comes from the process's file limit (see
-//!   [`connection_cap_for_file_limit`]), so the broker never runs out of descriptors for its store.
+//! - **Connection cap**: a semaphore permit per open connection. The cap comes from the process's
+//!   file limit (see [`connection_cap_for_file_limit`]), so the broker never runs out of
+//!   descriptors for its store. At the cap, a newly accepted connection makes room by closing the
+//!   connection that has been idle longest (no request in progress: silent, half a head, or kept
+//!   alive), so a flood of half-open connections cannot queue `/healthz` or an operator decision
+//!   behind itself; only when every connection has a request in progress does the newcomer wait
+//!   for one to end (at most a body timeout between body parts, then the handler's own time).
+//!   This part is ours: hyper and tower offer no eviction.
 //! - **Graceful shutdown** (hyper-util's `GracefulShutdown`): on stop, idle connections close at
 //!   once and requests in flight finish, for at most a bounded grace.
 //!
 //! Only HTTP/1.1 is served: the Agent V1 wire is HTTP/1.1, and hyper's header timeout is an
 //! HTTP/1 setting.
 
-use std::sync::Arc;
-use std::time::Duration;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
-use tokio::sync::{Semaphore, watch};
+use tokio::sync::{Notify, Semaphore, watch};
 use tower_http::timeout::RequestBodyTimeout;
 
 /// The default [`ConnectionSettings::header_timeout`].
@@ -42,6 +48,13 @@ const RESERVED_FILES: u64 = 32;
 
 /// The cap when the file limit cannot be read or is unlimited.
 const FALLBACK_CONNECTION_CAP: usize = 512;
+
+/// How long a connection must have been idle before a newcomer at the cap may displace it: a
+/// moment for a new connection's request head to arrive.
+const EVICTION_GRACE: Duration = Duration::from_millis(500);
+
+/// How often a newcomer waiting at the cap asks again for an idle connection to make room.
+const EVICTION_RETRY: Duration = Duration::from_millis(100);
 
 /// How long a stopping server waits for requests in flight.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
@@ -130,26 +143,10 @@ pub(crate) async fn serve(
         .keep_alive(true);
     let service = TowerToHyperService::new(RequestBodyTimeout::new(app, settings.body_timeout));
     let permits = Arc::new(Semaphore::new(cap));
+    let open = Arc::new(OpenConnections::default());
     let graceful = GracefulShutdown::new();
     let mut saturated = false;
     loop {
-        if permits.available_permits() == 0 && !saturated {
-            saturated = true;
-            tracing::warn!(
-                connections = cap,
-                "connection limit reached; new connections wait until one closes"
-            );
-        }
-        let permit = tokio::select! {
-            permit = Arc::clone(&permits).acquire_owned() => match permit {
-                Ok(permit) => permit,
-                Err(_) => break,
-            },
-            () = stopped(&mut stop) => break,
-        };
-        if saturated && permits.available_permits() > cap / 10 {
-            saturated = false;
-        }
         let stream = tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((stream, _peer)) => stream,
@@ -163,13 +160,72 @@ pub(crate) async fn serve(
             },
             () = stopped(&mut stop) => break,
         };
-        let _ = stream.set_nodelay(true);
-        let connection = graceful.watch(http.serve_connection(TokioIo::new(stream), service.clone()));
-        tokio::spawn(async move {
-            if let Err(err) = connection.await {
-                // A client that times out, hangs up or sends garbage: its own business.
-                tracing::debug!(error = %err, "connection ended with an error");
+        let permit = match Arc::clone(&permits).try_acquire_owned() {
+            Ok(permit) => {
+                saturated = false;
+                permit
             }
+            Err(_) => {
+                if !saturated {
+                    saturated = true;
+                    tracing::warn!(
+                        connections = cap,
+                        "connection limit reached; the connections idle longest make room"
+                    );
+                }
+                // This one connection, accepted above the cap, lives on the reserve until an
+                // idle connection has closed to make room for it. Asked again while it waits: a
+                // connection may become idle (or idle long enough) meanwhile.
+                let permit = loop {
+                    open.evict_longest_idle();
+                    tokio::select! {
+                        permit = Arc::clone(&permits).acquire_owned() => break permit.ok(),
+                        () = stopped(&mut stop) => break None,
+                        () = tokio::time::sleep(EVICTION_RETRY) => {}
+                    }
+                };
+                let Some(permit) = permit else { break };
+                permit
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let (id, state) = open.insert();
+        let busy = Arc::clone(&state);
+        let service = service.clone();
+        let service = hyper::service::service_fn(move |request| {
+            let request_open = Busy::enter(&busy);
+            let response = hyper::service::Service::call(&service, request);
+            async move {
+                let response = response.await;
+                drop(request_open);
+                response
+            }
+        });
+        let connection = graceful.watch(http.serve_connection(TokioIo::new(stream), service));
+        let open = Arc::clone(&open);
+        tokio::spawn(async move {
+            let mut connection = std::pin::pin!(connection);
+            loop {
+                tokio::select! {
+                    ended = &mut connection => {
+                        if let Err(err) = ended {
+                            // A client that times out, hangs up or sends garbage: its own business.
+                            tracing::debug!(error = %err, "connection ended with an error");
+                        }
+                        break;
+                    }
+                    () = state.evict.notified() => {
+                        // Checked here, where the connection is not being polled: no request can
+                        // start between the check and the drop, so no handler is ever dropped.
+                        // Relaxed: see `Busy::enter`.
+                        if state.requests.load(Ordering::Relaxed) == 0 {
+                            tracing::debug!("idle connection closed to make room");
+                            break;
+                        }
+                    }
+                }
+            }
+            open.remove(id);
             drop(permit);
         });
     }
@@ -179,6 +235,88 @@ pub(crate) async fn serve(
         .is_err()
     {
         tracing::warn!("shutdown: some connections were still busy after the grace period");
+    }
+}
+
+/// The open connections, so that at the cap the one idle longest (waiting for a request head:
+/// silent, half-sent, or kept alive between requests) can be closed for a new one. Without this,
+/// a flood of half-open connections would queue every newcomer, `/healthz` and operator decisions
+/// included, behind the whole flood in the kernel's accept queue, a header timeout per cap's
+/// worth. Looked through only when the cap is reached.
+#[derive(Default)]
+struct OpenConnections {
+    next: AtomicU64,
+    by_id: Mutex<HashMap<u64, Arc<ConnectionState>>>,
+}
+
+struct ConnectionState {
+    /// Requests in progress: from hyper handing over the head until the response is produced.
+    requests: AtomicUsize,
+    /// When the connection last had no request in progress began: accepted, or its last
+    /// response produced.
+    idle_since: Mutex<Instant>,
+    /// Asks the connection's task to close it, if it is still idle.
+    evict: Notify,
+}
+
+impl OpenConnections {
+    fn insert(&self) -> (u64, Arc<ConnectionState>) {
+        // Relaxed: only uniqueness matters.
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let state = Arc::new(ConnectionState {
+            requests: AtomicUsize::new(0),
+            idle_since: Mutex::new(Instant::now()),
+            evict: Notify::new(),
+        });
+        self.lock().insert(id, Arc::clone(&state));
+        (id, state)
+    }
+
+    fn remove(&self, id: u64) {
+        self.lock().remove(&id);
+    }
+
+    /// Asks the connection idle longest to close, if one has been idle for [`EVICTION_GRACE`];
+    /// none if every one has a request in progress or has only just become idle (a newcomer
+    /// whose head is still on its way).
+    fn evict_longest_idle(&self) {
+        let open = self.lock();
+        let longest = open
+            .values()
+            // Relaxed: a hint; the connection's task checks again before it closes.
+            .filter(|state| state.requests.load(Ordering::Relaxed) == 0)
+            .map(|state| (*state.idle_since.lock().unwrap_or_else(|p| p.into_inner()), state))
+            .filter(|(since, _)| since.elapsed() >= EVICTION_GRACE)
+            .min_by_key(|(since, _)| *since);
+        if let Some((_, state)) = longest {
+            // Wakes the task only if it is parked waiting: no request is left standing to close
+            // the connection later, when it may be busy or just kept alive.
+            state.evict.notify_waiters();
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Arc<ConnectionState>>> {
+        self.by_id.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// A request in progress on a connection; when it ends, the connection is idle from then.
+struct Busy(Arc<ConnectionState>);
+
+impl Busy {
+    fn enter(state: &Arc<ConnectionState>) -> Busy {
+        // Relaxed: the count that decides an eviction is read by the connection's own task, which
+        // also runs this (program order); the accept loop reads it only to choose whom to ask.
+        state.requests.fetch_add(1, Ordering::Relaxed);
+        Busy(Arc::clone(state))
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        *self.0.idle_since.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
+        // Relaxed: as in `enter`; the idle time is under its own lock.
+        self.0.requests.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
