@@ -235,7 +235,7 @@ async fn flood_leaves_health_cancel_and_approve_reachable(flags: &[&str], prefix
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flood_of_half_sent_headers_at_the_file_limit_leaves_health_cancel_and_approve_reachable()
- {
+{
     flood_leaves_health_cancel_and_approve_reachable(
         &["--header-timeout", "1s"],
         b"POST /api/agent/v1/operations HTTP/1.1\r\nHost: x\r\nContent-Le",

@@ -21,7 +21,11 @@ async fn a_bucket_spent_before_kill_9_is_still_spent_after_the_restart() {
     let server = Server::spawn(None, &files.args());
     // Three admissions: two left pending, one run to its end (terminal work counts as much as
     // live work).
-    for (key, operation) in [("a1", "demo.request"), ("a2", "demo.run"), ("a3", "demo.request")] {
+    for (key, operation) in [
+        ("a1", "demo.request"),
+        ("a2", "demo.run"),
+        ("a3", "demo.request"),
+    ] {
         let (status, _, op) = server.submit(AGENT_SECRET, key, operation).await;
         assert_eq!(status, 202, "{op}");
     }

@@ -19,7 +19,10 @@ fn an_operator_secret_equal_to_a_client_secret_stops_serve_naming_the_files_not_
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!stdout.contains("listening on"), "{stdout}");
-    assert!(stderr.contains(files.operator.to_str().unwrap()), "{stderr}");
+    assert!(
+        stderr.contains(files.operator.to_str().unwrap()),
+        "{stderr}"
+    );
     assert!(stderr.contains(files.secrets.to_str().unwrap()), "{stderr}");
     assert!(stderr.contains("`other`"), "{stderr}");
     for secret in [OTHER_SECRET, AGENT_SECRET] {
@@ -49,7 +52,10 @@ fn an_embedder_gets_the_collision_as_an_error_naming_the_client() {
         "{err:?}"
     );
     let message = err.to_string();
-    assert!(message.contains("`agent`") && !message.contains(AGENT_SECRET), "{message}");
+    assert!(
+        message.contains("`agent`") && !message.contains(AGENT_SECRET),
+        "{message}"
+    );
 }
 
 #[test]

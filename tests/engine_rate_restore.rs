@@ -4,7 +4,9 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use unyolo_admission::{ClientLimits, Config, Controller, Identity, Limits, ManualClock, RefusalCode};
+use unyolo_admission::{
+    ClientLimits, Config, Controller, Identity, Limits, ManualClock, RefusalCode,
+};
 
 fn id(name: &str) -> Identity {
     Identity::new(name).unwrap()
@@ -21,7 +23,10 @@ fn controller(n: u32, w: u32) -> (Controller, ManualClock) {
     let overrides: BTreeMap<Identity, ClientLimits> = [(id("bot"), limits)].into();
     let config = Config::new(Limits::DEFAULT, overrides, [id("bot"), id("other")]).unwrap();
     let clock = ManualClock::new();
-    (Controller::builder(config).clock(clock.clone()).build(), clock)
+    (
+        Controller::builder(config).clock(clock.clone()).build(),
+        clock,
+    )
 }
 
 #[test]

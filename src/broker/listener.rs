@@ -285,7 +285,12 @@ impl OpenConnections {
             .values()
             // Relaxed: a hint; the connection's task checks again before it closes.
             .filter(|state| state.requests.load(Ordering::Relaxed) == 0)
-            .map(|state| (*state.idle_since.lock().unwrap_or_else(|p| p.into_inner()), state))
+            .map(|state| {
+                (
+                    *state.idle_since.lock().unwrap_or_else(|p| p.into_inner()),
+                    state,
+                )
+            })
             .filter(|(since, _)| since.elapsed() >= EVICTION_GRACE)
             .min_by_key(|(since, _)| *since);
         if let Some((_, state)) = longest {
@@ -344,10 +349,7 @@ mod tests {
         assert_eq!(connection_cap_for_file_limit(Some(256)), 112);
         assert_eq!(connection_cap_for_file_limit(Some(1024)), 496);
         assert_eq!(connection_cap_for_file_limit(Some(10)), 1);
-        assert_eq!(
-            connection_cap_for_file_limit(None),
-            FALLBACK_CONNECTION_CAP
-        );
+        assert_eq!(connection_cap_for_file_limit(None), FALLBACK_CONNECTION_CAP);
     }
 
     #[test]

@@ -119,7 +119,10 @@ impl BrokerSettings {
 
 /// The client whose secret equals `operator_secret`, if any. Every secret is compared, in constant
 /// time, so the time taken says nothing about which one matched.
-pub fn client_sharing_secret<'a>(secrets: &'a Secrets, operator_secret: &str) -> Option<&'a Identity> {
+pub fn client_sharing_secret<'a>(
+    secrets: &'a Secrets,
+    operator_secret: &str,
+) -> Option<&'a Identity> {
     use subtle::ConstantTimeEq;
     let mut found = None;
     for (identity, secret) in secrets.iter() {

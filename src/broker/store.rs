@@ -401,7 +401,10 @@ impl Database {
     /// The client and creation time of every operation, in any state, created at or after
     /// `since` (blocking; at start-up, to rebuild the rate buckets). A `created_at` that does not
     /// parse is skipped.
-    pub fn created_since(&self, since: SystemTime) -> Result<Vec<(String, SystemTime)>, StoreError> {
+    pub fn created_since(
+        &self,
+        since: SystemTime,
+    ) -> Result<Vec<(String, SystemTime)>, StoreError> {
         let since = humantime::format_rfc3339_millis(since).to_string();
         let conn = self.reader.lock().unwrap_or_else(|p| p.into_inner());
         // `created_at` is always written by `now_rfc3339`: fixed width, UTC, so text order is time

@@ -378,9 +378,11 @@ impl Controller {
             return;
         }
         let now = shared.clock.now();
-        client
-            .bucket
-            .replay(now, limits.rate, admitted_ago.into_iter().map(duration_nanos));
+        client.bucket.replay(
+            now,
+            limits.rate,
+            admitted_ago.into_iter().map(duration_nanos),
+        );
     }
 
     /// Reserves `bytes` (and one file) in `store` for `identity` before a write. Settle the

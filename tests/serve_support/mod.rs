@@ -81,7 +81,9 @@ fn command(file_limit: Option<u32>, args: &[String]) -> Command {
     let mut command = Command::new("sh");
     command
         .arg("-c")
-        .arg(format!("{limit}exec \"$0\" serve --listen 127.0.0.1:0 \"$@\""))
+        .arg(format!(
+            "{limit}exec \"$0\" serve --listen 127.0.0.1:0 \"$@\""
+        ))
         .arg(env!("CARGO_BIN_EXE_admission"))
         .args(args)
         .env("RUST_LOG", "info");
@@ -184,7 +186,12 @@ impl Server {
     }
 
     /// Submits `operation` with idempotency key `key`.
-    pub async fn submit(&self, token: &str, key: &str, operation: &str) -> (u16, Option<u64>, Value) {
+    pub async fn submit(
+        &self,
+        token: &str,
+        key: &str,
+        operation: &str,
+    ) -> (u16, Option<u64>, Value) {
         let body = serde_json::json!({
             "idempotency_key": key,
             "operation": operation,
