@@ -119,7 +119,7 @@ pub fn file_limit() -> Option<u64> {
 
 /// The most connections a process allowed `file_limit` open files may hold: each connection is
 /// one socket, and may hold one file more while it uploads a stream body, so half of what is left
-/// after [`RESERVED_FILES`] for the store and the runtime. At least 1.
+/// after 32 kept for the store and the runtime. At least 1.
 pub fn connection_cap_for_file_limit(file_limit: Option<u64>) -> usize {
     match file_limit {
         Some(limit) => usize::try_from(limit.saturating_sub(RESERVED_FILES) / 2)
