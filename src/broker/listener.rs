@@ -162,7 +162,10 @@ pub(crate) async fn serve(
         };
         let permit = match Arc::clone(&permits).try_acquire_owned() {
             Ok(permit) => {
-                saturated = false;
+                // Logged again only once the flood has clearly receded, not on every swing.
+                if permits.available_permits() >= cap / 10 {
+                    saturated = false;
+                }
                 permit
             }
             Err(_) => {

@@ -477,17 +477,24 @@ fn largest_window(config: &Config) -> Duration {
 /// cannot know: tokens spent by admissions whose operation was never created (the store failed
 /// after admission, or the process died in between); those come back early.
 fn restore_rates(controller: &Controller, created: Vec<(String, SystemTime)>, now: SystemTime) {
+    let admissions = created.len();
     let mut ages: HashMap<String, Vec<Duration>> = HashMap::new();
     for (client, at) in created {
         // A creation time after now (the wall clock stepped back) counts as just now.
         let age = now.duration_since(at).unwrap_or(Duration::ZERO);
         ages.entry(client).or_default().push(age);
     }
+    let clients = ages.len();
     for (client, ages) in ages {
         if let Ok(identity) = Identity::new(&client) {
             controller.restore_rate(&identity, ages);
         }
     }
+    tracing::info!(
+        admissions,
+        clients,
+        "rate buckets rebuilt from recent operations"
+    );
 }
 
 /// A fresh random id: `prefix`, `_`, 32 hex digits.
