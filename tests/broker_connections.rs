@@ -258,3 +258,20 @@ async fn a_flood_of_stalled_bodies_at_the_file_limit_leaves_health_cancel_and_ap
     )
     .await;
 }
+
+#[test]
+fn a_zero_timeout_or_connection_limit_stops_serve_at_start_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let files = Files::write(dir.path(), LIMITS);
+    for flags in [
+        ["--header-timeout", "0s"],
+        ["--body-timeout", "0s"],
+        ["--max-connections", "0"],
+    ] {
+        let out = serve_support::run_to_end(&serve_args(&files, &flags));
+        assert_eq!(out.status.code(), Some(1), "{flags:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.starts_with("error: "), "{flags:?}: {stderr}");
+        assert!(!String::from_utf8_lossy(&out.stdout).contains("listening on"));
+    }
+}
