@@ -56,6 +56,16 @@ struct ServeArgs {
     /// The broker's name, shown as every operation's `broker` (1 to 64 characters).
     #[arg(long, value_name = "NAME", default_value = "admission", value_parser = broker_name)]
     broker_name: String,
+    /// How long a connection may take to send a request head, from when it opens or its last
+    /// response was sent; an idle keep-alive connection closes after it too (e.g. `10s`).
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = humantime::parse_duration)]
+    header_timeout: std::time::Duration,
+    /// The longest wait for the next part of a request body (e.g. `30s`).
+    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = humantime::parse_duration)]
+    body_timeout: std::time::Duration,
+    /// The most connections open at once; derived from the open-file limit when absent.
+    #[arg(long, value_name = "N")]
+    max_connections: Option<usize>,
 }
 
 /// A `--broker-name` within its bounds.
@@ -107,6 +117,11 @@ fn serve(args: ServeArgs) -> ExitCode {
         operator_secret: args.operator_secret,
         admission_config: args.admission_config,
         broker_name: args.broker_name,
+        connections: unyolo_admission::broker::ConnectionSettings {
+            header_timeout: args.header_timeout,
+            body_timeout: args.body_timeout,
+            max_connections: args.max_connections,
+        },
     };
     match run(options) {
         Ok(()) => ExitCode::SUCCESS,

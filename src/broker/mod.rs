@@ -15,6 +15,7 @@
 //! - [`discovery`], [`listing`] and [`waits`]: the Agent V1 reads: the descriptor, pages of
 //!   summaries, and long-poll waits on an operation's revision; [`presentation`]: what an
 //!   operator reads about each operation.
+//! - [`listener`]: the accept loop; header, body and idle timeouts and the connection cap.
 //! - [`serve`] and [`drill`]: the `admission serve` and `admission drill` commands.
 //!
 //! Only this module knows about HTTP, JSON bodies and SQL; the engine does not.
@@ -67,6 +68,7 @@ mod exec;
 pub mod http;
 mod keys;
 pub mod listing;
+pub mod listener;
 mod operations;
 pub mod presentation;
 pub mod serve;
@@ -77,7 +79,7 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -92,6 +94,7 @@ use crate::{Config, OperationState};
 
 pub use drift::{Difference, DriftCount, DriftReport};
 pub use store::{Database, OperationError, OperationRecord, StoreError, StoredCounts};
+pub use listener::ConnectionSettings;
 
 use operations::LiveOp;
 
@@ -117,6 +120,8 @@ pub struct BrokerSettings {
     pub drift_interval: Duration,
     /// The broker's name, shown as every operation's `broker` (1–64 characters).
     pub broker_name: String,
+    /// Header, body and idle timeouts and the connection cap.
+    pub connections: ConnectionSettings,
 }
 
 /// How often, by default, the broker compares its counts with the store.
@@ -134,6 +139,7 @@ impl std::fmt::Debug for BrokerSettings {
             .field("capacity_retry", &self.capacity_retry)
             .field("drift_interval", &self.drift_interval)
             .field("broker_name", &self.broker_name)
+            .field("connections", &self.connections)
             .finish()
     }
 }
@@ -158,8 +164,38 @@ impl BrokerSettings {
             capacity_retry: DEFAULT_CAPACITY_RETRY,
             drift_interval: DEFAULT_DRIFT_INTERVAL,
             broker_name: store::DEFAULT_BROKER_NAME.to_owned(),
+            connections: ConnectionSettings::default(),
         }
     }
+
+    /// Why these settings cannot start a broker, if they cannot: the operator secret equal to a
+    /// client's (that client could decide its own requests), or connection settings that cannot
+    /// serve.
+    pub fn validate(&self) -> Result<(), BrokerError> {
+        if let Some(client) = client_sharing_secret(&self.secrets, &self.operator_secret) {
+            return Err(BrokerError::SharedSecret(client.clone()));
+        }
+        if let Some(problem) = self.connections.problem() {
+            return Err(BrokerError::Settings(problem));
+        }
+        Ok(())
+    }
+}
+
+/// The client whose secret equals `operator_secret`, if any. Every secret is compared, in constant
+/// time, so the time taken says nothing about which one matched.
+pub fn client_sharing_secret<'a>(
+    secrets: &'a Secrets,
+    operator_secret: &str,
+) -> Option<&'a Identity> {
+    use subtle::ConstantTimeEq;
+    let mut found = None;
+    for (identity, secret) in secrets.iter() {
+        if bool::from(secret.as_bytes().ct_eq(operator_secret.as_bytes())) {
+            found = Some(identity);
+        }
+    }
+    found
 }
 
 /// Checks a broker name: 1 to 64 characters, none of them a control character.
@@ -182,7 +218,9 @@ pub enum BrokerError {
     Store(StoreError),
     /// Another file problem (data dir, secrets).
     Io(String),
-    /// A setting is out of its bounds (the broker name).
+    /// The operator secret is also this client's secret.
+    SharedSecret(Identity),
+    /// A setting out of its bounds (the broker name) or that cannot serve (a zero timeout).
     Settings(String),
 }
 
@@ -191,7 +229,12 @@ impl std::fmt::Display for BrokerError {
         match self {
             BrokerError::Bind(addr, err) => write!(f, "cannot listen on {addr}: {err}"),
             BrokerError::Store(err) => write!(f, "{err}"),
-            BrokerError::Io(detail) | BrokerError::Settings(detail) => f.write_str(detail),
+            BrokerError::Io(detail) => f.write_str(detail),
+            BrokerError::SharedSecret(client) => write!(
+                f,
+                "the operator secret is also the secret of client `{client}`; that client could decide its own requests, so give the operator a secret of its own"
+            ),
+            BrokerError::Settings(detail) => f.write_str(detail),
         }
     }
 }
@@ -323,6 +366,19 @@ impl Broker {
     /// new controller, starts the executor and serves. Must run inside a tokio runtime.
     pub async fn start(settings: BrokerSettings) -> Result<(Broker, RestoreSummary), BrokerError> {
         validate_broker_name(&settings.broker_name).map_err(BrokerError::Settings)?;
+        settings.validate()?;
+        let connection_cap = settings.connections.connection_cap();
+        if let Some(limit) = listener::file_limit() {
+            let derived = listener::connection_cap_for_file_limit(Some(limit));
+            if connection_cap > derived {
+                tracing::warn!(
+                    connection_cap,
+                    file_limit = limit,
+                    "the connection limit is above what the file limit leaves for connections"
+                );
+            }
+        }
+        let rate_window = largest_window(&settings.config);
         let listener = tokio::net::TcpListener::bind(settings.listen)
             .await
             .map_err(|e| BrokerError::Bind(settings.listen, e))?;
@@ -335,12 +391,16 @@ impl Broker {
             .build();
         let data_dir = settings.data_dir.clone();
         let broker_name = settings.broker_name.clone();
-        let (db, recovered, keys) = tokio::task::spawn_blocking(move || {
+        let (db, recovered, keys, created) = tokio::task::spawn_blocking(move || {
             let db = Database::open_as(&data_dir, &broker_name)?;
             let recovered = db.recover()?;
             let keys = keys::KeyFilter::new();
             db.for_each_key(|client, key| keys.insert(client, key))?;
-            Ok::<_, StoreError>((db, recovered, keys))
+            let since = SystemTime::now()
+                .checked_sub(rate_window)
+                .unwrap_or(SystemTime::UNIX_EPOCH);
+            let created = db.created_since(since)?;
+            Ok::<_, StoreError>((db, recovered, keys, created))
         })
         .await
         .map_err(|e| BrokerError::Io(format!("start-up task failed: {e}")))??;
@@ -394,24 +454,21 @@ impl Broker {
             }
             Err(err) => tracing::warn!(error = %err, "start-up drift check failed"),
         }
+        restore_rates(&core.controller, created, SystemTime::now());
 
         let executor = tokio::spawn(exec::run(Arc::clone(&core)));
         let drift = tokio::spawn(drift::watch(Arc::clone(&core), settings.drift_interval));
         let app = http::router(Arc::clone(&core));
-        let mut until = shutdown.clone();
-        let server = tokio::spawn(async move {
-            let stopped = async move {
-                let _ = until.wait_for(|stop| *stop).await;
-            };
-            if let Err(err) = axum::serve(listener, app)
-                .with_graceful_shutdown(stopped)
-                .await
-            {
-                tracing::error!(error = %err, "server stopped");
-            }
-        });
+        let server = tokio::spawn(listener::serve(
+            listener,
+            app,
+            settings.connections,
+            connection_cap,
+            shutdown.clone(),
+        ));
         tracing::info!(
             %addr,
+            connection_cap,
             pending = summary.pending,
             approved = summary.approved,
             interrupted = summary.interrupted,
@@ -559,6 +616,43 @@ fn restore(core: &Arc<Core>, recovered: store::Recovered) -> RestoreSummary {
         }
     }
     summary
+}
+
+/// The longest rate window of any configured client: how far back start-up reads admissions.
+fn largest_window(config: &Config) -> Duration {
+    let seconds = config
+        .identities()
+        .filter_map(|identity| config.effective(identity.as_str()))
+        .map(|limits| limits.window_seconds)
+        .max()
+        .unwrap_or(0);
+    Duration::from_secs(u64::from(seconds))
+}
+
+/// Rebuilds each client's rate bucket from the creation times of its operations created within
+/// the largest window (`created`, read at start-up), as of `now`, so a restart never hands out a
+/// fresh burst. It costs no write per admission: the operation's row is the record. What a restart
+/// cannot know: tokens spent by admissions whose operation was never created (the store failed
+/// after admission, or the process died in between); those come back early.
+fn restore_rates(controller: &Controller, created: Vec<(String, SystemTime)>, now: SystemTime) {
+    let admissions = created.len();
+    let mut ages: HashMap<String, Vec<Duration>> = HashMap::new();
+    for (client, at) in created {
+        // A creation time after now (the wall clock stepped back) counts as just now.
+        let age = now.duration_since(at).unwrap_or(Duration::ZERO);
+        ages.entry(client).or_default().push(age);
+    }
+    let clients = ages.len();
+    for (client, ages) in ages {
+        if let Ok(identity) = Identity::new(&client) {
+            controller.restore_rate(&identity, ages);
+        }
+    }
+    tracing::info!(
+        admissions,
+        clients,
+        "rate buckets rebuilt from recent operations"
+    );
 }
 
 /// A fresh random id: `prefix`, `_`, 32 hex digits.

@@ -9,7 +9,7 @@ use std::io::Write;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
-use super::{Broker, BrokerSettings};
+use super::{Broker, BrokerSettings, ConnectionSettings, client_sharing_secret};
 use crate::config::Secrets;
 use crate::config::secrets::read_operator_secret;
 use crate::{Config, StorageCaps};
@@ -38,30 +38,46 @@ pub struct ServeOptions {
     pub admission_config: Option<PathBuf>,
     /// The broker's name, shown as every operation's `broker`.
     pub broker_name: String,
+    /// Header, body and idle timeouts and the connection cap.
+    pub connections: ConnectionSettings,
 }
 
 /// Runs the broker until `SIGINT` or `SIGTERM`. Prints `listening on ADDR` once it serves.
 pub fn run(options: ServeOptions) -> Result<(), String> {
     std::fs::create_dir_all(&options.data_dir)
         .map_err(|e| format!("cannot create {}: {e}", options.data_dir.display()))?;
-    let secrets = match &options.secrets {
-        Some(path) => Secrets::from_path(path).map_err(|e| format!("secrets file {e}"))?,
+    if let Some(problem) = options.connections.problem() {
+        return Err(problem);
+    }
+    let secrets_path = match &options.secrets {
+        Some(path) => path.clone(),
         None => {
             let path = options.data_dir.join(GENERATED_SECRETS);
             ensure_secret_file(&path, |secret| format!("default = {secret}\n"))?;
             println!("client secrets: {}", path.display());
-            Secrets::from_path(&path).map_err(|e| format!("secrets file {e}"))?
+            path
         }
     };
-    let operator_secret = match &options.operator_secret {
-        Some(path) => read_operator_secret(path).map_err(|e| format!("operator secret {e}"))?,
+    let secrets = Secrets::from_path(&secrets_path).map_err(|e| format!("secrets file {e}"))?;
+    let operator_path = match &options.operator_secret {
+        Some(path) => path.clone(),
         None => {
             let path = options.data_dir.join(GENERATED_OPERATOR_SECRET);
             ensure_secret_file(&path, |secret| format!("{secret}\n"))?;
             println!("operator secret: {}", path.display());
-            read_operator_secret(&path).map_err(|e| format!("operator secret {e}"))?
+            path
         }
     };
+    let operator_secret =
+        read_operator_secret(&operator_path).map_err(|e| format!("operator secret {e}"))?;
+    if let Some(client) = client_sharing_secret(&secrets, &operator_secret) {
+        return Err(format!(
+            "the operator secret in {} is also the secret of client `{client}` in {}; that client \
+             could decide its own requests, so give the operator a secret of its own",
+            operator_path.display(),
+            secrets_path.display()
+        ));
+    }
     let identities: Vec<_> = secrets.identities().cloned().collect();
     let config = match &options.admission_config {
         Some(path) => Config::from_path(path, identities).map_err(|e| e.to_string())?,
@@ -75,6 +91,7 @@ pub fn run(options: ServeOptions) -> Result<(), String> {
         config,
         storage_caps: StorageCaps::default(),
         broker_name: options.broker_name.clone(),
+        connections: options.connections,
         ..BrokerSettings::new(
             options.listen,
             options.data_dir.clone(),

@@ -409,6 +409,12 @@ impl Database {
             .connection_timeout(std::time::Duration::from_secs(5))
             .build(manager)
             .map_err(|e| StoreError(format!("cannot open readers on {}: {e}", path.display())))?;
+        // The start-up rate replay reads operations by creation time. Created at every open, not
+        // by a schema version: an index changes no row, and an older file gains it on its next
+        // start.
+        writer.execute_batch(
+            "CREATE INDEX IF NOT EXISTS operations_by_created_at ON operations (created_at);",
+        )?;
         Ok(Database {
             writer: Arc::new(Mutex::new(writer)),
             readers,
@@ -524,6 +530,32 @@ impl Database {
             live,
             streams,
         })
+    }
+
+    /// The client and creation time of every operation, in any state, created at or after
+    /// `since` (blocking; at start-up, to rebuild the rate buckets). A `created_at` that does not
+    /// parse is skipped.
+    pub fn created_since(
+        &self,
+        since: SystemTime,
+    ) -> Result<Vec<(String, SystemTime)>, StoreError> {
+        let since = humantime::format_rfc3339_millis(since).to_string();
+        let conn = self.reader()?;
+        // `created_at` is always written by `now_rfc3339`: fixed width, UTC, so text order is time
+        // order.
+        let mut stmt = conn.prepare(
+            "SELECT client_id, created_at FROM operations WHERE created_at >= ?1 ORDER BY created_at",
+        )?;
+        let mut rows = stmt.query([since])?;
+        let mut created = Vec::new();
+        while let Some(row) = rows.next()? {
+            let client: String = row.get(0)?;
+            let at: String = row.get(1)?;
+            if let Ok(at) = humantime::parse_rfc3339(&at) {
+                created.push((client, at));
+            }
+        }
+        Ok(created)
     }
 
     /// Calls `f` with the client and idempotency key of every operation (blocking; at start-up).

@@ -358,6 +358,33 @@ impl Controller {
         Ok(Operation::new(client, state))
     }
 
+    /// Rebuilds `identity`'s rate bucket at start-up from its admissions made `admitted_ago`
+    /// (each the age of an operation it created, in any state), so a restart never hands out a
+    /// fresh burst. Each admission spends a token as it did when made; admissions a whole window
+    /// old or older count nothing; the bucket only becomes emptier, and never owes more than one
+    /// window. An identity that is not configured has no bucket: nothing happens.
+    pub fn restore_rate(
+        &self,
+        identity: &Identity,
+        admitted_ago: impl IntoIterator<Item = Duration>,
+    ) {
+        let Some(client) = self.client(identity.as_str()) else {
+            return;
+        };
+        let shared = &*self.inner.shared;
+        let settings = shared.settings.load();
+        let limits = *client.settings(&settings);
+        if !limits.configured {
+            return;
+        }
+        let now = shared.clock.now();
+        client.bucket.replay(
+            now,
+            limits.rate,
+            admitted_ago.into_iter().map(duration_nanos),
+        );
+    }
+
     /// Reserves `bytes` (and one file) in `store` for `identity` before a write. Settle the
     /// reservation to the real size after the write; dropping it releases everything.
     pub fn reserve_storage(

@@ -97,6 +97,18 @@ impl Bucket {
             });
     }
 
+    /// Replays admissions made `ages` nanoseconds before `now` into the bucket (see [`replay`]);
+    /// the bucket only ever becomes emptier, never fuller.
+    pub(crate) fn replay(&self, now: u64, rate: Rate, ages: impl IntoIterator<Item = u64>) {
+        let replayed = replay(now, rate, ages);
+        // Relaxed: as in try_take; a take racing this replay keeps its token either way.
+        let _ = self
+            .tat
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |tat| {
+                (replayed > tat).then_some(replayed)
+            });
+    }
+
     /// Tokens there at `now` (for metrics and tests).
     pub(crate) fn available(&self, now: u64, rate: Rate) -> u64 {
         let used = self
@@ -106,6 +118,26 @@ impl Bucket {
             .min(rate.span);
         (rate.span - used) / rate.interval
     }
+}
+
+/// The TAT of a bucket, full before them, after admissions made `ages` nanoseconds before `now`:
+/// each admission at `t = now - age`, oldest first, moves the TAT to `max(TAT, t) + T`, as
+/// [`Bucket::try_take`] did when it admitted it. An age of a whole window or more counts nothing
+/// (its token is back by `now`), and the result is at most `N·T` ahead of `now`, so a replay never
+/// locks a client out for longer than one window.
+pub(crate) fn replay(now: u64, rate: Rate, ages: impl IntoIterator<Item = u64>) -> u64 {
+    let mut ages: Vec<u64> = ages.into_iter().filter(|&age| age < rate.span).collect();
+    ages.sort_unstable_by(|a, b| b.cmp(a));
+    // Relative to `now`, signed: `now` counts from the clock's start, and an admission may
+    // predate it (it was made by an earlier process). `None`: full since before any admission.
+    let mut ahead: Option<i128> = None;
+    for age in ages {
+        let at = -i128::from(age);
+        ahead = Some(ahead.map_or(at, |tat| tat.max(at)) + i128::from(rate.interval));
+    }
+    let Some(ahead) = ahead else { return 0 };
+    let ahead = ahead.min(i128::from(rate.span));
+    u64::try_from((i128::from(now) + ahead).max(0)).unwrap_or(u64::MAX)
 }
 
 #[cfg(all(test, not(loom)))]
@@ -162,6 +194,76 @@ mod tests {
         assert!(b.try_take(0, r).is_ok());
         b.give_back(r);
         assert!(b.try_take(0, r).is_ok());
+    }
+
+    #[test]
+    fn replayed_admissions_spend_the_bucket_as_they_did_when_made() {
+        let r = Rate::new(3, 3600);
+        let now = 10 * SEC;
+        // Three admissions a minute, two minutes and three minutes ago spent a 3-per-hour bucket.
+        let b = Bucket::new();
+        b.replay(now, r, [60 * SEC, 180 * SEC, 120 * SEC]);
+        // The oldest admission's token is back 20 minutes after it was taken.
+        assert_eq!(b.try_take(now, r), Err(1200 * SEC - 180 * SEC));
+        assert_eq!(b.available(now, r), 0);
+    }
+
+    #[test]
+    fn replay_matches_taking_the_tokens_live() {
+        let r = Rate::new(5, 10);
+        let live = Bucket::new();
+        let times = [100 * SEC, 101 * SEC, 101 * SEC, 104 * SEC, 108 * SEC];
+        for t in times {
+            live.try_take(t, r).unwrap();
+        }
+        let now = 109 * SEC;
+        let replayed = Bucket::new();
+        replayed.replay(now, r, times.map(|t| now - t));
+        assert_eq!(
+            replayed.tat.load(Ordering::Relaxed),
+            live.tat.load(Ordering::Relaxed)
+        );
+    }
+
+    #[test]
+    fn admissions_a_window_old_or_older_count_nothing() {
+        let r = Rate::new(2, 2);
+        let b = Bucket::new();
+        b.replay(10 * SEC, r, [2 * SEC, 3 * SEC, 50 * SEC]);
+        assert_eq!(b.available(10 * SEC, r), 2);
+    }
+
+    #[test]
+    fn replay_never_refills_a_bucket() {
+        let r = Rate::new(2, 60);
+        let b = Bucket::new();
+        b.try_take(SEC, r).unwrap();
+        b.try_take(SEC, r).unwrap();
+        let before = b.tat.load(Ordering::Relaxed);
+        // One old admission says less than the live bucket knows: the bucket stays as it was.
+        b.replay(2 * SEC, r, [50 * SEC]);
+        assert_eq!(b.tat.load(Ordering::Relaxed), before);
+        assert_eq!(b.available(2 * SEC, r), 0);
+    }
+
+    #[test]
+    fn replay_never_locks_out_for_more_than_a_window() {
+        // More admissions than the bucket holds (the limit was lowered since): empty, with the
+        // next token one interval away, never later.
+        let r = Rate::new(2, 10);
+        let b = Bucket::new();
+        b.replay(20 * SEC, r, [0; 50]);
+        assert_eq!(b.wait(20 * SEC, r), 5 * SEC);
+    }
+
+    #[test]
+    fn replay_handles_admissions_older_than_the_clock_start() {
+        // A fresh process's clock reads near zero; admissions from the last process predate it.
+        let r = Rate::new(3, 3600);
+        let b = Bucket::new();
+        b.replay(SEC, r, [30 * SEC, 20 * SEC, 10 * SEC]);
+        assert_eq!(b.available(SEC, r), 0);
+        assert_eq!(b.wait(SEC, r), 1200 * SEC - 30 * SEC);
     }
 
     #[test]

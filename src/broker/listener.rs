@@ -1,0 +1,388 @@
+//! The accept loop: how many connections the broker holds open, and for how long a connection may
+//! keep it waiting. Everything here is assembled from hyper, hyper-util and tower-http; this file
+//! only chooses the numbers and holds the connection cap.
+//!
+//! - **Header timeout** (hyper's `header_read_timeout`). hyper starts the timer whenever the
+//!   connection waits for a request head: on a new connection before its first byte, and again
+//!   after each response while a keep-alive connection idles. A connection that sends nothing, or
+//!   half a head, is closed when it expires. So it is also the keep-alive idle timeout: HTTP/1
+//!   has no other idle state, and a separate longer idle setting could never take effect.
+//! - **Body timeout** (tower-http's `RequestBodyTimeout`): the longest wait for the next piece of
+//!   a request body once its head is in; the handler then sees a body that could not be read.
+//! - **Connection cap**: a semaphore permit per open connection. The cap comes from the process's
+//!   file limit (see [`connection_cap_for_file_limit`]), so the broker never runs out of
+//!   descriptors for its store. At the cap, a newly accepted connection makes room by closing the
+//!   connection that has been idle longest (no request in progress: silent, half a head, or kept
+//!   alive), so a flood of half-open connections cannot queue `/healthz` or an operator decision
+//!   behind itself; only when every connection has a request in progress does the newcomer wait
+//!   for one to end (at most a body timeout between body parts, then the handler's own time).
+//!   This part is ours: hyper and tower offer no eviction.
+//! - **Graceful shutdown** (hyper-util's `GracefulShutdown`): on stop, idle connections close at
+//!   once and requests in flight finish, for at most a bounded grace.
+//!
+//! Only HTTP/1.1 is served: the Agent V1 wire is HTTP/1.1, and hyper's header timeout is an
+//! HTTP/1 setting.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
+use tokio::net::TcpListener;
+use tokio::sync::{Notify, Semaphore, watch};
+use tower_http::timeout::RequestBodyTimeout;
+
+/// The default [`ConnectionSettings::header_timeout`].
+pub const DEFAULT_HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+/// The default [`ConnectionSettings::body_timeout`].
+pub const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Descriptors kept back from connections whatever the file limit: stdio, the data-dir lock, the
+/// SQLite files of both connections (database, WAL, shared memory, temporary files), the runtime's
+/// epoll and wake-up descriptors, the listener and signal handling. About twenty today; the rest
+/// is margin.
+const RESERVED_FILES: u64 = 32;
+
+/// The cap when the file limit cannot be read or is unlimited.
+const FALLBACK_CONNECTION_CAP: usize = 512;
+
+/// How long a connection must have been idle before a newcomer at the cap may displace it: a
+/// moment for a new connection's request head to arrive.
+const EVICTION_GRACE: Duration = Duration::from_millis(500);
+
+/// How often a newcomer waiting at the cap asks again for an idle connection to make room.
+const EVICTION_RETRY: Duration = Duration::from_millis(100);
+
+/// How long a stopping server waits for requests in flight.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// How long the accept loop pauses after an accept error other than a refused connection (such as
+/// running out of descriptors), so it does not spin.
+const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(100);
+
+/// How the broker bounds its connections.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConnectionSettings {
+    /// How long a connection may take to send a request head, counted from when the broker starts
+    /// waiting for it (connection open, or the previous response sent). Also the keep-alive idle
+    /// timeout. Default 10 s.
+    pub header_timeout: Duration,
+    /// The longest wait for the next part of a request body. Default 30 s.
+    pub body_timeout: Duration,
+    /// The most connections open at once; `None` derives it from the process's file limit
+    /// ([`connection_cap_for_file_limit`]).
+    pub max_connections: Option<usize>,
+}
+
+impl Default for ConnectionSettings {
+    fn default() -> ConnectionSettings {
+        ConnectionSettings {
+            header_timeout: DEFAULT_HEADER_TIMEOUT,
+            body_timeout: DEFAULT_BODY_TIMEOUT,
+            max_connections: None,
+        }
+    }
+}
+
+impl ConnectionSettings {
+    /// Why these settings cannot serve, if they cannot: a zero timeout or a zero cap.
+    pub fn problem(&self) -> Option<String> {
+        if self.header_timeout.is_zero() {
+            return Some("the header timeout must be longer than zero".to_owned());
+        }
+        if self.body_timeout.is_zero() {
+            return Some("the body timeout must be longer than zero".to_owned());
+        }
+        if self.max_connections == Some(0) {
+            return Some("the connection limit must be at least 1".to_owned());
+        }
+        None
+    }
+
+    /// The connection cap in force: the configured one, or the one the file limit allows.
+    pub fn connection_cap(&self) -> usize {
+        self.max_connections
+            .unwrap_or_else(|| connection_cap_for_file_limit(file_limit()))
+    }
+}
+
+/// The process's soft limit on open files (`RLIMIT_NOFILE`), if it can be read and is finite.
+pub fn file_limit() -> Option<u64> {
+    match rlimit::Resource::NOFILE.get() {
+        Ok((soft, _hard)) if soft != rlimit::INFINITY => Some(soft),
+        _ => None,
+    }
+}
+
+/// The most connections a process allowed `file_limit` open files may hold: each connection is
+/// one socket, and may hold one file more while it uploads a stream body, so half of what is left
+/// after 32 kept for the store and the runtime. At least 1.
+pub fn connection_cap_for_file_limit(file_limit: Option<u64>) -> usize {
+    match file_limit {
+        Some(limit) => usize::try_from(limit.saturating_sub(RESERVED_FILES) / 2)
+            .unwrap_or(usize::MAX)
+            .clamp(1, Semaphore::MAX_PERMITS),
+        None => FALLBACK_CONNECTION_CAP,
+    }
+}
+
+/// Serves `app` on `listener` until `stop` turns true, holding at most `cap` connections open.
+pub(crate) async fn serve(
+    listener: TcpListener,
+    app: axum::Router,
+    settings: ConnectionSettings,
+    cap: usize,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(settings.header_timeout)
+        .keep_alive(true);
+    let service = TowerToHyperService::new(RequestBodyTimeout::new(app, settings.body_timeout));
+    let permits = Arc::new(Semaphore::new(cap));
+    let open = Arc::new(OpenConnections::default());
+    let graceful = GracefulShutdown::new();
+    let mut saturated = false;
+    loop {
+        let stream = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _peer)) => stream,
+                Err(err) => {
+                    if !is_connection_error(&err) {
+                        tracing::warn!(error = %err, "accept failed");
+                        tokio::time::sleep(ACCEPT_ERROR_PAUSE).await;
+                    }
+                    continue;
+                }
+            },
+            () = stopped(&mut stop) => break,
+        };
+        let permit = match Arc::clone(&permits).try_acquire_owned() {
+            Ok(permit) => {
+                // Logged again only once the flood has clearly receded, not on every swing.
+                if permits.available_permits() >= cap / 10 {
+                    saturated = false;
+                }
+                permit
+            }
+            Err(_) => {
+                if !saturated {
+                    saturated = true;
+                    tracing::warn!(
+                        connections = cap,
+                        "connection limit reached; the connections idle longest make room"
+                    );
+                }
+                // This one connection, accepted above the cap, lives on the reserve until an
+                // idle connection has closed to make room for it. Asked again while it waits: a
+                // connection may become idle (or idle long enough) meanwhile.
+                let permit = loop {
+                    open.evict_longest_idle();
+                    tokio::select! {
+                        permit = Arc::clone(&permits).acquire_owned() => break permit.ok(),
+                        () = stopped(&mut stop) => break None,
+                        () = tokio::time::sleep(EVICTION_RETRY) => {}
+                    }
+                };
+                let Some(permit) = permit else { break };
+                permit
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let (id, state) = open.insert();
+        let busy = Arc::clone(&state);
+        let service = service.clone();
+        let service = hyper::service::service_fn(move |request| {
+            let request_open = Busy::enter(&busy);
+            let response = hyper::service::Service::call(&service, request);
+            async move {
+                let response = response.await;
+                drop(request_open);
+                response
+            }
+        });
+        let connection = graceful.watch(http.serve_connection(TokioIo::new(stream), service));
+        let open = Arc::clone(&open);
+        tokio::spawn(async move {
+            let mut connection = std::pin::pin!(connection);
+            loop {
+                tokio::select! {
+                    ended = &mut connection => {
+                        if let Err(err) = ended {
+                            // A client that times out, hangs up or sends garbage: its own business.
+                            tracing::debug!(error = %err, "connection ended with an error");
+                        }
+                        break;
+                    }
+                    () = state.evict.notified() => {
+                        // Checked here, where the connection is not being polled: no request can
+                        // start between the check and the drop, so no handler is ever dropped.
+                        // Relaxed: see `Busy::enter`.
+                        if state.requests.load(Ordering::Relaxed) == 0 {
+                            tracing::debug!("idle connection closed to make room");
+                            break;
+                        }
+                    }
+                }
+            }
+            open.remove(id);
+            drop(permit);
+        });
+    }
+    drop(listener);
+    if tokio::time::timeout(SHUTDOWN_GRACE, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!("shutdown: some connections were still busy after the grace period");
+    }
+}
+
+/// The open connections, so that at the cap the one idle longest (waiting for a request head:
+/// silent, half-sent, or kept alive between requests) can be closed for a new one. Without this,
+/// a flood of half-open connections would queue every newcomer, `/healthz` and operator decisions
+/// included, behind the whole flood in the kernel's accept queue, a header timeout per cap's
+/// worth. Looked through only when the cap is reached.
+#[derive(Default)]
+struct OpenConnections {
+    next: AtomicU64,
+    by_id: Mutex<HashMap<u64, Arc<ConnectionState>>>,
+}
+
+struct ConnectionState {
+    /// Requests in progress: from hyper handing over the head until the response is produced.
+    requests: AtomicUsize,
+    /// When the connection last had no request in progress began: accepted, or its last
+    /// response produced.
+    idle_since: Mutex<Instant>,
+    /// Asks the connection's task to close it, if it is still idle.
+    evict: Notify,
+}
+
+impl OpenConnections {
+    fn insert(&self) -> (u64, Arc<ConnectionState>) {
+        // Relaxed: only uniqueness matters.
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let state = Arc::new(ConnectionState {
+            requests: AtomicUsize::new(0),
+            idle_since: Mutex::new(Instant::now()),
+            evict: Notify::new(),
+        });
+        self.lock().insert(id, Arc::clone(&state));
+        (id, state)
+    }
+
+    fn remove(&self, id: u64) {
+        self.lock().remove(&id);
+    }
+
+    /// Asks the connection idle longest to close, if one has been idle for [`EVICTION_GRACE`];
+    /// none if every one has a request in progress or has only just become idle (a newcomer
+    /// whose head is still on its way).
+    fn evict_longest_idle(&self) {
+        let open = self.lock();
+        let longest = open
+            .values()
+            // Relaxed: a hint; the connection's task checks again before it closes.
+            .filter(|state| state.requests.load(Ordering::Relaxed) == 0)
+            .map(|state| {
+                (
+                    *state.idle_since.lock().unwrap_or_else(|p| p.into_inner()),
+                    state,
+                )
+            })
+            .filter(|(since, _)| since.elapsed() >= EVICTION_GRACE)
+            .min_by_key(|(since, _)| *since);
+        if let Some((_, state)) = longest {
+            // Wakes the task only if it is parked waiting: no request is left standing to close
+            // the connection later, when it may be busy or just kept alive.
+            state.evict.notify_waiters();
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Arc<ConnectionState>>> {
+        self.by_id.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// A request in progress on a connection; when it ends, the connection is idle from then.
+struct Busy(Arc<ConnectionState>);
+
+impl Busy {
+    fn enter(state: &Arc<ConnectionState>) -> Busy {
+        // Relaxed: the count that decides an eviction is read by the connection's own task, which
+        // also runs this (program order); the accept loop reads it only to choose whom to ask.
+        state.requests.fetch_add(1, Ordering::Relaxed);
+        Busy(Arc::clone(state))
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        *self.0.idle_since.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
+        // Relaxed: as in `enter`; the idle time is under its own lock.
+        self.0.requests.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Returns once `stop` is true (or its sender is gone).
+async fn stopped(stop: &mut watch::Receiver<bool>) {
+    let _ = stop.wait_for(|stop| *stop).await;
+}
+
+/// An accept error that concerns one connection only (it was reset before we took it).
+fn is_connection_error(err: &std::io::Error) -> bool {
+    matches!(
+        err.kind(),
+        std::io::ErrorKind::ConnectionRefused
+            | std::io::ErrorKind::ConnectionAborted
+            | std::io::ErrorKind::ConnectionReset
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cap_leaves_the_reserve_and_a_file_per_connection() {
+        assert_eq!(connection_cap_for_file_limit(Some(256)), 112);
+        assert_eq!(connection_cap_for_file_limit(Some(1024)), 496);
+        assert_eq!(connection_cap_for_file_limit(Some(10)), 1);
+        assert_eq!(connection_cap_for_file_limit(None), FALLBACK_CONNECTION_CAP);
+    }
+
+    #[test]
+    fn zero_timeouts_and_a_zero_cap_are_refused() {
+        let ok = ConnectionSettings::default();
+        assert_eq!(ok.problem(), None);
+        for bad in [
+            ConnectionSettings {
+                header_timeout: Duration::ZERO,
+                ..ok
+            },
+            ConnectionSettings {
+                body_timeout: Duration::ZERO,
+                ..ok
+            },
+            ConnectionSettings {
+                max_connections: Some(0),
+                ..ok
+            },
+        ] {
+            assert!(bad.problem().is_some(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn an_explicit_cap_wins_over_the_file_limit() {
+        let settings = ConnectionSettings {
+            max_connections: Some(7),
+            ..ConnectionSettings::default()
+        };
+        assert_eq!(settings.connection_cap(), 7);
+    }
+}
