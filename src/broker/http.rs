@@ -22,6 +22,7 @@ use serde_json::{Value, json};
 use tokio::io::AsyncWriteExt;
 
 use super::operations::{LiveOp, TransitionFailure, duration_ms};
+use super::ratelimit::with_quota;
 use super::store::{InsertError, OperationRecord, StoreError, StreamRecord, now_rfc3339};
 use super::{Core, new_id};
 use crate::config::{Identity, Secrets};
@@ -350,7 +351,8 @@ fn replay(core: &Core, existing: OperationRecord, request: &Submission) -> ApiRe
         ));
     }
     core.count_submission("replayed");
-    Ok(json_response(StatusCode::OK, existing.to_json()))
+    let response = json_response(StatusCode::OK, existing.to_json());
+    Ok(with_quota(response, &core.controller, &existing.client_id, None))
 }
 
 async fn submit(State(core): State<Arc<Core>>, headers: HeaderMap, body: Body) -> ApiResult {
@@ -389,7 +391,8 @@ async fn submit(State(core): State<Arc<Core>>, headers: HeaderMap, body: Body) -
                 retry_after = refusal.retry_after_secs(),
                 "submission refused"
             );
-            return Err(ApiError::refused(refusal));
+            let response = ApiError::refused(refusal).into_response();
+            return Ok(with_quota(response, &core.controller, client.as_str(), Some(&refusal)));
         }
     };
 
@@ -452,7 +455,7 @@ async fn submit(State(core): State<Arc<Core>>, headers: HeaderMap, body: Body) -
     {
         response.headers_mut().insert(header::LOCATION, location);
     }
-    Ok(response)
+    Ok(with_quota(response, &core.controller, client.as_str(), None))
 }
 
 /// The `{id}` of a route, judged after authentication; an id that is not UTF-8 once
@@ -633,7 +636,7 @@ async fn upload_stream(State(core): State<Arc<Core>>, headers: HeaderMap, body: 
     if let Ok(location) = HeaderValue::from_str(&format!("/api/agent/v1/streams/{id}")) {
         response.headers_mut().insert(header::LOCATION, location);
     }
-    Ok(response)
+    Ok(with_quota(response, &core.controller, client.as_str(), None))
 }
 
 /// Writes at most `declared` bytes of `body` to `path` (synced); a body of another length is

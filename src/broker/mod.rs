@@ -10,6 +10,7 @@
 //!   slot.
 //! - `keys`: a fixed-size filter that answers "this key was never used" without the store, so
 //!   refusals stay off SQLite.
+//! - [`ratelimit`]: the quota fields (`RateLimit-Policy`, `RateLimit`) on submission answers.
 //! - [`serve`] and [`drill`]: the `admission serve` and `admission drill` commands.
 //!
 //! Only this module knows about HTTP, JSON bodies and SQL; the engine does not.
@@ -19,6 +20,7 @@ mod exec;
 pub mod http;
 mod keys;
 mod operations;
+pub mod ratelimit;
 pub mod serve;
 pub mod store;
 
