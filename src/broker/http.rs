@@ -724,6 +724,8 @@ async fn readyz(State(core): State<Arc<Core>>) -> ApiResult {
 
 async fn metrics(State(core): State<Arc<Core>>, headers: HeaderMap) -> ApiResult {
     core.auth.operator(&headers)?;
+    let ready = tokio::time::timeout(READY_DEADLINE, core.db.ping()).await;
+    core.store_ready.set(i64::from(matches!(ready, Ok(Ok(())))));
     let mut text = String::new();
     prometheus_client::encoding::text::encode(&mut text, &core.registry).map_err(|_| {
         ApiError::new(

@@ -32,6 +32,7 @@ use std::time::Duration;
 
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -146,6 +147,8 @@ pub(crate) struct Core {
     pub(crate) auth: http::Auth,
     pub(crate) registry: Registry,
     pub(crate) submissions: Family<SubmissionLabels, Counter>,
+    /// `broker_store_ready`: 1 when the store took a write at the last scrape, else 0.
+    pub(crate) store_ready: Gauge,
     /// The (client, key) pairs that may have an operation, so a new key skips the store lookup.
     pub(crate) keys: keys::KeyFilter,
     /// Serializes submissions with the same (client, idempotency key), so concurrent duplicates
@@ -234,6 +237,12 @@ impl Broker {
             "Operation submissions by result: created, replayed, or rejected by admission.",
             submissions.clone(),
         );
+        let store_ready = Gauge::default();
+        registry.register(
+            "broker_store_ready",
+            "Whether the store took a write (as /readyz checks it) when these metrics were scraped: 1 or 0.",
+            store_ready.clone(),
+        );
         let (stop, shutdown) = watch::channel(false);
         let core = Arc::new(Core {
             controller,
@@ -244,6 +253,7 @@ impl Broker {
             auth: http::Auth::new(&settings.secrets, &settings.operator_secret),
             registry,
             submissions,
+            store_ready,
             keys,
             key_locks: (0..64).map(|_| tokio::sync::Mutex::new(())).collect(),
             shutdown: shutdown.clone(),
