@@ -205,3 +205,60 @@ async fn a_real_prometheus_scrapes_the_broker_and_records_the_rules() {
     drop(running);
     h.broker.shutdown().await;
 }
+
+#[test]
+fn serve_prints_where_its_metrics_are_and_which_rule_file_fits_them() {
+    use std::io::{BufRead, BufReader};
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_admission"))
+        .arg("serve")
+        .args(["--listen", "127.0.0.1:0", "--data"])
+        .arg(dir.path())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let _running = Running(child);
+    // Read on a thread so a server that never prints fails the test after a bound, not hangs it.
+    let (lines, printed) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if lines.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut seen = Vec::new();
+    while !seen
+        .iter()
+        .any(|l: &String| l.starts_with("rules for these metrics:"))
+    {
+        match printed.recv_timeout(Duration::from_secs(60)) {
+            Ok(line) => seen.push(line),
+            Err(_) => panic!("serve printed no rules line:\n{}", seen.join("\n")),
+        }
+    }
+    let addr = seen
+        .iter()
+        .find_map(|l| l.strip_prefix("listening on "))
+        .expect("a listening line")
+        .to_owned();
+    assert!(
+        seen.iter()
+            .any(|l| l.starts_with(&format!("metrics: http://{addr}/metrics"))),
+        "{seen:?}"
+    );
+    let rules_line = seen.last().unwrap();
+    let rules = rules_line
+        .strip_prefix("rules for these metrics: ")
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap();
+    assert!(repo(rules).is_file(), "{rules} is not in the repository");
+    let dashboard = rules_line
+        .split("(dashboard: ")
+        .nth(1)
+        .and_then(|rest| rest.strip_suffix(')'))
+        .unwrap();
+    assert!(repo(dashboard).is_file(), "{dashboard} is not in the repository");
+}
