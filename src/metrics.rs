@@ -329,6 +329,9 @@ fn encode_limits(
         Store::ALL
             .map(|store| ([("store", store.as_str())], caps.of(store).global_files))
             .into_iter()
-            .chain(std::iter::once(([("store", "pending_grant")], caps.grant_global))),
+            .chain(std::iter::once((
+                [("store", "pending_grant")],
+                caps.grant_global,
+            ))),
     )
 }

@@ -92,7 +92,9 @@ async fn every_submission_outcome_carries_both_fields_exact_from_the_engine() {
     let dir = tempfile::tempdir().unwrap();
     let h = start(dir.path(), FIVE_AN_HOUR).await;
 
-    let created = h.submit(AGENT_SECRET, &request("k-0", "demo.request", 0)).await;
+    let created = h
+        .submit(AGENT_SECRET, &request("k-0", "demo.request", 0))
+        .await;
     assert_eq!(created.status, 202);
     let q = Quota::of(&created);
     assert_eq!(q.policy("rate", "q"), Some(5));
@@ -113,7 +115,9 @@ async fn every_submission_outcome_carries_both_fields_exact_from_the_engine() {
     assert_eq!(q.limit("pending", "r"), Some(9));
     assert_eq!(q.limit("pending", "t"), None, "a free slot has no reset");
 
-    let replayed = h.submit(AGENT_SECRET, &request("k-0", "demo.request", 0)).await;
+    let replayed = h
+        .submit(AGENT_SECRET, &request("k-0", "demo.request", 0))
+        .await;
     assert_eq!(replayed.status, 200);
     let q = Quota::of(&replayed);
     assert_eq!(q.limit("rate", "r"), Some(4), "a replay consumes nothing");
@@ -127,7 +131,9 @@ async fn every_submission_outcome_carries_both_fields_exact_from_the_engine() {
         assert_eq!(reply.status, 202);
         assert_eq!(Quota::of(&reply).limit("rate", "r"), Some(4 - i));
     }
-    let refused = h.submit(AGENT_SECRET, &request("k-5", "demo.request", 0)).await;
+    let refused = h
+        .submit(AGENT_SECRET, &request("k-5", "demo.request", 0))
+        .await;
     assert_eq!(refused.status, 429);
     assert_eq!(refused.code(), "submission_rate_limited");
     let q = Quota::of(&refused);
@@ -140,7 +146,9 @@ async fn every_submission_outcome_carries_both_fields_exact_from_the_engine() {
     assert_eq!(q.limit("pending", "r"), Some(5), "a refusal takes no slot");
 
     // The other client's quota is its own.
-    let theirs = h.submit(OTHER_SECRET, &request("k-0", "demo.request", 0)).await;
+    let theirs = h
+        .submit(OTHER_SECRET, &request("k-0", "demo.request", 0))
+        .await;
     assert_eq!(theirs.status, 202);
     assert_eq!(Quota::of(&theirs).limit("rate", "r"), Some(4));
     h.broker.shutdown().await;
@@ -160,7 +168,9 @@ async fn a_capacity_refusal_names_the_full_policy_with_retry_after_as_its_reset(
             202
         );
     }
-    let refused = h.submit(AGENT_SECRET, &request("c", "demo.request", 0)).await;
+    let refused = h
+        .submit(AGENT_SECRET, &request("c", "demo.request", 0))
+        .await;
     assert_eq!(refused.status, 429);
     assert_eq!(refused.code(), "client_pending_limit");
     let q = Quota::of(&refused);
@@ -193,7 +203,9 @@ async fn a_reload_that_changes_the_rate_changes_both_fields() {
       "client_active": 25, "client_pending": 10, "global_active": 100, "global_executing": 10}"#;
     let h = start(dir.path(), ten_a_minute).await;
     for key in ["a", "b"] {
-        let reply = h.submit(AGENT_SECRET, &request(key, "demo.request", 0)).await;
+        let reply = h
+            .submit(AGENT_SECRET, &request(key, "demo.request", 0))
+            .await;
         assert_eq!(Quota::of(&reply).policy("rate", "q"), Some(10));
     }
 
@@ -207,7 +219,9 @@ async fn a_reload_that_changes_the_rate_changes_both_fields() {
     h.broker.reload_from_path(&file).unwrap();
 
     let before = h.broker.controller().quota(AGENT).unwrap();
-    let reply = h.submit(AGENT_SECRET, &request("c", "demo.request", 0)).await;
+    let reply = h
+        .submit(AGENT_SECRET, &request("c", "demo.request", 0))
+        .await;
     let after = h.broker.controller().quota(AGENT).unwrap();
     assert_eq!(reply.status, 202);
     let q = Quota::of(&reply);
@@ -218,7 +232,10 @@ async fn a_reload_that_changes_the_rate_changes_both_fields() {
     // The bucket kept its fill fraction (two of ten used → about twenty of a hundred), so the
     // answer lies between the engine's readings around the submission.
     let remaining = q.limit("rate", "r").unwrap() as u64;
-    assert!(before.rate.remaining <= 80 + 1, "no fresh burst: {before:?}");
+    assert!(
+        before.rate.remaining <= 80 + 1,
+        "no fresh burst: {before:?}"
+    );
     assert!(
         (before.rate.remaining - 1..=after.rate.remaining).contains(&remaining),
         "{} not within {before:?} .. {after:?}",
@@ -241,7 +258,10 @@ async fn an_unauthenticated_or_invalid_submission_carries_no_quota() {
     let reply = h.submit(AGENT_SECRET, &invalid).await;
     assert_eq!(reply.status, 400);
     assert!(reply.header("ratelimit-policy").is_none());
-    assert_eq!(h.broker.controller().quota(AGENT).unwrap().rate.remaining, 5);
+    assert_eq!(
+        h.broker.controller().quota(AGENT).unwrap().rate.remaining,
+        5
+    );
     h.broker.shutdown().await;
 }
 
@@ -314,6 +334,9 @@ fn a_refund_returns_the_token_and_the_slots_the_quota_showed_taken() {
     let snapshot = controller.snapshot();
     let bot = snapshot.client("bot").unwrap();
     assert_eq!(after.rate.remaining, bot.tokens);
-    assert_eq!((after.active.used, after.pending.used), (bot.active, bot.pending));
+    assert_eq!(
+        (after.active.used, after.pending.used),
+        (bot.active, bot.pending)
+    );
     assert_eq!(after.active.used, 0);
 }

@@ -24,9 +24,31 @@ const TARGET_LABELS: &[&str] = &["job", "instance"];
 
 /// PromQL words that are not metric names.
 const KEYWORDS: &[&str] = &[
-    "sum", "min", "max", "avg", "count", "stddev", "stdvar", "topk", "bottomk", "quantile",
-    "count_values", "group", "by", "without", "on", "ignoring", "group_left", "group_right",
-    "and", "or", "unless", "bool", "offset", "inf", "nan",
+    "sum",
+    "min",
+    "max",
+    "avg",
+    "count",
+    "stddev",
+    "stdvar",
+    "topk",
+    "bottomk",
+    "quantile",
+    "count_values",
+    "group",
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "and",
+    "or",
+    "unless",
+    "bool",
+    "offset",
+    "inf",
+    "nan",
 ];
 
 /// One metric selector an expression uses: its name and its label matchers.
@@ -216,7 +238,10 @@ fn dashboard_expressions(json: &serde_json::Value) -> Vec<String> {
 /// Series of a Prometheus text exposition: name → the label sets seen.
 fn exposition(text: &str) -> HashMap<String, Vec<BTreeMap<String, String>>> {
     let mut out: HashMap<String, Vec<BTreeMap<String, String>>> = HashMap::new();
-    for line in text.lines().filter(|l| !l.starts_with('#') && !l.is_empty()) {
+    for line in text
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+    {
         let (name, labels) = match line.find('{') {
             Some(brace) => {
                 let end = line.rfind('}').expect("a closing brace");
@@ -347,16 +372,24 @@ async fn every_metric_the_dashboard_and_rules_name_is_exported_with_its_labels()
     let mut pending = Vec::new();
     for i in 0..3 {
         let reply = h
-            .submit(AGENT_SECRET, &request(&format!("wait-{i}"), "demo.request", 0))
+            .submit(
+                AGENT_SECRET,
+                &request(&format!("wait-{i}"), "demo.request", 0),
+            )
             .await;
         assert_eq!(reply.status, 202);
         pending.push(reply.id());
     }
-    let refused = h.submit(AGENT_SECRET, &request("wait-3", "demo.request", 0)).await;
+    let refused = h
+        .submit(AGENT_SECRET, &request("wait-3", "demo.request", 0))
+        .await;
     assert_eq!(refused.code(), "client_pending_limit");
     for i in 0..2 {
         let reply = h
-            .submit(OTHER_SECRET, &request(&format!("run-{i}"), "demo.run", 60_000))
+            .submit(
+                OTHER_SECRET,
+                &request(&format!("run-{i}"), "demo.run", 60_000),
+            )
             .await;
         assert_eq!(reply.status, 202);
     }
@@ -376,8 +409,11 @@ async fn every_metric_the_dashboard_and_rules_name_is_exported_with_its_labels()
         .await;
     assert_eq!(stream.status, 201);
     for i in 0..6 {
-        h.submit(OTHER_SECRET, &request(&format!("burst-{i}"), "demo.request", 0))
-            .await;
+        h.submit(
+            OTHER_SECRET,
+            &request(&format!("burst-{i}"), "demo.request", 0),
+        )
+        .await;
     }
     let file = dir.path().join("limits.json");
     std::fs::write(&file, limits).unwrap();
@@ -401,7 +437,8 @@ async fn every_metric_the_dashboard_and_rules_name_is_exported_with_its_labels()
         Some(2)
     );
 
-    let rules_yaml = std::fs::read_to_string(repo("deploy/prometheus/admission.rules.yml")).unwrap();
+    let rules_yaml =
+        std::fs::read_to_string(repo("deploy/prometheus/admission.rules.yml")).unwrap();
     let (rule_exprs, records) = rule_expressions(&rules_yaml);
     assert!(rule_exprs.len() >= 15, "{rule_exprs:?}");
     let dashboard: serde_json::Value = serde_json::from_str(

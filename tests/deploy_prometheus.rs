@@ -60,7 +60,10 @@ fn promtool_accepts_the_rules_and_their_unit_tests_pass() {
         .map(|e| e.unwrap().path())
         .filter(|p| p.extension().is_some_and(|e| e == "yml"))
         .collect();
-    assert!(!tests.is_empty(), "no rule tests in deploy/prometheus/tests");
+    assert!(
+        !tests.is_empty(),
+        "no rule tests in deploy/prometheus/tests"
+    );
     for test in tests {
         let (ok, out) = run(&promtool, &[Path::new("test"), Path::new("rules"), &test]);
         assert!(ok, "promtool test rules {}:\n{out}", test.display());
@@ -86,11 +89,7 @@ fn free_port() -> u16 {
 }
 
 /// The samples of an instant query: (labels, value).
-async fn query(
-    http: &reqwest::Client,
-    base: &str,
-    promql: &str,
-) -> Vec<(serde_json::Value, f64)> {
+async fn query(http: &reqwest::Client, base: &str, promql: &str) -> Vec<(serde_json::Value, f64)> {
     let Ok(response) = http
         .get(format!("{base}/api/v1/query"))
         .query(&[("query", promql)])
@@ -230,13 +229,10 @@ fn serve_prints_where_its_metrics_are_and_which_rule_file_fits_them() {
         }
     });
     let mut seen = Vec::new();
-    while !seen
-        .iter()
-        .any(|l: &String| l.starts_with("rules for these metrics:"))
-    {
+    while !seen.iter().any(|l: &String| l.starts_with("listening on ")) {
         match printed.recv_timeout(Duration::from_secs(60)) {
             Ok(line) => seen.push(line),
-            Err(_) => panic!("serve printed no rules line:\n{}", seen.join("\n")),
+            Err(_) => panic!("serve never said it listens:\n{}", seen.join("\n")),
         }
     }
     let addr = seen
@@ -249,7 +245,10 @@ fn serve_prints_where_its_metrics_are_and_which_rule_file_fits_them() {
             .any(|l| l.starts_with(&format!("metrics: http://{addr}/metrics"))),
         "{seen:?}"
     );
-    let rules_line = seen.last().unwrap();
+    let rules_line = seen
+        .iter()
+        .find(|l| l.starts_with("rules for these metrics: "))
+        .expect("a rules line");
     let rules = rules_line
         .strip_prefix("rules for these metrics: ")
         .and_then(|rest| rest.split_whitespace().next())
@@ -260,5 +259,8 @@ fn serve_prints_where_its_metrics_are_and_which_rule_file_fits_them() {
         .nth(1)
         .and_then(|rest| rest.strip_suffix(')'))
         .unwrap();
-    assert!(repo(dashboard).is_file(), "{dashboard} is not in the repository");
+    assert!(
+        repo(dashboard).is_file(),
+        "{dashboard} is not in the repository"
+    );
 }

@@ -22,9 +22,8 @@ use serde_json::{Value, json};
 use tokio::io::AsyncWriteExt;
 
 use super::operations::{LiveOp, TransitionFailure, duration_ms};
-use super::ratelimit::with_quota;
 use super::store::{InsertError, OperationRecord, StoreError, StreamRecord, now_rfc3339};
-use super::{Core, new_id};
+use super::{Core, new_id, ratelimit};
 use crate::config::{Identity, Secrets};
 use crate::engine::{OperationState, Refusal, RefusalCode, Store};
 
@@ -352,7 +351,7 @@ fn replay(core: &Core, existing: OperationRecord, request: &Submission) -> ApiRe
     }
     core.count_submission("replayed");
     let response = json_response(StatusCode::OK, existing.to_json());
-    Ok(with_quota(response, &core.controller, &existing.client_id, None))
+    Ok(ratelimit::answer(core, &existing.client_id, response, None))
 }
 
 async fn submit(State(core): State<Arc<Core>>, headers: HeaderMap, body: Body) -> ApiResult {
@@ -392,7 +391,12 @@ async fn submit(State(core): State<Arc<Core>>, headers: HeaderMap, body: Body) -
                 "submission refused"
             );
             let response = ApiError::refused(refusal).into_response();
-            return Ok(with_quota(response, &core.controller, client.as_str(), Some(&refusal)));
+            return Ok(ratelimit::answer(
+                &core,
+                client.as_str(),
+                response,
+                Some(&refusal),
+            ));
         }
     };
 
@@ -455,7 +459,7 @@ async fn submit(State(core): State<Arc<Core>>, headers: HeaderMap, body: Body) -
     {
         response.headers_mut().insert(header::LOCATION, location);
     }
-    Ok(with_quota(response, &core.controller, client.as_str(), None))
+    Ok(ratelimit::answer(&core, client.as_str(), response, None))
 }
 
 /// The `{id}` of a route, judged after authentication; an id that is not UTF-8 once
@@ -636,7 +640,7 @@ async fn upload_stream(State(core): State<Arc<Core>>, headers: HeaderMap, body: 
     if let Ok(location) = HeaderValue::from_str(&format!("/api/agent/v1/streams/{id}")) {
         response.headers_mut().insert(header::LOCATION, location);
     }
-    Ok(with_quota(response, &core.controller, client.as_str(), None))
+    Ok(response)
 }
 
 /// Writes at most `declared` bytes of `body` to `path` (synced); a body of another length is

@@ -21,6 +21,7 @@ use axum::http::{HeaderName, HeaderValue};
 use axum::response::Response;
 use sfv::{KeyRef, ListSerializer, StringRef};
 
+use super::Core;
 use crate::engine::{Controller, QuotaStatus, Refusal, RefusalCode};
 
 /// The `RateLimit-Policy` field name.
@@ -67,8 +68,7 @@ pub fn fields(status: &QuotaStatus, refusal: Option<&Refusal>) -> (String, Strin
         .parameter(RESET, rate_reset);
     let pending_refusal = reset_if_refused(RefusalCode::ClientPendingLimit).or_else(|| {
         // The per-client pending-grant cap is part of the pending policy's limit.
-        reset_if_refused(RefusalCode::PendingGrantLimit)
-            .filter(|_| status.pending.remaining() == 0)
+        reset_if_refused(RefusalCode::PendingGrantLimit).filter(|_| status.pending.remaining() == 0)
     });
     for (name, capacity, refused_here) in [
         (
@@ -114,6 +114,16 @@ pub fn with_quota(
         }
     }
     response
+}
+
+/// [`with_quota`] for the broker's own submission answers.
+pub(crate) fn answer(
+    core: &Core,
+    identity: &str,
+    response: Response,
+    refusal: Option<&Refusal>,
+) -> Response {
+    with_quota(response, &core.controller, identity, refusal)
 }
 
 /// `n` as a structured-field integer, saturated at the largest one (15 decimal digits).

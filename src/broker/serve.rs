@@ -102,12 +102,13 @@ async fn serve(settings: BrokerSettings, admission_config: Option<PathBuf>) -> R
         "restored: {} pending, {} approved, {} interrupted, {} streams",
         restored.pending, restored.approved, restored.interrupted, restored.streams
     );
-    println!("listening on {}", broker.local_addr());
+    // Before "listening on": whoever waits for that line may stop reading there.
     println!(
         "metrics: http://{}/metrics (Authorization: Bearer <operator secret>)",
         broker.local_addr()
     );
     println!("rules for these metrics: {RULES_FILE} (dashboard: {DASHBOARD_FILE})");
+    println!("listening on {}", broker.local_addr());
     let _ = std::io::stdout().flush();
     loop {
         tokio::select! {
