@@ -340,3 +340,39 @@ fn a_refund_returns_the_token_and_the_slots_the_quota_showed_taken() {
     );
     assert_eq!(after.active.used, 0);
 }
+
+#[test]
+fn the_pending_quota_is_the_limit_that_binds_and_a_removed_client_has_none() {
+    let identities = || {
+        [
+            Identity::new("bot").unwrap(),
+            Identity::new("gone").unwrap(),
+        ]
+    };
+    // `bot` may have 15 pending, but the pending-grant store holds 10 per client.
+    let config = Config::from_bytes(
+        br#"{"requests_per_window": 60, "window_seconds": 60,
+      "client_active": 25, "client_pending": 10, "global_active": 100, "global_executing": 10,
+      "clients": {"bot": {"requests_per_window": 60, "window_seconds": 60, "active": 20, "pending": 15}}}"#,
+        identities(),
+    )
+    .unwrap();
+    let controller = Controller::new(config);
+    let quota = controller.quota("bot").unwrap();
+    assert_eq!(quota.pending.limit, 10);
+    assert_eq!(quota.active.limit, 20);
+    let text = unyolo_admission::metrics::render(&controller);
+    assert!(
+        text.contains(r#"admission_client_limit{client="bot",limit="pending"} 10"#),
+        "{text}"
+    );
+
+    let held = controller.admit("gone", false).unwrap().commit();
+    controller.reload(Config::defaults([Identity::new("bot").unwrap()]));
+    assert!(
+        controller.quota("gone").is_none(),
+        "a removed client cannot be admitted, so it has no quota"
+    );
+    assert_eq!(controller.snapshot().client("gone").unwrap().active, 1);
+    held.cancel().unwrap();
+}
