@@ -2,7 +2,9 @@
 //! Prometheus text exposition through `prometheus-client`.
 //!
 //! The counts are the engine's own atomics, read at scrape time, so exposing them costs the hot
-//! path nothing. Clients are a configured, bounded set, so labelling by client is safe.
+//! path nothing. The limits in force are exported beside them (`admission_client_limit`,
+//! `admission_limit`, `admission_storage_limit_*`) so rules and dashboards can put each count
+//! against what binds it. Clients are a configured, bounded set, so labelling by client is safe.
 
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
