@@ -1,5 +1,6 @@
 //! The quota fields: every submission answer (202, 200 replay, 429) carries `RateLimit-Policy`
 //! and `RateLimit` as structured fields, exact from the engine; parsed back here with `sfv`.
+#![cfg(feature = "broker")]
 
 mod broker_support;
 

@@ -1,6 +1,7 @@
 //! The dashboard and the rules speak of metrics the broker really exports: a live broker, after a
 //! drill-like load, is scraped, and every metric a panel or rule names must be there with every
 //! label it selects or groups by (and every label value it matches exactly).
+#![cfg(feature = "broker")]
 
 mod broker_support;
 

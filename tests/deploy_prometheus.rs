@@ -4,6 +4,7 @@
 //!
 //! Debian's `prometheus` package ships both binaries (`.ci/run` installs it when missing). Where
 //! a binary cannot be found the test says so and skips; it never passes silently otherwise.
+#![cfg(feature = "broker")]
 
 mod broker_support;
 
