@@ -163,6 +163,17 @@ impl MonotonicClock {
         latest
     }
 
+    /// The time as [`MonotonicClock::now`] would give it, without publishing the reading or
+    /// absorbing a step back: a pure read, for observers that must not write.
+    #[inline]
+    pub(crate) fn peek(&self) -> u64 {
+        let state = &*self.state;
+        // Relaxed: lone values, as in `now`.
+        let latest = state.latest.load(Ordering::Relaxed);
+        let offset = state.offset.load(Ordering::Relaxed);
+        self.source.now_nanos().saturating_add(offset).max(latest)
+    }
+
     /// How many backward steps of the source were absorbed.
     pub(crate) fn regressions(&self) -> u64 {
         self.state.regressions.load(Ordering::Relaxed)

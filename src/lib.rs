@@ -85,7 +85,8 @@ mod sync;
 pub use clock::{Clock, ManualClock, QuantaClock};
 pub use config::{ClientLimits, Config, Identity, Limits};
 pub use engine::{
-    Controller, ControllerBuilder, Operation, OperationState, Permit, Refusal, RefusalCode,
-    StartError, StorageCaps, StorageReservation, Store, StoreCaps, StoredObject, TransitionError,
+    CapacityQuota, Controller, ControllerBuilder, Operation, OperationState, Permit, QuotaStatus,
+    RateQuota, Refusal, RefusalCode, StartError, StorageCaps, StorageReservation, Store, StoreCaps,
+    StoredObject, TransitionError,
 };
 pub use metrics::Snapshot;

@@ -2,7 +2,9 @@
 //! Prometheus text exposition through `prometheus-client`.
 //!
 //! The counts are the engine's own atomics, read at scrape time, so exposing them costs the hot
-//! path nothing. Clients are a configured, bounded set, so labelling by client is safe.
+//! path nothing. The limits in force are exported beside them (`admission_client_limit`,
+//! `admission_limit`, `admission_storage_limit_*`) so rules and dashboards can put each count
+//! against what binds it. Clients are a configured, bounded set, so labelling by client is safe.
 
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
@@ -265,6 +267,7 @@ impl Collector for ControllerCollector {
                 ([("result", "rejected")], s.reloads_failed),
             ],
         )?;
+        encode_limits(&mut encoder, &self.controller)?;
         family(
             &mut encoder,
             "admission_clock_regressions",
@@ -274,4 +277,63 @@ impl Collector for ControllerCollector {
         )?;
         Ok(())
     }
+}
+
+/// The limits in force, so rules and dashboards can put each count against what binds it.
+fn encode_limits(
+    encoder: &mut DescriptorEncoder<'_>,
+    controller: &Controller,
+) -> Result<(), std::fmt::Error> {
+    let config = controller.config();
+    let caps = controller.storage_caps();
+    let per_client = config.effective_all().flat_map(|(identity, limits, _)| {
+        [
+            ("requests_per_window", u64::from(limits.requests_per_window)),
+            ("window_seconds", u64::from(limits.window_seconds)),
+            ("active", u64::from(limits.active)),
+            // The pending limit that binds: the pending-grant store's per-client cap when lower.
+            ("pending", u64::from(limits.pending).min(caps.grant_client)),
+        ]
+        .map(|(limit, n)| ([("client", identity.as_str()), ("limit", limit)], n))
+    });
+    family(
+        encoder,
+        "admission_client_limit",
+        "Each configured client's limits in force: requests_per_window, window_seconds, active, and pending (the lower of its pending limit and the pending-grant store's per-client cap).",
+        MetricType::Gauge,
+        per_client,
+    )?;
+    let limits = config.limits();
+    family(
+        encoder,
+        "admission_limit",
+        "Global limits in force: global_active, global_executing, and pending_grants (the pending-grant store's global cap).",
+        MetricType::Gauge,
+        [
+            ("global_active", u64::from(limits.global_active)),
+            ("global_executing", u64::from(limits.global_executing)),
+            ("pending_grants", caps.grant_global),
+        ]
+        .map(|(limit, n)| ([("limit", limit)], n)),
+    )?;
+    family(
+        encoder,
+        "admission_storage_limit_bytes",
+        "Global byte cap of each capped store.",
+        MetricType::Gauge,
+        Store::ALL.map(|store| ([("store", store.as_str())], caps.of(store).global_bytes)),
+    )?;
+    family(
+        encoder,
+        "admission_storage_limit_files",
+        "Global file cap of each capped store (pending_grant: pending approvals).",
+        MetricType::Gauge,
+        Store::ALL
+            .map(|store| ([("store", store.as_str())], caps.of(store).global_files))
+            .into_iter()
+            .chain(std::iter::once((
+                [("store", "pending_grant")],
+                caps.grant_global,
+            ))),
+    )
 }

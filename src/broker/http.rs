@@ -27,7 +27,7 @@ use tokio::io::AsyncWriteExt;
 
 use super::operations::{LiveOp, TransitionFailure, duration_ms};
 use super::store::{InsertError, OperationRecord, StoreError, StreamRecord, now_rfc3339};
-use super::{Core, new_id};
+use super::{Core, new_id, ratelimit};
 use crate::config::{Identity, Secrets};
 use crate::engine::{OperationState, Refusal, RefusalCode, Store};
 
@@ -392,7 +392,8 @@ fn replay(core: &Core, existing: OperationRecord, request: &Submission) -> ApiRe
         ));
     }
     core.count_submission("replayed");
-    Ok(json_response(StatusCode::OK, existing.to_json()))
+    let response = json_response(StatusCode::OK, existing.to_json());
+    Ok(ratelimit::answer(core, &existing.client_id, response, None))
 }
 
 async fn submit(State(core): State<Arc<Core>>, headers: HeaderMap, body: Body) -> ApiResult {
@@ -435,7 +436,13 @@ async fn submit(State(core): State<Arc<Core>>, headers: HeaderMap, body: Body) -
                 retry_after = refusal.retry_after_secs(),
                 "submission refused"
             );
-            return Err(ApiError::refused(refusal));
+            let response = ApiError::refused(refusal).into_response();
+            return Ok(ratelimit::answer(
+                &core,
+                client.as_str(),
+                response,
+                Some(&refusal),
+            ));
         }
     };
     let creation = create(Arc::clone(&core), client, request, permit, needs_approval);
@@ -531,7 +538,7 @@ async fn create(
     {
         response.headers_mut().insert(header::LOCATION, location);
     }
-    Ok(response)
+    Ok(ratelimit::answer(&core, client.as_str(), response, None))
 }
 
 /// The `{id}` of a route, judged after authentication; an id that is not UTF-8 once
@@ -847,6 +854,8 @@ async fn readyz(State(core): State<Arc<Core>>) -> ApiResult {
 
 async fn metrics(State(core): State<Arc<Core>>, headers: HeaderMap) -> ApiResult {
     core.auth.operator(&headers)?;
+    let ready = tokio::time::timeout(READY_DEADLINE, core.db.ping()).await;
+    core.store_ready.set(i64::from(matches!(ready, Ok(Ok(())))));
     let mut text = String::new();
     prometheus_client::encoding::text::encode(&mut text, &core.registry).map_err(|_| {
         ApiError::new(

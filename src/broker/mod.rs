@@ -16,6 +16,7 @@
 //!   summaries, and long-poll waits on an operation's revision; [`presentation`]: what an
 //!   operator reads about each operation.
 //! - [`listener`]: the accept loop; header, body and idle timeouts and the connection cap.
+//! - [`ratelimit`]: the quota fields (`RateLimit-Policy`, `RateLimit`) on submission answers.
 //! - [`serve`] and [`drill`]: the `admission serve` and `admission drill` commands.
 //!
 //! Only this module knows about HTTP, JSON bodies and SQL; the engine does not.
@@ -71,6 +72,7 @@ pub mod listing;
 pub mod listener;
 mod operations;
 pub mod presentation;
+pub mod ratelimit;
 pub mod serve;
 pub mod store;
 pub mod waits;
@@ -265,6 +267,8 @@ pub(crate) struct Core {
     pub(crate) auth: http::Auth,
     pub(crate) registry: Registry,
     pub(crate) submissions: Family<SubmissionLabels, Counter>,
+    /// `broker_store_ready`: 1 when the store took a write at the last scrape, else 0.
+    pub(crate) store_ready: Gauge,
     /// The (client, key) pairs that may have an operation, so a new key skips the store lookup.
     pub(crate) keys: keys::KeyFilter,
     /// Serializes submissions with the same (client, idempotency key), so concurrent duplicates
@@ -423,6 +427,12 @@ impl Broker {
             "Operation submissions by result: created, replayed, or rejected by admission.",
             submissions.clone(),
         );
+        let store_ready = Gauge::default();
+        registry.register(
+            "broker_store_ready",
+            "Whether the store took a write (as /readyz checks it) when these metrics were scraped: 1 or 0.",
+            store_ready.clone(),
+        );
         let (stop, shutdown) = watch::channel(false);
         let core = Arc::new(Core {
             controller,
@@ -433,6 +443,7 @@ impl Broker {
             auth: http::Auth::new(&settings.secrets, &settings.operator_secret),
             registry,
             submissions,
+            store_ready,
             keys,
             key_locks: (0..64)
                 .map(|_| Arc::new(tokio::sync::Mutex::new(())))

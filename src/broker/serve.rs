@@ -23,6 +23,11 @@ pub const GENERATED_SECRETS: &str = "client-secrets";
 /// The generated operator secret file's name in the data dir.
 pub const GENERATED_OPERATOR_SECRET: &str = "operator-secret";
 
+/// The Prometheus rule file that fits this broker's metrics, in the source tree.
+pub const RULES_FILE: &str = "deploy/prometheus/admission.rules.yml";
+/// The Grafana dashboard for this broker's metrics, in the source tree.
+pub const DASHBOARD_FILE: &str = "deploy/grafana/admission.json";
+
 /// The flags of `admission serve`.
 #[derive(Clone, Debug)]
 pub struct ServeOptions {
@@ -117,6 +122,12 @@ async fn serve(settings: BrokerSettings, admission_config: Option<PathBuf>) -> R
         "restored: {} pending, {} approved, {} interrupted, {} streams",
         restored.pending, restored.approved, restored.interrupted, restored.streams
     );
+    // Before "listening on": whoever waits for that line may stop reading there.
+    println!(
+        "metrics: http://{}/metrics (Authorization: Bearer <operator secret>)",
+        broker.local_addr()
+    );
+    println!("rules for these metrics: {RULES_FILE} (dashboard: {DASHBOARD_FILE})");
     println!("listening on {}", broker.local_addr());
     let _ = std::io::stdout().flush();
     loop {

@@ -410,7 +410,7 @@ impl Controller {
 
     /// The state of `identity`, if tracked (configured, or draining after removal).
     #[inline]
-    fn client(&self, identity: &str) -> Option<Arc<ClientState>> {
+    pub(super) fn client(&self, identity: &str) -> Option<Arc<ClientState>> {
         self.inner
             .clients
             .get(identity)
@@ -601,6 +601,11 @@ impl Controller {
         }
         tracked.sort_unstable_by(|a, b| a.identity.cmp(&b.identity));
         tracked.shrink_to_fit();
+    }
+
+    /// What every handle shares: limits, global counts, time.
+    pub(super) fn shared(&self) -> &Shared {
+        &self.inner.shared
     }
 
     /// The configuration in force.

@@ -109,6 +109,25 @@ impl Bucket {
             });
     }
 
+    /// Tokens there at `now`, and the nanoseconds until one more will be (zero when full), from
+    /// one load of the TAT so the two agree. Takes nothing.
+    pub(crate) fn level(&self, now: u64, rate: Rate) -> (u64, u64) {
+        // Relaxed: a lone reading of the bucket's only state.
+        let used = self
+            .tat
+            .load(Ordering::Relaxed)
+            .saturating_sub(now)
+            .min(rate.span);
+        let tokens = (rate.span - used) / rate.interval;
+        let full = rate.span / rate.interval;
+        if tokens >= full {
+            return (tokens, 0);
+        }
+        // One more token is there once `used` has fallen to `span - (tokens + 1)·interval`.
+        let next_in = used - (rate.span - (tokens + 1) * rate.interval);
+        (tokens, next_in)
+    }
+
     /// Tokens there at `now` (for metrics and tests).
     pub(crate) fn available(&self, now: u64, rate: Rate) -> u64 {
         let used = self
@@ -264,6 +283,20 @@ mod tests {
         b.replay(SEC, r, [30 * SEC, 20 * SEC, 10 * SEC]);
         assert_eq!(b.available(SEC, r), 0);
         assert_eq!(b.wait(SEC, r), 1200 * SEC - 30 * SEC);
+    }
+
+    #[test]
+    fn level_reports_the_wait_a_refusal_would_report() {
+        let b = Bucket::new();
+        let r = Rate::new(3, 60);
+        assert_eq!(b.level(SEC, r), (3, 0));
+        b.try_take(SEC, r).unwrap();
+        assert_eq!(b.level(SEC, r), (2, 20 * SEC));
+        b.try_take(SEC, r).unwrap();
+        b.try_take(SEC, r).unwrap();
+        assert_eq!(b.level(SEC, r), (0, b.wait(SEC, r)));
+        assert_eq!(b.level(SEC + 5 * SEC, r), (0, 15 * SEC));
+        assert_eq!(b.level(21 * SEC, r), (1, 20 * SEC));
     }
 
     #[test]

@@ -1,0 +1,189 @@
+//! The quota a submission answer tells its client: the IETF httpapi `RateLimit-Policy` and
+//! `RateLimit` fields (draft-ietf-httpapi-ratelimit-headers, the two-field syntax of drafts 08 to
+//! 10), written as structured fields (RFC 9651) by the `sfv` crate.
+//!
+//! Three policies, each a String item with parameters:
+//!
+//! - `"rate"`: the token bucket, `q` = `requests_per_window`, `w` = `window_seconds`.
+//!   Its `RateLimit` item has `r` = tokens there now and `t` = seconds until one more token is
+//!   there (0 when the bucket is full).
+//! - `"active"` and `"pending"`: the client's live operations and its operations awaiting approval,
+//!   `q` = the limit, quota unit `qu="concurrent-requests"`, no window (slots come back when work
+//!   ends, not with time). `r` = slots free; `t` only when none is free: the capacity Retry-After
+//!   hint.
+//!
+//! On a 429 the policy the refusal names carries the refusal's own Retry-After as its `t`, read
+//! at the decision, so the two fields always agree. Refusals of a global dimension (global active,
+//! the execution pool, the global pending-grant store) belong to no client policy: Retry-After
+//! alone speaks for them.
+
+use axum::http::{HeaderName, HeaderValue};
+use axum::response::Response;
+use sfv::{KeyRef, ListSerializer, StringRef};
+
+use super::Core;
+use crate::engine::{Controller, QuotaStatus, Refusal, RefusalCode};
+
+/// The `RateLimit-Policy` field name.
+pub const POLICY_FIELD: &str = "ratelimit-policy";
+/// The `RateLimit` field name.
+pub const LIMIT_FIELD: &str = "ratelimit";
+
+const RATE: &StringRef = StringRef::constant("rate");
+const ACTIVE: &StringRef = StringRef::constant("active");
+const PENDING: &StringRef = StringRef::constant("pending");
+const QUOTA: &KeyRef = KeyRef::constant("q");
+const QUOTA_UNIT: &KeyRef = KeyRef::constant("qu");
+const WINDOW: &KeyRef = KeyRef::constant("w");
+const REMAINING: &KeyRef = KeyRef::constant("r");
+const RESET: &KeyRef = KeyRef::constant("t");
+const CONCURRENT: &StringRef = StringRef::constant("concurrent-requests");
+
+/// The two field values for `status`; `refusal` when answering a 429.
+pub fn fields(status: &QuotaStatus, refusal: Option<&Refusal>) -> (String, String) {
+    let mut policy = ListSerializer::new();
+    let _ = policy
+        .bare_item(RATE)
+        .parameter(QUOTA, status.rate.quota)
+        .parameter(WINDOW, status.rate.window_seconds);
+    for (name, capacity) in [(ACTIVE, status.active), (PENDING, status.pending)] {
+        let _ = policy
+            .bare_item(name)
+            .parameter(QUOTA, sf_integer(capacity.limit))
+            .parameter(QUOTA_UNIT, CONCURRENT);
+    }
+
+    let refused = refusal.map(|r| (r.code, sf_integer(r.retry_after_secs().max(1))));
+    let reset_if_refused = |code: RefusalCode| {
+        refused.and_then(|(refused_code, secs)| (refused_code == code).then_some(secs))
+    };
+    let capacity_retry = sf_integer(status.capacity_retry.as_secs().max(1));
+
+    let mut limit = ListSerializer::new();
+    let rate_reset = reset_if_refused(RefusalCode::SubmissionRateLimited)
+        .unwrap_or_else(|| sf_integer(status.rate.next_token_secs()));
+    let _ = limit
+        .bare_item(RATE)
+        .parameter(REMAINING, sf_integer(status.rate.remaining))
+        .parameter(RESET, rate_reset);
+    let pending_refusal = reset_if_refused(RefusalCode::ClientPendingLimit).or_else(|| {
+        // The per-client pending-grant cap is part of the pending policy's limit.
+        reset_if_refused(RefusalCode::PendingGrantLimit).filter(|_| status.pending.remaining() == 0)
+    });
+    for (name, capacity, refused_here) in [
+        (
+            ACTIVE,
+            status.active,
+            reset_if_refused(RefusalCode::ClientOperationLimit),
+        ),
+        (PENDING, status.pending, pending_refusal),
+    ] {
+        let remaining = capacity.remaining();
+        let item = limit
+            .bare_item(name)
+            .parameter(REMAINING, sf_integer(remaining));
+        if let Some(secs) = refused_here {
+            let _ = item.parameter(RESET, secs);
+        } else if remaining == 0 {
+            let _ = item.parameter(RESET, capacity_retry);
+        }
+    }
+    (
+        policy.finish().expect("three policies were written"),
+        limit.finish().expect("three limits were written"),
+    )
+}
+
+/// `response` with the quota fields of `identity` added (unchanged for an identity that has no
+/// quota, such as one no longer configured). `refusal` when the response answers it.
+pub fn with_quota(
+    mut response: Response,
+    controller: &Controller,
+    identity: &str,
+    refusal: Option<&Refusal>,
+) -> Response {
+    let Some(status) = controller.quota(identity) else {
+        return response;
+    };
+    let (policy, limit) = fields(&status, refusal);
+    let headers = response.headers_mut();
+    for (name, value) in [(POLICY_FIELD, policy), (LIMIT_FIELD, limit)] {
+        // A serialized structured field is visible ASCII, always a valid header value.
+        if let Ok(value) = HeaderValue::from_str(&value) {
+            headers.insert(HeaderName::from_static(name), value);
+        }
+    }
+    response
+}
+
+/// [`with_quota`] for the broker's own submission answers.
+pub(crate) fn answer(
+    core: &Core,
+    identity: &str,
+    response: Response,
+    refusal: Option<&Refusal>,
+) -> Response {
+    with_quota(response, &core.controller, identity, refusal)
+}
+
+/// `n` as a structured-field integer, saturated at the largest one (15 decimal digits).
+fn sf_integer(n: u64) -> sfv::Integer {
+    sfv::Integer::try_from(n).unwrap_or(sfv::Integer::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::engine::{CapacityQuota, RateQuota};
+
+    fn status(remaining: u64, next_token_nanos: u64, active: u64, pending: u64) -> QuotaStatus {
+        QuotaStatus {
+            rate: RateQuota {
+                quota: 60,
+                window_seconds: 60,
+                remaining,
+                next_token_nanos,
+            },
+            active: CapacityQuota {
+                limit: 25,
+                used: active,
+            },
+            pending: CapacityQuota {
+                limit: 10,
+                used: pending,
+            },
+            capacity_retry: Duration::from_secs(2),
+        }
+    }
+
+    #[test]
+    fn a_full_bucket_and_free_slots_serialize_as_three_policies() {
+        let (policy, limit) = fields(&status(60, 0, 0, 0), None);
+        assert_eq!(
+            policy,
+            r#""rate";q=60;w=60, "active";q=25;qu="concurrent-requests", "pending";q=10;qu="concurrent-requests""#
+        );
+        assert_eq!(limit, r#""rate";r=60;t=0, "active";r=25, "pending";r=10"#);
+    }
+
+    #[test]
+    fn an_exhausted_capacity_carries_the_capacity_hint_as_its_reset() {
+        let (_, limit) = fields(&status(3, 400_000_000, 25, 10), None);
+        assert_eq!(
+            limit,
+            r#""rate";r=3;t=1, "active";r=0;t=2, "pending";r=0;t=2"#
+        );
+    }
+
+    #[test]
+    fn the_refused_policy_resets_with_the_refusals_retry_after() {
+        let refusal = Refusal {
+            code: RefusalCode::SubmissionRateLimited,
+            retry_after: Duration::from_secs(7),
+        };
+        let (_, limit) = fields(&status(0, 6_000_000_001, 1, 0), Some(&refusal));
+        assert_eq!(limit, r#""rate";r=0;t=7, "active";r=24, "pending";r=10"#);
+    }
+}
