@@ -16,12 +16,14 @@ use arc_swap::ArcSwap;
 use crossbeam_utils::CachePadded;
 use dashmap::DashMap;
 
+use super::caps::{StorageCaps, Store};
+use super::client::{ClientSettings, ClientState, Settings, Shared, StoreGauges};
 use super::gauge::Gauge;
 use super::gcra::{Bucket, Rate};
 use super::global::{Counts, GlobalCounts, GlobalLimits, GlobalRefusal};
 use super::lifecycle::{Operation, OperationState};
 use super::refusal::{Refusal, RefusalCode};
-use super::storage::{StorageCaps, StorageReservation, Store, StoreGauges, StoredObject};
+use super::storage::{StorageReservation, StoredObject};
 use crate::clock::{Clock, MonotonicClock, QuantaClock, duration_nanos};
 use crate::config::{ClientLimits, Config, ConfigError, Identity};
 use crate::metrics::{ClientSnapshot, Snapshot, StoreSnapshot};
@@ -87,66 +89,6 @@ impl Eq for ClientKey {}
 impl std::borrow::Borrow<str> for ClientKey {
     fn borrow(&self) -> &str {
         self.0.identity.as_str()
-    }
-}
-
-/// State every handle needs to release what it holds: global counts, limits, time.
-pub(crate) struct Shared {
-    pub(crate) global: CachePadded<GlobalCounts>,
-    pub(crate) storage: [StoreGauges; 2],
-    pub(crate) settings: ArcSwap<Settings>,
-    /// `global_executing` of the settings in force, mirrored so starting an operation reads one
-    /// word rather than loading the whole settings.
-    pub(crate) executing_limit: StdAtomicU64,
-    pub(crate) clock: MonotonicClock,
-}
-
-/// One consistent view of every limit, swapped whole on reload.
-pub(crate) struct Settings {
-    pub(crate) config: Config,
-    /// Per-client limits, indexed by [`ClientState::slot`]. A slot is reused only once no handle
-    /// holds the state that had it.
-    pub(crate) clients: Box<[ClientSettings]>,
-    pub(crate) global_active: u64,
-    pub(crate) global_executing: u64,
-    pub(crate) capacity_retry: Duration,
-    pub(crate) caps: StorageCaps,
-}
-
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct ClientSettings {
-    pub(crate) rate: Rate,
-    pub(crate) active: u32,
-    pub(crate) pending: u32,
-    pub(crate) configured: bool,
-}
-
-/// Everything the controller knows about one client.
-///
-/// Laid out in order (`repr(C)`) so that neighbouring clients on the heap do not share the lines
-/// they write: the fields every admission writes come first (right after the `Arc`'s counts,
-/// which admissions write too), then the fields it only reads, then over 64 bytes of fields
-/// written only on refusals and storage traffic. A neighbour's hot head can therefore only share a
-/// line with this state's cold tail.
-#[repr(C)]
-pub(crate) struct ClientState {
-    pub(crate) bucket: Bucket,
-    pub(crate) active: Gauge,
-    pub(crate) pending: Gauge,
-    pub(crate) executing: Gauge,
-    pub(crate) admitted: StdAtomicU64,
-    pub(crate) slot: usize,
-    pub(crate) shared: Arc<Shared>,
-    pub(crate) identity: Identity,
-    pub(crate) storage: [StoreGauges; 2],
-    /// Refusals by code, indexed like [`RefusalCode::ALL`] less one: an unconfigured identity has
-    /// no state, so `ClientUnconfigured` is never counted here.
-    pub(crate) rejected: [StdAtomicU64; RefusalCode::ALL.len() - 1],
-}
-
-impl ClientState {
-    pub(crate) fn settings<'a>(&self, settings: &'a Settings) -> &'a ClientSettings {
-        &settings.clients[self.slot]
     }
 }
 

@@ -9,7 +9,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
 
-use super::controller::ClientState;
+use super::client::ClientState;
 use super::global::Counts;
 use super::refusal::{Refusal, RefusalCode};
 use crate::clock::duration_nanos;
