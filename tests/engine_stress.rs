@@ -268,3 +268,99 @@ fn many_threads_never_push_a_count_past_its_limit_and_all_return_to_zero() {
 fn reloads_under_concurrent_admissions_keep_every_invariant() {
     hammer(Some([config(5, 3, 12, 4), config(2, 1, 6, 2)]));
 }
+
+/// Base identities, admitted by workers, plus extra identities that reloads add and remove by the
+/// dozen (so slots are freed and reused), each extra with a rate of its own.
+fn churn_config(extras: std::ops::Range<u32>) -> Config {
+    let overrides = extras
+        .clone()
+        .map(|k| {
+            (
+                id(&format!("x{k}")),
+                ClientLimits {
+                    requests_per_window: k + 1,
+                    window_seconds: 60,
+                    active: 2,
+                    pending: 1,
+                },
+            )
+        })
+        .collect();
+    let names = ["a", "b"]
+        .into_iter()
+        .map(id)
+        .chain(extras.map(|k| id(&format!("x{k}"))));
+    Config::new(
+        Limits {
+            requests_per_window: 1_000_000,
+            window_seconds: 1,
+            client_active: 4,
+            client_pending: 2,
+            global_active: 8,
+            global_executing: 2,
+        },
+        overrides,
+        names,
+    )
+    .unwrap()
+}
+
+#[test]
+fn snapshots_racing_reloads_that_add_and_remove_identities_never_panic_nor_invent_counts() {
+    const RELOADS: usize = 3_000;
+    let configs = [churn_config(0..6), churn_config(3..24), churn_config(12..14)];
+    let clock = ManualClock::new();
+    let c = Controller::builder(configs[0].clone())
+        .clock(clock.clone())
+        .build();
+    let done = AtomicBool::new(false);
+    let snapshots_checked = std::sync::atomic::AtomicU64::new(0);
+    std::thread::scope(|s| {
+        for t in 0..2u64 {
+            let (c, done, checked) = (&c, &done, &snapshots_checked);
+            s.spawn(move || {
+                let mut rng = Rng(0xA5A5_5A5A ^ (t + 1));
+                let mut held: Vec<Operation> = Vec::new();
+                while !done.load(Ordering::Relaxed) {
+                    // Traffic for the base identities only: every extra's bucket stays full.
+                    let name = ["a", "b"][rng.below(2) as usize];
+                    if let Ok(permit) = c.admit(name, rng.below(2) == 0) {
+                        held.push(permit.commit());
+                    }
+                    if held.len() > 3 {
+                        let op = held.swap_remove(rng.below(held.len() as u64) as usize);
+                        let _ = op.approve();
+                        let _ = op.try_start();
+                    }
+                    let snap = c.snapshot();
+                    for client in &snap.clients {
+                        let name = client.identity.as_str();
+                        if let Some(k) = name.strip_prefix('x') {
+                            let k: u64 = k.parse().unwrap();
+                            assert_eq!(
+                                (client.tokens, client.admitted, client.active),
+                                (k + 1, 0, 0),
+                                "{name} read under another client's settings: {client:?}"
+                            );
+                        } else {
+                            assert!(client.tokens <= 1_000_000, "{client:?}");
+                            assert!(client.active <= 4 && client.pending <= 2, "{client:?}");
+                            assert!(client.executing <= 2, "{client:?}");
+                        }
+                    }
+                    assert!(snap.active <= 8 && snap.executing <= 2, "{snap:?}");
+                    checked.fetch_add(1, Ordering::Relaxed);
+                }
+            });
+        }
+        for i in 0..RELOADS {
+            c.reload(configs[i % configs.len()].clone());
+            if i % 64 == 0 {
+                std::thread::yield_now();
+            }
+        }
+        done.store(true, Ordering::Relaxed);
+    });
+    assert!(c.snapshot().is_idle(), "{:?}", c.snapshot());
+    assert!(snapshots_checked.load(Ordering::Relaxed) > 0);
+}

@@ -3,8 +3,8 @@
 //! holds ([`Shared`]). It sits below `controller`, `lifecycle` and `storage`, which all build on it,
 //! so the engine's imports run one way.
 
-use std::sync::Arc;
 use std::sync::atomic::AtomicU64 as StdAtomicU64;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -27,6 +27,10 @@ pub(crate) struct Shared {
     /// word rather than loading the whole settings.
     pub(crate) executing_limit: StdAtomicU64,
     pub(crate) clock: MonotonicClock,
+    /// Held by a reload from its first bucket rescale until its settings are swapped in, and by
+    /// a refund while it reads the rate in force and gives its token back, so a refund always
+    /// measures its token in the rate its bucket is scaled to. Admissions never take it.
+    pub(crate) rescaling: Mutex<()>,
 }
 
 /// One consistent view of every limit, swapped whole on reload.

@@ -138,6 +138,7 @@ impl ControllerBuilder {
             settings: ArcSwap::from_pointee(settings),
             executing_limit: StdAtomicU64::new(0),
             clock,
+            rescaling: Mutex::new(()),
         });
         let controller = Controller {
             inner: Arc::new(Inner {
@@ -462,6 +463,8 @@ impl Controller {
                 }
             };
         let mut new_states = Vec::new();
+        // Until the new settings are in force, no refund reads a rate its bucket is not scaled to.
+        let rescaling = shared.rescaling.lock().unwrap_or_else(|p| p.into_inner());
         for identity in config.identities() {
             let limits = client_settings(
                 config
@@ -509,6 +512,7 @@ impl Controller {
             capacity_retry: current.capacity_retry,
             caps: current.caps,
         })));
+        drop(rescaling);
         for state in new_states {
             let state = Arc::new(state);
             tracked.push(Arc::clone(&state));
@@ -531,14 +535,22 @@ impl Controller {
     /// A lock-free reading of every count, for metrics and tests.
     pub fn snapshot(&self) -> Snapshot {
         let shared = &self.inner.shared;
-        let settings = shared.settings.load();
-        let now = shared.clock.now();
-        let mut clients: Vec<ClientSnapshot> = self
+        // The states first, the settings after, as `admit` does: a reload swaps in the settings
+        // that give a new state its slot before it inserts the state, and a slot is reused only
+        // once nothing holds its state, so settings loaded after a state was found (and while it
+        // is held) always have that state's own slot. Loaded the other way round, a state added
+        // meanwhile has no slot in them, or another client's.
+        let states: Vec<Arc<ClientState>> = self
             .inner
             .clients
             .iter()
-            .map(|entry| {
-                let c = &entry.key().0;
+            .map(|entry| Arc::clone(&entry.key().0))
+            .collect();
+        let settings = shared.settings.load();
+        let now = shared.clock.now();
+        let mut clients: Vec<ClientSnapshot> = states
+            .iter()
+            .map(|c| {
                 let limits = c.settings(&settings);
                 let (executing, pending, active) =
                     (c.executing.get(), c.pending.get(), c.active.get());
@@ -670,11 +682,15 @@ impl Permit {
     }
 
     /// The broker failed through its own fault (say, the store was unavailable): return the
-    /// slots and the rate token.
+    /// slots and the rate token. The token given back is exactly the one taken, even if a reload
+    /// has changed the client's rate since (and rescaled its bucket).
     pub fn refund(mut self) {
         if let Some(client) = self.client.take() {
             release_admission(&client, self.needs_approval);
-            client.bucket.give_back(self.rate);
+            let shared = &*client.shared;
+            let _rescaling = shared.rescaling.lock().unwrap_or_else(|p| p.into_inner());
+            let rate_now = client.settings(&shared.settings.load()).rate;
+            client.bucket.give_back_nanos(self.rate.token_in(rate_now));
         }
     }
 }
