@@ -225,7 +225,9 @@ impl Operation {
         // The client's executing count rises *before* the state says `executing`: from the
         // instant the state does, a `succeed` or `fail` on another thread may release it, and a
         // release that came first would find nothing to release (saturating at zero) and leave
-        // this start's count behind for good.
+        // this start's count behind for good. Relaxed is enough for the count: the increment is
+        // sequenced before the AcqRel state change, and a finish acquires that change before it
+        // releases the count, so its release comes after this increment.
         self.client.executing.force_acquire(1);
         // AcqRel: see `transition`.
         match self.state.compare_exchange(
