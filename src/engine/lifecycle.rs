@@ -450,6 +450,34 @@ mod loom_models {
         });
     }
 
+    /// The executor's `succeed` racing a `fail` of the same running operation (a watchdog, a
+    /// dropped handle): exactly one wins, and the execution slot is released once.
+    #[test]
+    fn loom_succeed_racing_fail_releases_the_execution_once() {
+        loom::model(|| {
+            let (c, op) = one_operation(OperationState::Approved);
+            op.try_start().unwrap();
+            let failer = {
+                let op = op.clone();
+                thread::spawn(move || op.fail().is_ok())
+            };
+            let succeeded = op.succeed().is_ok();
+            let failed = failer.join().unwrap();
+            assert!(succeeded ^ failed, "exactly one finish wins");
+            let end = op.state();
+            assert_eq!(
+                end,
+                if succeeded {
+                    OperationState::Succeeded
+                } else {
+                    OperationState::Failed
+                }
+            );
+            assert_counts(&c, end);
+            assert!(c.snapshot().is_idle());
+        });
+    }
+
     /// A client's cancel racing an operator's approval and the executor's start right behind it:
     /// the operation ends canceled with nothing held, or runs holding exactly one execution slot.
     #[test]
