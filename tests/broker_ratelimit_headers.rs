@@ -312,7 +312,7 @@ fn a_refund_returns_the_token_and_the_slots_the_quota_showed_taken() {
     assert_eq!(refunded.rate.next_token_nanos, 0);
     assert_eq!((refunded.active.used, refunded.pending.used), (0, 0));
 
-    // A refund after a reload changed the rate returns one token of the new rate.
+    // A refund after a reload changed the rate returns the token taken, rescaled with the bucket.
     clock.advance(Duration::from_secs(1));
     let permit = controller.admit("bot", false).unwrap();
     let identities = [Identity::new("bot").unwrap()];
@@ -328,10 +328,10 @@ fn a_refund_returns_the_token_and_the_slots_the_quota_showed_taken() {
     assert_eq!((rescaled.rate.quota, rescaled.rate.remaining), (50, 40));
     permit.refund();
     let after = controller.quota("bot").unwrap();
-    // The permit returns the token it took (at the rate it was admitted under: one 720 s token
-    // is ten of the new 72 s ones); whatever the engine holds, the quota reads it as it is.
-    assert!(after.rate.remaining > rescaled.rate.remaining);
-    assert!(after.rate.remaining <= 50);
+    // The permit returns exactly the token it took: a fifth of the bucket it was admitted from,
+    // which the reload rescaled to ten of the new 72 s tokens, so the bucket is full again.
+    assert_eq!(after.rate.remaining, 50);
+    assert_eq!(after.rate.next_token_nanos, 0);
     let snapshot = controller.snapshot();
     let bot = snapshot.client("bot").unwrap();
     assert_eq!(after.rate.remaining, bot.tokens);

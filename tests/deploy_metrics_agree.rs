@@ -308,10 +308,7 @@ fn disagreements(
     }
     // A grouping label must come from one of the expression's own metrics (or the target); a
     // recording rule's labels are those of the metrics it is built from, checked where defined.
-    let only_records = used
-        .selectors
-        .iter()
-        .all(|s| records.contains(&s.name));
+    let only_records = used.selectors.iter().all(|s| records.contains(&s.name));
     if !only_records {
         for label in &used.grouping {
             if !labels_here.contains(label) {

@@ -670,3 +670,68 @@ fn prometheus_exposition_names_the_contract_metrics() {
         assert!(text.contains(needle), "missing {needle} in\n{text}");
     }
 }
+
+/// A refund after one or more reloads that changed the rate gives back exactly the token the
+/// permit took: the client ends where a twin that never took it is, token for token.
+#[test]
+fn refund_after_a_reload_that_changed_the_rate_returns_exactly_the_token_taken() {
+    // (requests, window) before and after: a longer window, more requests, fewer, both.
+    let changes = [
+        ((10, 10), vec![(10, 100)]),
+        ((10, 60), vec![(100, 60)]),
+        ((100, 60), vec![(3, 60)]),
+        ((3, 60), vec![(7, 10)]),
+        ((10, 10), vec![(10, 100), (100, 100), (5, 20)]),
+    ];
+    for (taken_spent, (before, reloads)) in [0, 1, 2].into_iter().flat_map(|spent| {
+        changes
+            .iter()
+            .map(move |(before, after)| (spent, (*before, after.clone())))
+    }) {
+        let both = |(n, w): (u32, u32)| {
+            config(
+                Limits::DEFAULT,
+                &[
+                    ("bot", limits(n, w, 50, 50)),
+                    ("twin", limits(n, w, 50, 50)),
+                ],
+                &["bot", "twin"],
+            )
+        };
+        let (c, clock) = controller(both(before));
+        for _ in 0..taken_spent {
+            drop(c.admit("bot", false).unwrap());
+            drop(c.admit("twin", false).unwrap());
+        }
+        let permit = c.admit("bot", false).unwrap();
+        for &after in &reloads {
+            c.reload(both(after));
+        }
+        permit.refund();
+        let case = format!("{taken_spent} spent, {before:?} then {reloads:?}");
+        let s = c.snapshot();
+        assert_eq!(
+            s.client("bot").unwrap().tokens,
+            s.client("twin").unwrap().tokens,
+            "{case}"
+        );
+        // Drained, both wait exactly as long for their next token.
+        let drain = |name: &str| {
+            let mut admitted = 0;
+            let refusal = loop {
+                match c.admit(name, false) {
+                    Ok(p) => {
+                        drop(p);
+                        admitted += 1;
+                    }
+                    Err(refusal) => break refusal,
+                }
+            };
+            (admitted, refusal)
+        };
+        assert_eq!(drain("bot"), drain("twin"), "{case}");
+        let (n, w) = *reloads.last().unwrap();
+        clock.advance(Duration::from_secs(u64::from(w)) / n);
+        assert_eq!(drain("bot"), drain("twin"), "{case}: one interval later");
+    }
+}

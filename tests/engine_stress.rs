@@ -1,10 +1,16 @@
 //! Many threads hammer admissions and random transitions while a monitor samples every count: no
 //! counter may ever pass its limit, releases never underflow (the engine debug-asserts that), and
 //! everything is back to zero at the end. Bounded in operations, not time.
+//!
+//! Counts read while threads race are not one instant (a snapshot reads one gauge after
+//! another), so the racing monitor checks bounds only. Exact checks — each client's executing,
+//! pending, queued and active counts equal to the states of the handles the workers hold,
+//! executing never above active — run at checkpoints where every worker is between batches:
+//! workers hold a read lock on a gate while they work a batch, the checker takes its write lock.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 
 use unyolo_admission::{
     ClientLimits, Config, Controller, Identity, Limits, ManualClock, Operation, OperationState,
@@ -125,15 +131,110 @@ fn check(c: &Controller, b: &Bounds, caps: &StorageCaps) {
                 <= client.active.max(b.client_active[name])
         );
         assert!(client.storage[0].files <= caps.stream.client_files);
+        assert!(
+            client.executing <= b.client_active[name],
+            "{name} executing {} above its active limit",
+            client.executing
+        );
+        assert!(
+            client.executing <= b.global_executing,
+            "{name} executing {} above the global execution limit",
+            client.executing
+        );
     }
 }
 
-/// One worker: admit, then drive its own and others' operations through random transitions.
-fn work(c: &Controller, shared: &Mutex<Vec<Arc<Operation>>>, seed: u64) {
+/// What the handles held at a checkpoint say each count must be, per client.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Held {
+    active: u64,
+    pending: u64,
+    queued: u64,
+    executing: u64,
+    stream_files: u64,
+    stream_bytes: u64,
+}
+
+type Tally = BTreeMap<String, Held>;
+
+fn tally_operations<'a>(tally: &mut Tally, ops: impl IntoIterator<Item = &'a Arc<Operation>>) {
+    for op in ops {
+        let held = tally.entry(op.identity().as_str().to_owned()).or_default();
+        match op.state() {
+            OperationState::Pending => held.pending += 1,
+            OperationState::Approved => held.queued += 1,
+            OperationState::Executing => held.executing += 1,
+            _ => continue,
+        }
+        held.active += 1;
+    }
+}
+
+/// At a checkpoint (no worker mid-batch): every count, per client and global, is exactly what the
+/// held handles say, and no client executes more than it has active.
+fn check_exact(c: &Controller, tally: &Tally) {
+    let s = c.snapshot();
+    let mut total = Held::default();
+    for client in &s.clients {
+        let name = client.identity.as_str();
+        let want = tally.get(name).copied().unwrap_or_default();
+        let got = Held {
+            active: client.active,
+            pending: client.pending,
+            queued: client.queued,
+            executing: client.executing,
+            stream_files: client.storage[0].files,
+            stream_bytes: client.storage[0].bytes,
+        };
+        assert_eq!(got, want, "{name}'s counts against the handles held");
+        assert!(client.executing <= client.active, "{name}: {client:?}");
+        total.active += want.active;
+        total.pending += want.pending;
+        total.queued += want.queued;
+        total.executing += want.executing;
+        total.stream_files += want.stream_files;
+        total.stream_bytes += want.stream_bytes;
+    }
+    let got = Held {
+        active: s.active,
+        pending: s.pending,
+        queued: s.queued,
+        executing: s.executing,
+        stream_files: s.storage[0].files,
+        stream_bytes: s.storage[0].bytes,
+    };
+    assert_eq!(got, total, "global counts against the handles held");
+}
+
+/// Ops a worker runs between checkpoints.
+const BATCH: usize = 500;
+
+/// One worker: admit, then drive its own and others' operations through random transitions, in
+/// batches; after each batch it publishes what it holds for the checkpoint checker.
+fn work(
+    c: &Controller,
+    shared: &Mutex<Vec<Arc<Operation>>>,
+    gate: &RwLock<()>,
+    published: &Mutex<Tally>,
+    seed: u64,
+) {
     let mut rng = Rng(seed);
     let mut mine: Vec<Arc<Operation>> = Vec::new();
-    let mut stored = Vec::new();
-    for _ in 0..OPS_PER_THREAD {
+    let mut stored: Vec<unyolo_admission::StoredObject> = Vec::new();
+    let mut batch = gate.read().unwrap();
+    for n in 0..OPS_PER_THREAD {
+        if n % BATCH == 0 {
+            let mut tally = Tally::new();
+            tally_operations(&mut tally, &mine);
+            for obj in &stored {
+                let held = tally.entry(obj.identity().as_str().to_owned()).or_default();
+                held.stream_files += 1;
+                held.stream_bytes += obj.bytes();
+            }
+            *published.lock().unwrap() = tally;
+            drop(batch);
+            batch = gate.read().unwrap();
+        }
         let client = CLIENTS[rng.below(4) as usize];
         match rng.below(10) {
             0..=3 => {
@@ -188,6 +289,8 @@ fn work(c: &Controller, shared: &Mutex<Vec<Arc<Operation>>>, seed: u64) {
     }
     drop(mine);
     drop(stored);
+    *published.lock().unwrap() = Tally::new();
+    drop(batch);
 }
 
 fn unreachable_transition() -> unyolo_admission::TransitionError {
@@ -221,13 +324,51 @@ fn hammer(reload_between: Option<[Config; 2]>) {
         .build();
     let shared = Mutex::new(Vec::new());
     let done = AtomicBool::new(false);
+    let gate = RwLock::new(());
+    let published: Vec<Mutex<Tally>> = (0..THREADS).map(|_| Mutex::default()).collect();
+    let checkpoints = std::sync::atomic::AtomicU64::new(0);
     std::thread::scope(|s| {
         let workers: Vec<_> = (0..THREADS)
             .map(|t| {
-                let (c, shared) = (&c, &shared);
-                s.spawn(move || work(c, shared, 0x9E37_79B9_7F4A_7C15 ^ (t as u64 + 1)))
+                let (c, shared, gate, published) = (&c, &shared, &gate, &published[t]);
+                s.spawn(move || {
+                    work(
+                        c,
+                        shared,
+                        gate,
+                        published,
+                        0x9E37_79B9_7F4A_7C15 ^ (t as u64 + 1),
+                    )
+                })
             })
             .collect();
+        s.spawn(|| {
+            while !done.load(Ordering::Relaxed) {
+                {
+                    let _quiet = gate.write().unwrap_or_else(|p| p.into_inner());
+                    let mut tally = Tally::new();
+                    for p in &published {
+                        for (name, held) in p.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+                            let sum = tally.entry(name.clone()).or_default();
+                            sum.active += held.active;
+                            sum.pending += held.pending;
+                            sum.queued += held.queued;
+                            sum.executing += held.executing;
+                            sum.stream_files += held.stream_files;
+                            sum.stream_bytes += held.stream_bytes;
+                        }
+                    }
+                    // The pool stays locked until the counts are read: the main thread empties it
+                    // at the end, outside the gate.
+                    let pool = shared.lock().unwrap();
+                    tally_operations(&mut tally, pool.iter());
+                    check_exact(&c, &tally);
+                    drop(pool);
+                    checkpoints.fetch_add(1, Ordering::Relaxed);
+                }
+                std::thread::yield_now();
+            }
+        });
         s.spawn(|| {
             let mut i = 0u64;
             while !done.load(Ordering::Relaxed) {
@@ -246,6 +387,8 @@ fn hammer(reload_between: Option<[Config; 2]>) {
         done.store(true, Ordering::Relaxed);
     });
     check(&c, &b, &caps);
+    check_exact(&c, &Tally::new());
+    assert!(checkpoints.load(Ordering::Relaxed) > 0);
     let s = c.snapshot();
     assert!(s.is_idle(), "counts left behind: {s:?}");
     assert!(
@@ -267,4 +410,104 @@ fn many_threads_never_push_a_count_past_its_limit_and_all_return_to_zero() {
 #[test]
 fn reloads_under_concurrent_admissions_keep_every_invariant() {
     hammer(Some([config(5, 3, 12, 4), config(2, 1, 6, 2)]));
+}
+
+/// Base identities, admitted by workers, plus extra identities that reloads add and remove by the
+/// dozen (so slots are freed and reused), each extra with a rate of its own.
+fn churn_config(extras: std::ops::Range<u32>) -> Config {
+    let overrides = extras
+        .clone()
+        .map(|k| {
+            (
+                id(&format!("x{k}")),
+                ClientLimits {
+                    requests_per_window: k + 1,
+                    window_seconds: 60,
+                    active: 2,
+                    pending: 1,
+                },
+            )
+        })
+        .collect();
+    let names = ["a", "b"]
+        .into_iter()
+        .map(id)
+        .chain(extras.map(|k| id(&format!("x{k}"))));
+    Config::new(
+        Limits {
+            requests_per_window: 1_000_000,
+            window_seconds: 1,
+            client_active: 4,
+            client_pending: 2,
+            global_active: 8,
+            global_executing: 2,
+        },
+        overrides,
+        names,
+    )
+    .unwrap()
+}
+
+#[test]
+fn snapshots_racing_reloads_that_add_and_remove_identities_never_panic_nor_invent_counts() {
+    const RELOADS: usize = 3_000;
+    let configs = [
+        churn_config(0..6),
+        churn_config(3..24),
+        churn_config(12..14),
+    ];
+    let clock = ManualClock::new();
+    let c = Controller::builder(configs[0].clone())
+        .clock(clock.clone())
+        .build();
+    let done = AtomicBool::new(false);
+    let snapshots_checked = std::sync::atomic::AtomicU64::new(0);
+    std::thread::scope(|s| {
+        for t in 0..2u64 {
+            let (c, done, checked) = (&c, &done, &snapshots_checked);
+            s.spawn(move || {
+                let mut rng = Rng(0xA5A5_5A5A ^ (t + 1));
+                let mut held: Vec<Operation> = Vec::new();
+                while !done.load(Ordering::Relaxed) {
+                    // Traffic for the base identities only: every extra's bucket stays full.
+                    let name = ["a", "b"][rng.below(2) as usize];
+                    if let Ok(permit) = c.admit(name, rng.below(2) == 0) {
+                        held.push(permit.commit());
+                    }
+                    if held.len() > 3 {
+                        let op = held.swap_remove(rng.below(held.len() as u64) as usize);
+                        let _ = op.approve();
+                        let _ = op.try_start();
+                    }
+                    let snap = c.snapshot();
+                    for client in &snap.clients {
+                        let name = client.identity.as_str();
+                        if let Some(k) = name.strip_prefix('x') {
+                            let k: u64 = k.parse().unwrap();
+                            assert_eq!(
+                                (client.tokens, client.admitted, client.active),
+                                (k + 1, 0, 0),
+                                "{name} read under another client's settings: {client:?}"
+                            );
+                        } else {
+                            assert!(client.tokens <= 1_000_000, "{client:?}");
+                            assert!(client.active <= 4 && client.pending <= 2, "{client:?}");
+                            assert!(client.executing <= 2, "{client:?}");
+                        }
+                    }
+                    assert!(snap.active <= 8 && snap.executing <= 2, "{snap:?}");
+                    checked.fetch_add(1, Ordering::Relaxed);
+                }
+            });
+        }
+        for i in 0..RELOADS {
+            c.reload(configs[i % configs.len()].clone());
+            if i % 64 == 0 {
+                std::thread::yield_now();
+            }
+        }
+        done.store(true, Ordering::Relaxed);
+    });
+    assert!(c.snapshot().is_idle(), "{:?}", c.snapshot());
+    assert!(snapshots_checked.load(Ordering::Relaxed) > 0);
 }

@@ -62,14 +62,14 @@
 //! write either committed (restored at start-up) or did not (nothing to restore), and a stream
 //! body without a row is removed at start-up.
 
-mod drift;
 pub mod discovery;
+mod drift;
 pub mod drill;
 mod exec;
 pub mod http;
 mod keys;
-pub mod listing;
 pub mod listener;
+pub mod listing;
 mod operations;
 pub mod presentation;
 pub mod ratelimit;
@@ -95,8 +95,8 @@ use crate::engine::{Controller, DEFAULT_CAPACITY_RETRY, StorageCaps, StoredObjec
 use crate::{Config, OperationState};
 
 pub use drift::{Difference, DriftCount, DriftReport};
-pub use store::{Database, OperationError, OperationRecord, StoreError, StoredCounts};
 pub use listener::ConnectionSettings;
+pub use store::{Database, OperationError, OperationRecord, StoreError, StoredCounts};
 
 use operations::LiveOp;
 

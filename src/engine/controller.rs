@@ -16,12 +16,14 @@ use arc_swap::ArcSwap;
 use crossbeam_utils::CachePadded;
 use dashmap::DashMap;
 
+use super::caps::{StorageCaps, Store};
+use super::client::{ClientSettings, ClientState, Settings, Shared, StoreGauges};
 use super::gauge::Gauge;
 use super::gcra::{Bucket, Rate};
 use super::global::{Counts, GlobalCounts, GlobalLimits, GlobalRefusal};
 use super::lifecycle::{Operation, OperationState};
 use super::refusal::{Refusal, RefusalCode};
-use super::storage::{StorageCaps, StorageReservation, Store, StoreGauges, StoredObject};
+use super::storage::{StorageReservation, StoredObject};
 use crate::clock::{Clock, MonotonicClock, QuantaClock, duration_nanos};
 use crate::config::{ClientLimits, Config, ConfigError, Identity};
 use crate::metrics::{ClientSnapshot, Snapshot, StoreSnapshot};
@@ -90,66 +92,6 @@ impl std::borrow::Borrow<str> for ClientKey {
     }
 }
 
-/// State every handle needs to release what it holds: global counts, limits, time.
-pub(crate) struct Shared {
-    pub(crate) global: CachePadded<GlobalCounts>,
-    pub(crate) storage: [StoreGauges; 2],
-    pub(crate) settings: ArcSwap<Settings>,
-    /// `global_executing` of the settings in force, mirrored so starting an operation reads one
-    /// word rather than loading the whole settings.
-    pub(crate) executing_limit: StdAtomicU64,
-    pub(crate) clock: MonotonicClock,
-}
-
-/// One consistent view of every limit, swapped whole on reload.
-pub(crate) struct Settings {
-    pub(crate) config: Config,
-    /// Per-client limits, indexed by [`ClientState::slot`]. A slot is reused only once no handle
-    /// holds the state that had it.
-    pub(crate) clients: Box<[ClientSettings]>,
-    pub(crate) global_active: u64,
-    pub(crate) global_executing: u64,
-    pub(crate) capacity_retry: Duration,
-    pub(crate) caps: StorageCaps,
-}
-
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct ClientSettings {
-    pub(crate) rate: Rate,
-    pub(crate) active: u32,
-    pub(crate) pending: u32,
-    pub(crate) configured: bool,
-}
-
-/// Everything the controller knows about one client.
-///
-/// Laid out in order (`repr(C)`) so that neighbouring clients on the heap do not share the lines
-/// they write: the fields every admission writes come first (right after the `Arc`'s counts,
-/// which admissions write too), then the fields it only reads, then over 64 bytes of fields
-/// written only on refusals and storage traffic. A neighbour's hot head can therefore only share a
-/// line with this state's cold tail.
-#[repr(C)]
-pub(crate) struct ClientState {
-    pub(crate) bucket: Bucket,
-    pub(crate) active: Gauge,
-    pub(crate) pending: Gauge,
-    pub(crate) executing: Gauge,
-    pub(crate) admitted: StdAtomicU64,
-    pub(crate) slot: usize,
-    pub(crate) shared: Arc<Shared>,
-    pub(crate) identity: Identity,
-    pub(crate) storage: [StoreGauges; 2],
-    /// Refusals by code, indexed like [`RefusalCode::ALL`] less one: an unconfigured identity has
-    /// no state, so `ClientUnconfigured` is never counted here.
-    pub(crate) rejected: [StdAtomicU64; RefusalCode::ALL.len() - 1],
-}
-
-impl ClientState {
-    pub(crate) fn settings<'a>(&self, settings: &'a Settings) -> &'a ClientSettings {
-        &settings.clients[self.slot]
-    }
-}
-
 /// Builds a [`Controller`] with a non-default clock, Retry-After hint or storage caps.
 pub struct ControllerBuilder {
     config: Config,
@@ -196,6 +138,7 @@ impl ControllerBuilder {
             settings: ArcSwap::from_pointee(settings),
             executing_limit: StdAtomicU64::new(0),
             clock,
+            rescaling: Mutex::new(()),
         });
         let controller = Controller {
             inner: Arc::new(Inner {
@@ -547,6 +490,8 @@ impl Controller {
                 }
             };
         let mut new_states = Vec::new();
+        // Until the new settings are in force, no refund reads a rate its bucket is not scaled to.
+        let rescaling = shared.rescaling.lock().unwrap_or_else(|p| p.into_inner());
         for identity in config.identities() {
             let limits = client_settings(
                 config
@@ -594,6 +539,7 @@ impl Controller {
             capacity_retry: current.capacity_retry,
             caps: current.caps,
         })));
+        drop(rescaling);
         for state in new_states {
             let state = Arc::new(state);
             tracked.push(Arc::clone(&state));
@@ -621,14 +567,22 @@ impl Controller {
     /// A lock-free reading of every count, for metrics and tests.
     pub fn snapshot(&self) -> Snapshot {
         let shared = &self.inner.shared;
-        let settings = shared.settings.load();
-        let now = shared.clock.now();
-        let mut clients: Vec<ClientSnapshot> = self
+        // The states first, the settings after, as `admit` does: a reload swaps in the settings
+        // that give a new state its slot before it inserts the state, and a slot is reused only
+        // once nothing holds its state, so settings loaded after a state was found (and while it
+        // is held) always have that state's own slot. Loaded the other way round, a state added
+        // meanwhile has no slot in them, or another client's.
+        let states: Vec<Arc<ClientState>> = self
             .inner
             .clients
             .iter()
-            .map(|entry| {
-                let c = &entry.key().0;
+            .map(|entry| Arc::clone(&entry.key().0))
+            .collect();
+        let settings = shared.settings.load();
+        let now = shared.clock.now();
+        let mut clients: Vec<ClientSnapshot> = states
+            .iter()
+            .map(|c| {
                 let limits = c.settings(&settings);
                 let (executing, pending, active) =
                     (c.executing.get(), c.pending.get(), c.active.get());
@@ -760,11 +714,15 @@ impl Permit {
     }
 
     /// The broker failed through its own fault (say, the store was unavailable): return the
-    /// slots and the rate token.
+    /// slots and the rate token. The token given back is exactly the one taken, even if a reload
+    /// has changed the client's rate since (and rescaled its bucket).
     pub fn refund(mut self) {
         if let Some(client) = self.client.take() {
             release_admission(&client, self.needs_approval);
-            client.bucket.give_back(self.rate);
+            let shared = &*client.shared;
+            let _rescaling = shared.rescaling.lock().unwrap_or_else(|p| p.into_inner());
+            let rate_now = client.settings(&shared.settings.load()).rate;
+            client.bucket.give_back_nanos(self.rate.token_in(rate_now));
         }
     }
 }

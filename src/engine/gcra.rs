@@ -30,6 +30,20 @@ impl Rate {
     }
 }
 
+impl Rate {
+    /// One token taken at `self`, in the span of a bucket since rescaled to `now`: a rescale keeps
+    /// the fraction of the span used, so the token is the same fraction of the new span. Rounded
+    /// down, as a rescale rounds the usage up, so a refund never gives back more than was taken.
+    pub(crate) fn token_in(self, now: Rate) -> u64 {
+        if self.span == now.span {
+            return self.interval;
+        }
+        let scaled =
+            u128::from(self.interval) * u128::from(now.span) / u128::from(self.span.max(1));
+        u64::try_from(scaled).unwrap_or(u64::MAX)
+    }
+}
+
 /// One client's token bucket.
 #[derive(Debug)]
 pub(crate) struct Bucket {
@@ -73,14 +87,21 @@ impl Bucket {
         ahead.saturating_sub(rate.span)
     }
 
-    /// Gives back one token taken earlier (a refusal's rollback, or a refund).
+    /// Gives back one token taken earlier at `rate` (a refusal's rollback).
     #[inline]
     pub(crate) fn give_back(&self, rate: Rate) {
+        self.give_back_nanos(rate.interval);
+    }
+
+    /// Gives back `nanos` of the bucket's span: a token taken earlier, as measured in the rate
+    /// the bucket has now (see [`Rate::token_in`]).
+    #[inline]
+    pub(crate) fn give_back_nanos(&self, nanos: u64) {
         // Relaxed: as in try_take.
         let _ = self
             .tat
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |tat| {
-                Some(tat.saturating_sub(rate.interval))
+                Some(tat.saturating_sub(nanos))
             });
     }
 
@@ -297,6 +318,26 @@ mod tests {
         assert_eq!(b.level(SEC, r), (0, b.wait(SEC, r)));
         assert_eq!(b.level(SEC + 5 * SEC, r), (0, 15 * SEC));
         assert_eq!(b.level(21 * SEC, r), (1, 20 * SEC));
+    }
+
+    #[test]
+    fn a_token_given_back_after_a_rescale_is_the_fraction_it_took() {
+        let old = Rate::new(10, 10);
+        let new = Rate::new(10, 100);
+        let (b, twin) = (Bucket::new(), Bucket::new());
+        for _ in 0..3 {
+            b.try_take(0, old).unwrap();
+            twin.try_take(0, old).unwrap();
+        }
+        b.try_take(0, old).unwrap();
+        b.rescale(0, old, new);
+        twin.rescale(0, old, new);
+        b.give_back_nanos(old.token_in(new));
+        assert_eq!(
+            b.tat.load(Ordering::Relaxed),
+            twin.tat.load(Ordering::Relaxed)
+        );
+        assert_eq!(old.token_in(old), old.interval);
     }
 
     #[test]

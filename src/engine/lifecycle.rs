@@ -7,13 +7,13 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU8, Ordering};
 
-use super::controller::ClientState;
+use super::client::ClientState;
 use super::global::Counts;
 use super::refusal::{Refusal, RefusalCode};
 use crate::clock::duration_nanos;
 use crate::config::Identity;
+use crate::sync::{AtomicU8, Ordering};
 
 /// The Agent V1 operation states.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -222,6 +222,13 @@ impl Operation {
                 hint,
             )));
         }
+        // The client's executing count rises *before* the state says `executing`: from the
+        // instant the state does, a `succeed` or `fail` on another thread may release it, and a
+        // release that came first would find nothing to release (saturating at zero) and leave
+        // this start's count behind for good. Relaxed is enough for the count: the increment is
+        // sequenced before the AcqRel state change, and a finish acquires that change before it
+        // releases the count, so its release comes after this increment.
+        self.client.executing.force_acquire(1);
         // AcqRel: see `transition`.
         match self.state.compare_exchange(
             OperationState::Approved as u8,
@@ -229,12 +236,10 @@ impl Operation {
             Ordering::AcqRel,
             Ordering::Acquire,
         ) {
-            Ok(_) => {
-                self.client.executing.force_acquire(1);
-                Ok(())
-            }
+            Ok(_) => Ok(()),
             Err(actual) => {
-                // Lost to a cancel or expiry: the slot was never the operation's.
+                // Lost to a cancel, expiry or failure: neither slot was ever the operation's.
+                self.client.executing.release(1);
                 shared.global.release(Counts::EXECUTING);
                 Err(StartError::NotApproved(OperationState::from_u8(actual)))
             }
@@ -305,5 +310,202 @@ impl fmt::Debug for Operation {
             .field("identity", &self.client.identity)
             .field("state", &self.state())
             .finish()
+    }
+}
+
+#[cfg(all(test, loom))]
+mod loom_models {
+    //! The lifecycle transitions that race in a broker: the executor starting an operation while
+    //! its client cancels or it expires, a finish right behind a start, two terminal calls at
+    //! once, a cancel racing an operator's approval. Each model runs the real `Operation` over a
+    //! real controller and checks every count, per client and global, once the threads are done.
+    use super::*;
+    use crate::clock::ManualClock;
+    use crate::config::Config;
+    use crate::engine::controller::Controller;
+    use loom::sync::Arc;
+    use loom::thread;
+
+    /// A controller with one client, `a`, and one operation of it committed in `state`.
+    fn one_operation(state: OperationState) -> (Controller, Arc<Operation>) {
+        let c = Controller::builder(Config::defaults([Identity::new("a").unwrap()]))
+            .clock(ManualClock::new())
+            .build();
+        let permit = c
+            .admit("a", state == OperationState::Pending)
+            .expect("an idle client is admitted");
+        let op = permit.commit();
+        assert_eq!(op.state(), state);
+        (c, Arc::new(op))
+    }
+
+    /// Every count, per client and global, matches one operation in `state` (none if terminal).
+    fn assert_counts(c: &Controller, state: OperationState) {
+        let s = c.snapshot();
+        let client = &s.clients[0];
+        let live = u64::from(!state.is_terminal());
+        let pending = u64::from(state == OperationState::Pending);
+        let queued = u64::from(state == OperationState::Approved);
+        let executing = u64::from(state == OperationState::Executing);
+        assert_eq!(
+            (
+                client.active,
+                client.pending,
+                client.queued,
+                client.executing
+            ),
+            (live, pending, queued, executing),
+            "client counts for a {state} operation"
+        );
+        assert_eq!(
+            (s.active, s.pending, s.queued, s.executing),
+            (live, pending, queued, executing),
+            "global counts for a {state} operation"
+        );
+    }
+
+    /// The executor starts an approved operation while the operation is finished from elsewhere
+    /// (succeed if it already runs, else fail): the finish can land between the start's state
+    /// change and its count, and the client must not be left executing with nothing active.
+    #[test]
+    fn loom_start_racing_a_finish_leaves_every_count_right() {
+        loom::model(|| {
+            let (c, op) = one_operation(OperationState::Approved);
+            let finisher = {
+                let op = op.clone();
+                thread::spawn(move || {
+                    if op.succeed().is_err() {
+                        op.fail().expect("an operation not yet executing can fail");
+                    }
+                })
+            };
+            let started = op.try_start().is_ok();
+            finisher.join().unwrap();
+            let end = op.state();
+            assert!(end.is_terminal());
+            assert!(started || end == OperationState::Failed);
+            assert_counts(&c, end);
+        });
+    }
+
+    /// A start racing a cancel and an expiry: at most one of the two terminal calls wins, the
+    /// start either wins first or leaves no execution slot behind, and an operation that did
+    /// start finishes with every count at zero.
+    #[test]
+    fn loom_start_racing_cancel_and_expiry_leaves_every_count_right() {
+        loom::model(|| {
+            let (c, op) = one_operation(OperationState::Approved);
+            let canceler = {
+                let op = op.clone();
+                thread::spawn(move || op.cancel())
+            };
+            let started = op.try_start().is_ok();
+            let expired = op.expire().is_ok();
+            let canceled = canceler.join().unwrap();
+            let end = op.state();
+            let cancel_won = canceled == Ok(OperationState::Approved);
+            assert_eq!(
+                u8::from(started) + u8::from(expired) + u8::from(cancel_won),
+                1,
+                "exactly one call moves an approved operation on"
+            );
+            if started {
+                assert!(
+                    canceled.is_err(),
+                    "an executing operation cannot be canceled"
+                );
+            }
+            if expired {
+                assert_eq!(canceled, Ok(OperationState::Expired));
+            }
+            assert_counts(&c, end);
+            if started {
+                assert_eq!(end, OperationState::Executing);
+                op.succeed().unwrap();
+            }
+            assert_counts(&c, op.state());
+            assert!(c.snapshot().is_idle());
+        });
+    }
+
+    /// Two terminal calls at once (an operator's deny and the client's cancel): exactly one
+    /// wins, and the slots are released once.
+    #[test]
+    fn loom_double_terminal_transition_releases_once() {
+        loom::model(|| {
+            let (c, op) = one_operation(OperationState::Pending);
+            let denier = {
+                let op = op.clone();
+                thread::spawn(move || op.deny().is_ok())
+            };
+            let canceled = op.cancel();
+            let denied = denier.join().unwrap();
+            match canceled {
+                Ok(OperationState::Pending) => assert!(!denied),
+                Ok(OperationState::Denied) => assert!(denied),
+                other => panic!("cancel returned {other:?}"),
+            }
+            assert_counts(&c, op.state());
+            assert!(c.snapshot().is_idle());
+        });
+    }
+
+    /// The executor's `succeed` racing a `fail` of the same running operation (a watchdog, a
+    /// dropped handle): exactly one wins, and the execution slot is released once.
+    #[test]
+    fn loom_succeed_racing_fail_releases_the_execution_once() {
+        loom::model(|| {
+            let (c, op) = one_operation(OperationState::Approved);
+            op.try_start().unwrap();
+            let failer = {
+                let op = op.clone();
+                thread::spawn(move || op.fail().is_ok())
+            };
+            let succeeded = op.succeed().is_ok();
+            let failed = failer.join().unwrap();
+            assert!(succeeded ^ failed, "exactly one finish wins");
+            let end = op.state();
+            assert_eq!(
+                end,
+                if succeeded {
+                    OperationState::Succeeded
+                } else {
+                    OperationState::Failed
+                }
+            );
+            assert_counts(&c, end);
+            assert!(c.snapshot().is_idle());
+        });
+    }
+
+    /// A client's cancel racing an operator's approval and the executor's start right behind it:
+    /// the operation ends canceled with nothing held, or runs holding exactly one execution slot.
+    #[test]
+    fn loom_cancel_racing_approve_and_start_leaves_every_count_right() {
+        loom::model(|| {
+            let (c, op) = one_operation(OperationState::Pending);
+            let canceler = {
+                let op = op.clone();
+                thread::spawn(move || op.cancel())
+            };
+            let approved = op.approve().is_ok();
+            let started = approved && op.try_start().is_ok();
+            let canceled = canceler.join().unwrap();
+            let end = op.state();
+            if started {
+                assert_eq!(end, OperationState::Executing);
+                assert!(
+                    canceled.is_err(),
+                    "an executing operation cannot be canceled"
+                );
+            } else {
+                assert_eq!(end, OperationState::Canceled);
+            }
+            assert_counts(&c, end);
+            if started {
+                op.succeed().unwrap();
+            }
+            assert!(c.snapshot().is_idle());
+        });
     }
 }

@@ -1,7 +1,14 @@
-//! The admission engine: rate maths (`gcra`), the reservation primitive (`gauge`), the
-//! decision (`controller`), the life of admitted work (`lifecycle`) and storage quotas
-//! (`storage`), and what a client may still do (`quota`). Nothing here knows about HTTP, JSON or SQL.
+//! The admission engine: rate maths (`gcra`), the reservation primitive (`gauge`), the global
+//! counts (`global`), the per-client state they share (`client`), the decision (`controller`),
+//! the life of admitted work (`lifecycle`), storage quotas (`caps`, `storage`), and what a
+//! client may still do (`quota`, read-only). Nothing here knows about HTTP, JSON or SQL.
+//!
+//! Imports run one way, upward: `gauge`, `gcra`, `global`, `refusal` and `caps` know nothing of
+//! clients; `client` builds on them; `lifecycle` and `storage` build on `client`; `controller`
+//! builds on all of them, and `quota` reads through it.
 
+pub(crate) mod caps;
+pub(crate) mod client;
 pub(crate) mod controller;
 pub(crate) mod gauge;
 pub(crate) mod gcra;
@@ -11,8 +18,9 @@ pub(crate) mod quota;
 pub(crate) mod refusal;
 pub(crate) mod storage;
 
+pub use caps::{StorageCaps, Store, StoreCaps};
 pub use controller::{Controller, ControllerBuilder, DEFAULT_CAPACITY_RETRY, Permit, RestoreError};
 pub use lifecycle::{Operation, OperationState, StartError, TransitionError};
 pub use quota::{CapacityQuota, QuotaStatus, RateQuota};
 pub use refusal::{Refusal, RefusalCode};
-pub use storage::{StorageCaps, StorageReservation, Store, StoreCaps, StoredObject};
+pub use storage::{StorageReservation, StoredObject};

@@ -2,8 +2,8 @@
 //! temporary data dir and talk to it over HTTP.
 #![allow(dead_code)]
 
-pub mod faults;
 pub mod contract;
+pub mod faults;
 
 use std::time::{Duration, Instant};
 

@@ -1,0 +1,99 @@
+//! The state admission, the lifecycle and the storage quotas share: one [`ClientState`] per tracked
+//! identity, the limits in force ([`Settings`]) and what every handle needs to give back what it
+//! holds ([`Shared`]). It sits below `controller`, `lifecycle` and `storage`, which all build on it,
+//! so the engine's imports run one way.
+
+use std::sync::atomic::AtomicU64 as StdAtomicU64;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use crossbeam_utils::CachePadded;
+
+use super::caps::StorageCaps;
+use super::gauge::Gauge;
+use super::gcra::{Bucket, Rate};
+use super::global::GlobalCounts;
+use super::refusal::RefusalCode;
+use crate::clock::MonotonicClock;
+use crate::config::{Config, Identity};
+
+/// State every handle needs to release what it holds: global counts, limits, time.
+pub(crate) struct Shared {
+    pub(crate) global: CachePadded<GlobalCounts>,
+    pub(crate) storage: [StoreGauges; 2],
+    pub(crate) settings: ArcSwap<Settings>,
+    /// `global_executing` of the settings in force, mirrored so starting an operation reads one
+    /// word rather than loading the whole settings.
+    pub(crate) executing_limit: StdAtomicU64,
+    pub(crate) clock: MonotonicClock,
+    /// Held by a reload from its first bucket rescale until its settings are swapped in, and by
+    /// a refund while it reads the rate in force and gives its token back, so a refund always
+    /// measures its token in the rate its bucket is scaled to. Admissions never take it.
+    pub(crate) rescaling: Mutex<()>,
+}
+
+/// One consistent view of every limit, swapped whole on reload.
+pub(crate) struct Settings {
+    pub(crate) config: Config,
+    /// Per-client limits, indexed by [`ClientState::slot`]. A slot is reused only once no handle
+    /// holds the state that had it.
+    pub(crate) clients: Box<[ClientSettings]>,
+    pub(crate) global_active: u64,
+    pub(crate) global_executing: u64,
+    pub(crate) capacity_retry: Duration,
+    pub(crate) caps: StorageCaps,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ClientSettings {
+    pub(crate) rate: Rate,
+    pub(crate) active: u32,
+    pub(crate) pending: u32,
+    pub(crate) configured: bool,
+}
+
+/// Everything the controller knows about one client.
+///
+/// Laid out in order (`repr(C)`) so that neighbouring clients on the heap do not share the lines
+/// they write: the fields every admission writes come first (right after the `Arc`'s counts,
+/// which admissions write too), then the fields it only reads, then over 64 bytes of fields
+/// written only on refusals and storage traffic. A neighbour's hot head can therefore only share a
+/// line with this state's cold tail.
+#[repr(C)]
+pub(crate) struct ClientState {
+    pub(crate) bucket: Bucket,
+    pub(crate) active: Gauge,
+    pub(crate) pending: Gauge,
+    pub(crate) executing: Gauge,
+    pub(crate) admitted: StdAtomicU64,
+    pub(crate) slot: usize,
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) identity: Identity,
+    pub(crate) storage: [StoreGauges; 2],
+    /// Refusals by code, indexed like [`RefusalCode::ALL`] less one: an unconfigured identity has
+    /// no state, so `ClientUnconfigured` is never counted here.
+    pub(crate) rejected: [StdAtomicU64; RefusalCode::ALL.len() - 1],
+}
+
+impl ClientState {
+    pub(crate) fn settings<'a>(&self, settings: &'a Settings) -> &'a ClientSettings {
+        &settings.clients[self.slot]
+    }
+}
+
+/// Files and bytes held in one store, by one client or by all.
+#[derive(Debug)]
+pub(crate) struct StoreGauges {
+    pub(crate) files: Gauge,
+    pub(crate) bytes: Gauge,
+}
+
+impl StoreGauges {
+    pub(crate) fn new() -> StoreGauges {
+        StoreGauges {
+            files: Gauge::new(),
+            bytes: Gauge::new(),
+        }
+    }
+}
