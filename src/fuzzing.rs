@@ -401,10 +401,14 @@ impl Harness {
             2 => {
                 let r = op.cancel();
                 if from.is_terminal() {
-                    assert_eq!(r, Ok(from), "cancel of a terminal operation");
+                    assert_eq!(
+                        r,
+                        Ok(crate::CancelOutcome::AlreadyTerminal(from)),
+                        "cancel of a terminal operation"
+                    );
                     return;
                 }
-                (Canceled, r.is_ok())
+                (Canceled, r.is_ok_and(crate::CancelOutcome::changed))
             }
             3 => (Expired, op.expire().is_ok()),
             4 => (Failed, op.fail().is_ok()),

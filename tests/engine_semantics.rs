@@ -4,6 +4,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use unyolo_admission::{
+    CancelOutcome,
     ClientLimits, Config, Controller, Identity, Limits, ManualClock, OperationState, RefusalCode,
     StartError, StorageCaps, Store, TransitionError,
 };
@@ -348,7 +349,7 @@ fn terminal_transitions_release_exactly_once_whatever_the_repetition() {
     assert!(op.deny().is_err(), "a second deny is refused");
     assert_eq!(
         op.cancel(),
-        Ok(OperationState::Denied),
+        Ok(CancelOutcome::AlreadyTerminal(OperationState::Denied)),
         "cancel of a terminal operation changes nothing"
     );
     assert!(op.fail().is_err());
@@ -507,7 +508,7 @@ fn reload_keeps_counts_and_scales_the_bucket_fill() {
     let s = c.snapshot();
     assert_eq!(s.client("bot").unwrap().tokens, 50);
     assert_eq!((s.active, s.pending), (4, 4));
-    assert_eq!(s.reloads_ok, 1);
+    assert_eq!(s.reloads_applied, 1);
     // Lower active below usage: new work is refused until it drains.
     c.reload(config(
         Limits::DEFAULT,
@@ -597,8 +598,8 @@ fn invalid_reload_changes_nothing_and_is_counted() {
     let path = std::fs::canonicalize(&path).unwrap();
     assert!(c.reload_from_path(&path).is_err());
     assert_eq!(c.config(), before);
-    assert_eq!(c.snapshot().reloads_failed, 1);
-    assert_eq!(c.snapshot().reloads_ok, 0);
+    assert_eq!(c.snapshot().reloads_rejected, 1);
+    assert_eq!(c.snapshot().reloads_applied, 0);
 }
 
 #[test]
