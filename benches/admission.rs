@@ -193,8 +193,8 @@ fn full_cycle(cr: &mut Criterion) {
 }
 
 /// 6. A flood of refusals from one client (its rate spent), on one and two threads, beside
-/// governor's keyed check refusing the same single spent key: what admission costs under the very
-/// overload it exists for.
+///    governor's keyed check refusing the same single spent key: what admission costs under the
+///    very overload it exists for.
 fn refusal_flood(cr: &mut Criterion) {
     let mut g = cr.benchmark_group("6_refusal_flood");
     let id = Identity::new("bot-0").expect("valid");

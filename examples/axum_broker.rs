@@ -50,15 +50,23 @@ pub struct App {
     secrets: RwLock<Arc<Secrets>>,
     settings: Settings,
     db: Arc<Mutex<Connection>>,
-    live: Mutex<HashMap<String, Arc<Live>>>,
+    live: Mutex<HashMap<i64, Arc<Live>>>,
     key_locks: Vec<Arc<tokio::sync::Mutex<()>>>,
     registry: Registry,
 }
 
 type Reply = (StatusCode, Json<Value>);
 
-fn error(status: StatusCode, code: &str, message: &str) -> Reply {
-    (status, Json(json!({"error": {"code": code, "message": message}})))
+fn reply(status: u16, body: Value) -> Reply {
+    (StatusCode::from_u16(status).expect("a status"), Json(body))
+}
+
+fn error(status: u16, code: &str, message: &str) -> Reply {
+    reply(status, json!({"error": {"code": code, "message": message}}))
+}
+
+fn operation(status: u16, id: i64, state: &str) -> Reply {
+    reply(status, json!({"id": id, "state": state}))
 }
 
 impl App {
@@ -69,61 +77,73 @@ impl App {
         f: impl FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
     ) -> rusqlite::Result<T> {
         let (db, delay) = (Arc::clone(&self.db), self.settings.store_delay);
-        tokio::task::spawn_blocking(move || {
-            if slow {
-                std::thread::sleep(delay);
-            }
+        let work = move || {
+            std::thread::sleep(if slow { delay } else { Duration::ZERO });
             f(&db.lock().unwrap())
-        })
-        .await
-        .expect("store task")
+        };
+        tokio::task::spawn_blocking(work).await.expect("store task")
     }
 
-    async fn set_state(&self, id: &str, state: OperationState) {
-        let id = id.to_owned();
-        self.store(true, move |db| {
-            let sql = "UPDATE operations SET state = ?1 WHERE id = ?2";
-            db.execute(sql, params![state.as_str(), id])
-        })
-        .await
-        .expect("store write");
+    async fn set_state(&self, id: i64, state: OperationState) {
+        let sql = "UPDATE operations SET state = ?1 WHERE id = ?2";
+        let write = self.store(true, move |db| db.execute(sql, params![state.as_str(), id]));
+        write.await.expect("store write");
     }
 
-    /// Authenticates a bearer token against the secrets in force (constant time).
+    /// The client whose bearer token this is (`Secrets::identify` compares in constant time).
     fn identify(&self, headers: &HeaderMap) -> Result<Identity, Reply> {
-        let token = headers
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
-            .ok_or_else(|| error(StatusCode::UNAUTHORIZED, "authentication_failed", "No token."))?;
+        let bearer = headers.get(header::AUTHORIZATION).map(|v| v.as_bytes());
+        let Some(token) = bearer.and_then(|v| v.strip_prefix(b"Bearer ")) else {
+            return Err(error(401, "authentication_failed", "No token."));
+        };
         let secrets = Arc::clone(&self.secrets.read().unwrap());
-        secrets.identify(token).cloned().ok_or_else(|| {
-            error(StatusCode::FORBIDDEN, "authentication_failed", "Unknown token.")
-        })
+        let identity = secrets.identify(token).cloned();
+        identity.ok_or_else(|| error(403, "authentication_failed", "Unknown token."))
     }
 
     fn operator(&self, headers: &HeaderMap) -> Result<(), Reply> {
         match self.identify(headers)?.as_str() {
             "operator" => Ok(()),
-            _ => Err(error(StatusCode::FORBIDDEN, "authentication_failed", "Operators only.")),
+            _ => Err(error(403, "authentication_failed", "Operators only.")),
         }
     }
 
     fn key_lock(&self, client: &str, key: &str) -> Arc<tokio::sync::Mutex<()>> {
         use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
         let hashed = BuildHasherDefault::<DefaultHasher>::default().hash_one((client, key));
-        let stripe = hashed as usize % self.key_locks.len();
-        Arc::clone(&self.key_locks[stripe])
+        Arc::clone(&self.key_locks[hashed as usize % self.key_locks.len()])
     }
 
-    /// The store's count of operations in each live state, for comparison with the controller.
+    fn live(&self, id: i64) -> Option<Arc<Live>> {
+        self.live.lock().unwrap().get(&id).cloned()
+    }
+
+    /// Keeps a committed or restored handle where no request owns it; approved work goes to the
+    /// executor.
+    fn track(self: &Arc<Self>, id: i64, client: String, handle: Operation, duration_ms: u64) {
+        let approved = handle.state() == OperationState::Approved;
+        let duration = Duration::from_millis(duration_ms);
+        let live = Arc::new(Live {
+            client,
+            handle,
+            duration,
+            lock: Default::default(),
+        });
+        self.live.lock().unwrap().insert(id, Arc::clone(&live));
+        if approved {
+            tokio::spawn(execute(Arc::clone(self), id, live));
+        }
+    }
+
+    /// The store's count of operations in each state, for comparison with the controller.
     pub async fn stored_counts(&self) -> HashMap<String, u64> {
-        self.store(false, |db| {
-            let mut q = db.prepare("SELECT state, COUNT(*) FROM operations GROUP BY state")?;
-            let rows = q.query_map([], |r| Ok((r.get(0)?, r.get::<_, i64>(1)? as u64)))?;
+        let sql = "SELECT state, COUNT(*) FROM operations GROUP BY state";
+        let read = self.store(false, move |db| {
+            let mut query = db.prepare(sql)?;
+            let rows = query.query_map([], |r| Ok((r.get(0)?, r.get::<_, i64>(1)? as u64)))?;
             rows.collect()
-        })
-        .await
-        .expect("store read")
+        });
+        read.await.expect("store read")
     }
 }
 
@@ -135,7 +155,7 @@ pub async fn start(settings: Settings) -> (SocketAddr, Arc<App>) {
     let controller = Controller::new(config);
     let db = Connection::open(&settings.db_path).expect("store");
     db.execute_batch(
-        "CREATE TABLE IF NOT EXISTS operations (id TEXT PRIMARY KEY, client TEXT NOT NULL,
+        "CREATE TABLE IF NOT EXISTS operations (id INTEGER PRIMARY KEY, client TEXT NOT NULL,
          key TEXT NOT NULL, duration_ms INTEGER NOT NULL, state TEXT NOT NULL,
          UNIQUE (client, key));
          -- Work that was executing when the process stopped may or may not have happened: it
@@ -145,7 +165,8 @@ pub async fn start(settings: Settings) -> (SocketAddr, Arc<App>) {
     .expect("schema");
     let mut registry = Registry::default();
     metrics::register(&mut registry, &controller);
-    let listener = tokio::net::TcpListener::bind(settings.listen).await.expect("bind");
+    let listener = tokio::net::TcpListener::bind(settings.listen).await;
+    let listener = listener.expect("bind");
     let app = Arc::new(App {
         controller,
         secrets: RwLock::new(Arc::new(secrets)),
@@ -170,25 +191,22 @@ pub async fn start(settings: Settings) -> (SocketAddr, Arc<App>) {
 
 /// Puts every live row back under the controller's counts; approved ones go to the executor.
 async fn restore(app: &Arc<App>) {
-    let rows: Vec<(String, String, i64, String)> = app
-        .store(false, |db| {
-            let sql = "SELECT id, client, duration_ms, state FROM operations
-                       WHERE state IN ('pending', 'approved')";
-            let mut q = db.prepare(sql)?;
-            let rows = q.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))?;
-            rows.collect()
-        })
-        .await
-        .expect("store read");
-    for (id, client, duration_ms, state) in rows {
+    let sql = "SELECT id, client, duration_ms, state FROM operations
+               WHERE state IN ('pending', 'approved')";
+    let read = app.store(false, move |db| {
+        let mut query = db.prepare(sql)?;
+        let rows = query.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))?;
+        rows.collect::<rusqlite::Result<Vec<(i64, String, u64, String)>>>()
+    });
+    for (id, client, duration_ms, state) in read.await.expect("store read") {
         let state = OperationState::parse(&state).expect("a stored state");
-        let handle = app.controller.restore(&client, state).expect("a live state");
-        let duration = Duration::from_millis(duration_ms as u64);
-        let live = Arc::new(Live { client, handle, duration, lock: Default::default() });
-        app.live.lock().unwrap().insert(id.clone(), Arc::clone(&live));
-        if state == OperationState::Approved {
-            tokio::spawn(execute(Arc::clone(app), id, live));
-        }
+        let handle = app.controller.restore(&client, state);
+        app.track(
+            id,
+            client.clone(),
+            handle.expect("a live state"),
+            duration_ms,
+        );
     }
 }
 
@@ -201,192 +219,178 @@ async fn reload_on_sighup(app: Arc<App>) {
             app.controller.record_failed_reload();
             continue;
         };
-        let quota = app.settings.quota_path.as_deref();
-        let identities = secrets.identities().cloned().collect::<Vec<_>>();
-        if app.controller.reload_from_optional_path(quota, identities).is_ok() {
+        let (quota, identities) = (app.settings.quota_path.as_deref(), secrets.identities());
+        let controller = &app.controller;
+        if controller
+            .reload_from_optional_path(quota, identities.cloned())
+            .is_ok()
+        {
             *app.secrets.write().unwrap() = Arc::new(secrets);
         }
     }
 }
 
 async fn submit(State(app): State<Arc<App>>, headers: HeaderMap, body: Json<Value>) -> Response {
-    submit_inner(app, headers, body).await.unwrap_or_else(IntoResponse::into_response)
-}
-
-async fn submit_inner(app: Arc<App>, headers: HeaderMap, body: Json<Value>) -> Result<Response, Reply> {
     // Authenticate and validate: no quota, no write.
-    let client = app.identify(&headers)?;
-    let (Some(key), Some(kind)) = (body["idempotency_key"].as_str(), body["operation"].as_str())
-    else {
-        return Err(error(StatusCode::BAD_REQUEST, "invalid_request", "Missing fields."));
+    let client = match app.identify(&headers) {
+        Ok(client) => client,
+        Err(reply) => return reply.into_response(),
     };
+    let (key, kind) = (body["idempotency_key"].as_str(), body["operation"].as_str());
     let needs_approval = match kind {
-        "demo.run" => false,
-        "demo.request" => true,
-        _ => return Err(error(StatusCode::BAD_REQUEST, "operation_not_registered", "Unknown.")),
+        Some("demo.run") => false,
+        Some("demo.request") => true,
+        _ => return error(400, "operation_not_registered", "Unknown.").into_response(),
+    };
+    let Some(key) = key.map(str::to_owned) else {
+        return error(400, "invalid_request", "No idempotency_key.").into_response();
     };
     let duration_ms = body["duration_ms"].as_u64().unwrap_or(0).min(600_000);
     // Replay under the key's lock, so concurrent duplicates create exactly one operation. A
     // hangup while waiting for the lock or the read drops the guard: nothing changed.
-    let guard = app.key_lock(client.as_str(), key).lock_owned().await;
-    let (c, k) = (client.to_string(), key.to_owned());
-    let existing = app
-        .store(false, move |db| {
-            let sql = "SELECT id, state FROM operations WHERE client = ?1 AND key = ?2";
-            db.query_row(sql, params![c, k], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))
-                .optional()
-        })
-        .await
-        .expect("store read");
-    if let Some((id, state)) = existing {
-        return Ok((StatusCode::OK, Json(json!({"id": id, "state": state}))).into_response());
+    let guard = app.key_lock(client.as_str(), &key).lock_owned().await;
+    let sql = "SELECT id, state FROM operations WHERE client = ?1 AND key = ?2";
+    let (c, k) = (client.to_string(), key.clone());
+    let row = |r: &rusqlite::Row| Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?));
+    let read = app.store(false, move |db| {
+        db.query_row(sql, params![c, k], row).optional()
+    });
+    if let Some((id, state)) = read.await.expect("store read") {
+        return operation(200, id, &state).into_response();
     }
-    // Decided: admit, insert, commit (or refund) and hand off run detached, still under the key's
-    // lock. A permit never crosses an `.await` of the handler.
-    let (app2, key) = (Arc::clone(&app), key.to_owned());
+    // Decided: admit, insert, commit (or refund) and hand-off run detached, still under the
+    // key's lock. No permit is ever held across an `.await` of the handler.
     let work = tokio::spawn(async move {
         let _guard = guard;
-        let permit = match app2.controller.admit(&client, needs_approval) {
+        let permit = match app.controller.admit(&client, needs_approval) {
             Ok(permit) => permit,
             Err(refusal) => {
-                let status = StatusCode::from_u16(refusal.http_status()).expect("a status");
-                let body = error(status, refusal.code.as_str(), refusal.message());
+                let body = error(
+                    refusal.http_status(),
+                    refusal.code.as_str(),
+                    refusal.message(),
+                );
                 return match refusal.retry_after_header() {
-                    Some(secs) => ([(header::RETRY_AFTER, secs.to_string())], body).into_response(),
+                    Some(secs) => ([(header::RETRY_AFTER, secs)], body).into_response(),
                     None => body.into_response(), // 403: retrying cannot help.
                 };
             }
         };
-        let id = format!("op_{:016x}", rand_id());
-        let state = if needs_approval { "pending" } else { "approved" };
-        let row = (id.clone(), client.to_string(), key, duration_ms as i64, state);
-        let inserted = app2
-            .store(true, move |db| {
-                let sql = "INSERT INTO operations VALUES (?1, ?2, ?3, ?4, ?5)";
-                db.execute(sql, params![row.0, row.1, row.2, row.3, row.4])
-            })
-            .await;
-        if inserted.is_err() {
+        let state = if needs_approval {
+            OperationState::Pending
+        } else {
+            OperationState::Approved
+        };
+        let sql =
+            "INSERT INTO operations (client, key, duration_ms, state) VALUES (?1, ?2, ?3, ?4)";
+        let row = (client.to_string(), key, duration_ms, state.as_str());
+        let insert = move |db: &Connection| {
+            db.execute(sql, params![row.0, row.1, row.2, row.3])?;
+            Ok(db.last_insert_rowid())
+        };
+        let Ok(id) = app.store(true, insert).await else {
             permit.refund(); // Our fault, not the client's: give the token back too.
-            let reply = error(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable", "Retry.");
-            return reply.into_response();
-        }
-        let duration = Duration::from_millis(duration_ms);
-        let handle = permit.commit();
-        let live = Arc::new(Live { client: client.to_string(), handle, duration, lock: Default::default() });
-        app2.live.lock().unwrap().insert(id.clone(), Arc::clone(&live));
-        if !needs_approval {
-            tokio::spawn(execute(Arc::clone(&app2), id.clone(), live));
-        }
-        (StatusCode::ACCEPTED, Json(json!({"id": id, "state": state}))).into_response()
+            return error(503, "store_unavailable", "Retry.").into_response();
+        };
+        app.track(id, client.to_string(), permit.commit(), duration_ms);
+        operation(202, id, state.as_str()).into_response()
     });
-    Ok(work.await.expect("submission task"))
+    work.await.expect("submission task")
 }
 
-fn live_op(app: &App, id: &str) -> Option<Arc<Live>> {
-    app.live.lock().unwrap().get(id).cloned()
-}
-
-async fn cancel(State(app): State<Arc<App>>, headers: HeaderMap, Path(id): Path<String>) -> Reply {
+async fn cancel(State(app): State<Arc<App>>, headers: HeaderMap, Path(id): Path<i64>) -> Reply {
     let client = match app.identify(&headers) {
         Ok(client) => client,
         Err(reply) => return reply,
     };
-    let Some(live) = live_op(&app, &id).filter(|l| l.client == client.as_str()) else {
-        return error(StatusCode::NOT_FOUND, "not_found", "No such live operation.");
+    let Some(live) = app.live(id).filter(|live| live.client == client.as_str()) else {
+        return error(404, "not_found", "No such live operation.");
     };
     // Decided: the transition and its store write run to their end together.
-    tokio::spawn(async move {
+    let work = tokio::spawn(async move {
         let _order = live.lock.lock().await;
         match live.handle.cancel() {
             Ok(CancelOutcome::Canceled { .. }) => {
-                app.set_state(&id, OperationState::Canceled).await;
+                app.set_state(id, OperationState::Canceled).await;
                 app.live.lock().unwrap().remove(&id);
-                (StatusCode::OK, Json(json!({"id": id, "state": "canceled"})))
+                operation(200, id, "canceled")
             }
-            // Already terminal: the store has it right; write nothing.
-            Ok(CancelOutcome::AlreadyTerminal(state)) => {
-                (StatusCode::OK, Json(json!({"id": id, "state": state.as_str()})))
-            }
-            Err(_) => error(StatusCode::CONFLICT, "operation_not_cancelable", "It is executing."),
+            // Already terminal: the store has it right; write nothing over it.
+            Ok(CancelOutcome::AlreadyTerminal(state)) => operation(200, id, state.as_str()),
+            Err(_) => error(409, "operation_not_cancelable", "Executing."),
         }
-    })
-    .await
-    .expect("cancel task")
+    });
+    work.await.expect("cancel task")
 }
 
 async fn decide(
     State(app): State<Arc<App>>,
     headers: HeaderMap,
-    Path((id, decision)): Path<(String, String)>,
+    Path((id, decision)): Path<(i64, String)>,
 ) -> Reply {
     if let Err(reply) = app.operator(&headers) {
         return reply;
     }
-    let Some(live) = live_op(&app, &id) else {
-        return error(StatusCode::NOT_FOUND, "not_found", "No such live operation.");
+    let Some(live) = app.live(id) else {
+        return error(404, "not_found", "No such live operation.");
     };
-    tokio::spawn(async move {
+    let work = tokio::spawn(async move {
         let _order = live.lock.lock().await;
-        let (outcome, to) = match decision.as_str() {
+        let (decided, to) = match decision.as_str() {
             "approve" => (live.handle.approve(), OperationState::Approved),
             _ => (live.handle.deny(), OperationState::Denied),
         };
-        if outcome.is_err() {
-            return error(StatusCode::CONFLICT, "request_not_pending", "Not pending.");
+        if decided.is_err() {
+            return error(409, "request_not_pending", "Not pending.");
         }
-        app.set_state(&id, to).await;
+        app.set_state(id, to).await;
         if to == OperationState::Approved {
-            tokio::spawn(execute(Arc::clone(&app), id.clone(), Arc::clone(&live)));
+            tokio::spawn(execute(Arc::clone(&app), id, Arc::clone(&live)));
         } else {
             app.live.lock().unwrap().remove(&id);
         }
-        (StatusCode::OK, Json(json!({"id": id, "state": to.as_str()})))
-    })
-    .await
-    .expect("decision task")
+        operation(200, id, to.as_str())
+    });
+    work.await.expect("decision task")
 }
 
 /// Runs one approved operation: waits for an execution slot (no polling), records each step.
-async fn execute(app: Arc<App>, id: String, live: Arc<Live>) {
+async fn execute(app: Arc<App>, id: i64, live: Arc<Live>) {
     if live.handle.start().await.is_err() {
         return; // Canceled or expired while queued: whoever did it wrote the store.
     }
     {
         let _order = live.lock.lock().await;
-        app.set_state(&id, OperationState::Executing).await;
+        app.set_state(id, OperationState::Executing).await;
     }
     tokio::time::sleep(live.duration).await; // The work itself.
     // The store first: should the process die in between, the row is not run again.
     let _order = live.lock.lock().await;
-    app.set_state(&id, OperationState::Succeeded).await;
-    live.handle.succeed().expect("only the executor finishes executing work");
+    app.set_state(id, OperationState::Succeeded).await;
+    let finished = live.handle.succeed();
+    finished.expect("only the executor finishes executing work");
     app.live.lock().unwrap().remove(&id);
 }
 
+/// The controller's metrics in the embedder's own registry, beside any of its own.
 async fn render_metrics(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
     if let Err(reply) = app.operator(&headers) {
         return reply.into_response();
     }
     let mut text = String::new();
     encode(&mut text, &app.registry).expect("encode");
-    ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0")], text).into_response()
-}
-
-fn rand_id() -> u64 {
-    use std::hash::{BuildHasher, RandomState};
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
-    RandomState::new().hash_one(nanos.map(|d| d.as_nanos()).unwrap_or(0))
+    let content_type = "application/openmetrics-text; version=1.0.0";
+    ([(header::CONTENT_TYPE, content_type)], text).into_response()
 }
 
 #[tokio::main]
 async fn main() {
     let mut args = std::env::args_os().skip(1).map(PathBuf::from);
-    let secrets_path = args.next().expect("usage: axum_broker SECRETS_FILE [QUOTA_FILE]");
+    let usage = "usage: axum_broker SECRETS_FILE [QUOTA_FILE]";
     let settings = Settings {
         listen: "127.0.0.1:8080".parse().expect("address"),
         db_path: "axum-broker.sqlite".into(),
-        secrets_path,
+        secrets_path: args.next().expect(usage),
         quota_path: args.next(),
         store_delay: Duration::ZERO,
     };

@@ -274,9 +274,7 @@ impl Harness {
             10 => {
                 let identity = POOL[usize::from(arg) % POOL.len()];
                 let state = OperationState::ALL[usize::from(bytes.next()) % 8];
-                let result = self
-                    .controller
-                    .restore(&Identity::new(identity).expect("valid"), state);
+                let result = self.controller.restore(identity, state);
                 match result {
                     Ok(op) => {
                         assert!(!state.is_terminal());

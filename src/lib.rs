@@ -137,8 +137,8 @@ pub use prometheus_client;
 pub use clock::{Clock, ManualClock, QuantaClock};
 pub use config::{ClientLimits, Config, Identity, Limits};
 pub use engine::{
-    CancelOutcome, CapacityQuota, Controller, ControllerBuilder, Operation, OperationState, Permit, QuotaStatus,
-    RateQuota, Refusal, RefusalCode, StartError, StorageCaps, StorageReservation, Store, StoreCaps,
-    StoredObject, TransitionError,
+    CancelOutcome, CapacityQuota, Controller, ControllerBuilder, Operation, OperationState, Permit,
+    QuotaStatus, RateQuota, Refusal, RefusalCode, StartError, StorageCaps, StorageReservation,
+    Store, StoreCaps, StoredObject, TransitionError,
 };
 pub use metrics::Snapshot;

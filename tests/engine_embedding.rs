@@ -8,8 +8,8 @@ use std::task::{Context, Poll, Wake, Waker};
 
 use unyolo_admission::config::{Rule, Secrets};
 use unyolo_admission::{
-    CancelOutcome, ClientLimits, Config, Controller, Identity, Limits, ManualClock,
-    OperationState, RefusalCode, TransitionError, metrics,
+    CancelOutcome, ClientLimits, Config, Controller, Identity, Limits, ManualClock, OperationState,
+    RefusalCode, TransitionError, metrics,
 };
 
 fn bot() -> Identity {
@@ -32,7 +32,9 @@ fn controller(requests: u32, active: u32, global_executing: u32) -> Controller {
         ..Limits::default()
     };
     let config = Config::new(limits, overrides, [bot()]).unwrap();
-    Controller::builder(config).clock(ManualClock::new()).build()
+    Controller::builder(config)
+        .clock(ManualClock::new())
+        .build()
 }
 
 /// Polls `future` on this thread, parking between polls: no runtime at all.
@@ -67,7 +69,10 @@ fn cancel_says_whether_it_changed_the_operation() {
     done.try_start().unwrap();
     done.succeed().unwrap();
     let outcome = done.cancel().unwrap();
-    assert_eq!(outcome, CancelOutcome::AlreadyTerminal(OperationState::Succeeded));
+    assert_eq!(
+        outcome,
+        CancelOutcome::AlreadyTerminal(OperationState::Succeeded)
+    );
     assert!(!outcome.changed());
     assert_eq!(outcome.state(), OperationState::Succeeded);
     assert!(c.snapshot().is_idle());
@@ -145,8 +150,14 @@ fn a_dropped_permit_and_a_dropped_live_operation_are_counted_as_embedder_bugs() 
     assert_eq!((s.dropped_permits, s.dropped_operations), (1, 1));
     assert!(s.is_idle());
     let text = metrics::render(&c);
-    assert!(text.contains("\nadmission_dropped_permits_total 1\n"), "{text}");
-    assert!(text.contains("\nadmission_dropped_operations_total 1\n"), "{text}");
+    assert!(
+        text.contains("\nadmission_dropped_permits_total 1\n"),
+        "{text}"
+    );
+    assert!(
+        text.contains("\nadmission_dropped_operations_total 1\n"),
+        "{text}"
+    );
 }
 
 #[test]
@@ -160,7 +171,8 @@ fn restore_and_admit_take_the_same_identity_types() {
     let q = c.admit(bot(), false).unwrap();
     assert_eq!(c.snapshot().active, 5);
     assert_eq!(
-        c.restore("no spaces allowed", OperationState::Pending).unwrap_err(),
+        c.restore("no spaces allowed", OperationState::Pending)
+            .unwrap_err(),
         unyolo_admission::engine::RestoreError::InvalidIdentity
     );
     for op in [a, b, d] {
@@ -190,7 +202,10 @@ fn the_rate_is_reported_before_capacity_when_both_are_exhausted() {
     assert_eq!(refusal.code, RefusalCode::SubmissionRateLimited);
     assert_eq!(refusal.retry_after_header(), Some(60));
     assert_eq!(refusal.http_status(), 429);
-    assert_eq!(refusal.message(), RefusalCode::SubmissionRateLimited.message());
+    assert_eq!(
+        refusal.message(),
+        RefusalCode::SubmissionRateLimited.message()
+    );
     held.refund();
 }
 
@@ -199,7 +214,10 @@ fn an_unconfigured_client_gets_a_403_without_retry_after() {
     let c = controller(10, 5, 5);
     let refusal = c.admit("stranger", false).unwrap_err();
     assert_eq!(refusal.code, RefusalCode::ClientUnconfigured);
-    assert_eq!((refusal.http_status(), refusal.retry_after_header()), (403, None));
+    assert_eq!(
+        (refusal.http_status(), refusal.retry_after_header()),
+        (403, None)
+    );
 }
 
 #[test]
@@ -239,7 +257,10 @@ fn a_reload_can_add_identities_and_counts_a_rejected_file() {
     let dir = tempfile::tempdir().unwrap();
     let bad = dir.path().join("quota.json");
     std::fs::write(&bad, "{}").unwrap();
-    assert!(c.reload_from_optional_path(Some(&bad), [bot(), newcomer]).is_err());
+    assert!(
+        c.reload_from_optional_path(Some(&bad), [bot(), newcomer])
+            .is_err()
+    );
     let s = c.snapshot();
     assert_eq!((s.reloads_applied, s.reloads_rejected), (1, 1));
 }
@@ -251,7 +272,10 @@ fn metrics_have_no_empty_label_sets_and_export_each_clients_tokens() {
     drop(c.admit("bot", false).unwrap());
     let text = metrics::render(&c);
     assert!(!text.contains("{}"), "{text}");
-    assert!(text.contains("\nadmission_clock_regressions_total 0\n"), "{text}");
+    assert!(
+        text.contains("\nadmission_clock_regressions_total 0\n"),
+        "{text}"
+    );
     assert!(
         text.contains("\nadmission_client_tokens{client=\"bot\"} 9\n"),
         "{text}"

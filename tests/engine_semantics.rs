@@ -4,9 +4,8 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use unyolo_admission::{
-    CancelOutcome,
-    ClientLimits, Config, Controller, Identity, Limits, ManualClock, OperationState, RefusalCode,
-    StartError, StorageCaps, Store, TransitionError,
+    CancelOutcome, ClientLimits, Config, Controller, Identity, Limits, ManualClock, OperationState,
+    RefusalCode, StartError, StorageCaps, Store, TransitionError,
 };
 
 fn id(name: &str) -> Identity {
@@ -403,7 +402,7 @@ fn starting_without_a_free_slot_leaves_the_operation_queued() {
 fn restored_work_counts_even_above_a_lowered_limit() {
     let (c, _) = one_client(10, 60, 2, 2);
     let restored: Vec<_> = (0..3)
-        .map(|_| c.restore(&id("bot"), OperationState::Pending).unwrap())
+        .map(|_| c.restore(id("bot"), OperationState::Pending).unwrap())
         .collect();
     let s = c.snapshot();
     assert_eq!((s.active, s.pending), (3, 3));
@@ -419,13 +418,13 @@ fn restored_work_counts_even_above_a_lowered_limit() {
     );
     restored[1].cancel().unwrap();
     assert!(c.admit("bot", false).is_ok());
-    assert!(c.restore(&id("bot"), OperationState::Succeeded).is_err());
+    assert!(c.restore(id("bot"), OperationState::Succeeded).is_err());
 }
 
 #[test]
 fn restore_of_an_unconfigured_identity_counts_globally_but_admits_nothing() {
     let (c, _) = one_client(10, 60, 2, 2);
-    let ghost = c.restore(&id("ghost"), OperationState::Executing).unwrap();
+    let ghost = c.restore(id("ghost"), OperationState::Executing).unwrap();
     assert_eq!(c.snapshot().executing, 1);
     assert_eq!(
         c.admit("ghost", false).unwrap_err().code,

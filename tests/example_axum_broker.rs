@@ -97,21 +97,30 @@ async fn clients_hanging_up_mid_submission_leave_counts_equal_to_the_store() {
     for key in &keys {
         let body = format!(r#"{{"idempotency_key":"{key}","operation":"demo.request"}}"#);
         let (status, op) = post(addr, "/operations", "bot-secret", &body).await;
-        assert_eq!((status, op["state"].as_str()), (200, Some("pending")), "{key}");
+        assert_eq!(
+            (status, op["state"].as_str()),
+            (200, Some("pending")),
+            "{key}"
+        );
     }
     assert_eq!(app.controller.snapshot().pending, 6);
     assert_counts_match_store(&app).await;
 
     // Decisions and cancels, some abandoned by their callers too.
-    let ids: Vec<String> = futures_join_all(keys.iter().cloned().map(|key| async move {
+    let ids: Vec<i64> = futures_join_all(keys.iter().cloned().map(|key| async move {
         let body = format!(r#"{{"idempotency_key":"{key}","operation":"demo.request"}}"#);
         post(addr, "/operations", "bot-secret", &body).await.1["id"]
-            .as_str()
+            .as_i64()
             .unwrap()
-            .to_owned()
     }))
     .await;
-    let (status, first) = post(addr, &format!("/operations/{}/cancel", ids[0]), "bot-secret", "").await;
+    let (status, first) = post(
+        addr,
+        &format!("/operations/{}/cancel", ids[0]),
+        "bot-secret",
+        "",
+    )
+    .await;
     assert_eq!((status, first["state"].as_str()), (200, Some("canceled")));
     let abandoned = reqwest::Client::new()
         .post(format!("http://{addr}/requests/{}/approve", ids[1]))
@@ -119,13 +128,28 @@ async fn clients_hanging_up_mid_submission_leave_counts_equal_to_the_store() {
         .timeout(Duration::from_millis(20))
         .send()
         .await;
-    assert!(abandoned.is_err(), "the caller hung up before the slow store answered");
-    let (status, _) = post(addr, &format!("/requests/{}/deny", ids[2]), "operator-secret", "").await;
+    assert!(
+        abandoned.is_err(),
+        "the caller hung up before the slow store answered"
+    );
+    let (status, _) = post(
+        addr,
+        &format!("/requests/{}/deny", ids[2]),
+        "operator-secret",
+        "",
+    )
+    .await;
     assert_eq!(status, 200);
     // The abandoned approval still ran: its operation executes and succeeds, so it cannot be
     // canceled any more (409 while executing, 404 once it is done) — a second cancel of the
     // first is 404 too: it is no longer live.
-    let (status, _) = post(addr, &format!("/operations/{}/cancel", ids[0]), "bot-secret", "").await;
+    let (status, _) = post(
+        addr,
+        &format!("/operations/{}/cancel", ids[0]),
+        "bot-secret",
+        "",
+    )
+    .await;
     assert_eq!(status, 404);
     let stored = wait_until_stored(&app, "succeeded", 1).await;
     assert_counts_match_store(&app).await;
@@ -145,7 +169,7 @@ async fn a_restart_restores_live_rows_and_fails_interrupted_ones() {
     // Pretend the process died while one operation was executing.
     let db = rusqlite::Connection::open(dir.path().join("store.sqlite")).unwrap();
     db.execute(
-        "INSERT INTO operations VALUES ('op_x', 'bot', 'c', 0, 'executing')",
+        "INSERT INTO operations (client, key, duration_ms, state) VALUES ('bot', 'c', 0, 'executing')",
         [],
     )
     .unwrap();
@@ -154,7 +178,11 @@ async fn a_restart_restores_live_rows_and_fails_interrupted_ones() {
     let s = restarted.controller.snapshot();
     assert_eq!((s.pending, s.executing), (2, 0), "two pending restored");
     let stored = restarted.stored_counts().await;
-    assert_eq!(stored.get("failed"), Some(&1), "executing became failed: {stored:?}");
+    assert_eq!(
+        stored.get("failed"),
+        Some(&1),
+        "executing became failed: {stored:?}"
+    );
     assert_counts_match_store(&restarted).await;
     drop(app);
 }
@@ -173,7 +201,9 @@ async fn wait_until_stored(app: &Arc<App>, state: &str, n: u64) -> HashMap<Strin
     panic!("the store never held {n} {state} operations");
 }
 
-async fn futures_join_all<F: std::future::Future>(futures: impl IntoIterator<Item = F>) -> Vec<F::Output>
+async fn futures_join_all<F: std::future::Future>(
+    futures: impl IntoIterator<Item = F>,
+) -> Vec<F::Output>
 where
     F: Send + 'static,
     F::Output: Send + 'static,

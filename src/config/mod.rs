@@ -58,7 +58,10 @@ pub struct Limits {
     pub client_pending: u32,
     /// Most operations active across all clients (GA).
     pub global_active: u32,
-    /// Most operations executing across all clients (GE).
+    /// Most operations executing across all clients (GE). While this many execute, every new
+    /// submission is refused `global_execution_limit` — one that needs approval too, although it
+    /// would not run soon: a saturated pool is the signal to take no new work until it drains.
+    /// Queued work waits for a slot ([`Operation::start`](crate::Operation::start)).
     pub global_executing: u32,
 }
 

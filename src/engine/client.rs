@@ -16,8 +16,8 @@ use super::gcra::{Bucket, Rate};
 use super::global::GlobalCounts;
 use super::refusal::RefusalCode;
 use crate::clock::MonotonicClock;
-use crate::sync::{Event, IntoNotification};
 use crate::config::{Config, Identity};
+use crate::sync::{Event, IntoNotification};
 
 /// State every handle needs to release what it holds: global counts, limits, time.
 pub(crate) struct Shared {

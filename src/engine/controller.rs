@@ -208,7 +208,11 @@ impl Controller {
     /// `identity` is the authenticated client's name, as `&str`, `&String` or `&Identity` — the
     /// same type [`Controller::restore`] takes. On success, commit the permit once the durable
     /// operation exists, or refund it; never let it drop (see [`Permit`]).
-    pub fn admit(&self, identity: impl AsRef<str>, needs_approval: bool) -> Result<Permit, Refusal> {
+    pub fn admit(
+        &self,
+        identity: impl AsRef<str>,
+        needs_approval: bool,
+    ) -> Result<Permit, Refusal> {
         self.admit_str(identity.as_ref(), needs_approval)
     }
 
@@ -233,7 +237,8 @@ impl Controller {
 
         // Read-only, in the contract's order: under a flood a refused client's line is only
         // read, so refusals on several threads do not contend.
-        if let Some(code) = first_failing(&client, &limits, caps, global_limits, now, needs_approval)
+        if let Some(code) =
+            first_failing(&client, &limits, caps, global_limits, now, needs_approval)
         {
             return Err(refuse(&client, &settings, code, now, needs_approval));
         }
@@ -882,7 +887,10 @@ impl Drop for Permit {
         if let Some(client) = self.client.take() {
             release_admission(&client, self.needs_approval);
             // Relaxed: a statistic.
-            client.shared.dropped_permits.fetch_add(1, Ordering::Relaxed);
+            client
+                .shared
+                .dropped_permits
+                .fetch_add(1, Ordering::Relaxed);
         }
     }
 }

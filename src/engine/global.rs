@@ -142,7 +142,11 @@ impl GlobalCounts {
 
     /// The check [`GlobalCounts::try_admit`] would fail now, read without writing.
     #[inline]
-    pub(crate) fn would_refuse(&self, pending: bool, limits: GlobalLimits) -> Option<GlobalRefusal> {
+    pub(crate) fn would_refuse(
+        &self,
+        pending: bool,
+        limits: GlobalLimits,
+    ) -> Option<GlobalRefusal> {
         let c = self.get();
         if pending && c.pending >= limits.pending_grants.min(FIELD_MAX) {
             Some(GlobalRefusal::PendingGrants)

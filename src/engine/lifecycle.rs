@@ -615,6 +615,35 @@ mod loom_models {
         });
     }
 
+    /// An executor waiting in `start` for the only execution slot while the running operation
+    /// finishes: whatever the interleaving of the finish with the wait's listen and try, the
+    /// waiter is woken and takes the slot (no lost wake-up).
+    #[test]
+    fn loom_start_waiting_for_a_slot_is_woken_by_a_finish() {
+        loom::model(|| {
+            let limits = crate::config::Limits {
+                global_executing: 1,
+                ..crate::config::Limits::default()
+            };
+            let config =
+                Config::new(limits, Default::default(), [Identity::new("a").unwrap()]).unwrap();
+            let c = Controller::builder(config)
+                .clock(ManualClock::new())
+                .build();
+            let running = Arc::new(c.admit("a", false).unwrap().commit());
+            let queued = c.admit("a", false).unwrap().commit();
+            running.try_start().unwrap();
+            let finisher = {
+                let running = running.clone();
+                thread::spawn(move || running.succeed().unwrap())
+            };
+            loom::future::block_on(queued.start()).unwrap();
+            finisher.join().unwrap();
+            assert_eq!(queued.state(), OperationState::Executing);
+            assert_eq!(c.snapshot().executing, 1);
+        });
+    }
+
     /// A client's cancel racing an operator's approval and the executor's start right behind it:
     /// the operation ends canceled with nothing held, or runs holding exactly one execution slot.
     #[test]

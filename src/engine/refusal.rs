@@ -221,7 +221,10 @@ mod tests {
         };
         assert_eq!(unconfigured.retry_after_header(), None);
         for &code in &RefusalCode::ALL[1..] {
-            assert_eq!(Refusal::after_nanos(code, 2_500_000_000).retry_after_header(), Some(3));
+            assert_eq!(
+                Refusal::after_nanos(code, 2_500_000_000).retry_after_header(),
+                Some(3)
+            );
         }
     }
 
