@@ -201,11 +201,10 @@ async fn wait_until_stored(app: &Arc<App>, state: &str, n: u64) -> HashMap<Strin
     panic!("the store never held {n} {state} operations");
 }
 
-async fn futures_join_all<F: std::future::Future>(
-    futures: impl IntoIterator<Item = F>,
-) -> Vec<F::Output>
+/// Runs each future on a task of its own, all at once, and collects their outputs in order.
+async fn futures_join_all<F>(futures: impl IntoIterator<Item = F>) -> Vec<F::Output>
 where
-    F: Send + 'static,
+    F: std::future::Future + Send + 'static,
     F::Output: Send + 'static,
 {
     let handles: Vec<_> = futures.into_iter().map(tokio::spawn).collect();
