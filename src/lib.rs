@@ -107,7 +107,7 @@
 //! and admit), or the loser of a race between duplicates holds a permit it must
 //! [`refund`](Permit::refund) — never drop.
 //!
-//! `examples/axum_broker.rs` is a complete broker written this way in about 300 lines: bearer
+//! `examples/axum_broker.rs` is a complete broker written this way in about 400 lines: bearer
 //! authentication ([`config::Secrets::identify`]), replay under a per-key lock, admission and
 //! creation in a detached task, operator decisions, an executor that waits for a slot
 //! ([`Operation::start`]), restore at start-up (and what to do with rows found `executing`),

@@ -217,9 +217,12 @@ impl Controller {
     }
 
     fn admit_str(&self, identity: &str, needs_approval: bool) -> Result<Permit, Refusal> {
-        let Some(client) = self.client(identity) else {
+        // The state is borrowed from the table (under its shard's read lock) for the read-only
+        // checks, and its `Arc` cloned only to reserve: a refusal writes no reference count.
+        let Some(entry) = self.inner.clients.get(identity) else {
             return Err(self.refuse_unconfigured());
         };
+        let client: &ClientState = &entry.key().0;
         let shared = &*self.inner.shared;
         let settings = shared.settings.load();
         let limits = *client.settings(&settings);
@@ -237,11 +240,12 @@ impl Controller {
 
         // Read-only, in the contract's order: under a flood a refused client's line is only
         // read, so refusals on several threads do not contend.
-        if let Some(code) =
-            first_failing(&client, &limits, caps, global_limits, now, needs_approval)
+        if let Some(code) = first_failing(client, &limits, caps, global_limits, now, needs_approval)
         {
-            return Err(refuse(&client, &settings, code, now, needs_approval));
+            return Err(refuse(client, &settings, code, now, needs_approval));
         }
+        let client = Arc::clone(&entry.key().0);
+        drop(entry);
 
         if client.bucket.try_take(now, limits.rate).is_err() {
             return Err(refuse(
