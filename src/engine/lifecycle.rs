@@ -615,6 +615,25 @@ mod loom_models {
         });
     }
 
+    /// Polls `future` on this loom thread, parking between polls (loom's park and unpark).
+    fn block_on<F: std::future::Future>(future: F) -> F::Output {
+        use std::task::{Context, Poll, Wake, Waker};
+        struct Unpark(thread::Thread);
+        impl Wake for Unpark {
+            fn wake(self: std::sync::Arc<Self>) {
+                self.0.unpark();
+            }
+        }
+        let waker = Waker::from(std::sync::Arc::new(Unpark(thread::current())));
+        let mut future = std::pin::pin!(future);
+        loop {
+            if let Poll::Ready(v) = future.as_mut().poll(&mut Context::from_waker(&waker)) {
+                return v;
+            }
+            thread::park();
+        }
+    }
+
     /// An executor waiting in `start` for the only execution slot while the running operation
     /// finishes: whatever the interleaving of the finish with the wait's listen and try, the
     /// waiter is woken and takes the slot (no lost wake-up).
@@ -637,7 +656,7 @@ mod loom_models {
                 let running = running.clone();
                 thread::spawn(move || running.succeed().unwrap())
             };
-            loom::future::block_on(queued.start()).unwrap();
+            block_on(queued.start()).unwrap();
             finisher.join().unwrap();
             assert_eq!(queued.state(), OperationState::Executing);
             assert_eq!(c.snapshot().executing, 1);
