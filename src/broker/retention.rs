@@ -149,6 +149,7 @@ pub struct SweepReport {
 }
 
 type StateLabels = [(&'static str, &'static str); 1];
+type FileLabels = [(&'static str, &'static str); 1];
 
 /// The sweep's state and metrics, held by the broker's core.
 pub(crate) struct Retention {
@@ -156,7 +157,7 @@ pub(crate) struct Retention {
     /// One sweep at a time (the timer's and an on-demand one).
     running: tokio::sync::Mutex<()>,
     operations: Family<StateLabels, Gauge>,
-    store_bytes: Gauge,
+    store_bytes: Family<FileLabels, Gauge>,
     last_sweep_time: Gauge,
     last_sweep_retired: Gauge,
     last_sweep_seconds: Gauge<f64, std::sync::atomic::AtomicU64>,
@@ -173,7 +174,7 @@ impl Retention {
             settings,
             running: tokio::sync::Mutex::new(()),
             operations: Family::default(),
-            store_bytes: Gauge::default(),
+            store_bytes: Family::default(),
             last_sweep_time: Gauge::default(),
             last_sweep_retired: Gauge::default(),
             last_sweep_seconds: Gauge::default(),
@@ -189,7 +190,8 @@ impl Retention {
         );
         registry.register(
             "broker_store_bytes",
-            "Bytes the store's database takes on disk (file and write-ahead log), at the last sweep.",
+            "Bytes the store's database takes on disk at the last sweep, by file: `database` (the \
+             SQLite file) and `wal` (its write-ahead log).",
             retention.store_bytes.clone(),
         );
         registry.register(
@@ -282,6 +284,9 @@ pub(crate) async fn sweep(core: &Arc<Core>) -> Result<SweepReport, StoreError> {
     }
     while core.db.return_free_pages(VACUUM_STEP).await? > 0 {
         tokio::task::yield_now().await;
+    }
+    if report.retired > 0 {
+        core.db.checkpoint().await?;
     }
     let (rows_removed, files_removed) = reconcile_streams(core).await?;
     report.stream_rows_removed = rows_removed;
@@ -388,9 +393,13 @@ async fn refresh_metrics(core: &Arc<Core>) -> Result<(), StoreError> {
             .get_or_create(&[("state", state.as_str())])
             .set(i64::try_from(n).unwrap_or(i64::MAX));
     }
-    retention
-        .store_bytes
-        .set(i64::try_from(core.db.file_bytes()).unwrap_or(i64::MAX));
+    let (database, wal) = core.db.file_bytes();
+    for (file, bytes) in [("database", database), ("wal", wal)] {
+        retention
+            .store_bytes
+            .get_or_create(&[("file", file)])
+            .set(i64::try_from(bytes).unwrap_or(i64::MAX));
+    }
     let stats = core.keys.stats();
     retention
         .filter_keys

@@ -49,6 +49,9 @@ pub const DEFAULT_BROKER_NAME: &str = "admission";
 /// The database file's name inside the data dir.
 pub const DATABASE_FILE: &str = "admission.sqlite3";
 
+/// The bytes the write-ahead log is cut back to after a checkpoint.
+const WAL_SIZE_LIMIT: i64 = 4 * 1024 * 1024;
+
 /// The lock file's name inside the data dir: locked exclusively by the broker that owns the dir.
 pub const LOCK_FILE: &str = "admission.lock";
 
@@ -337,6 +340,9 @@ fn open_connection(path: &Path) -> rusqlite::Result<Connection> {
     conn.pragma_update(None, "journal_mode", "WAL")?;
     // FULL: a commit is on disk before it returns, in WAL mode too.
     conn.pragma_update(None, "synchronous", "FULL")?;
+    // When the log restarts after a checkpoint, it is cut back to this size: a burst of writes (a
+    // large sweep) does not leave a large log file behind.
+    conn.pragma_update(None, "journal_size_limit", WAL_SIZE_LIMIT)?;
     Ok(conn)
 }
 
@@ -965,6 +971,16 @@ impl Database {
         .map(|n| n.max(0) as u64)
     }
 
+    /// Copies the write-ahead log into the database file as far as no reader needs it, without
+    /// waiting for anyone (`PASSIVE`): after an incremental vacuum, this is what makes the main
+    /// file shorter on disk.
+    pub async fn checkpoint(&self) -> Result<(), StoreError> {
+        self.write(|conn| {
+            conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))
+        })
+        .await
+    }
+
     /// How many operation rows are in each state (states with none are absent).
     pub async fn operations_by_state(&self) -> Result<Vec<(OperationState, u64)>, StoreError> {
         self.read(|conn, _| {
@@ -986,15 +1002,13 @@ impl Database {
         .await
     }
 
-    /// The bytes the database takes on disk: the main file and its write-ahead log.
-    pub fn file_bytes(&self) -> u64 {
-        let path = self.dir.join(DATABASE_FILE);
-        let wal = self.dir.join(format!("{DATABASE_FILE}-wal"));
-        [path, wal]
-            .iter()
-            .filter_map(|p| std::fs::metadata(p).ok())
-            .map(|m| m.len())
-            .sum()
+    /// The bytes the database takes on disk: (the main file, its write-ahead log).
+    pub fn file_bytes(&self) -> (u64, u64) {
+        let size = |name: String| std::fs::metadata(self.dir.join(name)).map_or(0, |m| m.len());
+        (
+            size(DATABASE_FILE.to_owned()),
+            size(format!("{DATABASE_FILE}-wal")),
+        )
     }
 
     /// The id of every stream row, with its client.
