@@ -23,6 +23,8 @@
 //! read are recorded and replayed into the new filter before it is swapped in, so no key is lost.
 //! Until then a retired key may still answer "maybe", which costs one store lookup that finds
 //! nothing, and the submission is new work, as a replay after retention is.
+//!
+//! Public only for the benchmarks (`benches/retention.rs`); not part of the crate's API.
 
 use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
@@ -33,7 +35,7 @@ use rand::rngs::SmallRng;
 use scalable_cuckoo_filter::{ScalableCuckooFilter, ScalableCuckooFilterBuilder};
 
 /// The upper bound on the share of never-used keys the filter answers "maybe" for.
-pub(crate) const FALSE_POSITIVE_BOUND: f64 = 0.0005;
+pub const FALSE_POSITIVE_BOUND: f64 = 0.0005;
 
 /// The smallest first sub-filter (keys), whatever the store holds.
 const MIN_CAPACITY: usize = 100_000;
@@ -44,7 +46,7 @@ const PROBES: u32 = 20_000;
 type Filter = ScalableCuckooFilter<u64, scalable_cuckoo_filter::DefaultHasher, SmallRng>;
 
 /// A growable filter of (client, idempotency key) pairs.
-pub(crate) struct KeyFilter {
+pub struct KeyFilter {
     /// Pairs are hashed with a per-process random key first, so a client cannot choose keys
     /// that collide; the filter stores that 64-bit digest.
     hasher: RandomState,
@@ -58,13 +60,13 @@ pub(crate) struct KeyFilter {
 
 /// The filter's size and accuracy, for the metrics.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub(crate) struct FilterStats {
+pub struct FilterStats {
     /// Keys inserted (approximately: the crate's count).
-    pub(crate) keys: u64,
+    pub keys: u64,
     /// Memory the filter's tables take, in bytes.
-    pub(crate) bytes: u64,
+    pub bytes: u64,
     /// The measured share of never-inserted values it answers "maybe" for.
-    pub(crate) false_positive_ratio: f64,
+    pub false_positive_ratio: f64,
 }
 
 fn new_filter(expected_keys: usize) -> Filter {
@@ -77,7 +79,7 @@ fn new_filter(expected_keys: usize) -> Filter {
 
 impl KeyFilter {
     /// An empty filter sized for about `expected_keys` (it grows past that by itself).
-    pub(crate) fn with_capacity(expected_keys: usize) -> KeyFilter {
+    pub fn with_capacity(expected_keys: usize) -> KeyFilter {
         KeyFilter {
             hasher: RandomState::new(),
             filter: RwLock::new(new_filter(expected_keys)),
@@ -91,7 +93,7 @@ impl KeyFilter {
     }
 
     /// Records that the pair has an operation.
-    pub(crate) fn insert(&self, client: &str, key: &str) {
+    pub fn insert(&self, client: &str, key: &str) {
         let digest = self.digest(client, key);
         // The rebuild lock first and throughout: a rebuild swapping filters holds it too while it
         // replays and swaps, so this digest lands in the old filter and in the pending list, or
@@ -107,7 +109,7 @@ impl KeyFilter {
     }
 
     /// Whether the pair may have an operation (`false` means it certainly has none).
-    pub(crate) fn may_contain(&self, client: &str, key: &str) -> bool {
+    pub fn may_contain(&self, client: &str, key: &str) -> bool {
         let digest = self.digest(client, key);
         self.filter
             .read()
@@ -116,7 +118,7 @@ impl KeyFilter {
     }
 
     /// Notes that `count` keys left the store (they stay in the filter until the next rebuild).
-    pub(crate) fn retired(&self, count: u64) {
+    pub fn retired(&self, count: u64) {
         // Relaxed: a hint for when to rebuild; nothing is published through it.
         self.retired
             .fetch_add(count, std::sync::atomic::Ordering::Relaxed);
@@ -124,7 +126,7 @@ impl KeyFilter {
 
     /// Whether enough keys retired since the last build (a quarter of what the filter holds) that
     /// a rebuild is worth its store scan.
-    pub(crate) fn stale(&self) -> bool {
+    pub fn stale(&self) -> bool {
         let retired = self.retired.load(std::sync::atomic::Ordering::Relaxed);
         let keys = self.filter.read().unwrap_or_else(|p| p.into_inner()).len() as u64;
         retired > 0 && retired.saturating_mul(4) >= keys
@@ -134,7 +136,7 @@ impl KeyFilter {
     /// once per (client, key) the store holds, reading the store after this call began (blocking;
     /// run it off the async threads). Pairs inserted meanwhile are kept. If `scan` fails the old
     /// filter stays.
-    pub(crate) fn rebuild<E>(
+    pub fn rebuild<E>(
         &self,
         expected_keys: usize,
         scan: impl FnOnce(&mut dyn FnMut(&str, &str)) -> Result<(), E>,
@@ -158,7 +160,7 @@ impl KeyFilter {
 
     /// The filter's size, and its false-positive ratio measured by probing it with random values
     /// that were never inserted.
-    pub(crate) fn stats(&self) -> FilterStats {
+    pub fn stats(&self) -> FilterStats {
         let filter = self.filter.read().unwrap_or_else(|p| p.into_inner());
         FilterStats {
             keys: filter.len() as u64,

@@ -70,7 +70,8 @@ mod drift;
 pub mod drill;
 mod exec;
 pub mod http;
-mod keys;
+#[doc(hidden)]
+pub mod keys;
 pub mod listener;
 pub mod listing;
 mod operations;
@@ -556,6 +557,13 @@ impl Broker {
     /// store metrics. Waits for a sweep already running to finish first.
     pub async fn sweep_now(&self) -> Result<SweepReport, StoreError> {
         retention::sweep(&self.core).await
+    }
+
+    /// Whether the replay filter lets a submission of `client` with `key` through to the store
+    /// lookup (for the benchmarks: the share of new keys that reach SQLite).
+    #[doc(hidden)]
+    pub fn replay_filter_passes(&self, client: &str, key: &str) -> bool {
+        self.core.keys.may_contain(client, key)
     }
 
     /// Re-reads the quota file at `path` (the identities stay those of the secrets file); an

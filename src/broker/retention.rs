@@ -1,8 +1,9 @@
 //! The store stays bounded: terminal operations retire after the retention period, stream files
 //! and rows are reconciled, and the space goes back to the filesystem.
 //!
-//! A sweep runs in a task of its own, off the request path, when the broker starts and then every
-//! [`RetentionSettings::sweep_interval`] (one minute by default), or on demand
+//! A sweep runs in a task of its own, off the request path, every
+//! [`RetentionSettings::sweep_interval`] (one minute by default; the first one interval after
+//! start-up, which already removed stream files without a row), or on demand
 //! ([`super::Broker::sweep_now`]). Each sweep:
 //!
 //! 1. deletes terminal operations whose `terminal_at` is older than the retention, at most
@@ -233,13 +234,17 @@ impl Retention {
     }
 }
 
-/// Sweeps every `interval` (the first at once) until the broker stops; zero for never.
+/// Refreshes the metrics at once, then sweeps every `interval` (the first one interval after
+/// start-up) until the broker stops; zero for never.
 pub(crate) async fn watch(core: Arc<Core>, interval: Duration) {
+    if let Err(err) = refresh_metrics(&core).await {
+        tracing::warn!(error = %err, "store metrics could not be read");
+    }
     if interval.is_zero() {
         return;
     }
     let mut shutdown = core.shutdown.clone();
-    let mut ticks = tokio::time::interval(interval);
+    let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
