@@ -163,8 +163,10 @@ async fn store_run(rows: usize, refusals: usize, concurrency: usize) -> StoreRun
     let spend = http
         .post(format!("{base}/api/agent/v1/operations"))
         .bearer_auth(SECRET)
-        .json(&json!({"idempotency_key": "spend", "operation": "demo.request",
-            "target": {}, "arguments": {}, "reason": "spend the token"}))
+        .json(
+            &json!({"idempotency_key": "spend", "operation": "demo.request",
+            "target": {}, "arguments": {}, "reason": "spend the token"}),
+        )
         .send()
         .await
         .unwrap();
@@ -231,7 +233,10 @@ async fn store_run(rows: usize, refusals: usize, concurrency: usize) -> StoreRun
 async fn main() {
     let full = std::env::args().any(|a| a == "--bench");
     let rows = env("RETENTION_ROWS", if full { 1_000_000 } else { 2_000 });
-    let filter_keys = env("RETENTION_FILTER_KEYS", if full { 10_000_000 } else { 10_000 });
+    let filter_keys = env(
+        "RETENTION_FILTER_KEYS",
+        if full { 10_000_000 } else { 10_000 },
+    );
     let refusals = env("RETENTION_REFUSALS", if full { 20_000 } else { 500 });
     let probes = if full { 1_000_000 } else { 10_000 };
     println!(

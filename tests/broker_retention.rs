@@ -92,7 +92,9 @@ async fn terminal_operations_older_than_the_retention_retire_and_live_ones_stay(
     let dir = tempfile::tempdir().unwrap();
     let clock = TestClock::default();
     let h = start_with(retaining(dir.path(), Keep::For(DAY), &clock)).await;
-    let done = h.submit(AGENT_SECRET, &request("done", "demo.run", 0)).await;
+    let done = h
+        .submit(AGENT_SECRET, &request("done", "demo.run", 0))
+        .await;
     let denied = h
         .submit(AGENT_SECRET, &request("denied", "demo.request", 0))
         .await;
@@ -156,7 +158,9 @@ async fn a_retention_of_forever_keeps_every_terminal_operation() {
     let dir = tempfile::tempdir().unwrap();
     let clock = TestClock::default();
     let h = start_with(retaining(dir.path(), Keep::Forever, &clock)).await;
-    let done = h.submit(AGENT_SECRET, &request("done", "demo.run", 0)).await;
+    let done = h
+        .submit(AGENT_SECRET, &request("done", "demo.run", 0))
+        .await;
     wait_state(&h, &done.id(), "succeeded").await;
     clock.advance(DAY * 10_000);
     assert_eq!(h.broker.sweep_now().await.unwrap().retired, 0);
@@ -169,10 +173,14 @@ async fn a_replay_of_a_retired_key_creates_a_new_operation() {
     let dir = tempfile::tempdir().unwrap();
     let clock = TestClock::default();
     let h = start_with(retaining(dir.path(), Keep::For(DAY), &clock)).await;
-    let first = h.submit(AGENT_SECRET, &request("same", "demo.run", 0)).await;
+    let first = h
+        .submit(AGENT_SECRET, &request("same", "demo.run", 0))
+        .await;
     assert_eq!(first.status, 202);
     wait_state(&h, &first.id(), "succeeded").await;
-    let replay = h.submit(AGENT_SECRET, &request("same", "demo.run", 0)).await;
+    let replay = h
+        .submit(AGENT_SECRET, &request("same", "demo.run", 0))
+        .await;
     assert_eq!((replay.status, replay.id()), (200, first.id()));
 
     clock.advance(DAY * 2);
@@ -185,12 +193,16 @@ async fn a_replay_of_a_retired_key_creates_a_new_operation() {
         Some(0)
     );
 
-    let again = h.submit(AGENT_SECRET, &request("same", "demo.run", 0)).await;
+    let again = h
+        .submit(AGENT_SECRET, &request("same", "demo.run", 0))
+        .await;
     assert_eq!(again.status, 202, "{}", again.body);
     assert_ne!(again.id(), first.id());
     wait_state(&h, &again.id(), "succeeded").await;
     // And that new operation is replayed like any other.
-    let replay = h.submit(AGENT_SECRET, &request("same", "demo.run", 0)).await;
+    let replay = h
+        .submit(AGENT_SECRET, &request("same", "demo.run", 0))
+        .await;
     assert_eq!((replay.status, replay.id()), (200, again.id()));
     h.broker.shutdown().await;
 }
@@ -285,7 +297,14 @@ async fn stream_rows_without_files_and_files_without_rows_are_reconciled() {
     );
     assert!(streams.join(&kept).exists());
     assert!(!streams.join("st_stray").exists());
-    assert!(h.broker.database().get_stream(&lost).await.unwrap().is_none());
+    assert!(
+        h.broker
+            .database()
+            .get_stream(&lost)
+            .await
+            .unwrap()
+            .is_none()
+    );
     let stored = h.snapshot();
     let stream_bytes: u64 = stored
         .storage
@@ -390,7 +409,8 @@ async fn listing_cursors_from_schema_2_point_at_the_same_rows_after_the_upgrade(
         .execute("DELETE FROM operations WHERE seq = ?1", [newest])
         .unwrap();
     db.load(&records).unwrap();
-    let page = db.list_page(
+    let page = db
+        .list_page(
             AGENT,
             PageQuery {
                 idempotency_key: None,
@@ -398,7 +418,9 @@ async fn listing_cursors_from_schema_2_point_at_the_same_rows_after_the_upgrade(
                 before: None,
                 limit: 1,
             },
-        ).await.unwrap();
+        )
+        .await
+        .unwrap();
     assert_eq!(page[0].1.id, records[0].id);
     assert!(page[0].0 > newest, "{} <= {newest}", page[0].0);
 }

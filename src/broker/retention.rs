@@ -367,7 +367,8 @@ async fn reconcile_streams(core: &Arc<Core>) -> Result<(u64, u64), StoreError> {
         }
         tracing::warn!(stream = %id, client = %client, "stream row without a file removed");
     }
-    let with_rows: std::collections::HashSet<&str> = rows.iter().map(|(id, _)| id.as_str()).collect();
+    let with_rows: std::collections::HashSet<&str> =
+        rows.iter().map(|(id, _)| id.as_str()).collect();
     let mut files_removed = 0;
     for name in &files {
         if with_rows.contains(name.as_str()) || uploading.contains(name) {

@@ -975,10 +975,8 @@ impl Database {
     /// waiting for anyone (`PASSIVE`): after an incremental vacuum, this is what makes the main
     /// file shorter on disk.
     pub async fn checkpoint(&self) -> Result<(), StoreError> {
-        self.write(|conn| {
-            conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))
-        })
-        .await
+        self.write(|conn| conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(())))
+            .await
     }
 
     /// How many operation rows are in each state (states with none are absent).
