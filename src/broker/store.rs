@@ -343,6 +343,9 @@ fn open_connection(path: &Path) -> rusqlite::Result<Connection> {
     // When the log restarts after a checkpoint, it is cut back to this size: a burst of writes (a
     // large sweep) does not leave a large log file behind.
     conn.pragma_update(None, "journal_size_limit", WAL_SIZE_LIMIT)?;
+    // 32 MiB of page cache (negative: KiB): a sweep's batch touches index pages all over the
+    // file, and re-reading them for every batch is most of its cost.
+    conn.pragma_update(None, "cache_size", -32_768)?;
     Ok(conn)
 }
 
