@@ -66,6 +66,10 @@ struct ServeArgs {
     /// The most connections open at once; derived from the open-file limit when absent.
     #[arg(long, value_name = "N")]
     max_connections: Option<usize>,
+    /// How long terminal operations are kept before they are deleted (e.g. `7days`, `12h`); `0`
+    /// or `forever` keeps everything. A replay of a deleted operation's key is new work.
+    #[arg(long, value_name = "DURATION", default_value = "7days")]
+    retention: unyolo_admission::broker::Keep,
 }
 
 /// A `--broker-name` within its bounds.
@@ -122,6 +126,7 @@ fn serve(args: ServeArgs) -> ExitCode {
             body_timeout: args.body_timeout,
             max_connections: args.max_connections,
         },
+        retention: args.retention,
     };
     match run(options) {
         Ok(()) => ExitCode::SUCCESS,

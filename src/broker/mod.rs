@@ -15,8 +15,11 @@
 //!   the store first and then applied to the handle, under the operation's lock.
 //! - `exec`: the demo executor; approved work starts when the controller grants an execution
 //!   slot.
-//! - `keys`: a fixed-size filter that answers "this key was never used" without the store, so
-//!   refusals stay off SQLite.
+//! - `keys`: a growable filter that answers "this key was never used" without the store, so
+//!   refusals stay off SQLite however many keys are stored.
+//! - [`retention`]: the sweep that keeps the store bounded: terminal operations retire after
+//!   `--retention` (a replay of a retired key is a new submission), streams are reconciled, space
+//!   returns to the filesystem.
 //! - `drift`: compares the controller's counts with the store (at start-up, on a timer, on
 //!   demand) and exports the difference as `admission_store_drift`.
 //! - [`discovery`], [`listing`] and [`waits`]: the Agent V1 reads: the descriptor, pages of
@@ -76,13 +79,15 @@ pub mod drill;
 mod exec;
 mod health;
 pub mod http;
-mod keys;
+#[doc(hidden)]
+pub mod keys;
 pub mod listener;
 pub mod listing;
 mod operations;
 mod operator;
 pub mod presentation;
 pub mod ratelimit;
+pub mod retention;
 pub mod serve;
 pub mod store;
 mod streams;
@@ -107,6 +112,7 @@ use crate::{Config, OperationState};
 
 pub use drift::{Difference, DriftCount, DriftReport};
 pub use listener::ConnectionSettings;
+pub use retention::{Keep, RetentionSettings, SweepReport, WallClock};
 pub use store::{Database, OperationError, OperationRecord, StoreError, StoredCounts};
 
 use operations::LiveOp;
@@ -135,6 +141,8 @@ pub struct BrokerSettings {
     pub broker_name: String,
     /// Header, body and idle timeouts and the connection cap.
     pub connections: ConnectionSettings,
+    /// How long terminal operations are kept, and how often the store is swept.
+    pub retention: RetentionSettings,
 }
 
 /// How often, by default, the broker compares its counts with the store.
@@ -153,6 +161,7 @@ impl std::fmt::Debug for BrokerSettings {
             .field("drift_interval", &self.drift_interval)
             .field("broker_name", &self.broker_name)
             .field("connections", &self.connections)
+            .field("retention", &self.retention)
             .finish()
     }
 }
@@ -178,6 +187,7 @@ impl BrokerSettings {
             drift_interval: DEFAULT_DRIFT_INTERVAL,
             broker_name: store::DEFAULT_BROKER_NAME.to_owned(),
             connections: ConnectionSettings::default(),
+            retention: RetentionSettings::default(),
         }
     }
 
@@ -288,6 +298,8 @@ pub(crate) struct Core {
     pub(crate) shutdown: watch::Receiver<bool>,
     /// Open long-poll waits and the bells that wake them.
     pub(crate) waits: waits::Waits,
+    /// The retention sweep's settings and metrics.
+    pub(crate) retention: retention::Retention,
 }
 
 impl Core {
@@ -348,6 +360,7 @@ pub struct Broker {
     server: JoinHandle<()>,
     executor: JoinHandle<()>,
     drift: JoinHandle<()>,
+    sweeper: JoinHandle<()>,
 }
 
 impl std::fmt::Debug for Broker {
@@ -402,7 +415,7 @@ impl Broker {
         let (db, recovered, keys, created) = tokio::task::spawn_blocking(move || {
             let db = Database::open_as(&data_dir, &broker_name)?;
             let recovered = db.recover()?;
-            let keys = keys::KeyFilter::new();
+            let keys = keys::KeyFilter::with_capacity(db.key_count()? as usize);
             db.for_each_key(|client, key| keys.insert(client, key))?;
             let since = SystemTime::now()
                 .checked_sub(rate_window)
@@ -437,6 +450,17 @@ impl Broker {
             "Whether the store took a write (as /readyz checks it) when these metrics were scraped: 1 or 0.",
             store_ready.clone(),
         );
+        let retention = retention::Retention::new(settings.retention.clone(), &mut registry);
+        match settings.retention.keep {
+            Keep::Forever => tracing::warn!(
+                "retention is forever: terminal operations are never deleted and the store grows \
+                 without bound"
+            ),
+            Keep::For(keep) => tracing::info!(
+                retention = %humantime::format_duration(keep),
+                "terminal operations retire after the retention; a replay after it is new work"
+            ),
+        }
         let (stop, shutdown) = watch::channel(false);
         let core = Arc::new(Core {
             controller,
@@ -457,6 +481,7 @@ impl Broker {
             drift,
             shutdown: shutdown.clone(),
             waits: waits::Waits::default(),
+            retention,
         });
         let summary = restore(&core, recovered);
         match drift::check(&core).await {
@@ -473,6 +498,10 @@ impl Broker {
 
         let executor = tokio::spawn(exec::run(Arc::clone(&core)));
         let drift = tokio::spawn(drift::watch(Arc::clone(&core), settings.drift_interval));
+        let sweeper = tokio::spawn(retention::watch(
+            Arc::clone(&core),
+            settings.retention.sweep_interval,
+        ));
         let app = http::router(Arc::clone(&core));
         let server = tokio::spawn(listener::serve(
             listener,
@@ -498,6 +527,7 @@ impl Broker {
                 server,
                 executor,
                 drift,
+                sweeper,
             },
             summary,
         ))
@@ -526,6 +556,20 @@ impl Broker {
         drift::check(&self.core).await
     }
 
+    /// Runs a retention sweep now (see [`retention`]): retires terminal operations older than the
+    /// retention by the settings' clock, returns free space, reconciles streams and refreshes the
+    /// store metrics. Waits for a sweep already running to finish first.
+    pub async fn sweep_now(&self) -> Result<SweepReport, StoreError> {
+        retention::sweep(&self.core).await
+    }
+
+    /// Whether the replay filter lets a submission of `client` with `key` through to the store
+    /// lookup (for the benchmarks: the share of new keys that reach SQLite).
+    #[doc(hidden)]
+    pub fn replay_filter_passes(&self, client: &str, key: &str) -> bool {
+        self.core.keys.may_contain(client, key)
+    }
+
     /// Re-reads the quota file at `path` (the identities stay those of the secrets file); an
     /// invalid file leaves the old configuration in force and is counted.
     pub fn reload_from_path(&self, path: &Path) -> Result<(), ConfigError> {
@@ -543,6 +587,7 @@ impl Broker {
         let _ = self.server.await;
         let _ = self.executor.await;
         let _ = self.drift.await;
+        let _ = self.sweeper.await;
         // Connection and execution tasks see the stop and return; changes in progress (see
         // `run_to_end`) run to their end. Each holds the core until it ends. Bounded, so a stuck store call cannot hang shutdown forever.
         let deadline = std::time::Instant::now() + SHUTDOWN_GRACE;

@@ -9,7 +9,9 @@ use std::io::Write;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
-use super::{Broker, BrokerSettings, ConnectionSettings, client_sharing_secret};
+use super::{
+    Broker, BrokerSettings, ConnectionSettings, Keep, RetentionSettings, client_sharing_secret,
+};
 use crate::config::Secrets;
 use crate::config::secrets::read_operator_secret;
 use crate::{Config, StorageCaps};
@@ -45,6 +47,8 @@ pub struct ServeOptions {
     pub broker_name: String,
     /// Header, body and idle timeouts and the connection cap.
     pub connections: ConnectionSettings,
+    /// How long terminal operations are kept (`--retention`).
+    pub retention: Keep,
 }
 
 /// Runs the broker until `SIGINT` or `SIGTERM`. Prints `listening on ADDR` once it serves.
@@ -91,12 +95,22 @@ pub fn run(options: ServeOptions) -> Result<(), String> {
     for warning in config.warnings() {
         eprintln!("warning: {warning}");
     }
+    if options.retention == Keep::Forever {
+        eprintln!(
+            "warning: --retention forever: terminal operations are never deleted; the store grows \
+             without bound"
+        );
+    }
     init_tracing();
     let settings = BrokerSettings {
         config,
         storage_caps: StorageCaps::default(),
         broker_name: options.broker_name.clone(),
         connections: options.connections,
+        retention: RetentionSettings {
+            keep: options.retention,
+            ..RetentionSettings::default()
+        },
         ..BrokerSettings::new(
             options.listen,
             options.data_dir.clone(),

@@ -10,10 +10,18 @@
 //!
 //! Every operation row carries a `revision`: 1 at creation, +1 in the same statement as every
 //! change (state, error, recovery), so a client that saw revision N knows whether anything
-//! changed since, across restarts too. Listing pages walk the implicit `rowid` (creation order;
-//! never reused while newer rows exist, and this store never runs `VACUUM`, which could renumber
-//! it) through the `(client_id)` and `(client_id, state)` indexes, so a page costs the same
-//! however many rows there are.
+//! changed since, across restarts too. Listing pages walk `seq`, the table's explicit rowid
+//! (creation order; `AUTOINCREMENT`, so never reused, even after retention deleted the newest
+//! rows; and kept by `VACUUM`, which may renumber an implicit rowid) through the `(client_id)` and
+//! `(client_id, state)` indexes, so a page costs the same however many rows there are. Schema 3
+//! made `seq` explicit: the migration copies each row's old rowid into it, so a cursor handed out
+//! before the upgrade still points at the same place after it.
+//!
+//! **Bounded.** The file uses incremental auto-vacuum: the retention sweep
+//! ([`super::retention`]) deletes retired rows in small transactions ([`Database::retire_batch`])
+//! and then returns freed pages to the filesystem a few at a time
+//! ([`Database::return_free_pages`]), so neither step holds the write lock for long. An older file
+//! is switched over once at start-up with one full `VACUUM`.
 //!
 //! One broker owns a data dir: opening takes an exclusive lock on [`LOCK_FILE`] and holds it while
 //! any handle on the database lives. Two brokers on one dir would both restore, count and execute
@@ -30,7 +38,7 @@ use serde_json::{Value, json};
 use crate::engine::OperationState;
 
 /// The schema version this code writes (`PRAGMA user_version`).
-pub const SCHEMA_VERSION: i64 = 2;
+pub const SCHEMA_VERSION: i64 = 3;
 
 /// How many reader connections serve gets, list pages and waits.
 pub const READERS: u32 = 4;
@@ -41,12 +49,19 @@ pub const DEFAULT_BROKER_NAME: &str = "admission";
 /// The database file's name inside the data dir.
 pub const DATABASE_FILE: &str = "admission.sqlite3";
 
+/// The bytes the write-ahead log is cut back to after a checkpoint.
+const WAL_SIZE_LIMIT: i64 = 4 * 1024 * 1024;
+
 /// The lock file's name inside the data dir: locked exclusively by the broker that owns the dir.
 pub const LOCK_FILE: &str = "admission.lock";
 
-const SCHEMA: &str = "
-CREATE TABLE operations (
-    id              TEXT PRIMARY KEY NOT NULL,
+/// The operations table, named `{name}`. `seq` is its explicit rowid: listing cursors are `seq`
+/// values, so they survive a `VACUUM` (which may renumber an implicit rowid) and, with
+/// `AUTOINCREMENT`, are never reused even after retention deleted the newest rows.
+const OPERATIONS_TABLE: &str = "
+CREATE TABLE {name} (
+    seq             INTEGER PRIMARY KEY AUTOINCREMENT,
+    id              TEXT NOT NULL UNIQUE,
     client_id       TEXT NOT NULL,
     idempotency_key TEXT NOT NULL,
     operation       TEXT NOT NULL,
@@ -62,9 +77,16 @@ CREATE TABLE operations (
     revision        INTEGER NOT NULL DEFAULT 1,
     UNIQUE (client_id, idempotency_key)
 );
+";
+
+/// The operations table's indexes (listing pages, recovery, counts).
+const OPERATIONS_INDEXES: &str = "
 CREATE INDEX operations_by_state ON operations (state);
 CREATE INDEX operations_by_client ON operations (client_id);
 CREATE INDEX operations_by_client_state ON operations (client_id, state);
+";
+
+const STREAMS_TABLE: &str = "
 CREATE TABLE streams (
     id         TEXT PRIMARY KEY NOT NULL,
     client_id  TEXT NOT NULL,
@@ -73,6 +95,10 @@ CREATE TABLE streams (
 );
 ";
 
+/// The columns of an operation row, in table order after `seq`.
+const OPERATION_COLUMNS: &str = "id, client_id, idempotency_key, operation, target, arguments, \
+    reason, state, created_at, updated_at, terminal_at, error_code, error_message, revision";
+
 /// From schema version 1: every existing operation starts at revision 1 (it has no recorded
 /// history), and the indexes that listing pages walk.
 const MIGRATE_1_TO_2: &str = "
@@ -80,6 +106,23 @@ ALTER TABLE operations ADD COLUMN revision INTEGER NOT NULL DEFAULT 1;
 CREATE INDEX operations_by_client ON operations (client_id);
 CREATE INDEX operations_by_client_state ON operations (client_id, state);
 ";
+
+/// From schema version 2: the operations table is copied into one whose rowid is the explicit
+/// `seq`, each row keeping its rowid as its `seq`, so every listing cursor handed out before the
+/// migration still points at the same place.
+fn migrate_2_to_3() -> String {
+    format!(
+        "{table} INSERT INTO operations_v3 (seq, {OPERATION_COLUMNS}) \
+         SELECT rowid, {OPERATION_COLUMNS} FROM operations ORDER BY rowid; \
+         DROP TABLE operations; ALTER TABLE operations_v3 RENAME TO operations; {OPERATIONS_INDEXES}",
+        table = OPERATIONS_TABLE.replace("{name}", "operations_v3"),
+    )
+}
+
+/// `PRAGMA auto_vacuum` value for `INCREMENTAL`: freed pages stay in the file until
+/// `PRAGMA incremental_vacuum` returns them to the filesystem, which the retention sweep does in
+/// small steps.
+const AUTO_VACUUM_INCREMENTAL: i64 = 2;
 
 /// Why the store could not do what was asked.
 #[derive(Debug)]
@@ -297,6 +340,12 @@ fn open_connection(path: &Path) -> rusqlite::Result<Connection> {
     conn.pragma_update(None, "journal_mode", "WAL")?;
     // FULL: a commit is on disk before it returns, in WAL mode too.
     conn.pragma_update(None, "synchronous", "FULL")?;
+    // When the log restarts after a checkpoint, it is cut back to this size: a burst of writes (a
+    // large sweep) does not leave a large log file behind.
+    conn.pragma_update(None, "journal_size_limit", WAL_SIZE_LIMIT)?;
+    // 32 MiB of page cache (negative: KiB): a sweep's batch touches index pages all over the
+    // file, and re-reading them for every batch is most of its cost.
+    conn.pragma_update(None, "cache_size", -32_768)?;
     Ok(conn)
 }
 
@@ -381,13 +430,19 @@ impl Database {
         let version: i64 = writer.pragma_query_value(None, "user_version", |r| r.get(0))?;
         match version {
             0 => {
+                // Before the first table, so the new file is incremental from the start.
+                writer.pragma_update(None, "auto_vacuum", "INCREMENTAL")?;
                 writer.execute_batch(&format!(
-                    "BEGIN; {SCHEMA} PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;"
+                    "BEGIN; {table} {OPERATIONS_INDEXES} {STREAMS_TABLE} \
+                     PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;",
+                    table = OPERATIONS_TABLE.replace("{name}", "operations"),
                 ))?;
             }
-            1 => {
+            1 | 2 => {
+                let first = if version == 1 { MIGRATE_1_TO_2 } else { "" };
                 writer.execute_batch(&format!(
-                    "BEGIN; {MIGRATE_1_TO_2} PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;"
+                    "BEGIN; {first} {} PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;",
+                    migrate_2_to_3()
                 ))?;
             }
             SCHEMA_VERSION => {}
@@ -397,6 +452,15 @@ impl Database {
                     path.display()
                 )));
             }
+        }
+        // An older file (or one created by hand) is switched to incremental vacuum once: the mode
+        // only takes effect through a full `VACUUM`, which rewrites the file (a one-time cost at
+        // start-up, logged). Cursors are `seq` values, which `VACUUM` keeps.
+        let auto_vacuum: i64 = writer.pragma_query_value(None, "auto_vacuum", |r| r.get(0))?;
+        if auto_vacuum != AUTO_VACUUM_INCREMENTAL {
+            tracing::warn!(path = %path.display(), "switching the store to incremental vacuum (one full VACUUM)");
+            writer.pragma_update(None, "auto_vacuum", "INCREMENTAL")?;
+            writer.execute_batch("VACUUM")?;
         }
         // Readers only read: WAL is already on (it is a property of the file), and a reader never
         // takes the write lock.
@@ -409,11 +473,14 @@ impl Database {
             .connection_timeout(std::time::Duration::from_secs(5))
             .build(manager)
             .map_err(|e| StoreError(format!("cannot open readers on {}: {e}", path.display())))?;
-        // The start-up rate replay reads operations by creation time. Created at every open, not
+        // The start-up rate replay reads operations by creation time, and the retention sweep
+        // terminal ones by when they ended. Created at every open, not
         // by a schema version: an index changes no row, and an older file gains it on its next
         // start.
         writer.execute_batch(
-            "CREATE INDEX IF NOT EXISTS operations_by_created_at ON operations (created_at);",
+            "CREATE INDEX IF NOT EXISTS operations_by_created_at ON operations (created_at); \
+             CREATE INDEX IF NOT EXISTS operations_retiring ON operations (terminal_at) \
+             WHERE terminal_at IS NOT NULL;",
         )?;
         Ok(Database {
             writer: Arc::new(Mutex::new(writer)),
@@ -558,7 +625,15 @@ impl Database {
         Ok(created)
     }
 
-    /// Calls `f` with the client and idempotency key of every operation (blocking; at start-up).
+    /// How many operation rows exist (blocking; sizes the replay filter).
+    pub fn key_count(&self) -> Result<u64, StoreError> {
+        let conn = self.reader()?;
+        let n: i64 = conn.query_row("SELECT COUNT(*) FROM operations", [], |r| r.get(0))?;
+        Ok(n.max(0) as u64)
+    }
+
+    /// Calls `f` with the client and idempotency key of every operation (blocking; at start-up
+    /// and when the replay filter is rebuilt).
     pub fn for_each_key(&self, mut f: impl FnMut(&str, &str)) -> Result<(), StoreError> {
         let conn = self.reader()?;
         let mut stmt = conn.prepare("SELECT client_id, idempotency_key FROM operations")?;
@@ -867,5 +942,117 @@ impl Database {
             })
         })
         .await
+    }
+
+    /// Deletes up to `limit` terminal operations whose `terminal_at` is before `cutoff` (RFC 3339,
+    /// UTC, as [`now_rfc3339`] writes it), oldest first, in one short write transaction; returns
+    /// how many went. Non-terminal operations are never touched, whatever their `terminal_at`.
+    pub async fn retire_batch(&self, cutoff: String, limit: u32) -> Result<u64, StoreError> {
+        self.write(move |conn| {
+            // `terminal_at` is fixed-width UTC text, so text order is time order; the partial
+            // index `operations_retiring` finds the batch without a scan.
+            conn.prepare_cached(
+                "DELETE FROM operations WHERE seq IN (SELECT seq FROM operations \
+                 WHERE terminal_at IS NOT NULL AND terminal_at < ?1 \
+                 AND state IN ('succeeded', 'failed', 'denied', 'canceled', 'expired') \
+                 ORDER BY terminal_at LIMIT ?2)",
+            )?
+            .execute(params![cutoff, limit])
+        })
+        .await
+        .map(|n| n as u64)
+    }
+
+    /// Returns up to `pages` free pages to the filesystem (incremental vacuum), in one short write
+    /// transaction; returns how many free pages are left.
+    pub async fn return_free_pages(&self, pages: u32) -> Result<u64, StoreError> {
+        self.write(move |conn| {
+            conn.execute_batch(&format!("PRAGMA incremental_vacuum({pages})"))?;
+            conn.pragma_query_value(None, "freelist_count", |r| r.get::<_, i64>(0))
+        })
+        .await
+        .map(|n| n.max(0) as u64)
+    }
+
+    /// Copies the write-ahead log into the database file as far as no reader needs it, without
+    /// waiting for anyone (`PASSIVE`): after an incremental vacuum, this is what makes the main
+    /// file shorter on disk.
+    pub async fn checkpoint(&self) -> Result<(), StoreError> {
+        self.write(|conn| conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(())))
+            .await
+    }
+
+    /// How many operation rows are in each state (states with none are absent).
+    pub async fn operations_by_state(&self) -> Result<Vec<(OperationState, u64)>, StoreError> {
+        self.read(|conn, _| {
+            let mut stmt =
+                conn.prepare_cached("SELECT state, COUNT(*) FROM operations GROUP BY state")?;
+            let rows = stmt.query_map([], |row| {
+                let state: String = row.get(0)?;
+                Ok((state, row.get::<_, i64>(1)?.max(0) as u64))
+            })?;
+            let mut counts = Vec::new();
+            for row in rows {
+                let (state, n) = row?;
+                if let Some(state) = OperationState::parse(&state) {
+                    counts.push((state, n));
+                }
+            }
+            Ok(counts)
+        })
+        .await
+    }
+
+    /// The bytes the database takes on disk: (the main file, its write-ahead log).
+    pub fn file_bytes(&self) -> (u64, u64) {
+        let size = |name: String| std::fs::metadata(self.dir.join(name)).map_or(0, |m| m.len());
+        (
+            size(DATABASE_FILE.to_owned()),
+            size(format!("{DATABASE_FILE}-wal")),
+        )
+    }
+
+    /// The id of every stream row, with its client.
+    pub async fn stream_ids(&self) -> Result<Vec<(String, String)>, StoreError> {
+        self.read(|conn, _| {
+            let mut stmt = conn.prepare_cached("SELECT id, client_id FROM streams")?;
+            stmt.query_map([], |row| Ok((row.get(0)?, row.get(1)?)))?
+                .collect()
+        })
+        .await
+    }
+
+    /// Writes `records` as they are (state, times, revision included) in one transaction
+    /// (blocking): to seed a store for benchmarks and tests. Not for serving: the controller does
+    /// not learn of them until the next start.
+    pub fn load(&self, records: &[OperationRecord]) -> Result<(), StoreError> {
+        let mut conn = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        let tx = conn.transaction()?;
+        {
+            let mut stmt = tx.prepare(&format!(
+                "INSERT INTO operations ({OPERATION_COLUMNS}) \
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)"
+            ))?;
+            for record in records {
+                stmt.execute(params![
+                    record.id,
+                    record.client_id,
+                    record.idempotency_key,
+                    record.operation,
+                    record.target.to_string(),
+                    record.arguments.to_string(),
+                    record.reason,
+                    record.state.as_str(),
+                    record.created_at,
+                    record.updated_at,
+                    record.terminal_at,
+                    record.error.as_ref().map(|e| e.code.as_str()),
+                    record.error.as_ref().map(|e| e.message.as_str()),
+                    i64::try_from(record.revision).unwrap_or(i64::MAX),
+                ])?;
+            }
+        }
+        tx.commit()?;
+        Ok(())
     }
 }

@@ -1,0 +1,426 @@
+//! The store stays bounded (SPEC section 6): terminal operations retire after the retention,
+//! live ones never do, a replay after retention is new work, a sweep racing submissions and
+//! decisions loses nothing, the file shrinks, and streams are reconciled. Time is the test's: the
+//! sweep's clock is moved forward instead of waiting days.
+#![cfg(feature = "broker")]
+
+mod broker_support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime};
+
+use broker_support::faults::upload;
+use broker_support::*;
+use serde_json::json;
+use unyolo_admission::StorageCaps;
+use unyolo_admission::broker::store::{Database, OperationRecord, PageQuery};
+use unyolo_admission::broker::{BrokerSettings, Keep, RetentionSettings, WallClock};
+use unyolo_admission::engine::{OperationState, Store};
+
+const DAY: Duration = Duration::from_secs(86_400);
+
+/// A clock the test moves: the system time plus an offset.
+#[derive(Clone, Default)]
+struct TestClock(Arc<AtomicU64>);
+
+impl TestClock {
+    fn advance(&self, by: Duration) {
+        self.0.fetch_add(by.as_secs(), Ordering::SeqCst);
+    }
+    fn wall(&self) -> WallClock {
+        let offset = Arc::clone(&self.0);
+        WallClock::from_fn(move || {
+            SystemTime::now() + Duration::from_secs(offset.load(Ordering::SeqCst))
+        })
+    }
+}
+
+/// Settings with `keep`, no timed sweep (the test sweeps), and `clock`.
+fn retaining(dir: &std::path::Path, keep: Keep, clock: &TestClock) -> BrokerSettings {
+    BrokerSettings {
+        retention: RetentionSettings {
+            keep,
+            sweep_interval: Duration::ZERO,
+            clock: clock.wall(),
+        },
+        ..settings(dir, ROOMY, StorageCaps::default())
+    }
+}
+
+fn op_path(id: &str) -> String {
+    format!("/api/agent/v1/operations/{id}")
+}
+
+async fn wait_state(h: &Harness, id: &str, state: &str) {
+    assert!(
+        eventually(async || h.get(&op_path(id), Some(AGENT_SECRET)).await.state() == state).await,
+        "{id} never became {state}"
+    );
+}
+
+/// A terminal operation as a previous run stored it, ended at `terminal_at`.
+fn old_terminal(i: usize, terminal_at: &str, padding: usize) -> OperationRecord {
+    OperationRecord {
+        id: format!("op_old{i:027}"),
+        client_id: AGENT.to_owned(),
+        idempotency_key: format!("old-{i}"),
+        operation: "demo.run".to_owned(),
+        target: json!({"repo": "unyolo/test"}),
+        arguments: json!({"duration_ms": 0}),
+        reason: "x".repeat(padding),
+        state: OperationState::Succeeded,
+        created_at: terminal_at.to_owned(),
+        updated_at: terminal_at.to_owned(),
+        terminal_at: Some(terminal_at.to_owned()),
+        error: None,
+        revision: 3,
+        broker: "admission".to_owned(),
+    }
+}
+
+fn seed(dir: &std::path::Path, rows: usize, padding: usize) {
+    let db = Database::open(dir).unwrap();
+    let records: Vec<_> = (0..rows)
+        .map(|i| old_terminal(i, "2020-01-01T00:00:00.000Z", padding))
+        .collect();
+    db.load(&records).unwrap();
+}
+
+#[tokio::test]
+async fn terminal_operations_older_than_the_retention_retire_and_live_ones_stay() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = TestClock::default();
+    let h = start_with(retaining(dir.path(), Keep::For(DAY), &clock)).await;
+    let done = h
+        .submit(AGENT_SECRET, &request("done", "demo.run", 0))
+        .await;
+    let denied = h
+        .submit(AGENT_SECRET, &request("denied", "demo.request", 0))
+        .await;
+    let waiting = h
+        .submit(AGENT_SECRET, &request("waiting", "demo.request", 0))
+        .await;
+    let deny = h
+        .post(
+            &format!("/api/operator/v1/requests/{}/deny", denied.id()),
+            Some(OPERATOR_SECRET),
+        )
+        .await;
+    assert_eq!(deny.status, 200, "{}", deny.body);
+    wait_state(&h, &done.id(), "succeeded").await;
+
+    // Half a day on: nothing is old enough.
+    clock.advance(DAY / 2);
+    assert_eq!(h.broker.sweep_now().await.unwrap().retired, 0);
+    assert_eq!(h.rows().await, 3);
+
+    // Two days on: both terminal operations retire; the pending one, older still, stays.
+    clock.advance(DAY * 2);
+    let report = h.broker.sweep_now().await.unwrap();
+    assert_eq!(report.retired, 2);
+    assert_eq!(h.rows().await, 1);
+    for gone in [done.id(), denied.id()] {
+        assert_eq!(h.get(&op_path(&gone), Some(AGENT_SECRET)).await.status, 404);
+    }
+    let live = h.get(&op_path(&waiting.id()), Some(AGENT_SECRET)).await;
+    assert_eq!(live.state(), "pending");
+    let approve = h
+        .post(
+            &format!("/api/operator/v1/requests/{}/approve", waiting.id()),
+            Some(OPERATOR_SECRET),
+        )
+        .await;
+    assert_eq!(approve.status, 200, "{}", approve.body);
+
+    let metrics = h.metrics().await;
+    assert_eq!(
+        metric(&metrics, "broker_retention_last_sweep_retired "),
+        Some(2)
+    );
+    assert_eq!(metric(&metrics, "broker_retention_retired_total "), Some(2));
+    assert_eq!(
+        metric(&metrics, "broker_store_operations{state=\"pending\"} "),
+        Some(1)
+    );
+    assert_eq!(
+        metric(&metrics, "broker_store_operations{state=\"succeeded\"} "),
+        Some(0)
+    );
+    assert!(metric(&metrics, "broker_store_bytes{file=\"database\"} ").unwrap() > 0);
+    assert!(metric(&metrics, "broker_key_filter_bytes ").unwrap() > 0);
+    assert_eq!(h.broker.check_drift().await.unwrap().total(), 0);
+    h.broker.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_retention_of_forever_keeps_every_terminal_operation() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = TestClock::default();
+    let h = start_with(retaining(dir.path(), Keep::Forever, &clock)).await;
+    let done = h
+        .submit(AGENT_SECRET, &request("done", "demo.run", 0))
+        .await;
+    wait_state(&h, &done.id(), "succeeded").await;
+    clock.advance(DAY * 10_000);
+    assert_eq!(h.broker.sweep_now().await.unwrap().retired, 0);
+    assert_eq!(h.rows().await, 1);
+    h.broker.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_replay_of_a_retired_key_creates_a_new_operation() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = TestClock::default();
+    let h = start_with(retaining(dir.path(), Keep::For(DAY), &clock)).await;
+    let first = h
+        .submit(AGENT_SECRET, &request("same", "demo.run", 0))
+        .await;
+    assert_eq!(first.status, 202);
+    wait_state(&h, &first.id(), "succeeded").await;
+    let replay = h
+        .submit(AGENT_SECRET, &request("same", "demo.run", 0))
+        .await;
+    assert_eq!((replay.status, replay.id()), (200, first.id()));
+
+    clock.advance(DAY * 2);
+    let report = h.broker.sweep_now().await.unwrap();
+    assert_eq!(report.retired, 1);
+    // Every key the filter held retired, so it was rebuilt: the key no longer answers "maybe".
+    assert!(report.filter_rebuilt);
+    assert_eq!(
+        metric(&h.metrics().await, "broker_key_filter_keys "),
+        Some(0)
+    );
+
+    let again = h
+        .submit(AGENT_SECRET, &request("same", "demo.run", 0))
+        .await;
+    assert_eq!(again.status, 202, "{}", again.body);
+    assert_ne!(again.id(), first.id());
+    wait_state(&h, &again.id(), "succeeded").await;
+    // And that new operation is replayed like any other.
+    let replay = h
+        .submit(AGENT_SECRET, &request("same", "demo.run", 0))
+        .await;
+    assert_eq!((replay.status, replay.id()), (200, again.id()));
+    h.broker.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_sweep_racing_submissions_and_decisions_loses_nothing_and_leaves_no_drift() {
+    let dir = tempfile::tempdir().unwrap();
+    // Rows that ended in 2020: the default seven days retire them all, in many batches.
+    seed(dir.path(), 6_000, 16);
+    let clock = TestClock::default();
+    let h = Arc::new(start_with(retaining(dir.path(), Keep::For(7 * DAY), &clock)).await);
+
+    let sweeping = {
+        let h = Arc::clone(&h);
+        tokio::spawn(async move {
+            let mut retired = 0;
+            let mut drift = 0;
+            for _ in 0..20 {
+                retired += h.broker.sweep_now().await.unwrap().retired;
+                drift += h.broker.check_drift().await.unwrap().total();
+            }
+            (retired, drift)
+        })
+    };
+    let mut ids = Vec::new();
+    for i in 0..30 {
+        let (operation, decision) = match i % 3 {
+            0 => ("demo.run", None),
+            1 => ("demo.request", Some("approve")),
+            _ => ("demo.request", Some("deny")),
+        };
+        let reply = h
+            .submit(AGENT_SECRET, &request(&format!("new-{i}"), operation, 0))
+            .await;
+        assert_eq!(reply.status, 202, "{}", reply.body);
+        if let Some(decision) = decision {
+            let decided = h
+                .post(
+                    &format!("/api/operator/v1/requests/{}/{decision}", reply.id()),
+                    Some(OPERATOR_SECRET),
+                )
+                .await;
+            assert_eq!(decided.status, 200, "{}", decided.body);
+        }
+        ids.push(reply.id());
+    }
+    let (retired, drift_during) = sweeping.await.unwrap();
+    assert_eq!(drift_during, 0);
+    let retired = retired + h.broker.sweep_now().await.unwrap().retired;
+    assert_eq!(retired, 6_000);
+    for id in &ids {
+        let reply = h.get(&op_path(id), Some(AGENT_SECRET)).await;
+        assert_eq!(reply.status, 200, "{id} lost");
+    }
+    assert_eq!(h.rows().await, 30);
+    assert_eq!(h.broker.check_drift().await.unwrap().total(), 0);
+    Arc::into_inner(h).unwrap().broker.shutdown().await;
+}
+
+#[tokio::test]
+async fn the_database_file_shrinks_after_a_large_sweep() {
+    let dir = tempfile::tempdir().unwrap();
+    seed(dir.path(), 5_000, 2_000);
+    let file = dir.path().join("admission.sqlite3");
+    let clock = TestClock::default();
+    let h = start_with(retaining(dir.path(), Keep::For(7 * DAY), &clock)).await;
+    let before = std::fs::metadata(&file).unwrap().len();
+    assert!(before > 5_000 * 2_000, "{before}");
+    assert_eq!(h.broker.sweep_now().await.unwrap().retired, 5_000);
+    let after = std::fs::metadata(&file).unwrap().len();
+    assert!(after < before / 10, "{before} -> {after}");
+    let metrics = h.metrics().await;
+    assert!(metric(&metrics, "broker_store_bytes{file=\"database\"} ").unwrap() == after);
+    h.broker.shutdown().await;
+}
+
+#[tokio::test]
+async fn stream_rows_without_files_and_files_without_rows_are_reconciled() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = TestClock::default();
+    let h = start_with(retaining(dir.path(), Keep::For(DAY), &clock)).await;
+    let kept = upload(&h, 1000).await;
+    let lost = upload(&h, 2000).await;
+    let streams = dir.path().join("streams");
+    std::fs::remove_file(streams.join(&lost)).unwrap();
+    std::fs::write(streams.join("st_stray"), b"no row").unwrap();
+
+    let report = h.broker.sweep_now().await.unwrap();
+    assert_eq!(
+        (report.stream_rows_removed, report.stream_files_removed),
+        (1, 1)
+    );
+    assert!(streams.join(&kept).exists());
+    assert!(!streams.join("st_stray").exists());
+    assert!(
+        h.broker
+            .database()
+            .get_stream(&lost)
+            .await
+            .unwrap()
+            .is_none()
+    );
+    let stored = h.snapshot();
+    let stream_bytes: u64 = stored
+        .storage
+        .iter()
+        .filter(|s| s.store == Store::Stream)
+        .map(|s| (s.files, s.bytes))
+        .map(|(files, bytes)| {
+            assert_eq!(files, 1);
+            bytes
+        })
+        .sum();
+    assert_eq!(stream_bytes, 1000);
+    assert_eq!(h.broker.check_drift().await.unwrap().total(), 0);
+    // A sweep with nothing to reconcile changes nothing.
+    let again = h.broker.sweep_now().await.unwrap();
+    assert_eq!(
+        (again.stream_rows_removed, again.stream_files_removed),
+        (0, 0)
+    );
+    h.broker.shutdown().await;
+}
+
+/// Schema 2 as the previous release created it: an implicit rowid.
+const SCHEMA_V2: &str = "
+CREATE TABLE operations (
+    id TEXT PRIMARY KEY NOT NULL, client_id TEXT NOT NULL, idempotency_key TEXT NOT NULL,
+    operation TEXT NOT NULL, target TEXT NOT NULL, arguments TEXT NOT NULL, reason TEXT NOT NULL,
+    state TEXT NOT NULL, created_at TEXT NOT NULL, updated_at TEXT NOT NULL, terminal_at TEXT,
+    error_code TEXT, error_message TEXT, revision INTEGER NOT NULL DEFAULT 1,
+    UNIQUE (client_id, idempotency_key)
+);
+CREATE INDEX operations_by_state ON operations (state);
+CREATE INDEX operations_by_client ON operations (client_id);
+CREATE INDEX operations_by_client_state ON operations (client_id, state);
+CREATE TABLE streams (
+    id TEXT PRIMARY KEY NOT NULL, client_id TEXT NOT NULL, size INTEGER NOT NULL,
+    created_at TEXT NOT NULL
+);
+PRAGMA user_version = 2;
+";
+
+#[tokio::test]
+async fn listing_cursors_from_schema_2_point_at_the_same_rows_after_the_upgrade() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("admission.sqlite3");
+    {
+        let conn = rusqlite::Connection::open(&path).unwrap();
+        conn.execute_batch(SCHEMA_V2).unwrap();
+        for i in 0..10 {
+            conn.execute(
+                "INSERT INTO operations VALUES (?1, 'agent', ?2, 'demo.run', '{}', '{}', 'r', \
+                 'succeeded', '2025-01-01T00:00:00.000Z', '2025-01-01T00:00:00.000Z', \
+                 '2025-01-01T00:00:00.000Z', NULL, NULL, 2)",
+                rusqlite::params![format!("op_{i:032}"), format!("k-{i}")],
+            )
+            .unwrap();
+        }
+        // Gaps in the rowids, as deletions leave them.
+        conn.execute(
+            "DELETE FROM operations WHERE idempotency_key IN ('k-2', 'k-5')",
+            [],
+        )
+        .unwrap();
+    }
+    let before: Vec<(i64, String)> = {
+        let conn = rusqlite::Connection::open(&path).unwrap();
+        let mut stmt = conn
+            .prepare("SELECT rowid, id FROM operations ORDER BY rowid")
+            .unwrap();
+        stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap()
+    };
+    let db = Database::open(dir.path()).unwrap();
+    let page = db
+        .list_page(
+            AGENT,
+            PageQuery {
+                idempotency_key: None,
+                state: None,
+                before: Some(before[5].0),
+                limit: 100,
+            },
+        )
+        .await
+        .unwrap();
+    let expected: Vec<_> = before[..5].iter().rev().cloned().collect();
+    let got: Vec<_> = page.into_iter().map(|(pos, r)| (pos, r.id)).collect();
+    assert_eq!(got, expected);
+    let conn = rusqlite::Connection::open(&path).unwrap();
+    let auto_vacuum: i64 = conn
+        .pragma_query_value(None, "auto_vacuum", |r| r.get(0))
+        .unwrap();
+    assert_eq!(auto_vacuum, 2, "incremental");
+    drop(conn);
+    // Deleting the newest row never lets its position be handed out again.
+    let newest = before.last().unwrap().0;
+    let records = vec![old_terminal(99, "2025-01-02T00:00:00.000Z", 1)];
+    rusqlite::Connection::open(&path)
+        .unwrap()
+        .execute("DELETE FROM operations WHERE seq = ?1", [newest])
+        .unwrap();
+    db.load(&records).unwrap();
+    let page = db
+        .list_page(
+            AGENT,
+            PageQuery {
+                idempotency_key: None,
+                state: None,
+                before: None,
+                limit: 1,
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(page[0].1.id, records[0].id);
+    assert!(page[0].0 > newest, "{} <= {newest}", page[0].0);
+}
