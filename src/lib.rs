@@ -80,6 +80,8 @@ pub mod engine;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod metrics;
+#[cfg(feature = "redis")]
+pub mod redis;
 mod sync;
 
 pub use clock::{Clock, ManualClock, QuantaClock};
