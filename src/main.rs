@@ -66,6 +66,24 @@ struct ServeArgs {
     /// The most connections open at once; derived from the open-file limit when absent.
     #[arg(long, value_name = "N")]
     max_connections: Option<usize>,
+    /// Share admission with other replicas through this Redis (`redis://host:port/db`); needs
+    /// `--replica`. Without it, this process counts alone (the in-process controller).
+    #[cfg(feature = "redis")]
+    #[arg(long, value_name = "URL", requires = "replica")]
+    redis: Option<String>,
+    /// This replica's name, unique among the replicas and stable across restarts.
+    #[cfg(feature = "redis")]
+    #[arg(long, value_name = "NAME", requires = "redis")]
+    replica: Option<String>,
+    /// The key prefix (hash tag) of this deployment's keys in Redis.
+    #[cfg(feature = "redis")]
+    #[arg(
+        long,
+        value_name = "PREFIX",
+        default_value = "admission",
+        requires = "redis"
+    )]
+    redis_prefix: String,
 }
 
 /// A `--broker-name` within its bounds.
@@ -122,6 +140,13 @@ fn serve(args: ServeArgs) -> ExitCode {
             body_timeout: args.body_timeout,
             max_connections: args.max_connections,
         },
+        #[cfg(feature = "redis")]
+        redis: args.redis.map(|url| {
+            let mut options =
+                unyolo_admission::redis::RedisOptions::new(url, args.replica.unwrap_or_default());
+            options.prefix = args.redis_prefix;
+            options
+        }),
     };
     match run(options) {
         Ok(()) => ExitCode::SUCCESS,
