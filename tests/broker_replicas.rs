@@ -41,8 +41,18 @@ async fn a_clients_pending_limit_holds_across_replicas() {
     let (d1, d2) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let r1 = replica(&server, d1.path(), "r1").await;
     let r2 = replica(&server, d2.path(), "r2").await;
-    assert_eq!(r1.submit(AGENT_SECRET, &request("k1", "demo.request", 0)).await.status, 202);
-    assert_eq!(r2.submit(AGENT_SECRET, &request("k2", "demo.request", 0)).await.status, 202);
+    assert_eq!(
+        r1.submit(AGENT_SECRET, &request("k1", "demo.request", 0))
+            .await
+            .status,
+        202
+    );
+    assert_eq!(
+        r2.submit(AGENT_SECRET, &request("k2", "demo.request", 0))
+            .await
+            .status,
+        202
+    );
     for harness in [&r1, &r2] {
         let refused = harness
             .submit(AGENT_SECRET, &request("k3", "demo.request", 0))
@@ -62,7 +72,10 @@ async fn one_key_on_two_replicas_makes_one_operation() {
     let r1 = replica(&server, d1.path(), "r1").await;
     let r2 = replica(&server, d2.path(), "r2").await;
     let body = request("same-key", "demo.request", 0);
-    let (a, b) = tokio::join!(r1.submit(AGENT_SECRET, &body), r2.submit(AGENT_SECRET, &body));
+    let (a, b) = tokio::join!(
+        r1.submit(AGENT_SECRET, &body),
+        r2.submit(AGENT_SECRET, &body)
+    );
     let (created, other) = if a.status == 202 { (a, b) } else { (b, a) };
     assert_eq!(created.status, 202, "{:?}", created.body);
     assert_eq!(other.status, 409, "{:?}", other.body);
@@ -100,7 +113,12 @@ async fn a_paused_redis_refuses_new_work_with_503_and_cancels_still_work() {
             Some(AGENT_SECRET),
         )
         .await;
-    assert_eq!((canceled.status, canceled.state()), (200, "canceled"), "{:?}", canceled.body);
+    assert_eq!(
+        (canceled.status, canceled.state()),
+        (200, "canceled"),
+        "{:?}",
+        canceled.body
+    );
     assert_eq!(r1.rows().await, 1, "nothing created while Redis was paused");
     server.resume();
     assert!(
