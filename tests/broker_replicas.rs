@@ -120,6 +120,18 @@ async fn a_paused_redis_refuses_new_work_with_503_and_cancels_still_work() {
         canceled.body
     );
     assert_eq!(r1.rows().await, 1, "nothing created while Redis was paused");
+    let metrics = r1.metrics().await;
+    assert!(
+        metrics.contains("admission_backend{backend=\"redis\"} 1"),
+        "{metrics}"
+    );
+    assert!(
+        broker_support::metric(&metrics, "admission_redis_errors_total").is_some_and(|n| n > 0)
+    );
+    assert!(
+        broker_support::metric(&metrics, "admission_redis_unavailable_total")
+            .is_some_and(|n| n > 0)
+    );
     server.resume();
     assert!(
         broker_support::eventually(async || {

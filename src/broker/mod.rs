@@ -446,6 +446,7 @@ impl Broker {
 
         let mut registry = Registry::default();
         crate::metrics::register(&mut registry, &controller);
+        shared.register(&mut registry);
         let drift = Gauge::default();
         registry.register(
             "admission_store_drift",

@@ -193,3 +193,115 @@ impl Shared {
         }
     }
 }
+
+/// The metrics of the admission backend: which one is in use and, with Redis, its errors, lease
+/// changes, reaped operations, unavailable answers and kept releases. Read at each scrape.
+struct BackendCollector {
+    #[cfg(feature = "redis")]
+    controller: Option<crate::redis::RedisController>,
+}
+
+impl std::fmt::Debug for BackendCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("BackendCollector")
+    }
+}
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shared")
+            .field("replica", &self.is_replica())
+            .finish()
+    }
+}
+
+impl Shared {
+    /// Registers the backend's metrics.
+    pub(crate) fn register(&self, registry: &mut prometheus_client::registry::Registry) {
+        registry.register_collector(Box::new(BackendCollector {
+            #[cfg(feature = "redis")]
+            controller: self.controller.clone(),
+        }));
+    }
+}
+
+impl prometheus_client::collector::Collector for BackendCollector {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::DescriptorEncoder,
+    ) -> Result<(), std::fmt::Error> {
+        use prometheus_client::encoding::EncodeMetric;
+        use prometheus_client::metrics::MetricType;
+        use prometheus_client::metrics::gauge::ConstGauge;
+
+        #[cfg(feature = "redis")]
+        let stats = self.controller.as_ref().map(|c| c.stats());
+        #[cfg(not(feature = "redis"))]
+        let stats: Option<std::convert::Infallible> = None;
+        let backend = if stats.is_some() {
+            "redis"
+        } else {
+            "in_process"
+        };
+        let mut metric = encoder.encode_descriptor(
+            "admission_backend",
+            "The admission backend in use: in_process (this process counts alone) or redis \
+             (shared by replicas).",
+            None,
+            MetricType::Gauge,
+        )?;
+        ConstGauge::new(1i64).encode(metric.encode_family(&[("backend", backend)])?)?;
+        #[cfg(feature = "redis")]
+        if let Some(stats) = stats {
+            let counters = [
+                (
+                    "admission_redis_errors",
+                    "Calls to Redis that failed or timed out.",
+                    stats.errors,
+                ),
+                (
+                    "admission_redis_lease_changes",
+                    "Times this replica's lease was taken, lost or taken back.",
+                    stats.lease_changes,
+                ),
+                (
+                    "admission_redis_reaped",
+                    "Operations of lapsed replicas this replica released.",
+                    stats.reaped,
+                ),
+                (
+                    "admission_redis_unavailable",
+                    "Admissions answered 503 admission_unavailable.",
+                    stats.unavailable,
+                ),
+            ];
+            use prometheus_client::metrics::counter::ConstCounter;
+            for (name, help, value) in counters {
+                let metric = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+                ConstCounter::new(value).encode(metric)?;
+            }
+            let gauges = [
+                (
+                    "admission_redis_kept_releases",
+                    "Releases waiting for Redis to answer.",
+                    stats.outbox,
+                ),
+                (
+                    "admission_redis_lease_held",
+                    "Whether this replica holds its lease: 1 or 0.",
+                    u64::from(stats.lease_held),
+                ),
+                (
+                    "admission_redis_circuit_open",
+                    "Whether calls to Redis are paused after failures: 1 or 0.",
+                    u64::from(stats.circuit_open),
+                ),
+            ];
+            for (name, help, value) in gauges {
+                let metric = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+                ConstGauge::new(i64::try_from(value).unwrap_or(i64::MAX)).encode(metric)?;
+            }
+        }
+        Ok(())
+    }
+}
