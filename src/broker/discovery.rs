@@ -9,7 +9,8 @@ use axum::http::{HeaderMap, StatusCode};
 use serde_json::json;
 
 use super::Core;
-use super::http::{ApiResult, OPERATIONS, json_response};
+use super::agent_operations::OPERATIONS;
+use super::http::{ApiResult, json_response};
 
 /// The `api_version` of every Agent V1 object.
 pub const API_VERSION: &str = "unyolo.io/agent/v1";

@@ -1,4 +1,4 @@
-//! The Agent V1-compatible HTTP surface.
+//! The Agent V1-compatible HTTP surface: the router and the pieces every route shares.
 //!
 //! A submission goes authenticate → validate → replay → admit → create → commit: nothing that can
 //! be refused without admission (a bad token, a bad body, a replay) reaches the controller, and a
@@ -7,47 +7,38 @@
 //! carries `Cache-Control: no-store`.
 //!
 //! Each mutating handler (submit, cancel, approve, deny, upload, delete) hands everything from its
-//! decision on to a task of its own and only waits for the answer, so a client that hangs up
-//! cannot leave a change half made (the broker module's docs say what is atomic, route by route).
-//! `GET /api/operator/v1/drift` (operator) answers a drift reading on demand.
+//! decision on to a task of its own (`detached`, `transition_to_end`) and only waits for the
+//! answer, so a client that hangs up cannot leave a change half made (the broker module's docs say
+//! what is atomic, route by route).
+//!
+//! This file holds the router, the error envelope ([`ApiError`]), bearer authentication, body
+//! reading and the `{id}` lookups. The handlers live beside the types they speak, by part of the
+//! wire contract: `agent_operations` (submit, get, cancel), `streams`, `operator` (pending
+//! requests, approve, deny, drift), `health` (`/healthz`, `/readyz`, `/metrics`), and
+//! `discovery`, `listing` and `waits`.
 
 use std::sync::Arc;
 
 use axum::Router;
 use axum::body::Body;
+use axum::extract::Path;
 use axum::extract::rejection::PathRejection;
-use axum::extract::{Path, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
 use http_body_util::BodyExt;
-use serde::Deserialize;
 use serde_json::{Value, json};
-use tokio::io::AsyncWriteExt;
 
-use super::operations::{LiveOp, TransitionFailure, duration_ms};
-use super::store::{InsertError, OperationRecord, StoreError, StreamRecord, now_rfc3339};
-use super::{Core, new_id, ratelimit};
+use super::operations::{LiveOp, TransitionFailure};
+use super::store::{OperationRecord, StoreError};
+use super::{Core, agent_operations, health, operator, streams};
 use crate::config::{Identity, Secrets};
-use crate::engine::{OperationState, Refusal, RefusalCode, Store};
+use crate::engine::{OperationState, Refusal, RefusalCode};
 
-/// Largest operation submission body, in bytes.
-pub const MAX_BODY_BYTES: usize = 1 << 20;
-
-/// Most pending requests the operator's list returns (the oldest).
-const LIST_LIMIT: u32 = 1000;
-
-/// Most properties a submission's `target` may have.
-pub const MAX_TARGET_PROPERTIES: usize = 32;
-
-/// Most properties a submission's `arguments` may have.
-pub const MAX_ARGUMENT_PROPERTIES: usize = 128;
+pub use agent_operations::{MAX_ARGUMENT_PROPERTIES, MAX_BODY_BYTES, MAX_TARGET_PROPERTIES};
 
 /// The message of every admission refusal.
 pub const REFUSAL_MESSAGE: &str = "Operation admission limit reached";
-
-/// The registered operations: name and whether it needs an operator's approval.
-pub(crate) const OPERATIONS: [(&str, bool); 2] = [("demo.run", false), ("demo.request", true)];
 
 /// An error response: status, stable code, message, and a Retry-After for refusals.
 #[derive(Debug)]
@@ -173,7 +164,7 @@ impl Auth {
         found.ok_or_else(rejected_token)
     }
 
-    fn operator(&self, headers: &HeaderMap) -> Result<(), ApiError> {
+    pub(crate) fn operator(&self, headers: &HeaderMap) -> Result<(), ApiError> {
         if constant_time_eq(&self.operator, bearer(headers)?) {
             Ok(())
         } else {
@@ -218,23 +209,32 @@ pub(crate) fn router(core: Arc<Core>) -> Router {
         )
         .route(
             "/api/agent/v1/operations",
-            post(submit).get(super::listing::list_operations),
+            post(agent_operations::submit).get(super::listing::list_operations),
         )
-        .route("/api/agent/v1/operations/{id}", get(get_own))
+        .route(
+            "/api/agent/v1/operations/{id}",
+            get(agent_operations::get_own),
+        )
         .route(
             "/api/agent/v1/operations/{id}/events",
             get(super::waits::wait_for_change),
         )
-        .route("/api/agent/v1/operations/{id}/cancel", post(cancel))
-        .route("/api/agent/v1/streams", post(upload_stream))
-        .route("/api/agent/v1/streams/{id}", delete(delete_stream))
-        .route("/api/operator/v1/requests", get(list_pending))
-        .route("/api/operator/v1/requests/{id}/approve", post(approve))
-        .route("/api/operator/v1/requests/{id}/deny", post(deny))
-        .route("/api/operator/v1/drift", get(drift))
-        .route("/healthz", get(healthz))
-        .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics))
+        .route(
+            "/api/agent/v1/operations/{id}/cancel",
+            post(agent_operations::cancel),
+        )
+        .route("/api/agent/v1/streams", post(streams::upload_stream))
+        .route("/api/agent/v1/streams/{id}", delete(streams::delete_stream))
+        .route("/api/operator/v1/requests", get(operator::list_pending))
+        .route(
+            "/api/operator/v1/requests/{id}/approve",
+            post(operator::approve),
+        )
+        .route("/api/operator/v1/requests/{id}/deny", post(operator::deny))
+        .route("/api/operator/v1/drift", get(operator::drift))
+        .route("/healthz", get(health::healthz))
+        .route("/readyz", get(health::readyz))
+        .route("/metrics", get(health::metrics))
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "not_found", "No such route.") })
         .method_not_allowed_fallback(|| async {
             ApiError::new(
@@ -260,30 +260,8 @@ pub(crate) fn json_response(status: StatusCode, body: Value) -> Response {
     (status, axum::Json(body)).into_response()
 }
 
-/// A submission body: every field required, unknown fields refused.
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct Submission {
-    pub(crate) idempotency_key: String,
-    operation: String,
-    target: Value,
-    arguments: Value,
-    reason: String,
-}
-
-/// Whether `key` matches `^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$`.
-pub(crate) fn is_idempotency_key(key: &str) -> bool {
-    let bytes = key.as_bytes();
-    !bytes.is_empty()
-        && bytes.len() <= 128
-        && bytes[0].is_ascii_alphanumeric()
-        && bytes
-            .iter()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-'))
-}
-
 /// Reads a body of at most `limit` bytes (413 beyond it, judged from `Content-Length` first).
-async fn read_body(
+pub(crate) async fn read_body(
     headers: &HeaderMap,
     body: Body,
     limit: usize,
@@ -305,7 +283,7 @@ async fn read_body(
     }
 }
 
-fn content_length(headers: &HeaderMap) -> Result<Option<u64>, ApiError> {
+pub(crate) fn content_length(headers: &HeaderMap) -> Result<Option<u64>, ApiError> {
     match headers.get(header::CONTENT_LENGTH) {
         None => Ok(None),
         Some(value) => value
@@ -317,166 +295,9 @@ fn content_length(headers: &HeaderMap) -> Result<Option<u64>, ApiError> {
     }
 }
 
-/// A validated submission: the request and whether it needs approval.
-struct Validated {
-    request: Submission,
-    needs_approval: bool,
-}
-
-fn validate(bytes: &[u8]) -> Result<Validated, ApiError> {
-    let request: Submission = serde_json::from_slice(bytes).map_err(|e| {
-        ApiError::invalid(format!("The request body is not a valid submission: {e}"))
-    })?;
-    if !is_idempotency_key(&request.idempotency_key) {
-        return Err(ApiError::invalid(
-            "idempotency_key must match ^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$.",
-        ));
-    }
-    if request.reason.is_empty() || request.reason.len() > 2000 {
-        return Err(ApiError::invalid("reason must be 1 to 2000 bytes."));
-    }
-    if request
-        .target
-        .as_object()
-        .is_none_or(|o| o.len() > MAX_TARGET_PROPERTIES)
-    {
-        return Err(ApiError::invalid(
-            "target must be a JSON object of at most 32 properties.",
-        ));
-    }
-    if request
-        .arguments
-        .as_object()
-        .is_none_or(|o| o.len() > MAX_ARGUMENT_PROPERTIES)
-    {
-        return Err(ApiError::invalid(
-            "arguments must be a JSON object of at most 128 properties.",
-        ));
-    }
-    let Some(&(_, needs_approval)) = OPERATIONS
-        .iter()
-        .find(|(name, _)| *name == request.operation)
-    else {
-        return Err(ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "operation_not_registered",
-            "This broker has no such operation.",
-        ));
-    };
-    if duration_ms(&request.arguments).is_none() {
-        return Err(ApiError::invalid(
-            "arguments.duration_ms must be an integer from 0 to 600000.",
-        ));
-    }
-    Ok(Validated {
-        request,
-        needs_approval,
-    })
-}
-
-/// Whether `existing` was created by this same request (JSON objects compare by content, so key
-/// order does not matter).
-fn same_request(existing: &OperationRecord, request: &Submission) -> bool {
-    existing.operation == request.operation
-        && existing.target == request.target
-        && existing.arguments == request.arguments
-        && existing.reason == request.reason
-}
-
-pub(crate) fn replay(core: &Core, existing: OperationRecord, request: &Submission) -> ApiResult {
-    if !same_request(&existing, request) {
-        return Err(ApiError::new(
-            StatusCode::CONFLICT,
-            "idempotency_conflict",
-            "This idempotency key was used for a different request.",
-        ));
-    }
-    core.count_submission("replayed");
-    let response = json_response(StatusCode::OK, existing.to_json());
-    Ok(ratelimit::answer(core, &existing.client_id, response, None))
-}
-
-async fn submit(State(core): State<Arc<Core>>, headers: HeaderMap, body: Body) -> ApiResult {
-    let client = core.auth.client(&headers)?.clone();
-    let bytes = read_body(&headers, body, MAX_BODY_BYTES).await?;
-    let Validated {
-        request,
-        needs_approval,
-    } = validate(&bytes)?;
-
-    // Same client and key: one at a time, so concurrent duplicates create one operation. Held
-    // until the operation is created (or not), inside the detached part below.
-    let same_key = core
-        .key_lock(client.as_str(), &request.idempotency_key)
-        .lock_owned()
-        .await;
-
-    if core
-        .keys
-        .may_contain(client.as_str(), &request.idempotency_key)
-        && let Some(existing) = core
-            .db
-            .find_by_key(client.as_str(), &request.idempotency_key)
-            .await
-            .map_err(ApiError::store)?
-    {
-        return replay(&core, existing, &request);
-    }
-
-    // The decision: from the gate on there is no `.await` until the creation is detached, so a
-    // permit is never dropped by a client hanging up.
-    let quiet = core.hold_counts().await;
-    if core.shared.is_replica() {
-        // One replica of several: the shared decision is a call to Redis, so it too runs
-        // detached (its script may run even if this client hangs up).
-        let submission =
-            super::shared_submit::submit(Arc::clone(&core), client, request, needs_approval);
-        return detached(async move {
-            let _same_key = same_key;
-            let _quiet = quiet;
-            submission.await
-        })
-        .await;
-    }
-    let permit = match core.controller.admit(client.as_str(), needs_approval) {
-        Ok(permit) => permit,
-        Err(refusal) => {
-            core.count_submission("rejected");
-            tracing::info!(
-                client = %client,
-                code = refusal.code.as_str(),
-                retry_after = refusal.retry_after_secs(),
-                "submission refused"
-            );
-            let response = ApiError::refused(refusal).into_response();
-            return Ok(ratelimit::answer(
-                &core,
-                client.as_str(),
-                response,
-                Some(&refusal),
-            ));
-        }
-    };
-    let creation = create(
-        Arc::clone(&core),
-        client,
-        request,
-        permit,
-        needs_approval,
-        new_id("op"),
-        super::shared::SharedPermit::default(),
-    );
-    detached(async move {
-        let _same_key = same_key;
-        let _quiet = quiet;
-        creation.await
-    })
-    .await
-}
-
 /// Runs a decided change to its end ([`super::run_to_end`]) and returns its answer; a panic in it
 /// is a 500.
-async fn detached(work: impl Future<Output = ApiResult> + Send + 'static) -> ApiResult {
+pub(crate) async fn detached(work: impl Future<Output = ApiResult> + Send + 'static) -> ApiResult {
     let outcome = super::run_to_end(work);
     outcome.await.unwrap_or_else(|err| {
         tracing::error!(error = %err, "a detached change did not finish");
@@ -486,84 +307,6 @@ async fn detached(work: impl Future<Output = ApiResult> + Send + 'static) -> Api
             "The change did not finish; check the operation before retrying.",
         ))
     })
-}
-
-/// The creation of an admitted operation: durable row, replay filter, permit commit (or refund),
-/// live map, executor hand-off. Runs detached, under the per-key lock and the counts gate.
-pub(crate) async fn create(
-    core: Arc<Core>,
-    client: Identity,
-    request: Submission,
-    permit: crate::Permit,
-    needs_approval: bool,
-    id: String,
-    shared: super::shared::SharedPermit,
-) -> ApiResult {
-    let now = now_rfc3339();
-    let record = OperationRecord {
-        id,
-        client_id: client.to_string(),
-        idempotency_key: request.idempotency_key.clone(),
-        operation: request.operation.clone(),
-        target: request.target.clone(),
-        arguments: request.arguments.clone(),
-        reason: request.reason.clone(),
-        state: if needs_approval {
-            OperationState::Pending
-        } else {
-            OperationState::Approved
-        },
-        created_at: now.clone(),
-        updated_at: now,
-        terminal_at: None,
-        error: None,
-        revision: 1,
-        broker: core.db.broker().to_owned(),
-    };
-    let inserted = core.db.insert(record.clone()).await;
-    if matches!(inserted, Ok(()) | Err(InsertError::Duplicate)) {
-        // Before the per-key lock is released, so the next submission with this key looks it up.
-        core.keys.insert(client.as_str(), &request.idempotency_key);
-    }
-    match inserted {
-        Ok(()) => {}
-        Err(InsertError::Duplicate) => {
-            // Another process or path created it first: this request is a replay after all.
-            permit.refund();
-            shared.refund().await;
-            let existing = core
-                .db
-                .find_by_key(client.as_str(), &request.idempotency_key)
-                .await
-                .map_err(ApiError::store)?
-                .ok_or_else(|| ApiError::store(StoreError::new("duplicate key vanished")))?;
-            return replay(&core, existing, &request);
-        }
-        Err(InsertError::Store(err)) => {
-            permit.refund();
-            shared.refund().await;
-            return Err(ApiError::store(err));
-        }
-    }
-    let op = Arc::new(LiveOp::new(&record, permit.commit()));
-    shared.commit_into(&op.shared);
-    core.live_ops().insert(record.id.clone(), Arc::clone(&op));
-    core.count_submission("created");
-    tracing::info!(
-        operation = %record.id,
-        client = %client,
-        to = %record.state,
-        "operation created"
-    );
-    if record.state == OperationState::Approved {
-        core.executor.enqueue(op);
-    }
-    let mut response = json_response(StatusCode::ACCEPTED, record.to_json());
-    if let Ok(location) = HeaderValue::from_str(&format!("/api/agent/v1/operations/{}", record.id))
-    {
-        response.headers_mut().insert(header::LOCATION, location);
-    }
-    Ok(ratelimit::answer(&core, client.as_str(), response, None))
 }
 
 /// The `{id}` of a route, judged after authentication; an id that is not UTF-8 once
@@ -585,49 +328,8 @@ pub(crate) async fn own_record(
     }
 }
 
-async fn get_own(
-    State(core): State<Arc<Core>>,
-    headers: HeaderMap,
-    id: Result<Path<String>, PathRejection>,
-) -> ApiResult {
-    let client = core.auth.client(&headers)?;
-    let id = path_id(id)?;
-    let record = own_record(&core, client, &id).await?;
-    Ok(json_response(StatusCode::OK, record.to_json()))
-}
-
-async fn cancel(
-    State(core): State<Arc<Core>>,
-    headers: HeaderMap,
-    id: Result<Path<String>, PathRejection>,
-) -> ApiResult {
-    let client = core.auth.client(&headers)?;
-    let id = path_id(id)?;
-    own_record(&core, client, &id).await?;
-    let Some(op) = core.live_op(&id) else {
-        // Terminal: canceling changes nothing. Read again, after the live lookup, so the answer
-        // is not older than the terminal transition.
-        let record = own_record(&core, client, &id).await?;
-        return Ok(json_response(StatusCode::OK, record.to_json()));
-    };
-    // Decided: the write and the handle's move run to their end even if the client hangs up.
-    match transition_to_end(&core, op, OperationState::Canceled).await {
-        Ok(record) => Ok(json_response(StatusCode::OK, record.to_json())),
-        Err(TransitionFailure::NotAllowed(OperationState::Executing)) => Err(ApiError::new(
-            StatusCode::CONFLICT,
-            "operation_not_cancelable",
-            "The operation is executing and cannot be canceled.",
-        )),
-        Err(TransitionFailure::NotAllowed(_)) => {
-            let record = own_record(&core, client, &id).await?;
-            Ok(json_response(StatusCode::OK, record.to_json()))
-        }
-        Err(TransitionFailure::Store(err)) => Err(ApiError::store(err)),
-    }
-}
-
 /// Runs [`Core::transition`] detached ([`super::run_to_end`]) and returns its outcome.
-async fn transition_to_end(
+pub(crate) async fn transition_to_end(
     core: &Arc<Core>,
     op: Arc<LiveOp>,
     to: OperationState,
@@ -639,282 +341,9 @@ async fn transition_to_end(
         ))))
     })
 }
-
-async fn list_pending(State(core): State<Arc<Core>>, headers: HeaderMap) -> ApiResult {
-    core.auth.operator(&headers)?;
-    let records = core
-        .db
-        .list_in_state(OperationState::Pending, LIST_LIMIT)
-        .await
-        .map_err(ApiError::store)?;
-    let requests: Vec<Value> = records.iter().map(OperationRecord::to_json).collect();
-    Ok(json_response(StatusCode::OK, json!({"requests": requests})))
-}
-
-async fn decide(
-    core: &Arc<Core>,
-    headers: &HeaderMap,
-    id: Result<Path<String>, PathRejection>,
-    to: OperationState,
-) -> ApiResult {
-    core.auth.operator(headers)?;
-    let id = &path_id(id)?;
-    let not_pending = || {
-        ApiError::new(
-            StatusCode::CONFLICT,
-            "request_not_pending",
-            "The request is not pending.",
-        )
-    };
-    if core.db.get(id).await.map_err(ApiError::store)?.is_none() {
-        return Err(ApiError::new(
-            StatusCode::NOT_FOUND,
-            "request_not_found",
-            "No such request.",
-        ));
-    }
-    let op = core.live_op(id).ok_or_else(not_pending)?;
-    if op.handle.state() != OperationState::Pending {
-        return Err(not_pending());
-    }
-    // Decided: the write and the handle's move run to their end even if the operator hangs up.
-    match transition_to_end(core, op, to).await {
-        Ok(record) => Ok(json_response(StatusCode::OK, record.to_json())),
-        Err(TransitionFailure::NotAllowed(_)) => Err(not_pending()),
-        Err(TransitionFailure::Store(err)) => Err(ApiError::store(err)),
-    }
-}
-
-async fn approve(
-    State(core): State<Arc<Core>>,
-    headers: HeaderMap,
-    id: Result<Path<String>, PathRejection>,
-) -> ApiResult {
-    decide(&core, &headers, id, OperationState::Approved).await
-}
-
-async fn deny(
-    State(core): State<Arc<Core>>,
-    headers: HeaderMap,
-    id: Result<Path<String>, PathRejection>,
-) -> ApiResult {
-    decide(&core, &headers, id, OperationState::Denied).await
-}
-
-async fn upload_stream(State(core): State<Arc<Core>>, headers: HeaderMap, body: Body) -> ApiResult {
-    let client = core.auth.client(&headers)?.clone();
-    let declared = content_length(&headers)?.ok_or_else(|| {
-        ApiError::new(
-            StatusCode::LENGTH_REQUIRED,
-            "length_required",
-            "A stream upload needs a Content-Length.",
-        )
-    })?;
-    // From here on everything runs detached, reading the body included: a client that hangs up
-    // mid-body is a body error there, and the same task removes the file and releases the room.
-    detached(store_stream(core, client, declared, body)).await
-}
-
-/// Reserves room for a stream, writes its body, then records it; or, if the body or the store
-/// fails, removes the file and releases the room. Runs detached.
-async fn store_stream(core: Arc<Core>, client: Identity, declared: u64, body: Body) -> ApiResult {
-    let id = new_id("st");
-    // Reserve before reading a byte: a full store refuses without taking the body. The room is
-    // recorded as an upload in progress in the same gated step, so drift counts it as stored.
-    let reservation = {
-        let _quiet = core.hold_counts().await;
-        let reservation = core
-            .controller
-            .reserve_storage(client.as_str(), Store::Stream, declared)
-            .map_err(|refusal| {
-                tracing::info!(
-                    client = %client,
-                    code = refusal.code.as_str(),
-                    retry_after = refusal.retry_after_secs(),
-                    "stream refused"
-                );
-                ApiError::refused(refusal)
-            })?;
-        core.uploads()
-            .insert(id.clone(), (client.to_string(), declared));
-        reservation
-    };
-    let dir = core.db.streams_dir();
-    let path = dir.join(&id);
-    let written = write_stream(&dir, &path, body, declared).await;
-
-    // The body is complete (or never will be): settle or undo, under the gate.
-    let _quiet = core.hold_counts().await;
-    core.uploads().remove(&id);
-    // Undoing: the file goes; dropping the reservation or the stored object releases its room.
-    async fn undo(path: &std::path::Path, err: ApiError) -> ApiResult {
-        let _ = tokio::fs::remove_file(path).await;
-        Err(err)
-    }
-    let size = match written {
-        Ok(size) => size,
-        Err(err) => {
-            drop(reservation);
-            return undo(&path, err).await;
-        }
-    };
-    let stored = match reservation.settle(size) {
-        Ok(stored) => stored,
-        Err(refusal) => return undo(&path, ApiError::refused(refusal)).await,
-    };
-    let row = StreamRecord {
-        id: id.clone(),
-        client_id: client.to_string(),
-        size,
-    };
-    if let Err(err) = core.db.insert_stream(row).await {
-        drop(stored);
-        return undo(&path, ApiError::store(err)).await;
-    }
-    core.stored_streams().insert(id.clone(), stored);
-    tracing::info!(stream = %id, client = %client, size, "stream stored");
-    let mut response = json_response(StatusCode::CREATED, json!({"id": id, "size": size}));
-    if let Ok(location) = HeaderValue::from_str(&format!("/api/agent/v1/streams/{id}")) {
-        response.headers_mut().insert(header::LOCATION, location);
-    }
-    Ok(response)
-}
-
-/// Writes at most `declared` bytes of `body` to `path` (synced); a body of another length is
-/// refused.
-async fn write_stream(
-    dir: &std::path::Path,
-    path: &std::path::Path,
-    mut body: Body,
-    declared: u64,
-) -> Result<u64, ApiError> {
-    let io_error = |err: std::io::Error| ApiError::store(StoreError::new(err.to_string()));
-    tokio::fs::create_dir_all(dir).await.map_err(io_error)?;
-    let mut file = tokio::fs::File::create(path).await.map_err(io_error)?;
-    let mut size: u64 = 0;
-    while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|_| ApiError::invalid("The request body could not be read."))?;
-        let Ok(data) = frame.into_data() else {
-            continue;
-        };
-        size += data.len() as u64;
-        if size > declared {
-            return Err(ApiError::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "payload_too_large",
-                "The body is longer than its Content-Length.",
-            ));
-        }
-        file.write_all(&data).await.map_err(io_error)?;
-    }
-    if size != declared {
-        return Err(ApiError::invalid(
-            "The body is shorter than its Content-Length.",
-        ));
-    }
-    file.sync_all().await.map_err(io_error)?;
-    Ok(size)
-}
-
-async fn delete_stream(
-    State(core): State<Arc<Core>>,
-    headers: HeaderMap,
-    id: Result<Path<String>, PathRejection>,
-) -> ApiResult {
-    let client = core.auth.client(&headers)?;
-    let id = path_id(id)?;
-    let not_found = || ApiError::new(StatusCode::NOT_FOUND, "stream_not_found", "No such stream.");
-    match core.db.get_stream(&id).await.map_err(ApiError::store)? {
-        Some(stream) if stream.client_id == client.as_str() => {}
-        _ => return Err(not_found()),
-    }
-    // Decided: row, file and room go together, whether or not the client waits.
-    let client = client.clone();
-    detached(async move {
-        let _quiet = core.hold_counts().await;
-        if !core.db.delete_stream(&id).await.map_err(ApiError::store)? {
-            return Err(not_found());
-        }
-        let _ = tokio::fs::remove_file(core.db.streams_dir().join(&id)).await;
-        if let Some(object) = core.stored_streams().remove(&id) {
-            object.release();
-        }
-        tracing::info!(stream = %id, client = %client, "stream deleted");
-        Ok(json_response(
-            StatusCode::OK,
-            json!({"id": id, "deleted": true}),
-        ))
-    })
-    .await
-}
-
-/// `GET /api/operator/v1/drift` (operator): compares the controller's counts with the store now
-/// and answers the report, `{"drift": N, "differences": [...]}` (see [`super::DriftReport::to_json`]).
-async fn drift(State(core): State<Arc<Core>>, headers: HeaderMap) -> ApiResult {
-    core.auth.operator(&headers)?;
-    let report = super::drift::check(&core).await.map_err(ApiError::store)?;
-    Ok(json_response(StatusCode::OK, report.to_json()))
-}
-
-async fn healthz() -> Response {
-    json_response(StatusCode::OK, json!({"ok": true}))
-}
-
-/// How long `/readyz` waits for the store before answering 503.
-const READY_DEADLINE: std::time::Duration = std::time::Duration::from_secs(2);
-
-/// Ready when the store would take a write within [`READY_DEADLINE`]; a broker that cannot make
-/// a submission durable is taken out of rotation.
-async fn readyz(State(core): State<Arc<Core>>) -> ApiResult {
-    let answered = tokio::time::timeout(READY_DEADLINE, core.db.ping()).await;
-    match answered {
-        Ok(Ok(())) => Ok(json_response(StatusCode::OK, json!({"ready": true}))),
-        _ => Err(ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "store_unavailable",
-            "The operation store does not answer.",
-        )),
-    }
-}
-
-async fn metrics(State(core): State<Arc<Core>>, headers: HeaderMap) -> ApiResult {
-    core.auth.operator(&headers)?;
-    let ready = tokio::time::timeout(READY_DEADLINE, core.db.ping()).await;
-    core.store_ready.set(i64::from(matches!(ready, Ok(Ok(())))));
-    let mut text = String::new();
-    prometheus_client::encoding::text::encode(&mut text, &core.registry).map_err(|_| {
-        ApiError::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "internal_error",
-            "Metrics could not be encoded.",
-        )
-    })?;
-    Ok((
-        StatusCode::OK,
-        [(
-            header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        text,
-    )
-        .into_response())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn idempotency_keys_follow_the_contract_pattern() {
-        assert!(is_idempotency_key("a"));
-        assert!(is_idempotency_key("A1._:-z"));
-        assert!(is_idempotency_key(&"k".repeat(128)));
-        assert!(!is_idempotency_key(&"k".repeat(129)));
-        assert!(!is_idempotency_key(""));
-        assert!(!is_idempotency_key("-leading"));
-        assert!(!is_idempotency_key("has space"));
-        assert!(!is_idempotency_key("slash/no"));
-    }
 
     #[test]
     fn error_messages_are_cut_to_the_contracts_500_characters() {

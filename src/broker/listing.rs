@@ -22,8 +22,9 @@ use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use serde_json::{Value, json};
 
 use super::Core;
+use super::agent_operations::is_idempotency_key;
 use super::discovery::API_VERSION;
-use super::http::{ApiError, ApiResult, is_idempotency_key, json_response};
+use super::http::{ApiError, ApiResult, json_response};
 use super::store::PageQuery;
 use super::waits::parse_integer;
 use crate::engine::OperationState;

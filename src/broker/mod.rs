@@ -3,7 +3,14 @@
 //! input, and to show broker authors where each call goes.
 //!
 //! - [`store`]: the SQLite file; what is on disk is what counts after a restart.
-//! - [`http`]: the routes; the order authenticate → validate → replay → admit → create → commit.
+//! - [`http`]: the router and what every route shares: the error envelope (`ApiError`), bearer
+//!   authentication, body reading, the `{id}` lookups and the detached runners. The handlers sit
+//!   beside the types they speak, one file per part of the Agent V1 wire contract:
+//!   - `agent_operations`: submit, get and cancel; the order authenticate → validate → replay →
+//!     admit → create → commit.
+//!   - `streams`: stream upload and delete.
+//!   - `operator`: the pending requests, approve, deny and the on-demand drift reading.
+//!   - `health`: `/healthz`, `/readyz` and `/metrics`.
 //! - `operations`: live operations, each with a lifecycle handle; a transition is written to
 //!   the store first and then applied to the handle, under the operation's lock.
 //! - `exec`: the demo executor; approved work starts when the controller grants an execution
@@ -62,21 +69,25 @@
 //! write either committed (restored at start-up) or did not (nothing to restore), and a stream
 //! body without a row is removed at start-up.
 
+mod agent_operations;
 pub mod discovery;
 mod drift;
 pub mod drill;
 mod exec;
+mod health;
 pub mod http;
 mod keys;
 pub mod listener;
 pub mod listing;
 mod operations;
+mod operator;
 pub mod presentation;
 pub mod ratelimit;
 pub mod serve;
 mod shared;
 mod shared_submit;
 pub mod store;
+mod streams;
 pub mod waits;
 
 use std::collections::HashMap;

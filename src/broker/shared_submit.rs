@@ -7,7 +7,8 @@ use std::sync::Arc;
 use axum::http::StatusCode;
 use axum::response::IntoResponse;
 
-use super::http::{ApiError, ApiResult, Submission, create, replay};
+use super::agent_operations::{Submission, create, replay};
+use super::http::{ApiError, ApiResult};
 use super::shared::SharedAdmit;
 use super::{Core, new_id, ratelimit};
 use crate::config::Identity;

@@ -1,0 +1,353 @@
+//! The agent's operation routes (Agent V1 "operations"): submit, get one's own, cancel.
+//!
+//! A submission goes authenticate → validate → replay → admit → create → commit; from the permit
+//! on, the creation runs detached (see the broker module's docs).
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::rejection::PathRejection;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::IntoResponse;
+use serde::Deserialize;
+use serde_json::Value;
+
+use super::http::{
+    ApiError, ApiResult, detached, json_response, own_record, path_id, read_body, transition_to_end,
+};
+use super::operations::{LiveOp, TransitionFailure, duration_ms};
+use super::store::{InsertError, OperationRecord, StoreError, now_rfc3339};
+use super::{Core, new_id, ratelimit};
+use crate::config::Identity;
+use crate::engine::OperationState;
+
+/// Largest operation submission body, in bytes.
+pub const MAX_BODY_BYTES: usize = 1 << 20;
+
+/// Most properties a submission's `target` may have.
+pub const MAX_TARGET_PROPERTIES: usize = 32;
+
+/// Most properties a submission's `arguments` may have.
+pub const MAX_ARGUMENT_PROPERTIES: usize = 128;
+
+/// The registered operations: name and whether it needs an operator's approval.
+pub(crate) const OPERATIONS: [(&str, bool); 2] = [("demo.run", false), ("demo.request", true)];
+
+/// A submission body: every field required, unknown fields refused.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Submission {
+    pub(crate) idempotency_key: String,
+    operation: String,
+    target: Value,
+    arguments: Value,
+    reason: String,
+}
+
+/// Whether `key` matches `^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$`.
+pub(crate) fn is_idempotency_key(key: &str) -> bool {
+    let bytes = key.as_bytes();
+    !bytes.is_empty()
+        && bytes.len() <= 128
+        && bytes[0].is_ascii_alphanumeric()
+        && bytes
+            .iter()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-'))
+}
+
+/// A validated submission: the request and whether it needs approval.
+struct Validated {
+    request: Submission,
+    needs_approval: bool,
+}
+
+fn validate(bytes: &[u8]) -> Result<Validated, ApiError> {
+    let request: Submission = serde_json::from_slice(bytes).map_err(|e| {
+        ApiError::invalid(format!("The request body is not a valid submission: {e}"))
+    })?;
+    if !is_idempotency_key(&request.idempotency_key) {
+        return Err(ApiError::invalid(
+            "idempotency_key must match ^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$.",
+        ));
+    }
+    if request.reason.is_empty() || request.reason.len() > 2000 {
+        return Err(ApiError::invalid("reason must be 1 to 2000 bytes."));
+    }
+    if request
+        .target
+        .as_object()
+        .is_none_or(|o| o.len() > MAX_TARGET_PROPERTIES)
+    {
+        return Err(ApiError::invalid(
+            "target must be a JSON object of at most 32 properties.",
+        ));
+    }
+    if request
+        .arguments
+        .as_object()
+        .is_none_or(|o| o.len() > MAX_ARGUMENT_PROPERTIES)
+    {
+        return Err(ApiError::invalid(
+            "arguments must be a JSON object of at most 128 properties.",
+        ));
+    }
+    let Some(&(_, needs_approval)) = OPERATIONS
+        .iter()
+        .find(|(name, _)| *name == request.operation)
+    else {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "operation_not_registered",
+            "This broker has no such operation.",
+        ));
+    };
+    if duration_ms(&request.arguments).is_none() {
+        return Err(ApiError::invalid(
+            "arguments.duration_ms must be an integer from 0 to 600000.",
+        ));
+    }
+    Ok(Validated {
+        request,
+        needs_approval,
+    })
+}
+
+/// Whether `existing` was created by this same request (JSON objects compare by content, so key
+/// order does not matter).
+fn same_request(existing: &OperationRecord, request: &Submission) -> bool {
+    existing.operation == request.operation
+        && existing.target == request.target
+        && existing.arguments == request.arguments
+        && existing.reason == request.reason
+}
+
+pub(crate) fn replay(core: &Core, existing: OperationRecord, request: &Submission) -> ApiResult {
+    if !same_request(&existing, request) {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "idempotency_conflict",
+            "This idempotency key was used for a different request.",
+        ));
+    }
+    core.count_submission("replayed");
+    let response = json_response(StatusCode::OK, existing.to_json());
+    Ok(ratelimit::answer(core, &existing.client_id, response, None))
+}
+
+pub(crate) async fn submit(
+    State(core): State<Arc<Core>>,
+    headers: HeaderMap,
+    body: Body,
+) -> ApiResult {
+    let client = core.auth.client(&headers)?.clone();
+    let bytes = read_body(&headers, body, MAX_BODY_BYTES).await?;
+    let Validated {
+        request,
+        needs_approval,
+    } = validate(&bytes)?;
+
+    // Same client and key: one at a time, so concurrent duplicates create one operation. Held
+    // until the operation is created (or not), inside the detached part below.
+    let same_key = core
+        .key_lock(client.as_str(), &request.idempotency_key)
+        .lock_owned()
+        .await;
+
+    if core
+        .keys
+        .may_contain(client.as_str(), &request.idempotency_key)
+        && let Some(existing) = core
+            .db
+            .find_by_key(client.as_str(), &request.idempotency_key)
+            .await
+            .map_err(ApiError::store)?
+    {
+        return replay(&core, existing, &request);
+    }
+
+    // The decision: from the gate on there is no `.await` until the creation is detached, so a
+    // permit is never dropped by a client hanging up.
+    let quiet = core.hold_counts().await;
+    if core.shared.is_replica() {
+        // One replica of several: the shared decision is a call to Redis, so it too runs
+        // detached (its script may run even if this client hangs up).
+        let submission =
+            super::shared_submit::submit(Arc::clone(&core), client, request, needs_approval);
+        return detached(async move {
+            let _same_key = same_key;
+            let _quiet = quiet;
+            submission.await
+        })
+        .await;
+    }
+    let permit = match core.controller.admit(client.as_str(), needs_approval) {
+        Ok(permit) => permit,
+        Err(refusal) => {
+            core.count_submission("rejected");
+            tracing::info!(
+                client = %client,
+                code = refusal.code.as_str(),
+                retry_after = refusal.retry_after_secs(),
+                "submission refused"
+            );
+            let response = ApiError::refused(refusal).into_response();
+            return Ok(ratelimit::answer(
+                &core,
+                client.as_str(),
+                response,
+                Some(&refusal),
+            ));
+        }
+    };
+    let creation = create(
+        Arc::clone(&core),
+        client,
+        request,
+        permit,
+        needs_approval,
+        new_id("op"),
+        super::shared::SharedPermit::default(),
+    );
+    detached(async move {
+        let _same_key = same_key;
+        let _quiet = quiet;
+        creation.await
+    })
+    .await
+}
+
+/// The creation of an admitted operation: durable row, replay filter, permit commit (or refund),
+/// live map, executor hand-off. Runs detached, under the per-key lock and the counts gate.
+pub(crate) async fn create(
+    core: Arc<Core>,
+    client: Identity,
+    request: Submission,
+    permit: crate::Permit,
+    needs_approval: bool,
+    id: String,
+    shared: super::shared::SharedPermit,
+) -> ApiResult {
+    let now = now_rfc3339();
+    let record = OperationRecord {
+        id,
+        client_id: client.to_string(),
+        idempotency_key: request.idempotency_key.clone(),
+        operation: request.operation.clone(),
+        target: request.target.clone(),
+        arguments: request.arguments.clone(),
+        reason: request.reason.clone(),
+        state: if needs_approval {
+            OperationState::Pending
+        } else {
+            OperationState::Approved
+        },
+        created_at: now.clone(),
+        updated_at: now,
+        terminal_at: None,
+        error: None,
+        revision: 1,
+        broker: core.db.broker().to_owned(),
+    };
+    let inserted = core.db.insert(record.clone()).await;
+    if matches!(inserted, Ok(()) | Err(InsertError::Duplicate)) {
+        // Before the per-key lock is released, so the next submission with this key looks it up.
+        core.keys.insert(client.as_str(), &request.idempotency_key);
+    }
+    match inserted {
+        Ok(()) => {}
+        Err(InsertError::Duplicate) => {
+            // Another process or path created it first: this request is a replay after all.
+            permit.refund();
+            shared.refund().await;
+            let existing = core
+                .db
+                .find_by_key(client.as_str(), &request.idempotency_key)
+                .await
+                .map_err(ApiError::store)?
+                .ok_or_else(|| ApiError::store(StoreError::new("duplicate key vanished")))?;
+            return replay(&core, existing, &request);
+        }
+        Err(InsertError::Store(err)) => {
+            permit.refund();
+            shared.refund().await;
+            return Err(ApiError::store(err));
+        }
+    }
+    let op = Arc::new(LiveOp::new(&record, permit.commit()));
+    shared.commit_into(&op.shared);
+    core.live_ops().insert(record.id.clone(), Arc::clone(&op));
+    core.count_submission("created");
+    tracing::info!(
+        operation = %record.id,
+        client = %client,
+        to = %record.state,
+        "operation created"
+    );
+    if record.state == OperationState::Approved {
+        core.executor.enqueue(op);
+    }
+    let mut response = json_response(StatusCode::ACCEPTED, record.to_json());
+    if let Ok(location) = HeaderValue::from_str(&format!("/api/agent/v1/operations/{}", record.id))
+    {
+        response.headers_mut().insert(header::LOCATION, location);
+    }
+    Ok(ratelimit::answer(&core, client.as_str(), response, None))
+}
+
+pub(crate) async fn get_own(
+    State(core): State<Arc<Core>>,
+    headers: HeaderMap,
+    id: Result<Path<String>, PathRejection>,
+) -> ApiResult {
+    let client = core.auth.client(&headers)?;
+    let id = path_id(id)?;
+    let record = own_record(&core, client, &id).await?;
+    Ok(json_response(StatusCode::OK, record.to_json()))
+}
+
+pub(crate) async fn cancel(
+    State(core): State<Arc<Core>>,
+    headers: HeaderMap,
+    id: Result<Path<String>, PathRejection>,
+) -> ApiResult {
+    let client = core.auth.client(&headers)?;
+    let id = path_id(id)?;
+    own_record(&core, client, &id).await?;
+    let Some(op) = core.live_op(&id) else {
+        // Terminal: canceling changes nothing. Read again, after the live lookup, so the answer
+        // is not older than the terminal transition.
+        let record = own_record(&core, client, &id).await?;
+        return Ok(json_response(StatusCode::OK, record.to_json()));
+    };
+    // Decided: the write and the handle's move run to their end even if the client hangs up.
+    match transition_to_end(&core, op, OperationState::Canceled).await {
+        Ok(record) => Ok(json_response(StatusCode::OK, record.to_json())),
+        Err(TransitionFailure::NotAllowed(OperationState::Executing)) => Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "operation_not_cancelable",
+            "The operation is executing and cannot be canceled.",
+        )),
+        Err(TransitionFailure::NotAllowed(_)) => {
+            let record = own_record(&core, client, &id).await?;
+            Ok(json_response(StatusCode::OK, record.to_json()))
+        }
+        Err(TransitionFailure::Store(err)) => Err(ApiError::store(err)),
+    }
+}
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn idempotency_keys_follow_the_contract_pattern() {
+        assert!(is_idempotency_key("a"));
+        assert!(is_idempotency_key("A1._:-z"));
+        assert!(is_idempotency_key(&"k".repeat(128)));
+        assert!(!is_idempotency_key(&"k".repeat(129)));
+        assert!(!is_idempotency_key(""));
+        assert!(!is_idempotency_key("-leading"));
+        assert!(!is_idempotency_key("has space"));
+        assert!(!is_idempotency_key("slash/no"));
+    }
+}

@@ -1,0 +1,169 @@
+//! The agent's stream routes: upload (`POST /api/agent/v1/streams`) and delete. Both run their
+//! change detached; an upload reserves its room before it reads a byte.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::rejection::PathRejection;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use http_body_util::BodyExt;
+use serde_json::json;
+use tokio::io::AsyncWriteExt;
+
+use super::http::{ApiError, ApiResult, content_length, detached, json_response, path_id};
+use super::store::{StoreError, StreamRecord};
+use super::{Core, new_id};
+use crate::config::Identity;
+use crate::engine::Store;
+
+pub(crate) async fn upload_stream(
+    State(core): State<Arc<Core>>,
+    headers: HeaderMap,
+    body: Body,
+) -> ApiResult {
+    let client = core.auth.client(&headers)?.clone();
+    let declared = content_length(&headers)?.ok_or_else(|| {
+        ApiError::new(
+            StatusCode::LENGTH_REQUIRED,
+            "length_required",
+            "A stream upload needs a Content-Length.",
+        )
+    })?;
+    // From here on everything runs detached, reading the body included: a client that hangs up
+    // mid-body is a body error there, and the same task removes the file and releases the room.
+    detached(store_stream(core, client, declared, body)).await
+}
+
+/// Reserves room for a stream, writes its body, then records it; or, if the body or the store
+/// fails, removes the file and releases the room. Runs detached.
+async fn store_stream(core: Arc<Core>, client: Identity, declared: u64, body: Body) -> ApiResult {
+    let id = new_id("st");
+    // Reserve before reading a byte: a full store refuses without taking the body. The room is
+    // recorded as an upload in progress in the same gated step, so drift counts it as stored.
+    let reservation = {
+        let _quiet = core.hold_counts().await;
+        let reservation = core
+            .controller
+            .reserve_storage(client.as_str(), Store::Stream, declared)
+            .map_err(|refusal| {
+                tracing::info!(
+                    client = %client,
+                    code = refusal.code.as_str(),
+                    retry_after = refusal.retry_after_secs(),
+                    "stream refused"
+                );
+                ApiError::refused(refusal)
+            })?;
+        core.uploads()
+            .insert(id.clone(), (client.to_string(), declared));
+        reservation
+    };
+    let dir = core.db.streams_dir();
+    let path = dir.join(&id);
+    let written = write_stream(&dir, &path, body, declared).await;
+
+    // The body is complete (or never will be): settle or undo, under the gate.
+    let _quiet = core.hold_counts().await;
+    core.uploads().remove(&id);
+    // Undoing: the file goes; dropping the reservation or the stored object releases its room.
+    async fn undo(path: &std::path::Path, err: ApiError) -> ApiResult {
+        let _ = tokio::fs::remove_file(path).await;
+        Err(err)
+    }
+    let size = match written {
+        Ok(size) => size,
+        Err(err) => {
+            drop(reservation);
+            return undo(&path, err).await;
+        }
+    };
+    let stored = match reservation.settle(size) {
+        Ok(stored) => stored,
+        Err(refusal) => return undo(&path, ApiError::refused(refusal)).await,
+    };
+    let row = StreamRecord {
+        id: id.clone(),
+        client_id: client.to_string(),
+        size,
+    };
+    if let Err(err) = core.db.insert_stream(row).await {
+        drop(stored);
+        return undo(&path, ApiError::store(err)).await;
+    }
+    core.stored_streams().insert(id.clone(), stored);
+    tracing::info!(stream = %id, client = %client, size, "stream stored");
+    let mut response = json_response(StatusCode::CREATED, json!({"id": id, "size": size}));
+    if let Ok(location) = HeaderValue::from_str(&format!("/api/agent/v1/streams/{id}")) {
+        response.headers_mut().insert(header::LOCATION, location);
+    }
+    Ok(response)
+}
+
+/// Writes at most `declared` bytes of `body` to `path` (synced); a body of another length is
+/// refused.
+async fn write_stream(
+    dir: &std::path::Path,
+    path: &std::path::Path,
+    mut body: Body,
+    declared: u64,
+) -> Result<u64, ApiError> {
+    let io_error = |err: std::io::Error| ApiError::store(StoreError::new(err.to_string()));
+    tokio::fs::create_dir_all(dir).await.map_err(io_error)?;
+    let mut file = tokio::fs::File::create(path).await.map_err(io_error)?;
+    let mut size: u64 = 0;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|_| ApiError::invalid("The request body could not be read."))?;
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        size += data.len() as u64;
+        if size > declared {
+            return Err(ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "payload_too_large",
+                "The body is longer than its Content-Length.",
+            ));
+        }
+        file.write_all(&data).await.map_err(io_error)?;
+    }
+    if size != declared {
+        return Err(ApiError::invalid(
+            "The body is shorter than its Content-Length.",
+        ));
+    }
+    file.sync_all().await.map_err(io_error)?;
+    Ok(size)
+}
+
+pub(crate) async fn delete_stream(
+    State(core): State<Arc<Core>>,
+    headers: HeaderMap,
+    id: Result<Path<String>, PathRejection>,
+) -> ApiResult {
+    let client = core.auth.client(&headers)?;
+    let id = path_id(id)?;
+    let not_found = || ApiError::new(StatusCode::NOT_FOUND, "stream_not_found", "No such stream.");
+    match core.db.get_stream(&id).await.map_err(ApiError::store)? {
+        Some(stream) if stream.client_id == client.as_str() => {}
+        _ => return Err(not_found()),
+    }
+    // Decided: row, file and room go together, whether or not the client waits.
+    let client = client.clone();
+    detached(async move {
+        let _quiet = core.hold_counts().await;
+        if !core.db.delete_stream(&id).await.map_err(ApiError::store)? {
+            return Err(not_found());
+        }
+        let _ = tokio::fs::remove_file(core.db.streams_dir().join(&id)).await;
+        if let Some(object) = core.stored_streams().remove(&id) {
+            object.release();
+        }
+        tracing::info!(stream = %id, client = %client, "stream deleted");
+        Ok(json_response(
+            StatusCode::OK,
+            json!({"id": id, "deleted": true}),
+        ))
+    })
+    .await
+}
