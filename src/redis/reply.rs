@@ -224,6 +224,44 @@ pub fn parse_reaped(value: &Value) -> Result<Vec<(String, u64)>, ReplyError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    fn value() -> impl Strategy<Value = Value> {
+        let word = prop_oneof![
+            Just("admitted".to_string()),
+            Just("refused".to_string()),
+            Just("replay".to_string()),
+            Just("moved".to_string()),
+            Just("client_pending_limit".to_string()),
+            Just("p".to_string()),
+            "[a-z_0-9 .-]{0,24}",
+        ];
+        let leaf = prop_oneof![
+            Just(Value::Nil),
+            any::<i64>().prop_map(Value::Int),
+            word.prop_map(|w| Value::BulkString(w.into_bytes())),
+            proptest::collection::vec(any::<u8>(), 0..16).prop_map(Value::BulkString),
+        ];
+        leaf.prop_recursive(3, 24, 5, |inner| {
+            proptest::collection::vec(inner, 0..5).prop_map(Value::Array)
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn no_reply_makes_a_parser_panic_and_what_parses_is_well_formed(v in value()) {
+            if let Ok(AdmitReply::Refused { code, capacity, .. }) = parse_admit(&v) {
+                prop_assert!(capacity || !code.is_capacity());
+                prop_assert!(code != RefusalCode::ClientUnconfigured);
+            }
+            let _ = parse_transition(&v);
+            let _ = parse_lease(&v);
+            let _ = parse_pair(&v);
+            if let Ok(reaped) = parse_reaped(&v) {
+                prop_assert!(reaped.iter().all(|(replica, _)| !replica.is_empty()));
+            }
+        }
+    }
 
     fn bulk(s: &str) -> Value {
         Value::BulkString(s.as_bytes().to_vec())
