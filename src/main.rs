@@ -32,7 +32,21 @@ enum Command {
     /// Walk the overload drill against an in-process broker on loopback; exit 0 only if every
     /// step held.
     #[cfg(feature = "broker")]
-    Drill,
+    Drill(DrillArgs),
+}
+
+/// The flags of `admission drill`.
+#[cfg(feature = "broker")]
+#[derive(Args)]
+struct DrillArgs {
+    /// Walk the drill across this many in-process replicas sharing one Redis instead (at least 2).
+    #[cfg(feature = "redis")]
+    #[arg(long, value_name = "N")]
+    replicas: Option<usize>,
+    /// The Redis the replicas share; without it the drill starts its own `redis-server`.
+    #[cfg(feature = "redis")]
+    #[arg(long, value_name = "URL", requires = "replicas")]
+    redis: Option<String>,
 }
 
 #[cfg(feature = "broker")]
@@ -115,7 +129,16 @@ fn main() -> ExitCode {
         #[cfg(feature = "broker")]
         Command::Serve(args) => serve(args),
         #[cfg(feature = "broker")]
-        Command::Drill => {
+        Command::Drill(args) => {
+            #[cfg(feature = "redis")]
+            if let Some(replicas) = args.replicas {
+                return if unyolo_admission::broker::drill_replicas::run(replicas, args.redis) {
+                    ExitCode::SUCCESS
+                } else {
+                    ExitCode::FAILURE
+                };
+            }
+            let _ = args;
             if unyolo_admission::broker::drill::run() {
                 ExitCode::SUCCESS
             } else {

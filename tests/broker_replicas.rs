@@ -144,3 +144,18 @@ async fn a_paused_redis_refuses_new_work_with_503_and_cancels_still_work() {
     );
     r1.broker.shutdown().await;
 }
+
+#[test]
+fn the_replica_drill_passes_every_step_against_its_own_redis() {
+    let Some(server) = redis_support::RedisServer::start() else {
+        return;
+    };
+    let output = assert_cmd::Command::cargo_bin("admission")
+        .unwrap()
+        .args(["drill", "--replicas", "3", "--redis", &server.url()])
+        .output()
+        .unwrap();
+    let table = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{table}");
+    assert_eq!(table.matches(" pass ").count(), 4, "{table}");
+}

@@ -73,6 +73,8 @@ mod agent_operations;
 pub mod discovery;
 mod drift;
 pub mod drill;
+#[cfg(feature = "redis")]
+pub mod drill_replicas;
 mod exec;
 mod health;
 pub mod http;
