@@ -83,7 +83,7 @@ async fn admissions(url: &str, replicas: usize, prefix: &str) -> Figures {
                     let key = format!("k-{id}");
                     let began = Instant::now();
                     let permit = controller
-                        .admit(&client, n % 2 == 0, &id, Some(&key))
+                        .admit(&client, n.is_multiple_of(2), &id, Some(&key))
                         .await
                         .expect("roomy limits admit");
                     latencies.push(began.elapsed());
