@@ -192,6 +192,47 @@ fn full_cycle(cr: &mut Criterion) {
     g.finish();
 }
 
+/// 6. A flood of refusals from one client (its rate spent), on one and two threads, beside
+///    governor's keyed check refusing the same single spent key: what admission costs under the
+///    very overload it exists for.
+fn refusal_flood(cr: &mut Criterion) {
+    let mut g = cr.benchmark_group("6_refusal_flood");
+    let id = Identity::new("bot-0").expect("valid");
+    let mut overrides = BTreeMap::new();
+    overrides.insert(
+        id.clone(),
+        ClientLimits {
+            requests_per_window: 1,
+            window_seconds: 86_400,
+            active: 10,
+            pending: 10,
+        },
+    );
+    let config = Config::new(roomy_limits(), overrides, [id]).expect("valid");
+    let refusing = Controller::builder(config).clock(fast_clock()).build();
+    drop(refusing.admit("bot-0", false).expect("the one token"));
+    let refuse = |_| {
+        let refused = refusing.admit(black_box("bot-0"), false);
+        assert!(refused.is_err());
+    };
+    let governor = RateLimiter::dashmap(Quota::per_hour(NonZeroU32::new(1).expect("non-zero")));
+    assert!(governor.check_key(&"bot-0").is_ok());
+    let governor_refuse = |_| assert!(governor.check_key(black_box(&"bot-0")).is_err());
+    g.bench_function("ours_1_thread", |b| {
+        b.iter_custom(|iters| threaded(iters, 1, refuse))
+    });
+    g.bench_function("ours_2_threads", |b| {
+        b.iter_custom(|iters| threaded(iters, 2, refuse))
+    });
+    g.bench_function("governor_1_thread", |b| {
+        b.iter_custom(|iters| threaded(iters, 1, governor_refuse))
+    });
+    g.bench_function("governor_2_threads", |b| {
+        b.iter_custom(|iters| threaded(iters, 2, governor_refuse))
+    });
+    g.finish();
+}
+
 /// 2. The rate check alone against governor's keyed limiter, same 1,000 keys and quota.
 fn rate_check(cr: &mut Criterion) {
     let mut g = cr.benchmark_group("2_rate_check_1000_keys");
@@ -334,6 +375,6 @@ fn config() -> Criterion {
 criterion_group! {
     name = benches;
     config = config();
-    targets = full_cycle, rate_check, versus_mutex, scaling, under_reload
+    targets = full_cycle, rate_check, versus_mutex, scaling, under_reload, refusal_flood
 }
 criterion_main!(benches);

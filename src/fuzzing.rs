@@ -274,9 +274,7 @@ impl Harness {
             10 => {
                 let identity = POOL[usize::from(arg) % POOL.len()];
                 let state = OperationState::ALL[usize::from(bytes.next()) % 8];
-                let result = self
-                    .controller
-                    .restore(&Identity::new(identity).expect("valid"), state);
+                let result = self.controller.restore(identity, state);
                 match result {
                     Ok(op) => {
                         assert!(!state.is_terminal());
@@ -401,10 +399,14 @@ impl Harness {
             2 => {
                 let r = op.cancel();
                 if from.is_terminal() {
-                    assert_eq!(r, Ok(from), "cancel of a terminal operation");
+                    assert_eq!(
+                        r,
+                        Ok(crate::CancelOutcome::AlreadyTerminal(from)),
+                        "cancel of a terminal operation"
+                    );
                     return;
                 }
-                (Canceled, r.is_ok())
+                (Canceled, r.is_ok_and(crate::CancelOutcome::changed))
             }
             3 => (Expired, op.expire().is_ok()),
             4 => (Failed, op.fail().is_ok()),

@@ -47,7 +47,13 @@
 //! // 4. Admit: a permit, or a refusal with a stable code and a Retry-After.
 //! let permit = match controller.admit(client, needs_approval) {
 //!     Ok(permit) => permit,
-//!     Err(refusal) => panic!("429 {} Retry-After: {}", refusal.code, refusal.retry_after_secs()),
+//!     Err(refusal) => panic!(
+//!         "{} {} ({}) Retry-After: {:?}",
+//!         refusal.http_status(),
+//!         refusal.code,
+//!         refusal.message(),
+//!         refusal.retry_after_header(),
+//!     ),
 //! };
 //!
 //! // 5. Create the durable operation. Had that failed through the broker's own fault,
@@ -66,11 +72,53 @@
 //! operation.succeed().unwrap();
 //! assert!(controller.snapshot().is_idle());
 //!
-//! // An identity the controller was not configured with is refused, not rate limited (HTTP 403).
+//! // An identity the controller was not configured with is refused, not rate limited (HTTP 403,
+//! // and no Retry-After: retrying cannot help).
 //! let refusal = controller.admit("stranger", false).unwrap_err();
 //! assert_eq!(refusal.code, RefusalCode::ClientUnconfigured);
-//! assert_eq!(refusal.code.http_status(), 403);
+//! assert_eq!((refusal.http_status(), refusal.retry_after_header()), (403, None));
+//!
+//! // Nothing was lost on the way: no permit or live operation was dropped half-way.
+//! let snapshot = controller.snapshot();
+//! assert_eq!((snapshot.dropped_permits, snapshot.dropped_operations), (0, 0));
 //! ```
+//!
+//! # In an async broker: what a dropped future does
+//!
+//! An async HTTP server (axum, hyper, actix) drops a request handler's future when its client
+//! hangs up, at whatever `.await` the handler is parked on; nothing after that `.await` runs,
+//! and every value the future owns is dropped. For this crate that means:
+//!
+//! - A [`Permit`] dropped there (say, while the handler awaited the store's insert) gives its
+//!   slots back but the rate token stays spent — and the row the store may already have written
+//!   is counted nowhere: nothing can approve, cancel or run it, and the counts no longer match
+//!   the store.
+//! - An [`Operation`] dropped while not terminal is counted as failed — while the store still
+//!   holds it as live.
+//! - [`Operation::start`], awaiting a free execution slot, is safe to drop: the operation stays
+//!   queued.
+//!
+//! So split each mutating handler where it *decides*: before that point, only authenticate,
+//! validate and read (a hangup changes nothing); from it on, run the whole change — `admit`, the
+//! store write, `commit` or `refund`, the hand-off to the executor — in a task a disconnect
+//! cannot cancel (`tokio::spawn`, with the handler merely awaiting its `JoinHandle`: dropping a
+//! `JoinHandle` does not cancel the task). Keep [`Operation`] handles in a map the request does
+//! not own. Serialize submissions with the same idempotency key (a per-key lock around replay
+//! and admit), or the loser of a race between duplicates holds a permit it must
+//! [`refund`](Permit::refund) — never drop.
+//!
+//! `examples/axum_broker.rs` is a complete broker written this way in about 400 lines: bearer
+//! authentication ([`config::Secrets::identify`]), replay under a per-key lock, admission and
+//! creation in a detached task, operator decisions, an executor that waits for a slot
+//! ([`Operation::start`]), restore at start-up (and what to do with rows found `executing`),
+//! reload on `SIGHUP` ([`Controller::reload_from_optional_path`]), and `/metrics` in the
+//! embedder's own registry ([`metrics::register`]). Its test hangs clients up mid-request and
+//! checks the counts against the store.
+//!
+//! Mistakes are counted, not silent: [`Snapshot::dropped_permits`] and
+//! [`Snapshot::dropped_operations`] (`admission_dropped_permits_total`,
+//! `admission_dropped_operations_total`) stay zero in a correct embedding; anything else is a
+//! bug in it.
 
 #[cfg(feature = "broker")]
 pub mod broker;
@@ -84,11 +132,15 @@ pub mod metrics;
 pub mod redis;
 mod sync;
 
+/// The `prometheus-client` version the metrics are built with, so an embedder's registry
+/// matches [`metrics::register`] without pinning the version by hand.
+pub use prometheus_client;
+
 pub use clock::{Clock, ManualClock, QuantaClock};
 pub use config::{ClientLimits, Config, Identity, Limits};
 pub use engine::{
-    CapacityQuota, Controller, ControllerBuilder, Operation, OperationState, Permit, QuotaStatus,
-    RateQuota, Refusal, RefusalCode, StartError, StorageCaps, StorageReservation, Store, StoreCaps,
-    StoredObject, TransitionError,
+    CancelOutcome, CapacityQuota, Controller, ControllerBuilder, Operation, OperationState, Permit,
+    QuotaStatus, RateQuota, Refusal, RefusalCode, StartError, StorageCaps, StorageReservation,
+    Store, StoreCaps, StoredObject, TransitionError,
 };
 pub use metrics::Snapshot;

@@ -1,5 +1,11 @@
 //! What the controller exposes to dashboards: a plain [`Snapshot`] read without locks, and its
-//! Prometheus text exposition through `prometheus-client`.
+//! Prometheus text exposition through `prometheus-client` (re-exported as
+//! [`crate::prometheus_client`]): [`register`] into the embedder's own registry, [`render`] a
+//! whole exposition, or [`render_families`] to append to another.
+//!
+//! Metric names follow the snapshot's fields: `admission_config_reloads_total{result="applied"}`
+//! is [`Snapshot::reloads_applied`], `admission_dropped_permits_total` is
+//! [`Snapshot::dropped_permits`], and so on.
 //!
 //! The counts are the engine's own atomics, read at scrape time, so exposing them costs the hot
 //! path nothing. The limits in force are exported beside them (`admission_client_limit`,
@@ -36,10 +42,18 @@ pub struct Snapshot {
     pub executing: u64,
     /// Files and bytes in each capped store, indexed like [`Store::ALL`].
     pub storage: [StoreSnapshot; 2],
-    /// Reloads applied.
-    pub reloads_ok: u64,
-    /// Reloads rejected (invalid configuration; the old one stayed).
-    pub reloads_failed: u64,
+    /// Reloads applied (`admission_config_reloads_total{result="applied"}`).
+    pub reloads_applied: u64,
+    /// Reloads rejected: an invalid configuration, the old one stayed
+    /// (`admission_config_reloads_total{result="rejected"}`).
+    pub reloads_rejected: u64,
+    /// Permits dropped without commit or refund (`admission_dropped_permits_total`). Not zero
+    /// means a bug in the embedding: a permit was lost at an `.await` (see [`crate::Permit`]).
+    pub dropped_permits: u64,
+    /// Operation handles dropped while not terminal (`admission_dropped_operations_total`). Not
+    /// zero means a bug in the embedding: the store and the counts disagree (see
+    /// [`crate::Operation`]).
+    pub dropped_operations: u64,
     /// Clock readings clamped because the time source went backwards.
     pub clock_regressions: u64,
     /// Each tracked client, by identity.
@@ -127,12 +141,37 @@ pub fn register(registry: &mut Registry, controller: &Controller) {
     }));
 }
 
-/// Renders the controller's metrics alone as Prometheus (OpenMetrics) text.
+/// Renders the controller's metrics alone as a complete OpenMetrics exposition, ending in
+/// `# EOF`. To serve them beside metrics of your own, [`register`] them in your registry
+/// (the crate re-exports [`prometheus_client`], so the versions match), or append
+/// [`render_families`] to another exposition.
 pub fn render(controller: &Controller) -> String {
     let mut registry = Registry::default();
     register(&mut registry, controller);
     let mut out = String::new();
     prometheus_client::encoding::text::encode(&mut out, &registry)
+        .expect("writing to a String cannot fail");
+    out
+}
+
+/// The controller's metric families as OpenMetrics text *without* the closing `# EOF`, so they
+/// can be appended to another registry's families before one final `# EOF`.
+///
+/// ```
+/// use unyolo_admission::{Config, Controller, Identity, metrics};
+///
+/// let c = Controller::new(Config::defaults([Identity::new("bot-7").unwrap()]));
+/// let mut exposition = String::from("# TYPE my_up gauge\nmy_up 1\n");
+/// exposition.push_str(&metrics::render_families(&c));
+/// exposition.push_str("# EOF\n");
+/// assert_eq!(exposition.matches("# EOF").count(), 1);
+/// assert!(exposition.contains("admission_dropped_permits_total 0"));
+/// ```
+pub fn render_families(controller: &Controller) -> String {
+    let mut registry = Registry::default();
+    register(&mut registry, controller);
+    let mut out = String::new();
+    prometheus_client::encoding::text::encode_registry(&mut out, &registry)
         .expect("writing to a String cannot fail");
     out
 }
@@ -163,6 +202,17 @@ fn family<L: prometheus_client::encoding::EncodeLabelSet>(
         }
     }
     Ok(())
+}
+
+/// A counter with no labels (encoded without an empty `{}`).
+fn unlabelled(
+    encoder: &mut DescriptorEncoder<'_>,
+    name: &str,
+    help: &str,
+    value: u64,
+) -> Result<(), std::fmt::Error> {
+    let metric = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+    ConstCounter::new(value).encode(metric)
 }
 
 impl Collector for ControllerCollector {
@@ -263,17 +313,37 @@ impl Collector for ControllerCollector {
             "Configuration reloads by result.",
             MetricType::Counter,
             [
-                ([("result", "applied")], s.reloads_ok),
-                ([("result", "rejected")], s.reloads_failed),
+                ([("result", "applied")], s.reloads_applied),
+                ([("result", "rejected")], s.reloads_rejected),
             ],
         )?;
         encode_limits(&mut encoder, &self.controller)?;
         family(
             &mut encoder,
+            "admission_client_tokens",
+            "Rate tokens each client has available now.",
+            MetricType::Gauge,
+            s.clients
+                .iter()
+                .map(|c| ([("client", c.identity.as_str())], c.tokens)),
+        )?;
+        unlabelled(
+            &mut encoder,
             "admission_clock_regressions",
             "Clock readings clamped because the time source went backwards.",
-            MetricType::Counter,
-            [([] as [(&str, &str); 0], s.clock_regressions)],
+            s.clock_regressions,
+        )?;
+        unlabelled(
+            &mut encoder,
+            "admission_dropped_permits",
+            "Permits dropped without commit or refund. Not zero means an embedding bug: a permit was lost at an await (say, a client hung up between admit and commit).",
+            s.dropped_permits,
+        )?;
+        unlabelled(
+            &mut encoder,
+            "admission_dropped_operations",
+            "Operation handles dropped while not terminal. Not zero means an embedding bug: the controller's counts and the store disagree.",
+            s.dropped_operations,
         )?;
         Ok(())
     }

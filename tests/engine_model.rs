@@ -361,7 +361,7 @@ proptest! {
                     let (got, to) = match op {
                         Op::Approve(_) => (h.approve().is_ok(), OperationState::Approved),
                         Op::Deny(_) => (h.deny().is_ok(), OperationState::Denied),
-                        Op::Cancel(_) => (h.cancel().is_ok_and(|from| !from.is_terminal()), OperationState::Canceled),
+                        Op::Cancel(_) => (h.cancel().is_ok_and(|outcome| outcome.changed()), OperationState::Canceled),
                         Op::Start(_) => (h.try_start().is_ok(), OperationState::Executing),
                         Op::Succeed(_) => (h.succeed().is_ok(), OperationState::Succeeded),
                         Op::Fail(_) => (h.fail().is_ok(), OperationState::Failed),

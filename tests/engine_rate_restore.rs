@@ -33,7 +33,7 @@ fn controller(n: u32, w: u32) -> (Controller, ManualClock) {
 fn a_bucket_spent_before_a_restart_is_still_spent_after_it() {
     let (controller, _clock) = controller(3, 3600);
     let ago = [5, 4, 3].map(Duration::from_secs);
-    controller.restore_rate(&id("bot"), ago);
+    controller.restore_rate(id("bot"), ago);
     let refusal = controller.admit("bot", false).unwrap_err();
     assert_eq!(refusal.code, RefusalCode::SubmissionRateLimited);
     // The oldest admission's token returns one interval (20 minutes) after it was made.
@@ -45,7 +45,7 @@ fn a_bucket_spent_before_a_restart_is_still_spent_after_it() {
 #[test]
 fn admissions_older_than_the_window_leave_the_bucket_full() {
     let (controller, _clock) = controller(2, 2);
-    controller.restore_rate(&id("bot"), [3, 4, 10].map(Duration::from_secs));
+    controller.restore_rate(id("bot"), [3, 4, 10].map(Duration::from_secs));
     assert!(controller.admit("bot", false).is_ok());
     assert!(controller.admit("bot", false).is_ok());
     assert!(controller.admit("bot", false).is_err());
@@ -54,7 +54,7 @@ fn admissions_older_than_the_window_leave_the_bucket_full() {
 #[test]
 fn a_partly_spent_bucket_keeps_what_was_left() {
     let (controller, clock) = controller(3, 60);
-    controller.restore_rate(&id("bot"), [Duration::from_secs(1)]);
+    controller.restore_rate(id("bot"), [Duration::from_secs(1)]);
     assert!(controller.admit("bot", false).is_ok());
     assert!(controller.admit("bot", false).is_ok());
     assert_eq!(
@@ -69,7 +69,7 @@ fn a_partly_spent_bucket_keeps_what_was_left() {
 #[test]
 fn restoring_the_rate_of_an_unconfigured_identity_changes_nothing() {
     let (controller, _clock) = controller(1, 60);
-    controller.restore_rate(&id("ghost"), [Duration::ZERO]);
+    controller.restore_rate(id("ghost"), [Duration::ZERO]);
     assert!(controller.admit("bot", false).is_ok());
     assert_eq!(
         controller.admit("ghost", false).unwrap_err().code,

@@ -4,8 +4,8 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use unyolo_admission::{
-    ClientLimits, Config, Controller, Identity, Limits, ManualClock, OperationState, RefusalCode,
-    StartError, StorageCaps, Store, TransitionError,
+    CancelOutcome, ClientLimits, Config, Controller, Identity, Limits, ManualClock, OperationState,
+    RefusalCode, StartError, StorageCaps, Store, TransitionError,
 };
 
 fn id(name: &str) -> Identity {
@@ -348,7 +348,7 @@ fn terminal_transitions_release_exactly_once_whatever_the_repetition() {
     assert!(op.deny().is_err(), "a second deny is refused");
     assert_eq!(
         op.cancel(),
-        Ok(OperationState::Denied),
+        Ok(CancelOutcome::AlreadyTerminal(OperationState::Denied)),
         "cancel of a terminal operation changes nothing"
     );
     assert!(op.fail().is_err());
@@ -402,7 +402,7 @@ fn starting_without_a_free_slot_leaves_the_operation_queued() {
 fn restored_work_counts_even_above_a_lowered_limit() {
     let (c, _) = one_client(10, 60, 2, 2);
     let restored: Vec<_> = (0..3)
-        .map(|_| c.restore(&id("bot"), OperationState::Pending).unwrap())
+        .map(|_| c.restore(id("bot"), OperationState::Pending).unwrap())
         .collect();
     let s = c.snapshot();
     assert_eq!((s.active, s.pending), (3, 3));
@@ -418,13 +418,13 @@ fn restored_work_counts_even_above_a_lowered_limit() {
     );
     restored[1].cancel().unwrap();
     assert!(c.admit("bot", false).is_ok());
-    assert!(c.restore(&id("bot"), OperationState::Succeeded).is_err());
+    assert!(c.restore(id("bot"), OperationState::Succeeded).is_err());
 }
 
 #[test]
 fn restore_of_an_unconfigured_identity_counts_globally_but_admits_nothing() {
     let (c, _) = one_client(10, 60, 2, 2);
-    let ghost = c.restore(&id("ghost"), OperationState::Executing).unwrap();
+    let ghost = c.restore(id("ghost"), OperationState::Executing).unwrap();
     assert_eq!(c.snapshot().executing, 1);
     assert_eq!(
         c.admit("ghost", false).unwrap_err().code,
@@ -507,7 +507,7 @@ fn reload_keeps_counts_and_scales_the_bucket_fill() {
     let s = c.snapshot();
     assert_eq!(s.client("bot").unwrap().tokens, 50);
     assert_eq!((s.active, s.pending), (4, 4));
-    assert_eq!(s.reloads_ok, 1);
+    assert_eq!(s.reloads_applied, 1);
     // Lower active below usage: new work is refused until it drains.
     c.reload(config(
         Limits::DEFAULT,
@@ -597,8 +597,8 @@ fn invalid_reload_changes_nothing_and_is_counted() {
     let path = std::fs::canonicalize(&path).unwrap();
     assert!(c.reload_from_path(&path).is_err());
     assert_eq!(c.config(), before);
-    assert_eq!(c.snapshot().reloads_failed, 1);
-    assert_eq!(c.snapshot().reloads_ok, 0);
+    assert_eq!(c.snapshot().reloads_rejected, 1);
+    assert_eq!(c.snapshot().reloads_applied, 0);
 }
 
 #[test]

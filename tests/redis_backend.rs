@@ -15,8 +15,8 @@ use unyolo_admission::redis::{
     SharedCounts, UnavailableReason,
 };
 use unyolo_admission::{
-    Config, Controller, Identity, ManualClock, Operation, OperationState, RefusalCode, StartError,
-    StorageCaps,
+    CancelOutcome, Config, Controller, Identity, ManualClock, Operation, OperationState,
+    RefusalCode, StartError, StorageCaps,
 };
 
 fn ids(names: &[&str]) -> Vec<Identity> {
@@ -344,8 +344,16 @@ async fn an_admission_retried_with_its_id_counts_once_and_a_retried_release_free
     let counts = shared.counts().await.unwrap();
     assert_eq!(global(&counts), (2, 2, 0));
     let op = first.commit();
-    assert_eq!(op.cancel().await, Ok(OperationState::Pending));
-    assert_eq!(op.cancel().await, Ok(OperationState::Canceled));
+    assert_eq!(
+        op.cancel().await,
+        Ok(CancelOutcome::Canceled {
+            from: OperationState::Pending
+        })
+    );
+    assert_eq!(
+        op.cancel().await,
+        Ok(CancelOutcome::AlreadyTerminal(OperationState::Canceled))
+    );
     // The retry's permit is dropped: its release names op-1 again and frees nothing more.
     drop(retry);
     assert!(shared.flush().await);
@@ -558,7 +566,12 @@ async fn a_paused_redis_answers_unavailable_never_over_admits_and_releases_catch
     assert_eq!(unavailable, 5);
     assert!(shared.stats().circuit_open);
     // Exempt paths keep working: the cancel answers now, its release is kept.
-    assert_eq!(held.cancel().await, Ok(OperationState::Pending));
+    assert_eq!(
+        held.cancel().await,
+        Ok(CancelOutcome::Canceled {
+            from: OperationState::Pending
+        })
+    );
     assert!(shared.stats().outbox >= 1);
     server.resume();
     eventually("kept releases reach Redis", || {

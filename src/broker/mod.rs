@@ -205,14 +205,7 @@ pub fn client_sharing_secret<'a>(
     secrets: &'a Secrets,
     operator_secret: &str,
 ) -> Option<&'a Identity> {
-    use subtle::ConstantTimeEq;
-    let mut found = None;
-    for (identity, secret) in secrets.iter() {
-        if bool::from(secret.as_bytes().ct_eq(operator_secret.as_bytes())) {
-            found = Some(identity);
-        }
-    }
-    found
+    secrets.identify(operator_secret.as_bytes())
 }
 
 /// Checks a broker name: 1 to 64 characters, none of them a control character.

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use super::Core;
 use super::store::{OperationError, OperationRecord, StoreError};
-use crate::engine::{Operation, OperationState};
+use crate::engine::{CancelOutcome, Operation, OperationState, TransitionError};
 
 /// Longest `arguments.duration_ms` the demo executor accepts (ten minutes).
 pub(crate) const MAX_DURATION_MS: u64 = 600_000;
@@ -106,7 +106,12 @@ impl Core {
         let applied = match to {
             OperationState::Approved => op.handle.approve(),
             OperationState::Denied => op.handle.deny(),
-            OperationState::Canceled => op.handle.cancel().map(|_| ()),
+            // Under the lock the handle is live, so the cancel must be this call's own.
+            OperationState::Canceled => match op.handle.cancel() {
+                Ok(CancelOutcome::Canceled { .. }) => Ok(()),
+                Ok(CancelOutcome::AlreadyTerminal(from)) => Err(TransitionError { from, to }),
+                Err(err) => Err(err),
+            },
             OperationState::Expired => op.handle.expire(),
             OperationState::Failed => op.handle.fail(),
             OperationState::Succeeded => op.handle.succeed(),

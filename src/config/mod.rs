@@ -58,7 +58,10 @@ pub struct Limits {
     pub client_pending: u32,
     /// Most operations active across all clients (GA).
     pub global_active: u32,
-    /// Most operations executing across all clients (GE).
+    /// Most operations executing across all clients (GE). While this many execute, every new
+    /// submission is refused `global_execution_limit` — one that needs approval too, although it
+    /// would not run soon: a saturated pool is the signal to take no new work until it drains.
+    /// Queued work waits for a slot ([`Operation::start`](crate::Operation::start)).
     pub global_executing: u32,
 }
 
@@ -151,6 +154,36 @@ impl Config {
     ) -> Result<Config, ConfigError> {
         let bytes = load::read_quota_file(path)?;
         Config::from_bytes(&bytes, identities).map_err(|e| e.in_file(path))
+    }
+
+    /// Reads the quota file at `path` if there is one: `None`, or a path where no file exists,
+    /// means [`Config::defaults`] ("no file means defaults"). Every other problem is an error as
+    /// with [`Config::from_path`]: a path that is not absolute and normalized, a directory, an
+    /// unreadable or invalid file.
+    ///
+    /// ```
+    /// use unyolo_admission::config::{Config, Identity};
+    ///
+    /// let bot = Identity::new("bot-7").unwrap();
+    /// let config = Config::from_optional_path(Some("/no/such/quota.json".as_ref()), [bot.clone()]);
+    /// assert_eq!(config.unwrap(), Config::defaults([bot.clone()]));
+    /// assert!(Config::from_optional_path(Some("quota.json".as_ref()), [bot]).is_err());
+    /// ```
+    pub fn from_optional_path<I: IntoIterator<Item = Identity>>(
+        path: Option<&Path>,
+        identities: I,
+    ) -> Result<Config, ConfigError> {
+        let identities: Vec<Identity> = identities.into_iter().collect();
+        let Some(path) = path else {
+            return Ok(Config::defaults(identities));
+        };
+        match Config::from_path(path, identities.iter().cloned()) {
+            Err(ConfigError::Path {
+                rule: Rule::FileNotFound,
+                ..
+            }) => Ok(Config::defaults(identities)),
+            other => other,
+        }
     }
 
     /// Loads the quota file whose path is the value of the environment variable `var` (brokers use

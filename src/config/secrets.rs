@@ -206,6 +206,30 @@ impl Secrets {
         self.by_identity.get(identity).map(String::as_str)
     }
 
+    /// The identity whose secret is `token` (a bearer token as the client sent it), if any.
+    ///
+    /// Every secret is compared, each in constant time (`subtle`), so the time taken depends on
+    /// the number and lengths of the secrets, never on which one matched or how much of one did.
+    /// Secrets are distinct (a file with two equal secrets is refused), so at most one matches.
+    ///
+    /// ```
+    /// use unyolo_admission::config::Secrets;
+    ///
+    /// let secrets = Secrets::parse("bot-7 = s3cret-seven\nbot-8 = s3cret-eight\n").unwrap();
+    /// assert_eq!(secrets.identify(b"s3cret-eight").map(|i| i.as_str()), Some("bot-8"));
+    /// assert_eq!(secrets.identify(b"s3cret"), None);
+    /// ```
+    pub fn identify(&self, token: &[u8]) -> Option<&Identity> {
+        use subtle::ConstantTimeEq;
+        let mut found = None;
+        for (identity, secret) in &self.by_identity {
+            if bool::from(secret.as_bytes().ct_eq(token)) {
+                found = Some(identity);
+            }
+        }
+        found
+    }
+
     /// Every identity with its secret, in identity order.
     pub fn iter(&self) -> impl ExactSizeIterator<Item = (&Identity, &str)> + '_ {
         self.by_identity.iter().map(|(i, s)| (i, s.as_str()))

@@ -17,6 +17,7 @@ use super::global::GlobalCounts;
 use super::refusal::RefusalCode;
 use crate::clock::MonotonicClock;
 use crate::config::{Config, Identity};
+use crate::sync::{Event, IntoNotification};
 
 /// State every handle needs to release what it holds: global counts, limits, time.
 pub(crate) struct Shared {
@@ -31,6 +32,23 @@ pub(crate) struct Shared {
     /// a refund while it reads the rate in force and gives its token back, so a refund always
     /// measures its token in the rate its bucket is scaled to. Admissions never take it.
     pub(crate) rescaling: Mutex<()>,
+    /// Notified once for each execution slot given back (and for all waiters when a reload may
+    /// have raised `global_executing`), so an executor can wait for a slot instead of polling.
+    pub(crate) slot_freed: Event,
+    /// Permits dropped without [`commit`](super::controller::Permit::commit) or
+    /// [`refund`](super::controller::Permit::refund): an embedder bug (see the crate docs).
+    pub(crate) dropped_permits: StdAtomicU64,
+    /// Operation handles dropped while not terminal: an embedder bug (see the crate docs).
+    pub(crate) dropped_operations: StdAtomicU64,
+}
+
+impl Shared {
+    /// One execution slot was given back: wake one more waiter (in addition to any already woken
+    /// and not yet run, so two slots freed at once wake two).
+    #[inline]
+    pub(crate) fn execution_slot_freed(&self) {
+        self.slot_freed.notify(1.additional());
+    }
 }
 
 /// One consistent view of every limit, swapped whole on reload.

@@ -27,6 +27,7 @@ use super::storage::{StorageReservation, StoredObject};
 use crate::clock::{Clock, MonotonicClock, QuantaClock, duration_nanos};
 use crate::config::{ClientLimits, Config, ConfigError, Identity};
 use crate::metrics::{ClientSnapshot, Snapshot, StoreSnapshot};
+use crate::sync::Event;
 
 use std::sync::atomic::Ordering;
 
@@ -139,6 +140,9 @@ impl ControllerBuilder {
             executing_limit: StdAtomicU64::new(0),
             clock,
             rescaling: Mutex::new(()),
+            slot_freed: Event::new(),
+            dropped_permits: StdAtomicU64::new(0),
+            dropped_operations: StdAtomicU64::new(0),
         });
         let controller = Controller {
             inner: Arc::new(Inner {
@@ -191,12 +195,34 @@ impl Controller {
     ///
     /// Checks, in order: the client is configured → a rate token → client active → (if it needs
     /// approval) client pending and the pending-grant store → global active → global executing.
-    /// The first failure is the refusal's code; everything reserved before it is rolled back, so a
-    /// refusal consumes nothing.
-    pub fn admit(&self, identity: &str, needs_approval: bool) -> Result<Permit, Refusal> {
-        let Some(client) = self.client(identity) else {
+    /// The first failure is the refusal's code. The checks are first read without writing
+    /// anything, so a refusal is a handful of loads (and a statistic); only a submission that
+    /// passes them all reserves, by compare-and-swap, and if a concurrent admission took the
+    /// last slot meanwhile everything reserved is rolled back: a refusal consumes nothing.
+    ///
+    /// The last check means that while `global_executing` operations execute, *every* new
+    /// submission is refused `global_execution_limit` — including one that needs approval and so
+    /// would not execute soon. That is deliberate: a saturated pool is the broker's signal to
+    /// stop taking work until it drains (see [`Limits::global_executing`](crate::Limits)).
+    ///
+    /// `identity` is the authenticated client's name, as `&str`, `&String` or `&Identity` — the
+    /// same type [`Controller::restore`] takes. On success, commit the permit once the durable
+    /// operation exists, or refund it; never let it drop (see [`Permit`]).
+    pub fn admit(
+        &self,
+        identity: impl AsRef<str>,
+        needs_approval: bool,
+    ) -> Result<Permit, Refusal> {
+        self.admit_str(identity.as_ref(), needs_approval)
+    }
+
+    fn admit_str(&self, identity: &str, needs_approval: bool) -> Result<Permit, Refusal> {
+        // The state is borrowed from the table (under its shard's read lock) for the read-only
+        // checks, and its `Arc` cloned only to reserve: a refusal writes no reference count.
+        let Some(entry) = self.inner.clients.get(identity) else {
             return Err(self.refuse_unconfigured());
         };
+        let client: &ClientState = &entry.key().0;
         let shared = &*self.inner.shared;
         let settings = shared.settings.load();
         let limits = *client.settings(&settings);
@@ -206,6 +232,20 @@ impl Controller {
         let now = shared.clock.now();
         let global = &*shared.global;
         let caps = &settings.caps;
+        let global_limits = GlobalLimits {
+            active: settings.global_active,
+            executing: settings.global_executing,
+            pending_grants: caps.grant_global,
+        };
+
+        // Read-only, in the contract's order: under a flood a refused client's line is only
+        // read, so refusals on several threads do not contend.
+        if let Some(code) = first_failing(client, &limits, caps, global_limits, now, needs_approval)
+        {
+            return Err(refuse(client, &settings, code, now, needs_approval));
+        }
+        let client = Arc::clone(&entry.key().0);
+        drop(entry);
 
         if client.bucket.try_take(now, limits.rate).is_err() {
             return Err(refuse(
@@ -232,21 +272,12 @@ impl Controller {
                     RefusalCode::PendingGrantLimit
                 };
             }
-            let limits_now = GlobalLimits {
-                active: settings.global_active,
-                executing: settings.global_executing,
-                pending_grants: caps.grant_global,
-            };
-            if let Err(refusal) = global.try_admit(needs_approval, limits_now) {
+            if let Err(refusal) = global.try_admit(needs_approval, global_limits) {
                 if needs_approval {
                     client.pending.release(1);
                 }
                 client.active.release(1);
-                break 'reserve match refusal {
-                    GlobalRefusal::PendingGrants => RefusalCode::PendingGrantLimit,
-                    GlobalRefusal::Active => RefusalCode::GlobalOperationLimit,
-                    GlobalRefusal::Executing => RefusalCode::GlobalExecutionLimit,
-                };
+                break 'reserve global_code(refusal);
             }
             // Relaxed: a statistic.
             client.admitted.fetch_add(1, Ordering::Relaxed);
@@ -275,14 +306,38 @@ impl Controller {
     /// counts, at start-up. Restored work counts even above a lowered limit (new work is then
     /// refused until it drains), so a restart never resets quotas. An identity no longer
     /// configured is tracked, so its work still counts globally, but cannot be admitted again.
+    ///
+    /// `identity` is the client's name as the store holds it (`&str`, `&String` or `&Identity`,
+    /// as [`Controller::admit`] takes it); a name that is not a valid identity is
+    /// [`RestoreError::InvalidIdentity`].
+    ///
+    /// What to do with a row found `executing`: it was running when the process stopped, and
+    /// whether its effect happened is unknown. The reference broker marks it `failed` with error
+    /// `execution_interrupted` in the store and does not restore it (it must never run twice);
+    /// restoring it as `executing` is for a broker that can resume or reattach to the work.
+    ///
+    /// ```
+    /// use unyolo_admission::{Config, Controller, Identity, OperationState};
+    ///
+    /// let c = Controller::new(Config::defaults([Identity::new("bot-7").unwrap()]));
+    /// let op = c.restore("bot-7", OperationState::Pending).unwrap();
+    /// assert_eq!(c.snapshot().pending, 1);
+    /// assert!(c.restore("not a name", OperationState::Pending).is_err());
+    /// # drop(op);
+    /// ```
     pub fn restore(
         &self,
-        identity: &Identity,
+        identity: impl AsRef<str>,
         state: OperationState,
     ) -> Result<Operation, RestoreError> {
         if state.is_terminal() {
             return Err(RestoreError::Terminal(state));
         }
+        let identity = match self.client(identity.as_ref()) {
+            Some(client) => client.identity.clone(),
+            None => Identity::new(identity.as_ref()).map_err(|_| RestoreError::InvalidIdentity)?,
+        };
+        let identity = &identity;
         let client = self.client_or_insert(identity);
         let global = &self.inner.shared.global;
         client.active.force_acquire(1);
@@ -308,10 +363,10 @@ impl Controller {
     /// window. An identity that is not configured has no bucket: nothing happens.
     pub fn restore_rate(
         &self,
-        identity: &Identity,
+        identity: impl AsRef<str>,
         admitted_ago: impl IntoIterator<Item = Duration>,
     ) {
-        let Some(client) = self.client(identity.as_str()) else {
+        let Some(client) = self.client(identity.as_ref()) else {
             return;
         };
         let shared = &*self.inner.shared;
@@ -410,6 +465,39 @@ impl Controller {
             .cloned()
             .collect();
         match Config::from_path(path, identities) {
+            Ok(config) => {
+                self.reload(config);
+                Ok(())
+            }
+            Err(err) => {
+                self.record_failed_reload();
+                Err(err)
+            }
+        }
+    }
+
+    /// Reads, validates and applies the quota file at `path` for `identities` — which may add
+    /// clients (new secrets) or remove some (their live work still drains correctly). A missing
+    /// file means the defaults, as at start-up with [`Config::from_optional_path`]. On any error
+    /// the old configuration stays, and the failure is counted.
+    ///
+    /// ```
+    /// use unyolo_admission::{Config, Controller, Identity};
+    ///
+    /// let a = Identity::new("bot-a").unwrap();
+    /// let c = Controller::new(Config::defaults([a.clone()]));
+    /// assert!(c.admit("bot-b", false).is_err());
+    /// let b = Identity::new("bot-b").unwrap();
+    /// c.reload_from_optional_path(Some("/no/such/quota.json".as_ref()), [a, b]).unwrap();
+    /// assert!(c.admit("bot-b", false).is_ok());
+    /// assert_eq!(c.snapshot().reloads_applied, 1);
+    /// ```
+    pub fn reload_from_optional_path<I: IntoIterator<Item = Identity>>(
+        &self,
+        path: Option<&std::path::Path>,
+        identities: I,
+    ) -> Result<(), ConfigError> {
+        match Config::from_optional_path(path, identities) {
             Ok(config) => {
                 self.reload(config);
                 Ok(())
@@ -540,6 +628,8 @@ impl Controller {
             caps: current.caps,
         })));
         drop(rescaling);
+        // A raised `global_executing` may let waiting operations start.
+        shared.slot_freed.notify(usize::MAX);
         for state in new_states {
             let state = Arc::new(state);
             tracked.push(Arc::clone(&state));
@@ -631,11 +721,54 @@ impl Controller {
                 files: shared.storage[i].files.get(),
                 bytes: shared.storage[i].bytes.get(),
             }),
-            reloads_ok: self.inner.reloads_ok.load(Ordering::Relaxed),
-            reloads_failed: self.inner.reloads_failed.load(Ordering::Relaxed),
+            reloads_applied: self.inner.reloads_ok.load(Ordering::Relaxed),
+            reloads_rejected: self.inner.reloads_failed.load(Ordering::Relaxed),
+            dropped_permits: shared.dropped_permits.load(Ordering::Relaxed),
+            dropped_operations: shared.dropped_operations.load(Ordering::Relaxed),
             clock_regressions: shared.clock.regressions(),
             clients,
         }
+    }
+}
+
+/// The first check `client` would fail now, in the contract's order, read without writing; `None`
+/// if every check passes as things stand (the reservation then decides, exactly).
+#[inline]
+fn first_failing(
+    client: &ClientState,
+    limits: &ClientSettings,
+    caps: &StorageCaps,
+    global_limits: GlobalLimits,
+    now: u64,
+    needs_approval: bool,
+) -> Option<RefusalCode> {
+    if client.bucket.wait(now, limits.rate) > 0 {
+        return Some(RefusalCode::SubmissionRateLimited);
+    }
+    if client.active.get() >= u64::from(limits.active) {
+        return Some(RefusalCode::ClientOperationLimit);
+    }
+    if needs_approval {
+        let pending = client.pending.get();
+        if pending >= u64::from(limits.pending) {
+            return Some(RefusalCode::ClientPendingLimit);
+        }
+        if pending >= caps.grant_client {
+            return Some(RefusalCode::PendingGrantLimit);
+        }
+    }
+    client
+        .shared
+        .global
+        .would_refuse(needs_approval, global_limits)
+        .map(global_code)
+}
+
+fn global_code(refusal: GlobalRefusal) -> RefusalCode {
+    match refusal {
+        GlobalRefusal::PendingGrants => RefusalCode::PendingGrantLimit,
+        GlobalRefusal::Active => RefusalCode::GlobalOperationLimit,
+        GlobalRefusal::Executing => RefusalCode::GlobalExecutionLimit,
     }
 }
 
@@ -672,10 +805,22 @@ fn refuse(
 
 /// An admitted submission, before the broker has created its durable operation.
 ///
-/// [`Permit::commit`] turns it into a lifecycle [`Operation`]. Dropped without commit, it returns
-/// its slots but its rate token stays spent (a request that fails after admission still pays);
-/// [`Permit::refund`] returns the token too, for the broker's own faults.
-#[must_use = "a permit holds slots until it is committed or dropped"]
+/// [`Permit::commit`] turns it into a lifecycle [`Operation`] once the durable operation exists;
+/// [`Permit::refund`] returns its slots and its rate token when the broker failed through its own
+/// fault (the store was unavailable), or when it lost a race to a concurrent duplicate.
+///
+/// # Dropping it
+///
+/// Dropped without either, it returns its slots but its rate token stays spent. That is never
+/// what a broker means: in an async handler it happens when the client hangs up while the handler
+/// awaits the store between `admit` and `commit` — the future is dropped at that `.await`, the
+/// permit with it, and a row the store may already have written is counted nowhere. So run
+/// everything from `admit` to `commit` (or `refund`) in a task a disconnect cannot cancel
+/// (`tokio::spawn`, and have the handler only await its outcome); `examples/axum_broker.rs` shows
+/// the whole pattern. Each drop is counted in
+/// [`Snapshot::dropped_permits`](crate::Snapshot::dropped_permits) and exported as
+/// `admission_dropped_permits_total`; anything but zero is a bug in the embedding.
+#[must_use = "a permit holds slots until it is committed or refunded"]
 pub struct Permit {
     /// The client, until the permit is committed, refunded or dropped (then `None`): moving it
     /// out on commit hands the operation the permit's own reference, no second count.
@@ -745,6 +890,11 @@ impl Drop for Permit {
     fn drop(&mut self) {
         if let Some(client) = self.client.take() {
             release_admission(&client, self.needs_approval);
+            // Relaxed: a statistic.
+            client
+                .shared
+                .dropped_permits
+                .fetch_add(1, Ordering::Relaxed);
         }
     }
 }
@@ -763,6 +913,8 @@ impl std::fmt::Debug for Permit {
 pub enum RestoreError {
     /// Terminal operations hold nothing and are not restored.
     Terminal(OperationState),
+    /// The client name is not a valid identity (so no configuration could ever name it).
+    InvalidIdentity,
 }
 
 impl std::fmt::Display for RestoreError {
@@ -771,6 +923,7 @@ impl std::fmt::Display for RestoreError {
             RestoreError::Terminal(state) => {
                 write!(f, "a {state} operation is terminal and holds no slots")
             }
+            RestoreError::InvalidIdentity => f.write_str("the client name is not a valid identity"),
         }
     }
 }

@@ -140,6 +140,25 @@ impl GlobalCounts {
         }
     }
 
+    /// The check [`GlobalCounts::try_admit`] would fail now, read without writing.
+    #[inline]
+    pub(crate) fn would_refuse(
+        &self,
+        pending: bool,
+        limits: GlobalLimits,
+    ) -> Option<GlobalRefusal> {
+        let c = self.get();
+        if pending && c.pending >= limits.pending_grants.min(FIELD_MAX) {
+            Some(GlobalRefusal::PendingGrants)
+        } else if c.active >= limits.active.min(FIELD_MAX) {
+            Some(GlobalRefusal::Active)
+        } else if c.executing >= limits.executing {
+            Some(GlobalRefusal::Executing)
+        } else {
+            None
+        }
+    }
+
     /// Takes an execution slot if fewer than `limit` are taken.
     #[inline]
     pub(crate) fn try_start(&self, limit: u64) -> bool {

@@ -117,6 +117,46 @@ impl fmt::Display for TransitionError {
 
 impl std::error::Error for TransitionError {}
 
+/// What [`Operation::cancel`] did: the two answers a broker must tell apart before it writes
+/// anything to its store.
+///
+/// ```
+/// use unyolo_admission::{CancelOutcome, Config, Controller, Identity, OperationState};
+///
+/// let c = Controller::new(Config::defaults([Identity::new("bot-7").unwrap()]));
+/// let op = c.admit("bot-7", true).unwrap().commit();
+/// // The first cancel moves the operation: write `canceled` to the store.
+/// assert_eq!(op.cancel(), Ok(CancelOutcome::Canceled { from: OperationState::Pending }));
+/// // A second one changes nothing: the store must keep what it has.
+/// assert_eq!(op.cancel(), Ok(CancelOutcome::AlreadyTerminal(OperationState::Canceled)));
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CancelOutcome {
+    /// This call canceled the operation, which was in `from` (`pending` or `approved`); its
+    /// slots are released.
+    Canceled {
+        /// The state the operation left.
+        from: OperationState,
+    },
+    /// The operation was already terminal, in this state; nothing changed.
+    AlreadyTerminal(OperationState),
+}
+
+impl CancelOutcome {
+    /// Whether this call changed the operation.
+    pub fn changed(self) -> bool {
+        matches!(self, CancelOutcome::Canceled { .. })
+    }
+
+    /// The state the operation is in after the call.
+    pub fn state(self) -> OperationState {
+        match self {
+            CancelOutcome::Canceled { .. } => OperationState::Canceled,
+            CancelOutcome::AlreadyTerminal(state) => state,
+        }
+    }
+}
+
 /// Why [`Operation::try_start`] did not start the operation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum StartError {
@@ -141,8 +181,19 @@ impl std::error::Error for StartError {}
 /// terminal transition gives them back, exactly once.
 ///
 /// All transitions take `&self`, so the handle can be shared (say in an `Arc`) between the
-/// task executing the operation and the handlers that cancel or decide it. Dropping a handle that
-/// is not terminal releases its slots as if the operation had failed.
+/// task executing the operation and the handlers that cancel or decide it.
+///
+/// # Dropping it
+///
+/// Dropping a handle that is not terminal releases its slots as if the operation had failed —
+/// but the broker's store still says `pending`, `approved` or `executing`, so the counts no longer
+/// match the store, and nothing can approve, cancel or run that row any more. In an async broker
+/// this happens when the handle lives in a request handler's future and the client hangs up: the
+/// future is dropped at whatever `.await` it waits on. Keep handles in a place a request does not
+/// own (a map of live operations), and make every change in a task a disconnect cannot cancel
+/// (`examples/axum_broker.rs` shows how). Each such drop is counted in
+/// [`Snapshot::dropped_operations`](crate::Snapshot::dropped_operations) and exported as
+/// `admission_dropped_operations_total`; anything but zero is a bug in the embedding.
 pub struct Operation {
     client: Arc<ClientState>,
     state: AtomicU8,
@@ -178,13 +229,17 @@ impl Operation {
         self.transition(OperationState::Denied).map(|_| ())
     }
 
-    /// Its client canceled it: `pending` or `approved` → `canceled`, releasing its slots. Returns
-    /// the state it was in; canceling a terminal operation changes nothing and returns that state.
-    /// An executing operation cannot be canceled.
-    pub fn cancel(&self) -> Result<OperationState, TransitionError> {
+    /// Its client canceled it: `pending` or `approved` → `canceled`, releasing its slots
+    /// ([`CancelOutcome::Canceled`], with the state it left). Canceling a terminal operation
+    /// changes nothing ([`CancelOutcome::AlreadyTerminal`], with its state: do not write
+    /// `canceled` over it). An executing operation cannot be canceled (`Err`).
+    pub fn cancel(&self) -> Result<CancelOutcome, TransitionError> {
         match self.transition(OperationState::Canceled) {
-            Err(TransitionError { from, .. }) if from.is_terminal() => Ok(from),
-            other => other,
+            Ok(from) => Ok(CancelOutcome::Canceled { from }),
+            Err(TransitionError { from, .. }) if from.is_terminal() => {
+                Ok(CancelOutcome::AlreadyTerminal(from))
+            }
+            Err(err) => Err(err),
         }
     }
 
@@ -203,8 +258,66 @@ impl Operation {
         self.transition(OperationState::Succeeded).map(|_| ())
     }
 
+    /// Waits for a global execution slot, takes it and moves `approved` → `executing`.
+    ///
+    /// Runtime-agnostic (any executor, no timer): the wait is woken each time an execution slot
+    /// is given back, when a reload may have raised `global_executing`, and when this operation
+    /// leaves `approved` another way. `Err` if the operation is not (or no longer) approved —
+    /// canceled, expired or failed while it waited — with the state it is in.
+    ///
+    /// Dropping the future while it waits changes nothing: the operation stays `approved`.
+    ///
+    /// ```
+    /// use unyolo_admission::{Config, Controller, Identity, Limits, OperationState};
+    ///
+    /// let bot = Identity::new("bot-7").unwrap();
+    /// let limits = Limits { global_executing: 1, ..Limits::default() };
+    /// let config = Config::new(limits, Default::default(), [bot]).unwrap();
+    /// let c = Controller::new(config);
+    /// let running = c.admit("bot-7", false).unwrap().commit();
+    /// let queued = c.admit("bot-7", false).unwrap().commit();
+    /// running.try_start().unwrap();
+    /// // The pool is full: `start` waits until `running` gives its slot back.
+    /// let waiter = std::thread::spawn(move || {
+    ///     futures_lite_block_on(queued.start()).unwrap();
+    ///     queued
+    /// });
+    /// running.succeed().unwrap();
+    /// let queued = waiter.join().unwrap();
+    /// assert_eq!(queued.state(), OperationState::Executing);
+    /// # fn futures_lite_block_on<F: std::future::Future>(f: F) -> F::Output {
+    /// #     use std::task::{Context, Poll, Wake, Waker};
+    /// #     struct Unpark(std::thread::Thread);
+    /// #     impl Wake for Unpark { fn wake(self: std::sync::Arc<Self>) { self.0.unpark() } }
+    /// #     let waker = Waker::from(std::sync::Arc::new(Unpark(std::thread::current())));
+    /// #     let mut f = std::pin::pin!(f);
+    /// #     loop {
+    /// #         if let Poll::Ready(v) = f.as_mut().poll(&mut Context::from_waker(&waker)) { return v; }
+    /// #         std::thread::park();
+    /// #     }
+    /// # }
+    /// ```
+    pub async fn start(&self) -> Result<(), TransitionError> {
+        loop {
+            // Listen before trying, so a slot given back between a failed try and the wait is
+            // not missed (a listener is notified even before it is awaited).
+            let freed = self.client.shared.slot_freed.listen();
+            match self.try_start() {
+                Ok(()) => return Ok(()),
+                Err(StartError::NotApproved(from)) => {
+                    return Err(TransitionError {
+                        from,
+                        to: OperationState::Executing,
+                    });
+                }
+                Err(StartError::Saturated(_)) => freed.await,
+            }
+        }
+    }
+
     /// Takes a global execution slot and moves `approved` → `executing`. If every slot is taken
-    /// the operation stays `approved` (queued) and the call can be retried.
+    /// the operation stays `approved` (queued) and the call can be retried — or use
+    /// [`Operation::start`], which waits for a slot.
     pub fn try_start(&self) -> Result<(), StartError> {
         let shared = &self.client.shared;
         let current = self.state();
@@ -241,6 +354,8 @@ impl Operation {
                 // Lost to a cancel, expiry or failure: neither slot was ever the operation's.
                 self.client.executing.release(1);
                 shared.global.release(Counts::EXECUTING);
+                // A waiter refused while this slot was briefly taken must hear it is free again.
+                shared.execution_slot_freed();
                 Err(StartError::NotApproved(OperationState::from_u8(actual)))
             }
         }
@@ -295,12 +410,26 @@ impl Operation {
         if global != Counts::default() {
             client.shared.global.release(global);
         }
+        if from == OperationState::Executing {
+            client.shared.execution_slot_freed();
+        } else if from == OperationState::Approved && to.is_terminal() {
+            // A `start` waiting on this very operation must wake to see it is no longer
+            // approved; which waiter it is cannot be told, so all wake (and the others listen
+            // again).
+            client.shared.slot_freed.notify(usize::MAX);
+        }
     }
 }
 
 impl Drop for Operation {
     fn drop(&mut self) {
-        let _ = self.transition(OperationState::Failed);
+        if self.transition(OperationState::Failed).is_ok() {
+            // Relaxed: a statistic.
+            self.client
+                .shared
+                .dropped_operations
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
     }
 }
 
@@ -403,7 +532,10 @@ mod loom_models {
             let expired = op.expire().is_ok();
             let canceled = canceler.join().unwrap();
             let end = op.state();
-            let cancel_won = canceled == Ok(OperationState::Approved);
+            let cancel_won = canceled
+                == Ok(CancelOutcome::Canceled {
+                    from: OperationState::Approved,
+                });
             assert_eq!(
                 u8::from(started) + u8::from(expired) + u8::from(cancel_won),
                 1,
@@ -416,7 +548,10 @@ mod loom_models {
                 );
             }
             if expired {
-                assert_eq!(canceled, Ok(OperationState::Expired));
+                assert_eq!(
+                    canceled,
+                    Ok(CancelOutcome::AlreadyTerminal(OperationState::Expired))
+                );
             }
             assert_counts(&c, end);
             if started {
@@ -441,8 +576,10 @@ mod loom_models {
             let canceled = op.cancel();
             let denied = denier.join().unwrap();
             match canceled {
-                Ok(OperationState::Pending) => assert!(!denied),
-                Ok(OperationState::Denied) => assert!(denied),
+                Ok(CancelOutcome::Canceled {
+                    from: OperationState::Pending,
+                }) => assert!(!denied),
+                Ok(CancelOutcome::AlreadyTerminal(OperationState::Denied)) => assert!(denied),
                 other => panic!("cancel returned {other:?}"),
             }
             assert_counts(&c, op.state());
@@ -475,6 +612,54 @@ mod loom_models {
             );
             assert_counts(&c, end);
             assert!(c.snapshot().is_idle());
+        });
+    }
+
+    /// Polls `future` on this loom thread, parking between polls (loom's park and unpark).
+    fn block_on<F: std::future::Future>(future: F) -> F::Output {
+        use std::task::{Context, Poll, Wake, Waker};
+        struct Unpark(thread::Thread);
+        impl Wake for Unpark {
+            fn wake(self: std::sync::Arc<Self>) {
+                self.0.unpark();
+            }
+        }
+        let waker = Waker::from(std::sync::Arc::new(Unpark(thread::current())));
+        let mut future = std::pin::pin!(future);
+        loop {
+            if let Poll::Ready(v) = future.as_mut().poll(&mut Context::from_waker(&waker)) {
+                return v;
+            }
+            thread::park();
+        }
+    }
+
+    /// An executor waiting in `start` for the only execution slot while the running operation
+    /// finishes: whatever the interleaving of the finish with the wait's listen and try, the
+    /// waiter is woken and takes the slot (no lost wake-up).
+    #[test]
+    fn loom_start_waiting_for_a_slot_is_woken_by_a_finish() {
+        loom::model(|| {
+            let limits = crate::config::Limits {
+                global_executing: 1,
+                ..crate::config::Limits::default()
+            };
+            let config =
+                Config::new(limits, Default::default(), [Identity::new("a").unwrap()]).unwrap();
+            let c = Controller::builder(config)
+                .clock(ManualClock::new())
+                .build();
+            let running = Arc::new(c.admit("a", false).unwrap().commit());
+            let queued = c.admit("a", false).unwrap().commit();
+            running.try_start().unwrap();
+            let finisher = {
+                let running = running.clone();
+                thread::spawn(move || running.succeed().unwrap())
+            };
+            block_on(queued.start()).unwrap();
+            finisher.join().unwrap();
+            assert_eq!(queued.state(), OperationState::Executing);
+            assert_eq!(c.snapshot().executing, 1);
         });
     }
 

@@ -20,7 +20,7 @@ pub(crate) mod storage;
 
 pub use caps::{StorageCaps, Store, StoreCaps};
 pub use controller::{Controller, ControllerBuilder, DEFAULT_CAPACITY_RETRY, Permit, RestoreError};
-pub use lifecycle::{Operation, OperationState, StartError, TransitionError};
+pub use lifecycle::{CancelOutcome, Operation, OperationState, StartError, TransitionError};
 pub use quota::{CapacityQuota, QuotaStatus, RateQuota};
 pub use refusal::{Refusal, RefusalCode};
 pub use storage::{StorageReservation, StoredObject};

@@ -55,11 +55,42 @@ impl RefusalCode {
         }
     }
 
-    /// The HTTP status a broker answers with: 403 for an unconfigured client, else 429.
+    /// The HTTP status a broker answers with: 403 for an unconfigured client, else 429. A bare
+    /// number so the engine needs no HTTP crate: `http::StatusCode::from_u16(code.http_status())`
+    /// always succeeds.
     pub const fn http_status(self) -> u16 {
         match self {
             RefusalCode::ClientUnconfigured => 403,
             _ => 429,
+        }
+    }
+
+    /// A human sentence for the error body's `message`, the same for every refusal with this
+    /// code (it names no client and no limit value, so it is safe to show any caller).
+    ///
+    /// ```
+    /// use unyolo_admission::RefusalCode;
+    ///
+    /// assert_eq!(
+    ///     RefusalCode::ClientPendingLimit.message(),
+    ///     "Too many of this client's operations are awaiting approval"
+    /// );
+    /// ```
+    pub const fn message(self) -> &'static str {
+        match self {
+            RefusalCode::ClientUnconfigured => "This client is not configured for admission",
+            RefusalCode::SubmissionRateLimited => "This client is submitting operations too fast",
+            RefusalCode::ClientOperationLimit => "This client has too many live operations",
+            RefusalCode::ClientPendingLimit => {
+                "Too many of this client's operations are awaiting approval"
+            }
+            RefusalCode::PendingGrantLimit => "The approval inbox is full",
+            RefusalCode::GlobalOperationLimit => "The broker has too many live operations",
+            RefusalCode::GlobalExecutionLimit => {
+                "The execution pool is saturated; new work is not accepted until it drains"
+            }
+            RefusalCode::StreamStorageLimit => "The stream store is full",
+            RefusalCode::SealedPayloadStorageLimit => "The sealed-payload store is full",
         }
     }
 
@@ -96,9 +127,36 @@ pub struct Refusal {
 }
 
 impl Refusal {
-    /// `retry_after` in whole seconds, as the `Retry-After` header carries it.
+    /// `retry_after` in whole seconds (zero for [`RefusalCode::ClientUnconfigured`]). Prefer
+    /// [`Refusal::retry_after_header`], which says when there is no header to send.
     pub fn retry_after_secs(&self) -> u64 {
         self.retry_after.as_secs()
+    }
+
+    /// The `Retry-After` header value in whole seconds (at least one), or `None` where retrying
+    /// cannot help and no header should be sent ([`RefusalCode::ClientUnconfigured`], a 403).
+    ///
+    /// ```
+    /// use unyolo_admission::{Config, Controller, Identity, RefusalCode};
+    ///
+    /// let c = Controller::new(Config::defaults([Identity::new("bot-7").unwrap()]));
+    /// let refusal = c.admit("stranger", false).unwrap_err();
+    /// assert_eq!(refusal.code, RefusalCode::ClientUnconfigured);
+    /// assert_eq!(refusal.retry_after_header(), None);
+    /// assert_eq!(refusal.http_status(), 403);
+    /// ```
+    pub fn retry_after_header(&self) -> Option<u64> {
+        (self.code != RefusalCode::ClientUnconfigured).then(|| self.retry_after.as_secs().max(1))
+    }
+
+    /// The HTTP status to answer with (see [`RefusalCode::http_status`]).
+    pub fn http_status(&self) -> u16 {
+        self.code.http_status()
+    }
+
+    /// The human sentence for the error body (see [`RefusalCode::message`]).
+    pub fn message(&self) -> &'static str {
+        self.code.message()
     }
 
     /// A refusal whose wait is `wait_nanos`, rounded up to whole seconds, at least one.
@@ -153,6 +211,28 @@ mod tests {
                 .enumerate()
                 .all(|(i, c)| c.index() == i)
         );
+    }
+
+    #[test]
+    fn only_an_unconfigured_client_gets_no_retry_after_header() {
+        let unconfigured = Refusal {
+            code: RefusalCode::ClientUnconfigured,
+            retry_after: Duration::ZERO,
+        };
+        assert_eq!(unconfigured.retry_after_header(), None);
+        for &code in &RefusalCode::ALL[1..] {
+            assert_eq!(
+                Refusal::after_nanos(code, 2_500_000_000).retry_after_header(),
+                Some(3)
+            );
+        }
+    }
+
+    #[test]
+    fn every_code_has_its_own_message() {
+        let messages: std::collections::BTreeSet<_> =
+            RefusalCode::ALL.iter().map(|c| c.message()).collect();
+        assert_eq!(messages.len(), RefusalCode::ALL.len());
     }
 
     #[test]

@@ -14,7 +14,7 @@ use std::sync::atomic::Ordering;
 use super::reply::TransitionReply;
 use super::{Held, Inner, Kept, Target, Unavailable, UnavailableReason};
 use crate::config::Identity;
-use crate::engine::{OperationState, Refusal, RefusalCode, TransitionError};
+use crate::engine::{CancelOutcome, OperationState, Refusal, RefusalCode, TransitionError};
 
 /// An admitted submission on the shared controller, before the broker has created its durable
 /// operation. [`RedisPermit::commit`] turns it into a [`RedisOperation`]; dropped without commit
@@ -164,12 +164,16 @@ impl RedisOperation {
         self.transition(OperationState::Denied).await.map(|_| ())
     }
 
-    /// `pending` or `approved` → `canceled`, releasing its slots; returns the state it was in.
-    /// Canceling a terminal operation changes nothing and returns that state.
-    pub async fn cancel(&self) -> Result<OperationState, TransitionError> {
+    /// `pending` or `approved` → `canceled`, releasing its slots ([`CancelOutcome::Canceled`]
+    /// with the state it left). Canceling a terminal operation changes nothing
+    /// ([`CancelOutcome::AlreadyTerminal`]), as with the in-process handle.
+    pub async fn cancel(&self) -> Result<CancelOutcome, TransitionError> {
         match self.transition(OperationState::Canceled).await {
-            Err(TransitionError { from, .. }) if from.is_terminal() => Ok(from),
-            other => other,
+            Ok(from) => Ok(CancelOutcome::Canceled { from }),
+            Err(TransitionError { from, .. }) if from.is_terminal() => {
+                Ok(CancelOutcome::AlreadyTerminal(from))
+            }
+            Err(err) => Err(err),
         }
     }
 

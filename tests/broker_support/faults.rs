@@ -152,7 +152,14 @@ pub async fn assert_counts_match_the_store(h: &Harness, data: &Path) {
     let route = h.get("/api/operator/v1/drift", Some(OPERATOR_SECRET)).await;
     assert_eq!(route.status, 200);
     assert_eq!(route.body["drift"], 0, "{}", route.body);
-    assert_eq!(metric(&h.metrics().await, "admission_store_drift"), Some(0));
+    let metrics = h.metrics().await;
+    assert_eq!(metric(&metrics, "admission_store_drift"), Some(0));
+    // No permit or live handle was lost on the way (non-zero would be a broker bug).
+    assert_eq!(metric(&metrics, "admission_dropped_permits_total"), Some(0));
+    assert_eq!(
+        metric(&metrics, "admission_dropped_operations_total"),
+        Some(0)
+    );
     let s = stored(data);
     assert_eq!(
         files_on_disk(data),

@@ -1,0 +1,216 @@
+//! The embedding example's own test: its server, started in-process, keeps the controller's
+//! counts equal to its store while clients hang up in the middle of their requests, and restores
+//! them from the store at start-up.
+#![cfg(feature = "broker")]
+
+#[path = "../examples/axum_broker.rs"]
+#[allow(dead_code, unreachable_pub)]
+mod example;
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use example::{App, Settings};
+use tokio::io::AsyncWriteExt;
+use unyolo_admission::OperationState;
+
+const SECRETS: &str = "bot = bot-secret\noperator = operator-secret\n";
+
+fn settings(dir: &tempfile::TempDir, store_delay: Duration) -> Settings {
+    let secrets_path = dir.path().join("secrets");
+    std::fs::File::create(&secrets_path)
+        .and_then(|mut f| f.write_all(SECRETS.as_bytes()))
+        .expect("secrets file");
+    Settings {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        db_path: dir.path().join("store.sqlite"),
+        secrets_path,
+        quota_path: Some(dir.path().join("no-quota-file.json")),
+        store_delay,
+    }
+}
+
+fn submission(key: &str, operation: &str) -> String {
+    let body = format!(r#"{{"idempotency_key":"{key}","operation":"{operation}"}}"#);
+    format!(
+        "POST /operations HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer bot-secret\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+}
+
+/// Sends a whole submission and hangs up before the answer (the store is still writing).
+async fn submit_and_hang_up(addr: SocketAddr, key: &str, operation: &str) {
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    stream
+        .write_all(submission(key, operation).as_bytes())
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    drop(stream);
+}
+
+async fn post(addr: SocketAddr, path: &str, token: &str, body: &str) -> (u16, serde_json::Value) {
+    let answer = reqwest::Client::new()
+        .post(format!("http://{addr}{path}"))
+        .bearer_auth(token)
+        .header("content-type", "application/json")
+        .body(body.to_owned())
+        .send()
+        .await
+        .unwrap();
+    let status = answer.status().as_u16();
+    (status, answer.json().await.unwrap_or_default())
+}
+
+/// The controller's live counts against the store's rows, per state; and nothing dropped.
+async fn assert_counts_match_store(app: &Arc<App>) {
+    let stored: HashMap<String, u64> = app.stored_counts().await;
+    let at = |state: OperationState| stored.get(state.as_str()).copied().unwrap_or(0);
+    let s = app.controller.snapshot();
+    assert_eq!(
+        (s.pending, s.queued, s.executing),
+        (
+            at(OperationState::Pending),
+            at(OperationState::Approved),
+            at(OperationState::Executing)
+        ),
+        "controller counts vs store rows {stored:?}"
+    );
+    assert_eq!((s.dropped_permits, s.dropped_operations), (0, 0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_hanging_up_mid_submission_leave_counts_equal_to_the_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let (addr, app) = example::start(settings(&dir, Duration::from_millis(200))).await;
+    let keys: Vec<String> = (0..6).map(|i| format!("key-{i}")).collect();
+    let hangups = keys.iter().cloned().map(|key| async move {
+        submit_and_hang_up(addr, &key, "demo.request").await;
+    });
+    futures_join_all(hangups).await;
+    // Each retry takes its key's lock, so it answers only once the abandoned submission has run
+    // to its end: every one was created (a replay, 200), none lost with its client.
+    for key in &keys {
+        let body = format!(r#"{{"idempotency_key":"{key}","operation":"demo.request"}}"#);
+        let (status, op) = post(addr, "/operations", "bot-secret", &body).await;
+        assert_eq!(
+            (status, op["state"].as_str()),
+            (200, Some("pending")),
+            "{key}"
+        );
+    }
+    assert_eq!(app.controller.snapshot().pending, 6);
+    assert_counts_match_store(&app).await;
+
+    // Decisions and cancels, some abandoned by their callers too.
+    let ids: Vec<i64> = futures_join_all(keys.iter().cloned().map(|key| async move {
+        let body = format!(r#"{{"idempotency_key":"{key}","operation":"demo.request"}}"#);
+        post(addr, "/operations", "bot-secret", &body).await.1["id"]
+            .as_i64()
+            .unwrap()
+    }))
+    .await;
+    let (status, first) = post(
+        addr,
+        &format!("/operations/{}/cancel", ids[0]),
+        "bot-secret",
+        "",
+    )
+    .await;
+    assert_eq!((status, first["state"].as_str()), (200, Some("canceled")));
+    let abandoned = reqwest::Client::new()
+        .post(format!("http://{addr}/requests/{}/approve", ids[1]))
+        .bearer_auth("operator-secret")
+        .timeout(Duration::from_millis(20))
+        .send()
+        .await;
+    assert!(
+        abandoned.is_err(),
+        "the caller hung up before the slow store answered"
+    );
+    let (status, _) = post(
+        addr,
+        &format!("/requests/{}/deny", ids[2]),
+        "operator-secret",
+        "",
+    )
+    .await;
+    assert_eq!(status, 200);
+    // The abandoned approval still ran: its operation executes and succeeds, so it cannot be
+    // canceled any more (409 while executing, 404 once it is done) — a second cancel of the
+    // first is 404 too: it is no longer live.
+    let (status, _) = post(
+        addr,
+        &format!("/operations/{}/cancel", ids[0]),
+        "bot-secret",
+        "",
+    )
+    .await;
+    assert_eq!(status, 404);
+    let stored = wait_until_stored(&app, "succeeded", 1).await;
+    assert_counts_match_store(&app).await;
+    assert_eq!(stored.get("succeeded"), Some(&1), "{stored:?}");
+    assert_eq!(stored.get("canceled"), Some(&1), "{stored:?}");
+    assert_eq!(stored.get("denied"), Some(&1), "{stored:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_restores_live_rows_and_fails_interrupted_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let (addr, app) = example::start(settings(&dir, Duration::ZERO)).await;
+    for key in ["a", "b"] {
+        let body = format!(r#"{{"idempotency_key":"{key}","operation":"demo.request"}}"#);
+        assert_eq!(post(addr, "/operations", "bot-secret", &body).await.0, 202);
+    }
+    // Pretend the process died while one operation was executing.
+    let db = rusqlite::Connection::open(dir.path().join("store.sqlite")).unwrap();
+    db.execute(
+        "INSERT INTO operations (client, key, duration_ms, state) VALUES ('bot', 'c', 0, 'executing')",
+        [],
+    )
+    .unwrap();
+    drop(db);
+    let (_, restarted) = example::start(settings(&dir, Duration::ZERO)).await;
+    let s = restarted.controller.snapshot();
+    assert_eq!((s.pending, s.executing), (2, 0), "two pending restored");
+    let stored = restarted.stored_counts().await;
+    assert_eq!(
+        stored.get("failed"),
+        Some(&1),
+        "executing became failed: {stored:?}"
+    );
+    assert_counts_match_store(&restarted).await;
+    drop(app);
+}
+
+/// Waits until the store holds `n` operations in `state` (the abandoned work has run to its end)
+/// and the step after that store write has reached the controller (a quiet moment).
+async fn wait_until_stored(app: &Arc<App>, state: &str, n: u64) -> HashMap<String, u64> {
+    for _ in 0..600 {
+        let stored = app.stored_counts().await;
+        let executing = stored.get("executing").copied().unwrap_or(0);
+        if stored.get(state) == Some(&n) && app.controller.snapshot().executing == executing {
+            return stored;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("the store never held {n} {state} operations");
+}
+
+/// Runs each future on a task of its own, all at once, and collects their outputs in order.
+async fn futures_join_all<F>(futures: impl IntoIterator<Item = F>) -> Vec<F::Output>
+where
+    F: std::future::Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    let handles: Vec<_> = futures.into_iter().map(tokio::spawn).collect();
+    let mut out = Vec::new();
+    for h in handles {
+        out.push(h.await.unwrap());
+    }
+    out
+}
