@@ -27,6 +27,11 @@
 //!   once; the second is told which operation and replica hold it.
 //!
 //! What stays per replica: storage quotas (streams, sealed payloads) and the durable store.
+//!
+//! This file is one piece past the usual size because its parts share one private state
+//! (`Inner`: the connection, the lease, the kept releases, the registration lock) whose rules only
+//! hold together: the options and errors come first, then the controller, then the calls it makes.
+//! The handles (`handles`), the reply parser (`reply`) and the circuit (`circuit`) stand alone.
 
 mod circuit;
 mod handles;
