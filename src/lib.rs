@@ -128,6 +128,8 @@ pub mod engine;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod metrics;
+#[cfg(feature = "redis")]
+pub mod redis;
 mod sync;
 
 /// The `prometheus-client` version the metrics are built with, so an embedder's registry

@@ -32,7 +32,21 @@ enum Command {
     /// Walk the overload drill against an in-process broker on loopback; exit 0 only if every
     /// step held.
     #[cfg(feature = "broker")]
-    Drill,
+    Drill(DrillArgs),
+}
+
+/// The flags of `admission drill`.
+#[cfg(feature = "broker")]
+#[derive(Args)]
+struct DrillArgs {
+    /// Walk the drill across this many in-process replicas sharing one Redis instead (at least 2).
+    #[cfg(feature = "redis")]
+    #[arg(long, value_name = "N")]
+    replicas: Option<usize>,
+    /// The Redis the replicas share; without it the drill starts its own `redis-server`.
+    #[cfg(feature = "redis")]
+    #[arg(long, value_name = "URL", requires = "replicas")]
+    redis: Option<String>,
 }
 
 #[cfg(feature = "broker")]
@@ -70,6 +84,24 @@ struct ServeArgs {
     /// or `forever` keeps everything. A replay of a deleted operation's key is new work.
     #[arg(long, value_name = "DURATION", default_value = "7days")]
     retention: unyolo_admission::broker::Keep,
+    /// Share admission with other replicas through this Redis (`redis://host:port/db`); needs
+    /// `--replica`. Without it, this process counts alone (the in-process controller).
+    #[cfg(feature = "redis")]
+    #[arg(long, value_name = "URL", requires = "replica")]
+    redis: Option<String>,
+    /// This replica's name, unique among the replicas and stable across restarts.
+    #[cfg(feature = "redis")]
+    #[arg(long, value_name = "NAME", requires = "redis")]
+    replica: Option<String>,
+    /// The key prefix (hash tag) of this deployment's keys in Redis.
+    #[cfg(feature = "redis")]
+    #[arg(
+        long,
+        value_name = "PREFIX",
+        default_value = "admission",
+        requires = "redis"
+    )]
+    redis_prefix: String,
 }
 
 /// A `--broker-name` within its bounds.
@@ -101,7 +133,16 @@ fn main() -> ExitCode {
         #[cfg(feature = "broker")]
         Command::Serve(args) => serve(args),
         #[cfg(feature = "broker")]
-        Command::Drill => {
+        Command::Drill(args) => {
+            #[cfg(feature = "redis")]
+            if let Some(replicas) = args.replicas {
+                return if unyolo_admission::broker::drill_replicas::run(replicas, args.redis) {
+                    ExitCode::SUCCESS
+                } else {
+                    ExitCode::FAILURE
+                };
+            }
+            let _ = args;
             if unyolo_admission::broker::drill::run() {
                 ExitCode::SUCCESS
             } else {
@@ -127,6 +168,13 @@ fn serve(args: ServeArgs) -> ExitCode {
             max_connections: args.max_connections,
         },
         retention: args.retention,
+        #[cfg(feature = "redis")]
+        redis: args.redis.map(|url| {
+            let mut options =
+                unyolo_admission::redis::RedisOptions::new(url, args.replica.unwrap_or_default());
+            options.prefix = args.redis_prefix;
+            options
+        }),
     };
     match run(options) {
         Ok(()) => ExitCode::SUCCESS,

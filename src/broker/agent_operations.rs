@@ -37,8 +37,8 @@ pub(crate) const OPERATIONS: [(&str, bool); 2] = [("demo.run", false), ("demo.re
 /// A submission body: every field required, unknown fields refused.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-struct Submission {
-    idempotency_key: String,
+pub(crate) struct Submission {
+    pub(crate) idempotency_key: String,
     operation: String,
     target: Value,
     arguments: Value,
@@ -122,7 +122,7 @@ fn same_request(existing: &OperationRecord, request: &Submission) -> bool {
         && existing.reason == request.reason
 }
 
-fn replay(core: &Core, existing: OperationRecord, request: &Submission) -> ApiResult {
+pub(crate) fn replay(core: &Core, existing: OperationRecord, request: &Submission) -> ApiResult {
     if !same_request(&existing, request) {
         return Err(ApiError::new(
             StatusCode::CONFLICT,
@@ -169,6 +169,18 @@ pub(crate) async fn submit(
     // The decision: from the gate on there is no `.await` until the creation is detached, so a
     // permit is never dropped by a client hanging up.
     let quiet = core.hold_counts().await;
+    if core.shared.is_replica() {
+        // One replica of several: the shared decision is a call to Redis, so it too runs
+        // detached (its script may run even if this client hangs up).
+        let submission =
+            super::shared_submit::submit(Arc::clone(&core), client, request, needs_approval);
+        return detached(async move {
+            let _same_key = same_key;
+            let _quiet = quiet;
+            submission.await
+        })
+        .await;
+    }
     let permit = match core.controller.admit(client.as_str(), needs_approval) {
         Ok(permit) => permit,
         Err(refusal) => {
@@ -188,7 +200,15 @@ pub(crate) async fn submit(
             ));
         }
     };
-    let creation = create(Arc::clone(&core), client, request, permit, needs_approval);
+    let creation = create(
+        Arc::clone(&core),
+        client,
+        request,
+        permit,
+        needs_approval,
+        new_id("op"),
+        super::shared::SharedPermit::default(),
+    );
     detached(async move {
         let _same_key = same_key;
         let _quiet = quiet;
@@ -199,16 +219,18 @@ pub(crate) async fn submit(
 
 /// The creation of an admitted operation: durable row, replay filter, permit commit (or refund),
 /// live map, executor hand-off. Runs detached, under the per-key lock and the counts gate.
-async fn create(
+pub(crate) async fn create(
     core: Arc<Core>,
     client: Identity,
     request: Submission,
     permit: crate::Permit,
     needs_approval: bool,
+    id: String,
+    shared: super::shared::SharedPermit,
 ) -> ApiResult {
     let now = now_rfc3339();
     let record = OperationRecord {
-        id: new_id("op"),
+        id,
         client_id: client.to_string(),
         idempotency_key: request.idempotency_key.clone(),
         operation: request.operation.clone(),
@@ -237,6 +259,7 @@ async fn create(
         Err(InsertError::Duplicate) => {
             // Another process or path created it first: this request is a replay after all.
             permit.refund();
+            shared.refund().await;
             let existing = core
                 .db
                 .find_by_key(client.as_str(), &request.idempotency_key)
@@ -247,10 +270,12 @@ async fn create(
         }
         Err(InsertError::Store(err)) => {
             permit.refund();
+            shared.refund().await;
             return Err(ApiError::store(err));
         }
     }
     let op = Arc::new(LiveOp::new(&record, permit.commit()));
+    shared.commit_into(&op.shared);
     core.live_ops().insert(record.id.clone(), Arc::clone(&op));
     core.count_submission("created");
     tracing::info!(

@@ -18,6 +18,7 @@ use tokio::sync::Notify;
 
 use super::Core;
 use super::operations::{LiveOp, TransitionFailure};
+use super::shared::SharedStart;
 use super::store::OperationError;
 use crate::engine::{OperationState, StartError};
 
@@ -74,6 +75,21 @@ async fn start_queued(core: &Arc<Core>) {
         // slot taken to the row written, no drift reading sees the start half made.
         let quiet = core.hold_counts().await;
         let guard = op.lock.lock().await;
+        // The shared slot first (it binds across replicas); this replica's own count is a part of
+        // the shared one, so the in-process start then succeeds unless the operation is gone.
+        match op.shared.try_start().await {
+            SharedStart::Started => {}
+            SharedStart::NotNow => return,
+            SharedStart::NotApproved => {
+                if op.handle.state() == OperationState::Approved {
+                    // The shared counts no longer hold it approved (a lapsed lease, until this
+                    // replica re-registers): not now.
+                    return;
+                }
+                core.executor.queue().pop_front();
+                continue;
+            }
+        }
         match op.handle.try_start() {
             Ok(()) => {
                 core.executor.queue().pop_front();
@@ -112,6 +128,12 @@ async fn start_queued(core: &Arc<Core>) {
             Err(StartError::NotApproved(_)) => {
                 // Canceled or expired while queued.
                 core.executor.queue().pop_front();
+            }
+            Err(StartError::Saturated(_)) if op.shared.is_set() => {
+                // The shared slot is taken but this replica's pool is full (its counts ran
+                // ahead of the shared ones): the work does not run, and both are released.
+                core.executor.queue().pop_front();
+                abandon_start(core, &op, "no execution slot on this replica").await;
             }
             Err(StartError::Saturated(_)) => return,
         }
@@ -164,6 +186,7 @@ async fn record_start(core: Arc<Core>, op: Arc<LiveOp>) {
 async fn abandon_start(core: &Arc<Core>, op: &Arc<LiveOp>, detail: &str) {
     tracing::error!(operation = %op.id, error = %detail, "cannot start");
     let _ = op.handle.fail();
+    op.shared.apply(OperationState::Failed).await;
     let error = OperationError {
         code: "store_unavailable".to_owned(),
         message: "The operation could not be recorded as executing.".to_owned(),

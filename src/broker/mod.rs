@@ -76,6 +76,8 @@ mod agent_operations;
 pub mod discovery;
 mod drift;
 pub mod drill;
+#[cfg(feature = "redis")]
+pub mod drill_replicas;
 mod exec;
 mod health;
 pub mod http;
@@ -89,6 +91,8 @@ pub mod presentation;
 pub mod ratelimit;
 pub mod retention;
 pub mod serve;
+mod shared;
+mod shared_submit;
 pub mod store;
 mod streams;
 pub mod waits;
@@ -272,6 +276,9 @@ type SubmissionLabels = [(&'static str, &'static str); 1];
 /// State shared by every handler and the executor.
 pub(crate) struct Core {
     pub(crate) controller: Controller,
+    /// The admission shared with other replicas, if this broker is one of several.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    pub(crate) shared: shared::Shared,
     pub(crate) db: Database,
     /// Non-terminal operations by id.
     pub(crate) live: Mutex<HashMap<String, Arc<LiveOp>>>,
@@ -386,6 +393,36 @@ impl Broker {
     /// Opens the store in the data dir, restores every non-terminal operation and stream into a
     /// new controller, starts the executor and serves. Must run inside a tokio runtime.
     pub async fn start(settings: BrokerSettings) -> Result<(Broker, RestoreSummary), BrokerError> {
+        Broker::start_replica(settings, shared::Shared::default()).await
+    }
+
+    /// [`Broker::start`] as one replica of several sharing admission through Redis: connects
+    /// with `options`, registers what the store restores under the replica's name (replacing
+    /// what an earlier run under that name held, in one step) and takes its lease.
+    #[cfg(feature = "redis")]
+    pub async fn start_shared(
+        settings: BrokerSettings,
+        options: crate::redis::RedisOptions,
+    ) -> Result<(Broker, RestoreSummary), BrokerError> {
+        let mut options = options;
+        options.caps = settings.storage_caps;
+        options.capacity_retry = settings.capacity_retry;
+        let controller = crate::redis::RedisController::connect(settings.config.clone(), options)
+            .await
+            .map_err(|e| BrokerError::Settings(e.to_string()))?;
+        Broker::start_replica(
+            settings,
+            shared::Shared {
+                controller: Some(controller),
+            },
+        )
+        .await
+    }
+
+    async fn start_replica(
+        settings: BrokerSettings,
+        shared: shared::Shared,
+    ) -> Result<(Broker, RestoreSummary), BrokerError> {
         validate_broker_name(&settings.broker_name).map_err(BrokerError::Settings)?;
         settings.validate()?;
         let connection_cap = settings.connections.connection_cap();
@@ -428,6 +465,7 @@ impl Broker {
 
         let mut registry = Registry::default();
         crate::metrics::register(&mut registry, &controller);
+        shared.register(&mut registry);
         let drift = Gauge::default();
         registry.register(
             "admission_store_drift",
@@ -464,6 +502,7 @@ impl Broker {
         let (stop, shutdown) = watch::channel(false);
         let core = Arc::new(Core {
             controller,
+            shared,
             db,
             live: Mutex::new(HashMap::new()),
             streams: Mutex::new(HashMap::new()),
@@ -484,6 +523,7 @@ impl Broker {
             retention,
         });
         let summary = restore(&core, recovered);
+        register_shared(&core).await?;
         match drift::check(&core).await {
             Ok(report) if report.is_clean() => {}
             Ok(report) => {
@@ -597,12 +637,15 @@ impl Broker {
         if Arc::strong_count(&self.core) > 1 {
             tracing::warn!("shutdown: some broker tasks are still running");
         }
+        // Live work stays counted until the lease lapses (or a restart re-registers it).
+        self.core.shared.shutdown().await;
     }
 }
 
 fn reload(core: &Core, path: &Path) -> Result<(), ConfigError> {
     match core.controller.reload_from_path(path) {
         Ok(()) => {
+            core.shared.reload(core.controller.config());
             tracing::info!(path = %path.display(), "admission config reloaded");
             // A raised global_executing may let queued work start.
             core.executor.wake();
@@ -613,6 +656,44 @@ fn reload(core: &Core, path: &Path) -> Result<(), ConfigError> {
             Err(err)
         }
     }
+}
+
+/// Registers this replica's live operations in the shared counts (replacing whatever an earlier
+/// run under its name held there) and gives each its shared handle. Nothing without Redis.
+async fn register_shared(core: &Arc<Core>) -> Result<(), BrokerError> {
+    #[cfg(feature = "redis")]
+    if let Some(shared) = &core.shared.controller {
+        let live: Vec<Arc<LiveOp>> = core.live_ops().values().cloned().collect();
+        let restored = live.iter().map(|op| crate::redis::RestoredOperation {
+            id: op.id.clone(),
+            identity: op.handle.identity().clone(),
+            state: op.handle.state(),
+        });
+        let handles = shared
+            .register(restored)
+            .await
+            .map_err(|e| BrokerError::Settings(format!("cannot register with redis: {e}")))?;
+        let mut handles: HashMap<String, crate::redis::RedisOperation> = handles
+            .into_iter()
+            .map(|handle| (handle.id().to_owned(), handle))
+            .collect();
+        for op in &live {
+            match handles.remove(&op.id) {
+                Some(handle) => op.shared.set(handle),
+                None => {
+                    tracing::error!(operation = %op.id, "not counted in redis (its id cannot be recorded)")
+                }
+            }
+        }
+        tracing::info!(
+            replica = shared.replica(),
+            restored = live.len(),
+            "registered with redis"
+        );
+    }
+    #[cfg(not(feature = "redis"))]
+    let _ = core;
+    Ok(())
 }
 
 /// Puts what the store holds back under the controller: live operations (approved ones queued

@@ -23,6 +23,8 @@ pub(crate) struct LiveOp {
     pub(crate) client_id: String,
     pub(crate) duration: Duration,
     pub(crate) handle: Operation,
+    /// Its handle in the counts shared with other replicas, if any.
+    pub(crate) shared: super::shared::SharedHandle,
     /// Held across a transition's store write and its handle update.
     pub(crate) lock: tokio::sync::Mutex<()>,
 }
@@ -34,6 +36,7 @@ impl LiveOp {
             client_id: record.client_id.clone(),
             duration: Duration::from_millis(duration_ms(&record.arguments).unwrap_or(0)),
             handle,
+            shared: super::shared::SharedHandle::default(),
             lock: tokio::sync::Mutex::new(()),
         }
     }
@@ -115,6 +118,7 @@ impl Core {
             OperationState::Pending | OperationState::Executing => Ok(()),
         };
         debug_assert!(applied.is_ok(), "{applied:?}");
+        op.shared.apply(to).await;
         self.changed(op, from, to);
         Ok(record)
     }

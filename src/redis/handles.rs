@@ -1,0 +1,319 @@
+//! The permit and lifecycle handles of the shared controller, with the in-process handles'
+//! semantics: whichever call moves an operation into a terminal state, and only that call, sends
+//! its release — by operation id, so a retried release frees nothing twice. The handle's own
+//! state decides the winner (one compare-and-swap, as in the in-process lifecycle); Redis only
+//! counts.
+//!
+//! A release Redis does not answer is kept and retried until it does; the caller is not made to
+//! wait for it. Only starting execution needs Redis's answer (it takes a shared slot).
+
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use super::reply::TransitionReply;
+use super::{Held, Inner, Kept, Target, Unavailable, UnavailableReason};
+use crate::config::Identity;
+use crate::engine::{CancelOutcome, OperationState, Refusal, RefusalCode, TransitionError};
+
+/// An admitted submission on the shared controller, before the broker has created its durable
+/// operation. [`RedisPermit::commit`] turns it into a [`RedisOperation`]; dropped without commit
+/// it releases its slots (the rate token stays spent); [`RedisPermit::refund`] returns the token
+/// too.
+#[must_use = "a permit holds slots until it is committed or dropped"]
+pub struct RedisPermit {
+    inner: Arc<Inner>,
+    cell: Option<Arc<Held>>,
+    needs_approval: bool,
+    interval_micros: u64,
+}
+
+impl RedisPermit {
+    pub(super) fn new(
+        inner: Arc<Inner>,
+        cell: Arc<Held>,
+        needs_approval: bool,
+        interval_micros: u64,
+    ) -> RedisPermit {
+        RedisPermit {
+            inner,
+            cell: Some(cell),
+            needs_approval,
+            interval_micros,
+        }
+    }
+
+    fn cell(&self) -> &Held {
+        self.cell.as_deref().expect("a live permit holds its cell")
+    }
+
+    /// The operation's id.
+    pub fn id(&self) -> &str {
+        &self.cell().id
+    }
+
+    /// The admitted client.
+    pub fn identity(&self) -> &Identity {
+        &self.cell().identity
+    }
+
+    /// Whether the operation waits for an operator (it starts `pending`, else `approved`).
+    pub fn needs_approval(&self) -> bool {
+        self.needs_approval
+    }
+
+    /// The durable operation exists: its lifecycle handle (the reservation is already recorded
+    /// under its id, in its first state).
+    pub fn commit(mut self) -> RedisOperation {
+        let cell = self.cell.take().expect("a live permit holds its cell");
+        RedisOperation::new(Arc::clone(&self.inner), cell)
+    }
+
+    /// The broker failed through its own fault: return the slots and the rate token.
+    pub async fn refund(mut self) {
+        if let Some(cell) = self.cell.take() {
+            finish(&self.inner, &cell, Target::Refund(self.interval_micros)).await;
+        }
+    }
+}
+
+impl Drop for RedisPermit {
+    fn drop(&mut self) {
+        if let Some(cell) = self.cell.take() {
+            let state = cell.state();
+            cell.state
+                .store(OperationState::Failed as u8, Ordering::Release);
+            if !state.is_terminal() {
+                forget(&self.inner, &cell);
+                self.inner.keep(Kept {
+                    id: cell.id.clone(),
+                    target: Target::Terminal,
+                });
+            }
+        }
+    }
+}
+
+impl fmt::Debug for RedisPermit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisPermit")
+            .field("id", &self.cell.as_ref().map(|c| &c.id))
+            .field("needs_approval", &self.needs_approval)
+            .finish()
+    }
+}
+
+/// Why [`RedisOperation::try_start`] did not start the operation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RedisStartError {
+    /// Every execution slot (across every replica) is taken; the operation stays queued.
+    Saturated(Refusal),
+    /// The operation is not approved.
+    NotApproved(OperationState),
+    /// Redis did not answer; the operation stays queued and can retry.
+    Unavailable(Unavailable),
+}
+
+impl fmt::Display for RedisStartError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RedisStartError::Saturated(r) => write!(f, "execution pool saturated: {r}"),
+            RedisStartError::NotApproved(s) => write!(f, "cannot start a {s} operation"),
+            RedisStartError::Unavailable(u) => u.fmt(f),
+        }
+    }
+}
+
+impl std::error::Error for RedisStartError {}
+
+/// The shared controller's handle on one live operation: it holds the operation's slots (in
+/// Redis, under its id) until a terminal transition releases them, exactly once. Dropping a
+/// handle that is not terminal releases them as if the operation had failed.
+pub struct RedisOperation {
+    inner: Arc<Inner>,
+    cell: Arc<Held>,
+}
+
+impl RedisOperation {
+    pub(super) fn new(inner: Arc<Inner>, cell: Arc<Held>) -> RedisOperation {
+        RedisOperation { inner, cell }
+    }
+
+    /// The operation's id.
+    pub fn id(&self) -> &str {
+        &self.cell.id
+    }
+
+    /// The client the operation belongs to.
+    pub fn identity(&self) -> &Identity {
+        &self.cell.identity
+    }
+
+    /// The current state.
+    pub fn state(&self) -> OperationState {
+        self.cell.state()
+    }
+
+    /// `pending` → `approved`.
+    pub async fn approve(&self) -> Result<(), TransitionError> {
+        self.transition(OperationState::Approved).await.map(|_| ())
+    }
+
+    /// `pending` → `denied`, releasing its slots.
+    pub async fn deny(&self) -> Result<(), TransitionError> {
+        self.transition(OperationState::Denied).await.map(|_| ())
+    }
+
+    /// `pending` or `approved` → `canceled`, releasing its slots ([`CancelOutcome::Canceled`]
+    /// with the state it left). Canceling a terminal operation changes nothing
+    /// ([`CancelOutcome::AlreadyTerminal`]), as with the in-process handle.
+    pub async fn cancel(&self) -> Result<CancelOutcome, TransitionError> {
+        match self.transition(OperationState::Canceled).await {
+            Ok(from) => Ok(CancelOutcome::Canceled { from }),
+            Err(TransitionError { from, .. }) if from.is_terminal() => {
+                Ok(CancelOutcome::AlreadyTerminal(from))
+            }
+            Err(err) => Err(err),
+        }
+    }
+
+    /// `pending` or `approved` → `expired`.
+    pub async fn expire(&self) -> Result<(), TransitionError> {
+        self.transition(OperationState::Expired).await.map(|_| ())
+    }
+
+    /// Any live state → `failed`.
+    pub async fn fail(&self) -> Result<(), TransitionError> {
+        self.transition(OperationState::Failed).await.map(|_| ())
+    }
+
+    /// `executing` → `succeeded`.
+    pub async fn succeed(&self) -> Result<(), TransitionError> {
+        self.transition(OperationState::Succeeded).await.map(|_| ())
+    }
+
+    /// Takes a shared execution slot and moves `approved` → `executing`. A saturated pool, or a
+    /// Redis that does not answer, leaves it `approved` (queued) to retry.
+    pub async fn try_start(&self) -> Result<(), RedisStartError> {
+        let inner = &self.inner;
+        let current = self.state();
+        if current != OperationState::Approved {
+            return Err(RedisStartError::NotApproved(current));
+        }
+        let _shared = inner.registration.read().await;
+        let reply = inner
+            .transition(&self.cell.id, Target::Executing)
+            .await
+            .map_err(|reason| RedisStartError::Unavailable(inner.unavailable(reason)))?;
+        match reply {
+            TransitionReply::Moved(_) | TransitionReply::Same => {}
+            TransitionReply::Saturated => {
+                let hint = inner.options.capacity_retry.as_nanos() as u64;
+                return Err(RedisStartError::Saturated(Refusal::after_nanos(
+                    RefusalCode::GlobalExecutionLimit,
+                    hint,
+                )));
+            }
+            TransitionReply::NotAllowed(_) | TransitionReply::Absent => {
+                // Redis does not hold it approved: released by a lapsed lease (the next
+                // heartbeat re-registers it), or lost to a concurrent terminal move.
+                let now = self.state();
+                return Err(if now == OperationState::Approved {
+                    RedisStartError::Unavailable(inner.unavailable(UnavailableReason::LeaseNotHeld))
+                } else {
+                    RedisStartError::NotApproved(now)
+                });
+            }
+        }
+        // AcqRel: as in the lifecycle's transitions.
+        match self.cell.state.compare_exchange(
+            OperationState::Approved as u8,
+            OperationState::Executing as u8,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        ) {
+            Ok(_) => Ok(()),
+            // Lost to a terminal move, whose release (sent after, by id) frees the slot taken
+            // here too: Redis releases whatever it records the operation as holding.
+            Err(actual) => Err(RedisStartError::NotApproved(
+                OperationState::ALL[usize::from(actual)],
+            )),
+        }
+    }
+
+    /// Moves to `to` if the contract allows it; the winning compare-and-swap, and only it, sends
+    /// the shared counts' change.
+    async fn transition(&self, to: OperationState) -> Result<OperationState, TransitionError> {
+        debug_assert_ne!(to, OperationState::Executing);
+        let cell = &self.cell;
+        let mut current = cell.state.load(Ordering::Acquire);
+        let from = loop {
+            let from = OperationState::ALL[usize::from(current)];
+            if !from.can_move_to(to) {
+                return Err(TransitionError { from, to });
+            }
+            // AcqRel: as in the lifecycle's transitions.
+            match cell.state.compare_exchange(
+                current,
+                to as u8,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => break from,
+                Err(actual) => current = actual,
+            }
+        };
+        if to.is_terminal() {
+            finish(&self.inner, cell, Target::Terminal).await;
+        } else {
+            self.inner.release(&cell.id, Target::Approved).await;
+        }
+        Ok(from)
+    }
+}
+
+/// No longer held by this replica: re-registration must not count it.
+fn forget(inner: &Inner, cell: &Held) {
+    inner.lock_held().remove(&cell.id);
+}
+
+async fn finish(inner: &Inner, cell: &Held, target: Target) {
+    forget(inner, cell);
+    inner.release(&cell.id, target).await;
+}
+
+impl Drop for RedisOperation {
+    fn drop(&mut self) {
+        let mut current = self.cell.state.load(Ordering::Acquire);
+        loop {
+            let from = OperationState::ALL[usize::from(current)];
+            if from.is_terminal() {
+                return;
+            }
+            match self.cell.state.compare_exchange(
+                current,
+                OperationState::Failed as u8,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => break,
+                Err(actual) => current = actual,
+            }
+        }
+        forget(&self.inner, &self.cell);
+        self.inner.keep(Kept {
+            id: self.cell.id.clone(),
+            target: Target::Terminal,
+        });
+    }
+}
+
+impl fmt::Debug for RedisOperation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisOperation")
+            .field("id", &self.cell.id)
+            .field("identity", &self.cell.identity)
+            .field("state", &self.state())
+            .finish()
+    }
+}

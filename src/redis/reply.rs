@@ -1,0 +1,364 @@
+//! The scripts' replies, parsed strictly: a reply that is not exactly one of the shapes a script
+//! returns is an error naming what came back, never a guess (a wrong guess could admit work, or
+//! free slots twice).
+
+use std::fmt;
+
+use redis::Value;
+
+use crate::engine::RefusalCode;
+
+/// What the admission script decided.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum AdmitReply {
+    /// Admitted: the reservation is recorded under the operation's id.
+    Admitted,
+    /// This operation id was admitted before (a retry after a lost reply): nothing counted again.
+    Duplicate,
+    /// The client's idempotency key already names an operation: `(id, replica)`.
+    Replay {
+        /// The operation the key names.
+        id: String,
+        /// The replica that admitted it.
+        replica: String,
+    },
+    /// This replica does not hold its lease: it must not admit.
+    Lease,
+    /// Refused: the first check that failed, the rate wait (µs), and whether any capacity
+    /// dimension is exhausted (then the capacity hint applies too).
+    Refused {
+        /// The first check that failed.
+        code: RefusalCode,
+        /// Microseconds until the client's next rate token.
+        rate_wait_micros: u64,
+        /// Whether any capacity dimension is exhausted.
+        capacity: bool,
+    },
+}
+
+/// What the transition script did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TransitionReply {
+    /// Moved, from the state it was recorded in (`p`, `a` or `e`).
+    Moved(u8),
+    /// Already in the target state (a retry).
+    Same,
+    /// No record: released already (a retry, or a lapsed lease).
+    Absent,
+    /// The recorded state does not allow the move.
+    NotAllowed(u8),
+    /// No execution slot free.
+    Saturated,
+}
+
+/// What the heartbeat script found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LeaseReply {
+    /// Renewed.
+    Renewed,
+    /// Nobody holds it.
+    Lapsed,
+    /// Another process under this replica's name holds it.
+    Taken,
+}
+
+/// A reply of a shape no script returns.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReplyError(String);
+
+impl fmt::Display for ReplyError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "unexpected script reply: {}", self.0)
+    }
+}
+
+impl std::error::Error for ReplyError {}
+
+fn bad(what: &str, value: &Value) -> ReplyError {
+    let mut text = format!("{what}: {value:?}");
+    text.truncate(200);
+    ReplyError(text)
+}
+
+fn text(value: &Value) -> Option<&str> {
+    match value {
+        Value::BulkString(bytes) => std::str::from_utf8(bytes).ok(),
+        Value::SimpleString(s) => Some(s),
+        _ => None,
+    }
+}
+
+fn array(value: &Value) -> Option<&[Value]> {
+    match value {
+        Value::Array(items) => Some(items),
+        _ => None,
+    }
+}
+
+fn int(value: &Value) -> Option<u64> {
+    match value {
+        Value::Int(n) => u64::try_from(*n).ok(),
+        Value::BulkString(_) | Value::SimpleString(_) => {
+            let s = text(value)?;
+            // Digits only: no sign, no exponent, no fraction.
+            (!s.is_empty() && s.len() <= 19 && s.bytes().all(|b| b.is_ascii_digit()))
+                .then(|| s.parse().ok())?
+        }
+        _ => None,
+    }
+}
+
+fn state(value: &Value) -> Option<u8> {
+    match text(value)? {
+        "p" => Some(b'p'),
+        "a" => Some(b'a'),
+        "e" => Some(b'e'),
+        _ => None,
+    }
+}
+
+fn refusal_code(name: &str) -> Option<RefusalCode> {
+    RefusalCode::ALL
+        .into_iter()
+        .find(|code| code.as_str() == name && *code != RefusalCode::ClientUnconfigured)
+}
+
+/// Parses the admission script's reply.
+pub fn parse_admit(value: &Value) -> Result<AdmitReply, ReplyError> {
+    let items = array(value).ok_or_else(|| bad("admit", value))?;
+    let head = items.first().and_then(text);
+    let reply = match (head, items.len()) {
+        (Some("admitted"), 1) => AdmitReply::Admitted,
+        (Some("duplicate"), 1) => AdmitReply::Duplicate,
+        (Some("lease"), 1) => AdmitReply::Lease,
+        (Some("replay"), 3) => match (text(&items[1]), text(&items[2])) {
+            (Some(id), Some(replica)) if !id.is_empty() && !replica.is_empty() => {
+                AdmitReply::Replay {
+                    id: id.to_string(),
+                    replica: replica.to_string(),
+                }
+            }
+            _ => return Err(bad("admit replay", value)),
+        },
+        (Some("refused"), 4) => {
+            let code = text(&items[1]).and_then(refusal_code);
+            let wait = int(&items[2]);
+            let capacity = match int(&items[3]) {
+                Some(0) => Some(false),
+                Some(1) => Some(true),
+                _ => None,
+            };
+            match (code, wait, capacity) {
+                // A capacity code always means a capacity dimension is exhausted.
+                (Some(code), Some(rate_wait_micros), Some(capacity))
+                    if capacity || !code.is_capacity() =>
+                {
+                    AdmitReply::Refused {
+                        code,
+                        rate_wait_micros,
+                        capacity,
+                    }
+                }
+                _ => return Err(bad("admit refusal", value)),
+            }
+        }
+        _ => return Err(bad("admit", value)),
+    };
+    Ok(reply)
+}
+
+/// Parses the transition script's reply.
+pub fn parse_transition(value: &Value) -> Result<TransitionReply, ReplyError> {
+    let items = array(value).ok_or_else(|| bad("transition", value))?;
+    let reply = match (items.first().and_then(text), items.len()) {
+        (Some("moved"), 2) => {
+            TransitionReply::Moved(state(&items[1]).ok_or_else(|| bad("transition", value))?)
+        }
+        (Some("not_allowed"), 2) => {
+            TransitionReply::NotAllowed(state(&items[1]).ok_or_else(|| bad("transition", value))?)
+        }
+        (Some("same"), 1) => TransitionReply::Same,
+        (Some("absent"), 1) => TransitionReply::Absent,
+        (Some("saturated"), 1) => TransitionReply::Saturated,
+        _ => return Err(bad("transition", value)),
+    };
+    Ok(reply)
+}
+
+/// Parses the heartbeat script's reply.
+pub fn parse_lease(value: &Value) -> Result<LeaseReply, ReplyError> {
+    match text(value) {
+        Some("ok") => Ok(LeaseReply::Renewed),
+        Some("lapsed") => Ok(LeaseReply::Lapsed),
+        Some("taken") => Ok(LeaseReply::Taken),
+        _ => Err(bad("heartbeat", value)),
+    }
+}
+
+/// Parses a reply of counts: `{a, b}` (the replace script).
+pub fn parse_pair(value: &Value) -> Result<(u64, u64), ReplyError> {
+    match array(value) {
+        Some([a, b]) => match (int(a), int(b)) {
+            (Some(a), Some(b)) => Ok((a, b)),
+            _ => Err(bad("pair", value)),
+        },
+        _ => Err(bad("pair", value)),
+    }
+}
+
+/// Parses the reap script's reply: each lapsed replica and how many operations it held.
+pub fn parse_reaped(value: &Value) -> Result<Vec<(String, u64)>, ReplyError> {
+    let items = array(value).ok_or_else(|| bad("reap", value))?;
+    if items.len() % 2 != 0 {
+        return Err(bad("reap", value));
+    }
+    items
+        .chunks(2)
+        .map(|pair| match (text(&pair[0]), int(&pair[1])) {
+            (Some(replica), Some(n)) if !replica.is_empty() => Ok((replica.to_string(), n)),
+            _ => Err(bad("reap", value)),
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn value() -> impl Strategy<Value = Value> {
+        let word = prop_oneof![
+            Just("admitted".to_string()),
+            Just("refused".to_string()),
+            Just("replay".to_string()),
+            Just("moved".to_string()),
+            Just("client_pending_limit".to_string()),
+            Just("p".to_string()),
+            "[a-z_0-9 .-]{0,24}",
+        ];
+        let leaf = prop_oneof![
+            Just(Value::Nil),
+            any::<i64>().prop_map(Value::Int),
+            word.prop_map(|w| Value::BulkString(w.into_bytes())),
+            proptest::collection::vec(any::<u8>(), 0..16).prop_map(Value::BulkString),
+        ];
+        leaf.prop_recursive(3, 24, 5, |inner| {
+            proptest::collection::vec(inner, 0..5).prop_map(Value::Array)
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn no_reply_makes_a_parser_panic_and_what_parses_is_well_formed(v in value()) {
+            if let Ok(AdmitReply::Refused { code, capacity, .. }) = parse_admit(&v) {
+                prop_assert!(capacity || !code.is_capacity());
+                prop_assert!(code != RefusalCode::ClientUnconfigured);
+            }
+            let _ = parse_transition(&v);
+            let _ = parse_lease(&v);
+            let _ = parse_pair(&v);
+            if let Ok(reaped) = parse_reaped(&v) {
+                prop_assert!(reaped.iter().all(|(replica, _)| !replica.is_empty()));
+            }
+        }
+    }
+
+    fn bulk(s: &str) -> Value {
+        Value::BulkString(s.as_bytes().to_vec())
+    }
+
+    #[test]
+    fn every_admit_shape_parses_and_nothing_else_does() {
+        let ok = |items: Vec<Value>| parse_admit(&Value::Array(items));
+        assert_eq!(ok(vec![bulk("admitted")]), Ok(AdmitReply::Admitted));
+        assert_eq!(ok(vec![bulk("duplicate")]), Ok(AdmitReply::Duplicate));
+        assert_eq!(ok(vec![bulk("lease")]), Ok(AdmitReply::Lease));
+        assert_eq!(
+            ok(vec![bulk("replay"), bulk("op-1"), bulk("r2")]),
+            Ok(AdmitReply::Replay {
+                id: "op-1".into(),
+                replica: "r2".into()
+            })
+        );
+        assert_eq!(
+            ok(vec![
+                bulk("refused"),
+                bulk("client_pending_limit"),
+                bulk("0"),
+                Value::Int(1)
+            ]),
+            Ok(AdmitReply::Refused {
+                code: RefusalCode::ClientPendingLimit,
+                rate_wait_micros: 0,
+                capacity: true
+            })
+        );
+        for bad_reply in [
+            vec![],
+            vec![bulk("admitted"), bulk("x")],
+            vec![bulk("replay"), bulk(""), bulk("r")],
+            vec![
+                bulk("refused"),
+                bulk("client_unconfigured"),
+                bulk("0"),
+                Value::Int(0),
+            ],
+            vec![
+                bulk("refused"),
+                bulk("client_operation_limit"),
+                bulk("0"),
+                Value::Int(0),
+            ],
+            vec![
+                bulk("refused"),
+                bulk("submission_rate_limited"),
+                bulk("-1"),
+                Value::Int(0),
+            ],
+            vec![
+                bulk("refused"),
+                bulk("submission_rate_limited"),
+                bulk("1e9"),
+                Value::Int(0),
+            ],
+            vec![
+                bulk("refused"),
+                bulk("submission_rate_limited"),
+                bulk("5"),
+                Value::Int(2),
+            ],
+            vec![bulk("admit")],
+        ] {
+            assert!(ok(bad_reply.clone()).is_err(), "{bad_reply:?}");
+        }
+        assert!(parse_admit(&bulk("admitted")).is_err());
+    }
+
+    #[test]
+    fn transition_lease_and_count_replies_are_strict() {
+        let t = |items: Vec<Value>| parse_transition(&Value::Array(items));
+        assert_eq!(
+            t(vec![bulk("moved"), bulk("p")]),
+            Ok(TransitionReply::Moved(b'p'))
+        );
+        assert_eq!(t(vec![bulk("absent")]), Ok(TransitionReply::Absent));
+        assert_eq!(
+            t(vec![bulk("not_allowed"), bulk("e")]),
+            Ok(TransitionReply::NotAllowed(b'e'))
+        );
+        assert!(t(vec![bulk("moved"), bulk("x")]).is_err());
+        assert!(t(vec![bulk("moved")]).is_err());
+        assert_eq!(parse_lease(&bulk("ok")), Ok(LeaseReply::Renewed));
+        assert!(parse_lease(&bulk("OK")).is_err());
+        assert_eq!(
+            parse_pair(&Value::Array(vec![Value::Int(2), Value::Int(3)])),
+            Ok((2, 3))
+        );
+        assert!(parse_pair(&Value::Array(vec![Value::Int(-2), Value::Int(3)])).is_err());
+        assert_eq!(
+            parse_reaped(&Value::Array(vec![bulk("r1"), Value::Int(4)])),
+            Ok(vec![("r1".to_string(), 4)])
+        );
+        assert!(parse_reaped(&Value::Array(vec![bulk("r1")])).is_err());
+    }
+}

@@ -1,0 +1,81 @@
+-- One admission decision, all or nothing, on Redis server time.
+-- KEYS: 1 counts, 2 operations, 3 the client's rate TAT, 4 the replica's lease,
+--       5 the idempotency record (client, key), 6 the replica set.
+-- ARGV: 1 key base, 2 operation id, 3 replica, 4 lease token, 5 client, 6 needs approval (0/1),
+--       7 emission interval (µs), 8 burst span (µs), 9 client active limit, 10 client pending
+--       limit, 11 per-client grant cap, 12 global grant cap, 13 global active limit,
+--       14 global executing limit, 15 whether KEYS[5] is used (0/1), 16 its lifetime (ms).
+-- Reply: {'admitted'} | {'duplicate'} (this id was admitted before: a retry) |
+--        {'replay', id, replica} | {'lease'} (this replica does not hold its lease) |
+--        {'refused', code, rate wait µs, capacity exhausted 0/1}.
+local base, id, replica, token, client = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local approval = ARGV[6] == '1'
+local interval, span = tonumber(ARGV[7]), tonumber(ARGV[8])
+local client_active, client_pending = tonumber(ARGV[9]), tonumber(ARGV[10])
+local grant_client, grant_global = tonumber(ARGV[11]), tonumber(ARGV[12])
+local global_active, global_executing = tonumber(ARGV[13]), tonumber(ARGV[14])
+local keyed = ARGV[15] == '1'
+
+if redis.call('GET', KEYS[4]) ~= token then
+  return {'lease'}
+end
+if redis.call('HEXISTS', KEYS[2], id) == 1 then
+  return {'duplicate'}
+end
+if keyed then
+  local owner = redis.call('GET', KEYS[5])
+  if owner then
+    local owner_id, owner_replica = string.match(owner, '^(%S+) (%S+)$')
+    -- The key names this very id only if it was admitted and since released (a lapsed lease):
+    -- then it is decided afresh below, as a restored operation would be counted again.
+    if owner_id ~= id then
+      return {'replay', owner_id, owner_replica}
+    end
+  end
+end
+
+local now = now_micros()
+local tat = tonumber(redis.call('GET', KEYS[3]) or '0')
+local next_tat = math.max(tat, now) + interval
+local rate_wait = math.max(math.max(tat, now) + interval - now - span, 0)
+
+local a, p = count('a:' .. client), count('p:' .. client)
+local ga, gp, ge = count('active'), count('pending'), count('executing')
+local pending_cap = math.min(client_pending, grant_client)
+
+local code
+if next_tat - now > span then
+  code = 'submission_rate_limited'
+elseif a >= client_active then
+  code = 'client_operation_limit'
+elseif approval and p >= pending_cap then
+  if p >= client_pending then code = 'client_pending_limit' else code = 'pending_grant_limit' end
+elseif approval and gp >= grant_global then
+  code = 'pending_grant_limit'
+elseif ga >= global_active then
+  code = 'global_operation_limit'
+elseif ge >= global_executing then
+  code = 'global_execution_limit'
+end
+
+if code then
+  local capacity = 0
+  if code ~= 'submission_rate_limited'
+    or a >= client_active
+    or (approval and (p >= pending_cap or gp >= grant_global))
+    or ga >= global_active
+    or ge >= global_executing then
+    capacity = 1
+  end
+  return {'refused', code, string.format('%.0f', rate_wait), capacity}
+end
+
+redis.call('SET', KEYS[3], string.format('%.0f', next_tat), 'PX', math.floor((next_tat - now) / 1000) + 1)
+local state = 'a'
+if approval then state = 'p' end
+hold(id, state, replica, client, base)
+redis.call('SADD', KEYS[6], replica)
+if keyed then
+  redis.call('SET', KEYS[5], id .. ' ' .. replica, 'PX', tonumber(ARGV[16]))
+end
+return {'admitted'}

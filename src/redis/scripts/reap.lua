@@ -1,0 +1,23 @@
+-- Releases, exactly once, what every replica whose lease has lapsed held.
+-- KEYS: 1 counts, 2 operations, 3 the replica set. ARGV: 1 key base.
+-- Reply: {replica, operations released, ...} for each replica reaped.
+local base = ARGV[1]
+local reaped = {}
+for _, replica in ipairs(redis.call('SMEMBERS', KEYS[3])) do
+  if redis.call('EXISTS', base .. ':lease:' .. replica) == 0 then
+    local held = base .. ':held:' .. replica
+    local released = 0
+    for _, id in ipairs(redis.call('SMEMBERS', held)) do
+      local record = redis.call('HGET', KEYS[2], id)
+      if record then
+        release(id, record, base)
+        released = released + 1
+      end
+    end
+    redis.call('DEL', held)
+    redis.call('SREM', KEYS[3], replica)
+    table.insert(reaped, replica)
+    table.insert(reaped, released)
+  end
+end
+return reaped

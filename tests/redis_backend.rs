@@ -1,0 +1,707 @@
+//! The Redis-backed admission backend against a real `redis-server`: the same decisions as the
+//! in-process engine, limits that hold across replicas, exactly-once releases, leases, a paused
+//! Redis, and one operation per idempotency key.
+
+mod redis_support;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use unyolo_admission::config::{ClientLimits, Limits};
+use unyolo_admission::redis::{
+    AdmitError, RedisController, RedisOperation, RedisOptions, RedisStartError, RestoredOperation,
+    SharedCounts, UnavailableReason,
+};
+use unyolo_admission::{
+    CancelOutcome, Config, Controller, Identity, ManualClock, Operation, OperationState,
+    RefusalCode, StartError, StorageCaps,
+};
+
+fn ids(names: &[&str]) -> Vec<Identity> {
+    names.iter().map(|n| Identity::new(n).unwrap()).collect()
+}
+
+/// Small limits so every refusal code comes up: 12 tokens an hour, 3 active, 2 pending per
+/// client; 6 active, 2 executing globally; `eve` has her own, tighter limits.
+fn small_config() -> Config {
+    let limits = Limits {
+        requests_per_window: 12,
+        window_seconds: 3600,
+        client_active: 3,
+        client_pending: 2,
+        global_active: 6,
+        global_executing: 2,
+    };
+    let mut overrides = BTreeMap::new();
+    overrides.insert(
+        Identity::new("eve").unwrap(),
+        ClientLimits {
+            requests_per_window: 2,
+            window_seconds: 3600,
+            active: 2,
+            pending: 1,
+        },
+    );
+    Config::new(limits, overrides, ids(&["amy", "bob", "eve"])).unwrap()
+}
+
+fn roomy_config(clients: &[&str]) -> Config {
+    let limits = Limits {
+        requests_per_window: 100_000,
+        window_seconds: 1,
+        client_active: 5,
+        client_pending: 3,
+        global_active: 12,
+        global_executing: 4,
+    };
+    Config::new(limits, BTreeMap::new(), ids(clients)).unwrap()
+}
+
+fn options(server: &redis_support::RedisServer, replica: &str) -> RedisOptions {
+    let mut options = RedisOptions::new(server.url(), replica);
+    options.call_timeout = Duration::from_millis(300);
+    options.lease_ttl = Duration::from_secs(30);
+    options.heartbeat = Duration::from_secs(5);
+    options.circuit_cool_down = Duration::from_millis(200);
+    options
+}
+
+async fn replica(config: Config, options: RedisOptions) -> RedisController {
+    let controller = RedisController::connect(config, options).await.unwrap();
+    controller.register(Vec::new()).await.unwrap();
+    controller
+}
+
+/// Polls `check` until it holds, failing after a generous deadline (a bound, not a timing
+/// assertion: the condition is what is tested).
+async fn eventually<F, Fut>(what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !check().await {
+        assert!(Instant::now() < deadline, "never happened: {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn global(counts: &SharedCounts) -> (u64, u64, u64) {
+    (counts.active, counts.pending, counts.executing)
+}
+
+/// A small deterministic generator (xorshift), so a failing sequence can be replayed by seed.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: usize) -> usize {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 % n as u64) as usize
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn random_sequences_get_the_same_decisions_and_counts_as_the_in_process_engine() {
+    let server = redis_or_skip!();
+    let started = Instant::now();
+    let mut seen = std::collections::BTreeSet::new();
+    for seed in [1u64, 7, 42, 1234, 98765] {
+        // Three pending grants in all, fewer than the clients' pending limits add up to.
+        let caps = StorageCaps {
+            grant_global: 3,
+            ..StorageCaps::default()
+        };
+        let mut opts = options(&server, "model");
+        opts.prefix = format!("model-{seed}");
+        opts.caps = caps;
+        let shared = replica(small_config(), opts).await;
+        let local = Controller::builder(small_config())
+            .clock(ManualClock::new())
+            .storage_caps(caps)
+            .build();
+        let mut rng = Rng(seed);
+        let mut live: Vec<(Operation, RedisOperation)> = Vec::new();
+        for step in 0..250 {
+            let context = format!("seed {seed} step {step}");
+            match rng.below(7) {
+                0..=2 => {
+                    let client = ["amy", "bob", "eve", "stranger"][rng.below(4)];
+                    let needs_approval = rng.below(3) > 0;
+                    let id = format!("op-{seed}-{step}");
+                    let expected = local.admit(client, needs_approval);
+                    let got = shared.admit(client, needs_approval, &id, None).await;
+                    match (expected, got) {
+                        (Ok(permit), Ok(redis_permit)) => {
+                            live.push((permit.commit(), redis_permit.commit()));
+                        }
+                        (Err(expected), Err(AdmitError::Refused(got))) => {
+                            assert_eq!(expected.code, got.code, "{context}");
+                            seen.insert(got.code);
+                            if expected.code == RefusalCode::SubmissionRateLimited
+                                && got.retry_after != expected.retry_after
+                            {
+                                // Redis's clock moves and the manual one does not: the rate
+                                // wait can only be shorter, by no more than the time elapsed.
+                                let elapsed = started.elapsed().as_secs() + 1;
+                                assert!(
+                                    got.retry_after < expected.retry_after
+                                        && got.retry_after_secs() + elapsed
+                                            >= expected.retry_after_secs(),
+                                    "{context}: {got:?} vs {expected:?}"
+                                );
+                            } else {
+                                assert_eq!(expected.retry_after, got.retry_after, "{context}");
+                            }
+                        }
+                        (expected, got) => panic!("{context}: {expected:?} vs {got:?}"),
+                    }
+                }
+                action if !live.is_empty() => {
+                    let i = rng.below(live.len());
+                    let (op, redis_op) = &live[i];
+                    match action {
+                        3 => assert_eq!(op.approve(), redis_op.approve().await, "{context}"),
+                        4 => {
+                            let expected = op.try_start();
+                            let got = redis_op.try_start().await;
+                            match (expected, got) {
+                                (Ok(()), Ok(())) => {}
+                                (
+                                    Err(StartError::Saturated(a)),
+                                    Err(RedisStartError::Saturated(b)),
+                                ) => {
+                                    assert_eq!(a, b, "{context}")
+                                }
+                                (
+                                    Err(StartError::NotApproved(a)),
+                                    Err(RedisStartError::NotApproved(b)),
+                                ) => assert_eq!(a, b, "{context}"),
+                                (expected, got) => panic!("{context}: {expected:?} vs {got:?}"),
+                            }
+                        }
+                        5 => assert_eq!(op.succeed(), redis_op.succeed().await, "{context}"),
+                        _ => match rng.below(4) {
+                            0 => assert_eq!(op.cancel(), redis_op.cancel().await, "{context}"),
+                            1 => assert_eq!(op.deny(), redis_op.deny().await, "{context}"),
+                            2 => assert_eq!(op.expire(), redis_op.expire().await, "{context}"),
+                            _ => assert_eq!(op.fail(), redis_op.fail().await, "{context}"),
+                        },
+                    }
+                    assert_eq!(op.state(), redis_op.state(), "{context}");
+                    if op.state().is_terminal() {
+                        live.swap_remove(i);
+                    }
+                }
+                _ => {}
+            }
+            let snapshot = local.snapshot();
+            let counts = shared.counts().await.unwrap();
+            assert_eq!(
+                (snapshot.active, snapshot.pending, snapshot.executing),
+                global(&counts),
+                "{context}"
+            );
+            for client in &snapshot.clients {
+                let (a, p, e) = counts
+                    .clients
+                    .get(client.identity.as_str())
+                    .copied()
+                    .unwrap_or_default();
+                assert_eq!(
+                    (client.active, client.pending, client.executing),
+                    (a, p, e),
+                    "{context}: {}",
+                    client.identity
+                );
+            }
+        }
+        for (op, redis_op) in live.drain(..) {
+            let _ = op.fail();
+            let _ = redis_op.fail().await;
+        }
+        assert!(shared.counts().await.unwrap().is_idle(), "seed {seed}");
+        assert!(local.snapshot().is_idle(), "seed {seed}");
+    }
+    // The sequences reached every admission refusal, not just the easy ones.
+    for code in &RefusalCode::ALL[..7] {
+        assert!(seen.contains(code), "no sequence was refused with {code}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unconfigured_client_is_refused_without_asking_redis_and_a_capacity_hint_is_two_seconds()
+{
+    let server = redis_or_skip!();
+    let shared = replica(small_config(), options(&server, "r1")).await;
+    match shared.admit("stranger", true, "op-x", None).await {
+        Err(AdmitError::Refused(r)) => {
+            assert_eq!(r.code, RefusalCode::ClientUnconfigured);
+            assert_eq!(r.retry_after, Duration::ZERO);
+        }
+        other => panic!("{other:?}"),
+    }
+    let _a = shared.admit("eve", true, "op-1", None).await.unwrap();
+    match shared.admit("eve", true, "op-2", None).await {
+        Err(AdmitError::Refused(r)) => {
+            assert_eq!(r.code, RefusalCode::ClientPendingLimit);
+            assert_eq!(r.retry_after_secs(), 2);
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_admissions_on_three_replicas_never_exceed_a_limit_and_drain_to_zero() {
+    let server = redis_or_skip!();
+    let clients = ["amy", "bob", "cat"];
+    let config = roomy_config(&clients);
+    let mut replicas = Vec::new();
+    for name in ["r1", "r2", "r3"] {
+        replicas.push(replica(config.clone(), options(&server, name)).await);
+    }
+    let monitor_view = replicas[0].clone();
+    let stop = Arc::new(AtomicBool::new(false));
+    let readings = Arc::new(AtomicU64::new(0));
+    let monitor = {
+        let stop = Arc::clone(&stop);
+        let readings = Arc::clone(&readings);
+        tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                let counts = monitor_view.counts().await.unwrap();
+                assert!(counts.active <= 12, "{counts:?}");
+                assert!(counts.executing <= 4, "{counts:?}");
+                for (client, (a, p, _)) in &counts.clients {
+                    assert!(*a <= 5 && *p <= 3, "{client}: {counts:?}");
+                }
+                readings.fetch_add(1, Ordering::Relaxed);
+            }
+        })
+    };
+    let admitted = Arc::new(AtomicU64::new(0));
+    let mut workers = Vec::new();
+    for worker in 0..12 {
+        let controller = replicas[worker % 3].clone();
+        let admitted = Arc::clone(&admitted);
+        workers.push(tokio::spawn(async move {
+            for round in 0..40 {
+                let client = clients[(worker + round) % 3];
+                let id = format!("w{worker}-{round}");
+                let needs_approval = round % 2 == 0;
+                let Ok(permit) = controller.admit(client, needs_approval, &id, None).await else {
+                    tokio::task::yield_now().await;
+                    continue;
+                };
+                admitted.fetch_add(1, Ordering::Relaxed);
+                let op = permit.commit();
+                if needs_approval {
+                    if round % 4 == 0 {
+                        op.cancel().await.unwrap();
+                        continue;
+                    }
+                    op.approve().await.unwrap();
+                }
+                loop {
+                    match op.try_start().await {
+                        Ok(()) => break,
+                        Err(RedisStartError::Saturated(_)) => tokio::task::yield_now().await,
+                        Err(other) => panic!("{other}"),
+                    }
+                }
+                op.succeed().await.unwrap();
+            }
+        }));
+    }
+    for worker in workers {
+        worker.await.unwrap();
+    }
+    stop.store(true, Ordering::Relaxed);
+    monitor.await.unwrap();
+    assert!(admitted.load(Ordering::Relaxed) > 0);
+    assert!(readings.load(Ordering::Relaxed) > 0);
+    for r in &replicas {
+        assert!(r.flush().await);
+    }
+    let counts = replicas[1].counts().await.unwrap();
+    assert!(counts.is_idle(), "{counts:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admission_retried_with_its_id_counts_once_and_a_retried_release_frees_once() {
+    let server = redis_or_skip!();
+    let shared = replica(roomy_config(&["amy"]), options(&server, "r1")).await;
+    let other = shared
+        .admit("amy", true, "op-other", None)
+        .await
+        .unwrap()
+        .commit();
+    let first = shared.admit("amy", true, "op-1", None).await.unwrap();
+    // The same id again, as after a lost reply: the reservation is not made twice.
+    let retry = shared.admit("amy", true, "op-1", None).await.unwrap();
+    let counts = shared.counts().await.unwrap();
+    assert_eq!(global(&counts), (2, 2, 0));
+    let op = first.commit();
+    assert_eq!(
+        op.cancel().await,
+        Ok(CancelOutcome::Canceled {
+            from: OperationState::Pending
+        })
+    );
+    assert_eq!(
+        op.cancel().await,
+        Ok(CancelOutcome::AlreadyTerminal(OperationState::Canceled))
+    );
+    // The retry's permit is dropped: its release names op-1 again and frees nothing more.
+    drop(retry);
+    assert!(shared.flush().await);
+    let counts = shared.counts().await.unwrap();
+    assert_eq!(global(&counts), (1, 1, 0), "op-other still counted once");
+    other.deny().await.unwrap();
+    assert!(shared.counts().await.unwrap().is_idle());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refund_returns_the_rate_token_and_a_dropped_permit_does_not() {
+    let server = redis_or_skip!();
+    let shared = replica(small_config(), options(&server, "r1")).await;
+    // eve has two tokens an hour.
+    let p1 = shared.admit("eve", false, "op-1", None).await.unwrap();
+    p1.refund().await;
+    let p2 = shared.admit("eve", false, "op-2", None).await.unwrap();
+    drop(p2);
+    assert!(shared.flush().await);
+    let _p3 = shared.admit("eve", false, "op-3", None).await.unwrap();
+    match shared.admit("eve", false, "op-4", None).await {
+        Err(AdmitError::Refused(r)) => assert_eq!(r.code, RefusalCode::SubmissionRateLimited),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lapsed_lease_is_released_by_a_survivor_exactly_once() {
+    let server = redis_or_skip!();
+    let config = roomy_config(&["amy", "bob"]);
+    let mut short = options(&server, "doomed");
+    short.lease_ttl = Duration::from_millis(400);
+    short.heartbeat = Duration::from_millis(100);
+    let doomed = replica(config.clone(), short).await;
+    let survivor = replica(config, options(&server, "survivor")).await;
+    let kept = survivor
+        .admit("bob", true, "s-1", None)
+        .await
+        .unwrap()
+        .commit();
+    for i in 0..3 {
+        let op = doomed
+            .admit("amy", i != 1, &format!("d-{i}"), None)
+            .await
+            .unwrap()
+            .commit();
+        // As if the process died: no release is ever sent.
+        std::mem::forget(op);
+    }
+    assert_eq!(survivor.counts().await.unwrap().active, 4);
+    doomed.shutdown().await;
+    drop(doomed);
+    let freed = Arc::new(AtomicU64::new(0));
+    eventually("the survivor reaps the lapsed lease", || {
+        let survivor = survivor.clone();
+        let freed = Arc::clone(&freed);
+        async move {
+            let n = survivor.reap().await.unwrap();
+            freed.fetch_add(n, Ordering::Relaxed) + n > 0
+        }
+    })
+    .await;
+    assert_eq!(freed.load(Ordering::Relaxed), 3);
+    assert_eq!(survivor.reap().await.unwrap(), 0, "reaped once only");
+    let counts = survivor.counts().await.unwrap();
+    assert_eq!(global(&counts), (1, 1, 0), "{counts:?}");
+    assert_eq!(counts.clients.get("bob"), Some(&(1, 1, 0)));
+    kept.cancel().await.unwrap();
+    assert!(survivor.counts().await.unwrap().is_idle());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_restarting_under_its_name_replaces_its_holdings_with_what_it_restores() {
+    let server = redis_or_skip!();
+    let config = roomy_config(&["amy"]);
+    let first = replica(config.clone(), options(&server, "r1")).await;
+    for i in 0..4 {
+        let op = first
+            .admit("amy", i % 2 == 0, &format!("op-{i}"), None)
+            .await
+            .unwrap()
+            .commit();
+        std::mem::forget(op);
+    }
+    first.shutdown().await;
+    drop(first);
+    // The store restores two of the four (the others ended before the crash was recorded), one
+    // approved: counted once each, nothing left of the old run.
+    let restarted = RedisController::connect(config, options(&server, "r1"))
+        .await
+        .unwrap();
+    let amy = Identity::new("amy").unwrap();
+    let restored = restarted
+        .register([
+            RestoredOperation {
+                id: "op-0".into(),
+                identity: amy.clone(),
+                state: OperationState::Pending,
+            },
+            RestoredOperation {
+                id: "op-3".into(),
+                identity: amy,
+                state: OperationState::Approved,
+            },
+        ])
+        .await
+        .unwrap();
+    let counts = restarted.counts().await.unwrap();
+    assert_eq!(global(&counts), (2, 1, 0), "{counts:?}");
+    assert_eq!(counts.operations, 2);
+    for op in &restored {
+        op.fail().await.unwrap();
+    }
+    assert!(restarted.counts().await.unwrap().is_idle());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restored_work_counts_above_a_limit_and_new_work_is_refused_until_it_drains() {
+    let server = redis_or_skip!();
+    let restarted = RedisController::connect(small_config(), options(&server, "r1"))
+        .await
+        .unwrap();
+    let eve = Identity::new("eve").unwrap();
+    let restored = restarted
+        .register((0..3).map(|i| RestoredOperation {
+            id: format!("op-{i}"),
+            identity: eve.clone(),
+            state: OperationState::Pending,
+        }))
+        .await
+        .unwrap();
+    assert_eq!(restarted.counts().await.unwrap().clients["eve"], (3, 3, 0));
+    match restarted.admit("eve", false, "op-new", None).await {
+        Err(AdmitError::Refused(r)) => assert_eq!(r.code, RefusalCode::ClientOperationLimit),
+        other => panic!("{other:?}"),
+    }
+    for op in &restored {
+        op.cancel().await.unwrap();
+    }
+    let admitted = restarted.admit("eve", false, "op-new", None).await.unwrap();
+    assert_eq!(admitted.id(), "op-new");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_off_replica_stops_admitting_and_counts_its_work_again_on_return() {
+    let server = redis_or_skip!();
+    let config = roomy_config(&["amy"]);
+    let cut_off = replica(config.clone(), options(&server, "cut")).await;
+    let other = replica(config, options(&server, "other")).await;
+    let op = cut_off
+        .admit("amy", false, "op-1", None)
+        .await
+        .unwrap()
+        .commit();
+    // Its lease lapses (as if it could not reach Redis for longer than the TTL) and the other
+    // replica releases what it held.
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let _: () = redis::cmd("DEL")
+        .arg("{admission}:lease:cut")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(other.reap().await.unwrap(), 1);
+    assert!(other.counts().await.unwrap().is_idle());
+    match cut_off.admit("amy", false, "op-2", None).await {
+        Err(AdmitError::Unavailable(u)) => {
+            assert_eq!(u.reason, UnavailableReason::LeaseNotHeld);
+            assert_eq!(u.http_status(), 503);
+        }
+        other => panic!("{other:?}"),
+    }
+    // Back: it re-registers what it still holds, as a restart would.
+    cut_off.renew().await.unwrap();
+    let counts = other.counts().await.unwrap();
+    assert_eq!(global(&counts), (1, 0, 0), "{counts:?}");
+    cut_off
+        .admit("amy", false, "op-3", None)
+        .await
+        .unwrap()
+        .commit()
+        .fail()
+        .await
+        .unwrap();
+    op.fail().await.unwrap();
+    assert!(other.counts().await.unwrap().is_idle());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_redis_answers_unavailable_never_over_admits_and_releases_catch_up() {
+    let server = redis_or_skip!();
+    let config = roomy_config(&["amy"]);
+    let shared = replica(config, options(&server, "r1")).await;
+    let held = shared
+        .admit("amy", true, "op-held", None)
+        .await
+        .unwrap()
+        .commit();
+    server.pause();
+    let mut unavailable = 0;
+    for i in 0..5 {
+        match shared.admit("amy", true, &format!("op-p{i}"), None).await {
+            Err(AdmitError::Unavailable(u)) => {
+                assert_eq!(u.retry_after_secs(), 2);
+                unavailable += 1;
+            }
+            other => panic!("admitted while Redis was paused: {other:?}"),
+        }
+    }
+    assert_eq!(unavailable, 5);
+    assert!(shared.stats().circuit_open);
+    // Exempt paths keep working: the cancel answers now, its release is kept.
+    assert_eq!(
+        held.cancel().await,
+        Ok(CancelOutcome::Canceled {
+            from: OperationState::Pending
+        })
+    );
+    assert!(shared.stats().outbox >= 1);
+    server.resume();
+    eventually("kept releases reach Redis", || {
+        let shared = shared.clone();
+        async move { shared.flush().await }
+    })
+    .await;
+    // The admissions whose replies were lost ran once Redis woke; their releases undid them.
+    let counts = shared.counts().await.unwrap();
+    assert!(counts.is_idle(), "{counts:?}");
+    assert!(shared.stats().errors > 0);
+    eventually("admissions work again", || {
+        let shared = shared.clone();
+        async move {
+            match shared.admit("amy", true, "op-after", None).await {
+                Ok(permit) => {
+                    permit.commit().cancel().await.unwrap();
+                    true
+                }
+                Err(AdmitError::Unavailable(_)) => false,
+                Err(other) => panic!("{other:?}"),
+            }
+        }
+    })
+    .await;
+    assert!(shared.flush().await);
+    assert!(shared.counts().await.unwrap().is_idle());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_same_idempotency_key_on_every_replica_creates_one_operation() {
+    let server = redis_or_skip!();
+    let config = roomy_config(&["amy"]);
+    let mut replicas = Vec::new();
+    for name in ["r1", "r2", "r3", "r4"] {
+        replicas.push(replica(config.clone(), options(&server, name)).await);
+    }
+    for round in 0..5 {
+        let key = format!("deploy-{round}");
+        let attempts = replicas.iter().enumerate().map(|(i, r)| {
+            let r = r.clone();
+            let key = key.clone();
+            tokio::spawn(async move {
+                let id = format!("op-{round}-{i}");
+                (id.clone(), r.admit("amy", true, &id, Some(&key)).await)
+            })
+        });
+        let mut admitted = Vec::new();
+        let mut replays = Vec::new();
+        for attempt in attempts.collect::<Vec<_>>() {
+            let (id, result) = attempt.await.unwrap();
+            match result {
+                Ok(permit) => admitted.push((id, permit.commit())),
+                Err(AdmitError::Replay { operation, replica }) => {
+                    replays.push((operation, replica))
+                }
+                Err(other) => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(admitted.len(), 1, "round {round}");
+        assert_eq!(replays.len(), 3, "round {round}");
+        let (winner, op) = admitted.pop().unwrap();
+        let winner_replica = format!(
+            "r{}",
+            winner.rsplit('-').next().unwrap().parse::<usize>().unwrap() + 1
+        );
+        assert!(
+            replays
+                .iter()
+                .all(|(o, r)| *o == winner && *r == winner_replica)
+        );
+        assert_eq!(replicas[0].counts().await.unwrap().active, 1);
+        // Even once the operation has ended, the key still names it.
+        op.cancel().await.unwrap();
+        match replicas[2].admit("amy", true, "late", Some(&key)).await {
+            Err(AdmitError::Replay { operation, .. }) => assert_eq!(operation, winner),
+            other => panic!("{other:?}"),
+        }
+    }
+    assert!(replicas[0].counts().await.unwrap().is_idle());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_deployments_under_two_prefixes_share_a_redis_but_not_their_counts() {
+    let server = redis_or_skip!();
+    let config = small_config();
+    let blue = replica(config.clone(), options(&server, "r1")).await;
+    let mut green_options = options(&server, "r1");
+    green_options.prefix = "green".into();
+    let green = replica(config, green_options).await;
+    let _ops: Vec<_> = futures_collect(&blue, 3).await;
+    match blue.admit("eve", true, "op-more", None).await {
+        Err(AdmitError::Refused(_)) => {}
+        other => panic!("{other:?}"),
+    }
+    let _green_op = green
+        .admit("eve", true, "op-g", None)
+        .await
+        .unwrap()
+        .commit();
+    assert_eq!(blue.counts().await.unwrap().active, 1);
+    assert_eq!(green.counts().await.unwrap().active, 1);
+}
+
+async fn futures_collect(controller: &RedisController, n: usize) -> Vec<RedisOperation> {
+    let mut ops = Vec::new();
+    for i in 0..n {
+        if let Ok(p) = controller
+            .admit("eve", true, &format!("op-{i}"), None)
+            .await
+        {
+            ops.push(p.commit());
+        }
+    }
+    ops
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_name_that_is_not_an_identity_is_refused_at_setup() {
+    let server = redis_or_skip!();
+    let err = RedisController::connect(small_config(), RedisOptions::new(server.url(), "a b"))
+        .await
+        .err()
+        .expect("refused");
+    assert!(err.to_string().contains("replica"), "{err}");
+    let mut bad_prefix = RedisOptions::new(server.url(), "r1");
+    bad_prefix.prefix = "{x}".into();
+    assert!(
+        RedisController::connect(small_config(), bad_prefix)
+            .await
+            .is_err()
+    );
+}
