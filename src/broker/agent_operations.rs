@@ -37,12 +37,12 @@ pub(crate) const OPERATIONS: [(&str, bool); 2] = [("demo.run", false), ("demo.re
 /// A submission body: every field required, unknown fields refused.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-struct Submission {
-    idempotency_key: String,
-    operation: String,
-    target: Value,
-    arguments: Value,
-    reason: String,
+pub(crate) struct Submission {
+    pub(crate) idempotency_key: String,
+    pub(crate) operation: String,
+    pub(crate) target: Value,
+    pub(crate) arguments: Value,
+    pub(crate) reason: String,
 }
 
 /// Whether `key` matches `^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$`.
@@ -57,12 +57,12 @@ pub(crate) fn is_idempotency_key(key: &str) -> bool {
 }
 
 /// A validated submission: the request and whether it needs approval.
-struct Validated {
-    request: Submission,
-    needs_approval: bool,
+pub(crate) struct Validated {
+    pub(crate) request: Submission,
+    pub(crate) needs_approval: bool,
 }
 
-fn validate(bytes: &[u8]) -> Result<Validated, ApiError> {
+pub(crate) fn validate(bytes: &[u8]) -> Result<Validated, ApiError> {
     let request: Submission = serde_json::from_slice(bytes).map_err(|e| {
         ApiError::invalid(format!("The request body is not a valid submission: {e}"))
     })?;

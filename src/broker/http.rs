@@ -111,6 +111,21 @@ impl ApiError {
         }
     }
 
+    /// The HTTP status.
+    pub(crate) fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    /// The stable error code.
+    pub(crate) fn code(&self) -> &'static str {
+        self.code
+    }
+
+    /// The message a client reads.
+    pub(crate) fn message(&self) -> &str {
+        &self.message
+    }
+
     fn operation_not_found() -> ApiError {
         ApiError::new(StatusCode::NOT_FOUND, "not_found", "No such operation.")
     }
