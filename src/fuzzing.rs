@@ -56,7 +56,7 @@ pub fn config_parse(data: &[u8]) {
 #[cfg(feature = "broker")]
 mod broker;
 #[cfg(feature = "broker")]
-pub use broker::{agent_query, submission};
+pub use broker::{agent_query, agent_query_accepted, submission, submission_accepted};
 
 /// Asserts that an error message reads as one line of text.
 fn assert_one_line(message: &str) {
@@ -74,7 +74,8 @@ fn assert_one_line(message: &str) {
 /// re-rendered as `name = secret` lines it parses to an equal `Secrets`. A refused one has a
 /// one-line error naming the first bad line: every line before it parses, and a bad name is
 /// exactly the text before the line's first `=` (so no secret is ever quoted). An operator secret
-/// is accepted exactly when the trimmed text is one non-empty line, and is that text.
+/// is accepted exactly when the trimmed text is non-empty and free of control characters (line
+/// breaks included), and is that text.
 pub fn secrets_parse(data: &[u8]) {
     match Secrets::from_bytes(data) {
         Ok(secrets) => {
@@ -91,7 +92,10 @@ pub fn secrets_parse(data: &[u8]) {
                 assert!(Identity::new(identity.as_str()).is_ok(), "{identity}");
                 assert!(!secret.is_empty(), "{identity} has an empty secret");
                 assert_eq!(secret, secret.trim(), "{identity}'s secret is not trimmed");
-                assert!(!secret.contains('\n'), "{identity}'s secret spans lines");
+                assert!(
+                    !secret.contains(char::is_control),
+                    "{identity}'s secret holds a control character"
+                );
                 assert!(seen.insert(secret), "two identities share a secret");
                 assert_eq!(secrets.secret(identity.as_str()), Some(secret));
                 rendered.push_str(&format!("{identity} = {secret}\n"));
@@ -139,6 +143,10 @@ pub fn secrets_parse(data: &[u8]) {
                             assert!(*first_line < line)
                         }
                         LineProblem::EmptySecret => assert!(bad.ends_with('=')),
+                        LineProblem::ControlCharacter => {
+                            let (_, secret) = bad.split_once('=').expect("has '='");
+                            assert!(secret.contains(char::is_control));
+                        }
                         other => panic!("secrets parse gave {other:?}"),
                     }
                 }
@@ -149,14 +157,14 @@ pub fn secrets_parse(data: &[u8]) {
         return;
     };
     let trimmed = text.trim();
-    let one_line = !trimmed.is_empty() && !trimmed.contains(['\n', '\r']);
+    let acceptable = !trimmed.is_empty() && !trimmed.contains(char::is_control);
     match parse_operator_secret(text) {
         Ok(secret) => {
-            assert!(one_line, "accepted {text:?}");
+            assert!(acceptable, "accepted {text:?}");
             assert_eq!(secret, trimmed);
         }
         Err(err) => {
-            assert!(!one_line, "refused {text:?}: {err}");
+            assert!(!acceptable, "refused {text:?}: {err}");
             assert_one_line(&err.to_string());
             assert!(matches!(err.line(), Some(1 | 2)), "{err}");
         }

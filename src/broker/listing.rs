@@ -132,7 +132,11 @@ pub(crate) fn encode_cursor(position: i64, client: &str, query: &ListQuery) -> S
     URL_SAFE_NO_PAD.encode(bytes)
 }
 
-pub(crate) fn decode_cursor(cursor: &str, client: &str, query: &ListQuery) -> Result<i64, ApiError> {
+pub(crate) fn decode_cursor(
+    cursor: &str,
+    client: &str,
+    query: &ListQuery,
+) -> Result<i64, ApiError> {
     let bad = || ApiError::invalid("cursor is not a next_cursor this listing gave.");
     if cursor.len() > 128 {
         return Err(bad());

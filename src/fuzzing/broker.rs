@@ -84,22 +84,49 @@ fn key_pattern(key: &str) -> bool {
 /// plain integer and `wait_seconds` 0–30; the accepted values are the given ones (0 and 30 when
 /// absent). Every refusal is a 400 `invalid_request` with a one-line message.
 pub fn agent_query(data: &[u8]) {
-    let Ok(text) = std::str::from_utf8(data) else {
-        return;
-    };
-    // A request target that is not a URI never reaches a route.
-    let Ok(uri) = Uri::try_from(format!("/api/agent/v1/operations?{text}")) else {
-        return;
-    };
-    let pairs = match Query::<Vec<(String, String)>>::try_from_uri(&uri) {
-        Ok(Query(pairs)) => pairs,
-        Err(rejection) => {
-            assert_bad_request(&ApiError::invalid(rejection.body_text()), &["invalid_request"]);
+    let pairs = match query_pairs(data) {
+        None => return,
+        Some(Ok(pairs)) => pairs,
+        Some(Err(err)) => {
+            assert_bad_request(&err, &["invalid_request"]);
             return;
         }
     };
     list_query(&pairs, data);
     wait_query(&pairs);
+}
+
+/// The query string a request carries, as its routes decode it; `None` when it never reaches one.
+fn query_pairs(data: &[u8]) -> Option<Result<Vec<(String, String)>, ApiError>> {
+    let text = std::str::from_utf8(data).ok()?;
+    // A request target that is not a URI never reaches a route.
+    let uri = Uri::try_from(format!("/api/agent/v1/operations?{text}")).ok()?;
+    Some(
+        Query::<Vec<(String, String)>>::try_from_uri(&uri)
+            .map(|Query(pairs)| pairs)
+            .map_err(|rejection| ApiError::invalid(rejection.body_text())),
+    )
+}
+
+/// Whether the listing (its cursor included, for the first of the fuzzed clients) or the long
+/// poll accepts `data` as its query string: how the replay test checks that seed files named
+/// `valid_*` and `invalid_*` reach the paths they were written for.
+pub fn agent_query_accepted(data: &[u8]) -> bool {
+    let Some(Ok(pairs)) = query_pairs(data) else {
+        return false;
+    };
+    let listed = parse_query(pairs.clone()).is_ok_and(|query| {
+        query
+            .cursor
+            .as_ref()
+            .is_none_or(|cursor| decode_cursor(cursor, CLIENTS[0], &query).is_ok())
+    });
+    listed || waits::parse_query(pairs).is_ok()
+}
+
+/// Whether `data` is a submission body the broker accepts (see [`agent_query_accepted`]).
+pub fn submission_accepted(data: &[u8]) -> bool {
+    validate(data).is_ok()
 }
 
 fn list_query(pairs: &[(String, String)], data: &[u8]) {
@@ -118,9 +145,8 @@ fn list_query(pairs: &[(String, String)], data: &[u8]) {
     };
     assert!(expected, "listing accepted {pairs:?}");
     assert!((1..=MAX_LIMIT).contains(&query.limit), "{query:?}");
-    let limit = given(pairs, "limit").map_or(u64::from(DEFAULT_LIMIT), |l| {
-        decimal(l).expect("checked")
-    });
+    let limit =
+        given(pairs, "limit").map_or(u64::from(DEFAULT_LIMIT), |l| decimal(l).expect("checked"));
     assert_eq!(u64::from(query.limit), limit);
     assert_eq!(query.state.map(|s| s.as_str()), given(pairs, "state"));
     assert_eq!(
@@ -197,13 +223,19 @@ fn cursor_round_trip(position: i64, client: &str, other: &str, query: &ListQuery
         limit: 1 + query.limit % MAX_LIMIT,
         cursor: None,
     };
-    assert_eq!(decode_cursor(&cursor, client, &resized).ok(), Some(position));
+    assert_eq!(
+        decode_cursor(&cursor, client, &resized).ok(),
+        Some(position)
+    );
     // One character changed to another of the alphabet: refused, either as base64 (the last
     // character's two padding bits must be zero) or by the check.
     const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
     let mut bytes = cursor.clone().into_bytes();
     let index = (seed % bytes.len() as u64) as usize;
-    let current = ALPHABET.iter().position(|c| *c == bytes[index]).expect("alphabet");
+    let current = ALPHABET
+        .iter()
+        .position(|c| *c == bytes[index])
+        .expect("alphabet");
     let step = 1 + (seed >> 8) as usize % (ALPHABET.len() - 1);
     bytes[index] = ALPHABET[(current + step) % ALPHABET.len()];
     let tampered = String::from_utf8(bytes).expect("ASCII");
@@ -285,8 +317,8 @@ pub fn submission(data: &[u8]) {
     let expected = submission_model(data);
     match validate(data) {
         Ok(valid) => {
-            let (operation, needs_approval) =
-                expected.unwrap_or_else(|why| panic!("accepted a body the contract refuses: {why}"));
+            let (operation, needs_approval) = expected
+                .unwrap_or_else(|why| panic!("accepted a body the contract refuses: {why}"));
             let body: Value = serde_json::from_slice(data).expect("accepted JSON");
             let request = &valid.request;
             assert_eq!(request.operation, operation);
