@@ -135,6 +135,23 @@ fn every_corpus_directory_has_a_replay() {
     }
 }
 
+/// `.ci/run` fuzzes every file in `fuzz/fuzz_targets/`, starting from its seed corpus.
+#[test]
+fn every_fuzz_target_has_a_seed_corpus() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz");
+    let mut targets = 0;
+    for entry in std::fs::read_dir(root.join("fuzz_targets")).expect("fuzz/fuzz_targets exists") {
+        let path = entry.expect("entry").path();
+        let target = path.file_stem().and_then(|s| s.to_str()).expect("named");
+        assert!(
+            root.join("corpus").join(target).is_dir(),
+            "fuzz target {target} has no fuzz/corpus/{target}"
+        );
+        targets += 1;
+    }
+    assert_eq!(targets, 5);
+}
+
 /// A few thousand pseudo-random op sequences, so a plain `cargo test` explores beyond the corpus.
 #[test]
 fn pseudo_random_op_sequences_hold_the_invariants() {
