@@ -2,13 +2,16 @@
 //! `cargo test` (`tests/fuzz_corpus_replay.rs`) replays every committed corpus file through exactly
 //! the code the fuzzer runs. Not part of the public API.
 //!
-//! Both functions panic (through `assert!`) when an invariant of the contract breaks; that panic
-//! is what the fuzzer reports as a crash and what the replay test reports as a failure.
+//! Every function panics (through `assert!`) when an invariant of the contract breaks; that panic
+//! is what the fuzzer reports as a crash and what the replay test reports as a failure. The
+//! broker's parsers (query strings, cursors, submission bodies) are in the `broker` submodule,
+//! re-exported here, so that this file stays about the library.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 use crate::clock::ManualClock;
+use crate::config::secrets::{LineProblem, Secrets, parse_operator_secret};
 use crate::config::{ClientLimits, Config, Identity, Limits, MAX_LIMIT, MAX_WINDOW_SECONDS};
 use crate::engine::{
     Controller, Operation, OperationState, Permit, RefusalCode, StartError, StorageCaps,
@@ -46,6 +49,124 @@ pub fn config_parse(data: &[u8]) {
                 "error is not one line: {message:?}"
             );
             assert!(!message.is_empty());
+        }
+    }
+}
+
+#[cfg(feature = "broker")]
+mod broker;
+#[cfg(feature = "broker")]
+pub use broker::{agent_query, agent_query_accepted, submission, submission_accepted};
+
+/// Asserts that an error message reads as one line of text.
+fn assert_one_line(message: &str) {
+    assert!(!message.is_empty(), "empty error message");
+    assert!(
+        !message.chars().any(char::is_control),
+        "error is not one line of text: {message:?}"
+    );
+}
+
+/// Arbitrary bytes as a client secrets file, and as an operator secret file.
+///
+/// An accepted secrets file has one entry per line that is neither blank nor a comment, each with
+/// a valid identity and a non-empty, trimmed, single-line secret that no other entry shares, and
+/// re-rendered as `name = secret` lines it parses to an equal `Secrets`. A refused one has a
+/// one-line error naming the first bad line: every line before it parses, and a bad name is
+/// exactly the text before the line's first `=` (so no secret is ever quoted). An operator secret
+/// is accepted exactly when the trimmed text is non-empty and free of control characters (line
+/// breaks included), and is that text.
+pub fn secrets_parse(data: &[u8]) {
+    match Secrets::from_bytes(data) {
+        Ok(secrets) => {
+            let text = std::str::from_utf8(data).expect("accepted secrets are UTF-8");
+            let entries = text
+                .lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty() && !l.starts_with('#'))
+                .count();
+            assert_eq!(secrets.len(), entries, "an entry line was dropped");
+            let mut seen = std::collections::BTreeSet::new();
+            let mut rendered = String::new();
+            for (identity, secret) in secrets.iter() {
+                assert!(Identity::new(identity.as_str()).is_ok(), "{identity}");
+                assert!(!secret.is_empty(), "{identity} has an empty secret");
+                assert_eq!(secret, secret.trim(), "{identity}'s secret is not trimmed");
+                assert!(
+                    !secret.contains(char::is_control),
+                    "{identity}'s secret holds a control character"
+                );
+                assert!(seen.insert(secret), "two identities share a secret");
+                assert_eq!(secrets.secret(identity.as_str()), Some(secret));
+                rendered.push_str(&format!("{identity} = {secret}\n"));
+            }
+            let again = Secrets::parse(&rendered)
+                .unwrap_or_else(|e| panic!("rendered secrets do not reparse: {e}"));
+            assert!(again == secrets, "rendered secrets do not round-trip");
+            let debug = format!("{secrets:?}");
+            assert_eq!(
+                debug.matches("<redacted>").count(),
+                secrets.len(),
+                "Debug shows something other than redacted secrets"
+            );
+        }
+        Err(err) => {
+            assert_one_line(&err.to_string());
+            let line = err.line().expect("a parse error names its line");
+            assert!(line >= 1);
+            match err.problem().expect("a parse error names its problem") {
+                LineProblem::NotUtf8 => {
+                    let valid = std::str::from_utf8(data).expect_err("refused as not UTF-8");
+                    let breaks = data[..valid.valid_up_to()]
+                        .iter()
+                        .filter(|b| **b == b'\n')
+                        .count();
+                    assert_eq!(line, breaks + 1, "wrong line for the invalid byte");
+                }
+                problem => {
+                    let text = std::str::from_utf8(data).expect("line problems are in UTF-8 text");
+                    let lines: Vec<&str> = text.lines().collect();
+                    assert!(line <= lines.len(), "line {line} of {}", lines.len());
+                    let before = lines[..line - 1].join("\n");
+                    if let Err(e) = Secrets::parse(&before) {
+                        panic!("line {line} reported, but an earlier line is bad: {e}");
+                    }
+                    let bad = lines[line - 1].trim();
+                    match problem {
+                        LineProblem::BadName(name) => {
+                            let (before_equals, _) = bad.split_once('=').expect("has '='");
+                            assert_eq!(name, before_equals.trim());
+                        }
+                        LineProblem::MissingEquals => assert!(!bad.contains('=')),
+                        LineProblem::DuplicateName { first_line, .. }
+                        | LineProblem::DuplicateSecret { first_line } => {
+                            assert!(*first_line < line)
+                        }
+                        LineProblem::EmptySecret => assert!(bad.ends_with('=')),
+                        LineProblem::ControlCharacter => {
+                            let (_, secret) = bad.split_once('=').expect("has '='");
+                            assert!(secret.contains(char::is_control));
+                        }
+                        other => panic!("secrets parse gave {other:?}"),
+                    }
+                }
+            }
+        }
+    }
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
+    let trimmed = text.trim();
+    let acceptable = !trimmed.is_empty() && !trimmed.contains(char::is_control);
+    match parse_operator_secret(text) {
+        Ok(secret) => {
+            assert!(acceptable, "accepted {text:?}");
+            assert_eq!(secret, trimmed);
+        }
+        Err(err) => {
+            assert!(!acceptable, "refused {text:?}: {err}");
+            assert_one_line(&err.to_string());
+            assert!(matches!(err.line(), Some(1 | 2)), "{err}");
         }
     }
 }

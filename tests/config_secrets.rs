@@ -58,6 +58,24 @@ fn an_empty_secret_is_refused() {
 }
 
 #[test]
+fn a_secret_holding_a_control_character_is_refused() {
+    // Found by the secrets_parse fuzz target: a lone carriage return inside a secret was accepted,
+    // giving a client a bearer token no HTTP request can carry.
+    for text in [
+        "ok = a\nbot-7 = one\rtwo\n",
+        "bot-7 = tab\tin\n",
+        "bot-7 = esc\u{1b}[0m\n",
+    ] {
+        let (line, problem) = problem(text);
+        assert_eq!(problem, LineProblem::ControlCharacter, "{text:?}");
+        assert_eq!(line, if text.starts_with("ok") { 2 } else { 1 });
+    }
+    let err = parse_operator_secret("op\u{1b}secret\n").unwrap_err();
+    assert_eq!(err.problem(), Some(&LineProblem::ControlCharacter));
+    assert!(!err.to_string().contains("op"), "{err}");
+}
+
+#[test]
 fn a_line_without_equals_is_refused() {
     assert_eq!(problem("bot-7 s3cret\n"), (1, LineProblem::MissingEquals));
 }

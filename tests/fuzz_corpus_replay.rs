@@ -3,6 +3,7 @@
 
 use std::path::Path;
 
+use unyolo_admission::config::secrets::Secrets;
 use unyolo_admission::config::{Config, Identity};
 use unyolo_admission::fuzzing;
 
@@ -34,23 +35,85 @@ fn every_controller_ops_corpus_file_holds_the_invariants() {
     assert!(replay("controller_ops", fuzzing::controller_ops) >= 12);
 }
 
-/// Seed files named `valid_*` must be accepted and `invalid_*` refused, so the seeds reach both
-/// the round-trip checks and the error paths they were written for.
 #[test]
-fn config_seeds_are_judged_as_their_names_say() {
-    let identities = fuzzing::CONFIG_IDENTITIES.map(|n| Identity::new(n).expect("valid"));
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/config_parse");
+fn every_secrets_parse_corpus_file_holds_the_invariants() {
+    assert!(replay("secrets_parse", fuzzing::secrets_parse) >= 12);
+}
+
+#[cfg(feature = "broker")]
+#[test]
+fn every_agent_query_corpus_file_holds_the_invariants() {
+    assert!(replay("agent_query", fuzzing::agent_query) >= 12);
+}
+
+#[cfg(feature = "broker")]
+#[test]
+fn every_submission_corpus_file_holds_the_invariants() {
+    assert!(replay("submission", fuzzing::submission) >= 12);
+}
+
+/// Seed files named `valid_*` must be accepted and `invalid_*` refused (by `accepts`), so the
+/// seeds reach both the round-trip checks and the error paths they were written for. Returns how
+/// many of each there are.
+fn judge_seeds(target: &str, accepts: impl Fn(&[u8]) -> bool) -> (usize, usize) {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fuzz/corpus")
+        .join(target);
+    let (mut valid, mut invalid) = (0, 0);
     for entry in std::fs::read_dir(dir).expect("corpus exists") {
         let path = entry.expect("entry").path();
         let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
         let data = std::fs::read(&path).expect("readable");
-        let accepted = Config::from_bytes(&data, identities.clone());
         if name.starts_with("valid_") {
-            assert!(accepted.is_ok(), "{name}: {accepted:?}");
+            assert!(accepts(&data), "{target}/{name} was refused");
+            valid += 1;
         } else if name.starts_with("invalid_") {
-            assert!(accepted.is_err(), "{name} was accepted");
+            assert!(!accepts(&data), "{target}/{name} was accepted");
+            invalid += 1;
         }
     }
+    (valid, invalid)
+}
+
+#[test]
+fn config_seeds_are_judged_as_their_names_say() {
+    let identities = fuzzing::CONFIG_IDENTITIES.map(|n| Identity::new(n).expect("valid"));
+    let (valid, invalid) = judge_seeds("config_parse", |data| {
+        Config::from_bytes(data, identities.clone()).is_ok()
+    });
+    assert!(
+        valid >= 3 && invalid >= 3,
+        "{valid} valid, {invalid} invalid"
+    );
+}
+
+#[test]
+fn secrets_seeds_are_judged_as_their_names_say() {
+    let (valid, invalid) = judge_seeds("secrets_parse", |data| Secrets::from_bytes(data).is_ok());
+    assert!(
+        valid >= 3 && invalid >= 3,
+        "{valid} valid, {invalid} invalid"
+    );
+}
+
+#[cfg(feature = "broker")]
+#[test]
+fn agent_query_seeds_are_judged_as_their_names_say() {
+    let (valid, invalid) = judge_seeds("agent_query", fuzzing::agent_query_accepted);
+    assert!(
+        valid >= 3 && invalid >= 3,
+        "{valid} valid, {invalid} invalid"
+    );
+}
+
+#[cfg(feature = "broker")]
+#[test]
+fn submission_seeds_are_judged_as_their_names_say() {
+    let (valid, invalid) = judge_seeds("submission", fuzzing::submission_accepted);
+    assert!(
+        valid >= 3 && invalid >= 3,
+        "{valid} valid, {invalid} invalid"
+    );
 }
 
 #[test]
@@ -59,10 +122,34 @@ fn every_corpus_directory_has_a_replay() {
     for entry in std::fs::read_dir(root).expect("fuzz/corpus exists") {
         let name = entry.expect("entry").file_name();
         assert!(
-            ["config_parse", "controller_ops"].contains(&name.to_str().unwrap_or("")),
+            [
+                "config_parse",
+                "controller_ops",
+                "secrets_parse",
+                "agent_query",
+                "submission"
+            ]
+            .contains(&name.to_str().unwrap_or("")),
             "no replay for fuzz/corpus/{name:?}"
         );
     }
+}
+
+/// `.ci/run` fuzzes every file in `fuzz/fuzz_targets/`, starting from its seed corpus.
+#[test]
+fn every_fuzz_target_has_a_seed_corpus() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz");
+    let mut targets = 0;
+    for entry in std::fs::read_dir(root.join("fuzz_targets")).expect("fuzz/fuzz_targets exists") {
+        let path = entry.expect("entry").path();
+        let target = path.file_stem().and_then(|s| s.to_str()).expect("named");
+        assert!(
+            root.join("corpus").join(target).is_dir(),
+            "fuzz target {target} has no fuzz/corpus/{target}"
+        );
+        targets += 1;
+    }
+    assert_eq!(targets, 5);
 }
 
 /// A few thousand pseudo-random op sequences, so a plain `cargo test` explores beyond the corpus.

@@ -31,6 +31,9 @@ pub const MAX_TARGET_PROPERTIES: usize = 32;
 /// Most properties a submission's `arguments` may have.
 pub const MAX_ARGUMENT_PROPERTIES: usize = 128;
 
+/// Longest submission `reason`, in characters.
+pub const MAX_REASON_CHARS: usize = 2000;
+
 /// The registered operations: name and whether it needs an operator's approval.
 pub(crate) const OPERATIONS: [(&str, bool); 2] = [("demo.run", false), ("demo.request", true)];
 
@@ -39,10 +42,10 @@ pub(crate) const OPERATIONS: [(&str, bool); 2] = [("demo.run", false), ("demo.re
 #[serde(deny_unknown_fields)]
 pub(crate) struct Submission {
     pub(crate) idempotency_key: String,
-    operation: String,
-    target: Value,
-    arguments: Value,
-    reason: String,
+    pub(crate) operation: String,
+    pub(crate) target: Value,
+    pub(crate) arguments: Value,
+    pub(crate) reason: String,
 }
 
 /// Whether `key` matches `^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$`.
@@ -57,12 +60,12 @@ pub(crate) fn is_idempotency_key(key: &str) -> bool {
 }
 
 /// A validated submission: the request and whether it needs approval.
-struct Validated {
-    request: Submission,
-    needs_approval: bool,
+pub(crate) struct Validated {
+    pub(crate) request: Submission,
+    pub(crate) needs_approval: bool,
 }
 
-fn validate(bytes: &[u8]) -> Result<Validated, ApiError> {
+pub(crate) fn validate(bytes: &[u8]) -> Result<Validated, ApiError> {
     let request: Submission = serde_json::from_slice(bytes).map_err(|e| {
         ApiError::invalid(format!("The request body is not a valid submission: {e}"))
     })?;
@@ -71,8 +74,9 @@ fn validate(bytes: &[u8]) -> Result<Validated, ApiError> {
             "idempotency_key must match ^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$.",
         ));
     }
-    if request.reason.is_empty() || request.reason.len() > 2000 {
-        return Err(ApiError::invalid("reason must be 1 to 2000 bytes."));
+    // Characters, as the contract's JSON Schema counts a string's length.
+    if !(1..=MAX_REASON_CHARS).contains(&request.reason.chars().count()) {
+        return Err(ApiError::invalid("reason must be 1 to 2000 characters."));
     }
     if request
         .target
@@ -349,5 +353,27 @@ mod tests {
         assert!(!is_idempotency_key("-leading"));
         assert!(!is_idempotency_key("has space"));
         assert!(!is_idempotency_key("slash/no"));
+    }
+
+    fn body(reason: &str) -> Vec<u8> {
+        serde_json::to_vec(&serde_json::json!({
+            "idempotency_key": "k",
+            "operation": "demo.run",
+            "target": {},
+            "arguments": {},
+            "reason": reason,
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn a_reason_is_bounded_in_characters_not_bytes() {
+        // Found by the submission fuzz target's seeds: 2000 two-byte characters were refused.
+        assert!(validate(&body(&"é".repeat(2000))).is_ok());
+        assert!(validate(&body(&"🦀".repeat(2000))).is_ok());
+        let err = validate(&body(&"é".repeat(2001))).err().expect("refused");
+        assert_eq!(err.code(), "invalid_request");
+        assert_eq!(err.message(), "reason must be 1 to 2000 characters.");
+        assert!(validate(&body("")).is_err());
     }
 }

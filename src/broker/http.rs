@@ -53,13 +53,24 @@ pub struct ApiError {
 const MAX_MESSAGE_CHARS: usize = 500;
 
 impl ApiError {
-    /// An error; a message past [`MAX_MESSAGE_CHARS`] (one quoting a long input) is cut to it.
+    /// An error; a message past [`MAX_MESSAGE_CHARS`] (one quoting a long input) is cut to it,
+    /// and control characters a quoted input brought in are escaped, so it stays one line.
     pub(crate) fn new(
         status: StatusCode,
         code: &'static str,
         message: impl Into<String>,
     ) -> ApiError {
         let mut message = message.into();
+        if message.contains(char::is_control) {
+            message = message
+                .chars()
+                .flat_map(|c| {
+                    let escaped = c.is_control().then(|| c.escape_default());
+                    let plain = (!c.is_control()).then_some(c);
+                    escaped.into_iter().flatten().chain(plain)
+                })
+                .collect();
+        }
         if message.chars().count() > MAX_MESSAGE_CHARS {
             message = message.chars().take(MAX_MESSAGE_CHARS - 1).collect();
             message.push('…');
@@ -109,6 +120,21 @@ impl ApiError {
             retry_after: Some(secs),
             ..self
         }
+    }
+
+    /// The HTTP status.
+    pub(crate) fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    /// The stable error code.
+    pub(crate) fn code(&self) -> &'static str {
+        self.code
+    }
+
+    /// The message a client reads.
+    pub(crate) fn message(&self) -> &str {
+        &self.message
     }
 
     fn operation_not_found() -> ApiError {
@@ -343,6 +369,16 @@ mod tests {
         assert_eq!(long.message.chars().count(), MAX_MESSAGE_CHARS);
         assert!(long.message.ends_with('…'));
         assert_eq!(ApiError::invalid("short").message, "short");
+    }
+
+    #[test]
+    fn error_messages_quoting_control_characters_stay_one_line() {
+        // Found by the submission fuzz target: serde quotes an unknown field name as sent.
+        let quoted = ApiError::invalid("unknown field `a\nb\u{1b}[2J`, expected `reason`");
+        assert_eq!(
+            quoted.message,
+            "unknown field `a\\nb\\u{1b}[2J`, expected `reason`"
+        );
     }
 
     #[test]

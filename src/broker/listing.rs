@@ -65,14 +65,14 @@ pub(crate) fn single_params(
 
 /// A listing request, validated.
 #[derive(Debug, PartialEq, Eq)]
-struct ListQuery {
-    idempotency_key: Option<String>,
-    state: Option<OperationState>,
-    limit: u32,
-    cursor: Option<String>,
+pub(crate) struct ListQuery {
+    pub(crate) idempotency_key: Option<String>,
+    pub(crate) state: Option<OperationState>,
+    pub(crate) limit: u32,
+    pub(crate) cursor: Option<String>,
 }
 
-fn parse_query(pairs: Vec<(String, String)>) -> Result<ListQuery, ApiError> {
+pub(crate) fn parse_query(pairs: Vec<(String, String)>) -> Result<ListQuery, ApiError> {
     let mut params = single_params(pairs, &["idempotency_key", "state", "limit", "cursor"])?;
     let idempotency_key = params.remove("idempotency_key");
     if let Some(key) = &idempotency_key
@@ -124,7 +124,7 @@ fn check_value(position: i64, client: &str, query: &ListQuery) -> u64 {
     hash
 }
 
-fn encode_cursor(position: i64, client: &str, query: &ListQuery) -> String {
+pub(crate) fn encode_cursor(position: i64, client: &str, query: &ListQuery) -> String {
     let mut bytes = Vec::with_capacity(CURSOR_BYTES);
     bytes.push(CURSOR_VERSION);
     bytes.extend_from_slice(&position.to_be_bytes());
@@ -132,7 +132,11 @@ fn encode_cursor(position: i64, client: &str, query: &ListQuery) -> String {
     URL_SAFE_NO_PAD.encode(bytes)
 }
 
-fn decode_cursor(cursor: &str, client: &str, query: &ListQuery) -> Result<i64, ApiError> {
+pub(crate) fn decode_cursor(
+    cursor: &str,
+    client: &str,
+    query: &ListQuery,
+) -> Result<i64, ApiError> {
     let bad = || ApiError::invalid("cursor is not a next_cursor this listing gave.");
     if cursor.len() > 128 {
         return Err(bad());

@@ -72,7 +72,7 @@
 //! write either committed (restored at start-up) or did not (nothing to restore), and a stream
 //! body without a row is removed at start-up.
 
-mod agent_operations;
+pub(crate) mod agent_operations;
 pub mod discovery;
 mod drift;
 pub mod drill;

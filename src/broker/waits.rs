@@ -143,12 +143,12 @@ impl Drop for WaitSlot<'_> {
 
 /// The wait's query: `after_revision` (≥ 0, default 0) and `wait_seconds` (0–30, default 30).
 #[derive(Debug, PartialEq, Eq)]
-struct WaitQuery {
-    after_revision: u64,
-    wait: Duration,
+pub(crate) struct WaitQuery {
+    pub(crate) after_revision: u64,
+    pub(crate) wait: Duration,
 }
 
-fn parse_query(pairs: Vec<(String, String)>) -> Result<WaitQuery, ApiError> {
+pub(crate) fn parse_query(pairs: Vec<(String, String)>) -> Result<WaitQuery, ApiError> {
     let params = single_params(pairs, &["after_revision", "wait_seconds"])?;
     let after_revision = match params.get("after_revision") {
         None => 0,

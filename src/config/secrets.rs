@@ -21,7 +21,7 @@ pub const MAX_SECRETS_FILE_BYTES: usize = 1 << 20;
 ///
 /// Read from a file with one `name = secret` per line; blank lines and lines starting with `#` are
 /// ignored; whitespace around the name and the secret is trimmed; the secret is everything after
-/// the first `=`.
+/// the first `=`, and holds no control character.
 #[derive(Clone, PartialEq, Eq, Default)]
 pub struct Secrets {
     by_identity: BTreeMap<Identity, String>,
@@ -80,6 +80,9 @@ pub enum LineProblem {
     NotUtf8,
     /// An operator secret file holds more than one line.
     MoreThanOneLine,
+    /// The secret holds a control character (a tab, a lone carriage return, an escape...): no
+    /// client could send it as a bearer token, so the identity could never authenticate.
+    ControlCharacter,
 }
 
 impl fmt::Display for LineProblem {
@@ -104,6 +107,9 @@ impl fmt::Display for LineProblem {
             LineProblem::MoreThanOneLine => {
                 f.write_str("an operator secret file holds exactly one line")
             }
+            LineProblem::ControlCharacter => f.write_str(
+                "the secret holds a control character, which a bearer token cannot carry",
+            ),
         }
     }
 }
@@ -168,6 +174,9 @@ impl Secrets {
                 Identity::new(name).map_err(|_| fail(LineProblem::BadName(name.to_owned())))?;
             if secret.is_empty() {
                 return Err(fail(LineProblem::EmptySecret));
+            }
+            if secret.contains(char::is_control) {
+                return Err(fail(LineProblem::ControlCharacter));
             }
             if let Some(&first_line) = lines_of_names.get(&identity) {
                 return Err(fail(LineProblem::DuplicateName {
@@ -255,7 +264,7 @@ impl fmt::Debug for Secrets {
 }
 
 /// Parses the text of an operator secret file: one line, optionally ending in a newline; surrounding
-/// whitespace is trimmed; empty is an error.
+/// whitespace is trimmed; empty, or holding a control character, is an error.
 pub fn parse_operator_secret(text: &str) -> Result<String, SecretsError> {
     let secret = text.trim();
     if secret.is_empty() {
@@ -268,6 +277,12 @@ pub fn parse_operator_secret(text: &str) -> Result<String, SecretsError> {
         return Err(SecretsError::Line {
             line: 2,
             problem: LineProblem::MoreThanOneLine,
+        });
+    }
+    if secret.contains(char::is_control) {
+        return Err(SecretsError::Line {
+            line: 1,
+            problem: LineProblem::ControlCharacter,
         });
     }
     Ok(secret.to_owned())
