@@ -6,6 +6,9 @@
 //! is what the fuzzer reports as a crash and what the replay test reports as a failure. The
 //! broker's parsers (query strings, cursors, submission bodies) are in the `broker` submodule,
 //! re-exported here, so that this file stays about the library.
+//!
+//! Past the usual size because each target's invariants are spelled out in full beside it; they are
+//! one list of what the contract promises of each parser.
 
 use std::collections::BTreeMap;
 use std::time::Duration;

@@ -8,6 +8,9 @@
 //! admission while their creation waits on a store another connection holds locked leave the
 //! counts equal to the store. Each step prints what it expected
 //! and what it saw.
+//!
+//! One file past the usual size: the drill is one script, step after step against one broker, and
+//! reads best top to bottom.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

@@ -71,6 +71,10 @@
 //! released. A task still running when the runtime itself stops is lost as in a crash: its store
 //! write either committed (restored at start-up) or did not (nothing to restore), and a stream
 //! body without a row is removed at start-up.
+//!
+//! This file is past the usual size because it is the broker's assembly: settings, the shared
+//! core, start-up (restore, rate replay, drift, retention, replicas) and shutdown, each of which
+//! wires the rooms above together; the rooms themselves live in their own files.
 
 pub(crate) mod agent_operations;
 pub mod discovery;

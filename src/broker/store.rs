@@ -26,6 +26,9 @@
 //! One broker owns a data dir: opening takes an exclusive lock on [`LOCK_FILE`] and holds it while
 //! any handle on the database lives. Two brokers on one dir would both restore, count and execute
 //! the same operations, so the second is refused at start-up instead.
+//!
+//! One piece past the usual size: every SQL statement of the broker is here, beside the schema and
+//! its migrations, so a reader checks a query against the table and its indexes in one file.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};

@@ -7,6 +7,10 @@
 //! each dimension by compare-and-swap in the contract's order — the client's token, its active and
 //! pending counts ([`Gauge`]), then the global counts in one step — rolling back everything
 //! reserved so far at the first that fails.
+//!
+//! One piece past the usual size: the decision, its rollback, restore and reload all touch the same
+//! private layout of client states and settings, and splitting them would widen that layout's
+//! visibility to the whole engine.
 
 use std::sync::atomic::AtomicU64 as StdAtomicU64;
 use std::sync::{Arc, Mutex};

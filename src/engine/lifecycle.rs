@@ -4,6 +4,9 @@
 //! The state is one atomic byte changed by compare-and-swap, so a cancel racing an approve, a
 //! double deny or a drop after a finish each resolve to exactly one winner, and the winner knows
 //! exactly which state it left and so which slots to give back.
+//!
+//! Past the usual size only because the loom models of these transitions live beside them (as the
+//! house keeps models next to the primitives they check); the code itself is under 450 lines.
 
 use std::fmt;
 use std::sync::Arc;
