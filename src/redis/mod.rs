@@ -9,6 +9,11 @@
 //!   run by `EVALSHA`, loaded again on `NOSCRIPT`) on Redis server time, so replicas' clocks never
 //!   matter: GCRA, client and global counts, the pending-grant caps, all or nothing. The scripts
 //!   are files beside this one, built in with `include_str!`.
+//! - **Reloads rescale the buckets.** A client's bucket key holds its TAT with the rate (emission
+//!   interval, burst span) it was written under; a decision under a different rate (a reload, on
+//!   whichever replica) first rescales the used part of the span to the new span, rounded up, as
+//!   the in-process engine's `Bucket::rescale` does, so a reload never hands out a fresh burst nor
+//!   confiscates one. A refunded token is measured in the bucket's rate at refund time.
 //! - **One hash tag.** Every key of a deployment starts with `{prefix}`, so all of them live in one
 //!   Redis Cluster slot, and two deployments can share a Redis under two prefixes.
 //! - **Exactly once, by operation id.** A reservation is recorded under its operation's id; every
@@ -354,8 +359,9 @@ pub(crate) enum Target {
     Approved,
     Executing,
     Terminal,
-    /// Terminal, and the rate token (this many µs of the bucket) given back.
-    Refund(u64),
+    /// Terminal, and the rate token given back: the emission interval and the burst span (µs) it
+    /// was taken under (the script measures it in the bucket's rate now, if a reload changed it).
+    Refund(u64, u64),
 }
 
 impl Target {
@@ -364,7 +370,7 @@ impl Target {
             Target::Approved => "a",
             Target::Executing => "e",
             Target::Terminal => "t",
-            Target::Refund(_) => "r",
+            Target::Refund(..) => "r",
         }
     }
 }
@@ -725,7 +731,7 @@ impl RedisController {
                     Arc::clone(inner),
                     cell,
                     needs_approval,
-                    interval,
+                    (interval, span),
                 ))
             }
             AdmitReply::Replay { id, replica } => Err(AdmitError::Replay {
@@ -947,9 +953,9 @@ impl Inner {
         target: Target,
     ) -> Result<TransitionReply, UnavailableReason> {
         let limit = self.config.load().limits().global_executing;
-        let interval = match target {
-            Target::Refund(interval) => interval,
-            _ => 0,
+        let (interval, span) = match target {
+            Target::Refund(interval, span) => (interval, span),
+            _ => (0, 0),
         };
         let mut invocation = self.scripts.transition.prepare_invoke();
         invocation
@@ -959,7 +965,8 @@ impl Inner {
             .arg(id)
             .arg(target.arg())
             .arg(limit)
-            .arg(interval);
+            .arg(interval)
+            .arg(span);
         let value = self.call(&invocation).await?;
         reply::parse_transition(&value).map_err(|e| UnavailableReason::Reply(e.to_string()))
     }
