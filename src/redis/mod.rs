@@ -457,6 +457,27 @@ impl RedisController {
         config: Config,
         options: RedisOptions,
     ) -> Result<RedisController, SetupError> {
+        let controller = RedisController::connect_lazy(config, options)?;
+        let inner = &controller.inner;
+        let mut conn = inner.conn.clone();
+        let ping = tokio::time::timeout(
+            inner.options.call_timeout * 4,
+            redis::cmd("PING").query_async::<Value>(&mut conn),
+        )
+        .await
+        .map_err(|_| SetupError::Redis(format!("{} did not answer in time", inner.options.url)))?;
+        ping.map_err(|e| SetupError::Redis(e.to_string()))?;
+        Ok(controller)
+    }
+
+    /// As [`RedisController::connect`], without waiting for Redis: the connection is made by the
+    /// first call and made again after each failure, so a replica can start while Redis is down
+    /// (see [`RedisController::register_or_defer`]). Fails only on invalid options or URL. Call
+    /// it inside a Tokio runtime.
+    pub fn connect_lazy(
+        config: Config,
+        options: RedisOptions,
+    ) -> Result<RedisController, SetupError> {
         valid_name("replica", &options.replica)?;
         if options.prefix.is_empty()
             || options.prefix.len() > 64
@@ -488,13 +509,8 @@ impl RedisController {
             .set_response_timeout(Some(options.call_timeout))
             .set_number_of_retries(1)
             .set_max_delay(options.call_timeout);
-        let conn = tokio::time::timeout(
-            options.call_timeout * 4,
-            ConnectionManager::new_with_config(client, manager_config),
-        )
-        .await
-        .map_err(|_| SetupError::Redis(format!("{} did not answer in time", options.url)))?
-        .map_err(|e| SetupError::Redis(e.to_string()))?;
+        let conn = ConnectionManager::new_lazy_with_config(client, manager_config)
+            .map_err(|e| SetupError::Redis(e.to_string()))?;
         let mut token_bytes = [0u8; 16];
         fill_random(&mut token_bytes);
         let token: String = token_bytes.iter().map(|b| format!("{b:02x}")).collect();
@@ -541,6 +557,47 @@ impl RedisController {
         &self,
         restored: impl IntoIterator<Item = RestoredOperation>,
     ) -> Result<Vec<RedisOperation>, Unavailable> {
+        let cells = {
+            let _alone = self.inner.registration.write().await;
+            let cells = self.hold_restored(restored);
+            self.inner.replace_locked().await?;
+            cells
+        };
+        self.start_heartbeat();
+        Ok(self.handles(cells))
+    }
+
+    /// As [`RedisController::register`], but if Redis does not answer now the replica still
+    /// starts: `restored` is held here (its handles work; releases are kept), every admission is
+    /// [`Unavailable`] (no lease), and the heartbeat registers it — the same atomic replace —
+    /// as soon as Redis answers, after which admissions are decided. Returns the handles and, if
+    /// registration was deferred, why.
+    pub async fn register_or_defer(
+        &self,
+        restored: impl IntoIterator<Item = RestoredOperation>,
+    ) -> (Vec<RedisOperation>, Option<Unavailable>) {
+        let (cells, deferred) = {
+            let _alone = self.inner.registration.write().await;
+            let cells = self.hold_restored(restored);
+            (cells, self.inner.replace_locked().await.err())
+        };
+        self.start_heartbeat();
+        (self.handles(cells), deferred)
+    }
+
+    fn handles(&self, cells: Vec<Arc<Held>>) -> Vec<RedisOperation> {
+        cells
+            .into_iter()
+            .map(|cell| RedisOperation::new(Arc::clone(&self.inner), cell))
+            .collect()
+    }
+
+    /// Makes `restored` (the live part) what this replica holds. The caller holds `registration`
+    /// alone.
+    fn hold_restored(
+        &self,
+        restored: impl IntoIterator<Item = RestoredOperation>,
+    ) -> Vec<Arc<Held>> {
         let mut cells = Vec::new();
         for op in restored {
             if op.state.is_terminal() || !valid_op_id(&op.id) {
@@ -552,22 +609,12 @@ impl RedisController {
                 state: std::sync::atomic::AtomicU8::new(op.state as u8),
             }));
         }
-        {
-            let _alone = self.inner.registration.write().await;
-            {
-                let mut held = self.inner.lock_held();
-                held.clear();
-                for cell in &cells {
-                    held.insert(cell.id.clone(), Arc::clone(cell));
-                }
-            }
-            self.inner.replace_locked().await?;
+        let mut held = self.inner.lock_held();
+        held.clear();
+        for cell in &cells {
+            held.insert(cell.id.clone(), Arc::clone(cell));
         }
-        self.start_heartbeat();
-        Ok(cells
-            .into_iter()
-            .map(|cell| RedisOperation::new(Arc::clone(&self.inner), cell))
-            .collect())
+        cells
     }
 
     fn start_heartbeat(&self) {
