@@ -23,6 +23,10 @@
 //!   replica that cannot renew stops admitting; the survivors release a lapsed replica's holdings
 //!   exactly once (`scripts/reap.lua`); a replica that (re)registers replaces its holdings with
 //!   what it holds now in one step (`scripts/replace.lua`).
+//! - **Redis down at start-up.** [`RedisController::connect_lazy`] makes the connection on the
+//!   first call (and again after each failure); [`RedisController::register_or_defer`] holds the
+//!   restored work here and lets the heartbeat register it once Redis answers. Until then every
+//!   admission is [`Unavailable`] (no lease), and nothing is admitted unchecked.
 //! - **Redis down or slow.** Every call has a timeout; an admission that cannot be decided is
 //!   [`Unavailable`] (503 `admission_unavailable`), never admitted unchecked; a circuit stops
 //!   calling a dead Redis for a while; releases that cannot be sent are kept and retried, in
