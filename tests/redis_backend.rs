@@ -813,3 +813,71 @@ async fn a_reload_on_every_replica_rescales_the_shared_buckets_as_the_in_process
     assert_eq!((amy, bob), (amy_local, bob_local));
     assert_eq!(kept.len(), 8 + 12 + 6);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_connected_before_redis_runs_is_unavailable_then_registers_its_restored_work() {
+    if !redis_support::installed() {
+        return;
+    }
+    let port = redis_support::free_port();
+    let mut opts = RedisOptions::new(format!("redis://127.0.0.1:{port}/"), "r1");
+    opts.call_timeout = Duration::from_millis(300);
+    opts.circuit_cool_down = Duration::from_millis(200);
+    opts.heartbeat = Duration::from_millis(100);
+    opts.lease_ttl = Duration::from_secs(2);
+    let config = roomy_config(&["amy"]);
+    // `connect` waits for an answer; `connect_lazy` does not.
+    assert!(
+        RedisController::connect(config.clone(), opts.clone())
+            .await
+            .is_err()
+    );
+    let early = RedisController::connect_lazy(config, opts).unwrap();
+    let amy = Identity::new("amy").unwrap();
+    let (restored, deferred) = early
+        .register_or_defer([
+            RestoredOperation {
+                id: "kept".into(),
+                identity: amy.clone(),
+                state: OperationState::Pending,
+            },
+            RestoredOperation {
+                id: "ended".into(),
+                identity: amy,
+                state: OperationState::Approved,
+            },
+        ])
+        .await;
+    assert!(deferred.is_some());
+    assert_eq!(restored.len(), 2);
+    match early.admit("amy", false, "too-early", None).await {
+        Err(AdmitError::Unavailable(u)) => assert_eq!(u.http_status(), 503),
+        other => panic!("{other:?}"),
+    }
+    // One restored operation ends while Redis is still down.
+    restored[1].fail().await.unwrap();
+
+    let _server = redis_support::RedisServer::start_on(port).expect("redis-server on the port");
+    let admitted = std::sync::Mutex::new(Vec::new());
+    let mut attempt = 0;
+    eventually("the replica registers and admits", || {
+        attempt += 1;
+        let id = format!("on-time-{attempt}");
+        let (early, admitted) = (&early, &admitted);
+        async move {
+            match early.admit("amy", false, &id, None).await {
+                Ok(permit) => {
+                    admitted.lock().unwrap().push(permit.commit());
+                    true
+                }
+                Err(AdmitError::Unavailable(_)) => false,
+                Err(other) => panic!("{other:?}"),
+            }
+        }
+    })
+    .await;
+    let counts = early.counts().await.unwrap();
+    // The restored pending operation and the new one; the ended one is not counted.
+    assert_eq!(global(&counts), (2, 1, 0), "{counts:?}");
+    assert_eq!(counts.operations, 2);
+}
