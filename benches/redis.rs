@@ -1,5 +1,5 @@
 //! Shared admission on one local `redis-server`: decisions per second and latency per decision
-//! with 1, 2 and 3 replicas (each its own connection and tasks), beside a baseline in the same
+//! with 1, 2, 3 and 4 replicas (each its own connection and tasks), beside a baseline in the same
 //! run — a rate-only GCRA script on the same connections, the least any Redis decision costs.
 //!
 //! One decision is one `admit` (one script: rate, client and global counts, pending grants, the
@@ -161,7 +161,7 @@ fn main() {
             "{:<10} {:>14} {:>10} {:>10} {:>16} {:>10} {:>10} {:>8}",
             "replicas", "admissions/s", "p50", "p99", "rate-only/s", "p50", "p99", "ratio"
         );
-        for replicas in [1, 2, 3] {
+        for replicas in [1, 2, 3, 4] {
             let baseline = rate_only(&url, replicas).await;
             let admit = admissions(&url, replicas, &format!("bench{replicas}")).await;
             println!(

@@ -28,7 +28,7 @@ enum Command {
     Defaults,
     /// Run the reference broker: Agent V1 over HTTP, operations in SQLite under the data dir.
     #[cfg(feature = "broker")]
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Walk the overload drill against an in-process broker on loopback; exit 0 only if every
     /// step held.
     #[cfg(feature = "broker")]
@@ -131,7 +131,7 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         #[cfg(feature = "broker")]
-        Command::Serve(args) => serve(args),
+        Command::Serve(args) => serve(*args),
         #[cfg(feature = "broker")]
         Command::Drill(args) => {
             #[cfg(feature = "redis")]

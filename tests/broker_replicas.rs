@@ -159,3 +159,92 @@ fn the_replica_drill_passes_every_step_against_its_own_redis() {
     assert!(output.status.success(), "{table}");
     assert_eq!(table.matches(" pass ").count(), 4, "{table}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_started_before_redis_serves_reads_answers_503_then_registers_its_work() {
+    if !redis_support::installed() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    // An earlier run (alone) left two pending operations in the store.
+    let mut lone = settings(dir.path(), TIGHT, StorageCaps::default());
+    lone.broker_name = "r1".to_owned();
+    let earlier = broker_support::start_with(lone).await;
+    let first = earlier
+        .submit(AGENT_SECRET, &request("first", "demo.request", 0))
+        .await;
+    let second = earlier
+        .submit(AGENT_SECRET, &request("second", "demo.request", 0))
+        .await;
+    assert_eq!((first.status, second.status), (202, 202));
+    earlier.broker.shutdown().await;
+
+    // Nothing listens on the port yet.
+    let port = redis_support::free_port();
+    let mut options = RedisOptions::new(format!("redis://127.0.0.1:{port}/"), "r1");
+    options.call_timeout = Duration::from_millis(300);
+    options.circuit_cool_down = Duration::from_millis(200);
+    options.heartbeat = Duration::from_millis(200);
+    options.lease_ttl = Duration::from_secs(2);
+    let mut shared_settings = settings(dir.path(), TIGHT, StorageCaps::default());
+    shared_settings.broker_name = "r1".to_owned();
+    let (broker, restored) = Broker::start_shared(shared_settings, options)
+        .await
+        .unwrap();
+    let r1 = Harness {
+        base: format!("http://{}", broker.local_addr()),
+        broker,
+        restored,
+        http: reqwest::Client::new(),
+    };
+
+    let refused = r1
+        .submit(AGENT_SECRET, &request("third", "demo.request", 0))
+        .await;
+    assert_eq!(refused.status, 503, "{:?}", refused.body);
+    assert_eq!(refused.code(), "admission_unavailable");
+    assert!(refused.retry_after().is_some_and(|s| s >= 1));
+    let read = r1
+        .get(
+            &format!("/api/agent/v1/operations/{}", second.id()),
+            Some(AGENT_SECRET),
+        )
+        .await;
+    assert_eq!((read.status, read.state()), (200, "pending"));
+    let canceled = r1
+        .post(
+            &format!("/api/agent/v1/operations/{}/cancel", first.id()),
+            Some(AGENT_SECRET),
+        )
+        .await;
+    assert_eq!((canceled.status, canceled.state()), (200, "canceled"));
+    assert_eq!(r1.get("/healthz", None).await.status, 200);
+    let metrics = r1.metrics().await;
+    assert!(
+        metrics.contains("admission_redis_lease_held 0"),
+        "{metrics}"
+    );
+    assert_eq!(r1.rows().await, 2, "nothing created while Redis was down");
+
+    let server = redis_support::RedisServer::start_on(port).expect("redis-server on the port");
+    // Registered, then admitting: the client's pending limit (2) has room for one more beside
+    // the restored pending operation (the canceled one is not counted).
+    assert!(
+        broker_support::eventually(async || {
+            r1.submit(AGENT_SECRET, &request("third", "demo.request", 0))
+                .await
+                .status
+                == 202
+        })
+        .await
+    );
+    // Another replica sees the restored operation in the shared counts: the limit is reached.
+    let d2 = tempfile::tempdir().unwrap();
+    let r2 = replica(&server, d2.path(), "r2").await;
+    let full = r2
+        .submit(AGENT_SECRET, &request("fourth", "demo.request", 0))
+        .await;
+    assert_eq!((full.status, full.code()), (429, "client_pending_limit"));
+    r1.broker.shutdown().await;
+    r2.broker.shutdown().await;
+}

@@ -705,3 +705,179 @@ async fn a_replica_name_that_is_not_an_identity_is_refused_at_setup() {
             .is_err()
     );
 }
+
+/// amy and bob: ten tokens an hour each; roomy counts, so only the rate ever refuses.
+fn rate_config(amy: (u32, u32), bob: (u32, u32)) -> Config {
+    let limits = Limits {
+        requests_per_window: 10,
+        window_seconds: 3600,
+        client_active: 100,
+        client_pending: 100,
+        global_active: 400,
+        global_executing: 10,
+    };
+    let mut overrides = BTreeMap::new();
+    for (name, (requests, window)) in [("amy", amy), ("bob", bob)] {
+        overrides.insert(
+            Identity::new(name).unwrap(),
+            ClientLimits {
+                requests_per_window: requests,
+                window_seconds: window,
+                active: 100,
+                pending: 100,
+            },
+        );
+    }
+    Config::new(limits, overrides, ids(&["amy", "bob"])).unwrap()
+}
+
+/// Admits `client` on the replicas in turn until the rate refuses; the admitted operations stay
+/// live in `kept`. Returns how many were admitted.
+async fn drain_tokens(
+    replicas: &[&RedisController],
+    client: &str,
+    tag: &str,
+    kept: &mut Vec<RedisOperation>,
+) -> usize {
+    for n in 0..200 {
+        let r = replicas[n % replicas.len()];
+        match r.admit(client, false, &format!("{tag}-{n}"), None).await {
+            Ok(permit) => kept.push(permit.commit()),
+            Err(AdmitError::Refused(refusal)) => {
+                assert_eq!(refusal.code, RefusalCode::SubmissionRateLimited, "{tag}");
+                return n;
+            }
+            Err(other) => panic!("{tag}: {other:?}"),
+        }
+    }
+    panic!("{tag}: the rate never refused");
+}
+
+fn drain_local(local: &Controller, client: &str, kept: &mut Vec<Operation>) -> usize {
+    for n in 0..200 {
+        match local.admit(client, false) {
+            Ok(permit) => kept.push(permit.commit()),
+            Err(refusal) => {
+                assert_eq!(refusal.code, RefusalCode::SubmissionRateLimited);
+                return n;
+            }
+        }
+    }
+    panic!("the in-process rate never refused {client}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_on_every_replica_rescales_the_shared_buckets_as_the_in_process_engine_does() {
+    let server = redis_or_skip!();
+    let before = rate_config((10, 3600), (10, 3600));
+    // amy: twice the burst over twice the window (no fresh burst may appear); bob: the same
+    // burst over a tenth of the window (the used part shrinks with it, nothing is confiscated).
+    let after = rate_config((20, 7200), (10, 360));
+    let r1 = replica(before.clone(), options(&server, "r1")).await;
+    let r2 = replica(before.clone(), options(&server, "r2")).await;
+    let local = Controller::builder(before.clone())
+        .clock(ManualClock::new())
+        .build();
+    let mut kept = Vec::new();
+    let mut kept_local = Vec::new();
+    for n in 0..4 {
+        let r = if n % 2 == 0 { &r1 } else { &r2 };
+        for client in ["amy", "bob"] {
+            kept.push(
+                r.admit(client, false, &format!("{client}-before-{n}"), None)
+                    .await
+                    .unwrap()
+                    .commit(),
+            );
+            kept_local.push(local.admit(client, false).unwrap().commit());
+        }
+    }
+    // A fifth token for amy, taken before the reload and refunded after it: what comes back is
+    // measured in the new rate.
+    let pending = r2.admit("amy", false, "amy-refunded", None).await.unwrap();
+    let pending_local = local.admit("amy", false).unwrap();
+
+    r1.reload(after.clone());
+    r2.reload(after.clone());
+    local.reload(after.clone());
+    pending.refund().await;
+    pending_local.refund();
+
+    let amy = drain_tokens(&[&r1, &r2], "amy", "amy-after", &mut kept).await;
+    let bob = drain_tokens(&[&r2, &r1], "bob", "bob-after", &mut kept).await;
+    let amy_local = drain_local(&local, "amy", &mut kept_local);
+    let bob_local = drain_local(&local, "bob", &mut kept_local);
+    // amy used 4 of 10 → 8 of 20 used, 12 left (16 would be a fresh burst); bob used 4 of 10 →
+    // still 4 of 10 used over the shorter window, 6 left (0 would be confiscation).
+    assert_eq!((amy, bob), (12, 6));
+    assert_eq!((amy, bob), (amy_local, bob_local));
+    assert_eq!(kept.len(), 8 + 12 + 6);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_connected_before_redis_runs_is_unavailable_then_registers_its_restored_work() {
+    if !redis_support::installed() {
+        return;
+    }
+    let port = redis_support::free_port();
+    let mut opts = RedisOptions::new(format!("redis://127.0.0.1:{port}/"), "r1");
+    opts.call_timeout = Duration::from_millis(300);
+    opts.circuit_cool_down = Duration::from_millis(200);
+    opts.heartbeat = Duration::from_millis(100);
+    opts.lease_ttl = Duration::from_secs(2);
+    let config = roomy_config(&["amy"]);
+    // `connect` waits for an answer; `connect_lazy` does not.
+    assert!(
+        RedisController::connect(config.clone(), opts.clone())
+            .await
+            .is_err()
+    );
+    let early = RedisController::connect_lazy(config, opts).unwrap();
+    let amy = Identity::new("amy").unwrap();
+    let (restored, deferred) = early
+        .register_or_defer([
+            RestoredOperation {
+                id: "kept".into(),
+                identity: amy.clone(),
+                state: OperationState::Pending,
+            },
+            RestoredOperation {
+                id: "ended".into(),
+                identity: amy,
+                state: OperationState::Approved,
+            },
+        ])
+        .await;
+    assert!(deferred.is_some());
+    assert_eq!(restored.len(), 2);
+    match early.admit("amy", false, "too-early", None).await {
+        Err(AdmitError::Unavailable(u)) => assert_eq!(u.http_status(), 503),
+        other => panic!("{other:?}"),
+    }
+    // One restored operation ends while Redis is still down.
+    restored[1].fail().await.unwrap();
+
+    let _server = redis_support::RedisServer::start_on(port).expect("redis-server on the port");
+    let admitted = std::sync::Mutex::new(Vec::new());
+    let mut attempt = 0;
+    eventually("the replica registers and admits", || {
+        attempt += 1;
+        let id = format!("on-time-{attempt}");
+        let (early, admitted) = (&early, &admitted);
+        async move {
+            match early.admit("amy", false, &id, None).await {
+                Ok(permit) => {
+                    admitted.lock().unwrap().push(permit.commit());
+                    true
+                }
+                Err(AdmitError::Unavailable(_)) => false,
+                Err(other) => panic!("{other:?}"),
+            }
+        }
+    })
+    .await;
+    let counts = early.counts().await.unwrap();
+    // The restored pending operation and the new one; the ended one is not counted.
+    assert_eq!(global(&counts), (2, 1, 0), "{counts:?}");
+    assert_eq!(counts.operations, 2);
+}

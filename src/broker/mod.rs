@@ -402,7 +402,11 @@ impl Broker {
 
     /// [`Broker::start`] as one replica of several sharing admission through Redis: connects
     /// with `options`, registers what the store restores under the replica's name (replacing
-    /// what an earlier run under that name held, in one step) and takes its lease.
+    /// what an earlier run under that name held, in one step) and takes its lease. A Redis that
+    /// does not answer at start-up does not stop it: the replica serves reads, cancels,
+    /// decisions, health and metrics, answers new submissions 503 `admission_unavailable` with
+    /// Retry-After, and registers (then admits) as soon as Redis answers. Only invalid options
+    /// or URL fail.
     #[cfg(feature = "redis")]
     pub async fn start_shared(
         settings: BrokerSettings,
@@ -411,9 +415,11 @@ impl Broker {
         let mut options = options;
         options.caps = settings.storage_caps;
         options.capacity_retry = settings.capacity_retry;
-        let controller = crate::redis::RedisController::connect(settings.config.clone(), options)
-            .await
-            .map_err(|e| BrokerError::Settings(e.to_string()))?;
+        // Not waiting for Redis: a replica starts while Redis is down, serves what needs no
+        // admission, and registers once Redis answers (see `register_shared`).
+        let controller =
+            crate::redis::RedisController::connect_lazy(settings.config.clone(), options)
+                .map_err(|e| BrokerError::Settings(e.to_string()))?;
         Broker::start_replica(
             settings,
             shared::Shared {
@@ -663,7 +669,8 @@ fn reload(core: &Core, path: &Path) -> Result<(), ConfigError> {
 }
 
 /// Registers this replica's live operations in the shared counts (replacing whatever an earlier
-/// run under its name held there) and gives each its shared handle. Nothing without Redis.
+/// run under its name held there) and gives each its shared handle; if Redis does not answer,
+/// the heartbeat registers them once it does. Nothing without Redis.
 async fn register_shared(core: &Arc<Core>) -> Result<(), BrokerError> {
     #[cfg(feature = "redis")]
     if let Some(shared) = &core.shared.controller {
@@ -673,10 +680,7 @@ async fn register_shared(core: &Arc<Core>) -> Result<(), BrokerError> {
             identity: op.handle.identity().clone(),
             state: op.handle.state(),
         });
-        let handles = shared
-            .register(restored)
-            .await
-            .map_err(|e| BrokerError::Settings(format!("cannot register with redis: {e}")))?;
+        let (handles, deferred) = shared.register_or_defer(restored).await;
         let mut handles: HashMap<String, crate::redis::RedisOperation> = handles
             .into_iter()
             .map(|handle| (handle.id().to_owned(), handle))
@@ -689,11 +693,20 @@ async fn register_shared(core: &Arc<Core>) -> Result<(), BrokerError> {
                 }
             }
         }
-        tracing::info!(
-            replica = shared.replica(),
-            restored = live.len(),
-            "registered with redis"
-        );
+        match deferred {
+            None => tracing::info!(
+                replica = shared.replica(),
+                restored = live.len(),
+                "registered with redis"
+            ),
+            Some(err) => tracing::warn!(
+                replica = shared.replica(),
+                restored = live.len(),
+                error = %err,
+                "redis does not answer: new submissions are answered 503 admission_unavailable \
+                 until it does, then this replica registers"
+            ),
+        }
     }
     #[cfg(not(feature = "redis"))]
     let _ = core;

@@ -25,7 +25,8 @@ pub struct RedisPermit {
     inner: Arc<Inner>,
     cell: Option<Arc<Held>>,
     needs_approval: bool,
-    interval_micros: u64,
+    /// The rate the token was taken under: emission interval and burst span (µs).
+    rate_micros: (u64, u64),
 }
 
 impl RedisPermit {
@@ -33,13 +34,13 @@ impl RedisPermit {
         inner: Arc<Inner>,
         cell: Arc<Held>,
         needs_approval: bool,
-        interval_micros: u64,
+        rate_micros: (u64, u64),
     ) -> RedisPermit {
         RedisPermit {
             inner,
             cell: Some(cell),
             needs_approval,
-            interval_micros,
+            rate_micros,
         }
     }
 
@@ -72,7 +73,12 @@ impl RedisPermit {
     /// The broker failed through its own fault: return the slots and the rate token.
     pub async fn refund(mut self) {
         if let Some(cell) = self.cell.take() {
-            finish(&self.inner, &cell, Target::Refund(self.interval_micros)).await;
+            finish(
+                &self.inner,
+                &cell,
+                Target::Refund(self.rate_micros.0, self.rate_micros.1),
+            )
+            .await;
         }
     }
 }

@@ -9,6 +9,11 @@
 //!   run by `EVALSHA`, loaded again on `NOSCRIPT`) on Redis server time, so replicas' clocks never
 //!   matter: GCRA, client and global counts, the pending-grant caps, all or nothing. The scripts
 //!   are files beside this one, built in with `include_str!`.
+//! - **Reloads rescale the buckets.** A client's bucket key holds its TAT with the rate (emission
+//!   interval, burst span) it was written under; a decision under a different rate (a reload, on
+//!   whichever replica) first rescales the used part of the span to the new span, rounded up, as
+//!   the in-process engine's `Bucket::rescale` does, so a reload never hands out a fresh burst nor
+//!   confiscates one. A refunded token is measured in the bucket's rate at refund time.
 //! - **One hash tag.** Every key of a deployment starts with `{prefix}`, so all of them live in one
 //!   Redis Cluster slot, and two deployments can share a Redis under two prefixes.
 //! - **Exactly once, by operation id.** A reservation is recorded under its operation's id; every
@@ -18,6 +23,10 @@
 //!   replica that cannot renew stops admitting; the survivors release a lapsed replica's holdings
 //!   exactly once (`scripts/reap.lua`); a replica that (re)registers replaces its holdings with
 //!   what it holds now in one step (`scripts/replace.lua`).
+//! - **Redis down at start-up.** [`RedisController::connect_lazy`] makes the connection on the
+//!   first call (and again after each failure); [`RedisController::register_or_defer`] holds the
+//!   restored work here and lets the heartbeat register it once Redis answers. Until then every
+//!   admission is [`Unavailable`] (no lease), and nothing is admitted unchecked.
 //! - **Redis down or slow.** Every call has a timeout; an admission that cannot be decided is
 //!   [`Unavailable`] (503 `admission_unavailable`), never admitted unchecked; a circuit stops
 //!   calling a dead Redis for a while; releases that cannot be sent are kept and retried, in
@@ -354,8 +363,9 @@ pub(crate) enum Target {
     Approved,
     Executing,
     Terminal,
-    /// Terminal, and the rate token (this many µs of the bucket) given back.
-    Refund(u64),
+    /// Terminal, and the rate token given back: the emission interval and the burst span (µs) it
+    /// was taken under (the script measures it in the bucket's rate now, if a reload changed it).
+    Refund(u64, u64),
 }
 
 impl Target {
@@ -364,7 +374,7 @@ impl Target {
             Target::Approved => "a",
             Target::Executing => "e",
             Target::Terminal => "t",
-            Target::Refund(_) => "r",
+            Target::Refund(..) => "r",
         }
     }
 }
@@ -451,6 +461,27 @@ impl RedisController {
         config: Config,
         options: RedisOptions,
     ) -> Result<RedisController, SetupError> {
+        let controller = RedisController::connect_lazy(config, options)?;
+        let inner = &controller.inner;
+        let mut conn = inner.conn.clone();
+        let ping = tokio::time::timeout(
+            inner.options.call_timeout * 4,
+            redis::cmd("PING").query_async::<Value>(&mut conn),
+        )
+        .await
+        .map_err(|_| SetupError::Redis(format!("{} did not answer in time", inner.options.url)))?;
+        ping.map_err(|e| SetupError::Redis(e.to_string()))?;
+        Ok(controller)
+    }
+
+    /// As [`RedisController::connect`], without waiting for Redis: the connection is made by the
+    /// first call and made again after each failure, so a replica can start while Redis is down
+    /// (see [`RedisController::register_or_defer`]). Fails only on invalid options or URL. Call
+    /// it inside a Tokio runtime.
+    pub fn connect_lazy(
+        config: Config,
+        options: RedisOptions,
+    ) -> Result<RedisController, SetupError> {
         valid_name("replica", &options.replica)?;
         if options.prefix.is_empty()
             || options.prefix.len() > 64
@@ -482,13 +513,8 @@ impl RedisController {
             .set_response_timeout(Some(options.call_timeout))
             .set_number_of_retries(1)
             .set_max_delay(options.call_timeout);
-        let conn = tokio::time::timeout(
-            options.call_timeout * 4,
-            ConnectionManager::new_with_config(client, manager_config),
-        )
-        .await
-        .map_err(|_| SetupError::Redis(format!("{} did not answer in time", options.url)))?
-        .map_err(|e| SetupError::Redis(e.to_string()))?;
+        let conn = ConnectionManager::new_lazy_with_config(client, manager_config)
+            .map_err(|e| SetupError::Redis(e.to_string()))?;
         let mut token_bytes = [0u8; 16];
         fill_random(&mut token_bytes);
         let token: String = token_bytes.iter().map(|b| format!("{b:02x}")).collect();
@@ -535,6 +561,47 @@ impl RedisController {
         &self,
         restored: impl IntoIterator<Item = RestoredOperation>,
     ) -> Result<Vec<RedisOperation>, Unavailable> {
+        let cells = {
+            let _alone = self.inner.registration.write().await;
+            let cells = self.hold_restored(restored);
+            self.inner.replace_locked().await?;
+            cells
+        };
+        self.start_heartbeat();
+        Ok(self.handles(cells))
+    }
+
+    /// As [`RedisController::register`], but if Redis does not answer now the replica still
+    /// starts: `restored` is held here (its handles work; releases are kept), every admission is
+    /// [`Unavailable`] (no lease), and the heartbeat registers it — the same atomic replace —
+    /// as soon as Redis answers, after which admissions are decided. Returns the handles and, if
+    /// registration was deferred, why.
+    pub async fn register_or_defer(
+        &self,
+        restored: impl IntoIterator<Item = RestoredOperation>,
+    ) -> (Vec<RedisOperation>, Option<Unavailable>) {
+        let (cells, deferred) = {
+            let _alone = self.inner.registration.write().await;
+            let cells = self.hold_restored(restored);
+            (cells, self.inner.replace_locked().await.err())
+        };
+        self.start_heartbeat();
+        (self.handles(cells), deferred)
+    }
+
+    fn handles(&self, cells: Vec<Arc<Held>>) -> Vec<RedisOperation> {
+        cells
+            .into_iter()
+            .map(|cell| RedisOperation::new(Arc::clone(&self.inner), cell))
+            .collect()
+    }
+
+    /// Makes `restored` (the live part) what this replica holds. The caller holds `registration`
+    /// alone.
+    fn hold_restored(
+        &self,
+        restored: impl IntoIterator<Item = RestoredOperation>,
+    ) -> Vec<Arc<Held>> {
         let mut cells = Vec::new();
         for op in restored {
             if op.state.is_terminal() || !valid_op_id(&op.id) {
@@ -546,22 +613,12 @@ impl RedisController {
                 state: std::sync::atomic::AtomicU8::new(op.state as u8),
             }));
         }
-        {
-            let _alone = self.inner.registration.write().await;
-            {
-                let mut held = self.inner.lock_held();
-                held.clear();
-                for cell in &cells {
-                    held.insert(cell.id.clone(), Arc::clone(cell));
-                }
-            }
-            self.inner.replace_locked().await?;
+        let mut held = self.inner.lock_held();
+        held.clear();
+        for cell in &cells {
+            held.insert(cell.id.clone(), Arc::clone(cell));
         }
-        self.start_heartbeat();
-        Ok(cells
-            .into_iter()
-            .map(|cell| RedisOperation::new(Arc::clone(&self.inner), cell))
-            .collect())
+        cells
     }
 
     fn start_heartbeat(&self) {
@@ -725,7 +782,7 @@ impl RedisController {
                     Arc::clone(inner),
                     cell,
                     needs_approval,
-                    interval,
+                    (interval, span),
                 ))
             }
             AdmitReply::Replay { id, replica } => Err(AdmitError::Replay {
@@ -947,9 +1004,9 @@ impl Inner {
         target: Target,
     ) -> Result<TransitionReply, UnavailableReason> {
         let limit = self.config.load().limits().global_executing;
-        let interval = match target {
-            Target::Refund(interval) => interval,
-            _ => 0,
+        let (interval, span) = match target {
+            Target::Refund(interval, span) => (interval, span),
+            _ => (0, 0),
         };
         let mut invocation = self.scripts.transition.prepare_invoke();
         invocation
@@ -959,7 +1016,8 @@ impl Inner {
             .arg(id)
             .arg(target.arg())
             .arg(limit)
-            .arg(interval);
+            .arg(interval)
+            .arg(span);
         let value = self.call(&invocation).await?;
         reply::parse_transition(&value).map_err(|e| UnavailableReason::Reply(e.to_string()))
     }

@@ -17,46 +17,39 @@ pub struct RedisServer {
 impl RedisServer {
     /// Starts a server, or `None` (having printed why) if `redis-server` cannot be run here.
     pub fn start() -> Option<RedisServer> {
-        if Command::new("redis-server")
-            .arg("--version")
-            .stdout(Stdio::null())
-            .status()
-            .is_err()
-        {
-            eprintln!(
-                "SKIPPED: redis-server is not installed (Debian: apt-get install redis-server; \
-                 .ci/run installs it)"
-            );
+        if !installed() {
             return None;
         }
         // A port taken between choosing it and the server binding it is retried with another.
         for _ in 0..5 {
-            let port = TcpListener::bind("127.0.0.1:0")
-                .and_then(|l| l.local_addr())
-                .expect("a free loopback port")
-                .port();
-            let dir = tempfile::tempdir().expect("a temporary directory");
-            let child = Command::new("redis-server")
-                .args(["--port", &port.to_string()])
-                .args(["--bind", "127.0.0.1"])
-                .args(["--save", ""])
-                .args(["--appendonly", "no"])
-                .arg("--dir")
-                .arg(dir.path())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("redis-server starts");
-            let mut server = RedisServer {
-                child,
-                port,
-                _dir: dir,
-            };
-            if server.wait_ready() {
+            if let Some(server) = RedisServer::start_on(free_port()) {
                 return Some(server);
             }
         }
         panic!("redis-server did not start on any of five loopback ports");
+    }
+
+    /// Starts a server on `port` (a replica may already be trying it), or `None` if it did not
+    /// come up there.
+    pub fn start_on(port: u16) -> Option<RedisServer> {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let child = Command::new("redis-server")
+            .args(["--port", &port.to_string()])
+            .args(["--bind", "127.0.0.1"])
+            .args(["--save", ""])
+            .args(["--appendonly", "no"])
+            .arg("--dir")
+            .arg(dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server starts");
+        let mut server = RedisServer {
+            child,
+            port,
+            _dir: dir,
+        };
+        server.wait_ready().then_some(server)
     }
 
     fn wait_ready(&mut self) -> bool {
@@ -102,6 +95,30 @@ impl RedisServer {
             .expect("kill runs");
         assert!(status.success(), "kill {sig} failed");
     }
+}
+
+/// A loopback port free a moment ago (nothing listens on it now).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free loopback port")
+        .port()
+}
+
+/// Whether `redis-server` can be run here (if not, says so: the test then skips).
+pub fn installed() -> bool {
+    let ok = Command::new("redis-server")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .status()
+        .is_ok();
+    if !ok {
+        eprintln!(
+            "SKIPPED: redis-server is not installed (Debian: apt-get install redis-server; \
+             .ci/run installs it)"
+        );
+    }
+    ok
 }
 
 impl Drop for RedisServer {

@@ -1,5 +1,5 @@
 -- One admission decision, all or nothing, on Redis server time.
--- KEYS: 1 counts, 2 operations, 3 the client's rate TAT, 4 the replica's lease,
+-- KEYS: 1 counts, 2 operations, 3 the client's rate bucket (see read_tat), 4 the replica's lease,
 --       5 the idempotency record (client, key), 6 the replica set.
 -- ARGV: 1 key base, 2 operation id, 3 replica, 4 lease token, 5 client, 6 needs approval (0/1),
 --       7 emission interval (µs), 8 burst span (µs), 9 client active limit, 10 client pending
@@ -35,7 +35,12 @@ if keyed then
 end
 
 local now = now_micros()
-local tat = tonumber(redis.call('GET', KEYS[3]) or '0')
+local tat, _, stored_span = read_tat(KEYS[3])
+-- A reload changed this client's rate since the TAT was written: rescale the fill level first.
+local rescaled = stored_span ~= nil and stored_span ~= span
+if rescaled then
+  tat = rescale(tat, now, stored_span, span)
+end
 local next_tat = math.max(tat, now) + interval
 local rate_wait = math.max(math.max(tat, now) + interval - now - span, 0)
 
@@ -67,10 +72,13 @@ if code then
     or ge >= global_executing then
     capacity = 1
   end
+  if rescaled and tat > now then
+    write_tat(KEYS[3], tat, interval, span, now)
+  end
   return {'refused', code, string.format('%.0f', rate_wait), capacity}
 end
 
-redis.call('SET', KEYS[3], string.format('%.0f', next_tat), 'PX', math.floor((next_tat - now) / 1000) + 1)
+write_tat(KEYS[3], next_tat, interval, span, now)
 local state = 'a'
 if approval then state = 'p' end
 hold(id, state, replica, client, base)

@@ -63,3 +63,32 @@ local function now_micros()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000000 + tonumber(t[2])
 end
+
+-- A client's rate bucket: the key holds "<TAT> <interval> <span>" (µs; the rate the TAT was last
+-- written under). A bare number (written before the rate was stored) has no known rate, so it is
+-- never rescaled. Reply: tat, interval, span (both nil when unknown).
+local function read_tat(key)
+  local v = redis.call('GET', key)
+  if not v then
+    return 0, nil, nil
+  end
+  local tat, interval, span = string.match(v, '^(%d+) (%d+) (%d+)$')
+  if tat then
+    return tonumber(tat), tonumber(interval), tonumber(span)
+  end
+  return tonumber(v) or 0, nil, nil
+end
+
+local function write_tat(key, tat, interval, span, now)
+  redis.call('SET', key, string.format('%.0f %.0f %.0f', tat, interval, span),
+    'PX', math.floor(math.max(tat - now, 0) / 1000) + 1)
+end
+
+-- The TAT rescaled from a span `old` to `new` at `now`, as the in-process engine's
+-- `Bucket::rescale` does: the used part of the span (at most all of it) keeps its fraction,
+-- rounded up, so a reload never hands out a fresh burst. Exact while old × new spans stay below
+-- 2^53 µs² (windows up to ~95 s); beyond that within a microsecond.
+local function rescale(tat, now, old, new)
+  local used = math.min(math.max(tat - now, 0), old)
+  return now + math.ceil(used * new / math.max(old, 1))
+end

@@ -1,7 +1,8 @@
 -- Moves operation ARGV[2] in the shared counts, naming it by id so a retry never moves it twice.
 -- KEYS: 1 counts, 2 operations. ARGV: 1 key base, 2 operation id, 3 target: `a` (approved), `e`
 -- (executing), `t` (terminal: release everything) or `r` (refund: release and give the rate
--- token back), 4 global executing limit, 5 the emission interval (µs, for `r`).
+-- token back), 4 global executing limit, 5 the emission interval and 6 the burst span the token
+-- was taken under (µs, for `r`).
 -- Reply: {'moved', from} | {'same'} | {'absent'} (released already) | {'not_allowed', from} |
 --        {'saturated'} (no execution slot: the operation stays approved).
 local base, id, to = ARGV[1], ARGV[2], ARGV[3]
@@ -14,11 +15,21 @@ if to == 't' or to == 'r' then
   release(id, record, base)
   if to == 'r' then
     local tat_key = base .. ':tat:' .. client
-    local tat = tonumber(redis.call('GET', tat_key) or '0')
-    local back = math.max(tat - tonumber(ARGV[5]), 0)
-    local ttl = redis.call('PTTL', tat_key)
-    if ttl > 0 then
-      redis.call('SET', tat_key, string.format('%.0f', back), 'PX', ttl)
+    local tat, stored_interval, stored_span = read_tat(tat_key)
+    local token, token_span = tonumber(ARGV[5]), tonumber(ARGV[6])
+    local now = now_micros()
+    if stored_span ~= nil and tat > now then
+      -- The token is measured in the rate the bucket has now (a reload may have rescaled it),
+      -- rounded down, as the in-process engine's `Rate::token_in` does.
+      if stored_span ~= token_span then
+        token = math.floor(token * stored_span / math.max(token_span, 1))
+      end
+      write_tat(tat_key, math.max(tat - token, 0), stored_interval, stored_span, now)
+    elseif tat > now then
+      local ttl = redis.call('PTTL', tat_key)
+      if ttl > 0 then
+        redis.call('SET', tat_key, string.format('%.0f', math.max(tat - token, 0)), 'PX', ttl)
+      end
     end
   end
   return {'moved', state}
