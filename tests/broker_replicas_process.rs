@@ -1,0 +1,183 @@
+//! Three `admission serve --redis URL --replica NAME` processes sharing one real `redis-server`:
+//! a client's pending limit holds across them; `kill -9` of one frees its holdings once its lease
+//! lapses (exactly once); restarted under the same name on the same data dir, its restored work is
+//! counted again, once.
+#![cfg(all(feature = "broker", feature = "redis", feature = "cli"))]
+
+mod redis_support;
+mod serve_support;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use serve_support::{AGENT_SECRET, Files, OPERATOR_SECRET, Server};
+
+/// Three pending operations per client, across every replica.
+const TIGHT: &str = r#"{"requests_per_window": 1000, "window_seconds": 60,
+  "client_active": 10, "client_pending": 3, "global_active": 100, "global_executing": 10}"#;
+
+/// A bound on waiting for a lapsed lease (its TTL is 10 s) to be reaped: not a timing claim.
+const LEASE_PATIENCE: Duration = Duration::from_secs(40);
+
+/// `admission serve` as replica `name`, with a data dir of its own under `dir`.
+fn replica(redis_url: &str, files: &Files, dir: &Path, name: &str) -> Server {
+    let data = dir.join(format!("data-{name}"));
+    let args: Vec<String> = [
+        "--redis",
+        redis_url,
+        "--replica",
+        name,
+        "--data",
+        data.to_str().unwrap(),
+        "--secrets",
+        files.secrets.to_str().unwrap(),
+        "--operator-secret",
+        files.operator.to_str().unwrap(),
+        "--admission-config",
+        files.config.to_str().unwrap(),
+    ]
+    .into_iter()
+    .map(str::to_owned)
+    .collect();
+    Server::spawn(None, &args)
+}
+
+/// Submits a pending `demo.request`: `(status, code, id)`.
+async fn submit(server: &Server, key: &str) -> (u16, String, String) {
+    let (status, _, body) = server.submit(AGENT_SECRET, key, "demo.request").await;
+    let text = |v: &Value| v.as_str().unwrap_or("-").to_owned();
+    (status, text(&body["error"]["code"]), text(&body["id"]))
+}
+
+/// The ids in a replica's operator inbox.
+async fn inbox(server: &Server) -> Vec<String> {
+    let (status, _, body) = server
+        .send(
+            reqwest::Method::GET,
+            "/api/operator/v1/requests",
+            OPERATOR_SECRET,
+            None,
+        )
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{body}");
+    body["requests"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["id"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+async fn deny(server: &Server, id: &str) {
+    let (status, _, body) = server
+        .send(
+            reqwest::Method::POST,
+            &format!("/api/operator/v1/requests/{id}/deny"),
+            OPERATOR_SECRET,
+            Some(Value::Object(Default::default())),
+        )
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "deny {id}: {body}");
+}
+
+/// Asserts a fresh submission on every replica is refused with 429 `client_pending_limit`.
+async fn assert_full(replicas: &[&Server], key: &str) {
+    for (i, server) in replicas.iter().enumerate() {
+        let (status, code, _) = submit(server, &format!("{key}-{i}")).await;
+        assert_eq!(
+            (status, code.as_str()),
+            (429, "client_pending_limit"),
+            "replica {i} at the limit"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_serve_replicas_holdings_are_freed_once_when_its_lease_lapses_and_counted_once_on_restart()
+ {
+    let redis = redis_or_skip!();
+    let url = format!("{}0", redis.url());
+    let dir = tempfile::tempdir().unwrap();
+    let files = Files::write(dir.path(), TIGHT);
+    let mut r1 = Some(replica(&url, &files, dir.path(), "r1"));
+    let r2 = replica(&url, &files, dir.path(), "r2");
+    let r3 = replica(&url, &files, dir.path(), "r3");
+
+    // r1 holds two pending operations, r2 one: the client is at its limit on every replica.
+    let first = r1.as_ref().unwrap();
+    for (server, key) in [(first, "a1"), (first, "a2"), (&r2, "b1")] {
+        let (status, code, _) = submit(server, key).await;
+        assert_eq!(status, 202, "{key}: {code}");
+    }
+    assert_full(&[first, &r2, &r3], "full").await;
+
+    // kill -9 (Server's drop sends SIGKILL and reaps it).
+    drop(r1.take());
+
+    // A survivor admits again once r1's lease lapses and its holdings are released.
+    let deadline = Instant::now() + LEASE_PATIENCE;
+    let mut attempt = 0;
+    let freed_first = loop {
+        attempt += 1;
+        let (status, code, id) = submit(&r3, &format!("wait-{attempt}")).await;
+        if status == 202 {
+            break id;
+        }
+        assert_eq!(
+            (status, code.as_str()),
+            (429, "client_pending_limit"),
+            "refused only for the limit while r1's lease runs"
+        );
+        assert!(
+            Instant::now() < deadline,
+            "r1's holdings were never released"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    // Exactly the two r1 held were freed: one more is admitted, then the limit holds again.
+    let (status, code, freed_second) = submit(&r2, "after-kill-2").await;
+    assert_eq!(status, 202, "{code}");
+    assert_full(&[&r2, &r3], "after-kill-full").await;
+    let mut survivors = inbox(&r2).await;
+    survivors.extend(inbox(&r3).await);
+    assert_eq!(survivors.len(), 3, "{survivors:?}");
+
+    // r1 restarts under the same name on the same data dir and restores its two pending ops.
+    let r1 = replica(&url, &files, dir.path(), "r1");
+    // Its holdings are replaced in Redis before it admits; wait (bounded) until it says so.
+    let deadline = Instant::now() + LEASE_PATIENCE;
+    while !r1.logged().contains("registered with redis") {
+        assert!(
+            Instant::now() < deadline,
+            "r1 never registered:\n{}",
+            r1.logged()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let restored = inbox(&r1).await;
+    assert_eq!(restored.len(), 2, "{restored:?}");
+    // Five pending in all, over the limit: refused everywhere.
+    assert_full(&[&r1, &r2, &r3], "restored-full").await;
+
+    // Denying the two admitted after the kill leaves three: r1's restored work is counted.
+    deny(&r3, &freed_first).await;
+    deny(&r2, &freed_second).await;
+    assert_full(&[&r1, &r2, &r3], "restored-counted").await;
+
+    // Denying one restored op frees exactly one slot: it was counted once, not twice.
+    deny(&r1, &restored[0]).await;
+    let (status, code, _) = submit(&r3, "one-slot").await;
+    assert_eq!(status, 202, "{code}");
+    assert_full(&[&r1, &r2, &r3], "one-slot-full").await;
+    let mut all = inbox(&r1).await;
+    all.extend(inbox(&r2).await);
+    all.extend(inbox(&r3).await);
+    assert_eq!(
+        all.len(),
+        3,
+        "pending across the inboxes equals the limit: {all:?}"
+    );
+}
