@@ -61,6 +61,11 @@ mod broker;
 #[cfg(feature = "broker")]
 pub use broker::{agent_query, agent_query_accepted, submission, submission_accepted};
 
+#[cfg(feature = "redis")]
+mod redis;
+#[cfg(feature = "redis")]
+pub use redis::{redis_reply, redis_reply_accepted, redis_reply_value};
+
 /// Asserts that an error message reads as one line of text.
 fn assert_one_line(message: &str) {
     assert!(!message.is_empty(), "empty error message");

@@ -52,6 +52,12 @@ fn every_submission_corpus_file_holds_the_invariants() {
     assert!(replay("submission", fuzzing::submission) >= 12);
 }
 
+#[cfg(feature = "redis")]
+#[test]
+fn every_redis_reply_corpus_file_holds_the_invariants() {
+    assert!(replay("redis_reply", fuzzing::redis_reply) >= 12);
+}
+
 /// Seed files named `valid_*` must be accepted and `invalid_*` refused (by `accepts`), so the
 /// seeds reach both the round-trip checks and the error paths they were written for. Returns how
 /// many of each there are.
@@ -116,6 +122,37 @@ fn submission_seeds_are_judged_as_their_names_say() {
     );
 }
 
+#[cfg(feature = "redis")]
+#[test]
+fn redis_reply_seeds_are_judged_as_their_names_say() {
+    let (valid, invalid) = judge_seeds("redis_reply", fuzzing::redis_reply_accepted);
+    assert!(
+        valid >= 3 && invalid >= 3,
+        "{valid} valid, {invalid} invalid"
+    );
+}
+
+/// Thousands of pseudo-random replies, so a plain `cargo test` explores beyond the corpus.
+#[cfg(feature = "redis")]
+#[test]
+fn pseudo_random_redis_replies_hold_the_invariants() {
+    let mut state: u64 = 0x2545_F491_4F6C_DD1D;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let alphabet = b"*$+:_O#,%~\n0123456789adelmoprstu-";
+    for _ in 0..3_000 {
+        let len = (next() % 64) as usize;
+        let data: Vec<u8> = (0..len)
+            .map(|_| alphabet[(next() % alphabet.len() as u64) as usize])
+            .collect();
+        fuzzing::redis_reply(&data);
+    }
+}
+
 #[test]
 fn every_corpus_directory_has_a_replay() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus");
@@ -127,7 +164,8 @@ fn every_corpus_directory_has_a_replay() {
                 "controller_ops",
                 "secrets_parse",
                 "agent_query",
-                "submission"
+                "submission",
+                "redis_reply"
             ]
             .contains(&name.to_str().unwrap_or("")),
             "no replay for fuzz/corpus/{name:?}"
@@ -149,7 +187,7 @@ fn every_fuzz_target_has_a_seed_corpus() {
         );
         targets += 1;
     }
-    assert_eq!(targets, 5);
+    assert_eq!(targets, 6);
 }
 
 /// A few thousand pseudo-random op sequences, so a plain `cargo test` explores beyond the corpus.

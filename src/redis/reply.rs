@@ -76,7 +76,12 @@ impl std::error::Error for ReplyError {}
 
 fn bad(what: &str, value: &Value) -> ReplyError {
     let mut text = format!("{what}: {value:?}");
-    text.truncate(200);
+    // Cut on a character boundary: the reply may quote any text.
+    let mut end = text.len().min(200);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    text.truncate(end);
     ReplyError(text)
 }
 

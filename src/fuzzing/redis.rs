@@ -1,0 +1,267 @@
+//! The Redis scripts' replies (`crate::redis::reply`): arbitrary bytes decoded into a bounded
+//! `redis::Value` tree and fed to every reply parser.
+
+use ::redis::Value;
+
+use crate::engine::RefusalCode;
+use crate::redis::reply::{
+    AdmitReply, LeaseReply, TransitionReply, parse_admit, parse_lease, parse_pair, parse_reaped,
+    parse_transition,
+};
+
+/// Deepest nesting a decoded reply has (the scripts return at most one level of arrays).
+const MAX_DEPTH: usize = 4;
+/// Most values one decoded reply holds.
+const MAX_NODES: usize = 64;
+
+/// Decodes fuzz bytes into a reply, one tagged value at a time (text-friendly, so seeds are
+/// readable): `*` then a count byte (`% 8`) and that many values is an array; `$` and `+` take the
+/// bytes up to the next newline as a bulk string / simple string; `:` takes them as an integer
+/// (decimal when it parses, else the bytes little-endian); `_` is nil, `O` OK, `#` a boolean (next
+/// byte odd), `,` a double, `%` a map of a count byte's pairs, `~` a set; any other byte is nil.
+/// Running out of bytes ends the tree early; depth and size are bounded.
+struct Decoder<'a> {
+    data: &'a [u8],
+    nodes: usize,
+}
+
+impl Decoder<'_> {
+    fn byte(&mut self) -> Option<u8> {
+        let (&first, rest) = self.data.split_first()?;
+        self.data = rest;
+        Some(first)
+    }
+
+    fn line(&mut self) -> &[u8] {
+        let end = self
+            .data
+            .iter()
+            .position(|&b| b == b'\n')
+            .unwrap_or(self.data.len());
+        let (line, rest) = self.data.split_at(end);
+        self.data = rest.get(1..).unwrap_or(&[]);
+        line
+    }
+
+    fn children(&mut self, depth: usize) -> Vec<Value> {
+        let count = self.byte().map_or(0, |b| usize::from(b % 8));
+        (0..count)
+            .map_while(|_| (!self.data.is_empty()).then(|| self.value(depth + 1)))
+            .collect()
+    }
+
+    fn value(&mut self, depth: usize) -> Value {
+        self.nodes += 1;
+        let Some(tag) = self.byte() else {
+            return Value::Nil;
+        };
+        let nested = depth < MAX_DEPTH && self.nodes < MAX_NODES;
+        match tag {
+            b'*' if nested => Value::Array(self.children(depth)),
+            b'~' if nested => Value::Set(self.children(depth)),
+            b'%' if nested => {
+                let items = self.children(depth);
+                let mut items = items.into_iter();
+                let mut pairs = Vec::new();
+                while let (Some(k), Some(v)) = (items.next(), items.next()) {
+                    pairs.push((k, v));
+                }
+                Value::Map(pairs)
+            }
+            b'$' => Value::BulkString(self.line().to_vec()),
+            b'+' => Value::SimpleString(String::from_utf8_lossy(self.line()).into_owned()),
+            b':' => {
+                let line = self.line();
+                let n = std::str::from_utf8(line)
+                    .ok()
+                    .and_then(|s| s.parse::<i64>().ok())
+                    .unwrap_or_else(|| {
+                        let mut raw = [0u8; 8];
+                        let len = line.len().min(8);
+                        raw[..len].copy_from_slice(&line[..len]);
+                        i64::from_le_bytes(raw)
+                    });
+                Value::Int(n)
+            }
+            b'O' => Value::Okay,
+            b'#' => Value::Boolean(self.byte().is_some_and(|b| b % 2 == 1)),
+            b',' => Value::Double(f64::from(self.byte().unwrap_or(0)) / 4.0),
+            _ => Value::Nil,
+        }
+    }
+}
+
+/// The reply fuzz bytes decode to (see `redis_reply` for the format).
+pub fn redis_reply_value(data: &[u8]) -> Value {
+    Decoder { data, nodes: 0 }.value(0)
+}
+
+fn bulk(s: &str) -> Value {
+    Value::BulkString(s.as_bytes().to_vec())
+}
+
+fn int(n: u64) -> Value {
+    Value::Int(i64::try_from(n).expect("a parsed count fits an i64"))
+}
+
+fn state_text(state: u8) -> &'static str {
+    match state {
+        b'p' => "p",
+        b'a' => "a",
+        b'e' => "e",
+        other => panic!("a parsed state is not p, a or e: {other}"),
+    }
+}
+
+/// How the admission script writes a decision.
+fn encode_admit(reply: &AdmitReply) -> Value {
+    Value::Array(match reply {
+        AdmitReply::Admitted => vec![bulk("admitted")],
+        AdmitReply::Duplicate => vec![bulk("duplicate")],
+        AdmitReply::Lease => vec![bulk("lease")],
+        AdmitReply::Replay { id, replica } => vec![bulk("replay"), bulk(id), bulk(replica)],
+        AdmitReply::Refused {
+            code,
+            rate_wait_micros,
+            capacity,
+        } => vec![
+            bulk("refused"),
+            bulk(code.as_str()),
+            int(*rate_wait_micros),
+            Value::Int(i64::from(*capacity)),
+        ],
+    })
+}
+
+fn encode_transition(reply: TransitionReply) -> Value {
+    Value::Array(match reply {
+        TransitionReply::Moved(from) => vec![bulk("moved"), bulk(state_text(from))],
+        TransitionReply::NotAllowed(at) => vec![bulk("not_allowed"), bulk(state_text(at))],
+        TransitionReply::Same => vec![bulk("same")],
+        TransitionReply::Absent => vec![bulk("absent")],
+        TransitionReply::Saturated => vec![bulk("saturated")],
+    })
+}
+
+fn encode_lease(reply: LeaseReply) -> Value {
+    Value::SimpleString(
+        match reply {
+            LeaseReply::Renewed => "ok",
+            LeaseReply::Lapsed => "lapsed",
+            LeaseReply::Taken => "taken",
+        }
+        .to_string(),
+    )
+}
+
+fn assert_error_message(err: &impl std::fmt::Display) {
+    let message = err.to_string();
+    assert!(
+        message.starts_with("unexpected script reply: "),
+        "error does not say what it is: {message:?}"
+    );
+    // The quoted reply is cut, so a huge reply never floods the log.
+    assert!(message.len() <= 250, "error is not bounded: {message:?}");
+}
+
+/// Arbitrary bytes as a Redis script reply, fed to every parser in `redis::reply`.
+///
+/// No parser panics. A refusal names a known code other than `client_unconfigured` (the scripts
+/// never see an unconfigured identity), and a capacity code always comes with the capacity flag;
+/// a replay names a non-empty id and replica; a moved or refused transition names a state `p`,
+/// `a` or `e`; a reaped replica is named. Each accepted reply, written back the way the script
+/// writes it, parses to the same value; a rejected one has a bounded error naming it. The
+/// admission, transition and heartbeat replies have disjoint shapes, so at most one of them
+/// accepts any reply.
+pub fn redis_reply(data: &[u8]) {
+    let value = redis_reply_value(data);
+    let mut accepted_by = 0;
+
+    match parse_admit(&value) {
+        Ok(reply) => {
+            accepted_by += 1;
+            match &reply {
+                AdmitReply::Refused { code, capacity, .. } => {
+                    assert!(RefusalCode::ALL.contains(code));
+                    assert_ne!(*code, RefusalCode::ClientUnconfigured);
+                    assert!(*capacity || !code.is_capacity(), "{reply:?}");
+                }
+                AdmitReply::Replay { id, replica } => {
+                    assert!(!id.is_empty() && !replica.is_empty(), "{reply:?}");
+                }
+                AdmitReply::Admitted | AdmitReply::Duplicate | AdmitReply::Lease => {}
+            }
+            assert_eq!(parse_admit(&encode_admit(&reply)), Ok(reply));
+        }
+        Err(err) => assert_error_message(&err),
+    }
+
+    match parse_transition(&value) {
+        Ok(reply) => {
+            accepted_by += 1;
+            // `encode_transition` panics on a state other than p, a or e.
+            assert_eq!(parse_transition(&encode_transition(reply)), Ok(reply));
+        }
+        Err(err) => assert_error_message(&err),
+    }
+
+    match parse_lease(&value) {
+        Ok(reply) => {
+            accepted_by += 1;
+            assert_eq!(parse_lease(&encode_lease(reply)), Ok(reply));
+            assert_eq!(
+                parse_lease(&bulk(match reply {
+                    LeaseReply::Renewed => "ok",
+                    LeaseReply::Lapsed => "lapsed",
+                    LeaseReply::Taken => "taken",
+                })),
+                Ok(reply)
+            );
+        }
+        Err(err) => assert_error_message(&err),
+    }
+    assert!(accepted_by <= 1, "{value:?} parses as two kinds of reply");
+
+    match parse_pair(&value) {
+        Ok((a, b)) => {
+            let again = parse_pair(&Value::Array(vec![int_or_text(a), int_or_text(b)]));
+            assert_eq!(again, Ok((a, b)));
+        }
+        Err(err) => assert_error_message(&err),
+    }
+
+    match parse_reaped(&value) {
+        Ok(reaped) => {
+            let Value::Array(items) = &value else {
+                panic!("a reap reply that is not an array parsed: {value:?}");
+            };
+            assert_eq!(items.len(), reaped.len() * 2);
+            let encoded = reaped
+                .iter()
+                .flat_map(|(replica, n)| [bulk(replica), int_or_text(*n)])
+                .collect();
+            let again = parse_reaped(&Value::Array(encoded));
+            for (replica, _) in &reaped {
+                assert!(!replica.is_empty(), "{reaped:?}");
+            }
+            assert_eq!(again, Ok(reaped));
+        }
+        Err(err) => assert_error_message(&err),
+    }
+}
+
+/// A count as the scripts write it: an integer, or its decimal text when it exceeds an i64 (Lua
+/// numbers reach Redis as integers; a text count is parsed the same way).
+fn int_or_text(n: u64) -> Value {
+    i64::try_from(n).map_or_else(|_| bulk(&n.to_string()), Value::Int)
+}
+
+/// Whether any parser accepts the reply these bytes decode to (the seed corpus names say which).
+pub fn redis_reply_accepted(data: &[u8]) -> bool {
+    let value = redis_reply_value(data);
+    parse_admit(&value).is_ok()
+        || parse_transition(&value).is_ok()
+        || parse_lease(&value).is_ok()
+        || parse_pair(&value).is_ok()
+        || parse_reaped(&value).is_ok()
+}
