@@ -93,15 +93,7 @@ async fn start_queued(core: &Arc<Core>) {
         match op.handle.try_start() {
             Ok(()) => {
                 core.executor.queue().pop_front();
-                let written = core
-                    .db
-                    .set_state(
-                        &op.id,
-                        OperationState::Approved,
-                        OperationState::Executing,
-                        None,
-                    )
-                    .await;
+                let written = record_start_in_store(core, &op).await;
                 match written {
                     Ok(Some(_)) => {
                         core.changed(&op, OperationState::Approved, OperationState::Executing);
@@ -152,15 +144,7 @@ async fn record_start(core: Arc<Core>, op: Arc<LiveOp>) {
         }
         let quiet = core.hold_counts().await;
         let guard = op.lock.lock().await;
-        let written = core
-            .db
-            .set_state(
-                &op.id,
-                OperationState::Approved,
-                OperationState::Executing,
-                None,
-            )
-            .await;
+        let written = record_start_in_store(&core, &op).await;
         match written {
             Ok(Some(_)) => {
                 core.changed(&op, OperationState::Approved, OperationState::Executing);
@@ -226,4 +210,20 @@ async fn execute(core: Arc<Core>, op: Arc<LiveOp>) {
             }
         }
     }
+}
+
+/// Writes `op`'s move from approved to executing to the store (the one durable step of a start);
+/// `Ok(None)` when the stored row is no longer approved.
+async fn record_start_in_store(
+    core: &Core,
+    op: &LiveOp,
+) -> Result<Option<super::store::OperationRecord>, super::store::StoreError> {
+    core.db
+        .set_state(
+            &op.id,
+            OperationState::Approved,
+            OperationState::Executing,
+            None,
+        )
+        .await
 }
