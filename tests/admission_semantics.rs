@@ -64,12 +64,14 @@ semantic_tests! {
     cancel_reports_the_state_it_left_and_changes_nothing_once_terminal,
     dropped_operation_handles_release_their_slots_as_if_failed,
     cancel_racing_approve_releases_once,
+    cancel_racing_start_releases_the_execution_slot_once,
     starting_without_a_free_slot_leaves_the_operation_queued,
     restored_work_counts_even_above_a_lowered_limit,
     restore_of_an_unconfigured_identity_counts_globally_but_admits_nothing,
     reload_keeps_counts_and_scales_the_bucket_fill,
     reload_rescales_a_bucket_to_a_new_window_without_a_fresh_burst_or_confiscation,
     removed_identity_is_refused_but_its_live_work_still_releases,
+    refund_after_a_reload_that_changed_the_rate_returns_exactly_the_token_taken,
 }
 
 /// An hour: a token of `limits(10, HOUR, ..)` takes six minutes to come back.
@@ -643,6 +645,41 @@ async fn cancel_racing_approve_releases_once(kind: Kind) {
     }
 }
 
+async fn cancel_racing_start_releases_the_execution_slot_once(kind: Kind) {
+    let config = config(global(10, 1), &[("a", limits(100_000, 60, 5, 5))], &["a"]);
+    let Some(b) = kind.with(config).start().await else {
+        return;
+    };
+    for round in 0..200 {
+        let op = Arc::new(b.admit_op("a", false).await);
+        let racer = Arc::clone(&op);
+        let start = tokio::spawn(async move { racer.try_start().await });
+        let canceled = op.cancel().await;
+        let started = start.await.unwrap();
+        match (canceled, started) {
+            (Ok(CancelOutcome::Canceled { from }), Err(NotStarted::NotApproved(state))) => {
+                assert_eq!(
+                    (from, state),
+                    (OperationState::Approved, OperationState::Canceled),
+                    "round {round}"
+                );
+            }
+            (Err(refused), Ok(())) => {
+                assert_eq!(refused.from, OperationState::Executing, "round {round}");
+                assert_eq!(b.counts().await.global.all(), (1, 0, 0, 1), "round {round}");
+                op.succeed().await.unwrap();
+            }
+            other => panic!("round {round}: exactly one of cancel and start wins: {other:?}"),
+        }
+        assert!(op.state().is_terminal());
+        assert!(b.counts().await.is_idle(), "round {round}");
+    }
+    // The one execution slot is free: nothing kept it.
+    let last = b.admit_op("a", false).await;
+    last.try_start().await.unwrap();
+    last.succeed().await.unwrap();
+}
+
 async fn starting_without_a_free_slot_leaves_the_operation_queued(kind: Kind) {
     let Some(b) = kind.with(config(global(10, 1), &[], &["a"])).start().await else {
         return;
@@ -826,4 +863,85 @@ async fn removed_identity_is_refused_but_its_live_work_still_releases(kind: Kind
         8,
         "tokens spent before the removal stay spent"
     );
+}
+
+/// A refund after one or more reloads that changed the rate gives back exactly the token the
+/// permit took: the client ends where a twin that never took it is, token for token.
+async fn refund_after_a_reload_that_changed_the_rate_returns_exactly_the_token_taken(kind: Kind) {
+    // (requests, window) before and after: a longer window, more requests, fewer, both. On
+    // Redis, whose clock runs, every window is 360 times longer, so that no token comes back
+    // between the two clients' drains.
+    let stretch = match kind {
+        Kind::InProcess => 1,
+        Kind::Redis => 360,
+    };
+    let changes = [
+        ((10, 10), vec![(10, 100)]),
+        ((10, 60), vec![(100, 60)]),
+        ((100, 60), vec![(3, 60)]),
+        ((3, 60), vec![(7, 10)]),
+        ((10, 10), vec![(10, 100), (100, 100), (5, 20)]),
+    ];
+    for spent in [0, 1, 2] {
+        for (before, reloads) in &changes {
+            let both = |(n, w): (u32, u32)| {
+                config(
+                    Limits::DEFAULT,
+                    &[
+                        ("bot", limits(n, w * stretch, 50, 50)),
+                        ("twin", limits(n, w * stretch, 50, 50)),
+                    ],
+                    &["bot", "twin"],
+                )
+            };
+            let Some(b) = kind.with(both(*before)).start().await else {
+                return;
+            };
+            for _ in 0..spent {
+                drop(b.admit("bot", false).await.unwrap());
+                drop(b.admit("twin", false).await.unwrap());
+            }
+            let permit = b.admit("bot", false).await.unwrap();
+            for &after in reloads {
+                b.reload(both(after));
+            }
+            permit.refund().await;
+            b.settle().await;
+            let case = format!("{spent} spent, {before:?} then {reloads:?}");
+            if let Some(c) = b.in_process() {
+                let s = c.snapshot();
+                assert_eq!(
+                    s.client("bot").unwrap().tokens,
+                    s.client("twin").unwrap().tokens,
+                    "{case}"
+                );
+            }
+            // Drained, both wait as long for their next token: exactly on the manual clock; on
+            // Redis's the twin drains a moment later, so its wait may round a second shorter.
+            let (bot, bot_refusal) = b.drain("bot").await;
+            let (twin, twin_refusal) = b.drain("twin").await;
+            assert_eq!(bot, twin, "{case}");
+            assert_eq!(bot_refusal.code, RefusalCode::SubmissionRateLimited);
+            assert_eq!(twin_refusal.code, RefusalCode::SubmissionRateLimited);
+            match b.manual_clock() {
+                Some(clock) => {
+                    assert_eq!(bot_refusal, twin_refusal, "{case}");
+                    let (n, w) = *reloads.last().unwrap();
+                    clock.advance(Duration::from_secs(u64::from(w)) / n);
+                    assert_eq!(
+                        b.drain("bot").await,
+                        b.drain("twin").await,
+                        "{case}: one interval later"
+                    );
+                }
+                None => assert!(
+                    bot_refusal
+                        .retry_after_secs()
+                        .abs_diff(twin_refusal.retry_after_secs())
+                        <= 1,
+                    "{case}: {bot_refusal:?} vs {twin_refusal:?}"
+                ),
+            }
+        }
+    }
 }

@@ -199,6 +199,31 @@ impl Backend {
         }
     }
 
+    /// The in-process backend's clock, for what only a clock a test moves can show; `None` on
+    /// Redis.
+    pub fn manual_clock(&self) -> Option<&ManualClock> {
+        match self {
+            Backend::InProcess { clock, .. } => Some(clock),
+            Backend::Redis { .. } => None,
+        }
+    }
+
+    /// Admissions by `client` (each committed then failed, so no slot stays taken) until one is
+    /// refused: how many were admitted, and the refusal.
+    pub async fn drain(&self, client: &str) -> (u64, Refusal) {
+        let mut admitted = 0;
+        loop {
+            match self.admit(client, false).await {
+                Ok(permit) => {
+                    permit.commit().fail().await.unwrap();
+                    admitted += 1;
+                }
+                Err(refusal) => return (admitted, refusal),
+            }
+            assert!(admitted <= 1_000_000, "{client}'s bucket never empties");
+        }
+    }
+
     /// Decides one submission. On Redis an answer other than admitted or refused (unavailable,
     /// replay) fails the test: the semantic tests run on a healthy Redis without idempotency keys.
     pub async fn admit(&self, client: &str, needs_approval: bool) -> Result<AnyPermit, Refusal> {
@@ -364,24 +389,12 @@ impl Backend {
         let reading = self
             .in_process()
             .map(|c| c.snapshot().client(client).map_or(0, |c| c.tokens));
-        let mut spent = 0;
-        loop {
-            match self.admit(client, false).await {
-                Ok(permit) => {
-                    permit.commit().fail().await.unwrap();
-                    spent += 1;
-                }
-                Err(refusal) => {
-                    assert_eq!(
-                        refusal.code,
-                        RefusalCode::SubmissionRateLimited,
-                        "{client}'s tokens are counted only while capacity is free"
-                    );
-                    break;
-                }
-            }
-            assert!(spent <= 1_000_000, "{client}'s bucket never empties");
-        }
+        let (spent, refusal) = self.drain(client).await;
+        assert_eq!(
+            refusal.code,
+            RefusalCode::SubmissionRateLimited,
+            "{client}'s tokens are counted only while capacity is free"
+        );
         if let Some(reading) = reading {
             assert_eq!(reading, spent, "the snapshot's token reading for {client}");
         }
