@@ -71,6 +71,8 @@ semantic_tests! {
     reload_keeps_counts_and_scales_the_bucket_fill,
     reload_rescales_a_bucket_to_a_new_window_without_a_fresh_burst_or_confiscation,
     removed_identity_is_refused_but_its_live_work_still_releases,
+    reload_lowering_global_limits_below_usage_refuses_until_it_drains,
+    rate_wait_after_a_reload_is_one_interval_of_the_new_rate,
     refund_after_a_reload_that_changed_the_rate_returns_exactly_the_token_taken,
 }
 
@@ -830,6 +832,69 @@ async fn reload_rescales_a_bucket_to_a_new_window_without_a_fresh_burst_or_confi
     assert_eq!(b.spend_all_tokens("amy").await, 12);
     assert_eq!(b.spend_all_tokens("bob").await, 6);
     assert_eq!(b.counts().await.global.active, 8);
+}
+
+async fn reload_lowering_global_limits_below_usage_refuses_until_it_drains(kind: Kind) {
+    let clients = ["a", "b", "c"];
+    let Some(b) = kind
+        .with(config(global(10, 2), &[], &clients))
+        .start()
+        .await
+    else {
+        return;
+    };
+    let running = [b.admit_op("a", false).await, b.admit_op("b", false).await];
+    let queued = b.admit_op("a", false).await;
+    for op in &running {
+        op.try_start().await.unwrap();
+    }
+    b.reload(config(global(2, 1), &[], &clients));
+    assert_eq!(
+        b.counts().await.global.all(),
+        (3, 0, 1, 2),
+        "counts are kept"
+    );
+    assert_eq!(
+        b.refusal("c", false).await.code,
+        RefusalCode::GlobalOperationLimit
+    );
+    assert!(matches!(
+        queued.try_start().await,
+        Err(NotStarted::Saturated(_))
+    ));
+    running[0].succeed().await.unwrap();
+    assert_eq!(
+        b.refusal("c", false).await.code,
+        RefusalCode::GlobalOperationLimit,
+        "two active of two"
+    );
+    assert!(
+        matches!(queued.try_start().await, Err(NotStarted::Saturated(_))),
+        "one executing of one"
+    );
+    running[1].fail().await.unwrap();
+    queued.try_start().await.unwrap();
+    assert_eq!(
+        b.refusal("c", true).await.code,
+        RefusalCode::GlobalExecutionLimit
+    );
+    queued.succeed().await.unwrap();
+    assert!(b.counts().await.is_idle());
+    assert!(b.admit("c", true).await.is_ok());
+}
+
+async fn rate_wait_after_a_reload_is_one_interval_of_the_new_rate(kind: Kind) {
+    let Some(b) = one_client(kind, 10, HOUR, 20, 20).await else {
+        return;
+    };
+    assert_eq!(b.spend_all_tokens("bot").await, 10);
+    b.assert_rate_wait(&b.refusal("bot", false).await, Duration::from_secs(360));
+    // Half the rate over the same window: the empty bucket stays empty, and its next token is
+    // one new interval away.
+    b.reload(one_client_config(5, HOUR, 20, 20));
+    b.assert_rate_wait(&b.refusal("bot", false).await, Duration::from_secs(720));
+    b.reload(one_client_config(40, HOUR, 20, 20));
+    b.assert_rate_wait(&b.refusal("bot", false).await, Duration::from_secs(90));
 }
 
 async fn removed_identity_is_refused_but_its_live_work_still_releases(kind: Kind) {
