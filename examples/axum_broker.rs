@@ -1,30 +1,25 @@
-//! A complete broker embedding the admission controller, written so that a client hanging up can
-//! never leave the counts and the store disagreeing. Run it with
-//! `cargo run --example axum_broker -- SECRETS_FILE [QUOTA_FILE]` (the secrets file holds
-//! `name = secret` lines; the client named `operator` decides approvals; `kill -HUP` reloads both).
+//! A complete broker embedding the admission controller, in which a client hanging up can never
+//! leave the counts and the store disagreeing: `cargo run --example axum_broker -- SECRETS_FILE
+//! [QUOTA_FILE]` (`name = secret` lines; `operator` decides approvals; `kill -HUP` reloads both).
 //!
-//! The rule it follows: a handler future is dropped at whatever `.await` it is parked on when its
-//! client hangs up. So each mutating handler only authenticates, validates and reads until it
-//! *decides*; from there the whole change runs in `tokio::spawn`ed work the handler merely awaits
-//! (dropping a `JoinHandle` does not cancel its task). `Permit`s and `Operation`s never live in a
-//! handler's future.
+//! Each mutating handler only authenticates, validates and reads until it *decides*; from there
+//! the whole change runs in [`run_to_end`], so `Permit`s and `Operation`s never live in a handler's
+//! future (the crate docs' "In an async broker" says what a dropped future does).
 
-use std::collections::HashMap;
-use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
 use std::sync::{Arc, Mutex, RwLock};
-use std::time::Duration;
+use std::{collections::HashMap, net::SocketAddr, path::PathBuf, time::Duration};
 
-use axum::extract::{Path, State};
+use axum::extract::{Json, Path, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::{Json, Router};
 use rusqlite::{Connection, OptionalExtension, params};
 use serde_json::{Value, json};
+use unyolo_admission::OperationState::{self, Approved, Canceled, Denied, Executing, Pending};
 use unyolo_admission::config::{Identity, Secrets};
 use unyolo_admission::prometheus_client::{encoding::text::encode, registry::Registry};
-use unyolo_admission::{CancelOutcome, Config, Controller, Operation, OperationState, metrics};
+use unyolo_admission::{CancelOutcome, Config, Controller, Operation, Refusal, metrics};
 
 /// What the broker starts from.
 pub struct Settings {
@@ -32,22 +27,20 @@ pub struct Settings {
     pub db_path: PathBuf,
     pub secrets_path: PathBuf,
     pub quota_path: Option<PathBuf>,
-    /// Extra latency on every store write (a slow disk; the test uses it to hang up mid-write).
+    /// Extra latency on each write after start-up (a slow disk; the test hangs up mid-write).
     pub store_delay: Duration,
 }
 
 /// One live operation: its lifecycle handle, and a lock that keeps each transition and its store
 /// write together, so two decisions racing are written in the order they were made.
 struct Live {
-    client: String,
     handle: Operation,
-    duration: Duration,
     lock: tokio::sync::Mutex<()>,
 }
 
 pub struct App {
     pub controller: Controller,
-    secrets: RwLock<Arc<Secrets>>,
+    secrets: RwLock<Secrets>,
     settings: Settings,
     db: Arc<Mutex<Connection>>,
     live: Mutex<HashMap<i64, Arc<Live>>>,
@@ -55,18 +48,37 @@ pub struct App {
     registry: Registry,
 }
 
-type Reply = (StatusCode, Json<Value>);
+/// A handler's answer; refusals are `Err`, so `?` returns them.
+type Answer = Result<Response, Response>;
 
-fn reply(status: u16, body: Value) -> Reply {
-    (StatusCode::from_u16(status).expect("a status"), Json(body))
+fn reply(status: u16, body: Value) -> Response {
+    (StatusCode::from_u16(status).expect("a status"), Json(body)).into_response()
 }
 
-fn error(status: u16, code: &str, message: &str) -> Reply {
+fn error(status: u16, code: &str, message: &str) -> Response {
     reply(status, json!({"error": {"code": code, "message": message}}))
 }
 
-fn operation(status: u16, id: i64, state: &str) -> Reply {
-    reply(status, json!({"id": id, "state": state}))
+fn unauthorized() -> Response {
+    error(401, "authentication_failed", "No known bearer token.")
+}
+
+fn operation(status: u16, id: i64, state: OperationState) -> Response {
+    reply(status, json!({"id": id, "state": state.as_str()}))
+}
+
+/// A refusal as HTTP: its status and stable code, and `Retry-After` unless retrying cannot help.
+fn refused(refusal: Refusal) -> Response {
+    let (status, code) = (refusal.http_status(), refusal.code.as_str());
+    let secs = refusal.retry_after_header();
+    let retry_after = secs.map(|secs| [(header::RETRY_AFTER, secs)]);
+    (retry_after, error(status, code, refusal.message())).into_response()
+}
+
+/// Runs `work` on a task of its own and waits for it. Dropped with its handler (the client hung
+/// up), this stops waiting but the work runs on: dropping a `JoinHandle` does not cancel its task.
+async fn run_to_end<T: Send + 'static>(work: impl Future<Output = T> + Send + 'static) -> T {
+    tokio::spawn(work).await.expect("detached work")
 }
 
 impl App {
@@ -84,66 +96,31 @@ impl App {
         tokio::task::spawn_blocking(work).await.expect("store task")
     }
 
-    async fn set_state(&self, id: i64, state: OperationState) {
-        let sql = "UPDATE operations SET state = ?1 WHERE id = ?2";
-        let write = self.store(true, move |db| db.execute(sql, params![state.as_str(), id]));
-        write.await.expect("store write");
-    }
-
     /// The client whose bearer token this is (`Secrets::identify` compares in constant time).
-    fn identify(&self, headers: &HeaderMap) -> Result<Identity, Reply> {
+    fn identify(&self, headers: &HeaderMap) -> Option<Identity> {
         let bearer = headers.get(header::AUTHORIZATION).map(|v| v.as_bytes());
-        let Some(token) = bearer.and_then(|v| v.strip_prefix(b"Bearer ")) else {
-            return Err(error(401, "authentication_failed", "No token."));
-        };
-        let secrets = Arc::clone(&self.secrets.read().unwrap());
-        let identity = secrets.identify(token).cloned();
-        identity.ok_or_else(|| error(403, "authentication_failed", "Unknown token."))
+        let token = bearer.and_then(|v| v.strip_prefix(b"Bearer "))?;
+        self.secrets.read().unwrap().identify(token).cloned()
     }
 
-    fn operator(&self, headers: &HeaderMap) -> Result<(), Reply> {
-        match self.identify(headers)?.as_str() {
-            "operator" => Ok(()),
-            _ => Err(error(403, "authentication_failed", "Operators only.")),
-        }
-    }
-
-    fn key_lock(&self, client: &str, key: &str) -> Arc<tokio::sync::Mutex<()>> {
-        use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
-        let hashed = BuildHasherDefault::<DefaultHasher>::default().hash_one((client, key));
-        Arc::clone(&self.key_locks[hashed as usize % self.key_locks.len()])
-    }
-
-    fn live(&self, id: i64) -> Option<Arc<Live>> {
-        self.live.lock().unwrap().get(&id).cloned()
-    }
-
-    /// Keeps a committed or restored handle where no request owns it; approved work goes to the
-    /// executor.
-    fn track(self: &Arc<Self>, id: i64, client: String, handle: Operation, duration_ms: u64) {
-        let approved = handle.state() == OperationState::Approved;
-        let duration = Duration::from_millis(duration_ms);
-        let live = Arc::new(Live {
-            client,
-            handle,
-            duration,
-            lock: Default::default(),
-        });
+    /// Keeps a handle where no request owns it; approved work goes to the executor.
+    fn track(self: &Arc<Self>, id: i64, handle: Operation) {
+        let (approved, lock) = (handle.state() == Approved, Default::default());
+        let live = Arc::new(Live { handle, lock });
         self.live.lock().unwrap().insert(id, Arc::clone(&live));
         if approved {
             tokio::spawn(execute(Arc::clone(self), id, live));
         }
     }
 
-    /// The store's count of operations in each state, for comparison with the controller.
-    pub async fn stored_counts(&self) -> HashMap<String, u64> {
-        let sql = "SELECT state, COUNT(*) FROM operations GROUP BY state";
-        let read = self.store(false, move |db| {
-            let mut query = db.prepare(sql)?;
-            let rows = query.query_map([], |r| Ok((r.get(0)?, r.get::<_, i64>(1)? as u64)))?;
-            rows.collect()
-        });
-        read.await.expect("store read")
+    /// Writes the move to `to` its caller made (holding the operation's lock) to the store.
+    async fn record(&self, id: i64, to: OperationState) {
+        let sql = "UPDATE operations SET state = ?1 WHERE id = ?2";
+        let write = self.store(true, move |db| db.execute(sql, params![to.as_str(), id]));
+        write.await.expect("store write");
+        if to.is_terminal() {
+            self.live.lock().unwrap().remove(&id);
+        }
     }
 }
 
@@ -153,25 +130,16 @@ pub async fn start(settings: Settings) -> (SocketAddr, Arc<App>) {
     let quota = settings.quota_path.as_deref();
     let config = Config::from_optional_path(quota, secrets.identities().cloned()).expect("quota");
     let controller = Controller::new(config);
-    let db = Connection::open(&settings.db_path).expect("store");
-    db.execute_batch(
-        "CREATE TABLE IF NOT EXISTS operations (id INTEGER PRIMARY KEY, client TEXT NOT NULL,
-         key TEXT NOT NULL, duration_ms INTEGER NOT NULL, state TEXT NOT NULL,
-         UNIQUE (client, key));
-         -- Work that was executing when the process stopped may or may not have happened: it
-         -- must never run twice, so it ends failed and is not restored.
-         UPDATE operations SET state = 'failed' WHERE state = 'executing';",
-    )
-    .expect("schema");
     let mut registry = Registry::default();
     metrics::register(&mut registry, &controller);
     let listener = tokio::net::TcpListener::bind(settings.listen).await;
     let listener = listener.expect("bind");
+    let db = Connection::open(&settings.db_path).expect("store");
     let app = Arc::new(App {
         controller,
-        secrets: RwLock::new(Arc::new(secrets)),
-        settings,
+        secrets: RwLock::new(secrets),
         db: Arc::new(Mutex::new(db)),
+        settings,
         live: Mutex::new(HashMap::new()),
         key_locks: (0..64).map(|_| Default::default()).collect(),
         registry,
@@ -179,34 +147,32 @@ pub async fn start(settings: Settings) -> (SocketAddr, Arc<App>) {
     restore(&app).await;
     tokio::spawn(reload_on_sighup(Arc::clone(&app)));
     let addr = listener.local_addr().expect("address");
-    let routes = Router::new()
+    let routes = axum::Router::new()
         .route("/operations", post(submit))
-        .route("/operations/{id}/cancel", post(cancel))
-        .route("/requests/{id}/{decision}", post(decide))
+        .route("/operations/{id}/{decision}", post(decide))
         .route("/metrics", get(render_metrics))
         .with_state(Arc::clone(&app));
     tokio::spawn(async move { axum::serve(listener, routes).await.expect("serve") });
     (addr, app)
 }
 
-/// Puts every live row back under the controller's counts; approved ones go to the executor.
+/// Creates the store if new and puts its live rows back under the controller's counts.
 async fn restore(app: &Arc<App>) {
-    let sql = "SELECT id, client, duration_ms, state FROM operations
-               WHERE state IN ('pending', 'approved')";
+    let schema = "CREATE TABLE IF NOT EXISTS operations (id INTEGER PRIMARY KEY,
+        client TEXT NOT NULL, key TEXT NOT NULL, state TEXT NOT NULL, UNIQUE (client, key));
+        -- Work found executing may or may not have run; it must never run twice: it ends failed.
+        UPDATE operations SET state = 'failed' WHERE state = 'executing';";
+    let sql = "SELECT id, client, state FROM operations WHERE state IN ('pending', 'approved')";
     let read = app.store(false, move |db| {
+        db.execute_batch(schema)?;
         let mut query = db.prepare(sql)?;
-        let rows = query.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))?;
-        rows.collect::<rusqlite::Result<Vec<(i64, String, u64, String)>>>()
+        let rows = query.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?;
+        rows.collect::<rusqlite::Result<Vec<(i64, String, String)>>>()
     });
-    for (id, client, duration_ms, state) in read.await.expect("store read") {
+    for (id, client, state) in read.await.expect("store read") {
         let state = OperationState::parse(&state).expect("a stored state");
-        let handle = app.controller.restore(&client, state);
-        app.track(
-            id,
-            client.clone(),
-            handle.expect("a live state"),
-            duration_ms,
-        );
+        let handle = app.controller.restore(&client, state).expect("a live row");
+        app.track(id, handle);
     }
 }
 
@@ -214,183 +180,137 @@ async fn reload_on_sighup(app: Arc<App>) {
     use tokio::signal::unix::{SignalKind, signal};
     let mut hangups = signal(SignalKind::hangup()).expect("SIGHUP handler");
     while hangups.recv().await.is_some() {
-        // New secrets may add clients: the controller takes the new identities with the limits.
         let Ok(secrets) = Secrets::from_path(&app.settings.secrets_path) else {
             app.controller.record_failed_reload();
             continue;
         };
-        let (quota, identities) = (app.settings.quota_path.as_deref(), secrets.identities());
-        let controller = &app.controller;
-        if controller
-            .reload_from_optional_path(quota, identities.cloned())
-            .is_ok()
-        {
-            *app.secrets.write().unwrap() = Arc::new(secrets);
+        // New secrets may add clients: their tokens work once the controller has taken them.
+        let quota = app.settings.quota_path.as_deref();
+        let ids = secrets.identities().cloned();
+        if app.controller.reload_from_optional_path(quota, ids).is_ok() {
+            *app.secrets.write().unwrap() = secrets;
         }
     }
 }
 
-async fn submit(State(app): State<Arc<App>>, headers: HeaderMap, body: Json<Value>) -> Response {
+async fn submit(State(app): State<Arc<App>>, headers: HeaderMap, body: Json<Value>) -> Answer {
     // Authenticate and validate: no quota, no write.
-    let client = match app.identify(&headers) {
-        Ok(client) => client,
-        Err(reply) => return reply.into_response(),
+    let client = app.identify(&headers).ok_or_else(unauthorized)?;
+    let state = match body["operation"].as_str() {
+        Some("demo.run") => Approved,
+        Some("demo.request") => Pending, // Waits for the operator's approval.
+        _ => return Err(error(400, "operation_not_registered", "Unknown.")),
     };
-    let (key, kind) = (body["idempotency_key"].as_str(), body["operation"].as_str());
-    let needs_approval = match kind {
-        Some("demo.run") => false,
-        Some("demo.request") => true,
-        _ => return error(400, "operation_not_registered", "Unknown.").into_response(),
-    };
-    let Some(key) = key.map(str::to_owned) else {
-        return error(400, "invalid_request", "No idempotency_key.").into_response();
-    };
-    let duration_ms = body["duration_ms"].as_u64().unwrap_or(0).min(600_000);
-    // Replay under the key's lock, so concurrent duplicates create exactly one operation. A
-    // hangup while waiting for the lock or the read drops the guard: nothing changed.
-    let guard = app.key_lock(client.as_str(), &key).lock_owned().await;
+    let key = body["idempotency_key"].as_str().map(str::to_owned);
+    let key = key.ok_or_else(|| error(400, "invalid_request", "No idempotency_key."))?;
+    // Replay under the key's lock, so concurrent duplicates create exactly one operation (without
+    // it, the loser of the race would hold a permit it must refund). A hangup while waiting for
+    // the lock or the read drops the guard: nothing changed.
+    let stripe = BuildHasherDefault::<DefaultHasher>::default().hash_one((&client, &key));
+    let lock = &app.key_locks[stripe as usize % app.key_locks.len()];
+    let guard = Arc::clone(lock).lock_owned().await;
     let sql = "SELECT id, state FROM operations WHERE client = ?1 AND key = ?2";
     let (c, k) = (client.to_string(), key.clone());
     let row = |r: &rusqlite::Row| Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?));
-    let read = app.store(false, move |db| {
-        db.query_row(sql, params![c, k], row).optional()
-    });
-    if let Some((id, state)) = read.await.expect("store read") {
-        return operation(200, id, &state).into_response();
+    let find = move |db: &Connection| db.query_row(sql, params![c, k], row).optional();
+    if let Some((id, state)) = app.store(false, find).await.expect("store read") {
+        return Ok(reply(200, json!({"id": id, "state": state})));
     }
-    // Decided: admit, insert, commit (or refund) and hand-off run detached, still under the
-    // key's lock. No permit is ever held across an `.await` of the handler.
-    let work = tokio::spawn(async move {
+    // Decided: admit, insert, commit (or refund) and hand-off run to their end, still under the
+    // key's lock, so a retry with the same key waits for them and then replays.
+    run_to_end(async move {
         let _guard = guard;
-        let permit = match app.controller.admit(&client, needs_approval) {
-            Ok(permit) => permit,
-            Err(refusal) => {
-                let body = error(
-                    refusal.http_status(),
-                    refusal.code.as_str(),
-                    refusal.message(),
-                );
-                return match refusal.retry_after_header() {
-                    Some(secs) => ([(header::RETRY_AFTER, secs)], body).into_response(),
-                    None => body.into_response(), // 403: retrying cannot help.
-                };
-            }
-        };
-        let state = if needs_approval {
-            OperationState::Pending
-        } else {
-            OperationState::Approved
-        };
-        let sql =
-            "INSERT INTO operations (client, key, duration_ms, state) VALUES (?1, ?2, ?3, ?4)";
-        let row = (client.to_string(), key, duration_ms, state.as_str());
-        let insert = move |db: &Connection| {
-            db.execute(sql, params![row.0, row.1, row.2, row.3])?;
+        let admitted = app.controller.admit(&client, state == Pending);
+        let permit = admitted.map_err(refused)?;
+        let sql = "INSERT INTO operations (client, key, state) VALUES (?1, ?2, ?3)";
+        let insert = app.store(true, move |db| {
+            db.execute(sql, params![client.as_str(), key, state.as_str()])?;
             Ok(db.last_insert_rowid())
+        });
+        let Ok(id) = insert.await else {
+            // Our failure, not the client's: `refund` gives the rate token back too (a dropped
+            // permit returns only the slots, and counts as an embedder bug).
+            permit.refund();
+            return Err(error(503, "store_unavailable", "Retry."));
         };
-        let Ok(id) = app.store(true, insert).await else {
-            permit.refund(); // Our fault, not the client's: give the token back too.
-            return error(503, "store_unavailable", "Retry.").into_response();
-        };
-        app.track(id, client.to_string(), permit.commit(), duration_ms);
-        operation(202, id, state.as_str()).into_response()
-    });
-    work.await.expect("submission task")
+        app.track(id, permit.commit());
+        Ok(operation(202, id, state))
+    })
+    .await
 }
 
-async fn cancel(State(app): State<Arc<App>>, headers: HeaderMap, Path(id): Path<i64>) -> Reply {
-    let client = match app.identify(&headers) {
-        Ok(client) => client,
-        Err(reply) => return reply,
-    };
-    let Some(live) = app.live(id).filter(|live| live.client == client.as_str()) else {
-        return error(404, "not_found", "No such live operation.");
-    };
-    // Decided: the transition and its store write run to their end together.
-    let work = tokio::spawn(async move {
-        let _order = live.lock.lock().await;
-        match live.handle.cancel() {
-            Ok(CancelOutcome::Canceled { .. }) => {
-                app.set_state(id, OperationState::Canceled).await;
-                app.live.lock().unwrap().remove(&id);
-                operation(200, id, "canceled")
-            }
-            // Already terminal: the store has it right; write nothing over it.
-            Ok(CancelOutcome::AlreadyTerminal(state)) => operation(200, id, state.as_str()),
-            Err(_) => error(409, "operation_not_cancelable", "Executing."),
-        }
-    });
-    work.await.expect("cancel task")
-}
-
+/// `approve` and `deny` are the operator's decisions; `cancel`, the operation's own client's.
 async fn decide(
     State(app): State<Arc<App>>,
     headers: HeaderMap,
     Path((id, decision)): Path<(i64, String)>,
-) -> Reply {
-    if let Err(reply) = app.operator(&headers) {
-        return reply;
-    }
-    let Some(live) = app.live(id) else {
-        return error(404, "not_found", "No such live operation.");
+) -> Answer {
+    let who = app.identify(&headers).ok_or_else(unauthorized)?;
+    let live = app.live.lock().unwrap().get(&id).cloned();
+    let live = live.ok_or_else(|| error(404, "not_found", "Not live."))?;
+    let to = match decision.as_str() {
+        "approve" if who.as_str() == "operator" => Approved,
+        "deny" if who.as_str() == "operator" => Denied,
+        "cancel" if live.handle.identity() == &who => Canceled,
+        _ => return Err(error(403, "forbidden", "Not yours to decide.")),
     };
-    let work = tokio::spawn(async move {
+    // Decided: the transition and its store write run to their end together.
+    run_to_end(async move {
         let _order = live.lock.lock().await;
-        let (decided, to) = match decision.as_str() {
-            "approve" => (live.handle.approve(), OperationState::Approved),
-            _ => (live.handle.deny(), OperationState::Denied),
+        let moved = match to {
+            Approved => live.handle.approve(),
+            Denied => live.handle.deny(),
+            _ => match live.handle.cancel() {
+                Ok(CancelOutcome::Canceled { .. }) => Ok(()),
+                // Already terminal: the store has it right; write nothing over it.
+                Ok(CancelOutcome::AlreadyTerminal(now)) => return Ok(operation(200, id, now)),
+                Err(executing) => Err(executing),
+            },
         };
-        if decided.is_err() {
-            return error(409, "request_not_pending", "Not pending.");
-        }
-        app.set_state(id, to).await;
-        if to == OperationState::Approved {
+        moved.map_err(|e| error(409, "conflict", &e.to_string()))?;
+        app.record(id, to).await;
+        if to == Approved {
             tokio::spawn(execute(Arc::clone(&app), id, Arc::clone(&live)));
-        } else {
-            app.live.lock().unwrap().remove(&id);
         }
-        operation(200, id, to.as_str())
-    });
-    work.await.expect("decision task")
+        Ok(operation(200, id, to))
+    })
+    .await
 }
 
-/// Runs one approved operation: waits for an execution slot (no polling), records each step.
+/// Runs one approved operation on a task of its own: no client's hangup cancels it.
 async fn execute(app: Arc<App>, id: i64, live: Arc<Live>) {
+    // No lock while waiting: a cancel takes it, writes the store, and `start` wakes with `Err`.
     if live.handle.start().await.is_err() {
-        return; // Canceled or expired while queued: whoever did it wrote the store.
+        return;
     }
-    {
-        let _order = live.lock.lock().await;
-        app.set_state(id, OperationState::Executing).await;
-    }
-    tokio::time::sleep(live.duration).await; // The work itself.
-    // The store first: should the process die in between, the row is not run again.
+    let order = live.lock.lock().await;
+    app.record(id, Executing).await;
+    drop(order);
+    // The work (a stand-in), begun only once `executing` is stored: a crash never runs it twice.
+    tokio::time::sleep(Duration::from_millis(100)).await;
     let _order = live.lock.lock().await;
-    app.set_state(id, OperationState::Succeeded).await;
-    let finished = live.handle.succeed();
-    finished.expect("only the executor finishes executing work");
-    app.live.lock().unwrap().remove(&id);
+    live.handle.succeed().expect("ours to end");
+    app.record(id, OperationState::Succeeded).await;
 }
 
 /// The controller's metrics in the embedder's own registry, beside any of its own.
-async fn render_metrics(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
-    if let Err(reply) = app.operator(&headers) {
-        return reply.into_response();
+async fn render_metrics(State(app): State<Arc<App>>, headers: HeaderMap) -> Answer {
+    if app.identify(&headers).ok_or_else(unauthorized)?.as_str() != "operator" {
+        return Err(error(403, "forbidden", "Operators only."));
     }
     let mut text = String::new();
     encode(&mut text, &app.registry).expect("encode");
     let content_type = "application/openmetrics-text; version=1.0.0";
-    ([(header::CONTENT_TYPE, content_type)], text).into_response()
+    Ok(([(header::CONTENT_TYPE, content_type)], text).into_response())
 }
 
 #[tokio::main]
 async fn main() {
     let mut args = std::env::args_os().skip(1).map(PathBuf::from);
-    let usage = "usage: axum_broker SECRETS_FILE [QUOTA_FILE]";
     let settings = Settings {
         listen: "127.0.0.1:8080".parse().expect("address"),
         db_path: "axum-broker.sqlite".into(),
-        secrets_path: args.next().expect(usage),
+        secrets_path: args.next().expect("usage: SECRETS_FILE [QUOTA_FILE]"),
         quota_path: args.next(),
         store_delay: Duration::ZERO,
     };

@@ -5,7 +5,7 @@
 //! executors waiting for a free execution slot; under `cfg(loom)` the crate is built with its
 //! `loom` feature, so its internals are modelled too.
 
-pub(crate) use event_listener::{Event, IntoNotification};
+pub(crate) use event_listener::{Event, EventListener, IntoNotification};
 
 #[cfg(loom)]
 pub(crate) use loom::sync::atomic::{AtomicU8, AtomicU64, Ordering};

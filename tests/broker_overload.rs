@@ -342,6 +342,49 @@ async fn cancel_releases_pending_and_queued_work_and_frees_the_slot() {
 }
 
 #[tokio::test]
+async fn queued_work_starts_when_a_slot_is_given_back_passing_work_canceled_while_it_waited() {
+    let dir = tempfile::tempdir().unwrap();
+    let limits = r#"{"requests_per_window": 1000, "window_seconds": 60,
+      "client_active": 3, "client_pending": 2, "global_active": 100, "global_executing": 1}"#;
+    let h = start(dir.path(), limits).await;
+    // Submitted before the run fills the pool: a saturated pool refuses new work.
+    let canceled = h
+        .submit(AGENT_SECRET, &request("c", "demo.request", 0))
+        .await;
+    let next = h
+        .submit(AGENT_SECRET, &request("n", "demo.request", 0))
+        .await;
+    let run = h
+        .submit(OTHER_SECRET, &request("r", "demo.run", 3_000))
+        .await;
+    assert_eq!(run.status, 202);
+    assert!(eventually(async || h.snapshot().executing == 1).await);
+    for op in [&canceled, &next] {
+        let approve = format!("/api/operator/v1/requests/{}/approve", op.id());
+        assert_eq!(h.post(&approve, Some(OPERATOR_SECRET)).await.status, 200);
+    }
+    assert_eq!(h.snapshot().queued, 2);
+    // The oldest, the one the executor waits a slot for, is canceled: the executor lets it go.
+    let reply = h
+        .post(
+            &format!("/api/agent/v1/operations/{}/cancel", canceled.id()),
+            Some(AGENT_SECRET),
+        )
+        .await;
+    assert_eq!((reply.status, reply.state()), (200, "canceled"));
+    // When the run gives its slot back, the next one takes it and runs to its end.
+    let path = format!("/api/agent/v1/operations/{}", next.id());
+    let ran = eventually(async || h.get(&path, Some(AGENT_SECRET)).await.state() == "succeeded");
+    assert!(ran.await, "{}", h.get(&path, Some(AGENT_SECRET)).await.body);
+    let path = format!("/api/agent/v1/operations/{}", canceled.id());
+    let reply = h.get(&path, Some(AGENT_SECRET)).await;
+    assert_eq!(reply.state(), "canceled", "the canceled work never ran");
+    let snapshot = h.snapshot();
+    assert!(snapshot.is_idle(), "{snapshot:?}");
+    h.broker.shutdown().await;
+}
+
+#[tokio::test]
 async fn concurrent_duplicates_create_exactly_one_operation() {
     let dir = tempfile::tempdir().unwrap();
     // Room for exactly one operation: a duplicate must never be refused or create a second.

@@ -10,7 +10,6 @@ mod example;
 use std::collections::HashMap;
 use std::io::Write;
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::Duration;
 
 use example::{App, Settings};
@@ -66,9 +65,18 @@ async fn post(addr: SocketAddr, path: &str, token: &str, body: &str) -> (u16, se
     (status, answer.json().await.unwrap_or_default())
 }
 
+/// The store's count of operations in each state, read from its file.
+fn stored_counts(dir: &tempfile::TempDir) -> HashMap<String, u64> {
+    let db = rusqlite::Connection::open(dir.path().join("store.sqlite")).unwrap();
+    let sql = "SELECT state, COUNT(*) FROM operations GROUP BY state";
+    let mut query = db.prepare(sql).unwrap();
+    let rows = query.query_map([], |r| Ok((r.get(0)?, r.get(1)?))).unwrap();
+    rows.map(Result::unwrap).collect()
+}
+
 /// The controller's live counts against the store's rows, per state; and nothing dropped.
-async fn assert_counts_match_store(app: &Arc<App>) {
-    let stored: HashMap<String, u64> = app.stored_counts().await;
+fn assert_counts_match_store(app: &App, dir: &tempfile::TempDir) {
+    let stored = stored_counts(dir);
     let at = |state: OperationState| stored.get(state.as_str()).copied().unwrap_or(0);
     let s = app.controller.snapshot();
     assert_eq!(
@@ -104,7 +112,7 @@ async fn clients_hanging_up_mid_submission_leave_counts_equal_to_the_store() {
         );
     }
     assert_eq!(app.controller.snapshot().pending, 6);
-    assert_counts_match_store(&app).await;
+    assert_counts_match_store(&app, &dir);
 
     // Decisions and cancels, some abandoned by their callers too.
     let ids: Vec<i64> = futures_join_all(keys.iter().cloned().map(|key| async move {
@@ -123,7 +131,7 @@ async fn clients_hanging_up_mid_submission_leave_counts_equal_to_the_store() {
     .await;
     assert_eq!((status, first["state"].as_str()), (200, Some("canceled")));
     let abandoned = reqwest::Client::new()
-        .post(format!("http://{addr}/requests/{}/approve", ids[1]))
+        .post(format!("http://{addr}/operations/{}/approve", ids[1]))
         .bearer_auth("operator-secret")
         .timeout(Duration::from_millis(20))
         .send()
@@ -134,7 +142,7 @@ async fn clients_hanging_up_mid_submission_leave_counts_equal_to_the_store() {
     );
     let (status, _) = post(
         addr,
-        &format!("/requests/{}/deny", ids[2]),
+        &format!("/operations/{}/deny", ids[2]),
         "operator-secret",
         "",
     )
@@ -151,8 +159,8 @@ async fn clients_hanging_up_mid_submission_leave_counts_equal_to_the_store() {
     )
     .await;
     assert_eq!(status, 404);
-    let stored = wait_until_stored(&app, "succeeded", 1).await;
-    assert_counts_match_store(&app).await;
+    let stored = wait_until_stored(&app, &dir, "succeeded", 1).await;
+    assert_counts_match_store(&app, &dir);
     assert_eq!(stored.get("succeeded"), Some(&1), "{stored:?}");
     assert_eq!(stored.get("canceled"), Some(&1), "{stored:?}");
     assert_eq!(stored.get("denied"), Some(&1), "{stored:?}");
@@ -169,7 +177,7 @@ async fn a_restart_restores_live_rows_and_fails_interrupted_ones() {
     // Pretend the process died while one operation was executing.
     let db = rusqlite::Connection::open(dir.path().join("store.sqlite")).unwrap();
     db.execute(
-        "INSERT INTO operations (client, key, duration_ms, state) VALUES ('bot', 'c', 0, 'executing')",
+        "INSERT INTO operations (client, key, state) VALUES ('bot', 'c', 'executing')",
         [],
     )
     .unwrap();
@@ -177,21 +185,26 @@ async fn a_restart_restores_live_rows_and_fails_interrupted_ones() {
     let (_, restarted) = example::start(settings(&dir, Duration::ZERO)).await;
     let s = restarted.controller.snapshot();
     assert_eq!((s.pending, s.executing), (2, 0), "two pending restored");
-    let stored = restarted.stored_counts().await;
+    let stored = stored_counts(&dir);
     assert_eq!(
         stored.get("failed"),
         Some(&1),
         "executing became failed: {stored:?}"
     );
-    assert_counts_match_store(&restarted).await;
+    assert_counts_match_store(&restarted, &dir);
     drop(app);
 }
 
 /// Waits until the store holds `n` operations in `state` (the abandoned work has run to its end)
 /// and the step after that store write has reached the controller (a quiet moment).
-async fn wait_until_stored(app: &Arc<App>, state: &str, n: u64) -> HashMap<String, u64> {
+async fn wait_until_stored(
+    app: &App,
+    dir: &tempfile::TempDir,
+    state: &str,
+    n: u64,
+) -> HashMap<String, u64> {
     for _ in 0..600 {
-        let stored = app.stored_counts().await;
+        let stored = stored_counts(dir);
         let executing = stored.get("executing").copied().unwrap_or(0);
         if stored.get(state) == Some(&n) && app.controller.snapshot().executing == executing {
             return stored;

@@ -1,14 +1,27 @@
-//! The demo executor: approved operations wait in a FIFO queue and start when the controller
-//! grants a global execution slot ([`crate::Operation::try_start`]); a saturated pool leaves them
-//! queued until a slot frees. Executing means sleeping `arguments.duration_ms`, then succeeding.
+//! The demo executor: approved operations wait in a FIFO queue, and the oldest starts as soon as
+//! the controller has a global execution slot for it. Executing means sleeping
+//! `arguments.duration_ms`, then succeeding.
+//!
+//! **Waiting for a slot, without polling.** A start takes its slot under the counts gate and the
+//! operation's lock, like every transition, so no drift reading sees it half made. But the
+//! executor must hold neither while it waits: the gate is fair, so a drift reading queued behind
+//! a waiting executor would hold up every change behind it, the finish that frees the slot
+//! included; and the operation's lock would hold up the operation's own cancel. So the executor
+//! runs [`Operation::start`](crate::Operation::start)'s loop in two halves: it listens for a freed
+//! slot before it tries (`Operation::slot_freed`), tries under the gate and the lock, and on a
+//! full pool lets both go and awaits the listener. A slot given back between the try and the wait
+//! still wakes it, and so do a raised `global_executing` and a cancel or expiry of the waiting
+//! operation (the next try finds it no longer approved and drops it from the queue). Only a try
+//! that the pool shared by several replicas turned down (full, or Redis silent) is repeated on a
+//! timer: other replicas give its slots back without telling this one.
 //!
 //! An operation is written `executing` before its work begins, so after a crash it is known to
 //! have (maybe) run and is failed with `execution_interrupted` rather than run twice. A store that
 //! cannot take that write (locked past its busy timeout) delays the work, never fails it: the
 //! operation keeps its slot and the start is recorded once the store answers.
 //!
-//! Starting and finishing hold the counts gate and the operation's lock, like every transition;
-//! the executor is its own task, so no client's hangup cancels either.
+//! The executor is its own task, so no client's hangup cancels it; and a shutdown only ends its
+//! waits, never a start between its slot and its row: the try is awaited outside any `select!`.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -22,10 +35,11 @@ use super::shared::SharedStart;
 use super::store::OperationError;
 use crate::engine::{OperationState, StartError};
 
-/// How often the queue is retried even without a wake-up (a safety net; wake-ups do the work).
-const POLL: Duration = Duration::from_secs(1);
+/// How long to wait before trying again what no in-process event announces: a slot of the pool
+/// shared with other replicas, a Redis or a store that did not answer.
+const RETRY: Duration = Duration::from_secs(1);
 
-/// The queue of approved operations and the bell that says a slot may have freed.
+/// The queue of approved operations and the bell rung when work is queued or may start.
 #[derive(Default)]
 pub(crate) struct Executor {
     queue: Mutex<VecDeque<Arc<LiveOp>>>,
@@ -43,93 +57,112 @@ impl Executor {
         self.wake();
     }
 
-    /// Something changed that may let queued work start (a slot freed, a limit was raised).
+    /// Something changed that may let queued work start (work queued, a slot freed, a limit
+    /// raised). A wait for this replica's own pool is woken by the controller itself; this bell
+    /// serves an empty queue and a wait for the shared pool.
     pub(crate) fn wake(&self) {
         self.bell.notify_one();
     }
 }
 
+/// What one try to start the oldest queued operation came to.
+enum Tried {
+    /// It leaves the queue: started (its start recorded, or left to a retry), abandoned, or found
+    /// no longer approved.
+    Done,
+    /// This replica's execution pool is full: wait for a slot to be given back.
+    PoolFull,
+    /// The shared pool is full, Redis did not answer, or this replica's lease lapsed: try later.
+    NotNow,
+}
+
 /// The executor loop; returns when the broker shuts down.
 pub(crate) async fn run(core: Arc<Core>) {
     let mut shutdown = core.shutdown.clone();
-    loop {
-        if *shutdown.borrow() {
-            return;
-        }
-        start_queued(&core).await;
-        tokio::select! {
-            _ = core.executor.bell.notified() => {}
-            _ = tokio::time::sleep(POLL) => {}
-            _ = shutdown.wait_for(|stop| *stop) => return,
+    while !*shutdown.borrow() {
+        let Some(op) = core.executor.queue().front().cloned() else {
+            // A ring while nobody waits is kept, so work queued just now is not missed.
+            tokio::select! {
+                _ = core.executor.bell.notified() => continue,
+                _ = shutdown.wait_for(|stop| *stop) => return,
+            }
+        };
+        // Listen before trying, so a slot given back between a failed try and the wait is not
+        // missed (a listener is notified even before it is awaited).
+        let freed = op.handle.slot_freed();
+        match try_start(&core, &op).await {
+            Tried::Done => {
+                core.executor.queue().pop_front();
+            }
+            Tried::PoolFull => {
+                tokio::select! {
+                    _ = freed => {}
+                    _ = shutdown.wait_for(|stop| *stop) => return,
+                }
+            }
+            Tried::NotNow => {
+                tokio::select! {
+                    _ = core.executor.bell.notified() => {}
+                    _ = tokio::time::sleep(RETRY) => {}
+                    _ = shutdown.wait_for(|stop| *stop) => return,
+                }
+            }
         }
     }
 }
 
-/// Starts queued operations, oldest first, until the pool is saturated or the queue is empty.
-async fn start_queued(core: &Arc<Core>) {
-    loop {
-        let Some(op) = core.executor.queue().front().cloned() else {
-            return;
-        };
-        // The gate first, then the operation's lock, as every transition takes them: from the
-        // slot taken to the row written, no drift reading sees the start half made.
-        let quiet = core.hold_counts().await;
-        let guard = op.lock.lock().await;
-        // The shared slot first (it binds across replicas); this replica's own count is a part of
-        // the shared one, so the in-process start then succeeds unless the operation is gone.
-        match op.shared.try_start().await {
-            SharedStart::Started => {}
-            SharedStart::NotNow => return,
-            SharedStart::NotApproved => {
-                if op.handle.state() == OperationState::Approved {
-                    // The shared counts no longer hold it approved (a lapsed lease, until this
-                    // replica re-registers): not now.
-                    return;
-                }
-                core.executor.queue().pop_front();
-                continue;
-            }
+/// Tries to start `op`, the oldest queued operation. The gate first, then the operation's lock,
+/// as every transition takes them: from the slot taken to the row written, no drift reading sees
+/// the start half made.
+async fn try_start(core: &Arc<Core>, op: &Arc<LiveOp>) -> Tried {
+    let quiet = core.hold_counts().await;
+    let guard = op.lock.lock().await;
+    // The shared slot first (it binds across replicas); this replica's own count is a part of the
+    // shared one, so the in-process start then succeeds unless the operation is gone.
+    match op.shared.try_start().await {
+        SharedStart::Started => {}
+        SharedStart::NotNow => return Tried::NotNow,
+        // The shared counts no longer hold it approved (a lapsed lease, until this replica
+        // re-registers): not now.
+        SharedStart::NotApproved if op.handle.state() == OperationState::Approved => {
+            return Tried::NotNow;
         }
-        match op.handle.try_start() {
-            Ok(()) => {
-                core.executor.queue().pop_front();
-                let written = record_start_in_store(core, &op).await;
-                match written {
-                    Ok(Some(_)) => {
-                        core.changed(&op, OperationState::Approved, OperationState::Executing);
-                        drop(guard);
-                        drop(quiet);
-                        tokio::spawn(execute(Arc::clone(core), op));
-                    }
-                    Ok(None) => {
-                        let detail = "the stored operation is no longer approved";
-                        abandon_start(core, &op, detail).await;
-                    }
-                    Err(err) => {
-                        // The store is unavailable (locked past its busy timeout, say): the work
-                        // has not run and must not run until it is recorded. It keeps its slot
-                        // and the start is recorded later; until then the store lags the counts
-                        // and drift says so.
-                        tracing::warn!(operation = %op.id, error = %err, "cannot record the start yet; retrying");
-                        drop(guard);
-                        drop(quiet);
-                        tokio::spawn(record_start(Arc::clone(core), op));
-                    }
-                }
-            }
-            Err(StartError::NotApproved(_)) => {
-                // Canceled or expired while queued.
-                core.executor.queue().pop_front();
-            }
-            Err(StartError::Saturated(_)) if op.shared.is_set() => {
-                // The shared slot is taken but this replica's pool is full (its counts ran
-                // ahead of the shared ones): the work does not run, and both are released.
-                core.executor.queue().pop_front();
-                abandon_start(core, &op, "no execution slot on this replica").await;
-            }
-            Err(StartError::Saturated(_)) => return,
+        SharedStart::NotApproved => return Tried::Done,
+    }
+    match op.handle.try_start() {
+        Ok(()) => {}
+        // Canceled or expired while queued.
+        Err(StartError::NotApproved(_)) => return Tried::Done,
+        // The shared slot is taken but this replica's pool is full (its counts ran ahead of the
+        // shared ones): the work does not run, and both are released.
+        Err(StartError::Saturated(_)) if op.shared.is_set() => {
+            abandon_start(core, op, "no execution slot on this replica").await;
+            return Tried::Done;
+        }
+        Err(StartError::Saturated(_)) => return Tried::PoolFull,
+    }
+    match record_start_in_store(core, op).await {
+        Ok(Some(_)) => {
+            core.changed(op, OperationState::Approved, OperationState::Executing);
+            drop(guard);
+            drop(quiet);
+            tokio::spawn(execute(Arc::clone(core), Arc::clone(op)));
+        }
+        Ok(None) => {
+            let detail = "the stored operation is no longer approved";
+            abandon_start(core, op, detail).await;
+        }
+        Err(err) => {
+            // The store is unavailable (locked past its busy timeout, say): the work has not run
+            // and must not run until it is recorded. It keeps its slot and the start is recorded
+            // later; until then the store lags the counts and drift says so.
+            tracing::warn!(operation = %op.id, error = %err, "cannot record the start yet; retrying");
+            drop(guard);
+            drop(quiet);
+            tokio::spawn(record_start(Arc::clone(core), Arc::clone(op)));
         }
     }
+    Tried::Done
 }
 
 /// Retries recording a start the store could not take, then runs the operation; ends at
@@ -139,7 +172,7 @@ async fn record_start(core: Arc<Core>, op: Arc<LiveOp>) {
     let mut shutdown = core.shutdown.clone();
     loop {
         tokio::select! {
-            _ = tokio::time::sleep(POLL) => {}
+            _ = tokio::time::sleep(RETRY) => {}
             _ = shutdown.wait_for(|stop| *stop) => return,
         }
         let quiet = core.hold_counts().await;
@@ -204,7 +237,7 @@ async fn execute(core: Arc<Core>, op: Arc<LiveOp>) {
             Err(TransitionFailure::Store(err)) => {
                 tracing::error!(operation = %op.id, error = %err, "cannot record success; retrying");
                 tokio::select! {
-                    _ = tokio::time::sleep(POLL) => {}
+                    _ = tokio::time::sleep(RETRY) => {}
                     _ = shutdown.wait_for(|stop| *stop) => return,
                 }
             }

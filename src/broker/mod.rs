@@ -13,8 +13,8 @@
 //!   - `health`: `/healthz`, `/readyz` and `/metrics`.
 //! - `operations`: live operations, each with a lifecycle handle; a transition is written to
 //!   the store first and then applied to the handle, under the operation's lock.
-//! - `exec`: the demo executor; approved work starts when the controller grants an execution
-//!   slot.
+//! - `exec`: the demo executor; approved work waits for an execution slot (woken by the
+//!   controller when one is given back, not polling) and starts under the counts gate.
 //! - `keys`: a growable filter that answers "this key was never used" without the store, so
 //!   refusals stay off SQLite however many keys are stored.
 //! - [`retention`]: the sweep that keeps the store bounded: terminal operations retire after
@@ -64,7 +64,9 @@
 //! - **delete**: authenticate and check the owner; then, detached under the gate, the row is
 //!   deleted, the file removed and the stored room released.
 //! - **the executor** is its own task: starting work (slot, durable `executing`) and recording the
-//!   outcome are done under the gate and the operation's lock and are not cancelled by any client.
+//!   outcome are done under the gate and the operation's lock and are not cancelled by any client
+//!   nor by a shutdown. It waits for a slot holding neither, so a drift reading or a cancel never
+//!   waits for a slot with it.
 //!
 //! **Shutdown.** Detached work holds the broker's core until it ends, and [`Broker::shutdown`]
 //! waits (bounded) for every holder, so a change in progress finishes before the data dir is

@@ -16,7 +16,7 @@ use super::global::Counts;
 use super::refusal::{Refusal, RefusalCode};
 use crate::clock::duration_nanos;
 use crate::config::Identity;
-use crate::sync::{AtomicU8, Ordering};
+use crate::sync::{AtomicU8, EventListener, Ordering};
 
 /// The Agent V1 operation states.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -304,7 +304,7 @@ impl Operation {
         loop {
             // Listen before trying, so a slot given back between a failed try and the wait is
             // not missed (a listener is notified even before it is awaited).
-            let freed = self.client.shared.slot_freed.listen();
+            let freed = self.slot_freed();
             match self.try_start() {
                 Ok(()) => return Ok(()),
                 Err(StartError::NotApproved(from)) => {
@@ -316,6 +316,16 @@ impl Operation {
                 Err(StartError::Saturated(_)) => freed.await,
             }
         }
+    }
+
+    /// Listens for the next moment this operation may be able to start: an execution slot is
+    /// given back, a reload may have raised `global_executing`, or the operation leaves
+    /// `approved`. Taken *before* a [`try_start`](Operation::try_start) that finds the pool full
+    /// and awaited after it, it misses no slot given back in between: [`Operation::start`] is that
+    /// loop. The broker's executor runs the same loop in two halves, because it must try under
+    /// locks it cannot hold while it waits.
+    pub(crate) fn slot_freed(&self) -> EventListener {
+        self.client.shared.slot_freed.listen()
     }
 
     /// Takes a global execution slot and moves `approved` → `executing`. If every slot is taken
