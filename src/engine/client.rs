@@ -15,6 +15,7 @@ use super::gauge::Gauge;
 use super::gcra::{Bucket, Rate};
 use super::global::GlobalCounts;
 use super::refusal::RefusalCode;
+use super::tally::Tally;
 use crate::clock::MonotonicClock;
 use crate::config::{Config, Identity};
 use crate::sync::{Event, IntoNotification};
@@ -90,8 +91,9 @@ pub(crate) struct ClientState {
     pub(crate) identity: Identity,
     pub(crate) storage: [StoreGauges; 2],
     /// Refusals by code, indexed like [`RefusalCode::ALL`] less one: an unconfigured identity has
-    /// no state, so `ClientUnconfigured` is never counted here.
-    pub(crate) rejected: [StdAtomicU64; RefusalCode::ALL.len() - 1],
+    /// no state, so `ClientUnconfigured` is never counted here. Striped by thread, so a flood of
+    /// refusals on several threads writes no line twice from two cores.
+    pub(crate) rejected: Tally<{ RefusalCode::ALL.len() - 1 }>,
 }
 
 impl ClientState {

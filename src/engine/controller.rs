@@ -1,12 +1,19 @@
 //! Where admission is decided.
 //!
-//! The controller holds one [`ClientState`] per configured identity in a `dashmap` (created from
+//! The controller holds one [`ClientState`] per configured identity in a hash table (created from
 //! configuration, never from traffic, so memory is bounded by the quota file), the global counts in
 //! one packed, cache-padded word ([`GlobalCounts`]), and the validated limits in an `arc-swap` so a
-//! reload never blocks an admission. A decision reads one consistent limits snapshot, then reserves
-//! each dimension by compare-and-swap in the contract's order — the client's token, its active and
-//! pending counts ([`Gauge`]), then the global counts in one step — rolling back everything
-//! reserved so far at the first that fails.
+//! reload never blocks an admission. A decision reads one consistent limits snapshot, checks every
+//! dimension without writing (a refusal ends there), then reserves each by compare-and-swap in the
+//! contract's order — the client's token, its active and pending counts ([`Gauge`]), then the
+//! global counts in one step — rolling back everything reserved so far at the first that fails.
+//!
+//! The client table changes only on reload, so it is immutable and published through an
+//! `arc-swap` like the limits: a lookup is a load and a probe, no lock. (A `dashmap` lookup takes
+//! its shard's read lock — an atomic write to a word every thread looking up that client shares —
+//! which made a flood of refusals for one client on two threads slower than on one.) A reload
+//! builds the next table and swaps it in; before it frees the slot of a removed identity it waits
+//! until no admission still reads a table that had it, as an RCU writer waits out its readers.
 //!
 //! One piece past the usual size: the decision, its rollback, restore and reload all touch the same
 //! private layout of client states and settings, and splitting them would widen that layout's
@@ -18,7 +25,6 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use crossbeam_utils::CachePadded;
-use dashmap::DashMap;
 
 use super::caps::{StorageCaps, Store};
 use super::client::{ClientSettings, ClientState, Settings, Shared, StoreGauges};
@@ -28,16 +34,13 @@ use super::global::{Counts, GlobalCounts, GlobalLimits, GlobalRefusal};
 use super::lifecycle::{Operation, OperationState};
 use super::refusal::{Refusal, RefusalCode};
 use super::storage::{StorageReservation, StoredObject};
+use super::tally::Tally;
 use crate::clock::{Clock, MonotonicClock, QuantaClock, duration_nanos};
 use crate::config::{ClientLimits, Config, ConfigError, Identity};
 use crate::metrics::{ClientSnapshot, Snapshot, StoreSnapshot};
 use crate::sync::Event;
 
 use std::sync::atomic::Ordering;
-
-/// Shards of the client table. Each lookup takes its shard's read lock (an atomic increment), so
-/// more shards make two busy clients sharing one lock word less likely.
-const CLIENT_SHARDS: usize = 64;
 
 /// The default Retry-After hint for capacity refusals.
 pub const DEFAULT_CAPACITY_RETRY: Duration = Duration::from_secs(2);
@@ -49,15 +52,15 @@ pub struct Controller {
 }
 
 struct Inner {
-    /// One state per tracked identity, keyed by the identity it holds. Hashed with foldhash:
-    /// the keys are configured identities, never inserted from traffic, so a fast hash is safe.
-    clients: DashMap<ClientKey, (), foldhash::fast::RandomState>,
+    /// One state per tracked identity, keyed by the identity it holds: the table admissions look
+    /// clients up in, replaced whole by `publish` (see the module docs).
+    clients: ArcSwap<ClientTable>,
     shared: Arc<Shared>,
-    /// Every tracked state, by identity: the reload path's own index of the client table, so a
-    /// reload reads no shard of the table that admissions use. The mutex serializes reloads and
-    /// insertions against each other; admissions never take it.
+    /// Every tracked state, by identity: the reload path's own list, from which it builds each
+    /// published table. The mutex serializes reloads and insertions against each other;
+    /// admissions never take it.
     tracked: Mutex<Tracked>,
-    unconfigured_refusals: StdAtomicU64,
+    unconfigured_refusals: Tally<1>,
     reloads_ok: StdAtomicU64,
     reloads_failed: StdAtomicU64,
 }
@@ -71,6 +74,10 @@ struct Tracked {
     /// admission still reading them never pays for freeing them.
     retired: Option<Arc<Settings>>,
 }
+
+/// The published client table. Hashed with foldhash: the keys are configured identities, never
+/// inserted from traffic, so a fast hash is safe.
+type ClientTable = std::collections::HashSet<ClientKey, foldhash::fast::RandomState>;
 
 /// A client state as a key of the client table: hashed and compared by its identity, so the table
 /// is looked up by `&str` and the identity is stored once.
@@ -150,13 +157,10 @@ impl ControllerBuilder {
         });
         let controller = Controller {
             inner: Arc::new(Inner {
-                clients: DashMap::with_hasher_and_shard_amount(
-                    foldhash::fast::RandomState::default(),
-                    CLIENT_SHARDS,
-                ),
+                clients: ArcSwap::from_pointee(ClientTable::default()),
                 shared,
                 tracked: Mutex::new(Tracked::default()),
-                unconfigured_refusals: StdAtomicU64::new(0),
+                unconfigured_refusals: Tally::default(),
                 reloads_ok: StdAtomicU64::new(0),
                 reloads_failed: StdAtomicU64::new(0),
             }),
@@ -221,12 +225,14 @@ impl Controller {
     }
 
     fn admit_str(&self, identity: &str, needs_approval: bool) -> Result<Permit, Refusal> {
-        // The state is borrowed from the table (under its shard's read lock) for the read-only
-        // checks, and its `Arc` cloned only to reserve: a refusal writes no reference count.
-        let Some(entry) = self.inner.clients.get(identity) else {
+        // The state is borrowed from the published table for the read-only checks, and its `Arc`
+        // cloned only to reserve: a refusal writes no reference count and takes no lock. The
+        // table is held until then, so a reload cannot free the state's slot meanwhile.
+        let table = self.inner.clients.load();
+        let Some(ClientKey(found)) = table.get(identity) else {
             return Err(self.refuse_unconfigured());
         };
-        let client: &ClientState = &entry.key().0;
+        let client: &ClientState = found;
         let shared = &*self.inner.shared;
         let settings = shared.settings.load();
         let limits = *client.settings(&settings);
@@ -248,8 +254,8 @@ impl Controller {
         {
             return Err(refuse(client, &settings, code, now, needs_approval));
         }
-        let client = Arc::clone(&entry.key().0);
-        drop(entry);
+        let client = Arc::clone(found);
+        drop(table);
 
         if client.bucket.try_take(now, limits.rate).is_err() {
             return Err(refuse(
@@ -296,10 +302,7 @@ impl Controller {
     }
 
     fn refuse_unconfigured(&self) -> Refusal {
-        // Relaxed: a statistic.
-        self.inner
-            .unconfigured_refusals
-            .fetch_add(1, Ordering::Relaxed);
+        self.inner.unconfigured_refusals.bump(0);
         Refusal {
             code: RefusalCode::ClientUnconfigured,
             retry_after: Duration::ZERO,
@@ -415,8 +418,9 @@ impl Controller {
     pub(super) fn client(&self, identity: &str) -> Option<Arc<ClientState>> {
         self.inner
             .clients
+            .load()
             .get(identity)
-            .map(|entry| Arc::clone(&entry.key().0))
+            .map(|key| Arc::clone(&key.0))
     }
 
     fn client_or_insert(&self, identity: &Identity) -> Arc<ClientState> {
@@ -440,7 +444,7 @@ impl Controller {
             shared: Arc::clone(&self.inner.shared),
             storage: [StoreGauges::new(), StoreGauges::new()],
             admitted: StdAtomicU64::new(0),
-            rejected: Default::default(),
+            rejected: Tally::default(),
         }
     }
 
@@ -523,9 +527,9 @@ impl Controller {
     ///
     /// Order matters so that an admission never reads a slot that is not its own: states no handle
     /// holds any more and that `config` no longer names are removed first (their slots become
-    /// free); the new limits table is swapped in; only then are new states inserted, so a state is
-    /// findable only once the table has its slot. Admissions take none of the locks used here but
-    /// the table's shard locks, and only for the identities being added or removed.
+    /// free); the new limits table is swapped in; only then is the client table with the new
+    /// states published, so a state is findable only once the limits have its slot. Admissions
+    /// take none of the locks used here.
     fn apply(&self, config: Config, extra: Option<&Identity>) {
         let mut guard = self.inner.tracked.lock().unwrap_or_else(|p| p.into_inner());
         let Tracked {
@@ -546,18 +550,7 @@ impl Controller {
             return;
         }
         let now = shared.clock.now();
-        // Forget removed identities that nothing holds any more. `remove_if` runs under the
-        // shard's write lock, where nobody can clone the state: a count of two (the table's and
-        // `tracked`'s) means no permit, operation or stored object holds it, so its slot is free.
-        let clients = &self.inner.clients;
-        tracked.retain(|state| {
-            is_named(&config, extra, &state.identity)
-                || clients
-                    .remove_if(state.identity.as_str(), |key, _| {
-                        Arc::strong_count(&key.0) == 2
-                    })
-                    .is_none()
-        });
+        self.forget_unheld(tracked, &config, extra);
         // Slots of the states still tracked keep their place; the others are free.
         let mut slots: Vec<Option<ClientSettings>> = vec![None; current.clients.len()];
         for state in tracked.iter() {
@@ -634,13 +627,59 @@ impl Controller {
         drop(rescaling);
         // A raised `global_executing` may let waiting operations start.
         shared.slot_freed.notify(usize::MAX);
-        for state in new_states {
-            let state = Arc::new(state);
-            tracked.push(Arc::clone(&state));
-            self.inner.clients.insert(ClientKey(state), ());
-        }
+        tracked.extend(new_states.into_iter().map(Arc::new));
         tracked.sort_unstable_by(|a, b| a.identity.cmp(&b.identity));
         tracked.shrink_to_fit();
+        self.publish(tracked);
+    }
+
+    /// Forgets the removed identities nothing holds any more, so their slots can be reused.
+    ///
+    /// A state no handle holds has two references: `tracked`'s and the published table's. But an
+    /// admission that found it in the table may be about to clone it (and is reading its slot),
+    /// so the states are first unpublished. A table an admission still reads keeps its own
+    /// reference to each state, so a count of one (ours) afterwards proves that no permit,
+    /// operation, stored object or decision in flight holds the state, nor can find it again.
+    fn forget_unheld(
+        &self,
+        tracked: &mut Vec<Arc<ClientState>>,
+        config: &Config,
+        extra: Option<&Identity>,
+    ) {
+        let unheld = |state: &Arc<ClientState>| {
+            !is_named(config, extra, &state.identity) && Arc::strong_count(state) == 2
+        };
+        if !tracked.iter().any(unheld) {
+            return;
+        }
+        let kept: Vec<Arc<ClientState>> = tracked.iter().filter(|s| !unheld(s)).cloned().collect();
+        self.publish(&kept);
+        drop(kept);
+        // A state an admission took meanwhile is kept (and published again at the end).
+        tracked.retain(|state| {
+            is_named(config, extra, &state.identity) || Arc::strong_count(state) > 1
+        });
+    }
+
+    /// Publishes a client table of `states`, then waits until no admission reads the one it
+    /// replaced, and frees that one here: a decision never pays for freeing a table, and a state
+    /// left out is then referenced by no table at all. Admissions hold a table only for one
+    /// decision's loads, so the wait is short.
+    // A `ClientKey` hashes and compares only its identity, which never changes.
+    #[allow(clippy::mutable_key_type)]
+    fn publish(&self, states: &[Arc<ClientState>]) {
+        let table: ClientTable = states.iter().map(|s| ClientKey(Arc::clone(s))).collect();
+        let mut old = self.inner.clients.swap(Arc::new(table));
+        // `swap` has counted every reader still holding the old table in its reference count.
+        loop {
+            match Arc::try_unwrap(old) {
+                Ok(table) => break drop(table),
+                Err(still_read) => {
+                    old = still_read;
+                    std::thread::yield_now();
+                }
+            }
+        }
     }
 
     /// What every handle shares: limits, global counts, time.
@@ -662,15 +701,16 @@ impl Controller {
     pub fn snapshot(&self) -> Snapshot {
         let shared = &self.inner.shared;
         // The states first, the settings after, as `admit` does: a reload swaps in the settings
-        // that give a new state its slot before it inserts the state, and a slot is reused only
+        // that give a new state its slot before it publishes the state, and a slot is reused only
         // once nothing holds its state, so settings loaded after a state was found (and while it
         // is held) always have that state's own slot. Loaded the other way round, a state added
         // meanwhile has no slot in them, or another client's.
         let states: Vec<Arc<ClientState>> = self
             .inner
             .clients
+            .load()
             .iter()
-            .map(|entry| Arc::clone(&entry.key().0))
+            .map(|key| Arc::clone(&key.0))
             .collect();
         let settings = shared.settings.load();
         let now = shared.clock.now();
@@ -692,7 +732,7 @@ impl Controller {
                     tokens: c.bucket.available(now, limits.rate),
                     admitted: c.admitted.load(Ordering::Relaxed),
                     rejected: std::array::from_fn(|i| match i.checked_sub(1) {
-                        Some(i) => c.rejected[i].load(Ordering::Relaxed),
+                        Some(i) => c.rejected.read(i),
                         None => 0,
                     }),
                     storage: std::array::from_fn(|i| StoreSnapshot {
@@ -706,7 +746,7 @@ impl Controller {
         clients.sort_by(|a, b| a.identity.cmp(&b.identity));
         let mut rejected: [u64; RefusalCode::ALL.len()] = [0; RefusalCode::ALL.len()];
         rejected[RefusalCode::ClientUnconfigured.index()] =
-            self.inner.unconfigured_refusals.load(Ordering::Relaxed);
+            self.inner.unconfigured_refusals.read(0);
         for c in &clients {
             for (total, n) in rejected.iter_mut().zip(c.rejected) {
                 *total += n;
@@ -785,9 +825,8 @@ fn refuse(
     now: u64,
     needs_approval: bool,
 ) -> Refusal {
-    // Relaxed: a statistic.
     // `code` is never ClientUnconfigured here: refusals of unknown identities have no client.
-    client.rejected[code.index() - 1].fetch_add(1, Ordering::Relaxed);
+    client.rejected.bump(code.index() - 1);
     let limits = client.settings(settings);
     let global = client.shared.global.get();
     let caps = &settings.caps;
