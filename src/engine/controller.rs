@@ -539,7 +539,7 @@ impl Controller {
             return;
         }
         let now = shared.clock.now();
-        self.forget_unheld(tracked, &mut current, &config, extra);
+        self.forget_unheld(tracked, &mut current, &config, extra, now);
         // Slots of the states still tracked keep their place; the others are free.
         let mut slots: Vec<Option<ClientSettings>> = vec![None; current.clients.len()];
         for state in tracked.iter() {
@@ -622,7 +622,9 @@ impl Controller {
         shared.slot_freed.notify(usize::MAX);
     }
 
-    /// Forgets the removed identities nothing holds any more, so their slots can be reused.
+    /// Forgets the removed identities nothing holds any more and whose buckets are full again,
+    /// so their slots can be reused. (An identity removed with tokens spent is remembered until
+    /// they are back: added again meanwhile, it must not get a fresh burst.)
     ///
     /// A state no handle holds has two references: `tracked`'s and the table of the settings in
     /// force (`current`). But a decision that found it there may be about to clone it, and is
@@ -636,9 +638,12 @@ impl Controller {
         current: &mut Arc<Settings>,
         config: &Config,
         extra: Option<&Identity>,
+        now: u64,
     ) {
         let unheld = |state: &Arc<ClientState>| {
-            !is_named(config, extra, &state.identity) && Arc::strong_count(state) == 2
+            !is_named(config, extra, &state.identity)
+                && Arc::strong_count(state) == 2
+                && state.bucket.is_full(now)
         };
         if !tracked.iter().any(unheld) {
             return;
