@@ -1,6 +1,7 @@
 //! The Redis-backed admission backend against a real `redis-server`: the same decisions as the
-//! in-process engine, limits that hold across replicas, exactly-once releases, leases, a paused
-//! Redis, and one operation per idempotency key.
+//! in-process engine on random sequences, limits that hold across replicas, exactly-once releases,
+//! leases, a paused Redis, and one operation per idempotency key. The section-2 semantic tests
+//! run against both backends in `admission_semantics.rs`.
 
 mod redis_support;
 
@@ -232,28 +233,6 @@ async fn random_sequences_get_the_same_decisions_and_counts_as_the_in_process_en
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_unconfigured_client_is_refused_without_asking_redis_and_a_capacity_hint_is_two_seconds()
-{
-    let server = redis_or_skip!();
-    let shared = replica(small_config(), options(&server, "r1")).await;
-    match shared.admit("stranger", true, "op-x", None).await {
-        Err(AdmitError::Refused(r)) => {
-            assert_eq!(r.code, RefusalCode::ClientUnconfigured);
-            assert_eq!(r.retry_after, Duration::ZERO);
-        }
-        other => panic!("{other:?}"),
-    }
-    let _a = shared.admit("eve", true, "op-1", None).await.unwrap();
-    match shared.admit("eve", true, "op-2", None).await {
-        Err(AdmitError::Refused(r)) => {
-            assert_eq!(r.code, RefusalCode::ClientPendingLimit);
-            assert_eq!(r.retry_after_secs(), 2);
-        }
-        other => panic!("{other:?}"),
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_admissions_on_three_replicas_never_exceed_a_limit_and_drain_to_zero() {
     let server = redis_or_skip!();
@@ -364,23 +343,6 @@ async fn an_admission_retried_with_its_id_counts_once_and_a_retried_release_free
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_refund_returns_the_rate_token_and_a_dropped_permit_does_not() {
-    let server = redis_or_skip!();
-    let shared = replica(small_config(), options(&server, "r1")).await;
-    // eve has two tokens an hour.
-    let p1 = shared.admit("eve", false, "op-1", None).await.unwrap();
-    p1.refund().await;
-    let p2 = shared.admit("eve", false, "op-2", None).await.unwrap();
-    drop(p2);
-    assert!(shared.flush().await);
-    let _p3 = shared.admit("eve", false, "op-3", None).await.unwrap();
-    match shared.admit("eve", false, "op-4", None).await {
-        Err(AdmitError::Refused(r)) => assert_eq!(r.code, RefusalCode::SubmissionRateLimited),
-        other => panic!("{other:?}"),
-    }
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lapsed_lease_is_released_by_a_survivor_exactly_once() {
     let server = redis_or_skip!();
     let config = roomy_config(&["amy", "bob"]);
@@ -468,33 +430,6 @@ async fn a_replica_restarting_under_its_name_replaces_its_holdings_with_what_it_
         op.fail().await.unwrap();
     }
     assert!(restarted.counts().await.unwrap().is_idle());
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn restored_work_counts_above_a_limit_and_new_work_is_refused_until_it_drains() {
-    let server = redis_or_skip!();
-    let restarted = RedisController::connect(small_config(), options(&server, "r1"))
-        .await
-        .unwrap();
-    let eve = Identity::new("eve").unwrap();
-    let restored = restarted
-        .register((0..3).map(|i| RestoredOperation {
-            id: format!("op-{i}"),
-            identity: eve.clone(),
-            state: OperationState::Pending,
-        }))
-        .await
-        .unwrap();
-    assert_eq!(restarted.counts().await.unwrap().clients["eve"], (3, 3, 0));
-    match restarted.admit("eve", false, "op-new", None).await {
-        Err(AdmitError::Refused(r)) => assert_eq!(r.code, RefusalCode::ClientOperationLimit),
-        other => panic!("{other:?}"),
-    }
-    for op in &restored {
-        op.cancel().await.unwrap();
-    }
-    let admitted = restarted.admit("eve", false, "op-new", None).await.unwrap();
-    assert_eq!(admitted.id(), "op-new");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

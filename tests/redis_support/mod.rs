@@ -6,6 +6,7 @@
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 pub struct RedisServer {
@@ -53,24 +54,7 @@ impl RedisServer {
     }
 
     fn wait_ready(&mut self) -> bool {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return false;
-            }
-            if let Ok(mut stream) = TcpStream::connect(("127.0.0.1", self.port)) {
-                let _ = stream.set_read_timeout(Some(Duration::from_secs(1)));
-                let mut buf = [0u8; 7];
-                if stream.write_all(b"PING\r\n").is_ok()
-                    && stream.read_exact(&mut buf).is_ok()
-                    && &buf == b"+PONG\r\n"
-                {
-                    return true;
-                }
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        false
+        wait_ready(&mut self.child, self.port)
     }
 
     pub fn url(&self) -> String {
@@ -95,6 +79,100 @@ impl RedisServer {
             .expect("kill runs");
         assert!(status.success(), "kill {sig} failed");
     }
+}
+
+/// Waits until the server under `child` answers PING on `port`; false if `child` exits first or
+/// ten seconds pass.
+fn wait_ready(child: &mut Child, port: u16) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        if let Ok(Some(_)) = child.try_wait() {
+            return false;
+        }
+        if let Ok(mut stream) = TcpStream::connect(("127.0.0.1", port)) {
+            let _ = stream.set_read_timeout(Some(Duration::from_secs(1)));
+            let mut buf = [0u8; 7];
+            if stream.write_all(b"PING\r\n").is_ok()
+                && stream.read_exact(&mut buf).is_ok()
+                && &buf == b"+PONG\r\n"
+            {
+                return true;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    false
+}
+
+/// One server for the whole test process: started by the first test that asks, stopped when the
+/// process ends, however it ends (a static is never dropped, so the server runs under a shell
+/// that holds a pipe from this process and stops the server when the pipe closes). Tests sharing
+/// it keep apart by key prefix.
+pub struct ProcessServer {
+    /// The shell; its stdin is the pipe (held open here until the process exits).
+    _shell: Child,
+    pub port: u16,
+}
+
+impl ProcessServer {
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    fn start_on(port: u16) -> Option<ProcessServer> {
+        // The shell ends with the server (so a server that cannot bind is seen at once); the
+        // watcher in the background stops the server once this process's end of stdin closes.
+        // (A background job's stdin is /dev/null unless redirected: the pipe goes through fd 3.)
+        let script = r#"exec 3<&0
+redis-server "$@" 3<&- & pid=$!
+(cat <&3 >/dev/null; kill "$pid" 2>/dev/null) &
+exec 3<&-
+wait "$pid""#;
+        let mut shell = Command::new("sh")
+            .arg("-c")
+            .arg(script)
+            .arg("sh")
+            .args(["--port", &port.to_string()])
+            .args(["--bind", "127.0.0.1"])
+            .args(["--save", ""])
+            .args(["--appendonly", "no"])
+            .arg("--dir")
+            .arg(std::env::temp_dir())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("sh starts");
+        if wait_ready(&mut shell, port) {
+            Some(ProcessServer {
+                _shell: shell,
+                port,
+            })
+        } else {
+            let _ = shell.kill();
+            let _ = shell.wait();
+            None
+        }
+    }
+}
+
+/// The test process's server (see [`ProcessServer`]), or `None` (having printed why) if
+/// `redis-server` cannot be run here.
+pub fn process_server() -> Option<&'static ProcessServer> {
+    static SERVER: OnceLock<Option<ProcessServer>> = OnceLock::new();
+    SERVER
+        .get_or_init(|| {
+            if !installed() {
+                return None;
+            }
+            for _ in 0..5 {
+                if let Some(server) = ProcessServer::start_on(free_port()) {
+                    return Some(server);
+                }
+            }
+            panic!("redis-server did not start on any of five loopback ports");
+        })
+        .as_ref()
 }
 
 /// A loopback port free a moment ago (nothing listens on it now).

@@ -1,0 +1,1012 @@
+//! SPEC section 2, written once and run against both backends (section 7: the same contract):
+//! `in_process::*` on the library's `Controller` with a manual clock, `redis::*` on the
+//! Redis-backed controller against a real `redis-server` (one per test process, each test under
+//! its own key prefix). What only the in-process engine can show (a clock that steps, metrics,
+//! storage quotas, config files) stays in `engine_semantics.rs`.
+//!
+//! Time: Redis decides on its own clock, which no test can move, so the rate tests use windows
+//! long enough (an hour, a day) that no token comes back while a test runs, and a rate wait is
+//! exact in-process and bounded by the time that passed on Redis.
+
+mod redis_support;
+mod semantics_support;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use semantics_support::{Backend, Kind, NotStarted};
+use unyolo_admission::{
+    CancelOutcome, ClientLimits, Config, Identity, Limits, OperationState, RefusalCode,
+    StorageCaps, TransitionError,
+};
+
+/// Writes `mod in_process` and `mod redis`, each with one test per name that runs the async
+/// function of that name against its backend.
+macro_rules! semantic_tests {
+    ($($name:ident),* $(,)?) => {
+        mod in_process {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::Kind::InProcess).await
+                }
+            )*
+        }
+        mod redis {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::Kind::Redis).await
+                }
+            )*
+        }
+    };
+}
+
+semantic_tests! {
+    unknown_identity_is_refused_as_unconfigured_with_403,
+    rate_is_checked_before_client_active,
+    client_active_limit_refuses_with_the_capacity_hint,
+    pending_limit_only_applies_to_work_needing_approval,
+    pending_grant_store_cap_binds_before_a_larger_client_pending,
+    global_pending_grant_cap_is_shared_by_all_clients,
+    global_active_limit_is_shared_by_all_clients,
+    saturated_execution_pool_refuses_new_work,
+    capacity_checks_run_in_the_contracts_order_when_several_are_exhausted,
+    every_refusal_consumes_no_token_and_no_slot,
+    retry_after_is_the_largest_hint_among_exhausted_dimensions,
+    dropped_permit_returns_slots_but_keeps_the_token_spent,
+    refunded_permit_returns_slots_and_the_token,
+    lifecycle_moves_counts_between_pending_queued_and_executing,
+    transitions_the_contract_forbids_are_refused_and_change_nothing,
+    terminal_transitions_release_exactly_once_whatever_the_repetition,
+    cancel_reports_the_state_it_left_and_changes_nothing_once_terminal,
+    dropped_operation_handles_release_their_slots_as_if_failed,
+    cancel_racing_approve_releases_once,
+    cancel_racing_start_releases_the_execution_slot_once,
+    starting_without_a_free_slot_leaves_the_operation_queued,
+    restored_work_counts_even_above_a_lowered_limit,
+    restore_of_an_unconfigured_identity_counts_globally_but_admits_nothing,
+    reload_keeps_counts_and_scales_the_bucket_fill,
+    reload_rescales_a_bucket_to_a_new_window_without_a_fresh_burst_or_confiscation,
+    removed_identity_is_refused_but_its_live_work_still_releases,
+    reload_lowering_global_limits_below_usage_refuses_until_it_drains,
+    rate_wait_after_a_reload_is_one_interval_of_the_new_rate,
+    refund_after_a_reload_that_changed_the_rate_returns_exactly_the_token_taken,
+}
+
+/// An hour: a token of `limits(10, HOUR, ..)` takes six minutes to come back.
+const HOUR: u32 = 3600;
+/// A day: the longest window the configuration allows.
+const DAY: u32 = 86_400;
+
+fn id(name: &str) -> Identity {
+    Identity::new(name).unwrap()
+}
+
+fn limits(n: u32, w: u32, active: u32, pending: u32) -> ClientLimits {
+    ClientLimits {
+        requests_per_window: n,
+        window_seconds: w,
+        active,
+        pending,
+    }
+}
+
+fn global(ga: u32, ge: u32) -> Limits {
+    let client_active = ga.min(25);
+    Limits {
+        global_active: ga,
+        global_executing: ge,
+        client_active,
+        client_pending: client_active.min(10),
+        ..Limits::DEFAULT
+    }
+}
+
+fn config(globals: Limits, overrides: &[(&str, ClientLimits)], names: &[&str]) -> Config {
+    let overrides: BTreeMap<Identity, ClientLimits> =
+        overrides.iter().map(|(n, l)| (id(n), *l)).collect();
+    Config::new(globals, overrides, names.iter().map(|n| id(n))).unwrap()
+}
+
+/// `bot` with its own limits, `other` on the defaults, everything global roomy.
+fn one_client_config(n: u32, w: u32, active: u32, pending: u32) -> Config {
+    config(
+        Limits::DEFAULT,
+        &[("bot", limits(n, w, active, pending))],
+        &["bot", "other"],
+    )
+}
+
+async fn one_client(kind: Kind, n: u32, w: u32, active: u32, pending: u32) -> Option<Backend> {
+    kind.with(one_client_config(n, w, active, pending))
+        .start()
+        .await
+}
+
+async fn unknown_identity_is_refused_as_unconfigured_with_403(kind: Kind) {
+    let Some(b) = one_client(kind, 5, 60, 5, 5).await else {
+        return;
+    };
+    for needs_approval in [false, true] {
+        let refusal = b.refusal("stranger", needs_approval).await;
+        assert_eq!(refusal.code, RefusalCode::ClientUnconfigured);
+        assert_eq!(refusal.code.http_status(), 403);
+        assert_eq!(refusal.retry_after, Duration::ZERO, "retrying cannot help");
+    }
+    assert!(
+        b.counts().await.is_idle(),
+        "an unknown identity holds nothing"
+    );
+    if let Some(c) = b.in_process() {
+        assert!(
+            c.snapshot().client("stranger").is_none(),
+            "no state is created from traffic"
+        );
+        assert_eq!(c.snapshot().rejected(RefusalCode::ClientUnconfigured), 2);
+    }
+}
+
+async fn rate_is_checked_before_client_active(kind: Kind) {
+    let Some(b) = one_client(kind, 1, 60, 1, 1).await else {
+        return;
+    };
+    let _op = b.admit_op("bot", false).await;
+    let refusal = b.refusal("bot", false).await;
+    assert_eq!(refusal.code, RefusalCode::SubmissionRateLimited);
+    // Both are exhausted: the largest hint is the rate wait (a minute), not the 2 s capacity hint.
+    b.assert_rate_wait(&refusal, Duration::from_secs(60));
+}
+
+async fn client_active_limit_refuses_with_the_capacity_hint(kind: Kind) {
+    let Some(b) = one_client(kind, 10, HOUR, 2, 2).await else {
+        return;
+    };
+    let _a = b.admit_op("bot", false).await;
+    let _b = b.admit_op("bot", false).await;
+    let refusal = b.refusal("bot", false).await;
+    assert_eq!(refusal.code, RefusalCode::ClientOperationLimit);
+    assert_eq!(refusal.retry_after, Duration::from_secs(2));
+    assert_eq!(refusal.code.http_status(), 429);
+    assert!(
+        b.admit("other", false).await.is_ok(),
+        "one client's limit is its own"
+    );
+}
+
+async fn pending_limit_only_applies_to_work_needing_approval(kind: Kind) {
+    let Some(b) = one_client(kind, 10, HOUR, 5, 1).await else {
+        return;
+    };
+    let _p = b.admit_op("bot", true).await;
+    let refusal = b.refusal("bot", true).await;
+    assert_eq!(refusal.code, RefusalCode::ClientPendingLimit);
+    assert_eq!(refusal.retry_after, Duration::from_secs(2));
+    let run = b.admit_op("bot", false).await;
+    assert_eq!(run.state(), OperationState::Approved);
+    assert_eq!(b.counts().await.client("bot").all(), (2, 1, 1, 0));
+}
+
+async fn pending_grant_store_cap_binds_before_a_larger_client_pending(kind: Kind) {
+    // The client may have 12 pending, but the grant store holds 10 per client.
+    let Some(b) = one_client(kind, 100, HOUR, 20, 12).await else {
+        return;
+    };
+    let mut ops = Vec::new();
+    for _ in 0..10 {
+        ops.push(b.admit_op("bot", true).await);
+    }
+    let refusal = b.refusal("bot", true).await;
+    assert_eq!(refusal.code, RefusalCode::PendingGrantLimit);
+    assert_eq!(refusal.retry_after, Duration::from_secs(2));
+    assert_eq!(b.counts().await.client("bot").pending, 10);
+}
+
+async fn global_pending_grant_cap_is_shared_by_all_clients(kind: Kind) {
+    let caps = StorageCaps {
+        grant_global: 2,
+        ..StorageCaps::default()
+    };
+    let Some(b) = kind
+        .with(config(Limits::DEFAULT, &[], &["a", "b"]))
+        .caps(caps)
+        .start()
+        .await
+    else {
+        return;
+    };
+    let _a = b.admit_op("a", true).await;
+    let _b = b.admit_op("b", true).await;
+    assert_eq!(
+        b.refusal("a", true).await.code,
+        RefusalCode::PendingGrantLimit
+    );
+    assert!(
+        b.admit("a", false).await.is_ok(),
+        "work that needs no approval is not a grant"
+    );
+}
+
+async fn global_active_limit_is_shared_by_all_clients(kind: Kind) {
+    let Some(b) = kind
+        .with(config(global(25, 10), &[], &["a", "b"]))
+        .start()
+        .await
+    else {
+        return;
+    };
+    let mut ops = Vec::new();
+    for i in 0..25 {
+        ops.push(b.admit_op(if i % 2 == 0 { "a" } else { "b" }, false).await);
+    }
+    let refusal = b.refusal("b", false).await;
+    assert_eq!(refusal.code, RefusalCode::GlobalOperationLimit);
+    assert_eq!(refusal.retry_after, Duration::from_secs(2));
+    assert_eq!(b.counts().await.global.active, 25);
+    drop(ops);
+    b.settle().await;
+    assert!(b.counts().await.is_idle());
+    assert!(b.admit("b", false).await.is_ok());
+}
+
+async fn saturated_execution_pool_refuses_new_work(kind: Kind) {
+    let Some(b) = kind.with(config(global(512, 1), &[], &["a"])).start().await else {
+        return;
+    };
+    let running = b.admit_op("a", false).await;
+    running.try_start().await.unwrap();
+    for needs_approval in [false, true] {
+        let refusal = b.refusal("a", needs_approval).await;
+        assert_eq!(refusal.code, RefusalCode::GlobalExecutionLimit);
+        assert_eq!(refusal.retry_after, Duration::from_secs(2));
+    }
+    running.succeed().await.unwrap();
+    assert!(b.admit("a", false).await.is_ok());
+}
+
+/// Every capacity dimension exhausted at once (restored work may exceed limits), then freed one
+/// at a time from the front: each refusal names the first that still fails.
+async fn capacity_checks_run_in_the_contracts_order_when_several_are_exhausted(kind: Kind) {
+    let caps = StorageCaps {
+        grant_global: 1,
+        ..StorageCaps::default()
+    };
+    let Some(b) = kind
+        .with(config(
+            global(2, 1),
+            &[("bot", limits(10, HOUR, 2, 1))],
+            &["bot", "other"],
+        ))
+        .caps(caps)
+        .start()
+        .await
+    else {
+        return;
+    };
+    use OperationState::{Approved, Executing, Pending};
+    let restored = b
+        .restore(&[
+            ("bot", Pending),
+            ("bot", Approved),
+            ("other", Pending),
+            ("other", Executing),
+        ])
+        .await;
+    let [
+        Some(bot_pending),
+        Some(bot_approved),
+        Some(other_pending),
+        Some(other_executing),
+    ] = <[_; 4]>::try_from(restored).unwrap()
+    else {
+        panic!("every live operation is restored");
+    };
+    let expect = |code: RefusalCode, approval: bool| {
+        let b = &b;
+        async move {
+            let refusal = b.refusal("bot", approval).await;
+            assert_eq!(refusal.code, code, "needs approval: {approval}");
+            assert_eq!(refusal.retry_after, Duration::from_secs(2), "{code}");
+        }
+    };
+    expect(RefusalCode::ClientOperationLimit, true).await;
+    expect(RefusalCode::ClientOperationLimit, false).await;
+    bot_approved.fail().await.unwrap();
+    expect(RefusalCode::ClientPendingLimit, true).await;
+    expect(RefusalCode::GlobalOperationLimit, false).await;
+    bot_pending.deny().await.unwrap();
+    expect(RefusalCode::PendingGrantLimit, true).await;
+    other_pending.approve().await.unwrap();
+    expect(RefusalCode::GlobalOperationLimit, true).await;
+    other_pending.fail().await.unwrap();
+    expect(RefusalCode::GlobalExecutionLimit, true).await;
+    expect(RefusalCode::GlobalExecutionLimit, false).await;
+    other_executing.succeed().await.unwrap();
+    assert!(b.counts().await.is_idle());
+    let op = b.admit_op("bot", true).await;
+    assert_eq!(op.state(), Pending);
+}
+
+/// One scenario of `every_refusal_consumes_no_token_and_no_slot`: a backend with the dimension
+/// that refuses with `code` exhausted for `bot`, the operations exhausting it, whether `bot`'s
+/// next submission needs approval, and how many tokens `bot` has left.
+async fn exhausted(
+    kind: Kind,
+    code: RefusalCode,
+) -> Option<(Backend, Vec<semantics_support::AnyOperation>, bool, u64)> {
+    Some(match code {
+        RefusalCode::SubmissionRateLimited => {
+            let b = one_client(kind, 1, HOUR, 5, 5).await?;
+            let ops = vec![b.admit_op("bot", false).await];
+            (b, ops, false, 0)
+        }
+        RefusalCode::ClientOperationLimit => {
+            let b = one_client(kind, 10, HOUR, 1, 1).await?;
+            let ops = vec![b.admit_op("bot", false).await];
+            (b, ops, true, 9)
+        }
+        RefusalCode::ClientPendingLimit => {
+            let b = one_client(kind, 10, HOUR, 5, 1).await?;
+            let ops = vec![b.admit_op("bot", true).await];
+            (b, ops, true, 9)
+        }
+        RefusalCode::GlobalOperationLimit => {
+            let b = kind
+                .with(config(
+                    global(1, 1),
+                    &[("bot", limits(10, HOUR, 1, 1))],
+                    &["bot", "other"],
+                ))
+                .start()
+                .await?;
+            let ops = vec![b.admit_op("other", false).await];
+            (b, ops, true, 10)
+        }
+        RefusalCode::GlobalExecutionLimit => {
+            let b = kind
+                .with(config(
+                    global(10, 1),
+                    &[("bot", limits(10, HOUR, 5, 5))],
+                    &["bot", "other"],
+                ))
+                .start()
+                .await?;
+            let op = b.admit_op("other", false).await;
+            op.try_start().await.unwrap();
+            (b, vec![op], true, 10)
+        }
+        other => unreachable!("no scenario for {other}"),
+    })
+}
+
+async fn every_refusal_consumes_no_token_and_no_slot(kind: Kind) {
+    for code in [
+        RefusalCode::SubmissionRateLimited,
+        RefusalCode::ClientOperationLimit,
+        RefusalCode::ClientPendingLimit,
+        RefusalCode::GlobalOperationLimit,
+        RefusalCode::GlobalExecutionLimit,
+    ] {
+        let Some((b, ops, approval, tokens)) = exhausted(kind, code).await else {
+            return;
+        };
+        let tokens_now = |b: &Backend| {
+            b.in_process().map(|c| {
+                c.snapshot()
+                    .clients
+                    .iter()
+                    .map(|c| (c.identity.to_string(), c.tokens))
+                    .collect::<Vec<_>>()
+            })
+        };
+        let before = (b.counts().await, tokens_now(&b));
+        for _ in 0..3 {
+            assert_eq!(b.refusal("bot", approval).await.code, code);
+        }
+        assert_eq!(
+            (b.counts().await, tokens_now(&b)),
+            before,
+            "{code} changed a count or a bucket"
+        );
+        // Freed, bot still has every token it had before the refusals.
+        for op in &ops {
+            op.fail().await.unwrap();
+        }
+        assert!(b.counts().await.is_idle(), "{code}");
+        assert_eq!(
+            b.spend_all_tokens("bot").await,
+            tokens,
+            "{code} took a token"
+        );
+    }
+}
+
+async fn retry_after_is_the_largest_hint_among_exhausted_dimensions(kind: Kind) {
+    // The rate wait (five minutes) is shorter than this controller's capacity hint (ten): with
+    // active full too, the capacity hint wins. (The other way round: see
+    // `rate_is_checked_before_client_active`.)
+    let Some(b) = kind
+        .with(one_client_config(1, 300, 1, 1))
+        .capacity_retry(Duration::from_secs(600))
+        .start()
+        .await
+    else {
+        return;
+    };
+    let _op = b.admit_op("bot", false).await;
+    let refusal = b.refusal("bot", false).await;
+    assert_eq!(refusal.code, RefusalCode::SubmissionRateLimited);
+    assert_eq!(refusal.retry_after, Duration::from_secs(600));
+}
+
+async fn dropped_permit_returns_slots_but_keeps_the_token_spent(kind: Kind) {
+    let Some(b) = one_client(kind, 2, HOUR, 1, 1).await else {
+        return;
+    };
+    drop(b.admit("bot", true).await.unwrap());
+    b.settle().await;
+    assert!(b.counts().await.is_idle());
+    if let Some(c) = b.in_process() {
+        assert_eq!(c.snapshot().dropped_permits, 1);
+    }
+    assert_eq!(b.spend_all_tokens("bot").await, 1);
+}
+
+async fn refunded_permit_returns_slots_and_the_token(kind: Kind) {
+    let Some(b) = one_client(kind, 2, HOUR, 1, 1).await else {
+        return;
+    };
+    b.admit("bot", true).await.unwrap().refund().await;
+    assert!(b.counts().await.is_idle());
+    assert_eq!(b.spend_all_tokens("bot").await, 2);
+}
+
+async fn lifecycle_moves_counts_between_pending_queued_and_executing(kind: Kind) {
+    let Some(b) = one_client(kind, 10, HOUR, 5, 5).await else {
+        return;
+    };
+    let op = b.admit_op("bot", true).await;
+    assert_eq!(op.state(), OperationState::Pending);
+    let counts = b.counts().await;
+    assert_eq!(counts.global.all(), (1, 1, 0, 0));
+    assert_eq!(counts.client("bot").all(), (1, 1, 0, 0));
+    op.approve().await.unwrap();
+    let counts = b.counts().await;
+    assert_eq!(counts.global.all(), (1, 0, 1, 0));
+    assert_eq!(counts.client("bot").all(), (1, 0, 1, 0));
+    op.try_start().await.unwrap();
+    let counts = b.counts().await;
+    assert_eq!(counts.global.all(), (1, 0, 0, 1));
+    assert_eq!(counts.client("bot").all(), (1, 0, 0, 1));
+    assert_eq!(
+        op.cancel().await,
+        Err(TransitionError {
+            from: OperationState::Executing,
+            to: OperationState::Canceled
+        })
+    );
+    op.succeed().await.unwrap();
+    assert!(b.counts().await.is_idle());
+    assert_eq!(op.state(), OperationState::Succeeded);
+}
+
+async fn transitions_the_contract_forbids_are_refused_and_change_nothing(kind: Kind) {
+    let Some(b) = one_client(kind, 10, HOUR, 5, 5).await else {
+        return;
+    };
+    use OperationState::{Approved, Denied, Executing, Pending, Succeeded};
+    let pending = b.admit_op("bot", true).await;
+    let approved = b.admit_op("bot", false).await;
+    let running = b.admit_op("bot", false).await;
+    running.try_start().await.unwrap();
+    let before = b.counts().await;
+    let refused = |from, to| Err(TransitionError { from, to });
+    assert_eq!(pending.succeed().await, refused(Pending, Succeeded));
+    assert_eq!(
+        pending.try_start().await,
+        Err(NotStarted::NotApproved(Pending))
+    );
+    assert_eq!(approved.approve().await, refused(Approved, Approved));
+    assert_eq!(approved.deny().await, refused(Approved, Denied));
+    assert_eq!(approved.succeed().await, refused(Approved, Succeeded));
+    assert_eq!(running.approve().await, refused(Executing, Approved));
+    assert_eq!(
+        running.expire().await,
+        refused(Executing, OperationState::Expired)
+    );
+    assert_eq!(
+        running.try_start().await,
+        Err(NotStarted::NotApproved(Executing))
+    );
+    assert_eq!(
+        b.counts().await,
+        before,
+        "a refused transition moves nothing"
+    );
+    assert_eq!(
+        (pending.state(), approved.state(), running.state()),
+        (Pending, Approved, Executing)
+    );
+}
+
+async fn terminal_transitions_release_exactly_once_whatever_the_repetition(kind: Kind) {
+    let Some(b) = one_client(kind, 10, HOUR, 5, 5).await else {
+        return;
+    };
+    let op = b.admit_op("bot", true).await;
+    let keep = b.admit_op("bot", true).await;
+    op.deny().await.unwrap();
+    assert!(op.deny().await.is_err(), "a second deny is refused");
+    assert_eq!(
+        op.cancel().await,
+        Ok(CancelOutcome::AlreadyTerminal(OperationState::Denied)),
+        "cancel of a terminal operation changes nothing"
+    );
+    assert!(op.fail().await.is_err());
+    assert!(op.expire().await.is_err());
+    drop(op);
+    b.settle().await;
+    let counts = b.counts().await;
+    assert_eq!(
+        (counts.global.active, counts.global.pending),
+        (1, 1),
+        "only the other operation is still counted"
+    );
+    assert_eq!(counts.client("bot").all(), (1, 1, 0, 0));
+    drop(keep);
+    b.settle().await;
+    assert!(b.counts().await.is_idle());
+}
+
+async fn cancel_reports_the_state_it_left_and_changes_nothing_once_terminal(kind: Kind) {
+    let Some(b) = one_client(kind, 10, HOUR, 5, 5).await else {
+        return;
+    };
+    let pending = b.admit_op("bot", true).await;
+    let approved = b.admit_op("bot", false).await;
+    let done = b.admit_op("bot", false).await;
+    done.try_start().await.unwrap();
+    done.succeed().await.unwrap();
+    assert_eq!(
+        pending.cancel().await,
+        Ok(CancelOutcome::Canceled {
+            from: OperationState::Pending
+        })
+    );
+    assert_eq!(b.counts().await.global.all(), (1, 0, 1, 0));
+    assert_eq!(
+        approved.cancel().await,
+        Ok(CancelOutcome::Canceled {
+            from: OperationState::Approved
+        })
+    );
+    assert!(b.counts().await.is_idle());
+    for (op, state) in [
+        (&pending, OperationState::Canceled),
+        (&approved, OperationState::Canceled),
+        (&done, OperationState::Succeeded),
+    ] {
+        assert_eq!(op.cancel().await, Ok(CancelOutcome::AlreadyTerminal(state)));
+        assert_eq!(op.state(), state);
+    }
+    assert!(b.counts().await.is_idle(), "counts never underflow");
+    // Nothing was released twice: a full client's worth can still be admitted, and no more.
+    let mut ops = Vec::new();
+    for _ in 0..5 {
+        ops.push(b.admit_op("bot", false).await);
+    }
+    assert_eq!(
+        b.refusal("bot", false).await.code,
+        RefusalCode::ClientOperationLimit
+    );
+}
+
+async fn dropped_operation_handles_release_their_slots_as_if_failed(kind: Kind) {
+    let Some(b) = one_client(kind, 10, HOUR, 5, 5).await else {
+        return;
+    };
+    let pending = b.admit_op("bot", true).await;
+    let approved = b.admit_op("bot", false).await;
+    let running = b.admit_op("other", false).await;
+    running.try_start().await.unwrap();
+    let kept = b.admit_op("other", true).await;
+    drop((pending, approved, running));
+    b.settle().await;
+    let counts = b.counts().await;
+    assert_eq!(counts.global.all(), (1, 1, 0, 0), "{counts:?}");
+    assert_eq!(counts.client("other").all(), (1, 1, 0, 0));
+    if let Some(c) = b.in_process() {
+        assert_eq!(c.snapshot().dropped_operations, 3);
+    }
+    kept.expire().await.unwrap();
+    assert!(b.counts().await.is_idle());
+}
+
+async fn cancel_racing_approve_releases_once(kind: Kind) {
+    let Some(b) = one_client(kind, 100_000, 60, 5, 5).await else {
+        return;
+    };
+    for round in 0..200 {
+        let op = Arc::new(b.admit_op("bot", true).await);
+        let racer = Arc::clone(&op);
+        let approve = tokio::spawn(async move { racer.approve().await });
+        let canceled = op.cancel().await;
+        let approved = approve.await.unwrap();
+        match canceled {
+            Ok(CancelOutcome::Canceled { from }) => assert_eq!(
+                from == OperationState::Approved,
+                approved.is_ok(),
+                "round {round}: cancel left {from} but approve said {approved:?}"
+            ),
+            other => panic!("round {round}: cancel succeeds from pending or approved: {other:?}"),
+        }
+        assert_eq!(op.state(), OperationState::Canceled);
+        assert!(b.counts().await.is_idle(), "round {round}");
+    }
+}
+
+async fn cancel_racing_start_releases_the_execution_slot_once(kind: Kind) {
+    let config = config(global(10, 1), &[("a", limits(100_000, 60, 5, 5))], &["a"]);
+    let Some(b) = kind.with(config).start().await else {
+        return;
+    };
+    for round in 0..200 {
+        let op = Arc::new(b.admit_op("a", false).await);
+        let racer = Arc::clone(&op);
+        let start = tokio::spawn(async move { racer.try_start().await });
+        let canceled = op.cancel().await;
+        let started = start.await.unwrap();
+        match (canceled, started) {
+            (Ok(CancelOutcome::Canceled { from }), Err(NotStarted::NotApproved(state))) => {
+                assert_eq!(
+                    (from, state),
+                    (OperationState::Approved, OperationState::Canceled),
+                    "round {round}"
+                );
+            }
+            (Err(refused), Ok(())) => {
+                assert_eq!(refused.from, OperationState::Executing, "round {round}");
+                assert_eq!(b.counts().await.global.all(), (1, 0, 0, 1), "round {round}");
+                op.succeed().await.unwrap();
+            }
+            other => panic!("round {round}: exactly one of cancel and start wins: {other:?}"),
+        }
+        assert!(op.state().is_terminal());
+        assert!(b.counts().await.is_idle(), "round {round}");
+    }
+    // The one execution slot is free: nothing kept it.
+    let last = b.admit_op("a", false).await;
+    last.try_start().await.unwrap();
+    last.succeed().await.unwrap();
+}
+
+async fn starting_without_a_free_slot_leaves_the_operation_queued(kind: Kind) {
+    let Some(b) = kind.with(config(global(10, 1), &[], &["a"])).start().await else {
+        return;
+    };
+    let first = b.admit_op("a", false).await;
+    let second = b.admit_op("a", false).await;
+    first.try_start().await.unwrap();
+    match second.try_start().await {
+        Err(NotStarted::Saturated(r)) => {
+            assert_eq!(r.code, RefusalCode::GlobalExecutionLimit);
+            assert_eq!(r.retry_after, Duration::from_secs(2));
+        }
+        other => panic!("expected saturation, got {other:?}"),
+    }
+    assert_eq!(second.state(), OperationState::Approved);
+    assert_eq!(b.counts().await.global.all(), (2, 0, 1, 1));
+    first.fail().await.unwrap();
+    second.try_start().await.unwrap();
+    second.cancel().await.unwrap_err();
+    second.succeed().await.unwrap();
+    assert!(b.counts().await.is_idle());
+}
+
+async fn restored_work_counts_even_above_a_lowered_limit(kind: Kind) {
+    let Some(b) = one_client(kind, 10, HOUR, 2, 2).await else {
+        return;
+    };
+    let restored = b
+        .restore(&[
+            ("bot", OperationState::Pending),
+            ("bot", OperationState::Pending),
+            ("bot", OperationState::Pending),
+            ("bot", OperationState::Succeeded),
+        ])
+        .await;
+    assert!(
+        restored[3].is_none(),
+        "a terminal operation restores nothing"
+    );
+    let restored: Vec<_> = restored.into_iter().take(3).map(Option::unwrap).collect();
+    let counts = b.counts().await;
+    assert_eq!(counts.global.all(), (3, 3, 0, 0));
+    assert_eq!(counts.client("bot").all(), (3, 3, 0, 0));
+    assert_eq!(
+        b.refusal("bot", false).await.code,
+        RefusalCode::ClientOperationLimit
+    );
+    restored[0].deny().await.unwrap();
+    assert_eq!(
+        b.refusal("bot", false).await.code,
+        RefusalCode::ClientOperationLimit,
+        "still at the limit of 2"
+    );
+    restored[1].cancel().await.unwrap();
+    assert!(b.admit("bot", false).await.is_ok());
+}
+
+async fn restore_of_an_unconfigured_identity_counts_globally_but_admits_nothing(kind: Kind) {
+    let Some(b) = one_client(kind, 10, HOUR, 2, 2).await else {
+        return;
+    };
+    let ghost = b
+        .restore(&[("ghost", OperationState::Executing)])
+        .await
+        .pop()
+        .flatten()
+        .expect("restored");
+    let counts = b.counts().await;
+    assert_eq!(counts.global.all(), (1, 0, 0, 1));
+    assert_eq!(counts.client("ghost").all(), (1, 0, 0, 1));
+    assert_eq!(
+        b.refusal("ghost", false).await.code,
+        RefusalCode::ClientUnconfigured
+    );
+    ghost.succeed().await.unwrap();
+    assert!(b.counts().await.is_idle());
+}
+
+async fn reload_keeps_counts_and_scales_the_bucket_fill(kind: Kind) {
+    let Some(b) = one_client(kind, 10, DAY, 5, 5).await else {
+        return;
+    };
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        held.push(b.admit_op("bot", true).await);
+    }
+    drop(b.admit("bot", false).await.unwrap());
+    b.settle().await;
+    // Half the bucket used; the new capacity is 100, so 50 tokens remain, not a fresh 100.
+    b.reload(config(
+        Limits::DEFAULT,
+        &[("bot", limits(100, DAY, 5, 5))],
+        &["bot", "other"],
+    ));
+    if let Some(c) = b.in_process() {
+        let s = c.snapshot();
+        assert_eq!(s.client("bot").unwrap().tokens, 50);
+        assert_eq!(s.reloads_applied, 1);
+    }
+    assert_eq!(b.counts().await.client("bot").all(), (4, 4, 0, 0));
+    // Lower active below usage: new work is refused until it drains.
+    b.reload(config(
+        Limits::DEFAULT,
+        &[("bot", limits(100, DAY, 2, 2))],
+        &["bot", "other"],
+    ));
+    assert_eq!(
+        b.refusal("bot", false).await.code,
+        RefusalCode::ClientOperationLimit
+    );
+    drop(held);
+    b.settle().await;
+    assert!(b.counts().await.is_idle());
+    assert_eq!(b.spend_all_tokens("bot").await, 50);
+}
+
+async fn reload_rescales_a_bucket_to_a_new_window_without_a_fresh_burst_or_confiscation(
+    kind: Kind,
+) {
+    let before = config(
+        Limits::DEFAULT,
+        &[
+            ("amy", limits(10, HOUR, 50, 50)),
+            ("bob", limits(10, HOUR, 50, 50)),
+        ],
+        &["amy", "bob"],
+    );
+    // amy: twice the burst over twice the window; bob: the same burst over a tenth of it.
+    let after = config(
+        Limits::DEFAULT,
+        &[
+            ("amy", limits(20, 2 * HOUR, 50, 50)),
+            ("bob", limits(10, HOUR / 10, 50, 50)),
+        ],
+        &["amy", "bob"],
+    );
+    let Some(b) = kind.with(before).start().await else {
+        return;
+    };
+    let mut kept = Vec::new();
+    for _ in 0..4 {
+        kept.push(b.admit_op("amy", false).await);
+        kept.push(b.admit_op("bob", false).await);
+    }
+    b.reload(after);
+    // amy used 4 of 10 → 8 of 20, 12 left (16 would be a fresh burst); bob used 4 of 10 → still
+    // 4 of 10 over the shorter window, 6 left (0 would be confiscation).
+    assert_eq!(b.spend_all_tokens("amy").await, 12);
+    assert_eq!(b.spend_all_tokens("bob").await, 6);
+    assert_eq!(b.counts().await.global.active, 8);
+}
+
+async fn reload_lowering_global_limits_below_usage_refuses_until_it_drains(kind: Kind) {
+    let clients = ["a", "b", "c"];
+    let Some(b) = kind
+        .with(config(global(10, 2), &[], &clients))
+        .start()
+        .await
+    else {
+        return;
+    };
+    let running = [b.admit_op("a", false).await, b.admit_op("b", false).await];
+    let queued = b.admit_op("a", false).await;
+    for op in &running {
+        op.try_start().await.unwrap();
+    }
+    b.reload(config(global(2, 1), &[], &clients));
+    assert_eq!(
+        b.counts().await.global.all(),
+        (3, 0, 1, 2),
+        "counts are kept"
+    );
+    assert_eq!(
+        b.refusal("c", false).await.code,
+        RefusalCode::GlobalOperationLimit
+    );
+    assert!(matches!(
+        queued.try_start().await,
+        Err(NotStarted::Saturated(_))
+    ));
+    running[0].succeed().await.unwrap();
+    assert_eq!(
+        b.refusal("c", false).await.code,
+        RefusalCode::GlobalOperationLimit,
+        "two active of two"
+    );
+    assert!(
+        matches!(queued.try_start().await, Err(NotStarted::Saturated(_))),
+        "one executing of one"
+    );
+    running[1].fail().await.unwrap();
+    queued.try_start().await.unwrap();
+    assert_eq!(
+        b.refusal("c", true).await.code,
+        RefusalCode::GlobalExecutionLimit
+    );
+    queued.succeed().await.unwrap();
+    assert!(b.counts().await.is_idle());
+    assert!(b.admit("c", true).await.is_ok());
+}
+
+async fn rate_wait_after_a_reload_is_one_interval_of_the_new_rate(kind: Kind) {
+    let Some(b) = one_client(kind, 10, HOUR, 20, 20).await else {
+        return;
+    };
+    assert_eq!(b.spend_all_tokens("bot").await, 10);
+    b.assert_rate_wait(&b.refusal("bot", false).await, Duration::from_secs(360));
+    // Half the rate over the same window: the empty bucket stays empty, and its next token is
+    // one new interval away.
+    b.reload(one_client_config(5, HOUR, 20, 20));
+    b.assert_rate_wait(&b.refusal("bot", false).await, Duration::from_secs(720));
+    b.reload(one_client_config(40, HOUR, 20, 20));
+    b.assert_rate_wait(&b.refusal("bot", false).await, Duration::from_secs(90));
+}
+
+async fn removed_identity_is_refused_but_its_live_work_still_releases(kind: Kind) {
+    let Some(b) = one_client(kind, 10, DAY, 5, 5).await else {
+        return;
+    };
+    let live = b.admit_op("bot", true).await;
+    b.reload(config(Limits::DEFAULT, &[], &["other"]));
+    assert_eq!(
+        b.refusal("bot", false).await.code,
+        RefusalCode::ClientUnconfigured
+    );
+    assert_eq!(b.counts().await.client("bot").all(), (1, 1, 0, 0));
+    live.deny().await.unwrap();
+    assert!(b.counts().await.is_idle());
+    // Added back, it is admitted again with its configured limits.
+    b.reload(config(
+        Limits::DEFAULT,
+        &[("bot", limits(10, DAY, 1, 1))],
+        &["bot", "other"],
+    ));
+    let op = b.admit_op("bot", false).await;
+    assert_eq!(
+        b.refusal("bot", false).await.code,
+        RefusalCode::ClientOperationLimit,
+        "its new active limit of 1"
+    );
+    op.fail().await.unwrap();
+    assert_eq!(
+        b.spend_all_tokens("bot").await,
+        8,
+        "tokens spent before the removal stay spent"
+    );
+}
+
+/// A refund after one or more reloads that changed the rate gives back exactly the token the
+/// permit took: the client ends where a twin that never took it is, token for token.
+async fn refund_after_a_reload_that_changed_the_rate_returns_exactly_the_token_taken(kind: Kind) {
+    // (requests, window) before and after: a longer window, more requests, fewer, both. On
+    // Redis, whose clock runs, every window is 360 times longer, so that no token comes back
+    // between the two clients' drains.
+    let stretch = match kind {
+        Kind::InProcess => 1,
+        Kind::Redis => 360,
+    };
+    let changes = [
+        ((10, 10), vec![(10, 100)]),
+        ((10, 60), vec![(100, 60)]),
+        ((100, 60), vec![(3, 60)]),
+        ((3, 60), vec![(7, 10)]),
+        ((10, 10), vec![(10, 100), (100, 100), (5, 20)]),
+    ];
+    for spent in [0, 1, 2] {
+        for (before, reloads) in &changes {
+            let both = |(n, w): (u32, u32)| {
+                config(
+                    Limits::DEFAULT,
+                    &[
+                        ("bot", limits(n, w * stretch, 50, 50)),
+                        ("twin", limits(n, w * stretch, 50, 50)),
+                    ],
+                    &["bot", "twin"],
+                )
+            };
+            let Some(b) = kind.with(both(*before)).start().await else {
+                return;
+            };
+            for _ in 0..spent {
+                drop(b.admit("bot", false).await.unwrap());
+                drop(b.admit("twin", false).await.unwrap());
+            }
+            let permit = b.admit("bot", false).await.unwrap();
+            for &after in reloads {
+                b.reload(both(after));
+            }
+            permit.refund().await;
+            b.settle().await;
+            let case = format!("{spent} spent, {before:?} then {reloads:?}");
+            if let Some(c) = b.in_process() {
+                let s = c.snapshot();
+                assert_eq!(
+                    s.client("bot").unwrap().tokens,
+                    s.client("twin").unwrap().tokens,
+                    "{case}"
+                );
+            }
+            // Drained, both wait as long for their next token: exactly on the manual clock; on
+            // Redis's the twin drains a moment later, so its wait may round a second shorter.
+            let (bot, bot_refusal) = b.drain("bot").await;
+            let (twin, twin_refusal) = b.drain("twin").await;
+            assert_eq!(bot, twin, "{case}");
+            assert_eq!(bot_refusal.code, RefusalCode::SubmissionRateLimited);
+            assert_eq!(twin_refusal.code, RefusalCode::SubmissionRateLimited);
+            match b.manual_clock() {
+                Some(clock) => {
+                    assert_eq!(bot_refusal, twin_refusal, "{case}");
+                    let (n, w) = *reloads.last().unwrap();
+                    clock.advance(Duration::from_secs(u64::from(w)) / n);
+                    assert_eq!(
+                        b.drain("bot").await,
+                        b.drain("twin").await,
+                        "{case}: one interval later"
+                    );
+                }
+                None => assert!(
+                    bot_refusal
+                        .retry_after_secs()
+                        .abs_diff(twin_refusal.retry_after_secs())
+                        <= 1,
+                    "{case}: {bot_refusal:?} vs {twin_refusal:?}"
+                ),
+            }
+        }
+    }
+}
