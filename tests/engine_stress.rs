@@ -546,8 +546,9 @@ fn admissions_racing_reloads_that_hand_a_freed_slot_to_another_client_use_their_
     // `p` in the old table but read the newcomer's limits would let `p` hold 3.
     const RELOADS: usize = 20_000;
     let configs = [only(&[("p", 1)]), only(&[("q", 3)])];
+    let clock = ManualClock::new();
     let c = Controller::builder(configs[0].clone())
-        .clock(ManualClock::new())
+        .clock(clock.clone())
         .build();
     let done = AtomicBool::new(false);
     let live = [
@@ -555,6 +556,7 @@ fn admissions_racing_reloads_that_hand_a_freed_slot_to_another_client_use_their_
         std::sync::atomic::AtomicU64::new(0),
     ];
     let admitted = std::sync::atomic::AtomicU64::new(0);
+    let handoffs = std::sync::atomic::AtomicU64::new(0);
     std::thread::scope(|s| {
         for t in 0..3u64 {
             let (c, done, live, admitted) = (&c, &done, &live, &admitted);
@@ -589,7 +591,12 @@ fn admissions_racing_reloads_that_hand_a_freed_slot_to_another_client_use_their_
             });
         }
         for i in 0..RELOADS {
+            // A window on, every bucket is full: an idle removed client is forgotten.
+            clock.advance(std::time::Duration::from_secs(1));
             c.reload(configs[i % 2].clone());
+            if c.snapshot().clients.len() == 1 {
+                handoffs.fetch_add(1, Ordering::Relaxed);
+            }
         }
         done.store(true, Ordering::Relaxed);
     });
@@ -597,5 +604,9 @@ fn admissions_racing_reloads_that_hand_a_freed_slot_to_another_client_use_their_
     assert!(
         admitted.load(Ordering::Relaxed) > 0,
         "no admission raced a reload"
+    );
+    assert!(
+        handoffs.load(Ordering::Relaxed) > 0,
+        "no reload forgot the other client and handed its slot on"
     );
 }
