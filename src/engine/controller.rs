@@ -804,9 +804,14 @@ fn refuse(
     // `code` is never ClientUnconfigured here: refusals of unknown identities have no client.
     client.rejected.bump(code.index() - 1);
     let limits = client.settings(settings);
+    let rate_wait = client.bucket.wait(now, limits.rate);
+    let capacity_retry = duration_nanos(settings.capacity_retry);
+    if rate_wait >= capacity_retry {
+        // The largest hint wins, and no capacity hint is larger: no need to look at capacity.
+        return Refusal::after_nanos(code, rate_wait);
+    }
     let global = client.shared.global.get();
     let caps = &settings.caps;
-    let rate_wait = client.bucket.wait(now, limits.rate);
     let capacity_exhausted = code.is_capacity()
         || client.active.get() >= u64::from(limits.active)
         || (needs_approval
@@ -815,7 +820,7 @@ fn refuse(
         || global.active >= settings.global_active
         || global.executing >= settings.global_executing;
     let capacity_wait = if capacity_exhausted {
-        duration_nanos(settings.capacity_retry)
+        capacity_retry
     } else {
         0
     };
