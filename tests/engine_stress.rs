@@ -610,3 +610,40 @@ fn admissions_racing_reloads_that_hand_a_freed_slot_to_another_client_use_their_
         "no reload forgot the other client and handed its slot on"
     );
 }
+
+#[test]
+fn refusals_counted_on_many_threads_at_once_sum_exactly() {
+    const THREADS: u64 = 6;
+    const EACH: u64 = 20_000;
+    let c = Controller::builder(only(&[("p", 1)]))
+        .clock(ManualClock::new())
+        .build();
+    let held = c.admit("p", false).expect("its one slot").commit();
+    std::thread::scope(|s| {
+        for t in 0..THREADS {
+            let c = &c;
+            s.spawn(move || {
+                for _ in 0..EACH {
+                    let name = if t % 2 == 0 { "p" } else { "nobody" };
+                    assert!(c.admit(name, false).is_err());
+                }
+            });
+        }
+    });
+    let snap = c.snapshot();
+    let p = snap.client("p").expect("configured");
+    assert_eq!(
+        p.rejected[unyolo_admission::RefusalCode::ClientOperationLimit as usize],
+        THREADS / 2 * EACH
+    );
+    assert_eq!(
+        snap.rejected(unyolo_admission::RefusalCode::ClientUnconfigured),
+        THREADS / 2 * EACH
+    );
+    assert_eq!(
+        snap.rejected.iter().sum::<u64>(),
+        THREADS * EACH,
+        "nothing else was counted: {snap:?}"
+    );
+    drop(held);
+}
