@@ -71,6 +71,7 @@ semantic_tests! {
     reload_keeps_counts_and_scales_the_bucket_fill,
     reload_rescales_a_bucket_to_a_new_window_without_a_fresh_burst_or_confiscation,
     removed_identity_is_refused_but_its_live_work_still_releases,
+    identity_removed_idle_with_tokens_spent_and_added_back_gets_no_fresh_burst,
     reload_lowering_global_limits_below_usage_refuses_until_it_drains,
     rate_wait_after_a_reload_is_one_interval_of_the_new_rate,
     refund_after_a_reload_that_changed_the_rate_returns_exactly_the_token_taken,
@@ -927,6 +928,31 @@ async fn removed_identity_is_refused_but_its_live_work_still_releases(kind: Kind
         b.spend_all_tokens("bot").await,
         8,
         "tokens spent before the removal stay spent"
+    );
+}
+
+/// Nothing live holds the removed client, but its spent tokens are not back yet: forgetting it
+/// would hand it a fresh burst when it is added back, which a reload never does.
+async fn identity_removed_idle_with_tokens_spent_and_added_back_gets_no_fresh_burst(kind: Kind) {
+    let Some(b) = one_client(kind, 10, DAY, 5, 5).await else {
+        return;
+    };
+    for _ in 0..7 {
+        b.admit_op("bot", false).await.fail().await.unwrap();
+    }
+    b.settle().await;
+    b.reload(config(Limits::DEFAULT, &[], &["other"]));
+    // A second reload: the one at which a drained identity would be forgotten.
+    b.reload(config(Limits::DEFAULT, &[], &["other", "newcomer"]));
+    assert_eq!(
+        b.refusal("bot", false).await.code,
+        RefusalCode::ClientUnconfigured
+    );
+    b.reload(one_client_config(10, DAY, 5, 5));
+    assert_eq!(
+        b.spend_all_tokens("bot").await,
+        3,
+        "the seven tokens spent before the removal stay spent"
     );
 }
 

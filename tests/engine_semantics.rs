@@ -127,15 +127,18 @@ fn stepping_back_then_forward_counts_only_the_forward_progress() {
 }
 
 #[test]
-fn identities_removed_by_reload_are_forgotten_once_drained() {
-    let (c, _) = one_client(10, 60, 5, 5);
+fn identities_removed_by_reload_are_forgotten_once_drained_and_refilled() {
+    let (c, clock) = one_client(10, 60, 5, 5);
     let held = c.admit("other", false).unwrap().commit();
+    let window = Duration::from_secs(Limits::DEFAULT.window_seconds.into());
     for round in 0..50 {
         let names: Vec<String> = (0..20).map(|i| format!("gen{round}-{i}")).collect();
         let mut all: Vec<&str> = names.iter().map(String::as_str).collect();
         all.push("bot");
         c.reload(config(Limits::DEFAULT, &[], &all));
         assert!(c.admit(&names[round % 20], false).is_ok());
+        // A window on, its token is back: removed next round, it is forgotten then.
+        clock.advance(window);
     }
     let s = c.snapshot();
     assert_eq!(

@@ -511,3 +511,139 @@ fn snapshots_racing_reloads_that_add_and_remove_identities_never_panic_nor_inven
     assert!(c.snapshot().is_idle(), "{:?}", c.snapshot());
     assert!(snapshots_checked.load(Ordering::Relaxed) > 0);
 }
+
+/// `names` with `active` each (roomy rate and globals), nothing else configured.
+fn only(names: &[(&str, u32)]) -> Config {
+    let overrides = names
+        .iter()
+        .map(|&(name, active)| {
+            (
+                id(name),
+                ClientLimits {
+                    requests_per_window: 1_000_000,
+                    window_seconds: 1,
+                    active,
+                    pending: 1,
+                },
+            )
+        })
+        .collect();
+    let limits = Limits {
+        requests_per_window: 1_000_000,
+        window_seconds: 1,
+        client_active: 1,
+        client_pending: 1,
+        global_active: 64,
+        global_executing: 64,
+    };
+    Config::new(limits, overrides, names.iter().map(|&(name, _)| id(name))).unwrap()
+}
+
+#[test]
+fn admissions_racing_reloads_that_hand_a_freed_slot_to_another_client_use_their_own_limits() {
+    // `p` (1 active) and `q` (3 active) take turns being the only client, so each reload that
+    // finds the other idle frees its slot and gives it to the newcomer. An admission that found
+    // `p` in the old table but read the newcomer's limits would let `p` hold 3.
+    const RELOADS: usize = 20_000;
+    let configs = [only(&[("p", 1)]), only(&[("q", 3)])];
+    let clock = ManualClock::new();
+    let c = Controller::builder(configs[0].clone())
+        .clock(clock.clone())
+        .build();
+    let done = AtomicBool::new(false);
+    let live = [
+        std::sync::atomic::AtomicU64::new(0),
+        std::sync::atomic::AtomicU64::new(0),
+    ];
+    let admitted = std::sync::atomic::AtomicU64::new(0);
+    let handoffs = std::sync::atomic::AtomicU64::new(0);
+    std::thread::scope(|s| {
+        for t in 0..3u64 {
+            let (c, done, live, admitted) = (&c, &done, &live, &admitted);
+            s.spawn(move || {
+                let mut rng = Rng(0x5EED ^ (t + 1));
+                let mut held: Vec<(usize, Operation)> = Vec::new();
+                while !done.load(Ordering::Relaxed) {
+                    let who = rng.below(2) as usize;
+                    if let Ok(permit) = c.admit(["p", "q"][who], false) {
+                        let op = permit.commit();
+                        let now_live = live[who].fetch_add(1, Ordering::SeqCst) + 1;
+                        assert!(
+                            now_live <= [1, 3][who],
+                            "{} holds {now_live} operations: admitted under another client's limits",
+                            ["p", "q"][who]
+                        );
+                        admitted.fetch_add(1, Ordering::Relaxed);
+                        held.push((who, op));
+                    }
+                    // Hold briefly, so both idle and draining states meet reloads.
+                    if held.len() > 1 || rng.below(4) == 0 {
+                        for (who, op) in held.drain(..) {
+                            live[who].fetch_sub(1, Ordering::SeqCst);
+                            op.cancel().expect("live until now");
+                        }
+                    }
+                }
+                for (who, op) in held.drain(..) {
+                    live[who].fetch_sub(1, Ordering::SeqCst);
+                    op.cancel().expect("live until now");
+                }
+            });
+        }
+        for i in 0..RELOADS {
+            // A window on, every bucket is full: an idle removed client is forgotten.
+            clock.advance(std::time::Duration::from_secs(1));
+            c.reload(configs[i % 2].clone());
+            if c.snapshot().clients.len() == 1 {
+                handoffs.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        done.store(true, Ordering::Relaxed);
+    });
+    assert!(c.snapshot().is_idle(), "{:?}", c.snapshot());
+    assert!(
+        admitted.load(Ordering::Relaxed) > 0,
+        "no admission raced a reload"
+    );
+    assert!(
+        handoffs.load(Ordering::Relaxed) > 0,
+        "no reload forgot the other client and handed its slot on"
+    );
+}
+
+#[test]
+fn refusals_counted_on_many_threads_at_once_sum_exactly() {
+    const THREADS: u64 = 6;
+    const EACH: u64 = 20_000;
+    let c = Controller::builder(only(&[("p", 1)]))
+        .clock(ManualClock::new())
+        .build();
+    let held = c.admit("p", false).expect("its one slot").commit();
+    std::thread::scope(|s| {
+        for t in 0..THREADS {
+            let c = &c;
+            s.spawn(move || {
+                for _ in 0..EACH {
+                    let name = if t % 2 == 0 { "p" } else { "nobody" };
+                    assert!(c.admit(name, false).is_err());
+                }
+            });
+        }
+    });
+    let snap = c.snapshot();
+    let p = snap.client("p").expect("configured");
+    assert_eq!(
+        p.rejected[unyolo_admission::RefusalCode::ClientOperationLimit as usize],
+        THREADS / 2 * EACH
+    );
+    assert_eq!(
+        snap.rejected(unyolo_admission::RefusalCode::ClientUnconfigured),
+        THREADS / 2 * EACH
+    );
+    assert_eq!(
+        snap.rejected.iter().sum::<u64>(),
+        THREADS * EACH,
+        "nothing else was counted: {snap:?}"
+    );
+    drop(held);
+}

@@ -15,6 +15,7 @@ use super::gauge::Gauge;
 use super::gcra::{Bucket, Rate};
 use super::global::GlobalCounts;
 use super::refusal::RefusalCode;
+use super::tally::Tally;
 use crate::clock::MonotonicClock;
 use crate::config::{Config, Identity};
 use crate::sync::{Event, IntoNotification};
@@ -51,8 +52,11 @@ impl Shared {
     }
 }
 
-/// One consistent view of every limit, swapped whole on reload.
+/// One consistent view of every limit and of the clients they apply to, swapped whole on reload.
 pub(crate) struct Settings {
+    /// Every tracked client, found by identity: a decision looks its client up here and reads its
+    /// limits from `clients` in the same settings, so the two always agree.
+    pub(crate) table: ClientTable,
     pub(crate) config: Config,
     /// Per-client limits, indexed by [`ClientState::slot`]. A slot is reused only once no handle
     /// holds the state that had it.
@@ -61,6 +65,35 @@ pub(crate) struct Settings {
     pub(crate) global_executing: u64,
     pub(crate) capacity_retry: Duration,
     pub(crate) caps: StorageCaps,
+}
+
+/// The client table. Hashed with foldhash: the keys are configured identities, never inserted from
+/// traffic, so a fast hash is safe.
+pub(crate) type ClientTable = std::collections::HashSet<ClientKey, foldhash::fast::RandomState>;
+
+/// A client state as a key of the client table: hashed and compared by its identity, so the table
+/// is looked up by `&str` and the identity is stored once.
+pub(crate) struct ClientKey(pub(crate) Arc<ClientState>);
+
+impl std::hash::Hash for ClientKey {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        // Must hash exactly as the borrowed `str` does.
+        self.0.identity.as_str().hash(state);
+    }
+}
+
+impl PartialEq for ClientKey {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.identity == other.0.identity
+    }
+}
+
+impl Eq for ClientKey {}
+
+impl std::borrow::Borrow<str> for ClientKey {
+    fn borrow(&self) -> &str {
+        self.0.identity.as_str()
+    }
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -90,8 +123,9 @@ pub(crate) struct ClientState {
     pub(crate) identity: Identity,
     pub(crate) storage: [StoreGauges; 2],
     /// Refusals by code, indexed like [`RefusalCode::ALL`] less one: an unconfigured identity has
-    /// no state, so `ClientUnconfigured` is never counted here.
-    pub(crate) rejected: [StdAtomicU64; RefusalCode::ALL.len() - 1],
+    /// no state, so `ClientUnconfigured` is never counted here. Striped by thread, so a flood of
+    /// refusals on several threads writes no line twice from two cores.
+    pub(crate) rejected: Tally<{ RefusalCode::ALL.len() - 1 }>,
 }
 
 impl ClientState {

@@ -1,12 +1,19 @@
 //! Where admission is decided.
 //!
-//! The controller holds one [`ClientState`] per configured identity in a `dashmap` (created from
+//! The controller holds one [`ClientState`] per configured identity in a hash table (created from
 //! configuration, never from traffic, so memory is bounded by the quota file), the global counts in
 //! one packed, cache-padded word ([`GlobalCounts`]), and the validated limits in an `arc-swap` so a
-//! reload never blocks an admission. A decision reads one consistent limits snapshot, then reserves
-//! each dimension by compare-and-swap in the contract's order — the client's token, its active and
-//! pending counts ([`Gauge`]), then the global counts in one step — rolling back everything
-//! reserved so far at the first that fails.
+//! reload never blocks an admission. A decision reads one consistent limits snapshot, checks every
+//! dimension without writing (a refusal ends there), then reserves each by compare-and-swap in the
+//! contract's order — the client's token, its active and pending counts ([`Gauge`]), then the
+//! global counts in one step — rolling back everything reserved so far at the first that fails.
+//!
+//! The client table changes only on reload, so it is immutable and swapped in with the limits, in
+//! the same [`Settings`]: one load finds the client and its limits, and they always agree. (A
+//! `dashmap` lookup takes its shard's read lock — an atomic write to a word every thread looking
+//! up that client shares — which made a flood of refusals for one client on two threads slower
+//! than on one.) Before a reload frees the slot of a removed identity it waits until no decision
+//! still reads settings that had it, as an RCU writer waits out its readers.
 //!
 //! One piece past the usual size: the decision, its rollback, restore and reload all touch the same
 //! private layout of client states and settings, and splitting them would widen that layout's
@@ -18,26 +25,24 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use crossbeam_utils::CachePadded;
-use dashmap::DashMap;
 
 use super::caps::{StorageCaps, Store};
-use super::client::{ClientSettings, ClientState, Settings, Shared, StoreGauges};
+use super::client::{
+    ClientKey, ClientSettings, ClientState, ClientTable, Settings, Shared, StoreGauges,
+};
 use super::gauge::Gauge;
 use super::gcra::{Bucket, Rate};
 use super::global::{Counts, GlobalCounts, GlobalLimits, GlobalRefusal};
 use super::lifecycle::{Operation, OperationState};
 use super::refusal::{Refusal, RefusalCode};
 use super::storage::{StorageReservation, StoredObject};
+use super::tally::Tally;
 use crate::clock::{Clock, MonotonicClock, QuantaClock, duration_nanos};
 use crate::config::{ClientLimits, Config, ConfigError, Identity};
 use crate::metrics::{ClientSnapshot, Snapshot, StoreSnapshot};
 use crate::sync::Event;
 
 use std::sync::atomic::Ordering;
-
-/// Shards of the client table. Each lookup takes its shard's read lock (an atomic increment), so
-/// more shards make two busy clients sharing one lock word less likely.
-const CLIENT_SHARDS: usize = 64;
 
 /// The default Retry-After hint for capacity refusals.
 pub const DEFAULT_CAPACITY_RETRY: Duration = Duration::from_secs(2);
@@ -49,17 +54,29 @@ pub struct Controller {
 }
 
 struct Inner {
-    /// One state per tracked identity, keyed by the identity it holds. Hashed with foldhash:
-    /// the keys are configured identities, never inserted from traffic, so a fast hash is safe.
-    clients: DashMap<ClientKey, (), foldhash::fast::RandomState>,
     shared: Arc<Shared>,
-    /// Every tracked state, by identity: the reload path's own index of the client table, so a
-    /// reload reads no shard of the table that admissions use. The mutex serializes reloads and
-    /// insertions against each other; admissions never take it.
+    /// Every tracked state, by identity: the reload path's own list, from which it builds each
+    /// settings' client table. The mutex serializes reloads and insertions against each other;
+    /// admissions never take it.
     tracked: Mutex<Tracked>,
-    unconfigured_refusals: StdAtomicU64,
+    unconfigured_refusals: Tally<1>,
     reloads_ok: StdAtomicU64,
     reloads_failed: StdAtomicU64,
+}
+
+impl Drop for Inner {
+    /// Every state's `Arc` points back at `shared`, whose settings hold the client table: empty
+    /// it, or the last controller leaves the states and `shared` keeping each other alive.
+    /// Handles that outlive the controller still find their slot's limits.
+    fn drop(&mut self) {
+        let settings = self.shared.settings.load();
+        self.shared.settings.store(Arc::new(Settings {
+            table: ClientTable::default(),
+            clients: settings.clients.clone(),
+            config: settings.config.clone(),
+            ..**settings
+        }));
+    }
 }
 
 /// What the reload path keeps to itself, under its mutex.
@@ -68,33 +85,9 @@ struct Tracked {
     /// Every tracked state, sorted by identity (a plain sorted vector: one pointer per client).
     states: Vec<Arc<ClientState>>,
     /// The settings replaced by the last reload, kept alive until the next one so that an
-    /// admission still reading them never pays for freeing them.
+    /// admission still reading them never pays for freeing them (nor for dropping the client
+    /// references their table holds).
     retired: Option<Arc<Settings>>,
-}
-
-/// A client state as a key of the client table: hashed and compared by its identity, so the table
-/// is looked up by `&str` and the identity is stored once.
-struct ClientKey(Arc<ClientState>);
-
-impl std::hash::Hash for ClientKey {
-    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
-        // Must hash exactly as the borrowed `str` does.
-        self.0.identity.as_str().hash(state);
-    }
-}
-
-impl PartialEq for ClientKey {
-    fn eq(&self, other: &Self) -> bool {
-        self.0.identity == other.0.identity
-    }
-}
-
-impl Eq for ClientKey {}
-
-impl std::borrow::Borrow<str> for ClientKey {
-    fn borrow(&self) -> &str {
-        self.0.identity.as_str()
-    }
 }
 
 /// Builds a [`Controller`] with a non-default clock, Retry-After hint or storage caps.
@@ -130,6 +123,7 @@ impl ControllerBuilder {
         let source = self.clock.unwrap_or_else(|| Box::new(QuantaClock::new()));
         let clock = MonotonicClock::new(source);
         let settings = Settings {
+            table: ClientTable::default(),
             clients: Box::new([]),
             global_active: 0,
             global_executing: 0,
@@ -150,13 +144,9 @@ impl ControllerBuilder {
         });
         let controller = Controller {
             inner: Arc::new(Inner {
-                clients: DashMap::with_hasher_and_shard_amount(
-                    foldhash::fast::RandomState::default(),
-                    CLIENT_SHARDS,
-                ),
                 shared,
                 tracked: Mutex::new(Tracked::default()),
-                unconfigured_refusals: StdAtomicU64::new(0),
+                unconfigured_refusals: Tally::default(),
                 reloads_ok: StdAtomicU64::new(0),
                 reloads_failed: StdAtomicU64::new(0),
             }),
@@ -221,14 +211,15 @@ impl Controller {
     }
 
     fn admit_str(&self, identity: &str, needs_approval: bool) -> Result<Permit, Refusal> {
-        // The state is borrowed from the table (under its shard's read lock) for the read-only
-        // checks, and its `Arc` cloned only to reserve: a refusal writes no reference count.
-        let Some(entry) = self.inner.clients.get(identity) else {
-            return Err(self.refuse_unconfigured());
-        };
-        let client: &ClientState = &entry.key().0;
+        // The state is borrowed from the settings' table for the read-only checks, and its `Arc`
+        // cloned only to reserve: a refusal writes no reference count and takes no lock. The
+        // settings are held until then, so a reload cannot free the state's slot meanwhile.
         let shared = &*self.inner.shared;
         let settings = shared.settings.load();
+        let Some(ClientKey(found)) = settings.table.get(identity) else {
+            return Err(self.refuse_unconfigured());
+        };
+        let client: &ClientState = found;
         let limits = *client.settings(&settings);
         if !limits.configured {
             return Err(self.refuse_unconfigured());
@@ -248,8 +239,7 @@ impl Controller {
         {
             return Err(refuse(client, &settings, code, now, needs_approval));
         }
-        let client = Arc::clone(&entry.key().0);
-        drop(entry);
+        let client = Arc::clone(found);
 
         if client.bucket.try_take(now, limits.rate).is_err() {
             return Err(refuse(
@@ -296,10 +286,7 @@ impl Controller {
     }
 
     fn refuse_unconfigured(&self) -> Refusal {
-        // Relaxed: a statistic.
-        self.inner
-            .unconfigured_refusals
-            .fetch_add(1, Ordering::Relaxed);
+        self.inner.unconfigured_refusals.bump(0);
         Refusal {
             code: RefusalCode::ClientUnconfigured,
             retry_after: Duration::ZERO,
@@ -414,9 +401,12 @@ impl Controller {
     #[inline]
     pub(super) fn client(&self, identity: &str) -> Option<Arc<ClientState>> {
         self.inner
-            .clients
+            .shared
+            .settings
+            .load()
+            .table
             .get(identity)
-            .map(|entry| Arc::clone(&entry.key().0))
+            .map(|key| Arc::clone(&key.0))
     }
 
     fn client_or_insert(&self, identity: &Identity) -> Arc<ClientState> {
@@ -440,7 +430,7 @@ impl Controller {
             shared: Arc::clone(&self.inner.shared),
             storage: [StoreGauges::new(), StoreGauges::new()],
             admitted: StdAtomicU64::new(0),
-            rejected: Default::default(),
+            rejected: Tally::default(),
         }
     }
 
@@ -521,11 +511,9 @@ impl Controller {
 
     /// Installs `config` (and tracks `extra`, an unconfigured identity met while restoring).
     ///
-    /// Order matters so that an admission never reads a slot that is not its own: states no handle
-    /// holds any more and that `config` no longer names are removed first (their slots become
-    /// free); the new limits table is swapped in; only then are new states inserted, so a state is
-    /// findable only once the table has its slot. Admissions take none of the locks used here but
-    /// the table's shard locks, and only for the identities being added or removed.
+    /// A decision finds a client and its slot's limits in the same settings, so it never reads a
+    /// slot that is not its own as long as a slot is reused only once nothing can reach the state
+    /// that had it: `forget_unheld` sees to that. Admissions take none of the locks used here.
     fn apply(&self, config: Config, extra: Option<&Identity>) {
         let mut guard = self.inner.tracked.lock().unwrap_or_else(|p| p.into_inner());
         let Tracked {
@@ -533,7 +521,12 @@ impl Controller {
             retired,
         } = &mut *guard;
         let shared = &self.inner.shared;
-        let current = shared.settings.load_full();
+        // Once no decision reads the settings the last reload retired, their table no longer
+        // counts in a state's references.
+        if let Some(old) = retired.take() {
+            free_when_unread(old);
+        }
+        let mut current = shared.settings.load_full();
         // The same configuration again (a SIGHUP with an unchanged file), with no identity to add
         // and none draining to forget: nothing to swap.
         let nothing_new = extra.is_none_or(|identity| find(tracked, identity.as_str()).is_ok());
@@ -546,18 +539,7 @@ impl Controller {
             return;
         }
         let now = shared.clock.now();
-        // Forget removed identities that nothing holds any more. `remove_if` runs under the
-        // shard's write lock, where nobody can clone the state: a count of two (the table's and
-        // `tracked`'s) means no permit, operation or stored object holds it, so its slot is free.
-        let clients = &self.inner.clients;
-        tracked.retain(|state| {
-            is_named(&config, extra, &state.identity)
-                || clients
-                    .remove_if(state.identity.as_str(), |key, _| {
-                        Arc::strong_count(&key.0) == 2
-                    })
-                    .is_none()
-        });
+        self.forget_unheld(tracked, &mut current, &config, extra, now);
         // Slots of the states still tracked keep their place; the others are free.
         let mut slots: Vec<Option<ClientSettings>> = vec![None; current.clients.len()];
         for state in tracked.iter() {
@@ -623,7 +605,11 @@ impl Controller {
         shared
             .executing_limit
             .store(u64::from(limits.global_executing), Ordering::Relaxed);
+        tracked.extend(new_states.into_iter().map(Arc::new));
+        tracked.sort_unstable_by(|a, b| a.identity.cmp(&b.identity));
+        tracked.shrink_to_fit();
         *retired = Some(shared.settings.swap(Arc::new(Settings {
+            table: table_of(tracked),
             clients: slots.into_iter().map(|s| s.unwrap_or(unused)).collect(),
             global_active: u64::from(limits.global_active),
             global_executing: u64::from(limits.global_executing),
@@ -634,13 +620,53 @@ impl Controller {
         drop(rescaling);
         // A raised `global_executing` may let waiting operations start.
         shared.slot_freed.notify(usize::MAX);
-        for state in new_states {
-            let state = Arc::new(state);
-            tracked.push(Arc::clone(&state));
-            self.inner.clients.insert(ClientKey(state), ());
+    }
+
+    /// Forgets the removed identities nothing holds any more and whose buckets are full again,
+    /// so their slots can be reused. (An identity removed with tokens spent is remembered until
+    /// they are back: added again meanwhile, it must not get a fresh burst.)
+    ///
+    /// A state no handle holds has two references: `tracked`'s and the table of the settings in
+    /// force (`current`). But a decision that found it there may be about to clone it, and is
+    /// reading its slot, so such states are first left out of the table (the settings are swapped
+    /// for the same limits without them) and the old settings freed once no decision reads them.
+    /// A count of one (ours) afterwards proves that no permit, operation, stored object or
+    /// decision in flight holds the state, nor can find it again.
+    fn forget_unheld(
+        &self,
+        tracked: &mut Vec<Arc<ClientState>>,
+        current: &mut Arc<Settings>,
+        config: &Config,
+        extra: Option<&Identity>,
+        now: u64,
+    ) {
+        let unheld = |state: &Arc<ClientState>| {
+            !is_named(config, extra, &state.identity)
+                && Arc::strong_count(state) == 2
+                && state.bucket.is_full(now)
+        };
+        if !tracked.iter().any(unheld) {
+            return;
         }
-        tracked.sort_unstable_by(|a, b| a.identity.cmp(&b.identity));
-        tracked.shrink_to_fit();
+        let without = Arc::new(Settings {
+            table: current
+                .table
+                .iter()
+                .filter(|key| !unheld(&key.0))
+                .map(|key| ClientKey(Arc::clone(&key.0)))
+                .collect(),
+            clients: current.clients.clone(),
+            config: current.config.clone(),
+            ..**current
+        });
+        let shared = &self.inner.shared;
+        let old = shared.settings.swap(Arc::clone(&without));
+        *current = without;
+        free_when_unread(old);
+        // A state a decision took meanwhile is kept (and back in the table after this reload).
+        tracked.retain(|state| {
+            is_named(config, extra, &state.identity) || Arc::strong_count(state) > 1
+        });
     }
 
     /// What every handle shares: limits, global counts, time.
@@ -661,21 +687,11 @@ impl Controller {
     /// A lock-free reading of every count, for metrics and tests.
     pub fn snapshot(&self) -> Snapshot {
         let shared = &self.inner.shared;
-        // The states first, the settings after, as `admit` does: a reload swaps in the settings
-        // that give a new state its slot before it inserts the state, and a slot is reused only
-        // once nothing holds its state, so settings loaded after a state was found (and while it
-        // is held) always have that state's own slot. Loaded the other way round, a state added
-        // meanwhile has no slot in them, or another client's.
-        let states: Vec<Arc<ClientState>> = self
-            .inner
-            .clients
-            .iter()
-            .map(|entry| Arc::clone(&entry.key().0))
-            .collect();
+        // The states and their slots' limits from the same settings, as `admit` reads them.
         let settings = shared.settings.load();
+        let states = settings.table.iter().map(|key| &*key.0);
         let now = shared.clock.now();
         let mut clients: Vec<ClientSnapshot> = states
-            .iter()
             .map(|c| {
                 let limits = c.settings(&settings);
                 let (executing, pending, active) =
@@ -692,7 +708,7 @@ impl Controller {
                     tokens: c.bucket.available(now, limits.rate),
                     admitted: c.admitted.load(Ordering::Relaxed),
                     rejected: std::array::from_fn(|i| match i.checked_sub(1) {
-                        Some(i) => c.rejected[i].load(Ordering::Relaxed),
+                        Some(i) => c.rejected.read(i),
                         None => 0,
                     }),
                     storage: std::array::from_fn(|i| StoreSnapshot {
@@ -706,7 +722,7 @@ impl Controller {
         clients.sort_by(|a, b| a.identity.cmp(&b.identity));
         let mut rejected: [u64; RefusalCode::ALL.len()] = [0; RefusalCode::ALL.len()];
         rejected[RefusalCode::ClientUnconfigured.index()] =
-            self.inner.unconfigured_refusals.load(Ordering::Relaxed);
+            self.inner.unconfigured_refusals.read(0);
         for c in &clients {
             for (total, n) in rejected.iter_mut().zip(c.rejected) {
                 *total += n;
@@ -785,13 +801,17 @@ fn refuse(
     now: u64,
     needs_approval: bool,
 ) -> Refusal {
-    // Relaxed: a statistic.
     // `code` is never ClientUnconfigured here: refusals of unknown identities have no client.
-    client.rejected[code.index() - 1].fetch_add(1, Ordering::Relaxed);
+    client.rejected.bump(code.index() - 1);
     let limits = client.settings(settings);
+    let rate_wait = client.bucket.wait(now, limits.rate);
+    let capacity_retry = duration_nanos(settings.capacity_retry);
+    if rate_wait >= capacity_retry {
+        // The largest hint wins, and no capacity hint is larger: no need to look at capacity.
+        return Refusal::after_nanos(code, rate_wait);
+    }
     let global = client.shared.global.get();
     let caps = &settings.caps;
-    let rate_wait = client.bucket.wait(now, limits.rate);
     let capacity_exhausted = code.is_capacity()
         || client.active.get() >= u64::from(limits.active)
         || (needs_approval
@@ -800,7 +820,7 @@ fn refuse(
         || global.active >= settings.global_active
         || global.executing >= settings.global_executing;
     let capacity_wait = if capacity_exhausted {
-        duration_nanos(settings.capacity_retry)
+        capacity_retry
     } else {
         0
     };
@@ -942,4 +962,83 @@ fn find(states: &[Arc<ClientState>], identity: &str) -> Result<usize, usize> {
 /// Whether a reload to `config` keeps tracking `identity` by name.
 fn is_named(config: &Config, extra: Option<&Identity>, identity: &Identity) -> bool {
     config.effective(identity.as_str()).is_some() || extra == Some(identity)
+}
+
+/// The client table of `states`.
+// A `ClientKey` hashes and compares only its identity, which never changes.
+#[allow(clippy::mutable_key_type)]
+fn table_of(states: &[Arc<ClientState>]) -> ClientTable {
+    states.iter().map(|s| ClientKey(Arc::clone(s))).collect()
+}
+
+/// Frees `settings` once no decision reads them any more (`swap` has counted every reader still
+/// holding them): the grace period after which a state left out of newer tables is unreachable.
+/// Decisions hold settings only for one decision's loads, so the wait is short; freeing them here
+/// spares a decision the cost.
+fn free_when_unread(mut settings: Arc<Settings>) {
+    loop {
+        match Arc::try_unwrap(settings) {
+            Ok(unread) => break drop(unread),
+            Err(still_read) => {
+                settings = still_read;
+                std::thread::yield_now();
+            }
+        }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    fn controller() -> Controller {
+        Controller::new(Config::defaults([Identity::new("a").expect("valid")]))
+    }
+
+    #[test]
+    fn the_last_controller_gone_frees_every_client_state_and_the_shared_state() {
+        let c = controller();
+        let shared = Arc::downgrade(&c.inner.shared);
+        let state = Arc::downgrade(&c.client("a").expect("configured"));
+        drop(c);
+        assert!(
+            state.upgrade().is_none(),
+            "a client state outlived its controller"
+        );
+        assert!(
+            shared.upgrade().is_none(),
+            "the shared state outlived its controller"
+        );
+    }
+
+    #[test]
+    fn an_operation_outliving_its_controller_still_releases_and_then_frees_everything() {
+        let c = controller();
+        let shared = Arc::downgrade(&c.inner.shared);
+        let op = c.admit("a", false).expect("admitted").commit();
+        drop(c);
+        assert!(
+            shared.upgrade().is_some(),
+            "the operation still needs the shared counts"
+        );
+        op.try_start().expect("a free slot");
+        op.succeed().expect("executing");
+        assert_eq!(shared.upgrade().expect("held").global.get().active, 0);
+        drop(op);
+        assert!(
+            shared.upgrade().is_none(),
+            "the shared state outlived the last handle"
+        );
+    }
+
+    #[test]
+    fn a_removed_identity_nothing_holds_is_forgotten_and_its_slot_reused() {
+        let c = controller();
+        let a = Arc::downgrade(&c.client("a").expect("configured"));
+        c.reload(Config::defaults([Identity::new("b").expect("valid")]));
+        assert!(a.upgrade().is_none(), "the removed state is freed at once");
+        let b = c.client("b").expect("configured");
+        assert_eq!(b.slot, 0, "the freed slot is reused");
+        assert!(c.client("a").is_none());
+    }
 }

@@ -149,6 +149,12 @@ impl Bucket {
         (tokens, next_in)
     }
 
+    /// Whether every token is back at `now`: forgetting the bucket then loses nothing.
+    pub(crate) fn is_full(&self, now: u64) -> bool {
+        // Relaxed: a lone reading of the bucket's only state.
+        self.tat.load(Ordering::Relaxed) <= now
+    }
+
     /// Tokens there at `now` (for metrics and tests).
     pub(crate) fn available(&self, now: u64, rate: Rate) -> u64 {
         let used = self

@@ -17,6 +17,7 @@ pub(crate) mod lifecycle;
 pub(crate) mod quota;
 pub(crate) mod refusal;
 pub(crate) mod storage;
+pub(crate) mod tally;
 
 pub use caps::{StorageCaps, Store, StoreCaps};
 pub use controller::{Controller, ControllerBuilder, DEFAULT_CAPACITY_RETRY, Permit, RestoreError};

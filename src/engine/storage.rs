@@ -49,8 +49,8 @@ fn release(client: &ClientState, store: Store, files: u64, bytes: u64) {
 
 /// The store's refusal, counted in the client's metrics.
 fn refusal(client: &ClientState, store: Store, settings: &Settings) -> Refusal {
-    // Relaxed: a statistic. Storage codes are never ClientUnconfigured, so index - 1 is valid.
-    client.rejected[store.refusal_code().index() - 1].fetch_add(1, Ordering::Relaxed);
+    // Storage codes are never ClientUnconfigured, so index - 1 is valid.
+    client.rejected.bump(store.refusal_code().index() - 1);
     Refusal::after_nanos(
         store.refusal_code(),
         duration_nanos(settings.capacity_retry),
