@@ -235,9 +235,16 @@ impl Controller {
 
         // Read-only, in the contract's order: under a flood a refused client's line is only
         // read, so refusals on several threads do not contend.
-        if let Some(code) = first_failing(client, &limits, caps, global_limits, now, needs_approval)
-        {
-            return Err(refuse(client, &settings, code, now, needs_approval));
+        let rate_wait = client.bucket.wait(now, limits.rate);
+        if let Some(code) = first_failing(
+            client,
+            &limits,
+            caps,
+            global_limits,
+            rate_wait,
+            needs_approval,
+        ) {
+            return Err(refuse(client, &settings, code, rate_wait, needs_approval));
         }
         let client = Arc::clone(found);
 
@@ -246,7 +253,7 @@ impl Controller {
                 &client,
                 &settings,
                 RefusalCode::SubmissionRateLimited,
-                now,
+                client.bucket.wait(now, limits.rate),
                 needs_approval,
             ));
         }
@@ -282,7 +289,8 @@ impl Controller {
             });
         };
         client.bucket.give_back(limits.rate);
-        Err(refuse(&client, &settings, code, now, needs_approval))
+        let rate_wait = client.bucket.wait(now, limits.rate);
+        Err(refuse(&client, &settings, code, rate_wait, needs_approval))
     }
 
     fn refuse_unconfigured(&self) -> Refusal {
@@ -751,18 +759,19 @@ impl Controller {
     }
 }
 
-/// The first check `client` would fail now, in the contract's order, read without writing; `None`
-/// if every check passes as things stand (the reservation then decides, exactly).
+/// The first check `client` would fail now (its bucket's wait for a token is `rate_wait`), in the
+/// contract's order, read without writing; `None` if every check passes as things stand (the
+/// reservation then decides, exactly).
 #[inline]
 fn first_failing(
     client: &ClientState,
     limits: &ClientSettings,
     caps: &StorageCaps,
     global_limits: GlobalLimits,
-    now: u64,
+    rate_wait: u64,
     needs_approval: bool,
 ) -> Option<RefusalCode> {
-    if client.bucket.wait(now, limits.rate) > 0 {
+    if rate_wait > 0 {
         return Some(RefusalCode::SubmissionRateLimited);
     }
     if client.active.get() >= u64::from(limits.active) {
@@ -792,19 +801,19 @@ fn global_code(refusal: GlobalRefusal) -> RefusalCode {
     }
 }
 
-/// The refusal for `code`, with the largest Retry-After among every exhausted dimension, counted
-/// in the client's metrics. Reads only; reserves nothing.
+/// The refusal for `code`, with the largest Retry-After among every exhausted dimension (the
+/// client's bucket waits `rate_wait` for a token), counted in the client's metrics. Reads only;
+/// reserves nothing.
 fn refuse(
     client: &ClientState,
     settings: &Settings,
     code: RefusalCode,
-    now: u64,
+    rate_wait: u64,
     needs_approval: bool,
 ) -> Refusal {
     // `code` is never ClientUnconfigured here: refusals of unknown identities have no client.
     client.rejected.bump(code.index() - 1);
     let limits = client.settings(settings);
-    let rate_wait = client.bucket.wait(now, limits.rate);
     let capacity_retry = duration_nanos(settings.capacity_retry);
     if rate_wait >= capacity_retry {
         // The largest hint wins, and no capacity hint is larger: no need to look at capacity.
