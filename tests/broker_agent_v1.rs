@@ -587,11 +587,31 @@ async fn a_client_that_hangs_up_mid_wait_gives_its_wait_slots_back() {
         .collect();
     let probe = events(&id, 1, 0);
     let deadline = Instant::now() + Duration::from_secs(120);
-    while h.get(&probe, Some(AGENT_SECRET)).await.status != 429 {
-        assert!(
-            Instant::now() < deadline,
-            "the waits never filled the client's slots"
-        );
+    loop {
+        let reply = h.get(&probe, Some(AGENT_SECRET)).await;
+        if reply.status == 429 {
+            break;
+        }
+        if Instant::now() >= deadline {
+            // Say what was seen: the last probe, and how the waits that already ended ended.
+            let mut ended = Vec::new();
+            for waiter in waiters {
+                if waiter.is_finished() {
+                    ended.push(match waiter.await {
+                        Ok(Ok(response)) => response.status().to_string(),
+                        Ok(Err(err)) => err.to_string(),
+                        Err(err) => err.to_string(),
+                    });
+                }
+            }
+            panic!(
+                "the waits never filled the client's slots: the last probe got {} {}; \
+                 {} of {max} waits had ended: {ended:?}",
+                reply.status,
+                reply.body,
+                ended.len()
+            );
+        }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     for waiter in &waiters {
