@@ -55,10 +55,9 @@ pub struct Controller {
 
 struct Inner {
     shared: Arc<Shared>,
-    /// Every tracked state, by identity: the reload path's own list, from which it builds each
-    /// settings' client table. The mutex serializes reloads and insertions against each other;
-    /// admissions never take it.
-    tracked: Mutex<Tracked>,
+    /// What the reload path keeps to itself. The mutex serializes reloads and insertions against
+    /// each other; admissions never take it.
+    reloading: Mutex<Reloading>,
     unconfigured_refusals: Tally<1>,
     reloads_ok: StdAtomicU64,
     reloads_failed: StdAtomicU64,
@@ -79,11 +78,10 @@ impl Drop for Inner {
     }
 }
 
-/// What the reload path keeps to itself, under its mutex.
+/// What the reload path keeps to itself, under its mutex. (The tracked states themselves are the
+/// ones in the client table of the settings in force: no second list.)
 #[derive(Default)]
-struct Tracked {
-    /// Every tracked state, sorted by identity (a plain sorted vector: one pointer per client).
-    states: Vec<Arc<ClientState>>,
+struct Reloading {
     /// The settings replaced by the last reload, kept alive until the next one so that an
     /// admission still reading them never pays for freeing them (nor for dropping the client
     /// references their table holds).
@@ -145,7 +143,7 @@ impl ControllerBuilder {
         let controller = Controller {
             inner: Arc::new(Inner {
                 shared,
-                tracked: Mutex::new(Tracked::default()),
+                reloading: Mutex::new(Reloading::default()),
                 unconfigured_refusals: Tally::default(),
                 reloads_ok: StdAtomicU64::new(0),
                 reloads_failed: StdAtomicU64::new(0),
@@ -523,11 +521,12 @@ impl Controller {
     /// slot that is not its own as long as a slot is reused only once nothing can reach the state
     /// that had it: `forget_unheld` sees to that. Admissions take none of the locks used here.
     fn apply(&self, config: Config, extra: Option<&Identity>) {
-        let mut guard = self.inner.tracked.lock().unwrap_or_else(|p| p.into_inner());
-        let Tracked {
-            states: tracked,
-            retired,
-        } = &mut *guard;
+        let mut guard = self
+            .inner
+            .reloading
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let Reloading { retired } = &mut *guard;
         let shared = &self.inner.shared;
         // Once no decision reads the settings the last reload retired, their table no longer
         // counts in a state's references.
@@ -537,8 +536,8 @@ impl Controller {
         let mut current = shared.settings.load_full();
         // The same configuration again (a SIGHUP with an unchanged file), with no identity to add
         // and none draining to forget: nothing to swap.
-        let nothing_new = extra.is_none_or(|identity| find(tracked, identity.as_str()).is_ok());
-        let nothing_draining = tracked.len() == config.identities().len();
+        let nothing_new = extra.is_none_or(|identity| current.table.contains(identity.as_str()));
+        let nothing_draining = current.table.len() == config.identities().len();
         if nothing_new
             && nothing_draining
             && current.config == config
@@ -547,7 +546,7 @@ impl Controller {
             return;
         }
         let now = shared.clock.now();
-        self.forget_unheld(tracked, &mut current, &config, extra, now);
+        let mut tracked = self.forget_unheld(&mut current, &config, extra, now);
         // Slots of the states still tracked keep their place; the others are free.
         let mut slots: Vec<Option<ClientSettings>> = vec![None; current.clients.len()];
         for state in tracked.iter() {
@@ -581,7 +580,7 @@ impl Controller {
                     .expect("configured identity"),
                 true,
             );
-            match find(tracked, identity.as_str()).ok().map(|i| &tracked[i]) {
+            match find(&tracked, identity.as_str()).ok().map(|i| &tracked[i]) {
                 Some(state) => {
                     let old = current.clients[state.slot];
                     if old.rate != limits.rate {
@@ -596,7 +595,7 @@ impl Controller {
             }
         }
         if let Some(identity) = extra
-            && find(tracked, identity.as_str()).is_err()
+            && find(&tracked, identity.as_str()).is_err()
             && config.effective(identity.as_str()).is_none()
         {
             let limits = client_settings(config.limits().client_defaults(), false);
@@ -614,10 +613,8 @@ impl Controller {
             .executing_limit
             .store(u64::from(limits.global_executing), Ordering::Relaxed);
         tracked.extend(new_states.into_iter().map(Arc::new));
-        tracked.sort_unstable_by(|a, b| a.identity.cmp(&b.identity));
-        tracked.shrink_to_fit();
         *retired = Some(shared.settings.swap(Arc::new(Settings {
-            table: table_of(tracked),
+            table: table_of(&tracked),
             clients: slots.into_iter().map(|s| s.unwrap_or(unused)).collect(),
             global_active: u64::from(limits.global_active),
             global_executing: u64::from(limits.global_executing),
@@ -630,38 +627,40 @@ impl Controller {
         shared.slot_freed.notify(usize::MAX);
     }
 
-    /// Forgets the removed identities nothing holds any more and whose buckets are full again,
-    /// so their slots can be reused. (An identity removed with tokens spent is remembered until
-    /// they are back: added again meanwhile, it must not get a fresh burst.)
+    /// Every state the settings in force track, sorted by identity, less the removed identities
+    /// nothing holds any more and whose buckets are full again: those are forgotten, so their
+    /// slots can be reused. (An identity removed with tokens spent is remembered until they are
+    /// back: added again meanwhile, it must not get a fresh burst.)
     ///
-    /// A state no handle holds has two references: `tracked`'s and the table of the settings in
-    /// force (`current`). But a decision that found it there may be about to clone it, and is
-    /// reading its slot, so such states are first left out of the table (the settings are swapped
-    /// for the same limits without them) and the old settings freed once no decision reads them.
-    /// A count of one (ours) afterwards proves that no permit, operation, stored object or
-    /// decision in flight holds the state, nor can find it again.
+    /// Once listed here, a state no handle holds has two references: the list's and the table of
+    /// the settings in force (`current`). But a decision that found it there may be about to clone
+    /// it, and is reading its slot, so such states are first left out of the table (the settings
+    /// are swapped for the same limits without them) and the old settings freed once no decision
+    /// reads them. A count of one (the list's) afterwards proves that no permit, operation, stored
+    /// object or decision in flight holds the state, nor can find it again.
     fn forget_unheld(
         &self,
-        tracked: &mut Vec<Arc<ClientState>>,
         current: &mut Arc<Settings>,
         config: &Config,
         extra: Option<&Identity>,
         now: u64,
-    ) {
+    ) -> Vec<Arc<ClientState>> {
+        let mut states: Vec<Arc<ClientState>> =
+            current.table.iter().map(|key| Arc::clone(&key.0)).collect();
+        states.sort_unstable_by(|a, b| a.identity.cmp(&b.identity));
         let unheld = |state: &Arc<ClientState>| {
             !is_named(config, extra, &state.identity)
                 && Arc::strong_count(state) == 2
                 && state.bucket.is_full(now)
         };
-        if !tracked.iter().any(unheld) {
-            return;
+        if !states.iter().any(unheld) {
+            return states;
         }
         let without = Arc::new(Settings {
-            table: current
-                .table
+            table: states
                 .iter()
-                .filter(|key| !unheld(&key.0))
-                .map(|key| ClientKey(Arc::clone(&key.0)))
+                .filter(|state| !unheld(state))
+                .map(|state| ClientKey(Arc::clone(state)))
                 .collect(),
             clients: current.clients.clone(),
             config: current.config.clone(),
@@ -672,9 +671,10 @@ impl Controller {
         *current = without;
         free_when_unread(old);
         // A state a decision took meanwhile is kept (and back in the table after this reload).
-        tracked.retain(|state| {
+        states.retain(|state| {
             is_named(config, extra, &state.identity) || Arc::strong_count(state) > 1
         });
+        states
     }
 
     /// What every handle shares: limits, global counts, time.
