@@ -187,22 +187,7 @@ pub(crate) async fn submit(
     }
     let permit = match core.controller.admit(client.as_str(), needs_approval) {
         Ok(permit) => permit,
-        Err(refusal) => {
-            core.count_submission("rejected");
-            tracing::info!(
-                client = %client,
-                code = refusal.code.as_str(),
-                retry_after = refusal.retry_after_secs(),
-                "submission refused"
-            );
-            let response = ApiError::refused(refusal).into_response();
-            return Ok(ratelimit::answer(
-                &core,
-                client.as_str(),
-                response,
-                Some(&refusal),
-            ));
-        }
+        Err(refusal) => return Ok(refused(&core, &client, refusal)),
     };
     let creation = create(
         Arc::clone(&core),
@@ -339,6 +324,24 @@ pub(crate) async fn cancel(
         Err(TransitionFailure::Store(err)) => Err(ApiError::store(err)),
     }
 }
+/// A refused submission as the client sees it: counted, logged, and answered with its code,
+/// Retry-After and rate-limit headers (the in-process and the shared backend alike).
+pub(super) fn refused(
+    core: &Core,
+    client: &Identity,
+    refusal: crate::Refusal,
+) -> axum::response::Response {
+    core.count_submission("rejected");
+    tracing::info!(
+        client = %client,
+        code = refusal.code.as_str(),
+        retry_after = refusal.retry_after_secs(),
+        "submission refused"
+    );
+    let response = ApiError::refused(refusal).into_response();
+    ratelimit::answer(core, client.as_str(), response, Some(&refusal))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

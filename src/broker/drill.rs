@@ -22,15 +22,15 @@ use super::{Broker, BrokerSettings, RestoreSummary};
 use crate::config::{Identity, Secrets};
 use crate::{Config, Snapshot};
 
-const AGENT: &str = "agent";
-const AGENT_SECRET: &str = "drill-agent-secret";
+pub(super) const AGENT: &str = "agent";
+pub(super) const AGENT_SECRET: &str = "drill-agent-secret";
 const OTHER: &str = "other";
 const OTHER_SECRET: &str = "drill-other-secret";
-const OPERATOR_SECRET: &str = "drill-operator-secret";
+pub(super) const OPERATOR_SECRET: &str = "drill-operator-secret";
 
 /// The drill's limits: each client may have 4 operations active and 2 awaiting approval; two
 /// operations may execute at a time.
-const LIMITS: &str = r#"{
+pub(super) const LIMITS: &str = r#"{
   "requests_per_window": 100, "window_seconds": 60,
   "client_active": 4, "client_pending": 2,
   "global_active": 16, "global_executing": 2

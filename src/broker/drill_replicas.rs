@@ -16,21 +16,12 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-use super::drill::{Step, table};
+// The same clients, secrets and limits as the single-broker drill, so its figures compare.
+use super::drill::{AGENT, AGENT_SECRET, LIMITS, OPERATOR_SECRET, Step, table};
 use super::{Broker, BrokerSettings};
 use crate::Config;
 use crate::config::{Identity, Secrets};
 use crate::redis::{RedisController, RedisOptions};
-
-const AGENT: &str = "agent";
-const AGENT_SECRET: &str = "drill-agent-secret";
-const OPERATOR_SECRET: &str = "drill-operator-secret";
-/// Two pending operations per client, across every replica.
-const LIMITS: &str = r#"{
-  "requests_per_window": 100, "window_seconds": 60,
-  "client_active": 4, "client_pending": 2,
-  "global_active": 16, "global_executing": 2
-}"#;
 
 /// A `redis-server` the drill started, stopped when dropped.
 struct OwnRedis(Child);

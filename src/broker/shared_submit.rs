@@ -5,14 +5,12 @@
 use std::sync::Arc;
 
 use axum::http::StatusCode;
-use axum::response::IntoResponse;
 
-use super::agent_operations::{Submission, create, replay};
+use super::agent_operations::{Submission, create, refused, replay};
 use super::http::{ApiError, ApiResult};
 use super::shared::SharedAdmit;
-use super::{Core, new_id, ratelimit};
+use super::{Core, new_id};
 use crate::config::Identity;
-use crate::engine::Refusal;
 
 /// Admits `request` through the shared controller and this replica's, then creates it.
 pub(crate) async fn submit(
@@ -70,16 +68,4 @@ pub(crate) async fn submit(
             .with_retry_after(retry_after.max(1)))
         }
     }
-}
-
-fn refused(core: &Core, client: &Identity, refusal: Refusal) -> axum::response::Response {
-    core.count_submission("rejected");
-    tracing::info!(
-        client = %client,
-        code = refusal.code.as_str(),
-        retry_after = refusal.retry_after_secs(),
-        "submission refused"
-    );
-    let response = ApiError::refused(refusal).into_response();
-    ratelimit::answer(core, client.as_str(), response, Some(&refusal))
 }

@@ -96,6 +96,20 @@ impl std::borrow::Borrow<str> for ClientKey {
     }
 }
 
+impl Settings {
+    /// The same limits over another client table.
+    // A `ClientKey` hashes and compares only its identity, which never changes.
+    #[allow(clippy::mutable_key_type)]
+    pub(crate) fn with_table(&self, table: ClientTable) -> Settings {
+        Settings {
+            table,
+            clients: self.clients.clone(),
+            config: self.config.clone(),
+            ..*self
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct ClientSettings {
     pub(crate) rate: Rate,

@@ -69,12 +69,8 @@ impl Drop for Inner {
     /// Handles that outlive the controller still find their slot's limits.
     fn drop(&mut self) {
         let settings = self.shared.settings.load();
-        self.shared.settings.store(Arc::new(Settings {
-            table: ClientTable::default(),
-            clients: settings.clients.clone(),
-            config: settings.config.clone(),
-            ..**settings
-        }));
+        let emptied = settings.with_table(ClientTable::default());
+        self.shared.settings.store(Arc::new(emptied));
     }
 }
 
@@ -656,16 +652,9 @@ impl Controller {
         if !states.iter().any(unheld) {
             return states;
         }
-        let without = Arc::new(Settings {
-            table: states
-                .iter()
-                .filter(|state| !unheld(state))
-                .map(|state| ClientKey(Arc::clone(state)))
-                .collect(),
-            clients: current.clients.clone(),
-            config: current.config.clone(),
-            ..**current
-        });
+        let kept = states.iter().filter(|state| !unheld(state));
+        let without =
+            Arc::new(current.with_table(kept.map(|s| ClientKey(Arc::clone(s))).collect()));
         let shared = &self.inner.shared;
         let old = shared.settings.swap(Arc::clone(&without));
         *current = without;
