@@ -120,6 +120,7 @@
 //! `admission_dropped_operations_total`) stay zero in a correct embedding; anything else is a
 //! bug in it.
 
+pub mod admission;
 #[cfg(feature = "broker")]
 pub mod broker;
 pub mod clock;
@@ -136,6 +137,10 @@ mod sync;
 /// matches [`metrics::register`] without pinning the version by hand.
 pub use prometheus_client;
 
+pub use admission::{
+    Admission, AdmissionPermit, AdmitError, OperationHandle, OperationId, ReplicaOptions,
+    Unavailable,
+};
 pub use clock::{Clock, ManualClock, QuantaClock};
 pub use config::{ClientLimits, Config, Identity, Limits};
 pub use engine::{

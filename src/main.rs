@@ -40,11 +40,9 @@ enum Command {
 #[derive(Args)]
 struct DrillArgs {
     /// Walk the drill across this many in-process replicas sharing one Redis instead (at least 2).
-    #[cfg(feature = "redis")]
     #[arg(long, value_name = "N")]
     replicas: Option<usize>,
     /// The Redis the replicas share; without it the drill starts its own `redis-server`.
-    #[cfg(feature = "redis")]
     #[arg(long, value_name = "URL", requires = "replicas")]
     redis: Option<String>,
 }
@@ -86,15 +84,12 @@ struct ServeArgs {
     retention: unyolo_admission::broker::Keep,
     /// Share admission with other replicas through this Redis (`redis://host:port/db`); needs
     /// `--replica`. Without it, this process counts alone (the in-process controller).
-    #[cfg(feature = "redis")]
     #[arg(long, value_name = "URL", requires = "replica")]
     redis: Option<String>,
     /// This replica's name, unique among the replicas and stable across restarts.
-    #[cfg(feature = "redis")]
     #[arg(long, value_name = "NAME", requires = "redis")]
     replica: Option<String>,
     /// The key prefix (hash tag) of this deployment's keys in Redis.
-    #[cfg(feature = "redis")]
     #[arg(
         long,
         value_name = "PREFIX",
@@ -134,7 +129,6 @@ fn main() -> ExitCode {
         Command::Serve(args) => serve(*args),
         #[cfg(feature = "broker")]
         Command::Drill(args) => {
-            #[cfg(feature = "redis")]
             if let Some(replicas) = args.replicas {
                 return if unyolo_admission::broker::drill_replicas::run(replicas, args.redis) {
                     ExitCode::SUCCESS
@@ -142,7 +136,6 @@ fn main() -> ExitCode {
                     ExitCode::FAILURE
                 };
             }
-            let _ = args;
             if unyolo_admission::broker::drill::run() {
                 ExitCode::SUCCESS
             } else {
@@ -168,10 +161,9 @@ fn serve(args: ServeArgs) -> ExitCode {
             max_connections: args.max_connections,
         },
         retention: args.retention,
-        #[cfg(feature = "redis")]
         redis: args.redis.map(|url| {
             let mut options =
-                unyolo_admission::redis::RedisOptions::new(url, args.replica.unwrap_or_default());
+                unyolo_admission::ReplicaOptions::new(url, args.replica.unwrap_or_default());
             options.prefix = args.redis_prefix;
             options
         }),

@@ -139,7 +139,7 @@ async fn random_sequences_get_the_same_decisions_and_counts_as_the_in_process_en
                         (Ok(permit), Ok(redis_permit)) => {
                             live.push((permit.commit(), redis_permit.commit()));
                         }
-                        (Err(expected), Err(AdmitError::Refused(got))) => {
+                        (Err(expected), Err(AdmitError::Refused(unyolo_admission::admission::Refused { refusal: got, .. }))) => {
                             assert_eq!(expected.code, got.code, "{context}");
                             seen.insert(got.code);
                             if expected.code == RefusalCode::SubmissionRateLimited
@@ -678,7 +678,7 @@ async fn drain_tokens(
         let r = replicas[n % replicas.len()];
         match r.admit(client, false, &format!("{tag}-{n}"), None).await {
             Ok(permit) => kept.push(permit.commit()),
-            Err(AdmitError::Refused(refusal)) => {
+            Err(AdmitError::Refused(unyolo_admission::admission::Refused { refusal, .. })) => {
                 assert_eq!(refusal.code, RefusalCode::SubmissionRateLimited, "{tag}");
                 return n;
             }

@@ -18,7 +18,8 @@ use super::http::{
 };
 use super::operations::{LiveOp, TransitionFailure, duration_ms};
 use super::store::{InsertError, OperationRecord, StoreError, now_rfc3339};
-use super::{Core, new_id, ratelimit};
+use super::{Core, ratelimit};
+use crate::admission::{AdmissionPermit, AdmitError, Refused, Unavailable};
 use crate::config::Identity;
 use crate::engine::OperationState;
 
@@ -170,34 +171,40 @@ pub(crate) async fn submit(
         return replay(&core, existing, &request);
     }
 
-    // The decision: from the gate on there is no `.await` until the creation is detached, so a
-    // permit is never dropped by a client hanging up.
+    // The decision, the same call for both backends. In-process it completes at once;
+    // replicated it awaits Redis, and a client hanging up there drops it harmlessly (the
+    // admission releases whatever the script reserved, key binding included). From the permit on
+    // there is no `.await` until the creation is detached, so a permit is never dropped by a
+    // hangup.
     let quiet = core.hold_counts().await;
-    if core.shared.is_replica() {
-        // One replica of several: the shared decision is a call to Redis, so it too runs
-        // detached (its script may run even if this client hangs up).
-        let submission =
-            super::shared_submit::submit(Arc::clone(&core), client, request, needs_approval);
-        return detached(async move {
-            let _same_key = same_key;
-            let _quiet = quiet;
-            submission.await
-        })
+    let admitted = core
+        .admission
+        .admit(
+            client.as_str(),
+            needs_approval,
+            Some(&request.idempotency_key),
+        )
         .await;
-    }
-    let permit = match core.controller.admit(client.as_str(), needs_approval) {
+    let permit = match admitted {
         Ok(permit) => permit,
-        Err(refusal) => return Ok(refused(&core, &client, refusal)),
+        Err(AdmitError::Refused(refusal)) => return Ok(refused(&core, &client, refusal)),
+        Err(AdmitError::Replay { operation, replica }) => {
+            drop(quiet);
+            return replayed_elsewhere(&core, &client, &request, &operation, &replica).await;
+        }
+        Err(AdmitError::Unavailable(unavailable)) => {
+            core.count_submission("rejected");
+            tracing::warn!(client = %client, error = %unavailable, "admission unavailable");
+            return Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                Unavailable::CODE,
+                "Admission cannot be decided right now (the shared quota store does not \
+                 answer); retry later.",
+            )
+            .with_retry_after(unavailable.retry_after_secs()));
+        }
     };
-    let creation = create(
-        Arc::clone(&core),
-        client,
-        request,
-        permit,
-        needs_approval,
-        new_id("op"),
-        super::shared::SharedPermit::default(),
-    );
+    let creation = create(Arc::clone(&core), client, request, permit);
     detached(async move {
         let _same_key = same_key;
         let _quiet = quiet;
@@ -206,27 +213,51 @@ pub(crate) async fn submit(
     .await
 }
 
+/// The key names an operation another replica admitted: a replay if this replica's store has
+/// it (the same client and key), else where it lives.
+async fn replayed_elsewhere(
+    core: &Core,
+    client: &Identity,
+    request: &Submission,
+    operation: &str,
+    replica: &str,
+) -> ApiResult {
+    if let Some(existing) = core
+        .db
+        .find_by_key(client.as_str(), &request.idempotency_key)
+        .await
+        .map_err(ApiError::store)?
+    {
+        return replay(core, existing, request);
+    }
+    Err(ApiError::new(
+        StatusCode::CONFLICT,
+        "idempotency_key_elsewhere",
+        format!(
+            "This idempotency key names operation {operation}, held by broker replica \
+             {replica}; its reads, waits and cancels are answered there."
+        ),
+    ))
+}
+
 /// The creation of an admitted operation: durable row, replay filter, permit commit (or refund),
 /// live map, executor hand-off. Runs detached, under the per-key lock and the counts gate.
 pub(crate) async fn create(
     core: Arc<Core>,
     client: Identity,
     request: Submission,
-    permit: crate::Permit,
-    needs_approval: bool,
-    id: String,
-    shared: super::shared::SharedPermit,
+    permit: AdmissionPermit,
 ) -> ApiResult {
     let now = now_rfc3339();
     let record = OperationRecord {
-        id,
+        id: permit.id().to_string(),
         client_id: client.to_string(),
         idempotency_key: request.idempotency_key.clone(),
         operation: request.operation.clone(),
         target: request.target.clone(),
         arguments: request.arguments.clone(),
         reason: request.reason.clone(),
-        state: if needs_approval {
+        state: if permit.needs_approval() {
             OperationState::Pending
         } else {
             OperationState::Approved
@@ -247,8 +278,7 @@ pub(crate) async fn create(
         Ok(()) => {}
         Err(InsertError::Duplicate) => {
             // Another process or path created it first: this request is a replay after all.
-            permit.refund();
-            shared.refund().await;
+            permit.refund().await;
             let existing = core
                 .db
                 .find_by_key(client.as_str(), &request.idempotency_key)
@@ -258,13 +288,11 @@ pub(crate) async fn create(
             return replay(&core, existing, &request);
         }
         Err(InsertError::Store(err)) => {
-            permit.refund();
-            shared.refund().await;
+            permit.refund().await;
             return Err(ApiError::store(err));
         }
     }
     let op = Arc::new(LiveOp::new(&record, permit.commit()));
-    shared.commit_into(&op.shared);
     core.live_ops().insert(record.id.clone(), Arc::clone(&op));
     core.count_submission("created");
     tracing::info!(
@@ -325,12 +353,10 @@ pub(crate) async fn cancel(
     }
 }
 /// A refused submission as the client sees it: counted, logged, and answered with its code,
-/// Retry-After and rate-limit headers (the in-process and the shared backend alike).
-pub(super) fn refused(
-    core: &Core,
-    client: &Identity,
-    refusal: crate::Refusal,
-) -> axum::response::Response {
+/// Retry-After and the quota fields of the decision that refused it (the in-process and the
+/// shared backend alike).
+fn refused(core: &Core, client: &Identity, refused: Refused) -> axum::response::Response {
+    let refusal = refused.refusal;
     core.count_submission("rejected");
     tracing::info!(
         client = %client,
@@ -339,7 +365,10 @@ pub(super) fn refused(
         "submission refused"
     );
     let response = ApiError::refused(refusal).into_response();
-    ratelimit::answer(core, client.as_str(), response, Some(&refusal))
+    match refused.quota {
+        Some(quota) => ratelimit::with_status(response, &quota, Some(&refusal)),
+        None => ratelimit::answer(core, client.as_str(), response, Some(&refusal)),
+    }
 }
 
 #[cfg(test)]

@@ -266,7 +266,7 @@ pub(crate) async fn check(core: &Core) -> Result<DriftReport, StoreError> {
         let _quiet = core.counts_gate.write().await;
         let uploading = core.uploads_in_progress();
         let stored = core.db.counts().await?;
-        let snapshot = core.controller.snapshot();
+        let snapshot = core.controller().snapshot();
         compare(&snapshot, &stored, &uploading)
     };
     core.drift

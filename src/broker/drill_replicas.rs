@@ -1,5 +1,5 @@
 //! `admission drill --replicas N`: the drill across N in-process broker replicas sharing one
-//! Redis (cargo feature `redis`). Each replica has its own data dir and port; a client's
+//! Redis (cargo feature `redis`; a build without it says so). Each replica has its own data dir and port; a client's
 //! submissions go round-robin over them, as a load balancer that lost its stickiness would send
 //! them. Each step prints what it expected and what it saw:
 //!
@@ -20,8 +20,8 @@ use serde_json::{Value, json};
 use super::drill::{AGENT, AGENT_SECRET, LIMITS, OPERATOR_SECRET, Step, table};
 use super::{Broker, BrokerSettings};
 use crate::Config;
+use crate::admission::ReplicaOptions;
 use crate::config::{Identity, Secrets};
-use crate::redis::{RedisController, RedisOptions};
 
 /// A `redis-server` the drill started, stopped when dropped.
 struct OwnRedis(Child);
@@ -187,7 +187,7 @@ async fn walk(dir: &Path, url: &str, replicas: usize) -> Vec<Step> {
     for i in 1..=replicas {
         let name = format!("r{i}");
         let data = dir.join(&name);
-        let options = RedisOptions::new(url, &name);
+        let options = ReplicaOptions::new(url, &name);
         match Broker::start_shared(settings(&data, &name), options).await {
             Ok((broker, _)) => brokers.push(broker),
             Err(e) => {
@@ -196,17 +196,9 @@ async fn walk(dir: &Path, url: &str, replicas: usize) -> Vec<Step> {
             }
         }
     }
-    let monitor = match RedisController::connect(
-        Config::defaults([]),
-        RedisOptions::new(url, "drill-monitor"),
-    )
-    .await
-    {
-        Ok(m) => m,
-        Err(e) => {
-            steps.push(step("watch redis", "connects", e.to_string(), false));
-            return steps;
-        }
+    // Any replica reads the whole deployment's counts.
+    let Some(monitor) = brokers.first().map(|b| b.admission().clone()) else {
+        return steps;
     };
     steps.push(step(
         format!("start {replicas} replicas sharing {url}"),

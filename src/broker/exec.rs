@@ -11,9 +11,12 @@
 //! slot before it tries (`Operation::slot_freed`), tries under the gate and the lock, and on a
 //! full pool lets both go and awaits the listener. A slot given back between the try and the wait
 //! still wakes it, and so do a raised `global_executing` and a cancel or expiry of the waiting
-//! operation (the next try finds it no longer approved and drops it from the queue). Only a try
-//! that the pool shared by several replicas turned down (full, or Redis silent) is repeated on a
-//! timer: other replicas give its slots back without telling this one.
+//! operation (the next try finds it no longer approved and drops it from the queue). On a replica
+//! the same listener also ends after the shared retry pause ([`OperationHandle::slot_freed`]):
+//! other replicas give shared slots back without telling this one; a Redis that did not answer
+//! is tried again on a timer.
+//!
+//! [`OperationHandle::slot_freed`]: crate::admission::OperationHandle::slot_freed
 //!
 //! An operation is written `executing` before its work begins, so after a crash it is known to
 //! have (maybe) run and is failed with `execution_interrupted` rather than run twice. A store that
@@ -31,12 +34,12 @@ use tokio::sync::Notify;
 
 use super::Core;
 use super::operations::{LiveOp, TransitionFailure};
-use super::shared::SharedStart;
 use super::store::OperationError;
-use crate::engine::{OperationState, StartError};
+use crate::admission::NotStarted;
+use crate::engine::OperationState;
 
-/// How long to wait before trying again what no in-process event announces: a slot of the pool
-/// shared with other replicas, a Redis or a store that did not answer.
+/// How long to wait before trying again what no in-process event announces: a Redis or a store
+/// that did not answer.
 const RETRY: Duration = Duration::from_secs(1);
 
 /// The queue of approved operations and the bell rung when work is queued or may start.
@@ -70,9 +73,10 @@ enum Tried {
     /// It leaves the queue: started (its start recorded, or left to a retry), abandoned, or found
     /// no longer approved.
     Done,
-    /// This replica's execution pool is full: wait for a slot to be given back.
+    /// The execution pool (this replica's, or the one shared by every replica) is full: wait for
+    /// a slot to be given back.
     PoolFull,
-    /// The shared pool is full, Redis did not answer, or this replica's lease lapsed: try later.
+    /// Redis did not answer, or this replica's lease lapsed: try later.
     NotNow,
 }
 
@@ -117,29 +121,14 @@ pub(crate) async fn run(core: Arc<Core>) {
 async fn try_start(core: &Arc<Core>, op: &Arc<LiveOp>) -> Tried {
     let quiet = core.hold_counts().await;
     let guard = op.lock.lock().await;
-    // The shared slot first (it binds across replicas); this replica's own count is a part of the
-    // shared one, so the in-process start then succeeds unless the operation is gone.
-    match op.shared.try_start().await {
-        SharedStart::Started => {}
-        SharedStart::NotNow => return Tried::NotNow,
-        // The shared counts no longer hold it approved (a lapsed lease, until this replica
-        // re-registers): not now.
-        SharedStart::NotApproved if op.handle.state() == OperationState::Approved => {
-            return Tried::NotNow;
-        }
-        SharedStart::NotApproved => return Tried::Done,
-    }
-    match op.handle.try_start() {
+    // One call for both backends: replicated, this replica's slot and then the shared one, the
+    // first given back if the second is refused.
+    match op.handle.try_start().await {
         Ok(()) => {}
         // Canceled or expired while queued.
-        Err(StartError::NotApproved(_)) => return Tried::Done,
-        // The shared slot is taken but this replica's pool is full (its counts ran ahead of the
-        // shared ones): the work does not run, and both are released.
-        Err(StartError::Saturated(_)) if op.shared.is_set() => {
-            abandon_start(core, op, "no execution slot on this replica").await;
-            return Tried::Done;
-        }
-        Err(StartError::Saturated(_)) => return Tried::PoolFull,
+        Err(NotStarted::NotApproved(_)) => return Tried::Done,
+        Err(NotStarted::Saturated(_)) => return Tried::PoolFull,
+        Err(NotStarted::Unavailable(_)) => return Tried::NotNow,
     }
     match record_start_in_store(core, op).await {
         Ok(Some(_)) => {
@@ -202,8 +191,7 @@ async fn record_start(core: Arc<Core>, op: Arc<LiveOp>) {
 /// the counts gate and the operation's lock held.
 async fn abandon_start(core: &Arc<Core>, op: &Arc<LiveOp>, detail: &str) {
     tracing::error!(operation = %op.id, error = %detail, "cannot start");
-    let _ = op.handle.fail();
-    op.shared.apply(OperationState::Failed).await;
+    let _ = op.handle.fail().await;
     let error = OperationError {
         code: "store_unavailable".to_owned(),
         message: "The operation could not be recorded as executing.".to_owned(),

@@ -82,7 +82,6 @@ pub(crate) mod agent_operations;
 pub mod discovery;
 mod drift;
 pub mod drill;
-#[cfg(feature = "redis")]
 pub mod drill_replicas;
 mod exec;
 mod health;
@@ -97,8 +96,6 @@ pub mod presentation;
 pub mod ratelimit;
 pub mod retention;
 pub mod serve;
-mod shared;
-mod shared_submit;
 pub mod store;
 mod streams;
 pub mod waits;
@@ -116,6 +113,7 @@ use prometheus_client::registry::Registry;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use crate::admission::{Admission, ReplicaOptions, RestoredOperation};
 use crate::config::{ConfigError, Identity, Secrets};
 use crate::engine::{Controller, DEFAULT_CAPACITY_RETRY, StorageCaps, StoredObject};
 use crate::{Config, OperationState};
@@ -153,6 +151,9 @@ pub struct BrokerSettings {
     pub connections: ConnectionSettings,
     /// How long terminal operations are kept, and how often the store is swept.
     pub retention: RetentionSettings,
+    /// Shared admission with other replicas through Redis (a URL and a replica name), or `None`
+    /// for admission decided by this process alone.
+    pub replicas: Option<ReplicaOptions>,
 }
 
 /// How often, by default, the broker compares its counts with the store.
@@ -172,6 +173,7 @@ impl std::fmt::Debug for BrokerSettings {
             .field("broker_name", &self.broker_name)
             .field("connections", &self.connections)
             .field("retention", &self.retention)
+            .field("replicas", &self.replicas)
             .finish()
     }
 }
@@ -198,6 +200,7 @@ impl BrokerSettings {
             broker_name: store::DEFAULT_BROKER_NAME.to_owned(),
             connections: ConnectionSettings::default(),
             retention: RetentionSettings::default(),
+            replicas: None,
         }
     }
 
@@ -281,10 +284,9 @@ type SubmissionLabels = [(&'static str, &'static str); 1];
 
 /// State shared by every handler and the executor.
 pub(crate) struct Core {
-    pub(crate) controller: Controller,
-    /// The admission shared with other replicas, if this broker is one of several.
-    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
-    pub(crate) shared: shared::Shared,
+    /// Admission, in-process or shared with other replicas: every submission, transition and
+    /// start goes through it.
+    pub(crate) admission: Admission,
     pub(crate) db: Database,
     /// Non-terminal operations by id.
     pub(crate) live: Mutex<HashMap<String, Arc<LiveOp>>>,
@@ -316,6 +318,11 @@ pub(crate) struct Core {
 }
 
 impl Core {
+    /// This process's engine (what this replica holds; storage quotas, rate headers, drift).
+    pub(crate) fn controller(&self) -> &Controller {
+        self.admission.controller()
+    }
+
     /// Counts a submission outcome: `created`, `replayed` or `rejected`.
     pub(crate) fn count_submission(&self, result: &'static str) {
         self.submissions.get_or_create(&[("result", result)]).inc();
@@ -398,43 +405,15 @@ pub struct RestoreSummary {
 impl Broker {
     /// Opens the store in the data dir, restores every non-terminal operation and stream into a
     /// new controller, starts the executor and serves. Must run inside a tokio runtime.
-    pub async fn start(settings: BrokerSettings) -> Result<(Broker, RestoreSummary), BrokerError> {
-        Broker::start_replica(settings, shared::Shared::default()).await
-    }
-
-    /// [`Broker::start`] as one replica of several sharing admission through Redis: connects
-    /// with `options`, registers what the store restores under the replica's name (replacing
+    ///
+    /// With [`BrokerSettings::replicas`], the broker is one replica of several sharing admission
+    /// through Redis: it registers what the store restores under the replica's name (replacing
     /// what an earlier run under that name held, in one step) and takes its lease. A Redis that
     /// does not answer at start-up does not stop it: the replica serves reads, cancels,
     /// decisions, health and metrics, answers new submissions 503 `admission_unavailable` with
     /// Retry-After, and registers (then admits) as soon as Redis answers. Only invalid options
     /// or URL fail.
-    #[cfg(feature = "redis")]
-    pub async fn start_shared(
-        settings: BrokerSettings,
-        options: crate::redis::RedisOptions,
-    ) -> Result<(Broker, RestoreSummary), BrokerError> {
-        let mut options = options;
-        options.caps = settings.storage_caps;
-        options.capacity_retry = settings.capacity_retry;
-        // Not waiting for Redis: a replica starts while Redis is down, serves what needs no
-        // admission, and registers once Redis answers (see `register_shared`).
-        let controller =
-            crate::redis::RedisController::connect_lazy(settings.config.clone(), options)
-                .map_err(|e| BrokerError::Settings(e.to_string()))?;
-        Broker::start_replica(
-            settings,
-            shared::Shared {
-                controller: Some(controller),
-            },
-        )
-        .await
-    }
-
-    async fn start_replica(
-        settings: BrokerSettings,
-        shared: shared::Shared,
-    ) -> Result<(Broker, RestoreSummary), BrokerError> {
+    pub async fn start(settings: BrokerSettings) -> Result<(Broker, RestoreSummary), BrokerError> {
         validate_broker_name(&settings.broker_name).map_err(BrokerError::Settings)?;
         settings.validate()?;
         let connection_cap = settings.connections.connection_cap();
@@ -459,6 +438,8 @@ impl Broker {
             .storage_caps(settings.storage_caps)
             .capacity_retry(settings.capacity_retry)
             .build();
+        let admission = Admission::new(controller, settings.replicas.clone())
+            .map_err(|e| BrokerError::Settings(e.to_string()))?;
         let data_dir = settings.data_dir.clone();
         let broker_name = settings.broker_name.clone();
         let (db, recovered, keys, created) = tokio::task::spawn_blocking(move || {
@@ -476,8 +457,7 @@ impl Broker {
         .map_err(|e| BrokerError::Io(format!("start-up task failed: {e}")))??;
 
         let mut registry = Registry::default();
-        crate::metrics::register(&mut registry, &controller);
-        shared.register(&mut registry);
+        admission.register_metrics(&mut registry);
         let drift = Gauge::default();
         registry.register(
             "admission_store_drift",
@@ -513,8 +493,7 @@ impl Broker {
         }
         let (stop, shutdown) = watch::channel(false);
         let core = Arc::new(Core {
-            controller,
-            shared,
+            admission,
             db,
             live: Mutex::new(HashMap::new()),
             streams: Mutex::new(HashMap::new()),
@@ -534,8 +513,7 @@ impl Broker {
             waits: waits::Waits::default(),
             retention,
         });
-        let summary = restore(&core, recovered);
-        register_shared(&core).await?;
+        let summary = restore(&core, recovered).await;
         match drift::check(&core).await {
             Ok(report) if report.is_clean() => {}
             Ok(report) => {
@@ -546,7 +524,7 @@ impl Broker {
             }
             Err(err) => tracing::warn!(error = %err, "start-up drift check failed"),
         }
-        restore_rates(&core.controller, created, SystemTime::now());
+        restore_rates(core.controller(), created, SystemTime::now());
 
         let executor = tokio::spawn(exec::run(Arc::clone(&core)));
         let drift = tokio::spawn(drift::watch(Arc::clone(&core), settings.drift_interval));
@@ -585,14 +563,29 @@ impl Broker {
         ))
     }
 
+    /// [`Broker::start`] as one replica of several: `settings` with
+    /// [`BrokerSettings::replicas`] set to `options`.
+    pub async fn start_shared(
+        mut settings: BrokerSettings,
+        options: ReplicaOptions,
+    ) -> Result<(Broker, RestoreSummary), BrokerError> {
+        settings.replicas = Some(options);
+        Box::pin(Broker::start(settings)).await
+    }
+
     /// The address the broker listens on.
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
     }
 
-    /// The embedded controller (for snapshots in tests and the drill).
+    /// The embedded controller: what this process holds (for snapshots in tests and the drill).
     pub fn controller(&self) -> &Controller {
-        &self.core.controller
+        self.core.controller()
+    }
+
+    /// The admission every submission goes through.
+    pub fn admission(&self) -> &Admission {
+        &self.core.admission
     }
 
     /// The store.
@@ -650,14 +643,13 @@ impl Broker {
             tracing::warn!("shutdown: some broker tasks are still running");
         }
         // Live work stays counted until the lease lapses (or a restart re-registers it).
-        self.core.shared.shutdown().await;
+        self.core.admission.shutdown().await;
     }
 }
 
 fn reload(core: &Core, path: &Path) -> Result<(), ConfigError> {
-    match core.controller.reload_from_path(path) {
+    match core.admission.reload_from_path(path) {
         Ok(()) => {
-            core.shared.reload(core.controller.config());
             tracing::info!(path = %path.display(), "admission config reloaded");
             // A raised global_executing may let queued work start.
             core.executor.wake();
@@ -670,54 +662,9 @@ fn reload(core: &Core, path: &Path) -> Result<(), ConfigError> {
     }
 }
 
-/// Registers this replica's live operations in the shared counts (replacing whatever an earlier
-/// run under its name held there) and gives each its shared handle; if Redis does not answer,
-/// the heartbeat registers them once it does. Nothing without Redis.
-async fn register_shared(core: &Arc<Core>) -> Result<(), BrokerError> {
-    #[cfg(feature = "redis")]
-    if let Some(shared) = &core.shared.controller {
-        let live: Vec<Arc<LiveOp>> = core.live_ops().values().cloned().collect();
-        let restored = live.iter().map(|op| crate::redis::RestoredOperation {
-            id: op.id.clone(),
-            identity: op.handle.identity().clone(),
-            state: op.handle.state(),
-        });
-        let (handles, deferred) = shared.register_or_defer(restored).await;
-        let mut handles: HashMap<String, crate::redis::RedisOperation> = handles
-            .into_iter()
-            .map(|handle| (handle.id().to_owned(), handle))
-            .collect();
-        for op in &live {
-            match handles.remove(&op.id) {
-                Some(handle) => op.shared.set(handle),
-                None => {
-                    tracing::error!(operation = %op.id, "not counted in redis (its id cannot be recorded)")
-                }
-            }
-        }
-        match deferred {
-            None => tracing::info!(
-                replica = shared.replica(),
-                restored = live.len(),
-                "registered with redis"
-            ),
-            Some(err) => tracing::warn!(
-                replica = shared.replica(),
-                restored = live.len(),
-                error = %err,
-                "redis does not answer: new submissions are answered 503 admission_unavailable \
-                 until it does, then this replica registers"
-            ),
-        }
-    }
-    #[cfg(not(feature = "redis"))]
-    let _ = core;
-    Ok(())
-}
-
 /// Puts what the store holds back under the controller: live operations (approved ones queued
 /// for execution) and stored streams.
-fn restore(core: &Arc<Core>, recovered: store::Recovered) -> RestoreSummary {
+async fn restore(core: &Arc<Core>, recovered: store::Recovered) -> RestoreSummary {
     let mut summary = RestoreSummary {
         interrupted: recovered.interrupted.len(),
         ..RestoreSummary::default()
@@ -732,12 +679,23 @@ fn restore(core: &Arc<Core>, recovered: store::Recovered) -> RestoreSummary {
             "operation state changed"
         );
     }
+    let mut records = Vec::new();
+    let mut restoring = Vec::new();
     for record in recovered.live {
         let Ok(identity) = Identity::new(&record.client_id) else {
             tracing::error!(operation = %record.id, "stored operation has an invalid client id; not restored");
             continue;
         };
-        let handle = match core.controller.restore(&identity, record.state) {
+        restoring.push(RestoredOperation {
+            id: record.id.clone(),
+            identity,
+            state: record.state,
+        });
+        records.push(record);
+    }
+    let restored = core.admission.restore(restoring).await;
+    for (record, handle) in records.into_iter().zip(restored.operations) {
+        let handle = match handle {
             Ok(handle) => handle,
             Err(err) => {
                 tracing::error!(operation = %record.id, error = %err, "not restored");
@@ -754,13 +712,29 @@ fn restore(core: &Arc<Core>, recovered: store::Recovered) -> RestoreSummary {
             _ => summary.pending += 1,
         }
     }
+    if let Some(replica) = core.admission.replica() {
+        match restored.deferred {
+            None => tracing::info!(
+                replica,
+                restored = summary.pending + summary.approved,
+                "registered with redis"
+            ),
+            Some(err) => tracing::warn!(
+                replica,
+                restored = summary.pending + summary.approved,
+                error = %err,
+                "redis does not answer: new submissions are answered 503 admission_unavailable \
+                 until it does, then this replica registers"
+            ),
+        }
+    }
     let mut known = std::collections::HashSet::new();
     for stream in recovered.streams {
         let Ok(identity) = Identity::new(&stream.client_id) else {
             continue;
         };
         let object =
-            core.controller
+            core.controller()
                 .restore_storage(&identity, crate::engine::Store::Stream, stream.size);
         known.insert(stream.id.clone());
         core.stored_streams().insert(stream.id, object);
@@ -817,13 +791,5 @@ fn restore_rates(controller: &Controller, created: Vec<(String, SystemTime)>, no
 
 /// A fresh random id: `prefix`, `_`, 32 hex digits.
 pub(crate) fn new_id(prefix: &str) -> String {
-    let mut bytes = [0u8; 16];
-    getrandom::fill(&mut bytes).expect("the operating system's random source is available");
-    let mut id = String::with_capacity(prefix.len() + 33);
-    id.push_str(prefix);
-    id.push('_');
-    for b in bytes {
-        id.push_str(&format!("{b:02x}"));
-    }
-    id
+    crate::admission::random_id(prefix)
 }

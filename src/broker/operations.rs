@@ -12,7 +12,8 @@ use std::time::Duration;
 
 use super::Core;
 use super::store::{OperationError, OperationRecord, StoreError};
-use crate::engine::{CancelOutcome, Operation, OperationState, TransitionError};
+use crate::admission::OperationHandle;
+use crate::engine::{CancelOutcome, OperationState, TransitionError};
 
 /// Longest `arguments.duration_ms` the demo executor accepts (ten minutes).
 pub(crate) const MAX_DURATION_MS: u64 = 600_000;
@@ -22,21 +23,19 @@ pub(crate) struct LiveOp {
     pub(crate) id: String,
     pub(crate) client_id: String,
     pub(crate) duration: Duration,
-    pub(crate) handle: Operation,
-    /// Its handle in the counts shared with other replicas, if any.
-    pub(crate) shared: super::shared::SharedHandle,
+    /// Its lifecycle handle (in-process, or mirrored to the replicas' shared counts).
+    pub(crate) handle: OperationHandle,
     /// Held across a transition's store write and its handle update.
     pub(crate) lock: tokio::sync::Mutex<()>,
 }
 
 impl LiveOp {
-    pub(crate) fn new(record: &OperationRecord, handle: Operation) -> LiveOp {
+    pub(crate) fn new(record: &OperationRecord, handle: OperationHandle) -> LiveOp {
         LiveOp {
             id: record.id.clone(),
             client_id: record.client_id.clone(),
             duration: Duration::from_millis(duration_ms(&record.arguments).unwrap_or(0)),
             handle,
-            shared: super::shared::SharedHandle::default(),
             lock: tokio::sync::Mutex::new(()),
         }
     }
@@ -103,22 +102,23 @@ impl Core {
                 )))
             })?;
         // Every transition holds the lock, so the handle is still in `from`.
+        // One call for both backends: the local move at once, the shared one by operation id
+        // (kept and resent if Redis does not answer; this task runs to its end regardless).
         let applied = match to {
-            OperationState::Approved => op.handle.approve(),
-            OperationState::Denied => op.handle.deny(),
+            OperationState::Approved => op.handle.approve().await,
+            OperationState::Denied => op.handle.deny().await,
             // Under the lock the handle is live, so the cancel must be this call's own.
-            OperationState::Canceled => match op.handle.cancel() {
+            OperationState::Canceled => match op.handle.cancel().await {
                 Ok(CancelOutcome::Canceled { .. }) => Ok(()),
                 Ok(CancelOutcome::AlreadyTerminal(from)) => Err(TransitionError { from, to }),
                 Err(err) => Err(err),
             },
-            OperationState::Expired => op.handle.expire(),
-            OperationState::Failed => op.handle.fail(),
-            OperationState::Succeeded => op.handle.succeed(),
+            OperationState::Expired => op.handle.expire().await,
+            OperationState::Failed => op.handle.fail().await,
+            OperationState::Succeeded => op.handle.succeed().await,
             OperationState::Pending | OperationState::Executing => Ok(()),
         };
         debug_assert!(applied.is_ok(), "{applied:?}");
-        op.shared.apply(to).await;
         self.changed(op, from, to);
         Ok(record)
     }

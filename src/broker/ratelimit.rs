@@ -97,7 +97,7 @@ pub fn fields(status: &QuotaStatus, refusal: Option<&Refusal>) -> (String, Strin
 /// `response` with the quota fields of `identity` added (unchanged for an identity that has no
 /// quota, such as one no longer configured). `refusal` when the response answers it.
 pub fn with_quota(
-    mut response: Response,
+    response: Response,
     controller: &Controller,
     identity: &str,
     refusal: Option<&Refusal>,
@@ -105,7 +105,17 @@ pub fn with_quota(
     let Some(status) = controller.quota(identity) else {
         return response;
     };
-    let (policy, limit) = fields(&status, refusal);
+    with_status(response, &status, refusal)
+}
+
+/// `response` with the quota fields of `status` (the client's quota as the deciding backend saw
+/// it) added; `refusal` when the response answers it.
+pub fn with_status(
+    mut response: Response,
+    status: &QuotaStatus,
+    refusal: Option<&Refusal>,
+) -> Response {
+    let (policy, limit) = fields(status, refusal);
     let headers = response.headers_mut();
     for (name, value) in [(POLICY_FIELD, policy), (LIMIT_FIELD, limit)] {
         // A serialized structured field is visible ASCII, always a valid header value.
@@ -123,7 +133,7 @@ pub(crate) fn answer(
     response: Response,
     refusal: Option<&Refusal>,
 ) -> Response {
-    with_quota(response, &core.controller, identity, refusal)
+    with_quota(response, core.controller(), identity, refusal)
 }
 
 /// `n` as a structured-field integer, saturated at the largest one (15 decimal digits).

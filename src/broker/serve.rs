@@ -51,8 +51,7 @@ pub struct ServeOptions {
     pub retention: Keep,
     /// One replica of several sharing admission through Redis (`--redis URL --replica NAME`);
     /// `None`: the in-process controller alone.
-    #[cfg(feature = "redis")]
-    pub redis: Option<crate::redis::RedisOptions>,
+    pub redis: Option<crate::admission::ReplicaOptions>,
 }
 
 /// Runs the broker until `SIGINT` or `SIGTERM`. Prints `listening on ADDR` once it serves.
@@ -126,47 +125,23 @@ pub fn run(options: ServeOptions) -> Result<(), String> {
         .enable_all()
         .build()
         .map_err(|e| format!("cannot start the runtime: {e}"))?;
-    #[cfg(feature = "redis")]
-    let redis = options.redis;
-    #[cfg(not(feature = "redis"))]
-    let redis = None;
-    runtime.block_on(serve(settings, options.admission_config, redis))
+    let mut settings = settings;
+    settings.replicas = options.redis;
+    runtime.block_on(serve(settings, options.admission_config))
 }
 
-#[cfg(feature = "redis")]
-type SharedOptions = crate::redis::RedisOptions;
-#[cfg(not(feature = "redis"))]
-type SharedOptions = std::convert::Infallible;
-
-async fn start(
-    settings: BrokerSettings,
-    shared: Option<SharedOptions>,
-) -> Result<(Broker, super::RestoreSummary), super::BrokerError> {
-    match shared {
-        #[cfg(feature = "redis")]
-        Some(options) => {
-            println!(
-                "replica: {} (admission shared through {})",
-                options.replica, options.url
-            );
-            Broker::start_shared(settings, options).await
-        }
-        #[cfg(not(feature = "redis"))]
-        Some(never) => match never {},
-        None => Broker::start(settings).await,
-    }
-}
-
-async fn serve(
-    settings: BrokerSettings,
-    admission_config: Option<PathBuf>,
-    shared: Option<SharedOptions>,
-) -> Result<(), String> {
+async fn serve(settings: BrokerSettings, admission_config: Option<PathBuf>) -> Result<(), String> {
     use tokio::signal::unix::{SignalKind, signal};
     let mut hangup = signal(SignalKind::hangup()).map_err(|e| e.to_string())?;
     let mut terminate = signal(SignalKind::terminate()).map_err(|e| e.to_string())?;
     let data_dir = settings.data_dir.clone();
-    let (broker, restored) = start(settings, shared).await.map_err(|e| e.to_string())?;
+    if let Some(options) = &settings.replicas {
+        println!(
+            "replica: {} (admission shared through {})",
+            options.replica, options.url
+        );
+    }
+    let (broker, restored) = Broker::start(settings).await.map_err(|e| e.to_string())?;
     println!("data: {}", data_dir.display());
     println!(
         "restored: {} pending, {} approved, {} interrupted, {} streams",

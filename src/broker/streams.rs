@@ -44,7 +44,7 @@ async fn store_stream(core: Arc<Core>, client: Identity, declared: u64, body: Bo
     let reservation = {
         let _quiet = core.hold_counts().await;
         let reservation = core
-            .controller
+            .controller()
             .reserve_storage(client.as_str(), Store::Stream, declared)
             .map_err(|refusal| {
                 tracing::info!(

@@ -681,6 +681,11 @@ impl Controller {
         self.inner.shared.settings.load().caps
     }
 
+    /// The Retry-After hint of capacity refusals in force (whole seconds, at least one).
+    pub fn capacity_retry(&self) -> Duration {
+        self.inner.shared.settings.load().capacity_retry
+    }
+
     /// A lock-free reading of every count, for metrics and tests.
     pub fn snapshot(&self) -> Snapshot {
         let shared = &self.inner.shared;

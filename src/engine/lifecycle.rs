@@ -374,6 +374,33 @@ impl Operation {
         }
     }
 
+    /// Gives back the execution slot a [`try_start`](Operation::try_start) took a moment ago:
+    /// `executing` → `approved` (queued again). For a composite start whose second half (the slot
+    /// shared with other replicas) was refused after this one was taken; the work has not begun.
+    /// Returns whether it moved: a terminal move that won the race released the slot itself.
+    ///
+    /// It rings no bell: a waiter refused while this slot was briefly taken is a replica's, and
+    /// retries on the shared pause anyway; ringing would wake the very start that called this,
+    /// which would then try the shared store again at once, and again.
+    pub(crate) fn unstart(&self) -> bool {
+        // AcqRel: as in `transition`; the winner alone gives the counts back.
+        if self
+            .state
+            .compare_exchange(
+                OperationState::Executing as u8,
+                OperationState::Approved as u8,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            )
+            .is_err()
+        {
+            return false;
+        }
+        self.client.executing.release(1);
+        self.client.shared.global.release(Counts::EXECUTING);
+        true
+    }
+
     /// Moves to `to` if the contract allows it from the current state; returns the state left.
     /// The winning compare-and-swap, and only it, moves the counts.
     fn transition(&self, to: OperationState) -> Result<OperationState, TransitionError> {

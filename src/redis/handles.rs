@@ -12,7 +12,8 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use super::reply::TransitionReply;
-use super::{Held, Inner, Kept, Target, Unavailable, UnavailableReason};
+use super::{Held, Inner, Kept, Target, UnavailableReason};
+use crate::admission::NotStarted as RedisStartError;
 use crate::config::Identity;
 use crate::engine::{CancelOutcome, OperationState, Refusal, RefusalCode, TransitionError};
 
@@ -27,6 +28,9 @@ pub struct RedisPermit {
     needs_approval: bool,
     /// The rate the token was taken under: emission interval and burst span (µs).
     rate_micros: (u64, u64),
+    /// The idempotency record the admission wrote, freed again if this permit is refunded or
+    /// dropped (committed, it stays bound to the operation).
+    key: Option<String>,
 }
 
 impl RedisPermit {
@@ -35,12 +39,14 @@ impl RedisPermit {
         cell: Arc<Held>,
         needs_approval: bool,
         rate_micros: (u64, u64),
+        key: Option<String>,
     ) -> RedisPermit {
         RedisPermit {
             inner,
             cell: Some(cell),
             needs_approval,
             rate_micros,
+            key,
         }
     }
 
@@ -70,15 +76,12 @@ impl RedisPermit {
         RedisOperation::new(Arc::clone(&self.inner), cell)
     }
 
-    /// The broker failed through its own fault: return the slots and the rate token.
+    /// The broker failed through its own fault: return the slots, the rate token and the
+    /// idempotency key's binding. Dropped before Redis answers, the release is kept and sent later.
     pub async fn refund(mut self) {
         if let Some(cell) = self.cell.take() {
-            finish(
-                &self.inner,
-                &cell,
-                Target::Refund(self.rate_micros.0, self.rate_micros.1),
-            )
-            .await;
+            let target = Target::Refund(self.rate_micros.0, self.rate_micros.1);
+            finish(&self.inner, &cell, target, self.key.take()).await;
         }
     }
 }
@@ -94,6 +97,7 @@ impl Drop for RedisPermit {
                 self.inner.keep(Kept {
                     id: cell.id.clone(),
                     target: Target::Terminal,
+                    key: self.key.take(),
                 });
             }
         }
@@ -108,29 +112,6 @@ impl fmt::Debug for RedisPermit {
             .finish()
     }
 }
-
-/// Why [`RedisOperation::try_start`] did not start the operation.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum RedisStartError {
-    /// Every execution slot (across every replica) is taken; the operation stays queued.
-    Saturated(Refusal),
-    /// The operation is not approved.
-    NotApproved(OperationState),
-    /// Redis did not answer; the operation stays queued and can retry.
-    Unavailable(Unavailable),
-}
-
-impl fmt::Display for RedisStartError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            RedisStartError::Saturated(r) => write!(f, "execution pool saturated: {r}"),
-            RedisStartError::NotApproved(s) => write!(f, "cannot start a {s} operation"),
-            RedisStartError::Unavailable(u) => u.fmt(f),
-        }
-    }
-}
-
-impl std::error::Error for RedisStartError {}
 
 /// The shared controller's handle on one live operation: it holds the operation's slots (in
 /// Redis, under its id) until a terminal transition releases them, exactly once. Dropping a
@@ -208,7 +189,7 @@ impl RedisOperation {
         }
         let _shared = inner.registration.read().await;
         let reply = inner
-            .transition(&self.cell.id, Target::Executing)
+            .transition(&self.cell.id, Target::Executing, None)
             .await
             .map_err(|reason| RedisStartError::Unavailable(inner.unavailable(reason)))?;
         match reply {
@@ -270,9 +251,15 @@ impl RedisOperation {
             }
         };
         if to.is_terminal() {
-            finish(&self.inner, cell, Target::Terminal).await;
+            finish(&self.inner, cell, Target::Terminal, None).await;
         } else {
-            self.inner.release(&cell.id, Target::Approved).await;
+            self.inner
+                .release(Kept {
+                    id: cell.id.clone(),
+                    target: Target::Approved,
+                    key: None,
+                })
+                .await;
         }
         Ok(from)
     }
@@ -283,9 +270,15 @@ fn forget(inner: &Inner, cell: &Held) {
     inner.lock_held().remove(&cell.id);
 }
 
-async fn finish(inner: &Inner, cell: &Held, target: Target) {
+async fn finish(inner: &Inner, cell: &Held, target: Target, key: Option<String>) {
     forget(inner, cell);
-    inner.release(&cell.id, target).await;
+    inner
+        .release(Kept {
+            id: cell.id.clone(),
+            target,
+            key,
+        })
+        .await;
 }
 
 impl Drop for RedisOperation {
@@ -310,6 +303,7 @@ impl Drop for RedisOperation {
         self.inner.keep(Kept {
             id: self.cell.id.clone(),
             target: Target::Terminal,
+            key: None,
         });
     }
 }

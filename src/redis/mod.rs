@@ -47,8 +47,7 @@ mod handles;
 #[doc(hidden)]
 pub mod reply;
 
-use std::collections::{BTreeMap, HashMap};
-use std::fmt;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
@@ -57,12 +56,16 @@ use arc_swap::ArcSwap;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{Script, Value};
 
-pub use handles::{RedisOperation, RedisPermit, RedisStartError};
+pub use crate::admission::{
+    AdmitError, BackendStats, DeploymentCounts, NotStarted, Refused, ReplicaOptions,
+    RestoredOperation, SetupError, Unavailable, UnavailableReason,
+};
+pub use handles::{RedisOperation, RedisPermit};
 
 use self::circuit::{Circuit, Gate};
 use self::reply::{AdmitReply, LeaseReply, TransitionReply};
 use crate::config::{Config, Identity};
-use crate::engine::{DEFAULT_CAPACITY_RETRY, OperationState, Refusal, RefusalCode, StorageCaps};
+use crate::engine::{OperationState, Refusal, RefusalCode};
 
 /// The script every decision runs, with the helpers all scripts share.
 const ADMIT: &str = concat!(
@@ -86,229 +89,14 @@ const HEARTBEAT: &str = include_str!("scripts/heartbeat.lua");
 #[doc(hidden)]
 pub const RATE_ONLY: &str = include_str!("scripts/rate_only.lua");
 
-/// How a replica reaches Redis and shares it.
-#[derive(Clone, Debug)]
-pub struct RedisOptions {
-    /// `redis://host:port/db`.
-    pub url: String,
-    /// Starts every key, as the hash tag `{prefix}` (default `admission`). Two deployments sharing
-    /// a Redis use two prefixes.
-    pub prefix: String,
-    /// This replica's name, unique in the deployment and stable across restarts (an identity-like
-    /// name: `^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$`).
-    pub replica: String,
-    /// How long a lease lasts unrenewed (default 10 s). A replica that cannot renew for this long
-    /// stops admitting, and the others release what it held.
-    pub lease_ttl: Duration,
-    /// How often the lease is renewed, lapsed leases reaped and kept releases retried (default a
-    /// third of the lease).
-    pub heartbeat: Duration,
-    /// The longest any one call to Redis may take (default 500 ms).
-    pub call_timeout: Duration,
-    /// How long an idempotency key stays bound to its operation (default 24 h).
-    pub idempotency_ttl: Duration,
-    /// Consecutive failed calls that open the circuit (default 3).
-    pub circuit_threshold: u32,
-    /// How long an open circuit refuses before a trial call (default 1 s).
-    pub circuit_cool_down: Duration,
-    /// Retry-After of a capacity refusal (default 2 s).
-    pub capacity_retry: Duration,
-    /// Retry-After of an [`Unavailable`] answer (default 2 s).
-    pub unavailable_retry: Duration,
-    /// The pending-grant caps (the storage caps are per replica and not used here).
-    pub caps: StorageCaps,
-}
-
-impl RedisOptions {
-    /// Options with the defaults for `url` and `replica`.
-    pub fn new(url: impl Into<String>, replica: impl Into<String>) -> RedisOptions {
-        RedisOptions {
-            url: url.into(),
-            prefix: "admission".to_string(),
-            replica: replica.into(),
-            lease_ttl: Duration::from_secs(10),
-            heartbeat: Duration::from_millis(3333),
-            call_timeout: Duration::from_millis(500),
-            idempotency_ttl: Duration::from_secs(24 * 3600),
-            circuit_threshold: 3,
-            circuit_cool_down: Duration::from_secs(1),
-            capacity_retry: DEFAULT_CAPACITY_RETRY,
-            unavailable_retry: Duration::from_secs(2),
-            caps: StorageCaps::default(),
-        }
-    }
-}
-
-/// Why the shared controller cannot be set up.
-#[derive(Debug)]
-pub enum SetupError {
-    /// An option is unusable (the message names it).
-    Options(String),
-    /// Redis could not be reached or refused.
-    Redis(String),
-}
-
-impl fmt::Display for SetupError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            SetupError::Options(m) => write!(f, "redis options: {m}"),
-            SetupError::Redis(m) => write!(f, "redis: {m}"),
-        }
-    }
-}
-
-impl std::error::Error for SetupError {}
-
-/// Why admission could not be decided: answered as 503 `admission_unavailable`, never as an
-/// unchecked admission.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Unavailable {
-    /// What went wrong.
-    pub reason: UnavailableReason,
-    /// When to try again (whole seconds, at least one).
-    pub retry_after: Duration,
-}
-
-impl Unavailable {
-    /// The wire code: `admission_unavailable`.
-    pub const CODE: &'static str = "admission_unavailable";
-
-    /// The HTTP status: 503.
-    pub const fn http_status(&self) -> u16 {
-        503
-    }
-
-    /// `retry_after` in whole seconds, as the `Retry-After` header carries it.
-    pub fn retry_after_secs(&self) -> u64 {
-        self.retry_after.as_secs()
-    }
-}
-
-/// Why Redis could not decide.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum UnavailableReason {
-    /// The call did not answer within the call timeout.
-    Timeout,
-    /// Redis answered with an error, or the connection failed (the message says which).
-    Redis(String),
-    /// Recent calls failed; this one was not sent.
-    CircuitOpen,
-    /// This replica does not hold its lease (not registered, lapsed, or taken by another process
-    /// under the same name).
-    LeaseNotHeld,
-    /// A script replied with something no script returns.
-    Reply(String),
-}
-
-impl fmt::Display for Unavailable {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let why = match &self.reason {
-            UnavailableReason::Timeout => "redis did not answer in time".to_string(),
-            UnavailableReason::Redis(m) => format!("redis error: {m}"),
-            UnavailableReason::CircuitOpen => "redis is failing; calls paused".to_string(),
-            UnavailableReason::LeaseNotHeld => "this replica does not hold its lease".to_string(),
-            UnavailableReason::Reply(m) => m.clone(),
-        };
-        write!(
-            f,
-            "{} ({why}; retry after {}s)",
-            Self::CODE,
-            self.retry_after.as_secs()
-        )
-    }
-}
-
-impl std::error::Error for Unavailable {}
-
-/// Why [`RedisController::admit`] gave no permit.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum AdmitError {
-    /// Refused, exactly as the in-process controller would have (429, or 403 when unconfigured).
-    Refused(Refusal),
-    /// The client's idempotency key already names an operation, created by `replica`: answer as a
-    /// replay if this replica can read it, else say where it lives. Nothing was reserved.
-    Replay {
-        /// The operation's id.
-        operation: String,
-        /// The replica that admitted it.
-        replica: String,
-    },
-    /// Admission could not be decided (503).
-    Unavailable(Unavailable),
-}
-
-impl fmt::Display for AdmitError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            AdmitError::Refused(r) => r.fmt(f),
-            AdmitError::Replay { operation, replica } => {
-                write!(
-                    f,
-                    "the idempotency key names operation {operation} on replica {replica}"
-                )
-            }
-            AdmitError::Unavailable(u) => u.fmt(f),
-        }
-    }
-}
-
-impl std::error::Error for AdmitError {}
-
-/// The shared counts as Redis holds them now (one consistent reading).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct SharedCounts {
-    /// Live operations across every replica.
-    pub active: u64,
-    /// Operations awaiting approval.
-    pub pending: u64,
-    /// Operations executing.
-    pub executing: u64,
-    /// Per client: (active, pending, executing), only clients holding something.
-    pub clients: BTreeMap<String, (u64, u64, u64)>,
-    /// Operations recorded (every live operation of every replica).
-    pub operations: u64,
-}
-
-impl SharedCounts {
-    /// Whether nothing is held anywhere.
-    pub fn is_idle(&self) -> bool {
-        self.active == 0
-            && self.pending == 0
-            && self.executing == 0
-            && self.clients.is_empty()
-            && self.operations == 0
-    }
-}
-
-/// What this replica's backend has seen, for metrics.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct RedisStats {
-    /// Calls that failed or timed out.
-    pub errors: u64,
-    /// Times this replica's lease was taken, lost or taken back.
-    pub lease_changes: u64,
-    /// Operations of lapsed replicas this replica released.
-    pub reaped: u64,
-    /// Admissions answered unavailable.
-    pub unavailable: u64,
-    /// Releases waiting to be sent.
-    pub outbox: u64,
-    /// Whether this replica holds its lease now.
-    pub lease_held: bool,
-    /// Whether the circuit is open now.
-    pub circuit_open: bool,
-}
-
-/// An operation a replica restores from its store at (re)registration.
-#[derive(Clone, Debug)]
-pub struct RestoredOperation {
-    /// Its id.
-    pub id: String,
-    /// Its client.
-    pub identity: Identity,
-    /// Its state (not terminal).
-    pub state: OperationState,
-}
+/// The options of a replica (the library-wide name is [`ReplicaOptions`]).
+pub type RedisOptions = ReplicaOptions;
+/// The shared counts (the library-wide name is [`DeploymentCounts`]).
+pub type SharedCounts = DeploymentCounts;
+/// What the backend has seen (the library-wide name is [`BackendStats`]).
+pub type RedisStats = BackendStats;
+/// Why a start did not happen (the library-wide name is [`NotStarted`]).
+pub type RedisStartError = NotStarted;
 
 /// Every key of one deployment, under one hash tag.
 struct Keys {
@@ -355,6 +143,39 @@ struct Scripts {
 pub(crate) struct Kept {
     pub(crate) id: String,
     pub(crate) target: Target,
+    /// The idempotency record to delete if it still names this operation: set for a release of
+    /// an admission never committed (refunded, dropped, or whose answer was lost), so the key is
+    /// free for the client's retry on every replica.
+    pub(crate) key: Option<String>,
+}
+
+/// A release to keep if the future sending it is dropped before Redis answers: armed before the
+/// first `.await`, disarmed once the release (or the decision it undoes) is settled.
+pub(crate) struct KeepOnDrop<'a> {
+    inner: &'a Inner,
+    kept: Option<Kept>,
+}
+
+impl<'a> KeepOnDrop<'a> {
+    pub(crate) fn new(inner: &'a Inner, kept: Kept) -> KeepOnDrop<'a> {
+        KeepOnDrop {
+            inner,
+            kept: Some(kept),
+        }
+    }
+
+    /// Nothing to keep: the release was sent, or nothing was reserved.
+    pub(crate) fn disarm(mut self) {
+        self.kept = None;
+    }
+}
+
+impl Drop for KeepOnDrop<'_> {
+    fn drop(&mut self) {
+        if let Some(kept) = self.kept.take() {
+            self.inner.keep(kept);
+        }
+    }
 }
 
 /// What a transition asks the script for.
@@ -427,16 +248,6 @@ pub struct RedisController {
     inner: Arc<Inner>,
 }
 
-fn valid_name(what: &str, name: &str) -> Result<(), SetupError> {
-    if Identity::new(name).is_ok() {
-        Ok(())
-    } else {
-        Err(SetupError::Options(format!(
-            "{what} {name:?} must match ^[A-Za-z0-9][A-Za-z0-9._@-]{{0,63}}$"
-        )))
-    }
-}
-
 /// An operation id the scripts can record: 1 to 128 visible ASCII characters.
 fn valid_op_id(id: &str) -> bool {
     !id.is_empty() && id.len() <= 128 && id.bytes().all(|b| b.is_ascii_graphic())
@@ -482,30 +293,7 @@ impl RedisController {
         config: Config,
         options: RedisOptions,
     ) -> Result<RedisController, SetupError> {
-        valid_name("replica", &options.replica)?;
-        if options.prefix.is_empty()
-            || options.prefix.len() > 64
-            || !options
-                .prefix
-                .bytes()
-                .all(|b| b.is_ascii_graphic() && b != b'{' && b != b'}')
-        {
-            return Err(SetupError::Options(format!(
-                "prefix {:?} must be 1 to 64 visible characters without braces",
-                options.prefix
-            )));
-        }
-        if options.lease_ttl < Duration::from_millis(100)
-            || options.heartbeat.is_zero()
-            || options.heartbeat >= options.lease_ttl
-            || options.call_timeout.is_zero()
-        {
-            return Err(SetupError::Options(
-                "the heartbeat must be shorter than the lease (at least 100 ms), and the call \
-                 timeout above zero"
-                    .to_string(),
-            ));
-        }
+        options.check()?;
         let client = redis::Client::open(options.url.as_str())
             .map_err(|e| SetupError::Redis(e.to_string()))?;
         let manager_config = ConnectionManagerConfig::new()
@@ -683,9 +471,12 @@ impl RedisController {
         let inner = &self.inner;
         let config = inner.config.load();
         let Some(limits) = config.effective(identity) else {
-            return Err(AdmitError::Refused(Refusal {
-                code: RefusalCode::ClientUnconfigured,
-                retry_after: Duration::ZERO,
+            return Err(AdmitError::Refused(Refused {
+                refusal: Refusal {
+                    code: RefusalCode::ClientUnconfigured,
+                    retry_after: Duration::ZERO,
+                },
+                quota: None,
             }));
         };
         let identity = Identity::new(identity).expect("a configured identity is valid");
@@ -750,31 +541,32 @@ impl RedisController {
                 OperationState::Approved as u8
             }),
         });
+        // From here on the script may run: if this future is dropped, or the reply is lost or
+        // unreadable, release by id (a no-op if it never ran), key binding included, so a
+        // reservation never outlives an answer that was not "admitted".
+        let undo = KeepOnDrop::new(
+            inner,
+            Kept {
+                id: id.to_string(),
+                target: Target::Terminal,
+                key: idem_key.clone(),
+            },
+        );
         let _shared = inner.registration.read().await;
         let value = match inner.call(&invocation).await {
             Ok(value) => value,
-            Err(reason) => {
-                // The script may have run and its reply been lost: release by id (a no-op if it
-                // never ran), so a reservation never outlives the answer "unavailable".
-                inner.keep(Kept {
-                    id: id.to_string(),
-                    target: Target::Terminal,
-                });
-                return Err(AdmitError::Unavailable(inner.unavailable(reason)));
-            }
+            Err(reason) => return Err(AdmitError::Unavailable(inner.unavailable(reason))),
         };
         let reply = match reply::parse_admit(&value) {
             Ok(reply) => reply,
             Err(e) => {
-                inner.keep(Kept {
-                    id: id.to_string(),
-                    target: Target::Terminal,
-                });
                 return Err(AdmitError::Unavailable(
                     inner.unavailable(UnavailableReason::Reply(e.to_string())),
                 ));
             }
         };
+        // A definite answer: the permit below takes the reservation over, or nothing was made.
+        undo.disarm();
         match reply {
             AdmitReply::Admitted | AdmitReply::Duplicate => {
                 inner.lock_held().insert(cell.id.clone(), Arc::clone(&cell));
@@ -783,6 +575,7 @@ impl RedisController {
                     cell,
                     needs_approval,
                     (interval, span),
+                    idem_key,
                 ))
             }
             AdmitReply::Replay { id, replica } => Err(AdmitError::Replay {
@@ -805,10 +598,13 @@ impl RedisController {
                 } else {
                     0
                 };
-                Err(AdmitError::Refused(Refusal::after_nanos(
-                    code,
-                    rate_wait_micros.saturating_mul(1000).max(capacity_wait),
-                )))
+                Err(AdmitError::Refused(Refused {
+                    refusal: Refusal::after_nanos(
+                        code,
+                        rate_wait_micros.saturating_mul(1000).max(capacity_wait),
+                    ),
+                    quota: None,
+                }))
             }
         }
     }
@@ -1002,6 +798,7 @@ impl Inner {
         &self,
         id: &str,
         target: Target,
+        key: Option<&str>,
     ) -> Result<TransitionReply, UnavailableReason> {
         let limit = self.config.load().limits().global_executing;
         let (interval, span) = match target {
@@ -1017,29 +814,28 @@ impl Inner {
             .arg(target.arg())
             .arg(limit)
             .arg(interval)
-            .arg(span);
+            .arg(span)
+            .arg(key.unwrap_or(""));
         let value = self.call(&invocation).await?;
         reply::parse_transition(&value).map_err(|e| UnavailableReason::Reply(e.to_string()))
     }
 
     /// Sends a release now, or keeps it for later if Redis does not answer (or earlier releases
-    /// are still waiting, so they go first).
-    pub(crate) async fn release(&self, id: &str, target: Target) {
+    /// are still waiting, so they go first). Dropped before Redis answers, it is kept too.
+    pub(crate) async fn release(&self, kept: Kept) {
         let waiting = !self
             .outbox
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .is_empty();
+        let (id, target, key) = (kept.id.clone(), kept.target, kept.key.clone());
+        let undo = KeepOnDrop::new(self, kept);
         if !waiting && !self.circuit.is_open() {
             let _shared = self.registration.read().await;
-            if self.transition(id, target).await.is_ok() {
-                return;
+            if self.transition(&id, target, key.as_deref()).await.is_ok() {
+                undo.disarm();
             }
         }
-        self.keep(Kept {
-            id: id.to_string(),
-            target,
-        });
     }
 
     /// Sends kept releases in order until one fails; returns whether none is left.
@@ -1053,7 +849,11 @@ impl Inner {
                 .first()
                 .cloned();
             let Some(kept) = next else { return true };
-            if self.transition(&kept.id, kept.target).await.is_err() {
+            if self
+                .transition(&kept.id, kept.target, kept.key.as_deref())
+                .await
+                .is_err()
+            {
                 return false;
             }
             let mut outbox = self.outbox.lock().unwrap_or_else(|p| p.into_inner());

@@ -1,11 +1,8 @@
-//! One face for the two admission backends — the in-process [`Controller`] on a manual clock, and
-//! the Redis-backed [`RedisController`] on Redis server time — so each semantic test of SPEC
-//! section 2 is written once and run against both (section 7: the same contract).
-//!
-//! What the tests see: `admit` → a permit or a [`Refusal`]; the permit's `commit`, `refund` or
-//! drop; the operation's transitions; `restore` at start-up; `reload`; and the counts, global and
-//! per client. What differs stays here: Redis sends a dropped handle's release in the background
-//! ([`Backend::settle`] waits for it), its operations need ids (made up here), and its time is
+//! One face for the two admission backends — the in-process engine on a manual clock, and the
+//! Redis-backed one on Redis server time — so each semantic test of SPEC section 2 is written once
+//! and run against both (section 7: the same contract). Both are the library's one
+//! [`Admission`] type; what differs stays here: how each is built, that Redis sends a dropped
+//! handle's release in the background ([`Backend::settle`] waits for it), and that its time is
 //! real ([`Backend::assert_rate_wait`] bounds a rate wait by the time that passed, where the
 //! manual clock gives it exactly).
 
@@ -15,14 +12,15 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use unyolo_admission::engine::DEFAULT_CAPACITY_RETRY;
-use unyolo_admission::redis::{
-    AdmitError, RedisController, RedisOperation, RedisOptions, RedisPermit, RedisStartError,
-    RestoredOperation,
+pub use unyolo_admission::admission::{
+    AdmissionPermit as AnyPermit, NotStarted, OperationHandle as AnyOperation,
 };
+use unyolo_admission::admission::{
+    Admission, AdmitError, DeploymentCounts, ReplicaOptions, RestoredOperation,
+};
+use unyolo_admission::engine::DEFAULT_CAPACITY_RETRY;
 use unyolo_admission::{
-    CancelOutcome, Config, Controller, Identity, ManualClock, Operation, OperationState, Permit,
-    Refusal, RefusalCode, StartError, StorageCaps, TransitionError,
+    Config, Controller, Identity, ManualClock, OperationState, Refusal, RefusalCode, StorageCaps,
 };
 
 use crate::redis_support;
@@ -78,17 +76,17 @@ impl Setup {
     /// The backend, registered and ready to admit; `None` (having said why) only when Redis is
     /// asked for and `redis-server` cannot be run here.
     pub async fn start(self) -> Option<Backend> {
+        let clock = ManualClock::new();
+        clock.set_nanos(1_000_000_000);
+        let builder = Controller::builder(self.config)
+            .storage_caps(self.caps)
+            .capacity_retry(self.capacity_retry);
         match self.kind {
-            Kind::InProcess => {
-                let clock = ManualClock::new();
-                clock.set_nanos(1_000_000_000);
-                let controller = Controller::builder(self.config)
-                    .clock(clock.clone())
-                    .storage_caps(self.caps)
-                    .capacity_retry(self.capacity_retry)
-                    .build();
-                Some(Backend::InProcess { controller, clock })
-            }
+            Kind::InProcess => Some(Backend {
+                admission: Admission::in_process(builder.clock(clock.clone()).build()),
+                clock: Some(clock),
+                started: Instant::now(),
+            }),
             Kind::Redis => {
                 let Some(server) = redis_support::process_server() else {
                     eprintln!(
@@ -97,23 +95,21 @@ impl Setup {
                     );
                     return None;
                 };
-                let mut options = RedisOptions::new(server.url(), "r1");
+                let mut options = ReplicaOptions::new(server.url(), "r1");
                 options.prefix = format!("semantics-{}", next());
-                options.caps = self.caps;
-                options.capacity_retry = self.capacity_retry;
                 // Generous: a shared, noisy machine must not fail a decision for slowness.
                 options.call_timeout = Duration::from_secs(5);
                 options.lease_ttl = Duration::from_secs(60);
                 options.heartbeat = Duration::from_secs(20);
-                let controller = RedisController::connect(self.config, options)
-                    .await
-                    .expect("the test process's redis-server answers");
-                controller
-                    .register(Vec::new())
-                    .await
-                    .expect("the replica registers");
-                Some(Backend::Redis {
-                    controller,
+                // The engine on real time, as a replica's is: its rate bucket then agrees with
+                // Redis's (the shared decision binds; the local one follows it).
+                let admission = Admission::new(builder.build(), Some(options))
+                    .expect("valid replica options");
+                let restored = admission.restore(Vec::new()).await;
+                assert!(restored.deferred.is_none(), "the test process's redis-server answers");
+                Some(Backend {
+                    admission,
+                    clock: None,
                     started: Instant::now(),
                 })
             }
@@ -121,17 +117,14 @@ impl Setup {
     }
 }
 
-/// An admission backend under test.
-pub enum Backend {
-    InProcess {
-        controller: Controller,
-        clock: ManualClock,
-    },
-    Redis {
-        controller: RedisController,
-        /// When it was set up: real time has passed since, at most this much.
-        started: Instant,
-    },
+/// An admission backend under test: the library's [`Admission`], in-process on a manual clock or
+/// replicated on Redis.
+pub struct Backend {
+    pub admission: Admission,
+    /// The in-process backend's clock; `None` on Redis, whose time is real.
+    clock: Option<ManualClock>,
+    /// When it was set up: real time has passed since, at most this much.
+    started: Instant,
 }
 
 /// The counts of one scope (global, or one client).
@@ -184,28 +177,23 @@ impl Counts {
 
 impl Backend {
     pub fn kind(&self) -> Kind {
-        match self {
-            Backend::InProcess { .. } => Kind::InProcess,
-            Backend::Redis { .. } => Kind::Redis,
+        if self.admission.is_replicated() {
+            Kind::Redis
+        } else {
+            Kind::InProcess
         }
     }
 
     /// The in-process controller, for what only it can show (its snapshot's token readings and
     /// statistics); `None` on Redis.
     pub fn in_process(&self) -> Option<&Controller> {
-        match self {
-            Backend::InProcess { controller, .. } => Some(controller),
-            Backend::Redis { .. } => None,
-        }
+        (!self.admission.is_replicated()).then(|| self.admission.controller())
     }
 
     /// The in-process backend's clock, for what only a clock a test moves can show; `None` on
     /// Redis.
     pub fn manual_clock(&self) -> Option<&ManualClock> {
-        match self {
-            Backend::InProcess { clock, .. } => Some(clock),
-            Backend::Redis { .. } => None,
-        }
+        self.clock.as_ref()
     }
 
     /// Admissions by `client` (each committed then failed, so no slot stays taken) until one is
@@ -224,21 +212,13 @@ impl Backend {
         }
     }
 
-    /// Decides one submission. On Redis an answer other than admitted or refused (unavailable,
-    /// replay) fails the test: the semantic tests run on a healthy Redis without idempotency keys.
+    /// Decides one submission. An answer other than admitted or refused (unavailable, replay)
+    /// fails the test: the semantic tests run on a healthy Redis without idempotency keys.
     pub async fn admit(&self, client: &str, needs_approval: bool) -> Result<AnyPermit, Refusal> {
-        match self {
-            Backend::InProcess { controller, .. } => controller
-                .admit(client, needs_approval)
-                .map(AnyPermit::InProcess),
-            Backend::Redis { controller, .. } => {
-                let id = format!("op-{}", next());
-                match controller.admit(client, needs_approval, &id, None).await {
-                    Ok(permit) => Ok(AnyPermit::Redis(permit)),
-                    Err(AdmitError::Refused(refusal)) => Err(refusal),
-                    Err(other) => panic!("redis admission neither admitted nor refused: {other}"),
-                }
-            }
+        match self.admission.admit(client, needs_approval, None).await {
+            Ok(permit) => Ok(permit),
+            Err(AdmitError::Refused(refused)) => Err(refused.refusal),
+            Err(other) => panic!("admission neither admitted nor refused: {other}"),
         }
     }
 
@@ -262,100 +242,56 @@ impl Backend {
     /// on Redis this is the replica's registration, which replaces what it held). One entry per
     /// input, in order: `None` where the state is terminal (nothing restored).
     pub async fn restore(&self, ops: &[(&str, OperationState)]) -> Vec<Option<AnyOperation>> {
-        match self {
-            Backend::InProcess { controller, .. } => ops
-                .iter()
-                .map(|&(name, state)| {
-                    controller
-                        .restore(name, state)
-                        .ok()
-                        .map(AnyOperation::InProcess)
-                })
-                .collect(),
-            Backend::Redis { controller, .. } => {
-                let restored: Vec<RestoredOperation> = ops
-                    .iter()
-                    .map(|&(name, state)| RestoredOperation {
-                        id: format!("restored-{}", next()),
-                        identity: Identity::new(name).expect("a valid identity"),
-                        state,
-                    })
-                    .collect();
-                let mut handles = controller
-                    .register(restored.clone())
-                    .await
-                    .expect("the replica registers")
-                    .into_iter();
-                restored
-                    .iter()
-                    .map(|op| {
-                        if op.state.is_terminal() {
-                            return None;
-                        }
-                        let handle = handles.next().expect("a handle per live operation");
-                        assert_eq!(handle.id(), op.id);
-                        Some(AnyOperation::Redis(handle))
-                    })
-                    .collect()
-            }
-        }
+        let restored: Vec<RestoredOperation> = ops
+            .iter()
+            .map(|&(name, state)| RestoredOperation {
+                id: format!("restored-{}", next()),
+                identity: Identity::new(name).expect("a valid identity"),
+                state,
+            })
+            .collect();
+        let restored = self.admission.restore(restored).await;
+        assert!(restored.deferred.is_none(), "the replica registers");
+        restored
+            .operations
+            .into_iter()
+            .map(|handle| {
+                let handle = handle.ok()?;
+                assert_eq!(handle.is_replicated(), self.admission.is_replicated());
+                Some(handle)
+            })
+            .collect()
     }
 
     /// Swaps in a new configuration.
     pub fn reload(&self, config: Config) {
-        match self {
-            Backend::InProcess { controller, .. } => controller.reload(config),
-            Backend::Redis { controller, .. } => controller.reload(config),
-        }
+        self.admission.reload(config);
     }
 
     /// Waits until the releases of dropped permits and handles have reached the counts (the
     /// in-process engine releases on drop; Redis sends them in the background).
     pub async fn settle(&self) {
-        if let Backend::Redis { controller, .. } = self {
-            let deadline = Instant::now() + Duration::from_secs(30);
-            while !controller.flush().await {
-                assert!(
-                    Instant::now() < deadline,
-                    "kept releases never reached Redis"
-                );
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !self.admission.flush().await {
+            assert!(
+                Instant::now() < deadline,
+                "kept releases never reached Redis"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
 
-    /// The counts now.
+    /// The counts now: the whole deployment's (Redis's), or the engine's in-process.
     pub async fn counts(&self) -> Counts {
-        match self {
-            Backend::InProcess { controller, .. } => {
-                let s = controller.snapshot();
-                Counts {
-                    global: Tally::new(s.active, s.pending, s.executing),
-                    clients: s
-                        .clients
-                        .iter()
-                        .map(|c| {
-                            (
-                                c.identity.to_string(),
-                                Tally::new(c.active, c.pending, c.executing),
-                            )
-                        })
-                        .filter(|(_, t)| !t.is_zero())
-                        .collect(),
-                }
-            }
-            Backend::Redis { controller, .. } => {
-                let c = controller.counts().await.expect("redis answers");
-                Counts {
-                    global: Tally::new(c.active, c.pending, c.executing),
-                    clients: c
-                        .clients
-                        .iter()
-                        .map(|(name, &(a, p, e))| (name.clone(), Tally::new(a, p, e)))
-                        .filter(|(_, t)| !t.is_zero())
-                        .collect(),
-                }
-            }
+        let c: DeploymentCounts = self.admission.counts().await.expect("redis answers");
+        Counts {
+            global: Tally::new(c.active, c.pending, c.executing),
+            clients: c
+                .clients
+                .iter()
+                .map(|(name, &(a, p, e))| (name.clone(), Tally::new(a, p, e)))
+                .filter(|(_, t)| !t.is_zero())
+                .collect(),
         }
     }
 
@@ -368,16 +304,15 @@ impl Backend {
             RefusalCode::SubmissionRateLimited,
             "{refusal:?}"
         );
-        match self {
-            Backend::InProcess { .. } => assert_eq!(refusal.retry_after, expected, "{refusal:?}"),
-            Backend::Redis { started, .. } => {
-                let passed = Duration::from_secs(started.elapsed().as_secs() + 1);
-                let lowest = expected.saturating_sub(passed).max(Duration::from_secs(1));
-                assert!(
-                    refusal.retry_after <= expected && refusal.retry_after >= lowest,
-                    "{refusal:?}: expected {expected:?}, at most {passed:?} less"
-                );
-            }
+        if self.clock.is_some() {
+            assert_eq!(refusal.retry_after, expected, "{refusal:?}");
+        } else {
+            let passed = Duration::from_secs(self.started.elapsed().as_secs() + 1);
+            let lowest = expected.saturating_sub(passed).max(Duration::from_secs(1));
+            assert!(
+                refusal.retry_after <= expected && refusal.retry_after >= lowest,
+                "{refusal:?}: expected {expected:?}, at most {passed:?} less"
+            );
         }
     }
 
@@ -399,111 +334,5 @@ impl Backend {
             assert_eq!(reading, spent, "the snapshot's token reading for {client}");
         }
         spent
-    }
-}
-
-/// A permit of either backend.
-#[derive(Debug)]
-pub enum AnyPermit {
-    InProcess(Permit),
-    Redis(RedisPermit),
-}
-
-impl AnyPermit {
-    pub fn commit(self) -> AnyOperation {
-        match self {
-            AnyPermit::InProcess(p) => AnyOperation::InProcess(p.commit()),
-            AnyPermit::Redis(p) => AnyOperation::Redis(p.commit()),
-        }
-    }
-
-    pub async fn refund(self) {
-        match self {
-            AnyPermit::InProcess(p) => p.refund(),
-            AnyPermit::Redis(p) => p.refund().await,
-        }
-    }
-}
-
-/// Why an operation did not start.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum NotStarted {
-    /// Every execution slot is taken: it stays queued.
-    Saturated(Refusal),
-    /// It is not approved.
-    NotApproved(OperationState),
-}
-
-/// A lifecycle handle of either backend.
-#[derive(Debug)]
-pub enum AnyOperation {
-    InProcess(Operation),
-    Redis(RedisOperation),
-}
-
-impl AnyOperation {
-    pub fn state(&self) -> OperationState {
-        match self {
-            AnyOperation::InProcess(o) => o.state(),
-            AnyOperation::Redis(o) => o.state(),
-        }
-    }
-
-    pub async fn approve(&self) -> Result<(), TransitionError> {
-        match self {
-            AnyOperation::InProcess(o) => o.approve(),
-            AnyOperation::Redis(o) => o.approve().await,
-        }
-    }
-
-    pub async fn deny(&self) -> Result<(), TransitionError> {
-        match self {
-            AnyOperation::InProcess(o) => o.deny(),
-            AnyOperation::Redis(o) => o.deny().await,
-        }
-    }
-
-    pub async fn cancel(&self) -> Result<CancelOutcome, TransitionError> {
-        match self {
-            AnyOperation::InProcess(o) => o.cancel(),
-            AnyOperation::Redis(o) => o.cancel().await,
-        }
-    }
-
-    pub async fn expire(&self) -> Result<(), TransitionError> {
-        match self {
-            AnyOperation::InProcess(o) => o.expire(),
-            AnyOperation::Redis(o) => o.expire().await,
-        }
-    }
-
-    pub async fn fail(&self) -> Result<(), TransitionError> {
-        match self {
-            AnyOperation::InProcess(o) => o.fail(),
-            AnyOperation::Redis(o) => o.fail().await,
-        }
-    }
-
-    pub async fn succeed(&self) -> Result<(), TransitionError> {
-        match self {
-            AnyOperation::InProcess(o) => o.succeed(),
-            AnyOperation::Redis(o) => o.succeed().await,
-        }
-    }
-
-    /// Takes an execution slot: `approved` → `executing`. On Redis, an unavailable answer fails
-    /// the test (the semantic tests run on a healthy Redis).
-    pub async fn try_start(&self) -> Result<(), NotStarted> {
-        match self {
-            AnyOperation::InProcess(o) => o.try_start().map_err(|e| match e {
-                StartError::Saturated(r) => NotStarted::Saturated(r),
-                StartError::NotApproved(s) => NotStarted::NotApproved(s),
-            }),
-            AnyOperation::Redis(o) => o.try_start().await.map_err(|e| match e {
-                RedisStartError::Saturated(r) => NotStarted::Saturated(r),
-                RedisStartError::NotApproved(s) => NotStarted::NotApproved(s),
-                RedisStartError::Unavailable(u) => panic!("redis unavailable: {u}"),
-            }),
-        }
     }
 }

@@ -2,10 +2,20 @@
 -- KEYS: 1 counts, 2 operations. ARGV: 1 key base, 2 operation id, 3 target: `a` (approved), `e`
 -- (executing), `t` (terminal: release everything) or `r` (refund: release and give the rate
 -- token back), 4 global executing limit, 5 the emission interval and 6 the burst span the token
--- was taken under (µs, for `r`).
+-- was taken under (µs, for `r`), 7 the idempotency record to free if it still names this
+-- operation (empty for none: a committed operation keeps its key).
 -- Reply: {'moved', from} | {'same'} | {'absent'} (released already) | {'not_allowed', from} |
 --        {'saturated'} (no execution slot: the operation stays approved).
 local base, id, to = ARGV[1], ARGV[2], ARGV[3]
+local key_record = ARGV[7]
+if key_record ~= nil and key_record ~= '' and (to == 't' or to == 'r') then
+  -- An admission never committed: its key is free again, whether or not it still holds slots
+  -- (a lost reply's release may come after a lapsed lease released them).
+  local owner = redis.call('GET', key_record)
+  if owner and string.match(owner, '^(%S+) ') == id then
+    redis.call('DEL', key_record)
+  end
+end
 local record = redis.call('HGET', KEYS[2], id)
 if not record then
   return {'absent'}

@@ -1,0 +1,95 @@
+//! The backend's metrics, read at each scrape: which backend is in use and, replicated, the
+//! Redis calls that failed, lease changes, reaped operations, unavailable answers, kept releases
+//! and the circuit.
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::registry::Registry;
+
+use super::Admission;
+
+pub(super) fn register(registry: &mut Registry, admission: Admission) {
+    registry.register_collector(Box::new(BackendCollector(admission)));
+}
+
+struct BackendCollector(Admission);
+
+impl std::fmt::Debug for BackendCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("BackendCollector")
+    }
+}
+
+impl Collector for BackendCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let admission = &self.0;
+        let backend = if admission.is_replicated() {
+            "redis"
+        } else {
+            "in_process"
+        };
+        let mut metric = encoder.encode_descriptor(
+            "admission_backend",
+            "The admission backend in use: in_process (this process counts alone) or redis \
+             (shared by replicas).",
+            None,
+            MetricType::Gauge,
+        )?;
+        ConstGauge::new(1i64).encode(metric.encode_family(&[("backend", backend)])?)?;
+        if !admission.is_replicated() {
+            return Ok(());
+        }
+        let stats = admission.stats();
+        let counters = [
+            (
+                "admission_redis_errors",
+                "Calls to Redis that failed or timed out.",
+                stats.errors,
+            ),
+            (
+                "admission_redis_lease_changes",
+                "Times this replica's lease was taken, lost or taken back.",
+                stats.lease_changes,
+            ),
+            (
+                "admission_redis_reaped",
+                "Operations of lapsed replicas this replica released.",
+                stats.reaped,
+            ),
+            (
+                "admission_redis_unavailable",
+                "Admissions answered 503 admission_unavailable.",
+                stats.unavailable,
+            ),
+        ];
+        for (name, help, value) in counters {
+            let metric = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+            ConstCounter::new(value).encode(metric)?;
+        }
+        let gauges = [
+            (
+                "admission_redis_kept_releases",
+                "Releases waiting for Redis to answer.",
+                stats.outbox,
+            ),
+            (
+                "admission_redis_lease_held",
+                "Whether this replica holds its lease: 1 or 0.",
+                u64::from(stats.lease_held),
+            ),
+            (
+                "admission_redis_circuit_open",
+                "Whether calls to Redis are paused after failures: 1 or 0.",
+                u64::from(stats.circuit_open),
+            ),
+        ];
+        for (name, help, value) in gauges {
+            let metric = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+            ConstGauge::new(i64::try_from(value).unwrap_or(i64::MAX)).encode(metric)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,91 @@
+//! Operation ids, made by the admission itself so no caller can hand the shared store an id it
+//! has seen before: a 64-bit random number drawn once per process from the operating system's
+//! random source, then a 64-bit sequence. Unique across restarts and replicas without any
+//! coordination (two processes collide only if they draw the same 64 random bits), and cheap:
+//! one relaxed increment, no allocation until the id is written out.
+
+use std::fmt;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// An operation's id: written `op_` and 32 lowercase hex digits.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct OperationId {
+    process: u64,
+    sequence: u64,
+}
+
+static PROCESS: OnceLock<u64> = OnceLock::new();
+static SEQUENCE: AtomicU64 = AtomicU64::new(0);
+
+impl OperationId {
+    /// A fresh id, never handed out before by any process (see the module docs).
+    pub(crate) fn new() -> OperationId {
+        let process = *PROCESS.get_or_init(|| {
+            let mut bytes = [0u8; 8];
+            getrandom::fill(&mut bytes).expect("the operating system's random source is available");
+            u64::from_le_bytes(bytes)
+        });
+        // Relaxed: only uniqueness matters, and one counter gives it.
+        let sequence = SEQUENCE.fetch_add(1, Ordering::Relaxed);
+        OperationId { process, sequence }
+    }
+}
+
+impl fmt::Display for OperationId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "op_{:016x}{:016x}", self.process, self.sequence)
+    }
+}
+
+impl fmt::Debug for OperationId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
+
+/// A fresh random id: `prefix`, `_`, 32 lowercase hex digits (128 bits from the operating
+/// system's random source), for things other than operations (streams).
+pub fn random_id(prefix: &str) -> String {
+    use std::fmt::Write;
+    let mut bytes = [0u8; 16];
+    getrandom::fill(&mut bytes).expect("the operating system's random source is available");
+    let mut id = String::with_capacity(prefix.len() + 33);
+    id.push_str(prefix);
+    id.push('_');
+    for b in bytes {
+        let _ = write!(id, "{b:02x}");
+    }
+    id
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn operation_ids_are_op_and_32_hex_digits_and_never_repeat() {
+        let ids: std::collections::HashSet<String> = (0..10_000)
+            .map(|_| OperationId::new().to_string())
+            .collect();
+        assert_eq!(ids.len(), 10_000);
+        for id in ids.iter().take(10) {
+            assert_eq!(id.len(), 35, "{id}");
+            assert!(id.starts_with("op_"), "{id}");
+            assert!(
+                id[3..]
+                    .bytes()
+                    .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)),
+                "{id}"
+            );
+        }
+    }
+
+    #[test]
+    fn random_ids_carry_their_prefix_and_128_bits() {
+        let a = random_id("st");
+        assert_eq!(a.len(), 35);
+        assert!(a.starts_with("st_"));
+        assert_ne!(a, random_id("st"));
+    }
+}

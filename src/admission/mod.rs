@@ -1,0 +1,381 @@
+//! The one admission API, for one process or many: [`Admission`].
+//!
+//! A broker builds it once — in-process ([`Admission::in_process`]) or replicated through Redis
+//! ([`Admission::new`] with [`ReplicaOptions`]: a URL and a replica name) — and then uses it the
+//! same way whichever backend is behind it: [`Admission::admit`] gives an [`AdmissionPermit`] or
+//! an [`AdmitError`]; the permit commits into an [`OperationHandle`] whose transitions release
+//! slots exactly once; [`OperationHandle::start`] waits for an execution slot;
+//! [`Admission::restore`], [`Admission::reload_from_path`], [`Admission::snapshot`] and
+//! [`Admission::register_metrics`] do the rest. The only thing a caller handles in addition when
+//! going to replicas is [`AdmitError::Unavailable`] (503 `admission_unavailable`: the shared store
+//! cannot decide now) and [`AdmitError::Replay`] (the key was used on another replica).
+//!
+//! Replicated, every decision is the shared store's first (it binds across replicas), then this
+//! process's own engine's (which keeps counting what this replica holds: its drift check, rate
+//! headers and storage quotas stay exact). This replica's counts are a part of the shared ones,
+//! so the shared decision refuses first; in the rare case the local one refuses after it (a rate
+//! bucket read on another clock) the shared reservation is given back whole, idempotency key
+//! included. Transitions move the local handle first and then the shared one by operation id;
+//! releases Redis does not answer are kept and sent, in order, when it does.
+//!
+//! The admission makes operation ids itself ([`OperationId`]): no caller can hand the shared
+//! store an id it has seen before (an id reused after a restart must never be taken for a retry
+//! of an old admission).
+//!
+//! - `outcome`: refusals, unavailability, starts that did not happen, the deployment's counts.
+//! - `options`: what a replica needs to know ([`ReplicaOptions`]).
+//! - `handles`: the permit and the lifecycle handle.
+//! - `backend`: the only place that knows whether this build has the Redis backend.
+//! - `exposition`: the backend's metrics.
+//! - `id`: operation ids.
+
+mod backend;
+mod exposition;
+mod handles;
+mod id;
+mod options;
+mod outcome;
+
+use std::path::Path;
+
+pub use handles::{AdmissionPermit, OperationHandle};
+pub use id::{OperationId, random_id};
+pub use options::ReplicaOptions;
+pub use outcome::{
+    AdmitError, BackendStats, DeploymentCounts, NotStarted, Refused, RestoredOperation, SetupError,
+    Unavailable, UnavailableReason,
+};
+
+use self::backend::SharedController;
+use crate::config::{Config, ConfigError, Identity};
+use crate::engine::{Controller, RestoreError, StartError};
+use crate::metrics::Snapshot;
+
+/// Admission for a broker: in-process, or shared by replicas through Redis, behind one API.
+/// Cheap to clone (every clone is the same admission).
+///
+/// ```
+/// # async fn broker() -> Result<(), Box<dyn std::error::Error>> {
+/// use unyolo_admission::{Admission, AdmitError, Config, Controller, Identity};
+///
+/// let bot = Identity::new("bot-7")?;
+/// let controller = Controller::new(Config::defaults([bot]));
+/// // One process. For replicas: `Admission::new(controller, Some(ReplicaOptions::new(url, name)))?`.
+/// let admission = Admission::in_process(controller);
+/// match admission.admit("bot-7", true, Some("deploy-42")).await {
+///     Ok(permit) => {
+///         let id = permit.id(); // store the operation under this id, then:
+///         let operation = permit.commit();
+///         operation.approve().await?;
+///         operation.start().await?;
+///         operation.succeed().await?;
+///         # let _ = id;
+///     }
+///     Err(AdmitError::Refused(refused)) => println!("429 {}", refused.refusal.code),
+///     Err(AdmitError::Replay { operation, .. }) => println!("the key names {operation}"),
+///     Err(AdmitError::Unavailable(u)) => println!("503, retry after {}s", u.retry_after_secs()),
+/// }
+/// # Ok(()) }
+/// # futures_lite_block_on(broker()).unwrap();
+/// # fn futures_lite_block_on<F: std::future::Future>(f: F) -> F::Output {
+/// #     use std::task::{Context, Poll, Wake, Waker};
+/// #     struct Unpark(std::thread::Thread);
+/// #     impl Wake for Unpark { fn wake(self: std::sync::Arc<Self>) { self.0.unpark() } }
+/// #     let waker = Waker::from(std::sync::Arc::new(Unpark(std::thread::current())));
+/// #     let mut f = std::pin::pin!(f);
+/// #     loop {
+/// #         if let Poll::Ready(v) = f.as_mut().poll(&mut Context::from_waker(&waker)) { return v; }
+/// #         std::thread::park();
+/// #     }
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct Admission {
+    local: Controller,
+    shared: Option<SharedController>,
+}
+
+impl std::fmt::Debug for Admission {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Admission")
+            .field("replica", &self.replica())
+            .finish()
+    }
+}
+
+/// What [`Admission::restore`] gave back: one entry per restored operation, in order, and whether
+/// registering with the shared store had to be deferred.
+#[derive(Debug)]
+pub struct Restored {
+    /// The handle of each operation, or why it could not be restored (a terminal state, an
+    /// invalid client name).
+    pub operations: Vec<Result<OperationHandle, RestoreError>>,
+    /// Replicated, when the shared store did not answer: the operations are held here (their
+    /// handles work, releases are kept), admissions are [`Unavailable`], and the heartbeat
+    /// registers them as soon as Redis answers.
+    pub deferred: Option<Unavailable>,
+}
+
+impl Admission {
+    /// Admission decided by this process alone: `controller` is the engine. Needs no runtime;
+    /// every call completes at its first poll.
+    pub fn in_process(controller: Controller) -> Admission {
+        Admission {
+            local: controller,
+            shared: None,
+        }
+    }
+
+    /// Admission in-process (`replicas` = `None`) or shared with the other replicas through
+    /// Redis. Replicated, `controller` keeps counting what this replica holds, and the options'
+    /// capacity hint and pending-grant caps are taken from it. Connects lazily: a Redis that is
+    /// down now does not fail this (admissions are [`Unavailable`] until it answers); only
+    /// invalid options or URL do, or a build without the Redis backend. Replicated, call it
+    /// inside a Tokio runtime.
+    pub fn new(
+        controller: Controller,
+        replicas: Option<ReplicaOptions>,
+    ) -> Result<Admission, SetupError> {
+        let Some(mut options) = replicas else {
+            return Ok(Admission::in_process(controller));
+        };
+        options.caps = controller.storage_caps();
+        options.capacity_retry = controller.capacity_retry();
+        let shared = backend::connect(controller.config(), options)?;
+        Ok(Admission {
+            local: controller,
+            shared: Some(shared),
+        })
+    }
+
+    /// Whether admission is shared with other replicas.
+    pub fn is_replicated(&self) -> bool {
+        self.shared.is_some()
+    }
+
+    /// This replica's name, when replicated.
+    pub fn replica(&self) -> Option<&str> {
+        self.shared.as_ref().map(SharedController::replica)
+    }
+
+    /// This process's engine: what this replica holds, its storage quotas and its clients' rate
+    /// buckets as seen here.
+    pub fn controller(&self) -> &Controller {
+        &self.local
+    }
+
+    /// Decides one submission by `identity`, in the contract's order (client configured → rate
+    /// token → client active → if it needs approval, client pending and the pending grants →
+    /// global active → global executing). Replicated, with an `idempotency_key`, a key already
+    /// bound to an operation on any replica answers [`AdmitError::Replay`] and reserves nothing.
+    ///
+    /// In-process this completes at its first poll and dropping it is harmless. Replicated, it
+    /// awaits Redis; dropped mid-way (its client hung up), whatever the script reserved is
+    /// released by id, key binding included, as a dropped permit's would be — the rate token
+    /// stays spent. Call it where a hangup cannot drop the permit it returns (see the crate
+    /// docs on dropped futures).
+    pub async fn admit(
+        &self,
+        identity: impl AsRef<str>,
+        needs_approval: bool,
+        idempotency_key: Option<&str>,
+    ) -> Result<AdmissionPermit, AdmitError> {
+        let identity = identity.as_ref();
+        let id = OperationId::new();
+        let shared = match &self.shared {
+            None => None,
+            Some(shared) => Some(
+                shared
+                    .admit(identity, needs_approval, &id.to_string(), idempotency_key)
+                    .await?,
+            ),
+        };
+        match self.local.admit(identity, needs_approval) {
+            Ok(local) => Ok(AdmissionPermit {
+                id,
+                quota: self.local.quota(identity),
+                local,
+                shared,
+            }),
+            Err(refusal) => {
+                if let Some(shared) = shared {
+                    shared.refund().await;
+                }
+                Err(AdmitError::Refused(Refused {
+                    refusal,
+                    quota: self.local.quota(identity),
+                }))
+            }
+        }
+    }
+
+    /// Puts what the durable store holds back under admission at start-up: each live operation
+    /// counts against the limits again (even above a lowered limit: new work is then refused
+    /// until it drains). Replicated, this replica's holdings in the shared store are replaced by
+    /// these, in one atomic step, and its lease is taken (or, if Redis does not answer, deferred:
+    /// see [`Restored::deferred`]).
+    ///
+    /// Await it to its end before serving: dropped mid-way, the shared registration is left to
+    /// the heartbeat.
+    pub async fn restore(
+        &self,
+        operations: impl IntoIterator<Item = RestoredOperation>,
+    ) -> Restored {
+        let mut restored = Vec::new();
+        let mut to_share = Vec::new();
+        for op in operations {
+            let local = self.local.restore(&op.identity, op.state);
+            if local.is_ok() {
+                to_share.push(op.clone());
+            }
+            restored.push((op, local));
+        }
+        let (mut shared, deferred) = match &self.shared {
+            None => (std::collections::HashMap::new(), None),
+            Some(controller) => {
+                let (handles, deferred) = controller.register_or_defer(to_share).await;
+                let handles = handles
+                    .into_iter()
+                    .map(|handle| (handle.id().to_owned(), handle))
+                    .collect();
+                (handles, deferred)
+            }
+        };
+        let operations = restored
+            .into_iter()
+            .map(|(op, local)| {
+                local.map(|local| {
+                    OperationHandle::restored(OperationId::new(), local, shared.remove(&op.id))
+                })
+            })
+            .collect();
+        Restored {
+            operations,
+            deferred,
+        }
+    }
+
+    /// Swaps in a new, already validated configuration for the next decisions (every replica
+    /// applies its own reloads).
+    pub fn reload(&self, config: Config) {
+        self.local.reload(config);
+        self.follow_reload();
+    }
+
+    /// Re-reads the quota file at `path` for the identities in force; an invalid file leaves
+    /// the old configuration in force and is counted.
+    pub fn reload_from_path(&self, path: &Path) -> Result<(), ConfigError> {
+        self.local.reload_from_path(path)?;
+        self.follow_reload();
+        Ok(())
+    }
+
+    /// Re-reads the quota file at `path` (or the defaults, for `None`) for `identities`, which
+    /// may add or remove clients; an invalid file leaves the old configuration and is counted.
+    pub fn reload_from_optional_path<I: IntoIterator<Item = Identity>>(
+        &self,
+        path: Option<&Path>,
+        identities: I,
+    ) -> Result<(), ConfigError> {
+        self.local.reload_from_optional_path(path, identities)?;
+        self.follow_reload();
+        Ok(())
+    }
+
+    fn follow_reload(&self) {
+        if let Some(shared) = &self.shared {
+            shared.reload(self.local.config());
+        }
+    }
+
+    /// This process's counts and statistics now (replicated: what this replica holds).
+    pub fn snapshot(&self) -> Snapshot {
+        self.local.snapshot()
+    }
+
+    /// The whole deployment's counts now: every replica's from the shared store, or this
+    /// process's in-process. Read-only; safe to drop.
+    pub async fn counts(&self) -> Result<DeploymentCounts, Unavailable> {
+        match &self.shared {
+            Some(shared) => shared.counts().await,
+            None => Ok(DeploymentCounts::from(&self.local.snapshot())),
+        }
+    }
+
+    /// What the replicated backend has seen (all zero in-process).
+    pub fn stats(&self) -> BackendStats {
+        self.shared
+            .as_ref()
+            .map(SharedController::stats)
+            .unwrap_or_default()
+    }
+
+    /// Sends the releases kept while Redis did not answer; whether none is left (always, in
+    /// process). Safe to drop: what is not sent stays kept.
+    pub async fn flush(&self) -> bool {
+        match &self.shared {
+            Some(shared) => shared.flush().await,
+            None => true,
+        }
+    }
+
+    /// Renews this replica's lease now, as the heartbeat does (re-registering what it holds if
+    /// the lease had lapsed). Nothing in-process.
+    pub async fn renew(&self) -> Result<(), Unavailable> {
+        match &self.shared {
+            Some(shared) => shared.renew().await,
+            None => Ok(()),
+        }
+    }
+
+    /// Releases, exactly once, what every replica whose lease has lapsed held; how many
+    /// operations that was. The heartbeat does this on every beat. Nothing in-process.
+    pub async fn reap(&self) -> Result<u64, Unavailable> {
+        match &self.shared {
+            Some(shared) => shared.reap().await,
+            None => Ok(0),
+        }
+    }
+
+    /// At shutdown: sends kept releases if Redis answers and stops the lease heartbeat (live work
+    /// stays counted until the lease lapses or a restart under the same name re-registers it).
+    pub async fn shutdown(&self) {
+        if let Some(shared) = &self.shared {
+            shared.shutdown().await;
+        }
+    }
+
+    /// Registers every metric of this admission in `registry`: the engine's
+    /// ([`crate::metrics::register`]) and the backend's (`admission_backend` and, replicated,
+    /// the Redis calls, lease, kept releases and circuit).
+    pub fn register_metrics(&self, registry: &mut prometheus_client::registry::Registry) {
+        crate::metrics::register(registry, &self.local);
+        exposition::register(registry, self.clone());
+    }
+}
+
+impl From<&Snapshot> for DeploymentCounts {
+    fn from(s: &Snapshot) -> DeploymentCounts {
+        DeploymentCounts {
+            active: s.active,
+            pending: s.pending,
+            executing: s.executing,
+            clients: s
+                .clients
+                .iter()
+                .filter(|c| c.active > 0 || c.pending > 0 || c.executing > 0)
+                .map(|c| (c.identity.to_string(), (c.active, c.pending, c.executing)))
+                .collect(),
+            operations: s.active,
+        }
+    }
+}
+
+impl From<StartError> for NotStarted {
+    fn from(err: StartError) -> NotStarted {
+        match err {
+            StartError::Saturated(refusal) => NotStarted::Saturated(refusal),
+            StartError::NotApproved(state) => NotStarted::NotApproved(state),
+        }
+    }
+}

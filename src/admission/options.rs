@@ -1,0 +1,98 @@
+//! How a replica reaches the shared store and shares it: plain settings, checked before anything
+//! connects, and the same type whether or not this build has the Redis backend (a build without
+//! it refuses them with [`SetupError::NoRedisBackend`]).
+
+use std::time::Duration;
+
+use super::SetupError;
+use crate::config::Identity;
+use crate::engine::{DEFAULT_CAPACITY_RETRY, StorageCaps};
+
+/// How a replica reaches Redis and shares it.
+#[derive(Clone, Debug)]
+pub struct ReplicaOptions {
+    /// `redis://host:port/db`.
+    pub url: String,
+    /// Starts every key, as the hash tag `{prefix}` (default `admission`). Two deployments sharing
+    /// a Redis use two prefixes.
+    pub prefix: String,
+    /// This replica's name, unique in the deployment and stable across restarts (an identity-like
+    /// name: `^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$`).
+    pub replica: String,
+    /// How long a lease lasts unrenewed (default 10 s). A replica that cannot renew for this long
+    /// stops admitting, and the others release what it held.
+    pub lease_ttl: Duration,
+    /// How often the lease is renewed, lapsed leases reaped and kept releases retried (default a
+    /// third of the lease).
+    pub heartbeat: Duration,
+    /// The longest any one call to Redis may take (default 500 ms).
+    pub call_timeout: Duration,
+    /// How long an idempotency key stays bound to its operation (default 24 h).
+    pub idempotency_ttl: Duration,
+    /// Consecutive failed calls that open the circuit (default 3).
+    pub circuit_threshold: u32,
+    /// How long an open circuit refuses before a trial call (default 1 s).
+    pub circuit_cool_down: Duration,
+    /// Retry-After of a capacity refusal (default 2 s; [`super::Admission::new`] sets the
+    /// controller's).
+    pub capacity_retry: Duration,
+    /// Retry-After of an [`super::Unavailable`] answer (default 2 s).
+    pub unavailable_retry: Duration,
+    /// The pending-grant caps (the storage caps are per replica and not used here;
+    /// [`super::Admission::new`] sets the controller's).
+    pub caps: StorageCaps,
+}
+
+impl ReplicaOptions {
+    /// Options with the defaults for `url` and `replica`.
+    pub fn new(url: impl Into<String>, replica: impl Into<String>) -> ReplicaOptions {
+        ReplicaOptions {
+            url: url.into(),
+            prefix: "admission".to_string(),
+            replica: replica.into(),
+            lease_ttl: Duration::from_secs(10),
+            heartbeat: Duration::from_millis(3333),
+            call_timeout: Duration::from_millis(500),
+            idempotency_ttl: Duration::from_secs(24 * 3600),
+            circuit_threshold: 3,
+            circuit_cool_down: Duration::from_secs(1),
+            capacity_retry: DEFAULT_CAPACITY_RETRY,
+            unavailable_retry: Duration::from_secs(2),
+            caps: StorageCaps::default(),
+        }
+    }
+
+    /// Why these options cannot work, if they cannot: the message names the option.
+    pub fn check(&self) -> Result<(), SetupError> {
+        if Identity::new(&self.replica).is_err() {
+            return Err(SetupError::Options(format!(
+                "replica {:?} must match ^[A-Za-z0-9][A-Za-z0-9._@-]{{0,63}}$",
+                self.replica
+            )));
+        }
+        if self.prefix.is_empty()
+            || self.prefix.len() > 64
+            || !self
+                .prefix
+                .bytes()
+                .all(|b| b.is_ascii_graphic() && b != b'{' && b != b'}')
+        {
+            return Err(SetupError::Options(format!(
+                "prefix {:?} must be 1 to 64 visible characters without braces",
+                self.prefix
+            )));
+        }
+        if self.lease_ttl < Duration::from_millis(100)
+            || self.heartbeat.is_zero()
+            || self.heartbeat >= self.lease_ttl
+            || self.call_timeout.is_zero()
+        {
+            return Err(SetupError::Options(
+                "the heartbeat must be shorter than the lease (at least 100 ms), and the call \
+                 timeout above zero"
+                    .to_string(),
+            ));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,232 @@
+//! What the admission calls answer besides a permit: refusals, "cannot decide now", starts that
+//! did not happen, and the readings of the deployment. Plain values, the same for both backends;
+//! the in-process backend simply never answers [`Unavailable`] or [`AdmitError::Replay`].
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::time::Duration;
+
+use crate::config::Identity;
+use crate::engine::{OperationState, QuotaStatus, Refusal};
+
+/// A refused submission: the refusal (code and Retry-After) and the client's quota as the backend
+/// that decided saw it, for the answer's quota fields (`RateLimit-Policy`, `RateLimit`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Refused {
+    /// The first check that failed, in the contract's order, and when to retry.
+    pub refusal: Refusal,
+    /// The client's quota at the decision (`None` for an identity that has none).
+    pub quota: Option<QuotaStatus>,
+}
+
+/// Why [`Admission::admit`](super::Admission::admit) gave no permit. Nothing is held for any of
+/// them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum AdmitError {
+    /// Refused by the limits: 429 with Retry-After, or 403 for an unconfigured client.
+    Refused(Refused),
+    /// The client's idempotency key already names `operation`, admitted by `replica` (replicated
+    /// backend only): answer it as a replay where the store has it, else say where it lives.
+    Replay {
+        /// The operation's id.
+        operation: String,
+        /// The replica that admitted it.
+        replica: String,
+    },
+    /// Admission cannot be decided now (replicated backend only): 503 with Retry-After, never an
+    /// admission unchecked.
+    Unavailable(Unavailable),
+}
+
+impl AdmitError {
+    /// The refusal, if this is one.
+    pub fn refusal(&self) -> Option<&Refusal> {
+        match self {
+            AdmitError::Refused(refused) => Some(&refused.refusal),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for AdmitError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            AdmitError::Refused(r) => r.refusal.fmt(f),
+            AdmitError::Replay { operation, replica } => {
+                write!(
+                    f,
+                    "the idempotency key names operation {operation} on replica {replica}"
+                )
+            }
+            AdmitError::Unavailable(u) => u.fmt(f),
+        }
+    }
+}
+
+impl std::error::Error for AdmitError {}
+
+/// Why admission could not be decided: answered as 503 `admission_unavailable`, never as an
+/// unchecked admission.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Unavailable {
+    /// What went wrong.
+    pub reason: UnavailableReason,
+    /// When to try again (whole seconds, at least one).
+    pub retry_after: Duration,
+}
+
+impl Unavailable {
+    /// The wire code: `admission_unavailable`.
+    pub const CODE: &'static str = "admission_unavailable";
+
+    /// The HTTP status: 503.
+    pub const fn http_status(&self) -> u16 {
+        503
+    }
+
+    /// `retry_after` in whole seconds, as the `Retry-After` header carries it (at least one).
+    pub fn retry_after_secs(&self) -> u64 {
+        self.retry_after.as_secs().max(1)
+    }
+}
+
+/// Why the shared store could not decide.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum UnavailableReason {
+    /// The call did not answer within the call timeout.
+    Timeout,
+    /// Redis answered with an error, or the connection failed (the message says which).
+    Redis(String),
+    /// Recent calls failed; this one was not sent.
+    CircuitOpen,
+    /// This replica does not hold its lease (not registered, lapsed, or taken by another process
+    /// under the same name).
+    LeaseNotHeld,
+    /// A script replied with something no script returns.
+    Reply(String),
+}
+
+impl fmt::Display for Unavailable {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let why = match &self.reason {
+            UnavailableReason::Timeout => "redis did not answer in time".to_string(),
+            UnavailableReason::Redis(m) => format!("redis error: {m}"),
+            UnavailableReason::CircuitOpen => "redis is failing; calls paused".to_string(),
+            UnavailableReason::LeaseNotHeld => "this replica does not hold its lease".to_string(),
+            UnavailableReason::Reply(m) => m.clone(),
+        };
+        write!(
+            f,
+            "{} ({why}; retry after {}s)",
+            Self::CODE,
+            self.retry_after_secs()
+        )
+    }
+}
+
+impl std::error::Error for Unavailable {}
+
+/// Why an operation did not start.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum NotStarted {
+    /// Every execution slot (across every replica) is taken; the operation stays queued.
+    Saturated(Refusal),
+    /// The operation is not approved (canceled, expired or failed while queued), in this state.
+    NotApproved(OperationState),
+    /// The shared store did not answer; the operation stays queued and can retry.
+    Unavailable(Unavailable),
+}
+
+impl fmt::Display for NotStarted {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            NotStarted::Saturated(r) => write!(f, "execution pool saturated: {r}"),
+            NotStarted::NotApproved(s) => write!(f, "cannot start a {s} operation"),
+            NotStarted::Unavailable(u) => u.fmt(f),
+        }
+    }
+}
+
+impl std::error::Error for NotStarted {}
+
+/// An operation a broker restores from its store at start-up.
+#[derive(Clone, Debug)]
+pub struct RestoredOperation {
+    /// Its id, as stored.
+    pub id: String,
+    /// Its client.
+    pub identity: Identity,
+    /// Its state (a terminal one restores nothing).
+    pub state: OperationState,
+}
+
+/// Why an admission backend cannot be set up.
+#[derive(Debug)]
+pub enum SetupError {
+    /// An option is unusable (the message names it).
+    Options(String),
+    /// Redis could not be reached or refused.
+    Redis(String),
+    /// Replicas were asked for, but this build has no Redis backend (cargo feature `redis`).
+    NoRedisBackend,
+}
+
+impl fmt::Display for SetupError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SetupError::Options(m) => write!(f, "redis options: {m}"),
+            SetupError::Redis(m) => write!(f, "redis: {m}"),
+            SetupError::NoRedisBackend => f.write_str(
+                "this build has no Redis backend: rebuild with the cargo feature `redis` to run replicas",
+            ),
+        }
+    }
+}
+
+impl std::error::Error for SetupError {}
+
+/// The counts of a whole deployment, read at one moment: every replica's on the replicated
+/// backend, this process's in-process.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DeploymentCounts {
+    /// Live operations.
+    pub active: u64,
+    /// Operations awaiting approval.
+    pub pending: u64,
+    /// Operations executing.
+    pub executing: u64,
+    /// Per client: (active, pending, executing), only clients holding something.
+    pub clients: BTreeMap<String, (u64, u64, u64)>,
+    /// Operations recorded (every live operation of every replica).
+    pub operations: u64,
+}
+
+impl DeploymentCounts {
+    /// Whether nothing is held anywhere.
+    pub fn is_idle(&self) -> bool {
+        self.active == 0
+            && self.pending == 0
+            && self.executing == 0
+            && self.clients.is_empty()
+            && self.operations == 0
+    }
+}
+
+/// What the replicated backend has seen, for metrics (all zero in-process).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BackendStats {
+    /// Calls that failed or timed out.
+    pub errors: u64,
+    /// Times this replica's lease was taken, lost or taken back.
+    pub lease_changes: u64,
+    /// Operations of lapsed replicas this replica released.
+    pub reaped: u64,
+    /// Admissions answered unavailable.
+    pub unavailable: u64,
+    /// Releases waiting to be sent.
+    pub outbox: u64,
+    /// Whether this replica holds its lease now.
+    pub lease_held: bool,
+    /// Whether the circuit is open now.
+    pub circuit_open: bool,
+}
