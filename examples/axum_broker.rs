@@ -1,10 +1,12 @@
 //! A complete broker embedding the admission controller, in which a client hanging up can never
 //! leave the counts and the store disagreeing: `cargo run --example axum_broker -- SECRETS_FILE
 //! [QUOTA_FILE]` (`name = secret` lines; `operator` decides approvals; `kill -HUP` reloads both).
+//! One of several replicas: the same, with `ADMISSION_REDIS_URL=redis://127.0.0.1:6379` and
+//! `ADMISSION_REPLICA=r1` in the environment — nothing else changes but the 503 answer.
 //!
 //! Each mutating handler only authenticates, validates and reads until it *decides*; from there
-//! the whole change runs in [`run_to_end`], so `Permit`s and `Operation`s never live in a handler's
-//! future (the crate docs' "In an async broker" says what a dropped future does).
+//! the whole change runs in [`run_to_end`], so permits and operation handles never live in a
+//! handler's future (the crate docs' "In an async broker" says what a dropped future does).
 
 use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
 use std::sync::{Arc, Mutex, RwLock};
@@ -19,7 +21,8 @@ use serde_json::{Value, json};
 use unyolo_admission::OperationState::{self, Approved, Canceled, Denied, Executing, Pending};
 use unyolo_admission::config::{Identity, Secrets};
 use unyolo_admission::prometheus_client::{encoding::text::encode, registry::Registry};
-use unyolo_admission::{CancelOutcome, Config, Controller, Operation, Refusal, metrics};
+use unyolo_admission::{Admission, AdmitError, CancelOutcome, Config, Controller};
+use unyolo_admission::{OperationHandle, ReplicaOptions, RestoredOperation, Unavailable};
 
 /// What the broker starts from.
 pub struct Settings {
@@ -29,21 +32,23 @@ pub struct Settings {
     pub quota_path: Option<PathBuf>,
     /// Extra latency on each write after start-up (a slow disk; the test hangs up mid-write).
     pub store_delay: Duration,
+    /// Shared admission with other replicas (a Redis URL and this replica's name), or `None`.
+    pub replicas: Option<ReplicaOptions>,
 }
 
 /// One live operation: its lifecycle handle, and a lock that keeps each transition and its store
 /// write together, so two decisions racing are written in the order they were made.
 struct Live {
-    handle: Operation,
+    handle: OperationHandle,
     lock: tokio::sync::Mutex<()>,
 }
 
 pub struct App {
-    pub controller: Controller,
+    pub admission: Admission,
     secrets: RwLock<Secrets>,
     settings: Settings,
     db: Arc<Mutex<Connection>>,
-    live: Mutex<HashMap<i64, Arc<Live>>>,
+    live: Mutex<HashMap<String, Arc<Live>>>,
     key_locks: Vec<Arc<tokio::sync::Mutex<()>>>,
     registry: Registry,
 }
@@ -63,12 +68,21 @@ fn unauthorized() -> Response {
     error(401, "authentication_failed", "No known bearer token.")
 }
 
-fn operation(status: u16, id: i64, state: OperationState) -> Response {
+fn operation(status: u16, id: &str, state: OperationState) -> Response {
     reply(status, json!({"id": id, "state": state.as_str()}))
 }
 
-/// A refusal as HTTP: its status and stable code, and `Retry-After` unless retrying cannot help.
-fn refused(refusal: Refusal) -> Response {
+/// No permit, as HTTP: a refusal's status and stable code, and `Retry-After` unless retrying
+/// cannot help; with replicas also 503 (Redis cannot decide now) and a key used elsewhere.
+fn refused(err: AdmitError) -> Response {
+    let refusal = match err {
+        AdmitError::Refused(refused) => refused.refusal,
+        AdmitError::Unavailable(u) => {
+            let retry_after = [(header::RETRY_AFTER, u.retry_after_secs())];
+            return (retry_after, error(503, Unavailable::CODE, "Retry.")).into_response();
+        }
+        AdmitError::Replay { .. } => return error(409, "key_elsewhere", "On another replica."),
+    };
     let (status, code) = (refusal.http_status(), refusal.code.as_str());
     let secs = refusal.retry_after_header();
     let retry_after = secs.map(|secs| [(header::RETRY_AFTER, secs)]);
@@ -104,22 +118,26 @@ impl App {
     }
 
     /// Keeps a handle where no request owns it; approved work goes to the executor.
-    fn track(self: &Arc<Self>, id: i64, handle: Operation) {
+    fn track(self: &Arc<Self>, id: String, handle: OperationHandle) {
         let (approved, lock) = (handle.state() == Approved, Default::default());
         let live = Arc::new(Live { handle, lock });
-        self.live.lock().unwrap().insert(id, Arc::clone(&live));
+        self.live
+            .lock()
+            .unwrap()
+            .insert(id.clone(), Arc::clone(&live));
         if approved {
             tokio::spawn(execute(Arc::clone(self), id, live));
         }
     }
 
     /// Writes the move to `to` its caller made (holding the operation's lock) to the store.
-    async fn record(&self, id: i64, to: OperationState) {
+    async fn record(&self, id: &str, to: OperationState) {
         let sql = "UPDATE operations SET state = ?1 WHERE id = ?2";
-        let write = self.store(true, move |db| db.execute(sql, params![to.as_str(), id]));
+        let i = id.to_owned();
+        let write = self.store(true, move |db| db.execute(sql, params![to.as_str(), i]));
         write.await.expect("store write");
         if to.is_terminal() {
-            self.live.lock().unwrap().remove(&id);
+            self.live.lock().unwrap().remove(id);
         }
     }
 }
@@ -129,14 +147,15 @@ pub async fn start(settings: Settings) -> (SocketAddr, Arc<App>) {
     let secrets = Secrets::from_path(&settings.secrets_path).expect("secrets file");
     let quota = settings.quota_path.as_deref();
     let config = Config::from_optional_path(quota, secrets.identities().cloned()).expect("quota");
-    let controller = Controller::new(config);
+    let admission = Admission::new(Controller::new(config), settings.replicas.clone());
+    let admission = admission.expect("replica options");
     let mut registry = Registry::default();
-    metrics::register(&mut registry, &controller);
+    admission.register_metrics(&mut registry);
     let listener = tokio::net::TcpListener::bind(settings.listen).await;
     let listener = listener.expect("bind");
     let db = Connection::open(&settings.db_path).expect("store");
     let app = Arc::new(App {
-        controller,
+        admission,
         secrets: RwLock::new(secrets),
         db: Arc::new(Mutex::new(db)),
         settings,
@@ -158,7 +177,7 @@ pub async fn start(settings: Settings) -> (SocketAddr, Arc<App>) {
 
 /// Creates the store if new and puts its live rows back under the controller's counts.
 async fn restore(app: &Arc<App>) {
-    let schema = "CREATE TABLE IF NOT EXISTS operations (id INTEGER PRIMARY KEY,
+    let schema = "CREATE TABLE IF NOT EXISTS operations (id TEXT PRIMARY KEY,
         client TEXT NOT NULL, key TEXT NOT NULL, state TEXT NOT NULL, UNIQUE (client, key));
         -- Work found executing may or may not have run; it must never run twice: it ends failed.
         UPDATE operations SET state = 'failed' WHERE state = 'executing';";
@@ -167,12 +186,25 @@ async fn restore(app: &Arc<App>) {
         db.execute_batch(schema)?;
         let mut query = db.prepare(sql)?;
         let rows = query.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?;
-        rows.collect::<rusqlite::Result<Vec<(i64, String, String)>>>()
+        rows.collect::<rusqlite::Result<Vec<(String, String, String)>>>()
     });
-    for (id, client, state) in read.await.expect("store read") {
-        let state = OperationState::parse(&state).expect("a stored state");
-        let handle = app.controller.restore(&client, state).expect("a live row");
-        app.track(id, handle);
+    let rows = read
+        .await
+        .expect("store read")
+        .into_iter()
+        .map(|(id, client, state)| {
+            let state = OperationState::parse(&state).expect("a stored state");
+            RestoredOperation {
+                id,
+                identity: client.parse().expect("a client"),
+                state,
+            }
+        });
+    let rows: Vec<RestoredOperation> = rows.collect();
+    // Replicated, this also replaces what an earlier run under this replica's name held.
+    let restored = app.admission.restore(rows.clone()).await;
+    for (row, handle) in rows.into_iter().zip(restored.operations) {
+        app.track(row.id, handle.expect("a live row"));
     }
 }
 
@@ -181,13 +213,13 @@ async fn reload_on_sighup(app: Arc<App>) {
     let mut hangups = signal(SignalKind::hangup()).expect("SIGHUP handler");
     while hangups.recv().await.is_some() {
         let Ok(secrets) = Secrets::from_path(&app.settings.secrets_path) else {
-            app.controller.record_failed_reload();
+            app.admission.controller().record_failed_reload();
             continue;
         };
         // New secrets may add clients: their tokens work once the controller has taken them.
         let quota = app.settings.quota_path.as_deref();
         let ids = secrets.identities().cloned();
-        if app.controller.reload_from_optional_path(quota, ids).is_ok() {
+        if app.admission.reload_from_optional_path(quota, ids).is_ok() {
             *app.secrets.write().unwrap() = secrets;
         }
     }
@@ -211,7 +243,7 @@ async fn submit(State(app): State<Arc<App>>, headers: HeaderMap, body: Json<Valu
     let guard = Arc::clone(lock).lock_owned().await;
     let sql = "SELECT id, state FROM operations WHERE client = ?1 AND key = ?2";
     let (c, k) = (client.to_string(), key.clone());
-    let row = |r: &rusqlite::Row| Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?));
+    let row = |r: &rusqlite::Row| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?));
     let find = move |db: &Connection| db.query_row(sql, params![c, k], row).optional();
     if let Some((id, state)) = app.store(false, find).await.expect("store read") {
         return Ok(reply(200, json!({"id": id, "state": state})));
@@ -220,21 +252,25 @@ async fn submit(State(app): State<Arc<App>>, headers: HeaderMap, body: Json<Valu
     // key's lock, so a retry with the same key waits for them and then replays.
     run_to_end(async move {
         let _guard = guard;
-        let admitted = app.controller.admit(&client, state == Pending);
+        let admitted = app
+            .admission
+            .admit(&client, state == Pending, Some(&key))
+            .await;
         let permit = admitted.map_err(refused)?;
-        let sql = "INSERT INTO operations (client, key, state) VALUES (?1, ?2, ?3)";
+        let id = permit.id().to_string(); // Made by the admission: unique across replicas.
+        let sql = "INSERT INTO operations (id, client, key, state) VALUES (?1, ?2, ?3, ?4)";
+        let i = id.clone();
         let insert = app.store(true, move |db| {
-            db.execute(sql, params![client.as_str(), key, state.as_str()])?;
-            Ok(db.last_insert_rowid())
+            db.execute(sql, params![i, client.as_str(), key, state.as_str()])
         });
-        let Ok(id) = insert.await else {
+        if insert.await.is_err() {
             // Our failure, not the client's: `refund` gives the rate token back too (a dropped
             // permit returns only the slots, and counts as an embedder bug).
-            permit.refund();
+            permit.refund().await;
             return Err(error(503, "store_unavailable", "Retry."));
-        };
-        app.track(id, permit.commit());
-        Ok(operation(202, id, state))
+        }
+        app.track(id.clone(), permit.commit());
+        Ok(operation(202, &id, state))
     })
     .await
 }
@@ -243,7 +279,7 @@ async fn submit(State(app): State<Arc<App>>, headers: HeaderMap, body: Json<Valu
 async fn decide(
     State(app): State<Arc<App>>,
     headers: HeaderMap,
-    Path((id, decision)): Path<(i64, String)>,
+    Path((id, decision)): Path<(String, String)>,
 ) -> Answer {
     let who = app.identify(&headers).ok_or_else(unauthorized)?;
     let live = app.live.lock().unwrap().get(&id).cloned();
@@ -258,39 +294,39 @@ async fn decide(
     run_to_end(async move {
         let _order = live.lock.lock().await;
         let moved = match to {
-            Approved => live.handle.approve(),
-            Denied => live.handle.deny(),
-            _ => match live.handle.cancel() {
+            Approved => live.handle.approve().await,
+            Denied => live.handle.deny().await,
+            _ => match live.handle.cancel().await {
                 Ok(CancelOutcome::Canceled { .. }) => Ok(()),
                 // Already terminal: the store has it right; write nothing over it.
-                Ok(CancelOutcome::AlreadyTerminal(now)) => return Ok(operation(200, id, now)),
+                Ok(CancelOutcome::AlreadyTerminal(now)) => return Ok(operation(200, &id, now)),
                 Err(executing) => Err(executing),
             },
         };
         moved.map_err(|e| error(409, "conflict", &e.to_string()))?;
-        app.record(id, to).await;
+        app.record(&id, to).await;
         if to == Approved {
-            tokio::spawn(execute(Arc::clone(&app), id, Arc::clone(&live)));
+            tokio::spawn(execute(Arc::clone(&app), id.clone(), Arc::clone(&live)));
         }
-        Ok(operation(200, id, to))
+        Ok(operation(200, &id, to))
     })
     .await
 }
 
 /// Runs one approved operation on a task of its own: no client's hangup cancels it.
-async fn execute(app: Arc<App>, id: i64, live: Arc<Live>) {
+async fn execute(app: Arc<App>, id: String, live: Arc<Live>) {
     // No lock while waiting: a cancel takes it, writes the store, and `start` wakes with `Err`.
     if live.handle.start().await.is_err() {
         return;
     }
     let order = live.lock.lock().await;
-    app.record(id, Executing).await;
+    app.record(&id, Executing).await;
     drop(order);
     // The work (a stand-in), begun only once `executing` is stored: a crash never runs it twice.
     tokio::time::sleep(Duration::from_millis(100)).await;
     let _order = live.lock.lock().await;
-    live.handle.succeed().expect("ours to end");
-    app.record(id, OperationState::Succeeded).await;
+    live.handle.succeed().await.expect("ours to end");
+    app.record(&id, OperationState::Succeeded).await;
 }
 
 /// The controller's metrics in the embedder's own registry, beside any of its own.
@@ -313,6 +349,12 @@ async fn main() {
         secrets_path: args.next().expect("usage: SECRETS_FILE [QUOTA_FILE]"),
         quota_path: args.next(),
         store_delay: Duration::ZERO,
+        replicas: std::env::var("ADMISSION_REDIS_URL").ok().map(|url| {
+            ReplicaOptions::new(
+                url,
+                std::env::var("ADMISSION_REPLICA").expect("ADMISSION_REPLICA"),
+            )
+        }),
     };
     let (addr, _app) = start(settings).await;
     println!("listening on {addr}");

@@ -138,8 +138,8 @@ mod sync;
 pub use prometheus_client;
 
 pub use admission::{
-    Admission, AdmissionPermit, AdmitError, OperationHandle, OperationId, ReplicaOptions,
-    Unavailable,
+    Admission, AdmissionPermit, AdmitError, NotStarted, OperationHandle, OperationId, Refused,
+    ReplicaOptions, RestoredOperation, Unavailable,
 };
 pub use clock::{Clock, ManualClock, QuantaClock};
 pub use config::{ClientLimits, Config, Identity, Limits};

@@ -6,6 +6,7 @@
 #[path = "../examples/axum_broker.rs"]
 #[allow(dead_code, unreachable_pub)]
 mod example;
+mod redis_support;
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -14,11 +15,35 @@ use std::time::Duration;
 
 use example::{App, Settings};
 use tokio::io::AsyncWriteExt;
-use unyolo_admission::OperationState;
+use unyolo_admission::{OperationState, ReplicaOptions};
 
 const SECRETS: &str = "bot = bot-secret\noperator = operator-secret\n";
 
-fn settings(dir: &tempfile::TempDir, store_delay: Duration) -> Settings {
+/// Which admission the example runs on: `None` in-process, or one replica on a `redis-server`
+/// of this test process (under a prefix of its own).
+type Backend = Option<ReplicaOptions>;
+
+fn in_process() -> Option<Backend> {
+    Some(None)
+}
+
+/// A replica's options on this process's `redis-server`; `None` (having said why) if it cannot
+/// run here.
+fn replicated(test: &str) -> Option<Backend> {
+    let Some(server) = redis_support::process_server() else {
+        eprintln!("SKIPPED: {test}: no redis-server to run the replicated example against");
+        return None;
+    };
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let mut options = ReplicaOptions::new(server.url(), "r1");
+    options.prefix = format!("example-{test}-{n}");
+    // Generous: a shared, noisy machine must not fail a decision for slowness.
+    options.call_timeout = Duration::from_secs(5);
+    Some(Some(options))
+}
+
+fn settings(dir: &tempfile::TempDir, store_delay: Duration, replicas: Backend) -> Settings {
     let secrets_path = dir.path().join("secrets");
     std::fs::File::create(&secrets_path)
         .and_then(|mut f| f.write_all(SECRETS.as_bytes()))
@@ -29,6 +54,7 @@ fn settings(dir: &tempfile::TempDir, store_delay: Duration) -> Settings {
         secrets_path,
         quota_path: Some(dir.path().join("no-quota-file.json")),
         store_delay,
+        replicas,
     }
 }
 
@@ -78,7 +104,7 @@ fn stored_counts(dir: &tempfile::TempDir) -> HashMap<String, u64> {
 fn assert_counts_match_store(app: &App, dir: &tempfile::TempDir) {
     let stored = stored_counts(dir);
     let at = |state: OperationState| stored.get(state.as_str()).copied().unwrap_or(0);
-    let s = app.controller.snapshot();
+    let s = app.admission.snapshot();
     assert_eq!(
         (s.pending, s.queued, s.executing),
         (
@@ -93,8 +119,31 @@ fn assert_counts_match_store(app: &App, dir: &tempfile::TempDir) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn clients_hanging_up_mid_submission_leave_counts_equal_to_the_store() {
+    if let Some(backend) = in_process() {
+        hang_ups_leave_counts_equal_to_the_store(backend).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_hanging_up_mid_submission_leave_counts_equal_to_the_store_on_a_replica() {
+    if let Some(backend) = replicated("hangups") {
+        let redis = backend.clone();
+        let app = hang_ups_leave_counts_equal_to_the_store(backend).await;
+        // The shared counts agree with this replica's, which agree with its store.
+        assert!(app.admission.flush().await, "kept releases reach redis");
+        let shared = app.admission.counts().await.expect("redis answers");
+        let local = app.admission.snapshot();
+        assert_eq!(
+            (shared.pending, shared.executing, shared.active),
+            (local.pending, local.executing, local.active),
+            "redis {redis:?}"
+        );
+    }
+}
+
+async fn hang_ups_leave_counts_equal_to_the_store(backend: Backend) -> std::sync::Arc<App> {
     let dir = tempfile::tempdir().unwrap();
-    let (addr, app) = example::start(settings(&dir, Duration::from_millis(200))).await;
+    let (addr, app) = example::start(settings(&dir, Duration::from_millis(200), backend)).await;
     let keys: Vec<String> = (0..6).map(|i| format!("key-{i}")).collect();
     let hangups = keys.iter().cloned().map(|key| async move {
         submit_and_hang_up(addr, &key, "demo.request").await;
@@ -111,15 +160,16 @@ async fn clients_hanging_up_mid_submission_leave_counts_equal_to_the_store() {
             "{key}"
         );
     }
-    assert_eq!(app.controller.snapshot().pending, 6);
+    assert_eq!(app.admission.snapshot().pending, 6);
     assert_counts_match_store(&app, &dir);
 
     // Decisions and cancels, some abandoned by their callers too.
-    let ids: Vec<i64> = futures_join_all(keys.iter().cloned().map(|key| async move {
+    let ids: Vec<String> = futures_join_all(keys.iter().cloned().map(|key| async move {
         let body = format!(r#"{{"idempotency_key":"{key}","operation":"demo.request"}}"#);
         post(addr, "/operations", "bot-secret", &body).await.1["id"]
-            .as_i64()
+            .as_str()
             .unwrap()
+            .to_owned()
     }))
     .await;
     let (status, first) = post(
@@ -164,12 +214,13 @@ async fn clients_hanging_up_mid_submission_leave_counts_equal_to_the_store() {
     assert_eq!(stored.get("succeeded"), Some(&1), "{stored:?}");
     assert_eq!(stored.get("canceled"), Some(&1), "{stored:?}");
     assert_eq!(stored.get("denied"), Some(&1), "{stored:?}");
+    app
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restart_restores_live_rows_and_fails_interrupted_ones() {
     let dir = tempfile::tempdir().unwrap();
-    let (addr, app) = example::start(settings(&dir, Duration::ZERO)).await;
+    let (addr, app) = example::start(settings(&dir, Duration::ZERO, None)).await;
     for key in ["a", "b"] {
         let body = format!(r#"{{"idempotency_key":"{key}","operation":"demo.request"}}"#);
         assert_eq!(post(addr, "/operations", "bot-secret", &body).await.0, 202);
@@ -177,13 +228,13 @@ async fn a_restart_restores_live_rows_and_fails_interrupted_ones() {
     // Pretend the process died while one operation was executing.
     let db = rusqlite::Connection::open(dir.path().join("store.sqlite")).unwrap();
     db.execute(
-        "INSERT INTO operations (client, key, state) VALUES ('bot', 'c', 'executing')",
+        "INSERT INTO operations (id, client, key, state) VALUES ('op_c', 'bot', 'c', 'executing')",
         [],
     )
     .unwrap();
     drop(db);
-    let (_, restarted) = example::start(settings(&dir, Duration::ZERO)).await;
-    let s = restarted.controller.snapshot();
+    let (_, restarted) = example::start(settings(&dir, Duration::ZERO, None)).await;
+    let s = restarted.admission.snapshot();
     assert_eq!((s.pending, s.executing), (2, 0), "two pending restored");
     let stored = stored_counts(&dir);
     assert_eq!(
@@ -206,7 +257,7 @@ async fn wait_until_stored(
     for _ in 0..600 {
         let stored = stored_counts(dir);
         let executing = stored.get("executing").copied().unwrap_or(0);
-        if stored.get(state) == Some(&n) && app.controller.snapshot().executing == executing {
+        if stored.get(state) == Some(&n) && app.admission.snapshot().executing == executing {
             return stored;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;

@@ -139,7 +139,13 @@ async fn random_sequences_get_the_same_decisions_and_counts_as_the_in_process_en
                         (Ok(permit), Ok(redis_permit)) => {
                             live.push((permit.commit(), redis_permit.commit()));
                         }
-                        (Err(expected), Err(AdmitError::Refused(unyolo_admission::admission::Refused { refusal: got, .. }))) => {
+                        (
+                            Err(expected),
+                            Err(AdmitError::Refused(unyolo_admission::admission::Refused {
+                                refusal: got,
+                                ..
+                            })),
+                        ) => {
                             assert_eq!(expected.code, got.code, "{context}");
                             seen.insert(got.code);
                             if expected.code == RefusalCode::SubmissionRateLimited
