@@ -21,7 +21,7 @@ use governor::{Quota, RateLimiter};
 use mutex_baseline::{BaselineLimits, MutexAdmission};
 use unyolo_admission::config::{ClientLimits, Config, Identity, Limits};
 use unyolo_admission::fuzzing::RateCheck;
-use unyolo_admission::{Clock, Controller, RefusalCode};
+use unyolo_admission::{Admission, AdmitError, Clock, Controller, RefusalCode};
 
 /// Production's clock source, read the same way, running 100× fast.
 struct FastQuanta {
@@ -365,6 +365,76 @@ fn under_reload(cr: &mut Criterion) {
     }
 }
 
+/// The value of `future` at its first poll: the in-process [`Admission`] needs no executor, every
+/// call is ready at once (it panics otherwise, so the bench would say if that ever changed).
+fn ready<F: std::future::Future>(future: F) -> F::Output {
+    let mut context = std::task::Context::from_waker(std::task::Waker::noop());
+    match std::pin::pin!(future).poll(&mut context) {
+        std::task::Poll::Ready(value) => value,
+        std::task::Poll::Pending => panic!("the in-process admission waited"),
+    }
+}
+
+/// The full cycle through the one admission API ([`Admission`], in-process).
+#[inline]
+fn admission_cycle(a: &Admission, client: &str) {
+    let permit = loop {
+        match ready(a.admit(client, false, None)) {
+            Ok(permit) => break permit,
+            Err(AdmitError::Refused(r)) if r.refusal.code == RefusalCode::SubmissionRateLimited => {
+                STALE_CLOCK_RETRIES.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(r) => panic!("refused: {r:?}"),
+        }
+    };
+    let op = permit.commit();
+    ready(op.try_start()).expect("started");
+    ready(op.succeed()).expect("succeeded");
+}
+
+/// 7. The one admission API in-process beside the engine it wraps, in the same run: the full
+///    cycle and a rate refusal. What the API adds is its operation id and the quota it reads for
+///    the answer's headers.
+fn admission_api(cr: &mut Criterion) {
+    let mut g = cr.benchmark_group("7_admission_api");
+    let c = controller();
+    let a = Admission::in_process(controller());
+    g.bench_function("engine_cycle", |b| b.iter(|| cycle(&c, black_box("bot-0"))));
+    g.bench_function("admission_cycle", |b| {
+        b.iter(|| admission_cycle(&a, black_box("bot-0")))
+    });
+    let id = Identity::new("bot-0").expect("valid");
+    let mut overrides = BTreeMap::new();
+    overrides.insert(
+        id.clone(),
+        ClientLimits {
+            requests_per_window: 1,
+            window_seconds: 86_400,
+            active: 10,
+            pending: 10,
+        },
+    );
+    let config = Config::new(roomy_limits(), overrides, [id]).expect("valid");
+    let refusing = Controller::builder(config.clone())
+        .clock(fast_clock())
+        .build();
+    drop(refusing.admit("bot-0", false).expect("the one token"));
+    let refusing_api =
+        Admission::in_process(Controller::builder(config).clock(fast_clock()).build());
+    drop(ready(refusing_api.admit("bot-0", false, None)).expect("the one token"));
+    g.bench_function("engine_refusal", |b| {
+        b.iter(|| {
+            refusing
+                .admit(black_box("bot-0"), false)
+                .expect_err("refused")
+        })
+    });
+    g.bench_function("admission_refusal", |b| {
+        b.iter(|| ready(refusing_api.admit(black_box("bot-0"), false, None)).expect_err("refused"))
+    });
+    g.finish();
+}
+
 fn config() -> Criterion {
     Criterion::default()
         .warm_up_time(Duration::from_millis(700))
@@ -375,6 +445,7 @@ fn config() -> Criterion {
 criterion_group! {
     name = benches;
     config = config();
-    targets = full_cycle, rate_check, versus_mutex, scaling, under_reload, refusal_flood
+    targets = full_cycle, rate_check, versus_mutex, scaling, under_reload, refusal_flood,
+        admission_api
 }
 criterion_main!(benches);

@@ -17,71 +17,86 @@
 //!   the global active and executing counts — each a compare-and-swap reservation, rolled back
 //!   whole at the first refusal. A [`Permit`] becomes an [`Operation`] whose terminal transition
 //!   releases its slots exactly once. Storage quotas use the same primitive.
+//! - [`admission`]: the one API a broker uses, for one process or many: [`Admission`] wraps the
+//!   engine in-process, or composes it with the counts every replica shares in Redis (cargo
+//!   feature `redis`), behind the same calls.
 //! - [`clock`]: where time comes from (`quanta` in production, [`ManualClock`] in tests), clamped
 //!   so time as the engine sees it never goes back.
 //! - [`metrics`]: a lock-free [`Snapshot`] of every count and its Prometheus exposition.
 //! - `broker` (cargo feature `broker`, on by default): the reference broker behind `admission
-//!   serve`, an HTTP server with a SQLite store. The library ends where it begins.
+//!   serve`, an HTTP server with a SQLite store, written on [`Admission`]. The library ends where
+//!   it begins.
 //!
 //! # The broker-side sequence
 //!
 //! Authenticate, validate and replay come first and touch no quota; then admit, create the durable
-//! operation, and commit the permit into a lifecycle handle:
+//! operation under the id the admission made, and commit the permit into a lifecycle handle. The
+//! same lines serve one process and many replicas: only how the [`Admission`] is built changes (a
+//! Redis URL and a replica name), and a replica must also answer
+//! [`AdmitError::Unavailable`] (503 `admission_unavailable`, Redis cannot decide now) and
+//! [`AdmitError::Replay`] (the key was used on another replica).
 //!
 //! ```
+//! # async fn example() {
 //! use std::collections::HashMap;
-//! use unyolo_admission::{Config, Controller, Identity, OperationState, RefusalCode};
+//! use unyolo_admission::{Admission, AdmitError, Config, Controller, Identity, OperationState};
 //!
-//! // Start-up: the identities come from the broker's secrets; the limits from the quota file
-//! // (here the defaults), and non-terminal operations from the durable store are restored.
+//! // Start-up: the identities come from the broker's secrets, the limits from the quota file
+//! // (here the defaults). For replicas, the second argument is
+//! // `Some(ReplicaOptions::new("redis://127.0.0.1:6379", "replica-1"))`.
 //! let bot = Identity::new("bot-7").unwrap();
 //! let controller = Controller::new(Config::defaults([bot.clone()]));
-//! let mut store: HashMap<(String, String), OperationState> = HashMap::new();
+//! let admission = Admission::new(controller, None).expect("in-process needs no options");
+//! let mut store: HashMap<String, OperationState> = HashMap::new();
 //!
-//! // 1. Authenticate (the token names `bot-7`) and 2. validate the request: no quota involved.
+//! // 1. Authenticate (the token names `bot-7`), 2. validate, 3. replay: no quota involved.
 //! let (client, key, needs_approval) = ("bot-7", "deploy-42", true);
 //!
-//! // 3. Replay: the same client and key return the existing operation and consume nothing.
-//! assert!(!store.contains_key(&(client.to_string(), key.to_string())));
-//!
-//! // 4. Admit: a permit, or a refusal with a stable code and a Retry-After.
-//! let permit = match controller.admit(client, needs_approval) {
+//! // 4. Admit: a permit, or why not (the same codes on both backends).
+//! let permit = match admission.admit(client, needs_approval, Some(key)).await {
 //!     Ok(permit) => permit,
-//!     Err(refusal) => panic!(
-//!         "{} {} ({}) Retry-After: {:?}",
-//!         refusal.http_status(),
-//!         refusal.code,
-//!         refusal.message(),
-//!         refusal.retry_after_header(),
-//!     ),
+//!     Err(AdmitError::Refused(refused)) => {
+//!         let r = refused.refusal;
+//!         panic!("{} {} Retry-After: {:?}", r.http_status(), r.code, r.retry_after_header())
+//!     }
+//!     Err(AdmitError::Unavailable(u)) => panic!("503, Retry-After: {}", u.retry_after_secs()),
+//!     Err(AdmitError::Replay { operation, replica }) => panic!("{operation} is on {replica}"),
 //! };
 //!
-//! // 5. Create the durable operation. Had that failed through the broker's own fault,
-//! //    `permit.refund()` would return the slots and the rate token.
-//! store.insert((client.to_string(), key.to_string()), OperationState::Pending);
+//! // 5. Create the durable operation under the admission's id. Had that failed through the
+//! //    broker's own fault, `permit.refund().await` would give back the slots and the token.
+//! store.insert(permit.id().to_string(), OperationState::Pending);
 //!
 //! // 6. Commit: the permit becomes the operation's lifecycle handle.
 //! let operation = permit.commit();
 //! assert_eq!(operation.state(), OperationState::Pending);
-//! assert_eq!(controller.snapshot().pending, 1);
+//! assert_eq!(admission.snapshot().pending, 1);
 //!
 //! // 7. Transitions: an operator approves; an execution slot is taken; the work finishes and
 //! //    every slot it held is released exactly once.
-//! operation.approve().unwrap();
-//! operation.try_start().unwrap();
-//! operation.succeed().unwrap();
-//! assert!(controller.snapshot().is_idle());
+//! operation.approve().await.unwrap();
+//! operation.start().await.unwrap();
+//! operation.succeed().await.unwrap();
+//! assert!(admission.snapshot().is_idle());
 //!
 //! // An identity the controller was not configured with is refused, not rate limited (HTTP 403,
 //! // and no Retry-After: retrying cannot help).
-//! let refusal = controller.admit("stranger", false).unwrap_err();
-//! assert_eq!(refusal.code, RefusalCode::ClientUnconfigured);
-//! assert_eq!((refusal.http_status(), refusal.retry_after_header()), (403, None));
+//! let Err(AdmitError::Refused(refused)) = admission.admit("stranger", false, None).await else {
+//!     panic!("a stranger is refused")
+//! };
+//! assert_eq!(refused.refusal.http_status(), 403);
 //!
 //! // Nothing was lost on the way: no permit or live operation was dropped half-way.
-//! let snapshot = controller.snapshot();
+//! let snapshot = admission.snapshot();
 //! assert_eq!((snapshot.dropped_permits, snapshot.dropped_operations), (0, 0));
+//! # }
+//! # // In-process every call is ready at its first poll: no runtime is needed.
+//! # let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+//! # assert!(std::pin::pin!(example()).poll(&mut cx).is_ready());
 //! ```
+//!
+//! [`Controller`] stays usable on its own, synchronously (`admit`, `commit`, `approve`,
+//! `try_start`, `succeed`), for a process that never needs replicas.
 //!
 //! # In an async broker: what a dropped future does
 //!
@@ -89,14 +104,17 @@
 //! hangs up, at whatever `.await` the handler is parked on; nothing after that `.await` runs,
 //! and every value the future owns is dropped. For this crate that means:
 //!
-//! - A [`Permit`] dropped there (say, while the handler awaited the store's insert) gives its
+//! - A permit ([`Permit`], [`AdmissionPermit`]) dropped there (say, while the handler awaited the store's insert) gives its
 //!   slots back but the rate token stays spent — and the row the store may already have written
 //!   is counted nowhere: nothing can approve, cancel or run it, and the counts no longer match
 //!   the store.
 //! - An [`Operation`] dropped while not terminal is counted as failed — while the store still
 //!   holds it as live.
-//! - [`Operation::start`], awaiting a free execution slot, is safe to drop: the operation stays
-//!   queued.
+//! - [`Operation::start`] and [`OperationHandle::start`], awaiting a free execution slot, are safe
+//!   to drop: the operation stays queued.
+//! - [`Admission::admit`] on replicas awaits Redis; dropped there, whatever the script reserved is
+//!   released by id (its idempotency key too) as for a dropped permit. Each async call of
+//!   [`Admission`] says in its docs what a drop mid-way leaves.
 //!
 //! So split each mutating handler where it *decides*: before that point, only authenticate,
 //! validate and read (a hangup changes nothing); from it on, run the whole change — `admit`, the
