@@ -107,6 +107,21 @@ mod absent {
         pub(crate) fn stats(&self) -> BackendStats {
             match *self {}
         }
+        pub(crate) fn set_source(&self, _: std::sync::Arc<dyn super::super::RecoverySource>) {
+            match *self {}
+        }
+        pub(crate) async fn retire_keys(
+            &self,
+            _: &[super::super::KeyRecord],
+        ) -> Result<(), Unavailable> {
+            match *self {}
+        }
+        pub(crate) async fn holdings(
+            &self,
+        ) -> Result<std::collections::BTreeMap<String, crate::engine::OperationState>, Unavailable>
+        {
+            match *self {}
+        }
     }
 
     impl SharedPermit {

@@ -85,6 +85,12 @@ impl Collector for BackendCollector {
                 "Whether calls to Redis are paused after failures: 1 or 0.",
                 u64::from(stats.circuit_open),
             ),
+            (
+                "admission_redis_recovering",
+                "Whether Redis forgot the deployment and its replicas were still registering \
+                 again at this replica's last registration (no admissions meanwhile): 1 or 0.",
+                u64::from(stats.recovering),
+            ),
         ];
         for (name, help, value) in gauges {
             let metric = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;

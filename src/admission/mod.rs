@@ -35,6 +35,7 @@ mod handles;
 mod id;
 mod options;
 mod outcome;
+mod recovery;
 
 use std::path::Path;
 
@@ -45,6 +46,7 @@ pub use outcome::{
     AdmitError, BackendStats, DeploymentCounts, NotStarted, Refused, RestoredOperation, SetupError,
     Unavailable, UnavailableReason,
 };
+pub use recovery::{KeyRecord, RecoverySource, SourceFuture};
 
 use self::backend::SharedController;
 use crate::config::{Config, ConfigError, Identity};
@@ -299,6 +301,42 @@ impl Admission {
         match &self.shared {
             Some(shared) => shared.counts().await,
             None => Ok(DeploymentCounts::from(&self.local.snapshot())),
+        }
+    }
+
+    /// Where this replica reads, after Redis forgot the deployment, the key records and recent
+    /// admissions its store holds, so re-registration restores them with its holdings. Without
+    /// one only the holdings are restored. Set it before [`Admission::restore`]; the first one
+    /// set stays. Nothing in-process (the engine's state never leaves the process).
+    pub fn set_recovery_source(&self, source: std::sync::Arc<dyn RecoverySource>) {
+        if let Some(shared) = &self.shared {
+            shared.set_source(source);
+        }
+    }
+
+    /// The operations in `records` were retired from the store: their keys are unbound on every
+    /// replica, so a later submission with one is new work. Call it *before* deleting the rows:
+    /// a replay that finds the key unbound then finds no row anywhere, and one that still finds
+    /// it bound finds the row. Nothing in-process (keys live in the embedder's store). Safe to
+    /// drop: a record not yet sent stays bound, and retiring it again is harmless.
+    pub async fn retire_keys(&self, records: &[KeyRecord]) -> Result<(), Unavailable> {
+        match &self.shared {
+            Some(shared) => shared.retire_keys(records).await,
+            None => Ok(()),
+        }
+    }
+
+    /// What the shared store holds under this replica's name (operation id → state), to compare
+    /// with the store's live rows (fleet drift); `None` in-process. Read-only; safe to drop.
+    pub async fn shared_holdings(
+        &self,
+    ) -> Result<
+        Option<std::collections::BTreeMap<String, crate::engine::OperationState>>,
+        Unavailable,
+    > {
+        match &self.shared {
+            Some(shared) => shared.holdings().await.map(Some),
+            None => Ok(None),
         }
     }
 

@@ -27,8 +27,16 @@ pub struct ReplicaOptions {
     pub heartbeat: Duration,
     /// The longest any one call to Redis may take (default 500 ms).
     pub call_timeout: Duration,
-    /// How long an idempotency key stays bound to its operation (default 24 h).
-    pub idempotency_ttl: Duration,
+    /// How long an idempotency key stays bound to its operation at most: `None` (the default)
+    /// until the operation is retired ([`super::Admission::retire_keys`]) or its admission
+    /// refunded or dropped. A lifetime, if set, must not be shorter than the store's retention,
+    /// or a key could make a second operation while the first is still retained.
+    pub idempotency_ttl: Option<Duration>,
+    /// Every replica of the deployment, this one included, when known (the default: none
+    /// listed). After Redis forgets the deployment, admissions resume once every replica listed
+    /// (and every one Redis listed before) has registered again, or after one lease period; a
+    /// replica that restarts together with Redis knows the others only from this list.
+    pub replicas: Vec<String>,
     /// Consecutive failed calls that open the circuit (default 3).
     pub circuit_threshold: u32,
     /// How long an open circuit refuses before a trial call (default 1 s).
@@ -53,7 +61,8 @@ impl ReplicaOptions {
             lease_ttl: Duration::from_secs(10),
             heartbeat: Duration::from_millis(3333),
             call_timeout: Duration::from_millis(500),
-            idempotency_ttl: Duration::from_secs(24 * 3600),
+            idempotency_ttl: None,
+            replicas: Vec::new(),
             circuit_threshold: 3,
             circuit_cool_down: Duration::from_secs(1),
             capacity_retry: DEFAULT_CAPACITY_RETRY,
@@ -81,6 +90,19 @@ impl ReplicaOptions {
                 "prefix {:?} must be 1 to 64 visible characters without braces",
                 self.prefix
             )));
+        }
+        if let Some(bad) = self.replicas.iter().find(|r| Identity::new(r).is_err()) {
+            return Err(SetupError::Options(format!(
+                "replicas: {bad:?} must match ^[A-Za-z0-9][A-Za-z0-9._@-]{{0,63}}$"
+            )));
+        }
+        if self
+            .idempotency_ttl
+            .is_some_and(|ttl| ttl < Duration::from_secs(1))
+        {
+            return Err(SetupError::Options(
+                "the idempotency key lifetime must be at least one second".to_string(),
+            ));
         }
         if self.lease_ttl < Duration::from_millis(100)
             || self.heartbeat.is_zero()

@@ -102,8 +102,12 @@ pub enum UnavailableReason {
     /// This replica does not hold its lease (not registered, lapsed, or taken by another process
     /// under the same name).
     LeaseNotHeld,
-    /// A script replied with something no script returns.
+    /// A script replied with something no script returns, or the store's recovery source failed.
     Reply(String),
+    /// Redis forgot the deployment's state (a restart without persistence, a flush, a failover)
+    /// and the replicas are registering again: no admission until all are back or one lease
+    /// period has passed.
+    Recovering,
 }
 
 impl fmt::Display for Unavailable {
@@ -114,6 +118,9 @@ impl fmt::Display for Unavailable {
             UnavailableReason::CircuitOpen => "redis is failing; calls paused".to_string(),
             UnavailableReason::LeaseNotHeld => "this replica does not hold its lease".to_string(),
             UnavailableReason::Reply(m) => m.clone(),
+            UnavailableReason::Recovering => {
+                "redis forgot this deployment; its replicas are registering again".to_string()
+            }
         };
         write!(
             f,
@@ -229,4 +236,7 @@ pub struct BackendStats {
     pub lease_held: bool,
     /// Whether the circuit is open now.
     pub circuit_open: bool,
+    /// Whether the replicas were still registering again, after Redis forgot, at this
+    /// replica's last registration.
+    pub recovering: bool,
 }

@@ -119,6 +119,7 @@ fn encode_admit(reply: &AdmitReply) -> Value {
         AdmitReply::Admitted => vec![bulk("admitted")],
         AdmitReply::Duplicate => vec![bulk("duplicate")],
         AdmitReply::Lease => vec![bulk("lease")],
+        AdmitReply::Recovering => vec![bulk("recovering")],
         AdmitReply::Replay { id, replica } => vec![bulk("replay"), bulk(id), bulk(replica)],
         AdmitReply::Refused {
             code,
@@ -149,6 +150,7 @@ fn encode_lease(reply: LeaseReply) -> Value {
             LeaseReply::Renewed => "ok",
             LeaseReply::Lapsed => "lapsed",
             LeaseReply::Taken => "taken",
+            LeaseReply::Lost => "lost",
         }
         .to_string(),
     )
@@ -189,7 +191,10 @@ pub fn redis_reply(data: &[u8]) {
                 AdmitReply::Replay { id, replica } => {
                     assert!(!id.is_empty() && !replica.is_empty(), "{reply:?}");
                 }
-                AdmitReply::Admitted | AdmitReply::Duplicate | AdmitReply::Lease => {}
+                AdmitReply::Admitted
+                | AdmitReply::Duplicate
+                | AdmitReply::Lease
+                | AdmitReply::Recovering => {}
             }
             assert_eq!(parse_admit(&encode_admit(&reply)), Ok(reply));
         }
@@ -214,6 +219,7 @@ pub fn redis_reply(data: &[u8]) {
                     LeaseReply::Renewed => "ok",
                     LeaseReply::Lapsed => "lapsed",
                     LeaseReply::Taken => "taken",
+                    LeaseReply::Lost => "lost",
                 })),
                 Ok(reply)
             );

@@ -60,6 +60,7 @@ pub use crate::admission::{
     AdmitError, BackendStats, DeploymentCounts, NotStarted, Refused, ReplicaOptions,
     RestoredOperation, SetupError, Unavailable, UnavailableReason,
 };
+pub use crate::admission::{KeyRecord, RecoverySource, SourceFuture};
 pub use handles::{RedisOperation, RedisPermit};
 
 use self::circuit::{Circuit, Gate};
@@ -85,6 +86,11 @@ const REAP: &str = concat!(
     include_str!("scripts/reap.lua")
 );
 const HEARTBEAT: &str = include_str!("scripts/heartbeat.lua");
+const RESTORE_KEYS: &str = include_str!("scripts/restore_keys.lua");
+const RETIRE_KEYS: &str = include_str!("scripts/retire_keys.lua");
+
+/// Idempotency records sent to Redis in one script call, when restoring or retiring them.
+const KEY_RECORDS_PER_CALL: usize = 500;
 /// The benchmark's baseline: a rate token and nothing else.
 #[doc(hidden)]
 pub const RATE_ONLY: &str = include_str!("scripts/rate_only.lua");
@@ -104,6 +110,15 @@ struct Keys {
     counts: String,
     ops: String,
     replicas: String,
+    /// The deployment's epoch: written by the first registration on a Redis that holds nothing
+    /// of the deployment, so a Redis that forgot (restart, flush, failover) is told apart.
+    epoch: String,
+    /// Present while the replicas register again after Redis forgot: no admission meanwhile.
+    recovery: String,
+    /// The replicas expected to register again before the recovery ends.
+    expected: String,
+    /// Replica → the epoch it last registered in.
+    members: String,
 }
 
 impl Keys {
@@ -113,6 +128,10 @@ impl Keys {
             counts: format!("{base}:counts"),
             ops: format!("{base}:ops"),
             replicas: format!("{base}:replicas"),
+            epoch: format!("{base}:epoch"),
+            recovery: format!("{base}:recovery"),
+            expected: format!("{base}:expected"),
+            members: format!("{base}:members"),
             base,
         }
     }
@@ -136,6 +155,8 @@ struct Scripts {
     replace: Script,
     reap: Script,
     heartbeat: Script,
+    restore_keys: Script,
+    retire_keys: Script,
 }
 
 /// A release kept until Redis answers: the operation and the transition script's target.
@@ -236,6 +257,17 @@ pub(crate) struct Inner {
     reaped: AtomicU64,
     unavailable: AtomicU64,
     heartbeat: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// The deployment's epoch this replica registered in (`None` before its first registration).
+    epoch: Mutex<Option<String>>,
+    /// The deployment's replicas as last seen (with this one and the configured ones): who must
+    /// register again before a recovery ends.
+    known_replicas: Mutex<std::collections::BTreeSet<String>>,
+    /// Where re-registration after Redis forgot gets the key records and the rate history.
+    source: std::sync::OnceLock<Arc<dyn RecoverySource>>,
+    /// The heartbeat should renew (and register again) at once, not only drain kept releases.
+    renew_now: std::sync::atomic::AtomicBool,
+    /// Whether the last registration found a recovery in progress.
+    recovering: std::sync::atomic::AtomicBool,
 }
 
 /// The admission controller shared by broker replicas through Redis. Cheap to clone.
@@ -317,6 +349,8 @@ impl RedisController {
                 replace: Script::new(REPLACE),
                 reap: Script::new(REAP),
                 heartbeat: Script::new(HEARTBEAT),
+                restore_keys: Script::new(RESTORE_KEYS),
+                retire_keys: Script::new(RETIRE_KEYS),
             },
             config: ArcSwap::from_pointee(config),
             held: Mutex::new(HashMap::new()),
@@ -329,6 +363,18 @@ impl RedisController {
             reaped: AtomicU64::new(0),
             unavailable: AtomicU64::new(0),
             heartbeat: Mutex::new(None),
+            epoch: Mutex::new(None),
+            known_replicas: Mutex::new(
+                options
+                    .replicas
+                    .iter()
+                    .cloned()
+                    .chain(std::iter::once(options.replica.clone()))
+                    .collect(),
+            ),
+            source: std::sync::OnceLock::new(),
+            renew_now: std::sync::atomic::AtomicBool::new(false),
+            recovering: std::sync::atomic::AtomicBool::new(false),
             options,
         };
         Ok(RedisController {
@@ -351,10 +397,9 @@ impl RedisController {
     ) -> Result<Vec<RedisOperation>, Unavailable> {
         let cells = {
             let _alone = self.inner.registration.write().await;
-            let cells = self.hold_restored(restored);
-            self.inner.replace_locked().await?;
-            cells
+            self.hold_restored(restored)
         };
+        self.inner.register_again().await?;
         self.start_heartbeat();
         Ok(self.handles(cells))
     }
@@ -368,11 +413,11 @@ impl RedisController {
         &self,
         restored: impl IntoIterator<Item = RestoredOperation>,
     ) -> (Vec<RedisOperation>, Option<Unavailable>) {
-        let (cells, deferred) = {
+        let cells = {
             let _alone = self.inner.registration.write().await;
-            let cells = self.hold_restored(restored);
-            (cells, self.inner.replace_locked().await.err())
+            self.hold_restored(restored)
         };
+        let deferred = self.inner.register_again().await.err();
         self.start_heartbeat();
         (self.handles(cells), deferred)
     }
@@ -430,7 +475,8 @@ impl RedisController {
                     _ = tokio::time::sleep(period) => false,
                 };
                 let Some(inner) = weak.upgrade() else { return };
-                if woken {
+                // Relaxed: a hint; a missed one waits for the next beat.
+                if woken && !inner.renew_now.swap(false, Ordering::Relaxed) {
                     inner.drain().await;
                 } else {
                     inner.tick().await;
@@ -516,6 +562,8 @@ impl RedisController {
             .key(keys.lease(replica))
             .key(idem_key.as_deref().unwrap_or(&keys.counts))
             .key(&keys.replicas)
+            .key(&keys.epoch)
+            .key(&keys.recovery)
             .arg(&keys.base)
             .arg(id)
             .arg(replica)
@@ -531,7 +579,8 @@ impl RedisController {
             .arg(global.global_active)
             .arg(global.global_executing)
             .arg(u8::from(idem_key.is_some()))
-            .arg(ttl_millis(inner.options.idempotency_ttl));
+            .arg(inner.options.idempotency_ttl.map_or(0, ttl_millis))
+            .arg(inner.epoch().unwrap_or_default());
         let cell = Arc::new(Held {
             id: id.to_string(),
             identity,
@@ -584,10 +633,15 @@ impl RedisController {
             }),
             AdmitReply::Lease => {
                 inner.lease_lost();
+                // Register again now rather than at the next beat (Redis may have forgotten).
+                inner.renew_soon();
                 Err(AdmitError::Unavailable(
                     inner.unavailable(UnavailableReason::LeaseNotHeld),
                 ))
             }
+            AdmitReply::Recovering => Err(AdmitError::Unavailable(
+                inner.unavailable(UnavailableReason::Recovering),
+            )),
             AdmitReply::Refused {
                 code,
                 rate_wait_micros,
@@ -675,6 +729,63 @@ impl RedisController {
         self.inner.renew().await
     }
 
+    /// Where re-registration after Redis forgot reads the key records and the rate history.
+    /// The first source set stays.
+    pub fn set_source(&self, source: Arc<dyn RecoverySource>) {
+        let _ = self.inner.source.set(source);
+    }
+
+    /// Unbinds retired operations' keys (see [`crate::Admission::retire_keys`]).
+    pub async fn retire_keys(&self, records: &[KeyRecord]) -> Result<(), Unavailable> {
+        self.inner.retire_keys(records).await
+    }
+
+    /// What Redis holds under this replica's name now: operation id → state.
+    pub async fn holdings(
+        &self,
+    ) -> Result<std::collections::BTreeMap<String, OperationState>, Unavailable> {
+        let inner = &self.inner;
+        let mut conn = inner.conn.clone();
+        let held_key = inner.keys.held(&inner.options.replica);
+        let ids: Vec<String> = match tokio::time::timeout(
+            inner.options.call_timeout,
+            redis::cmd("SMEMBERS").arg(&held_key).query_async(&mut conn),
+        )
+        .await
+        {
+            Ok(Ok(ids)) => ids,
+            Ok(Err(e)) => return Err(inner.failed(UnavailableReason::Redis(e.to_string()))),
+            Err(_) => return Err(inner.failed(UnavailableReason::Timeout)),
+        };
+        let mut holdings = std::collections::BTreeMap::new();
+        for chunk in ids.chunks(KEY_RECORDS_PER_CALL) {
+            let records: Vec<Option<String>> = match tokio::time::timeout(
+                inner.options.call_timeout,
+                redis::cmd("HMGET")
+                    .arg(&inner.keys.ops)
+                    .arg(chunk)
+                    .query_async(&mut conn),
+            )
+            .await
+            {
+                Ok(Ok(records)) => records,
+                Ok(Err(e)) => return Err(inner.failed(UnavailableReason::Redis(e.to_string()))),
+                Err(_) => return Err(inner.failed(UnavailableReason::Timeout)),
+            };
+            for (id, record) in chunk.iter().zip(records) {
+                let state = match record.as_deref().and_then(|r| r.split(' ').next()) {
+                    Some("p") => OperationState::Pending,
+                    Some("a") => OperationState::Approved,
+                    Some("e") => OperationState::Executing,
+                    // Listed but not recorded: counted nowhere; the drift shows it as missing.
+                    _ => continue,
+                };
+                holdings.insert(id.clone(), state);
+            }
+        }
+        Ok(holdings)
+    }
+
     /// What this replica's backend has seen.
     pub fn stats(&self) -> RedisStats {
         let inner = &self.inner;
@@ -687,6 +798,8 @@ impl RedisController {
             outbox: inner.outbox.lock().unwrap_or_else(|p| p.into_inner()).len() as u64,
             lease_held: inner.lease_held(),
             circuit_open: inner.circuit.is_open(),
+            // Relaxed: a reading for metrics.
+            recovering: inner.recovering.load(Ordering::Relaxed),
         }
     }
 }
@@ -876,8 +989,10 @@ impl Inner {
         let mut invocation = self.scripts.heartbeat.prepare_invoke();
         invocation
             .key(self.keys.lease(&self.options.replica))
+            .key(&self.keys.epoch)
             .arg(&self.token)
-            .arg(ttl_millis(self.options.lease_ttl));
+            .arg(ttl_millis(self.options.lease_ttl))
+            .arg(self.epoch().unwrap_or_default());
         let value = match self.call(&invocation).await {
             Ok(v) => v,
             Err(reason) => return Err(self.unavailable(reason)),
@@ -886,14 +1001,15 @@ impl Inner {
             Ok(LeaseReply::Renewed) => {
                 *self.lease_until.lock().unwrap_or_else(|p| p.into_inner()) =
                     Some(sent + self.options.lease_ttl);
+                self.learn_replicas().await;
                 Ok(())
             }
-            Ok(LeaseReply::Lapsed) => {
-                // Cut off for longer than the lease: the others may have released what this
-                // replica held. Count again what it holds now, as a restart would.
+            Ok(LeaseReply::Lapsed) | Ok(LeaseReply::Lost) => {
+                // Cut off for longer than the lease (the others may have released what this
+                // replica held), or Redis forgot the deployment: count again what it holds now,
+                // as a restart would, and after a loss its key records and rate buckets too.
                 self.lease_lost();
-                let _alone = self.registration.write().await;
-                self.replace_locked().await
+                self.register_again().await
             }
             Ok(LeaseReply::Taken) => {
                 self.lease_lost();
@@ -903,10 +1019,139 @@ impl Inner {
         }
     }
 
-    /// The replace script with what `held` says now. The caller holds `registration` alone.
-    async fn replace_locked(&self) -> Result<(), Unavailable> {
+    /// The epoch this replica registered in, if it has.
+    fn epoch(&self) -> Option<String> {
+        self.epoch.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Asks the heartbeat to renew (and register again if need be) now.
+    fn renew_soon(&self) {
+        // Relaxed: a hint read by the heartbeat after it is woken.
+        self.renew_now.store(true, Ordering::Relaxed);
+        self.wake.notify_one();
+    }
+
+    /// Remembers the deployment's replicas as Redis lists them now, for a later recovery.
+    async fn learn_replicas(&self) {
+        let mut conn = self.conn.clone();
+        let members = tokio::time::timeout(
+            self.options.call_timeout,
+            redis::cmd("SMEMBERS")
+                .arg(&self.keys.replicas)
+                .query_async::<Vec<String>>(&mut conn),
+        )
+        .await;
+        if let Ok(Ok(members)) = members {
+            self.known_replicas
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .extend(members.into_iter().filter(|m| Identity::new(m).is_ok()));
+        }
+    }
+
+    /// Registers this replica again (at start-up, after a lapsed lease, after Redis forgot): if
+    /// Redis lacks this replica's part of the current epoch, its key records go back first (from
+    /// the recovery source, outside the registration lock, so releases are never held up by the
+    /// store), then its holdings and rate debts are counted in one atomic step.
+    async fn register_again(&self) -> Result<(), Unavailable> {
+        let source = self.source.get().cloned();
+        let mut debts = Vec::new();
+        if let Some(source) = &source {
+            if self.lacks_this_replica().await? {
+                let records = source.key_records().await.map_err(|e| {
+                    self.unavailable(UnavailableReason::Reply(format!(
+                        "the store's key records could not be read: {e}"
+                    )))
+                })?;
+                self.restore_keys(&records).await?;
+            }
+            let admissions = source.recent_admissions().await.map_err(|e| {
+                self.unavailable(UnavailableReason::Reply(format!(
+                    "the store's recent admissions could not be read: {e}"
+                )))
+            })?;
+            debts = rate_debts(&self.config.load(), &admissions);
+        }
+        let _alone = self.registration.write().await;
+        self.replace_locked(&debts).await
+    }
+
+    /// Whether Redis lacks what this replica contributed to the deployment's current epoch (no
+    /// epoch at all, or this replica not registered in it).
+    async fn lacks_this_replica(&self) -> Result<bool, Unavailable> {
+        let mut pipe = redis::pipe();
+        pipe.get(&self.keys.epoch)
+            .hget(&self.keys.members, &self.options.replica);
+        let mut conn = self.conn.clone();
+        let (epoch, registered): (Option<String>, Option<String>) = match tokio::time::timeout(
+            self.options.call_timeout,
+            pipe.query_async(&mut conn),
+        )
+        .await
+        {
+            Ok(Ok(v)) => v,
+            Ok(Err(e)) => return Err(self.failed(UnavailableReason::Redis(e.to_string()))),
+            Err(_) => return Err(self.failed(UnavailableReason::Timeout)),
+        };
+        Ok(epoch.is_none() || epoch != registered)
+    }
+
+    /// Writes `records` back as idempotency records bound to this replica (where the key is not
+    /// bound already), in calls of [`KEY_RECORDS_PER_CALL`].
+    async fn restore_keys(&self, records: &[KeyRecord]) -> Result<(), Unavailable> {
+        for chunk in records.chunks(KEY_RECORDS_PER_CALL) {
+            let mut invocation = self.scripts.restore_keys.prepare_invoke();
+            invocation
+                .arg(&self.keys.base)
+                .arg(&self.options.replica)
+                .arg(self.options.idempotency_ttl.map_or(0, ttl_millis));
+            for record in chunk {
+                invocation
+                    .arg(record.client.as_str())
+                    .arg(&record.key)
+                    .arg(&record.operation);
+            }
+            self.call(&invocation)
+                .await
+                .map_err(|r| self.unavailable(r))?;
+        }
+        Ok(())
+    }
+
+    /// Unbinds each key from its operation (if it still names it), in calls of
+    /// [`KEY_RECORDS_PER_CALL`]: the operations were retired, and a retired key is new work.
+    pub(crate) async fn retire_keys(&self, records: &[KeyRecord]) -> Result<(), Unavailable> {
+        for chunk in records.chunks(KEY_RECORDS_PER_CALL) {
+            let mut invocation = self.scripts.retire_keys.prepare_invoke();
+            invocation.arg(&self.keys.base);
+            for record in chunk {
+                invocation
+                    .arg(record.client.as_str())
+                    .arg(&record.key)
+                    .arg(&record.operation);
+            }
+            self.call(&invocation)
+                .await
+                .map_err(|r| self.unavailable(r))?;
+        }
+        Ok(())
+    }
+
+    /// The replace script with what `held` says now and `debts` (applied only if Redis lacks this
+    /// replica's admissions for its epoch). The caller holds `registration` alone.
+    async fn replace_locked(&self, debts: &[RateDebt]) -> Result<(), Unavailable> {
         let sent = Instant::now();
         let replica = &self.options.replica;
+        let mut fresh = [0u8; 16];
+        fill_random(&mut fresh);
+        let fresh: String = fresh.iter().map(|b| format!("{b:02x}")).collect();
+        let known: Vec<String> = self
+            .known_replicas
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .cloned()
+            .collect();
         let mut invocation = self.scripts.replace.prepare_invoke();
         invocation
             .key(&self.keys.counts)
@@ -914,10 +1159,32 @@ impl Inner {
             .key(self.keys.held(replica))
             .key(self.keys.lease(replica))
             .key(&self.keys.replicas)
+            .key(&self.keys.epoch)
+            .key(&self.keys.recovery)
+            .key(&self.keys.expected)
+            .key(&self.keys.members)
             .arg(&self.keys.base)
             .arg(replica)
             .arg(&self.token)
-            .arg(ttl_millis(self.options.lease_ttl));
+            .arg(ttl_millis(self.options.lease_ttl))
+            .arg(self.epoch().unwrap_or_default())
+            .arg(&fresh)
+            .arg(known.len());
+        for name in &known {
+            invocation.arg(name);
+        }
+        invocation.arg(debts.len());
+        for debt in debts {
+            invocation
+                .arg(debt.client.as_str())
+                .arg(debt.interval)
+                .arg(debt.span)
+                .arg(debt.micros);
+        }
+        // Kept releases before this point are for operations no longer held here (each left
+        // `held` before it was kept): once Redis holds exactly `held` for this replica they are
+        // moot, unless they free an idempotency key. Those kept while the script runs are not.
+        let kept_before = self.outbox.lock().unwrap_or_else(|p| p.into_inner()).len();
         for cell in self.lock_held().values() {
             let state = match cell.state() {
                 OperationState::Pending => "p",
@@ -934,14 +1201,19 @@ impl Inner {
             .call(&invocation)
             .await
             .map_err(|r| self.unavailable(r))?;
-        reply::parse_pair(&value)
+        let reply = reply::parse_replace(&value)
             .map_err(|e| self.unavailable(UnavailableReason::Reply(e.to_string())))?;
-        // Kept releases were for operations no longer held here: what Redis holds for this
-        // replica is now exactly `held`, so they are moot.
-        self.outbox
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clear();
+        {
+            let mut outbox = self.outbox.lock().unwrap_or_else(|p| p.into_inner());
+            let mut index = 0;
+            outbox.retain(|kept| {
+                index += 1;
+                index > kept_before || kept.key.is_some()
+            });
+        }
+        *self.epoch.lock().unwrap_or_else(|p| p.into_inner()) = Some(reply.epoch);
+        // Relaxed: a reading for metrics.
+        self.recovering.store(reply.recovering, Ordering::Relaxed);
         *self.lease_until.lock().unwrap_or_else(|p| p.into_inner()) =
             Some(sent + self.options.lease_ttl);
         // Relaxed: a statistic.
@@ -967,6 +1239,49 @@ impl Inner {
         self.reaped.fetch_add(n, Ordering::Relaxed);
         Ok(n)
     }
+}
+
+/// A client's rate debt: how far its bucket's TAT must move past now (µs), in its rate.
+struct RateDebt {
+    client: Identity,
+    interval: u64,
+    span: u64,
+    micros: u64,
+}
+
+/// Each client's debt from its admissions `ago`: GCRA replayed over them, oldest first, as the
+/// in-process engine's `restore_rate` does (an admission a whole window old counts nothing).
+fn rate_debts(config: &Config, admissions: &[(Identity, Duration)]) -> Vec<RateDebt> {
+    let mut ages: std::collections::BTreeMap<&str, Vec<u64>> = std::collections::BTreeMap::new();
+    for (client, ago) in admissions {
+        let micros = u64::try_from(ago.as_micros()).unwrap_or(u64::MAX);
+        ages.entry(client.as_str()).or_default().push(micros);
+    }
+    let mut debts = Vec::new();
+    for (client, mut ages) in ages {
+        let Some(limits) = config.effective(client) else {
+            continue;
+        };
+        let (interval, span) = rate_micros(limits.requests_per_window, limits.window_seconds);
+        // Oldest first; times as "span minus age" so nothing goes below zero.
+        ages.sort_unstable_by(|a, b| b.cmp(a));
+        let now = span;
+        let mut tat = 0u64;
+        for age in ages.into_iter().filter(|&age| age < span) {
+            let at = now - age;
+            tat = tat.max(at) + interval;
+        }
+        let micros = tat.saturating_sub(now).min(span);
+        if micros > 0 {
+            debts.push(RateDebt {
+                client: Identity::new(client).expect("a configured identity is valid"),
+                interval,
+                span,
+                micros,
+            });
+        }
+    }
+    debts
 }
 
 fn ttl_millis(d: Duration) -> u64 {

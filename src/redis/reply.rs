@@ -22,8 +22,10 @@ pub enum AdmitReply {
         /// The replica that admitted it.
         replica: String,
     },
-    /// This replica does not hold its lease: it must not admit.
+    /// This replica does not hold its lease (or not in the deployment's epoch): it must not admit.
     Lease,
+    /// Redis forgot the deployment and the replicas are registering again: no admission yet.
+    Recovering,
     /// Refused: the first check that failed, the rate wait (µs), and whether any capacity
     /// dimension is exhausted (then the capacity hint applies too).
     Refused {
@@ -60,6 +62,23 @@ pub enum LeaseReply {
     Lapsed,
     /// Another process under this replica's name holds it.
     Taken,
+    /// Redis no longer holds the epoch this replica registered in: it forgot the deployment.
+    Lost,
+}
+
+/// What the replace (registration) script did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReplaceReply {
+    /// Operations of this replica's earlier registration released.
+    pub released: u64,
+    /// Operations counted now.
+    pub counted: u64,
+    /// The deployment's epoch this replica is now registered in.
+    pub epoch: String,
+    /// Whether the replicas are still registering again after Redis forgot.
+    pub recovering: bool,
+    /// Whether Redis lacked this replica's part of the epoch (its rate debts were applied).
+    pub restored: bool,
 }
 
 /// A reply of a shape no script returns.
@@ -136,6 +155,7 @@ pub fn parse_admit(value: &Value) -> Result<AdmitReply, ReplyError> {
         (Some("admitted"), 1) => AdmitReply::Admitted,
         (Some("duplicate"), 1) => AdmitReply::Duplicate,
         (Some("lease"), 1) => AdmitReply::Lease,
+        (Some("recovering"), 1) => AdmitReply::Recovering,
         (Some("replay"), 3) => match (text(&items[1]), text(&items[2])) {
             (Some(id), Some(replica)) if !id.is_empty() && !replica.is_empty() => {
                 AdmitReply::Replay {
@@ -196,6 +216,7 @@ pub fn parse_lease(value: &Value) -> Result<LeaseReply, ReplyError> {
         Some("ok") => Ok(LeaseReply::Renewed),
         Some("lapsed") => Ok(LeaseReply::Lapsed),
         Some("taken") => Ok(LeaseReply::Taken),
+        Some("lost") => Ok(LeaseReply::Lost),
         _ => Err(bad("heartbeat", value)),
     }
 }
@@ -208,6 +229,45 @@ pub fn parse_pair(value: &Value) -> Result<(u64, u64), ReplyError> {
             _ => Err(bad("pair", value)),
         },
         _ => Err(bad("pair", value)),
+    }
+}
+
+fn flag(value: &Value) -> Option<bool> {
+    match int(value)? {
+        0 => Some(false),
+        1 => Some(true),
+        _ => None,
+    }
+}
+
+/// Parses the replace script's reply: `{released, counted, epoch, recovering, restored}`.
+pub fn parse_replace(value: &Value) -> Result<ReplaceReply, ReplyError> {
+    match array(value) {
+        Some([released, counted, epoch, recovering, restored]) => {
+            match (
+                int(released),
+                int(counted),
+                text(epoch),
+                flag(recovering),
+                flag(restored),
+            ) {
+                (Some(released), Some(counted), Some(epoch), Some(recovering), Some(restored))
+                    if !epoch.is_empty()
+                        && epoch.len() <= 64
+                        && epoch.bytes().all(|b| b.is_ascii_hexdigit()) =>
+                {
+                    Ok(ReplaceReply {
+                        released,
+                        counted,
+                        epoch: epoch.to_string(),
+                        recovering,
+                        restored,
+                    })
+                }
+                _ => Err(bad("replace", value)),
+            }
+        }
+        _ => Err(bad("replace", value)),
     }
 }
 
@@ -262,6 +322,7 @@ mod tests {
             let _ = parse_transition(&v);
             let _ = parse_lease(&v);
             let _ = parse_pair(&v);
+            let _ = parse_replace(&v);
             if let Ok(reaped) = parse_reaped(&v) {
                 prop_assert!(reaped.iter().all(|(replica, _)| !replica.is_empty()));
             }

@@ -1,12 +1,16 @@
 -- One admission decision, all or nothing, on Redis server time.
 -- KEYS: 1 counts, 2 operations, 3 the client's rate bucket (see read_tat), 4 the replica's lease,
---       5 the idempotency record (client, key), 6 the replica set.
+--       5 the idempotency record (client, key), 6 the replica set, 7 the deployment's epoch,
+--       8 the recovery marker.
 -- ARGV: 1 key base, 2 operation id, 3 replica, 4 lease token, 5 client, 6 needs approval (0/1),
 --       7 emission interval (µs), 8 burst span (µs), 9 client active limit, 10 client pending
 --       limit, 11 per-client grant cap, 12 global grant cap, 13 global active limit,
---       14 global executing limit, 15 whether KEYS[5] is used (0/1), 16 its lifetime (ms).
+--       14 global executing limit, 15 whether KEYS[5] is used (0/1), 16 its lifetime (ms; 0 for
+--       none: it lives until its operation is retired), 17 the epoch this replica registered in.
 -- Reply: {'admitted'} | {'duplicate'} (this id was admitted before: a retry) |
---        {'replay', id, replica} | {'lease'} (this replica does not hold its lease) |
+--        {'replay', id, replica} | {'lease'} (this replica does not hold its lease, or not in the
+--        deployment's epoch) | {'recovering'} (Redis forgot the deployment and the replicas are
+--        registering again) |
 --        {'refused', code, rate wait µs, capacity exhausted 0/1}.
 local base, id, replica, token, client = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local approval = ARGV[6] == '1'
@@ -16,8 +20,11 @@ local grant_client, grant_global = tonumber(ARGV[11]), tonumber(ARGV[12])
 local global_active, global_executing = tonumber(ARGV[13]), tonumber(ARGV[14])
 local keyed = ARGV[15] == '1'
 
-if redis.call('GET', KEYS[4]) ~= token then
+if redis.call('GET', KEYS[4]) ~= token or redis.call('GET', KEYS[7]) ~= ARGV[17] then
   return {'lease'}
+end
+if redis.call('EXISTS', KEYS[8]) == 1 then
+  return {'recovering'}
 end
 if redis.call('HEXISTS', KEYS[2], id) == 1 then
   return {'duplicate'}
@@ -84,6 +91,11 @@ if approval then state = 'p' end
 hold(id, state, replica, client, base)
 redis.call('SADD', KEYS[6], replica)
 if keyed then
-  redis.call('SET', KEYS[5], id .. ' ' .. replica, 'PX', tonumber(ARGV[16]))
+  local ttl = tonumber(ARGV[16])
+  if ttl > 0 then
+    redis.call('SET', KEYS[5], id .. ' ' .. replica, 'PX', ttl)
+  else
+    redis.call('SET', KEYS[5], id .. ' ' .. replica)
+  end
 end
 return {'admitted'}

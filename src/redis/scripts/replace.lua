@@ -1,10 +1,73 @@
 -- A replica (re)registers: everything it held is released and what its store restores is counted
--- instead (even above a limit), and its lease is taken, in one step.
--- KEYS: 1 counts, 2 operations, 3 the replica's held set, 4 its lease, 5 the replica set.
--- ARGV: 1 key base, 2 replica, 3 lease token, 4 lease time (ms), then per operation: id, client,
---       state (`p`, `a` or `e`).
--- Reply: {operations released, operations counted}.
-local base, replica = ARGV[1], ARGV[2]
+-- instead (even above a limit), and its lease is taken, in one step. It also notices whether
+-- Redis has forgotten the deployment (a restart without persistence, a flush, a failover to a
+-- Redis without the state) and, if so, opens a recovery window in which no replica admits
+-- until every replica expected has registered again, or one lease period has passed.
+-- KEYS: 1 counts, 2 operations, 3 the replica's held set, 4 its lease, 5 the replica set,
+--       6 the deployment's epoch, 7 the recovery marker, 8 the replicas expected back,
+--       9 the members hash (replica -> the epoch it last registered in).
+-- ARGV: 1 key base, 2 replica, 3 lease token, 4 lease time (ms), 5 the epoch this replica last
+--       registered in ('' if none: a new process), 6 a fresh epoch to use if there is none,
+--       7 how many replicas it reports, then their names (the deployment as it knows it), then
+--       how many rate debts, then per client: client, interval, span, debt (µs), then per
+--       operation: id, client, state (`p`, `a` or `e`).
+-- Reply: {operations released, operations counted, the epoch, recovering 0/1, restored 0/1}
+--        (restored: Redis lacked this replica's rate buckets and key records for this epoch,
+--        and the rate debts were applied).
+local base, replica, known = ARGV[1], ARGV[2], ARGV[5]
+local lease_ms = tonumber(ARGV[4])
+local epoch = redis.call('GET', KEYS[6])
+local fresh_epoch = false
+if not epoch then
+  -- Nothing of this deployment is left in Redis (or it never ran): a new epoch, and a recovery
+  -- window for the replicas this one knows of.
+  epoch = ARGV[6]
+  redis.call('SET', KEYS[6], epoch)
+  fresh_epoch = true
+end
+local i = 7
+local reported = tonumber(ARGV[i])
+local names = {}
+for j = 1, reported do
+  names[j] = ARGV[i + j]
+end
+i = i + reported + 1
+local restored = redis.call('HGET', KEYS[9], replica) ~= epoch
+-- A new epoch, or one that changed under a replica that had one: what every replica held may
+-- be missing from the counts, so none admits until the replicas known are back (or a lease
+-- period has passed: a silent one then counts as dead, as a lapsed lease does).
+if (fresh_epoch or (known ~= '' and known ~= epoch)) and redis.call('EXISTS', KEYS[7]) == 0 then
+  redis.call('DEL', KEYS[8])
+  redis.call('SET', KEYS[7], epoch, 'PX', lease_ms)
+end
+if redis.call('EXISTS', KEYS[7]) == 1 then
+  for j = 1, reported do
+    if redis.call('HGET', KEYS[9], names[j]) ~= epoch then
+      redis.call('SADD', KEYS[8], names[j])
+    end
+  end
+  redis.call('PEXPIRE', KEYS[8], lease_ms)
+end
+-- Rate debts: applied only when Redis lacks this replica's admissions for this epoch. Each
+-- replica adds its own debt, which can only leave a bucket emptier than the merged history.
+local debts = tonumber(ARGV[i])
+local now = now_micros()
+if restored then
+  for j = 0, debts - 1 do
+    local k = i + 1 + j * 4
+    local client, interval, span, debt = ARGV[k], tonumber(ARGV[k + 1]), tonumber(ARGV[k + 2]),
+      tonumber(ARGV[k + 3])
+    if debt > 0 then
+      local tat_key = base .. ':tat:' .. client
+      local tat = read_tat(tat_key)
+      local next_tat = math.min(math.max(tat, now) + debt, now + span)
+      if next_tat > tat then
+        write_tat(tat_key, next_tat, interval, span, now)
+      end
+    end
+  end
+end
+i = i + 1 + debts * 4
 local released = 0
 for _, id in ipairs(redis.call('SMEMBERS', KEYS[3])) do
   local record = redis.call('HGET', KEYS[2], id)
@@ -15,8 +78,8 @@ for _, id in ipairs(redis.call('SMEMBERS', KEYS[3])) do
 end
 redis.call('DEL', KEYS[3])
 local counted = 0
-for i = 5, #ARGV, 3 do
-  local id, client, state = ARGV[i], ARGV[i + 1], ARGV[i + 2]
+for k = i, #ARGV, 3 do
+  local id, client, state = ARGV[k], ARGV[k + 1], ARGV[k + 2]
   local record = redis.call('HGET', KEYS[2], id)
   if record then
     release(id, record, base)
@@ -24,6 +87,16 @@ for i = 5, #ARGV, 3 do
   hold(id, state, replica, client, base)
   counted = counted + 1
 end
-redis.call('SET', KEYS[4], ARGV[3], 'PX', tonumber(ARGV[4]))
+redis.call('SET', KEYS[4], ARGV[3], 'PX', lease_ms)
 redis.call('SADD', KEYS[5], replica)
-return {released, counted}
+redis.call('HSET', KEYS[9], replica, epoch)
+redis.call('SREM', KEYS[8], replica)
+local recovering = redis.call('EXISTS', KEYS[7])
+if recovering == 1 and redis.call('SCARD', KEYS[8]) == 0 then
+  -- Every replica expected back is registered again: admissions resume at once.
+  redis.call('DEL', KEYS[7], KEYS[8])
+  recovering = 0
+end
+local restored_flag = 0
+if restored then restored_flag = 1 end
+return {released, counted, epoch, recovering, restored_flag}

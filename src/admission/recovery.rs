@@ -1,0 +1,34 @@
+//! What a replica's own store gives back to the shared store after Redis forgot the deployment
+//! (SPEC section 7, "Redis forgets"): the idempotency records of the operations it holds and its
+//! clients' recent admissions. The embedder implements [`RecoverySource`] over its store; the
+//! admission calls it only when Redis lacks this replica's part of the deployment's state.
+
+use std::time::Duration;
+
+use crate::config::Identity;
+
+/// One idempotency record: the client's key bound to its operation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KeyRecord {
+    /// The client.
+    pub client: Identity,
+    /// Its idempotency key.
+    pub key: String,
+    /// The operation the key names.
+    pub operation: String,
+}
+
+/// Where a replica finds, in its own store, what Redis needs again after it forgot the
+/// deployment: the idempotency records of every operation it holds (live and retained), and its
+/// clients' recent admissions (to rebuild the rate buckets, as a restart does). Set with
+/// [`super::Admission::set_recovery_source`].
+pub trait RecoverySource: Send + Sync + 'static {
+    /// Every operation the store holds: (client, idempotency key, operation id).
+    fn key_records(&self) -> SourceFuture<'_, Vec<KeyRecord>>;
+    /// The admissions made on this replica within the longest rate window: (client, age).
+    fn recent_admissions(&self) -> SourceFuture<'_, Vec<(Identity, Duration)>>;
+}
+
+/// What a [`RecoverySource`] answers: its reading, or why it could not be read.
+pub type SourceFuture<'a, T> =
+    std::pin::Pin<Box<dyn Future<Output = Result<T, String>> + Send + 'a>>;
