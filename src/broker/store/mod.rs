@@ -104,18 +104,14 @@ fn lock_data_dir(dir: &Path) -> Result<std::fs::File, StoreError> {
         .truncate(false)
         .write(true)
         .open(&path)
-        .map_err(|e| StoreError::new(format!("cannot open {}: {e}", path.display())))?;
+        .map_err(|e| StoreError::io("open", &path, e))?;
     match file.try_lock() {
         Ok(()) => Ok(file),
-        Err(std::fs::TryLockError::WouldBlock) => Err(StoreError::new(format!(
-            "the data dir {} is in use by another broker (it holds {}); stop it or choose another --data",
-            dir.display(),
-            path.display()
-        ))),
-        Err(std::fs::TryLockError::Error(e)) => Err(StoreError::new(format!(
-            "cannot lock {}: {e}",
-            path.display()
-        ))),
+        Err(std::fs::TryLockError::WouldBlock) => Err(StoreError::DirInUse {
+            dir: dir.to_owned(),
+            lock: path,
+        }),
+        Err(std::fs::TryLockError::Error(e)) => Err(StoreError::io("lock", &path, e)),
     }
 }
 
@@ -129,8 +125,7 @@ impl Database {
 
     /// [`Database::open`], with operations showing `broker` as their broker's name.
     pub fn open_as(dir: &Path, broker: &str) -> Result<Database, StoreError> {
-        std::fs::create_dir_all(dir)
-            .map_err(|e| StoreError::new(format!("cannot create {}: {e}", dir.display())))?;
+        std::fs::create_dir_all(dir).map_err(|e| StoreError::io("create", dir, e))?;
         let lock = lock_data_dir(dir)?;
         let path = dir.join(DATABASE_FILE);
         let writer = open_connection(&path)?;
@@ -145,8 +140,9 @@ impl Database {
             .max_size(READERS)
             .connection_timeout(std::time::Duration::from_secs(5))
             .build(manager)
-            .map_err(|e| {
-                StoreError::new(format!("cannot open readers on {}: {e}", path.display()))
+            .map_err(|source| StoreError::NoReader {
+                path: path.clone(),
+                source,
             })?;
         schema::ensure_indexes(&writer)?;
         Ok(Database {
@@ -182,9 +178,10 @@ impl Database {
 
     /// A reader connection from the pool (blocking until one is free, at most its timeout).
     fn reader(&self) -> Result<r2d2::PooledConnection<SqliteConnectionManager>, StoreError> {
-        self.readers
-            .get()
-            .map_err(|e| StoreError::new(format!("no reader connection: {e}")))
+        self.readers.get().map_err(|source| StoreError::NoReader {
+            path: self.dir.join(DATABASE_FILE),
+            source,
+        })
     }
 
     /// The write connection, blocking until no other call holds it (for the blocking calls made
@@ -204,7 +201,7 @@ impl Database {
             f(&mut conn).map_err(StoreError::from)
         })
         .await
-        .map_err(|e| StoreError::new(format!("store task failed: {e}")))?
+        .map_err(|e| StoreError::unfinished("the store task", e))?
     }
 
     /// Runs `f` on a pooled reader connection, off the async threads; `f` gets the broker name
@@ -219,6 +216,99 @@ impl Database {
             f(&conn, &db.broker).map_err(StoreError::from)
         })
         .await
-        .map_err(|e| StoreError::new(format!("store task failed: {e}")))?
+        .map_err(|e| StoreError::unfinished("the store task", e))?
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+    use crate::engine::OperationState;
+
+    fn record(id: &str, key: &str) -> OperationRecord {
+        let now = now_rfc3339();
+        OperationRecord {
+            id: id.to_owned(),
+            client_id: "bot-7".to_owned(),
+            idempotency_key: key.to_owned(),
+            operation: "demo.run".to_owned(),
+            target: json!({}),
+            arguments: json!({}),
+            reason: String::new(),
+            state: OperationState::Pending,
+            created_at: now.clone(),
+            updated_at: now,
+            terminal_at: None,
+            error: None,
+            revision: 1,
+            broker: DEFAULT_BROKER_NAME.to_owned(),
+        }
+    }
+
+    #[test]
+    fn a_second_open_of_a_data_dir_is_refused_as_in_use() {
+        let dir = tempfile::tempdir().unwrap();
+        let _first = Database::open(dir.path()).unwrap();
+        let err = Database::open(dir.path()).unwrap_err();
+        let StoreError::DirInUse { dir: in_use, lock } = &err else {
+            panic!("not DirInUse: {err}");
+        };
+        assert_eq!(in_use, dir.path());
+        assert_eq!(lock, &dir.path().join(LOCK_FILE));
+        assert!(
+            err.to_string().contains("in use by another broker"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_file_from_a_newer_broker_is_an_unknown_schema() {
+        let dir = tempfile::tempdir().unwrap();
+        Connection::open(dir.path().join(DATABASE_FILE))
+            .unwrap()
+            .pragma_update(None, "user_version", SCHEMA_VERSION + 1)
+            .unwrap();
+        let err = Database::open(dir.path()).unwrap_err();
+        assert!(
+            matches!(err, StoreError::UnknownSchema { found, .. } if found == SCHEMA_VERSION + 1),
+            "{err}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_second_insert_of_a_key_is_a_duplicate() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Database::open(dir.path()).unwrap();
+        db.insert(record("op_1", "k")).await.unwrap();
+        let again = db.insert(record("op_2", "k")).await;
+        assert!(matches!(again, Err(InsertError::Duplicate)), "{again:?}");
+    }
+
+    #[tokio::test]
+    async fn a_row_in_an_unknown_state_reads_back_as_corrupt() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Database::open(dir.path()).unwrap();
+        db.load(&[record("op_1", "k")]).unwrap();
+        Connection::open(dir.path().join(DATABASE_FILE))
+            .unwrap()
+            .execute("UPDATE operations SET state = 'mislaid'", [])
+            .unwrap();
+        let err = db.get("op_1").await.unwrap_err();
+        assert!(matches!(err, StoreError::CorruptRow(_)), "{err}");
+    }
+
+    #[tokio::test]
+    async fn a_store_another_connection_holds_locked_is_busy() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Database::open(dir.path()).unwrap();
+        let holder = Connection::open(dir.path().join(DATABASE_FILE)).unwrap();
+        holder.execute_batch("BEGIN IMMEDIATE").unwrap();
+        // The write waits out its busy timeout, then gives up.
+        let err = db.ping().await.unwrap_err();
+        assert!(matches!(err, StoreError::Busy(_)), "{err}");
+        holder.execute_batch("ROLLBACK").unwrap();
+        db.ping().await.unwrap();
     }
 }

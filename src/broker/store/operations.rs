@@ -11,6 +11,7 @@ use serde_json::{Value, json};
 
 use crate::engine::OperationState;
 
+use super::error::is_unique_violation;
 use super::schema::OPERATION_COLUMNS;
 use super::streams::{StreamRecord, all_streams};
 use super::{Database, InsertError, StoreError, now_rfc3339};
@@ -307,7 +308,7 @@ impl Database {
             .await;
         match result {
             Ok(_) => Ok(()),
-            Err(err) if err.0.contains("UNIQUE constraint failed") => Err(InsertError::Duplicate),
+            Err(err) if is_unique_violation(&err) => Err(InsertError::Duplicate),
             Err(err) => Err(InsertError::Store(err)),
         }
     }

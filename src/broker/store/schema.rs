@@ -117,10 +117,10 @@ pub(super) fn migrate(writer: &Connection, path: &Path) -> Result<(), StoreError
         }
         SCHEMA_VERSION => {}
         other => {
-            return Err(StoreError::new(format!(
-                "{} has schema version {other}; this broker knows version {SCHEMA_VERSION}",
-                path.display()
-            )));
+            return Err(StoreError::UnknownSchema {
+                path: path.to_owned(),
+                found: other,
+            });
         }
     }
     // An older file (or one created by hand) is switched to incremental vacuum once: the mode
