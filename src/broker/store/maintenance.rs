@@ -2,11 +2,11 @@
 //! freed pages to the filesystem, checkpoints, and the counts the drift check and the metrics
 //! compare with the controller's.
 //!
-//! **Bounded.** The file uses incremental auto-vacuum: the retention sweep
-//! ([`crate::broker::retention`]) deletes retired rows in small transactions
-//! ([`Database::retire_batch`]) and then returns freed pages to the filesystem a few at a time
-//! ([`Database::return_free_pages`]), so neither step holds the write lock for long. An older file
-//! is switched over once at start-up with one full `VACUUM` (see `schema`).
+//! **Bounded.** The file uses incremental auto-vacuum: the broker's retention sweep deletes
+//! retired rows in small transactions ([`Database::retire_batch`]) and then returns freed pages to
+//! the filesystem a few at a time ([`Database::return_free_pages`]), so neither step holds the
+//! write lock for long. An older file is switched over once at start-up with one full `VACUUM`
+//! (see `schema`).
 
 use rusqlite::params;
 

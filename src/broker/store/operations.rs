@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::SystemTime;
 
 use rusqlite::{OptionalExtension, Row, params};
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use crate::engine::OperationState;
 
@@ -25,7 +25,7 @@ pub struct OperationError {
     pub message: String,
 }
 
-/// One durable operation, as stored and as the API shows it.
+/// One durable operation, as stored (the broker's `projection` shows it as the API does).
 #[derive(Clone, Debug, PartialEq)]
 pub struct OperationRecord {
     /// `op_` and 32 hex digits.
@@ -59,45 +59,6 @@ pub struct OperationRecord {
 }
 
 impl OperationRecord {
-    /// The Agent V1 operation object: every field the contract has, optional ones only when
-    /// they have a value (never a `null`).
-    pub fn to_json(&self) -> Value {
-        let mut object = self.to_summary_json();
-        let fields = object.as_object_mut().expect("a summary is an object");
-        fields.insert("target".to_owned(), self.target.clone());
-        fields.insert("arguments".to_owned(), self.arguments.clone());
-        fields.insert("reason".to_owned(), Value::from(self.reason.as_str()));
-        if let Some(error) = &self.error {
-            fields.insert(
-                "error".to_owned(),
-                json!({"code": error.code, "message": error.message}),
-            );
-        }
-        object
-    }
-
-    /// The Agent V1 operation summary: the operation object without `target`, `arguments`,
-    /// `reason`, `result`, `error`, `approval_id` and `plan_digest`.
-    pub fn to_summary_json(&self) -> Value {
-        let mut object = json!({
-            "api_version": crate::broker::discovery::API_VERSION,
-            "id": self.id,
-            "broker": self.broker,
-            "client_id": self.client_id,
-            "idempotency_key": self.idempotency_key,
-            "operation": self.operation,
-            "state": self.state.as_str(),
-            "revision": self.revision,
-            "created_at": self.created_at,
-            "updated_at": self.updated_at,
-            "presentation": crate::broker::presentation::presentation(self),
-        });
-        if let Some(terminal_at) = &self.terminal_at {
-            object["terminal_at"] = Value::from(terminal_at.as_str());
-        }
-        object
-    }
-
     fn from_row(row: &Row<'_>, broker: &str) -> rusqlite::Result<OperationRecord> {
         let state = parse_state(row.get("state")?, 0)?;
         let json_column = |name: &str| -> rusqlite::Result<Value> {
