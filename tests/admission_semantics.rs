@@ -8,7 +8,6 @@
 //! long enough (an hour, a day) that no token comes back while a test runs, and a rate wait is
 //! exact in-process and bounded by the time that passed on Redis.
 
-mod redis_support;
 mod support;
 
 use std::collections::BTreeMap;

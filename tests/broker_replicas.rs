@@ -3,7 +3,7 @@
 //! paused Redis answers new submissions with 503 `admission_unavailable` while cancels still work.
 
 mod broker_support;
-mod redis_support;
+mod support;
 
 use std::time::Duration;
 
@@ -17,7 +17,7 @@ const TIGHT: &str = r#"{"requests_per_window": 1000, "window_seconds": 60,
   "client_active": 4, "client_pending": 2, "global_active": 100, "global_executing": 10}"#;
 
 async fn replica(
-    server: &redis_support::RedisServer,
+    server: &support::redis::RedisServer,
     dir: &std::path::Path,
     name: &str,
 ) -> Harness {
@@ -147,7 +147,7 @@ async fn a_paused_redis_refuses_new_work_with_503_and_cancels_still_work() {
 
 #[test]
 fn the_replica_drill_passes_every_step_against_its_own_redis() {
-    let Some(server) = redis_support::RedisServer::start() else {
+    let Some(server) = support::redis::RedisServer::start() else {
         return;
     };
     let output = assert_cmd::Command::cargo_bin("admission")
@@ -162,7 +162,7 @@ fn the_replica_drill_passes_every_step_against_its_own_redis() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_started_before_redis_serves_reads_answers_503_then_registers_its_work() {
-    if !redis_support::installed() {
+    if !support::redis::installed() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
@@ -180,7 +180,7 @@ async fn a_replica_started_before_redis_serves_reads_answers_503_then_registers_
     earlier.broker.shutdown().await;
 
     // Nothing listens on the port yet.
-    let port = redis_support::free_port();
+    let port = support::redis::free_port();
     let mut options = RedisOptions::new(format!("redis://127.0.0.1:{port}/"), "r1");
     options.call_timeout = Duration::from_millis(300);
     options.circuit_cool_down = Duration::from_millis(200);
@@ -226,7 +226,7 @@ async fn a_replica_started_before_redis_serves_reads_answers_503_then_registers_
     );
     assert_eq!(r1.rows().await, 2, "nothing created while Redis was down");
 
-    let server = redis_support::RedisServer::start_on(port).expect("redis-server on the port");
+    let server = support::redis::RedisServer::start_on(port).expect("redis-server on the port");
     // Registered, then admitting: the client's pending limit (2) has room for one more beside
     // the restored pending operation (the canceled one is not counted).
     assert!(

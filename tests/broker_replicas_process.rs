@@ -4,8 +4,8 @@
 //! counted again, once.
 #![cfg(all(feature = "broker", feature = "redis", feature = "cli"))]
 
-mod redis_support;
 mod serve_support;
+mod support;
 
 use std::path::Path;
 use std::time::{Duration, Instant};

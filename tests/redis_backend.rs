@@ -3,13 +3,14 @@
 //! leases, a paused Redis, and one operation per idempotency key. The section-2 semantic tests
 //! run against both backends in `admission_semantics.rs`.
 
-mod redis_support;
+mod support;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use support::redis as redis_support;
 use unyolo_admission::config::{ClientLimits, Limits};
 use unyolo_admission::redis::{
     AdmitError, RedisController, RedisOperation, RedisOptions, RedisStartError, RestoredOperation,

@@ -2,4 +2,6 @@
 //! helper one binary does not use is allowed to be dead there).
 #![allow(dead_code)]
 
+pub mod redis;
+#[cfg(feature = "redis")]
 pub mod semantics;

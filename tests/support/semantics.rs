@@ -25,7 +25,7 @@ use unyolo_admission::{
     Refusal, RefusalCode, StartError, StorageCaps, TransitionError,
 };
 
-use crate::redis_support;
+use super::redis as redis_support;
 
 /// Which backend a test runs against.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

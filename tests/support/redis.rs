@@ -1,8 +1,6 @@
 //! A real `redis-server` for one test: a free loopback port, no persistence, its own directory,
 //! stopped when dropped. Tests skip (and say why) only when the binary cannot be run at all.
 
-#![allow(dead_code)]
-
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
@@ -175,7 +173,8 @@ pub fn process_server() -> Option<&'static ProcessServer> {
         .as_ref()
 }
 
-/// A loopback port free a moment ago (nothing listens on it now).
+/// A loopback port free a moment ago (nothing listens on it now): for a server a test starts,
+/// or an address where nothing answers yet.
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
@@ -215,7 +214,7 @@ impl Drop for RedisServer {
 #[macro_export]
 macro_rules! redis_or_skip {
     () => {
-        match $crate::redis_support::RedisServer::start() {
+        match $crate::support::redis::RedisServer::start() {
             Some(server) => server,
             None => return,
         }
