@@ -6,15 +6,16 @@
 //! a binary cannot be found the test says so and skips; it never passes silently otherwise.
 #![cfg(feature = "broker")]
 
-mod broker_support;
 mod support;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use broker_support::*;
+use support::broker::{ROOMY, start};
+use support::http::request;
 use support::redis::free_port;
+use support::secrets::{AGENT_SECRET, OPERATOR_SECRET};
 
 fn repo(path: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join(path)
