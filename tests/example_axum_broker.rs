@@ -6,6 +6,7 @@
 #[path = "../examples/axum_broker.rs"]
 #[allow(dead_code, unreachable_pub)]
 mod example;
+mod support;
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -13,6 +14,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use example::{App, Settings};
+use support::eventually::eventually;
 use tokio::io::AsyncWriteExt;
 use unyolo_admission::OperationState;
 
@@ -203,15 +205,15 @@ async fn wait_until_stored(
     state: &str,
     n: u64,
 ) -> HashMap<String, u64> {
-    for _ in 0..600 {
-        let stored = stored_counts(dir);
+    let mut stored = HashMap::new();
+    let settled = eventually(async || {
+        stored = stored_counts(dir);
         let executing = stored.get("executing").copied().unwrap_or(0);
-        if stored.get(state) == Some(&n) && app.controller.snapshot().executing == executing {
-            return stored;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("the store never held {n} {state} operations");
+        stored.get(state) == Some(&n) && app.controller.snapshot().executing == executing
+    })
+    .await;
+    assert!(settled, "the store never held {n} {state} operations");
+    stored
 }
 
 /// Runs each future on a task of its own, all at once, and collects their outputs in order.
