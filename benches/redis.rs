@@ -7,8 +7,8 @@
 //! a decision), so the counts stay level. Not run in CI: `cargo bench --bench
 //! redis`.
 
-#[path = "../tests/redis_support/mod.rs"]
-mod redis_support;
+#[path = "../tests/support/mod.rs"]
+mod support;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -148,7 +148,7 @@ async fn rate_only(url: &str, replicas: usize) -> Figures {
 }
 
 fn main() {
-    let Some(server) = redis_support::RedisServer::start() else {
+    let Some(server) = support::redis::RedisServer::start() else {
         return;
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()

@@ -8,14 +8,14 @@
 //! long enough (an hour, a day) that no token comes back while a test runs, and a rate wait is
 //! exact in-process and bounded by the time that passed on Redis.
 
-mod redis_support;
-mod semantics_support;
+mod support;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use semantics_support::{Backend, Kind, NotStarted};
+use support::semantics::{self as semantics_support, Backend, Kind};
+use unyolo_admission::NotStarted;
 use unyolo_admission::{
     CancelOutcome, ClientLimits, Config, Identity, Limits, OperationState, RefusalCode,
     StorageCaps, TransitionError,

@@ -2,17 +2,20 @@
 //! the operation object and its revisions, recovery by listing, paging while work arrives,
 //! long-poll waits (wake-up, timeout, bounds, shutdown, restart), and the data dirs of schema
 //! version 1. Every body the harness receives is validated against
-//! `tests/contract/agent_v1.schema.json` (see `broker_support::contract`).
+//! `tests/contract/agent_v1.schema.json` (see `support::contract`).
 #![cfg(feature = "broker")]
 
-mod broker_support;
+mod support;
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use broker_support::contract::{assert_conforms, violations};
-use broker_support::*;
 use serde_json::{Value, json};
+use support::broker::{ROOMY, settings, start, start_with};
+use support::contract::{assert_conforms, violations};
+use support::eventually::eventually;
+use support::http::request;
+use support::secrets::{AGENT, AGENT_SECRET, OPERATOR_SECRET, OTHER_SECRET};
 use unyolo_admission::StorageCaps;
 use unyolo_admission::broker::store::{Database, PageQuery, SCHEMA_VERSION};
 use unyolo_admission::broker::{Broker, BrokerError};

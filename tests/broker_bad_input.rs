@@ -2,11 +2,13 @@
 //! no row, no admission decision, no token, no slot.
 #![cfg(feature = "broker")]
 
-mod broker_support;
+mod support;
 
-use broker_support::*;
 use serde_json::{Value, json};
 use std::io::{Read, Write};
+use support::broker::{Harness, ROOMY, assert_unchanged, settings, start, start_with};
+use support::http::{Reply, request};
+use support::secrets::{AGENT, AGENT_SECRET, OPERATOR_SECRET, OTHER_SECRET};
 use unyolo_admission::RefusalCode;
 
 /// Sends `body` as a submission with `token` and asserts the status and code, that the response

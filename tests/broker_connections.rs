@@ -4,14 +4,17 @@
 //! decisions stay reachable through a flood of them.
 #![cfg(feature = "broker")]
 
-mod serve_support;
+mod support;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 
 use reqwest::Method;
 use serde_json::Value;
-use serve_support::{AGENT_SECRET, Files, OPERATOR_SECRET, PATIENCE, Server, eventually};
+use support::eventually::{PATIENCE, eventually};
+use support::http::{Reply, request};
+use support::secrets::{AGENT_SECRET, OPERATOR_SECRET};
+use support::serve::{Files, Server, run_to_end};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
@@ -86,7 +89,11 @@ fn flood(addr: SocketAddr, prefix: Vec<u8>, stop: watch::Receiver<bool>) -> Join
 async fn two_pending(server: &Server) -> (String, String) {
     let mut ids = Vec::new();
     for key in ["to-cancel", "to-approve"] {
-        let (status, _, op) = server.submit(AGENT_SECRET, key, "demo.request").await;
+        let Reply {
+            status, body: op, ..
+        } = server
+            .submit(AGENT_SECRET, &request(key, "demo.request", 0))
+            .await;
         assert_eq!(status, 202, "{op}");
         ids.push(op["id"].as_str().unwrap().to_owned());
     }
@@ -96,12 +103,14 @@ async fn two_pending(server: &Server) -> (String, String) {
 /// Through the flood: `/healthz`, the agent's cancel and the operator's approve each get their
 /// answer (each is one request that waits its turn, at most [`PATIENCE`]).
 async fn health_cancel_and_approve_get_through(server: &Server, cancel: &str, approve: &str) {
-    let (status, _, _) = server
+    let Reply { status, .. } = server
         .send(Method::GET, "/healthz", AGENT_SECRET, None)
         .await
         .expect("/healthz answered during the flood");
     assert_eq!(status, 200);
-    let (status, _, op) = server
+    let Reply {
+        status, body: op, ..
+    } = server
         .send(
             Method::POST,
             &format!("/api/agent/v1/operations/{cancel}/cancel"),
@@ -112,7 +121,9 @@ async fn health_cancel_and_approve_get_through(server: &Server, cancel: &str, ap
         .expect("the cancel was answered during the flood");
     assert_eq!(status, 200, "{op}");
     assert_eq!(op["state"], "canceled");
-    let (status, _, op) = server
+    let Reply {
+        status, body: op, ..
+    } = server
         .send(
             Method::POST,
             &format!("/api/operator/v1/requests/{approve}/approve"),
@@ -133,7 +144,11 @@ async fn broker_is_intact(server: &mut Server, cancel: &str, approve: &str) {
         "the broker ran out of descriptors:\n{}",
         server.logged()
     );
-    let (status, _, listed) = server
+    let Reply {
+        status,
+        body: listed,
+        ..
+    } = server
         .send(Method::GET, "/api/agent/v1/operations", AGENT_SECRET, None)
         .await
         .expect("the operations were listed after the flood");
@@ -192,7 +207,7 @@ async fn a_stalled_body_gets_an_error_once_the_body_timeout_passes() {
     let received = String::from_utf8(read_until_closed(&mut stream).await).unwrap();
     assert!(received.starts_with("HTTP/1.1 400"), "{received}");
     assert!(received.contains("invalid_request"), "{received}");
-    let (_, _, listed) = server
+    let Reply { body: listed, .. } = server
         .send(Method::GET, "/api/agent/v1/operations", AGENT_SECRET, None)
         .await
         .unwrap();
@@ -268,10 +283,10 @@ fn a_zero_timeout_or_connection_limit_stops_serve_at_start_up() {
         ["--body-timeout", "0s"],
         ["--max-connections", "0"],
     ] {
-        let out = serve_support::run_to_end(&serve_args(&files, &flags));
-        assert_eq!(out.status.code(), Some(1), "{flags:?}");
-        let stderr = String::from_utf8_lossy(&out.stderr);
+        let out = run_to_end(&serve_args(&files, &flags));
+        assert_eq!(out.code, Some(1), "{flags:?}");
+        let stderr = &out.stderr;
         assert!(stderr.starts_with("error: "), "{flags:?}: {stderr}");
-        assert!(!String::from_utf8_lossy(&out.stdout).contains("listening on"));
+        assert!(!out.stdout.contains("listening on"));
     }
 }

@@ -4,10 +4,14 @@
 //! one broker per data dir.
 #![cfg(feature = "broker")]
 
-mod broker_support;
+mod support;
 
-use broker_support::*;
 use serde_json::json;
+use support::broker::{ROOMY, assert_unchanged, settings, start, start_with};
+use support::eventually::eventually;
+use support::http::{Reply, request};
+use support::metrics::metric;
+use support::secrets::{AGENT, AGENT_SECRET, OPERATOR_SECRET, OTHER_SECRET};
 use unyolo_admission::broker::Broker;
 
 /// Fast limits: one rate token every 60 s after the first two, so the third submission is refused.

@@ -1,19 +1,23 @@
 //! Faults (SPEC section 6) against an in-process broker on real SQLite: clients that send a whole
 //! request and hang up at once, and a store that another connection holds locked (the `kill -9`
-//! of the real binary is in `broker_faults_crash.rs`; the helpers in `broker_support/faults.rs`).
+//! of the real binary is in `broker_faults_crash.rs`; the helpers in `support/faults.rs`).
 //! Each test ends with the controller's counts equal to the store (drift 0) and the operator able
 //! to decide everything in the inbox. Drift readings taken *during* the bursts must be 0 too: a
 //! reading never catches a change half made.
 #![cfg(feature = "broker")]
 
-mod broker_support;
+mod support;
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use broker_support::faults::*;
-use broker_support::*;
 use serde_json::{Value, json};
+use support::broker::{settings, start_with};
+use support::eventually::eventually;
+use support::faults::*;
+use support::http::request;
+use support::metrics::metric;
+use support::secrets::{AGENT, AGENT_SECRET, OPERATOR_SECRET, OTHER};
 use unyolo_admission::StorageCaps;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -3,12 +3,16 @@
 //! hold under concurrency, and the stream store's caps bind.
 #![cfg(feature = "broker")]
 
-mod broker_support;
+mod support;
 
 use std::sync::Arc;
 
-use broker_support::*;
 use serde_json::json;
+use support::broker::{Harness, ROOMY, settings, start, start_with};
+use support::eventually::eventually;
+use support::http::request;
+use support::metrics::metric;
+use support::secrets::{AGENT, AGENT_SECRET, OPERATOR_SECRET, OTHER_SECRET};
 use unyolo_admission::broker::BrokerSettings;
 use unyolo_admission::config::Secrets;
 use unyolo_admission::engine::StoreCaps;

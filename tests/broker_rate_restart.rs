@@ -2,9 +2,12 @@
 //! serve` rebuilds each client's bucket from the creation times of its recent operations.
 #![cfg(feature = "broker")]
 
-mod serve_support;
+mod support;
 
-use serve_support::{AGENT_SECRET, Files, OTHER_SECRET, Server, eventually};
+use support::eventually::eventually;
+use support::http::{Reply, request};
+use support::secrets::{AGENT_SECRET, OTHER_SECRET};
+use support::serve::{Files, Server};
 
 /// `agent` may submit 3 an hour; `other` 2 every 2 seconds.
 const LIMITS: &str = r#"{"requests_per_window": 60, "window_seconds": 60, "client_active": 25,
@@ -26,19 +29,38 @@ async fn a_bucket_spent_before_kill_9_is_still_spent_after_the_restart() {
         ("a2", "demo.run"),
         ("a3", "demo.request"),
     ] {
-        let (status, _, op) = server.submit(AGENT_SECRET, key, operation).await;
+        let Reply {
+            status, body: op, ..
+        } = server
+            .submit(AGENT_SECRET, &request(key, operation, 0))
+            .await;
         assert_eq!(status, 202, "{op}");
     }
-    let (status, _, refused) = server.submit(AGENT_SECRET, "a4", "demo.request").await;
+    let Reply {
+        status,
+        body: refused,
+        ..
+    } = server
+        .submit(AGENT_SECRET, &request("a4", "demo.request", 0))
+        .await;
     assert_eq!(status, 429, "{refused}");
     for key in ["o1", "o2"] {
-        assert_eq!(server.submit(OTHER_SECRET, key, "demo.run").await.0, 202);
+        assert_eq!(
+            server
+                .submit(OTHER_SECRET, &request(key, "demo.run", 0))
+                .await
+                .status,
+            202
+        );
     }
 
     drop(server); // SIGKILL: nothing of the buckets was written anywhere.
 
     let server = Server::spawn(None, &files.args());
-    let (status, retry_after, refused) = server.submit(AGENT_SECRET, "a5", "demo.request").await;
+    let reply = server
+        .submit(AGENT_SECRET, &request("a5", "demo.request", 0))
+        .await;
+    let (status, retry_after, refused) = (reply.status, reply.retry_after(), reply.body);
     assert_eq!(status, 429, "{refused}");
     assert_eq!(refused["error"]["code"], "submission_rate_limited");
     // The oldest admission's token comes back 20 minutes after it was taken, not before.
@@ -52,9 +74,12 @@ async fn a_bucket_spent_before_kill_9_is_still_spent_after_the_restart() {
         eventually(async || {
             key += 1;
             server
-                .submit(OTHER_SECRET, &format!("o-after-{key}"), "demo.run")
+                .submit(
+                    OTHER_SECRET,
+                    &request(&format!("o-after-{key}"), "demo.run", 0),
+                )
                 .await
-                .0
+                .status
                 == 202
         })
         .await

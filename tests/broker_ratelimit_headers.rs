@@ -2,13 +2,15 @@
 //! and `RateLimit` as structured fields, exact from the engine; parsed back here with `sfv`.
 #![cfg(feature = "broker")]
 
-mod broker_support;
+mod support;
 
 use std::collections::HashMap;
 use std::time::Duration;
 
-use broker_support::*;
 use sfv::{BareItem, List, ListEntry, Parser};
+use support::broker::start;
+use support::http::{Reply, request};
+use support::secrets::{AGENT, AGENT_SECRET, OTHER_SECRET};
 use unyolo_admission::{Config, Controller, Identity, ManualClock, RefusalCode};
 
 /// One field: policy name → its parameters, as integers or strings.

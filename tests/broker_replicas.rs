@@ -2,14 +2,16 @@
 //! across replicas, one idempotency key makes one operation whichever replica it reaches, and a
 //! paused Redis answers new submissions with 503 `admission_unavailable` while cancels still work.
 
-mod broker_support;
-mod redis_support;
+mod support;
 
 use std::time::Duration;
 
-use broker_support::{AGENT_SECRET, Harness, request, settings};
+use support::broker::{Harness, settings, start_shared, start_with};
+use support::eventually::eventually;
+use support::http::request;
+use support::metrics::metric;
+use support::secrets::AGENT_SECRET;
 use unyolo_admission::StorageCaps;
-use unyolo_admission::broker::Broker;
 use unyolo_admission::redis::RedisOptions;
 
 /// Two pending operations per client, across every replica.
@@ -17,7 +19,7 @@ const TIGHT: &str = r#"{"requests_per_window": 1000, "window_seconds": 60,
   "client_active": 4, "client_pending": 2, "global_active": 100, "global_executing": 10}"#;
 
 async fn replica(
-    server: &redis_support::RedisServer,
+    server: &support::redis::RedisServer,
     dir: &std::path::Path,
     name: &str,
 ) -> Harness {
@@ -26,13 +28,7 @@ async fn replica(
     options.circuit_cool_down = Duration::from_millis(200);
     let mut settings = settings(dir, TIGHT, StorageCaps::default());
     settings.broker_name = name.to_owned();
-    let (broker, restored) = Broker::start_shared(settings, options).await.unwrap();
-    Harness {
-        base: format!("http://{}", broker.local_addr()),
-        broker,
-        restored,
-        http: reqwest::Client::new(),
-    }
+    start_shared(settings, options).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -125,16 +121,11 @@ async fn a_paused_redis_refuses_new_work_with_503_and_cancels_still_work() {
         metrics.contains("admission_backend{backend=\"redis\"} 1"),
         "{metrics}"
     );
-    assert!(
-        broker_support::metric(&metrics, "admission_redis_errors_total").is_some_and(|n| n > 0)
-    );
-    assert!(
-        broker_support::metric(&metrics, "admission_redis_unavailable_total")
-            .is_some_and(|n| n > 0)
-    );
+    assert!(metric(&metrics, "admission_redis_errors_total").is_some_and(|n| n > 0));
+    assert!(metric(&metrics, "admission_redis_unavailable_total").is_some_and(|n| n > 0));
     server.resume();
     assert!(
-        broker_support::eventually(async || {
+        eventually(async || {
             r1.submit(AGENT_SECRET, &request("after", "demo.request", 0))
                 .await
                 .status
@@ -147,7 +138,7 @@ async fn a_paused_redis_refuses_new_work_with_503_and_cancels_still_work() {
 
 #[test]
 fn the_replica_drill_passes_every_step_against_its_own_redis() {
-    let Some(server) = redis_support::RedisServer::start() else {
+    let Some(server) = support::redis::RedisServer::start() else {
         return;
     };
     let output = assert_cmd::Command::cargo_bin("admission")
@@ -162,14 +153,14 @@ fn the_replica_drill_passes_every_step_against_its_own_redis() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_started_before_redis_serves_reads_answers_503_then_registers_its_work() {
-    if !redis_support::installed() {
+    if !support::redis::installed() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
     // An earlier run (alone) left two pending operations in the store.
     let mut lone = settings(dir.path(), TIGHT, StorageCaps::default());
     lone.broker_name = "r1".to_owned();
-    let earlier = broker_support::start_with(lone).await;
+    let earlier = start_with(lone).await;
     let first = earlier
         .submit(AGENT_SECRET, &request("first", "demo.request", 0))
         .await;
@@ -180,7 +171,7 @@ async fn a_replica_started_before_redis_serves_reads_answers_503_then_registers_
     earlier.broker.shutdown().await;
 
     // Nothing listens on the port yet.
-    let port = redis_support::free_port();
+    let port = support::redis::free_port();
     let mut options = RedisOptions::new(format!("redis://127.0.0.1:{port}/"), "r1");
     options.call_timeout = Duration::from_millis(300);
     options.circuit_cool_down = Duration::from_millis(200);
@@ -188,15 +179,7 @@ async fn a_replica_started_before_redis_serves_reads_answers_503_then_registers_
     options.lease_ttl = Duration::from_secs(2);
     let mut shared_settings = settings(dir.path(), TIGHT, StorageCaps::default());
     shared_settings.broker_name = "r1".to_owned();
-    let (broker, restored) = Broker::start_shared(shared_settings, options)
-        .await
-        .unwrap();
-    let r1 = Harness {
-        base: format!("http://{}", broker.local_addr()),
-        broker,
-        restored,
-        http: reqwest::Client::new(),
-    };
+    let r1 = start_shared(shared_settings, options).await;
 
     let refused = r1
         .submit(AGENT_SECRET, &request("third", "demo.request", 0))
@@ -226,11 +209,11 @@ async fn a_replica_started_before_redis_serves_reads_answers_503_then_registers_
     );
     assert_eq!(r1.rows().await, 2, "nothing created while Redis was down");
 
-    let server = redis_support::RedisServer::start_on(port).expect("redis-server on the port");
+    let server = support::redis::RedisServer::start_on(port).expect("redis-server on the port");
     // Registered, then admitting: the client's pending limit (2) has room for one more beside
     // the restored pending operation (the canceled one is not counted).
     assert!(
-        broker_support::eventually(async || {
+        eventually(async || {
             r1.submit(AGENT_SECRET, &request("third", "demo.request", 0))
                 .await
                 .status

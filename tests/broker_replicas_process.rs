@@ -4,14 +4,15 @@
 //! counted again, once.
 #![cfg(all(feature = "broker", feature = "redis", feature = "cli"))]
 
-mod redis_support;
-mod serve_support;
+mod support;
 
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use serve_support::{AGENT_SECRET, Files, OPERATOR_SECRET, Server};
+use support::http::{Reply, request};
+use support::secrets::{AGENT_SECRET, OPERATOR_SECRET};
+use support::serve::{Files, Server};
 
 /// Three pending operations per client, across every replica.
 const TIGHT: &str = r#"{"requests_per_window": 1000, "window_seconds": 60,
@@ -45,14 +46,15 @@ fn replica(redis_url: &str, files: &Files, dir: &Path, name: &str) -> Server {
 
 /// Submits a pending `demo.request`: `(status, code, id)`.
 async fn submit(server: &Server, key: &str) -> (u16, String, String) {
-    let (status, _, body) = server.submit(AGENT_SECRET, key, "demo.request").await;
-    let text = |v: &Value| v.as_str().unwrap_or("-").to_owned();
-    (status, text(&body["error"]["code"]), text(&body["id"]))
+    let reply = server
+        .submit(AGENT_SECRET, &request(key, "demo.request", 0))
+        .await;
+    (reply.status, reply.code().to_owned(), reply.id())
 }
 
 /// The ids in a replica's operator inbox.
 async fn inbox(server: &Server) -> Vec<String> {
-    let (status, _, body) = server
+    let Reply { status, body, .. } = server
         .send(
             reqwest::Method::GET,
             "/api/operator/v1/requests",
@@ -71,7 +73,7 @@ async fn inbox(server: &Server) -> Vec<String> {
 }
 
 async fn deny(server: &Server, id: &str) {
-    let (status, _, body) = server
+    let Reply { status, body, .. } = server
         .send(
             reqwest::Method::POST,
             &format!("/api/operator/v1/requests/{id}/deny"),

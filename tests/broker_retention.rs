@@ -4,15 +4,19 @@
 //! sweep's clock is moved forward instead of waiting days.
 #![cfg(feature = "broker")]
 
-mod broker_support;
+mod support;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime};
 
-use broker_support::faults::upload;
-use broker_support::*;
 use serde_json::json;
+use support::broker::{Harness, ROOMY, settings, start_with};
+use support::eventually::eventually;
+use support::faults::upload;
+use support::http::request;
+use support::metrics::metric;
+use support::secrets::{AGENT, AGENT_SECRET, OPERATOR_SECRET};
 use unyolo_admission::StorageCaps;
 use unyolo_admission::broker::store::{Database, OperationRecord, PageQuery};
 use unyolo_admission::broker::{BrokerSettings, Keep, RetentionSettings, WallClock};

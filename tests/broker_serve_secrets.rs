@@ -2,9 +2,10 @@
 //! secret is also a client's, naming the files and never the secret.
 #![cfg(feature = "broker")]
 
-mod serve_support;
+mod support;
 
-use serve_support::{AGENT_SECRET, Files, OTHER_SECRET, run_to_end};
+use support::secrets::{AGENT_SECRET, OTHER_SECRET, secrets};
+use support::serve::{Files, run_to_end};
 
 const LIMITS: &str = r#"{"requests_per_window": 60, "window_seconds": 60, "client_active": 25,
   "client_pending": 10, "global_active": 100, "global_executing": 10}"#;
@@ -15,9 +16,8 @@ fn an_operator_secret_equal_to_a_client_secret_stops_serve_naming_the_files_not_
     let files = Files::write(dir.path(), LIMITS);
     std::fs::write(&files.operator, format!("{OTHER_SECRET}\n")).unwrap();
     let out = run_to_end(&files.args());
-    assert_eq!(out.status.code(), Some(1));
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.code, Some(1));
+    let (stdout, stderr) = (&out.stdout, &out.stderr);
     assert!(!stdout.contains("listening on"), "{stdout}");
     assert!(
         stderr.contains(files.operator.to_str().unwrap()),
@@ -35,14 +35,11 @@ fn an_operator_secret_equal_to_a_client_secret_stops_serve_naming_the_files_not_
 #[test]
 fn an_embedder_gets_the_collision_as_an_error_naming_the_client() {
     use unyolo_admission::broker::{Broker, BrokerError, BrokerSettings};
-    use unyolo_admission::config::Secrets;
     let dir = tempfile::tempdir().unwrap();
-    let secrets =
-        Secrets::parse(&format!("agent = {AGENT_SECRET}\nother = {OTHER_SECRET}\n")).unwrap();
     let settings = BrokerSettings::new(
         "127.0.0.1:0".parse().unwrap(),
         dir.path().to_owned(),
-        secrets,
+        secrets(),
         AGENT_SECRET.to_owned(),
     );
     let runtime = tokio::runtime::Runtime::new().unwrap();
@@ -61,13 +58,10 @@ fn an_embedder_gets_the_collision_as_an_error_naming_the_client() {
 #[test]
 fn distinct_secrets_start() {
     use unyolo_admission::broker::BrokerSettings;
-    use unyolo_admission::config::Secrets;
-    let secrets =
-        Secrets::parse(&format!("agent = {AGENT_SECRET}\nother = {OTHER_SECRET}\n")).unwrap();
     let settings = BrokerSettings::new(
         "127.0.0.1:0".parse().unwrap(),
         std::env::temp_dir(),
-        secrets,
+        secrets(),
         format!("{AGENT_SECRET}-operator"),
     );
     assert!(settings.validate().is_ok());

@@ -3,12 +3,16 @@
 //! label it selects or groups by (and every label value it matches exactly).
 #![cfg(feature = "broker")]
 
-mod broker_support;
+mod support;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::Path;
 
-use broker_support::*;
+use support::broker::start;
+use support::eventually::eventually;
+use support::http::request;
+use support::metrics::metric;
+use support::secrets::{AGENT_SECRET, OPERATOR_SECRET, OTHER_SECRET};
 
 /// Series Prometheus makes itself, not the broker.
 const FROM_PROMETHEUS: &[&str] = &["up"];

@@ -6,13 +6,17 @@
 //! a binary cannot be found the test says so and skips; it never passes silently otherwise.
 #![cfg(feature = "broker")]
 
-mod broker_support;
+mod support;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use broker_support::*;
+use support::broker::{ROOMY, start};
+use support::http::request;
+use support::redis::free_port;
+use support::secrets::{AGENT_SECRET, OPERATOR_SECRET};
+use support::serve::Server;
 
 fn repo(path: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join(path)
@@ -79,14 +83,6 @@ impl Drop for Running {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// The samples of an instant query: (labels, value).
@@ -208,39 +204,10 @@ async fn a_real_prometheus_scrapes_the_broker_and_records_the_rules() {
 
 #[test]
 fn serve_prints_where_its_metrics_are_and_which_rule_file_fits_them() {
-    use std::io::{BufRead, BufReader};
     let dir = tempfile::tempdir().unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_admission"))
-        .arg("serve")
-        .args(["--listen", "127.0.0.1:0", "--data"])
-        .arg(dir.path())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let _running = Running(child);
-    // Read on a thread so a server that never prints fails the test after a bound, not hangs it.
-    let (lines, printed) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if lines.send(line).is_err() {
-                break;
-            }
-        }
-    });
-    let mut seen = Vec::new();
-    while !seen.iter().any(|l: &String| l.starts_with("listening on ")) {
-        match printed.recv_timeout(Duration::from_secs(60)) {
-            Ok(line) => seen.push(line),
-            Err(_) => panic!("serve never said it listens:\n{}", seen.join("\n")),
-        }
-    }
-    let addr = seen
-        .iter()
-        .find_map(|l| l.strip_prefix("listening on "))
-        .expect("a listening line")
-        .to_owned();
+    let server = Server::spawn(None, &["--data", dir.path().to_str().unwrap()]);
+    let seen: Vec<&str> = server.stdout.lines().collect();
+    let addr = server.addr;
     assert!(
         seen.iter()
             .any(|l| l.starts_with(&format!("metrics: http://{addr}/metrics"))),

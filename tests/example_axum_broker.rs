@@ -6,7 +6,7 @@
 #[path = "../examples/axum_broker.rs"]
 #[allow(dead_code, unreachable_pub)]
 mod example;
-mod redis_support;
+mod support;
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -14,6 +14,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use example::{App, Settings};
+use support::eventually::eventually;
 use tokio::io::AsyncWriteExt;
 use unyolo_admission::{OperationState, ReplicaOptions};
 
@@ -30,7 +31,7 @@ fn in_process() -> Option<Backend> {
 /// A replica's options on this process's `redis-server`; `None` (having said why) if it cannot
 /// run here.
 fn replicated(test: &str) -> Option<Backend> {
-    let Some(server) = redis_support::process_server() else {
+    let Some(server) = support::redis::process_server() else {
         eprintln!("SKIPPED: {test}: no redis-server to run the replicated example against");
         return None;
     };
@@ -254,15 +255,15 @@ async fn wait_until_stored(
     state: &str,
     n: u64,
 ) -> HashMap<String, u64> {
-    for _ in 0..600 {
-        let stored = stored_counts(dir);
+    let mut stored = HashMap::new();
+    let settled = eventually(async || {
+        stored = stored_counts(dir);
         let executing = stored.get("executing").copied().unwrap_or(0);
-        if stored.get(state) == Some(&n) && app.admission.snapshot().executing == executing {
-            return stored;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("the store never held {n} {state} operations");
+        stored.get(state) == Some(&n) && app.admission.snapshot().executing == executing
+    })
+    .await;
+    assert!(settled, "the store never held {n} {state} operations");
+    stored
 }
 
 /// Runs each future on a task of its own, all at once, and collects their outputs in order.

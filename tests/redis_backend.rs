@@ -3,13 +3,15 @@
 //! leases, a paused Redis, and one operation per idempotency key. The section-2 semantic tests
 //! run against both backends in `admission_semantics.rs`.
 
-mod redis_support;
+mod support;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use support::eventually::assert_eventually as eventually;
+use support::redis as redis_support;
 use unyolo_admission::config::{ClientLimits, Limits};
 use unyolo_admission::redis::{
     AdmitError, RedisController, RedisOperation, RedisOptions, RedisStartError, RestoredOperation,
@@ -73,20 +75,6 @@ async fn replica(config: Config, options: RedisOptions) -> RedisController {
     let controller = RedisController::connect(config, options).await.unwrap();
     controller.register(Vec::new()).await.unwrap();
     controller
-}
-
-/// Polls `check` until it holds, failing after a generous deadline (a bound, not a timing
-/// assertion: the condition is what is tested).
-async fn eventually<F, Fut>(what: &str, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !check().await {
-        assert!(Instant::now() < deadline, "never happened: {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 fn global(counts: &SharedCounts) -> (u64, u64, u64) {

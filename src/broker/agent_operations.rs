@@ -17,6 +17,7 @@ use super::http::{
     ApiError, ApiResult, detached, json_response, own_record, path_id, read_body, transition_to_end,
 };
 use super::operations::{LiveOp, TransitionFailure, duration_ms};
+use super::projection::OperationJson;
 use super::store::{InsertError, OperationRecord, StoreError, now_rfc3339};
 use super::{Core, ratelimit};
 use crate::admission::{AdmissionPermit, AdmitError, Refused, Unavailable};

@@ -354,9 +354,10 @@ pub(crate) async fn transition_to_end(
 ) -> Result<OperationRecord, TransitionFailure> {
     let transition = Arc::clone(core).transition(op, to, None);
     super::run_to_end(transition).await.unwrap_or_else(|err| {
-        Err(TransitionFailure::Store(StoreError::new(format!(
-            "the transition did not finish: {err}"
-        ))))
+        Err(TransitionFailure::Store(StoreError::unfinished(
+            "the transition",
+            err,
+        )))
     })
 }
 #[cfg(test)]

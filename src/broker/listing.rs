@@ -25,6 +25,7 @@ use super::Core;
 use super::agent_operations::is_idempotency_key;
 use super::discovery::API_VERSION;
 use super::http::{ApiError, ApiResult, json_response};
+use super::projection::OperationJson;
 use super::store::PageQuery;
 use super::waits::parse_integer;
 use crate::engine::OperationState;

@@ -93,6 +93,7 @@ pub mod listing;
 mod operations;
 mod operator;
 pub mod presentation;
+pub mod projection;
 pub mod ratelimit;
 pub mod retention;
 pub mod serve;

@@ -96,10 +96,10 @@ impl Core {
             .await
             .map_err(TransitionFailure::Store)?
             .ok_or_else(|| {
-                TransitionFailure::Store(StoreError::new(format!(
-                    "operation {} is not {from} in the store",
-                    op.id
-                )))
+                TransitionFailure::Store(StoreError::NotInState {
+                    id: op.id.clone(),
+                    expected: from,
+                })
             })?;
         // Every transition holds the lock, so the handle is still in `from`.
         // One call for both backends: the local move at once, the shared one by operation id

@@ -11,6 +11,7 @@ use serde_json::{Value, json};
 use super::Core;
 use super::http::{ApiError, ApiResult, json_response, path_id, transition_to_end};
 use super::operations::TransitionFailure;
+use super::projection::OperationJson;
 use super::store::OperationRecord;
 use crate::engine::OperationState;
 

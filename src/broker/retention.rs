@@ -307,7 +307,7 @@ pub(crate) async fn sweep(core: &Arc<Core>) -> Result<SweepReport, StoreError> {
             })
         })
         .await
-        .map_err(|e| StoreError::new(format!("filter rebuild failed: {e}")))??;
+        .map_err(|e| StoreError::unfinished("the filter rebuild", e))??;
         report.filter_rebuilt = true;
     }
 
@@ -353,7 +353,7 @@ async fn reconcile_streams(core: &Arc<Core>) -> Result<(u64, u64), StoreError> {
         names
     })
     .await
-    .map_err(|e| StoreError::new(format!("cannot list stream files: {e}")))?;
+    .map_err(|e| StoreError::unfinished("the stream file listing", e))?;
     let uploading: std::collections::HashSet<String> = core.uploads().keys().cloned().collect();
     let mut rows_removed = 0;
     for (id, client) in &rows {

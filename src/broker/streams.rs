@@ -108,7 +108,7 @@ async fn write_stream(
     mut body: Body,
     declared: u64,
 ) -> Result<u64, ApiError> {
-    let io_error = |err: std::io::Error| ApiError::store(StoreError::new(err.to_string()));
+    let io_error = |err: std::io::Error| ApiError::store(StoreError::io("write", path, err));
     tokio::fs::create_dir_all(dir).await.map_err(io_error)?;
     let mut file = tokio::fs::File::create(path).await.map_err(io_error)?;
     let mut size: u64 = 0;

@@ -28,6 +28,7 @@ use tokio::sync::watch;
 use super::Core;
 use super::http::{ApiError, ApiResult, json_response, own_record, path_id};
 use super::listing::single_params;
+use super::projection::OperationJson;
 
 /// Most waits one client may hold open at once.
 pub const MAX_WAITS_PER_CLIENT: usize = 32;

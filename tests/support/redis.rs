@@ -1,10 +1,10 @@
 //! A real `redis-server` for one test: a free loopback port, no persistence, its own directory,
 //! stopped when dropped. Tests skip (and say why) only when the binary cannot be run at all.
 
-#![allow(dead_code)]
-
+use std::ffi::OsString;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
@@ -18,16 +18,7 @@ pub struct RedisServer {
 impl RedisServer {
     /// Starts a server, or `None` (having printed why) if `redis-server` cannot be run here.
     pub fn start() -> Option<RedisServer> {
-        if !installed() {
-            return None;
-        }
-        // A port taken between choosing it and the server binding it is retried with another.
-        for _ in 0..5 {
-            if let Some(server) = RedisServer::start_on(free_port()) {
-                return Some(server);
-            }
-        }
-        panic!("redis-server did not start on any of five loopback ports");
+        on_a_free_port(RedisServer::start_on)
     }
 
     /// Starts a server on `port` (a replica may already be trying it), or `None` if it did not
@@ -35,12 +26,7 @@ impl RedisServer {
     pub fn start_on(port: u16) -> Option<RedisServer> {
         let dir = tempfile::tempdir().expect("a temporary directory");
         let child = Command::new("redis-server")
-            .args(["--port", &port.to_string()])
-            .args(["--bind", "127.0.0.1"])
-            .args(["--save", ""])
-            .args(["--appendonly", "no"])
-            .arg("--dir")
-            .arg(dir.path())
+            .args(server_args(port, dir.path()))
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -132,12 +118,7 @@ wait "$pid""#;
             .arg("-c")
             .arg(script)
             .arg("sh")
-            .args(["--port", &port.to_string()])
-            .args(["--bind", "127.0.0.1"])
-            .args(["--save", ""])
-            .args(["--appendonly", "no"])
-            .arg("--dir")
-            .arg(std::env::temp_dir())
+            .args(server_args(port, &std::env::temp_dir()))
             .stdin(Stdio::piped())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -161,21 +142,46 @@ wait "$pid""#;
 pub fn process_server() -> Option<&'static ProcessServer> {
     static SERVER: OnceLock<Option<ProcessServer>> = OnceLock::new();
     SERVER
-        .get_or_init(|| {
-            if !installed() {
-                return None;
-            }
-            for _ in 0..5 {
-                if let Some(server) = ProcessServer::start_on(free_port()) {
-                    return Some(server);
-                }
-            }
-            panic!("redis-server did not start on any of five loopback ports");
-        })
+        .get_or_init(|| on_a_free_port(ProcessServer::start_on))
         .as_ref()
 }
 
-/// A loopback port free a moment ago (nothing listens on it now).
+/// A server started by `start_on` on a free loopback port, or `None` (having printed why) if
+/// `redis-server` cannot be run here. A port taken between choosing it and the server binding it
+/// is retried with another.
+fn on_a_free_port<S>(start_on: impl Fn(u16) -> Option<S>) -> Option<S> {
+    if !installed() {
+        return None;
+    }
+    for _ in 0..5 {
+        if let Some(server) = start_on(free_port()) {
+            return Some(server);
+        }
+    }
+    panic!("redis-server did not start on any of five loopback ports");
+}
+
+/// `redis-server`'s flags: `port` on loopback, no persistence, its files in `dir`.
+fn server_args(port: u16, dir: &Path) -> Vec<OsString> {
+    let mut args: Vec<OsString> = [
+        "--port",
+        &port.to_string(),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+    ]
+    .map(OsString::from)
+    .into();
+    args.push(dir.into());
+    args
+}
+
+/// A loopback port free a moment ago (nothing listens on it now): for a server a test starts,
+/// or an address where nothing answers yet.
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
@@ -215,7 +221,7 @@ impl Drop for RedisServer {
 #[macro_export]
 macro_rules! redis_or_skip {
     () => {
-        match $crate::redis_support::RedisServer::start() {
+        match $crate::support::redis::RedisServer::start() {
             Some(server) => server,
             None => return,
         }

@@ -16,14 +16,14 @@ use unyolo_admission::admission::{
     Admission, AdmitError, DeploymentCounts, ReplicaOptions, RestoredOperation,
 };
 pub use unyolo_admission::admission::{
-    AdmissionPermit as AnyPermit, NotStarted, OperationHandle as AnyOperation,
+    AdmissionPermit as AnyPermit, OperationHandle as AnyOperation,
 };
 use unyolo_admission::engine::DEFAULT_CAPACITY_RETRY;
 use unyolo_admission::{
     Config, Controller, Identity, ManualClock, OperationState, Refusal, RefusalCode, StorageCaps,
 };
 
-use crate::redis_support;
+use super::redis as redis_support;
 
 /// Which backend a test runs against.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -1,4 +1,4 @@
-//! Shared by the fault tests: bursts of clients that hang up, a store held locked by another
+//! The fault tests' own: bursts of clients that hang up, a store held locked by another
 //! connection, and the promise every fault test ends with (the controller's counts equal the
 //! store, the inbox is decidable).
 
@@ -12,7 +12,81 @@ use serde_json::Value;
 use unyolo_admission::StorageCaps;
 use unyolo_admission::broker::{Broker, DriftReport};
 
-use super::*;
+use super::broker::{Harness, settings, start_with};
+use super::eventually::eventually;
+use super::http::request;
+use super::metrics::metric;
+use super::secrets::{AGENT_SECRET, OPERATOR_SECRET};
+
+/// One raw HTTP/1.1 request, written whole (or, with `declared` above the body's length, cut
+/// short) by a client that then closes the connection without reading the answer.
+#[derive(Clone, Debug)]
+pub struct HangUp {
+    pub method: &'static str,
+    pub path: String,
+    pub token: String,
+    pub body: Vec<u8>,
+    /// The `Content-Length` sent; `None` sends the body's length.
+    pub declared: Option<usize>,
+}
+
+impl HangUp {
+    pub fn new(
+        method: &'static str,
+        path: impl Into<String>,
+        token: &str,
+        body: Vec<u8>,
+    ) -> HangUp {
+        HangUp {
+            method,
+            path: path.into(),
+            token: token.to_owned(),
+            body,
+            declared: None,
+        }
+    }
+
+    pub fn submit(token: &str, body: &Value) -> HangUp {
+        HangUp::new(
+            "POST",
+            "/api/agent/v1/operations",
+            token,
+            body.to_string().into_bytes(),
+        )
+    }
+
+    /// Connects to `addr`, writes the request and closes at once. Returns whether it was sent (a
+    /// broker that is gone refuses the connection).
+    pub async fn send(&self, addr: std::net::SocketAddr) -> bool {
+        use tokio::io::AsyncWriteExt;
+        let Ok(mut stream) = tokio::net::TcpStream::connect(addr).await else {
+            return false;
+        };
+        let head = format!(
+            "{} {} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {}\r\n\
+             Content-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+            self.method,
+            self.path,
+            self.token,
+            self.declared.unwrap_or(self.body.len())
+        );
+        let sent = stream.write_all(head.as_bytes()).await.is_ok()
+            && stream.write_all(&self.body).await.is_ok();
+        drop(stream);
+        sent
+    }
+}
+
+/// Sends every request at once, each on its own connection closed right after writing.
+pub async fn hang_up_all(addr: std::net::SocketAddr, requests: Vec<HangUp>) {
+    let tasks: Vec<_> = requests
+        .into_iter()
+        .map(|r| tokio::spawn(async move { r.send(addr).await }))
+        .collect();
+    for task in tasks {
+        let _ = task.await;
+    }
+}
 
 /// Tight enough that the bursts hit the limits: 10 pending per client, 2 executing at once.
 pub const LIMITS: &str = r#"{"requests_per_window": 1000, "window_seconds": 60,

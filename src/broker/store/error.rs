@@ -1,0 +1,225 @@
+//! What went wrong in the store, as values: a caller decides on the variant (a duplicate insert, a
+//! busy file, a data dir in use), never on the message, and a person reads the `Display` in the
+//! log or on stderr.
+//!
+//! SQLite reports every failure as one error type; [`StoreError::from`] sorts it once, here, into
+//! what happened: the file was busy, a row did not read back, or SQLite failed otherwise.
+
+use std::path::{Path, PathBuf};
+
+use rusqlite::ErrorCode;
+
+use crate::engine::OperationState;
+
+/// Why the store could not do what was asked.
+#[derive(Debug)]
+pub enum StoreError {
+    /// The store would not take the statement in time: another connection or process held the
+    /// database locked past the busy timeout (SQLite's `BUSY` or `LOCKED`). Nothing changed; the
+    /// same call may succeed later.
+    Busy(rusqlite::Error),
+    /// No reader connection came free (or could be opened) within the pool's timeout.
+    NoReader {
+        /// The database file.
+        path: PathBuf,
+        /// Why the pool gave none.
+        source: r2d2::Error,
+    },
+    /// SQLite failed otherwise (I/O, a full disk, a damaged file, a constraint), with its detail.
+    Sqlite(rusqlite::Error),
+    /// A stored row does not read back as a record: a state this code does not know, a JSON
+    /// column that does not parse, a column of another type.
+    CorruptRow(rusqlite::Error),
+    /// A file or directory of the data dir could not be created, opened, locked or written.
+    Io {
+        /// What was tried: `create`, `open`, `lock`, `write`.
+        action: &'static str,
+        /// The file or directory.
+        path: PathBuf,
+        /// The system's error.
+        source: std::io::Error,
+    },
+    /// Another broker holds the data dir: its lock file is locked.
+    DirInUse {
+        /// The data dir.
+        dir: PathBuf,
+        /// The lock file in it.
+        lock: PathBuf,
+    },
+    /// The database file was written by a newer broker: its schema version is not one this code
+    /// knows.
+    UnknownSchema {
+        /// The database file.
+        path: PathBuf,
+        /// Its `user_version`.
+        found: i64,
+    },
+    /// The operation's row was not in the state the change moves it from: something else moved
+    /// it first.
+    NotInState {
+        /// The operation.
+        id: String,
+        /// The state the change expected.
+        expected: OperationState,
+    },
+    /// The store and what the broker knows of it disagree (a row the store just reported is
+    /// gone).
+    Inconsistent(String),
+    /// A task doing store work did not finish: it panicked or was cancelled.
+    Unfinished {
+        /// The work, e.g. `the store task`.
+        task: &'static str,
+        /// How the task ended.
+        source: tokio::task::JoinError,
+    },
+}
+
+impl std::fmt::Display for StoreError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("store: ")?;
+        match self {
+            StoreError::Busy(err) => write!(f, "the database is busy: {err}"),
+            StoreError::NoReader { path, source } => {
+                write!(f, "no reader connection on {}: {source}", path.display())
+            }
+            StoreError::Sqlite(err) => write!(f, "{err}"),
+            StoreError::CorruptRow(err) => write!(f, "a stored row does not read back: {err}"),
+            StoreError::Io {
+                action,
+                path,
+                source,
+            } => write!(f, "cannot {action} {}: {source}", path.display()),
+            StoreError::DirInUse { dir, lock } => write!(
+                f,
+                "the data dir {} is in use by another broker (it holds {}); stop it or choose another --data",
+                dir.display(),
+                lock.display()
+            ),
+            StoreError::UnknownSchema { path, found } => write!(
+                f,
+                "{} has schema version {found}; this broker knows version {}",
+                path.display(),
+                super::SCHEMA_VERSION
+            ),
+            StoreError::NotInState { id, expected } => {
+                write!(f, "operation {id} is not {expected} in the store")
+            }
+            StoreError::Inconsistent(detail) => f.write_str(detail),
+            StoreError::Unfinished { task, source } => write!(f, "{task} did not finish: {source}"),
+        }
+    }
+}
+
+impl std::error::Error for StoreError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            StoreError::Busy(err) | StoreError::Sqlite(err) | StoreError::CorruptRow(err) => {
+                Some(err)
+            }
+            StoreError::NoReader { source, .. } => Some(source),
+            StoreError::Io { source, .. } => Some(source),
+            StoreError::Unfinished { source, .. } => Some(source),
+            StoreError::DirInUse { .. }
+            | StoreError::UnknownSchema { .. }
+            | StoreError::NotInState { .. }
+            | StoreError::Inconsistent(_) => None,
+        }
+    }
+}
+
+impl StoreError {
+    /// [`StoreError::Inconsistent`] with this description: for a caller with nothing more
+    /// specific to say (prefer a variant that names what happened).
+    pub fn new(detail: impl Into<String>) -> StoreError {
+        StoreError::Inconsistent(detail.into())
+    }
+
+    /// [`StoreError::Io`]: `action` (`create`, `open`, `lock`, `write`) on `path` failed.
+    pub fn io(action: &'static str, path: &Path, source: std::io::Error) -> StoreError {
+        StoreError::Io {
+            action,
+            path: path.to_owned(),
+            source,
+        }
+    }
+
+    /// [`StoreError::Unfinished`]: the task doing `task` (e.g. `the filter rebuild`) ended
+    /// without an answer.
+    pub fn unfinished(task: &'static str, source: tokio::task::JoinError) -> StoreError {
+        StoreError::Unfinished { task, source }
+    }
+}
+
+impl From<rusqlite::Error> for StoreError {
+    /// Sorts SQLite's error by what happened: busy or locked, a row that does not convert, or
+    /// anything else SQLite reports.
+    fn from(err: rusqlite::Error) -> StoreError {
+        if let Some(ErrorCode::DatabaseBusy | ErrorCode::DatabaseLocked) = err.sqlite_error_code() {
+            return StoreError::Busy(err);
+        }
+        match err {
+            rusqlite::Error::FromSqlConversionFailure(..)
+            | rusqlite::Error::InvalidColumnType(..)
+            | rusqlite::Error::IntegralValueOutOfRange(..) => StoreError::CorruptRow(err),
+            _ => StoreError::Sqlite(err),
+        }
+    }
+}
+
+/// Whether `err` is a `UNIQUE` constraint failing: an insert of a key the table already holds.
+pub(super) fn is_unique_violation(err: &StoreError) -> bool {
+    matches!(
+        err,
+        StoreError::Sqlite(rusqlite::Error::SqliteFailure(failure, _))
+            if failure.extended_code == rusqlite::ffi::SQLITE_CONSTRAINT_UNIQUE
+    )
+}
+
+/// Why an operation row was not inserted.
+#[derive(Debug)]
+pub enum InsertError {
+    /// The client already has an operation with this idempotency key (a concurrent duplicate).
+    Duplicate,
+    /// The store failed.
+    Store(StoreError),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sqlite_failure(code: std::os::raw::c_int) -> rusqlite::Error {
+        rusqlite::Error::SqliteFailure(rusqlite::ffi::Error::new(code), None)
+    }
+
+    #[test]
+    fn busy_and_locked_files_are_busy_not_a_failure() {
+        assert!(matches!(
+            StoreError::from(sqlite_failure(rusqlite::ffi::SQLITE_BUSY)),
+            StoreError::Busy(_)
+        ));
+        assert!(matches!(
+            StoreError::from(sqlite_failure(rusqlite::ffi::SQLITE_LOCKED)),
+            StoreError::Busy(_)
+        ));
+        assert!(matches!(
+            StoreError::from(sqlite_failure(rusqlite::ffi::SQLITE_IOERR)),
+            StoreError::Sqlite(_)
+        ));
+    }
+
+    #[test]
+    fn only_a_unique_constraint_is_a_duplicate() {
+        let unique = StoreError::from(sqlite_failure(rusqlite::ffi::SQLITE_CONSTRAINT_UNIQUE));
+        assert!(is_unique_violation(&unique));
+        let not_null = StoreError::from(sqlite_failure(rusqlite::ffi::SQLITE_CONSTRAINT_NOTNULL));
+        assert!(!is_unique_violation(&not_null));
+    }
+
+    #[test]
+    fn a_value_that_does_not_convert_is_a_corrupt_row() {
+        let err =
+            rusqlite::Error::InvalidColumnType(0, "state".into(), rusqlite::types::Type::Null);
+        assert!(matches!(StoreError::from(err), StoreError::CorruptRow(_)));
+    }
+}

@@ -1,0 +1,148 @@
+//! What keeps the store bounded and checked, apart from serving: retention deletes, returning
+//! freed pages to the filesystem, checkpoints, and the counts the drift check and the metrics
+//! compare with the controller's.
+//!
+//! **Bounded.** The file uses incremental auto-vacuum: the broker's retention sweep deletes
+//! retired rows in small transactions ([`Database::retire_batch`]) and then returns freed pages to
+//! the filesystem a few at a time ([`Database::return_free_pages`]), so neither step holds the
+//! write lock for long. An older file is switched over once at start-up with one full `VACUUM`
+//! (see `schema`).
+
+use rusqlite::params;
+
+use crate::engine::OperationState;
+
+use super::operations::parse_state;
+use super::{DATABASE_FILE, Database, StoreError};
+
+/// What the store holds, for the drift check: operation rows by client and non-terminal state,
+/// and stream files and bytes by client, read in one transaction.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StoredCounts {
+    /// (client, state, rows) for the pending, approved and executing operations.
+    pub operations: Vec<(String, OperationState, u64)>,
+    /// (client, files, bytes) of the stored streams.
+    pub streams: Vec<(String, u64, u64)>,
+}
+
+impl Database {
+    /// The counts the controller's must equal (see [`StoredCounts`]), from one read transaction
+    /// on the read connection.
+    pub async fn counts(&self) -> Result<StoredCounts, StoreError> {
+        self.read(|conn, _| {
+            let tx = conn.unchecked_transaction()?;
+            let operations = {
+                let mut stmt = tx.prepare(
+                    "SELECT client_id, state, COUNT(*) FROM operations \
+                     WHERE state IN ('pending', 'approved', 'executing') \
+                     GROUP BY client_id, state",
+                )?;
+                stmt.query_map([], |row| {
+                    let state = parse_state(row.get(1)?, 1)?;
+                    Ok((row.get(0)?, state, row.get::<_, i64>(2)?.max(0) as u64))
+                })?
+                .collect::<rusqlite::Result<Vec<_>>>()?
+            };
+            let streams = {
+                let mut stmt = tx.prepare(
+                    "SELECT client_id, COUNT(*), COALESCE(SUM(size), 0) FROM streams \
+                     GROUP BY client_id",
+                )?;
+                stmt.query_map([], |row| {
+                    Ok((
+                        row.get(0)?,
+                        row.get::<_, i64>(1)?.max(0) as u64,
+                        row.get::<_, i64>(2)?.max(0) as u64,
+                    ))
+                })?
+                .collect::<rusqlite::Result<Vec<_>>>()?
+            };
+            tx.finish()?;
+            Ok(StoredCounts {
+                operations,
+                streams,
+            })
+        })
+        .await
+    }
+
+    /// How many operation rows exist (for tests and the drill).
+    pub async fn count_operations(&self) -> Result<u64, StoreError> {
+        self.read(|conn, _| {
+            conn.query_row("SELECT COUNT(*) FROM operations", [], |r| {
+                r.get::<_, i64>(0)
+            })
+        })
+        .await
+        .map(|n| n.max(0) as u64)
+    }
+
+    /// How many operation rows are in each state (states with none are absent).
+    pub async fn operations_by_state(&self) -> Result<Vec<(OperationState, u64)>, StoreError> {
+        self.read(|conn, _| {
+            let mut stmt =
+                conn.prepare_cached("SELECT state, COUNT(*) FROM operations GROUP BY state")?;
+            let rows = stmt.query_map([], |row| {
+                let state: String = row.get(0)?;
+                Ok((state, row.get::<_, i64>(1)?.max(0) as u64))
+            })?;
+            let mut counts = Vec::new();
+            for row in rows {
+                let (state, n) = row?;
+                if let Some(state) = OperationState::parse(&state) {
+                    counts.push((state, n));
+                }
+            }
+            Ok(counts)
+        })
+        .await
+    }
+
+    /// Deletes up to `limit` terminal operations whose `terminal_at` is before `cutoff` (RFC 3339,
+    /// UTC, as [`super::now_rfc3339`] writes it), oldest first, in one short write transaction;
+    /// returns how many went. Non-terminal operations are never touched, whatever their
+    /// `terminal_at`.
+    pub async fn retire_batch(&self, cutoff: String, limit: u32) -> Result<u64, StoreError> {
+        self.write(move |conn| {
+            // `terminal_at` is fixed-width UTC text, so text order is time order; the partial
+            // index `operations_retiring` finds the batch without a scan.
+            conn.prepare_cached(
+                "DELETE FROM operations WHERE seq IN (SELECT seq FROM operations \
+                 WHERE terminal_at IS NOT NULL AND terminal_at < ?1 \
+                 AND state IN ('succeeded', 'failed', 'denied', 'canceled', 'expired') \
+                 ORDER BY terminal_at LIMIT ?2)",
+            )?
+            .execute(params![cutoff, limit])
+        })
+        .await
+        .map(|n| n as u64)
+    }
+
+    /// Returns up to `pages` free pages to the filesystem (incremental vacuum), in one short write
+    /// transaction; returns how many free pages are left.
+    pub async fn return_free_pages(&self, pages: u32) -> Result<u64, StoreError> {
+        self.write(move |conn| {
+            conn.execute_batch(&format!("PRAGMA incremental_vacuum({pages})"))?;
+            conn.pragma_query_value(None, "freelist_count", |r| r.get::<_, i64>(0))
+        })
+        .await
+        .map(|n| n.max(0) as u64)
+    }
+
+    /// Copies the write-ahead log into the database file as far as no reader needs it, without
+    /// waiting for anyone (`PASSIVE`): after an incremental vacuum, this is what makes the main
+    /// file shorter on disk.
+    pub async fn checkpoint(&self) -> Result<(), StoreError> {
+        self.write(|conn| conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(())))
+            .await
+    }
+
+    /// The bytes the database takes on disk: (the main file, its write-ahead log).
+    pub fn file_bytes(&self) -> (u64, u64) {
+        let size = |name: String| std::fs::metadata(self.dir.join(name)).map_or(0, |m| m.len());
+        (
+            size(DATABASE_FILE.to_owned()),
+            size(format!("{DATABASE_FILE}-wal")),
+        )
+    }
+}

@@ -1,0 +1,469 @@
+//! The operation rows: inserting a submission, the lookups a replay, a get and a wait make,
+//! state changes, listing pages, and start-up recovery. Each statement sits beside the one
+//! projection of a row into an [`OperationRecord`], so a reader checks the columns a query
+//! selects against what the record needs in one file (the table itself is in `schema`).
+
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use rusqlite::{OptionalExtension, Row, params};
+use serde_json::Value;
+
+use crate::engine::OperationState;
+
+use super::error::is_unique_violation;
+use super::schema::OPERATION_COLUMNS;
+use super::streams::{StreamRecord, all_streams};
+use super::{Database, InsertError, StoreError, now_rfc3339};
+
+/// The error an operation ended with, as the API shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OperationError {
+    /// A stable code, e.g. `execution_interrupted`.
+    pub code: String,
+    /// A sentence for people.
+    pub message: String,
+}
+
+/// One durable operation, as stored (the broker's `projection` shows it as the API does).
+#[derive(Clone, Debug, PartialEq)]
+pub struct OperationRecord {
+    /// `op_` and 32 hex digits.
+    pub id: String,
+    /// The client that submitted it.
+    pub client_id: String,
+    /// The client's idempotency key.
+    pub idempotency_key: String,
+    /// The registered operation name.
+    pub operation: String,
+    /// A JSON object.
+    pub target: Value,
+    /// A JSON object.
+    pub arguments: Value,
+    /// Why the agent asks.
+    pub reason: String,
+    /// The state.
+    pub state: OperationState,
+    /// RFC 3339, UTC.
+    pub created_at: String,
+    /// RFC 3339, UTC.
+    pub updated_at: String,
+    /// When it reached a terminal state.
+    pub terminal_at: Option<String>,
+    /// Why it failed, if it did.
+    pub error: Option<OperationError>,
+    /// 1 at creation, +1 on every change; durable.
+    pub revision: u64,
+    /// The name of the broker that holds it (not stored: the broker's configured name).
+    pub broker: String,
+}
+
+impl OperationRecord {
+    fn from_row(row: &Row<'_>, broker: &str) -> rusqlite::Result<OperationRecord> {
+        let state = parse_state(row.get("state")?, 0)?;
+        let json_column = |name: &str| -> rusqlite::Result<Value> {
+            let text: String = row.get(name)?;
+            serde_json::from_str(&text).map_err(|e| {
+                rusqlite::Error::FromSqlConversionFailure(0, rusqlite::types::Type::Text, e.into())
+            })
+        };
+        let error_code: Option<String> = row.get("error_code")?;
+        let error_message: Option<String> = row.get("error_message")?;
+        Ok(OperationRecord {
+            id: row.get("id")?,
+            client_id: row.get("client_id")?,
+            idempotency_key: row.get("idempotency_key")?,
+            operation: row.get("operation")?,
+            target: json_column("target")?,
+            arguments: json_column("arguments")?,
+            reason: row.get("reason")?,
+            state,
+            created_at: row.get("created_at")?,
+            updated_at: row.get("updated_at")?,
+            terminal_at: row.get("terminal_at")?,
+            error: error_code.map(|code| OperationError {
+                code,
+                message: error_message.unwrap_or_default(),
+            }),
+            revision: row.get::<_, i64>("revision")?.max(1) as u64,
+            broker: broker.to_owned(),
+        })
+    }
+}
+
+/// What start-up found in the store.
+#[derive(Debug, Default)]
+pub struct Recovered {
+    /// Operations that were executing at the crash, now failed with `execution_interrupted`.
+    pub interrupted: Vec<OperationRecord>,
+    /// Pending and approved operations, oldest first.
+    pub live: Vec<OperationRecord>,
+    /// Every stored stream.
+    pub streams: Vec<StreamRecord>,
+}
+
+const SELECT_OPERATION: &str = "SELECT id, client_id, idempotency_key, operation, target, \
+    arguments, reason, state, created_at, updated_at, terminal_at, error_code, error_message, \
+    revision FROM operations";
+
+const FIND_BY_KEY: &str = "SELECT id, client_id, idempotency_key, operation, target, \
+    arguments, reason, state, created_at, updated_at, terminal_at, error_code, error_message, \
+    revision FROM operations WHERE client_id = ?1 AND idempotency_key = ?2";
+
+/// What a listing page selects: the caller's operations, newest first, after a position.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PageQuery {
+    /// Only the operation with this idempotency key.
+    pub idempotency_key: Option<String>,
+    /// Only operations in this state.
+    pub state: Option<OperationState>,
+    /// Only operations older than this position (the previous page's last).
+    pub before: Option<i64>,
+    /// At most this many.
+    pub limit: u32,
+}
+
+/// The SQL of a listing page: the filters present, in a fixed order so each shape is one cached
+/// statement. Each walks an index in `rowid` order and stops after `limit` rows.
+fn page_sql(query: &PageQuery) -> String {
+    let mut sql = format!(
+        "SELECT rowid AS position, {} WHERE client_id = ?1",
+        SELECT_OPERATION.trim_start_matches("SELECT ")
+    );
+    if query.idempotency_key.is_some() {
+        sql.push_str(" AND idempotency_key = ?2");
+    }
+    if query.state.is_some() {
+        sql.push_str(" AND state = ?3");
+    }
+    if query.before.is_some() {
+        sql.push_str(" AND rowid < ?4");
+    }
+    sql.push_str(" ORDER BY rowid DESC LIMIT ?5");
+    sql
+}
+
+impl Database {
+    /// Start-up recovery (blocking): operations that were executing become `failed` with
+    /// `execution_interrupted` (they never run twice); returns them, the live ones and the
+    /// streams.
+    pub fn recover(&self) -> Result<Recovered, StoreError> {
+        let mut conn = self.writer();
+        let tx = conn.transaction()?;
+        let now = now_rfc3339();
+        let error = OperationError {
+            code: "execution_interrupted".to_owned(),
+            message: "The broker stopped while the operation was executing; it was not run again."
+                .to_owned(),
+        };
+        let interrupted = {
+            let mut stmt = tx.prepare(&format!(
+                "{SELECT_OPERATION} WHERE state = 'executing' ORDER BY rowid"
+            ))?;
+            stmt.query_map([], |row| OperationRecord::from_row(row, &self.broker))?
+                .collect::<rusqlite::Result<Vec<_>>>()?
+        };
+        tx.execute(
+            "UPDATE operations SET state = 'failed', updated_at = ?1, terminal_at = ?1, \
+             error_code = ?2, error_message = ?3, revision = revision + 1 \
+             WHERE state = 'executing'",
+            params![now, error.code, error.message],
+        )?;
+        let interrupted = interrupted
+            .into_iter()
+            .map(|record| OperationRecord {
+                state: OperationState::Failed,
+                updated_at: now.clone(),
+                terminal_at: Some(now.clone()),
+                error: Some(error.clone()),
+                revision: record.revision + 1,
+                ..record
+            })
+            .collect();
+        let live = {
+            let mut stmt = tx.prepare(&format!(
+                "{SELECT_OPERATION} WHERE state IN ('pending', 'approved') ORDER BY rowid"
+            ))?;
+            stmt.query_map([], |row| OperationRecord::from_row(row, &self.broker))?
+                .collect::<rusqlite::Result<Vec<_>>>()?
+        };
+        let streams = all_streams(&tx)?;
+        tx.commit()?;
+        Ok(Recovered {
+            interrupted,
+            live,
+            streams,
+        })
+    }
+
+    /// The client and creation time of every operation, in any state, created at or after
+    /// `since` (blocking; at start-up, to rebuild the rate buckets). A `created_at` that does not
+    /// parse is skipped.
+    pub fn created_since(
+        &self,
+        since: SystemTime,
+    ) -> Result<Vec<(String, SystemTime)>, StoreError> {
+        let since = humantime::format_rfc3339_millis(since).to_string();
+        let conn = self.reader()?;
+        // `created_at` is always written by `now_rfc3339`: fixed width, UTC, so text order is time
+        // order.
+        let mut stmt = conn.prepare(
+            "SELECT client_id, created_at FROM operations WHERE created_at >= ?1 ORDER BY created_at",
+        )?;
+        let mut rows = stmt.query([since])?;
+        let mut created = Vec::new();
+        while let Some(row) = rows.next()? {
+            let client: String = row.get(0)?;
+            let at: String = row.get(1)?;
+            if let Ok(at) = humantime::parse_rfc3339(&at) {
+                created.push((client, at));
+            }
+        }
+        Ok(created)
+    }
+
+    /// How many operation rows exist (blocking; sizes the replay filter).
+    pub fn key_count(&self) -> Result<u64, StoreError> {
+        let conn = self.reader()?;
+        let n: i64 = conn.query_row("SELECT COUNT(*) FROM operations", [], |r| r.get(0))?;
+        Ok(n.max(0) as u64)
+    }
+
+    /// Calls `f` with the client and idempotency key of every operation (blocking; at start-up
+    /// and when the replay filter is rebuilt).
+    pub fn for_each_key(&self, mut f: impl FnMut(&str, &str)) -> Result<(), StoreError> {
+        let conn = self.reader()?;
+        let mut stmt = conn.prepare("SELECT client_id, idempotency_key FROM operations")?;
+        let mut rows = stmt.query([])?;
+        while let Some(row) = rows.next()? {
+            let client: String = row.get(0)?;
+            let key: String = row.get(1)?;
+            f(&client, &key);
+        }
+        Ok(())
+    }
+
+    /// Inserts a new operation; durable when this returns `Ok`.
+    pub async fn insert(&self, record: OperationRecord) -> Result<(), InsertError> {
+        let result = self
+            .write(move |conn| {
+                conn.execute(
+                    "INSERT INTO operations (id, client_id, idempotency_key, operation, target, \
+                     arguments, reason, state, created_at, updated_at, terminal_at, error_code, \
+                     error_message, revision) \
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, NULL, NULL, NULL, 1)",
+                    params![
+                        record.id,
+                        record.client_id,
+                        record.idempotency_key,
+                        record.operation,
+                        record.target.to_string(),
+                        record.arguments.to_string(),
+                        record.reason,
+                        record.state.as_str(),
+                        record.created_at,
+                        record.updated_at,
+                    ],
+                )
+            })
+            .await;
+        match result {
+            Ok(_) => Ok(()),
+            Err(err) if is_unique_violation(&err) => Err(InsertError::Duplicate),
+            Err(err) => Err(InsertError::Store(err)),
+        }
+    }
+
+    /// The client's operation with this idempotency key.
+    pub async fn find_by_key(
+        &self,
+        client_id: &str,
+        key: &str,
+    ) -> Result<Option<OperationRecord>, StoreError> {
+        let (client_id, key) = (client_id.to_owned(), key.to_owned());
+        self.read(move |conn, broker| {
+            conn.prepare_cached(FIND_BY_KEY)?
+                .query_row(params![client_id, key], |row| {
+                    OperationRecord::from_row(row, broker)
+                })
+                .optional()
+        })
+        .await
+    }
+
+    /// The operation `id`.
+    pub async fn get(&self, id: &str) -> Result<Option<OperationRecord>, StoreError> {
+        let id = id.to_owned();
+        self.read(move |conn, broker| {
+            conn.prepare_cached(&format!("{SELECT_OPERATION} WHERE id = ?1"))?
+                .query_row(params![id], |row| OperationRecord::from_row(row, broker))
+                .optional()
+        })
+        .await
+    }
+
+    /// One listing page: the client's operations matching `query`, newest first, each with its
+    /// position (pass the last one as the next page's `before`).
+    pub async fn list_page(
+        &self,
+        client_id: &str,
+        query: PageQuery,
+    ) -> Result<Vec<(i64, OperationRecord)>, StoreError> {
+        let client_id = client_id.to_owned();
+        self.read(move |conn, broker| {
+            let mut stmt = conn.prepare_cached(&page_sql(&query))?;
+            let mut bind = |index: usize, value: &dyn rusqlite::ToSql| -> rusqlite::Result<()> {
+                stmt.raw_bind_parameter(index, value)
+            };
+            bind(1, &client_id)?;
+            if let Some(key) = &query.idempotency_key {
+                bind(2, key)?;
+            }
+            if let Some(state) = query.state {
+                bind(3, &state.as_str())?;
+            }
+            if let Some(before) = query.before {
+                bind(4, &before)?;
+            }
+            bind(5, &query.limit)?;
+            let mut rows = stmt.raw_query();
+            let mut page = Vec::new();
+            while let Some(row) = rows.next()? {
+                page.push((
+                    row.get::<_, i64>("position")?,
+                    OperationRecord::from_row(row, broker)?,
+                ));
+            }
+            Ok(page)
+        })
+        .await
+    }
+
+    /// How SQLite plans the listing page for `query` (one line per step), so a test can check
+    /// that every page shape walks an index and sorts nothing.
+    pub async fn explain_page(&self, query: PageQuery) -> Result<Vec<String>, StoreError> {
+        self.read(move |conn, _| {
+            let sql = format!("EXPLAIN QUERY PLAN {}", page_sql(&query));
+            let mut stmt = conn.prepare(&sql)?;
+            for index in 1..=stmt.parameter_count() {
+                stmt.raw_bind_parameter(index, 1)?;
+            }
+            let mut rows = stmt.raw_query();
+            let mut plan = Vec::new();
+            while let Some(row) = rows.next()? {
+                plan.push(row.get::<_, String>(3)?);
+            }
+            Ok(plan)
+        })
+        .await
+    }
+
+    /// Every operation in `state`, oldest first, at most `limit`.
+    pub async fn list_in_state(
+        &self,
+        state: OperationState,
+        limit: u32,
+    ) -> Result<Vec<OperationRecord>, StoreError> {
+        self.read(move |conn, broker| {
+            let mut stmt = conn.prepare_cached(&format!(
+                "{SELECT_OPERATION} WHERE state = ?1 ORDER BY rowid LIMIT ?2"
+            ))?;
+            stmt.query_map(params![state.as_str(), limit], |row| {
+                OperationRecord::from_row(row, broker)
+            })?
+            .collect()
+        })
+        .await
+    }
+
+    /// Moves operation `id` from `from` to `to` (with `error` for a failure); durable when this
+    /// returns. Returns the updated record, or `None` if the row was not in `from`.
+    pub async fn set_state(
+        &self,
+        id: &str,
+        from: OperationState,
+        to: OperationState,
+        error: Option<OperationError>,
+    ) -> Result<Option<OperationRecord>, StoreError> {
+        let id = id.to_owned();
+        let broker = Arc::clone(&self.broker);
+        self.write(move |conn| {
+            let now = now_rfc3339();
+            let terminal_at = to.is_terminal().then_some(now.as_str());
+            let tx = conn.transaction()?;
+            let changed = tx.execute(
+                "UPDATE operations SET state = ?3, updated_at = ?4, terminal_at = ?5, \
+                 error_code = ?6, error_message = ?7, revision = revision + 1 \
+                 WHERE id = ?1 AND state = ?2",
+                params![
+                    id,
+                    from.as_str(),
+                    to.as_str(),
+                    now,
+                    terminal_at,
+                    error.as_ref().map(|e| e.code.as_str()),
+                    error.as_ref().map(|e| e.message.as_str()),
+                ],
+            )?;
+            let record = if changed == 1 {
+                tx.query_row(
+                    &format!("{SELECT_OPERATION} WHERE id = ?1"),
+                    params![id],
+                    |row| OperationRecord::from_row(row, &broker),
+                )
+                .optional()?
+            } else {
+                None
+            };
+            tx.commit()?;
+            Ok(record)
+        })
+        .await
+    }
+
+    /// Writes `records` as they are (state, times, revision included) in one transaction
+    /// (blocking): to seed a store for benchmarks and tests. Not for serving: the controller does
+    /// not learn of them until the next start.
+    pub fn load(&self, records: &[OperationRecord]) -> Result<(), StoreError> {
+        let mut conn = self.writer();
+        let tx = conn.transaction()?;
+        {
+            let mut stmt = tx.prepare(&format!(
+                "INSERT INTO operations ({OPERATION_COLUMNS}) \
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)"
+            ))?;
+            for record in records {
+                stmt.execute(params![
+                    record.id,
+                    record.client_id,
+                    record.idempotency_key,
+                    record.operation,
+                    record.target.to_string(),
+                    record.arguments.to_string(),
+                    record.reason,
+                    record.state.as_str(),
+                    record.created_at,
+                    record.updated_at,
+                    record.terminal_at,
+                    record.error.as_ref().map(|e| e.code.as_str()),
+                    record.error.as_ref().map(|e| e.message.as_str()),
+                    i64::try_from(record.revision).unwrap_or(i64::MAX),
+                ])?;
+            }
+        }
+        tx.commit()?;
+        Ok(())
+    }
+}
+
+/// The operation state stored as `text` (read from column `column`), or the conversion error
+/// that says the row holds a state this code does not know.
+pub(super) fn parse_state(text: String, column: usize) -> rusqlite::Result<OperationState> {
+    OperationState::parse(&text).ok_or_else(|| {
+        rusqlite::Error::FromSqlConversionFailure(
+            column,
+            rusqlite::types::Type::Text,
+            format!("unknown operation state {text:?}").into(),
+        )
+    })
+}

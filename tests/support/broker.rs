@@ -1,0 +1,135 @@
+//! A real broker started in-process on 127.0.0.1 (port 0) in a temporary data dir, and the
+//! harness that talks to it over HTTP; every reply it reads is checked against the contract.
+
+use serde_json::Value;
+use unyolo_admission::broker::{Broker, BrokerSettings, RestoreSummary};
+use unyolo_admission::config::Identity;
+use unyolo_admission::{Config, Snapshot, StorageCaps};
+
+use super::contract;
+use super::http::Reply;
+use super::secrets::{OPERATOR_SECRET, secrets};
+
+/// Roomy limits: nothing binds unless a test makes it.
+pub const ROOMY: &str = r#"{"requests_per_window": 1000, "window_seconds": 60,
+  "client_active": 25, "client_pending": 10, "global_active": 100, "global_executing": 10}"#;
+
+pub fn settings(dir: &std::path::Path, limits: &str, caps: StorageCaps) -> BrokerSettings {
+    let secrets = secrets();
+    let identities: Vec<Identity> = secrets.identities().cloned().collect();
+    let config = Config::from_bytes(limits.as_bytes(), identities).unwrap();
+    BrokerSettings {
+        config,
+        storage_caps: caps,
+        ..BrokerSettings::new(
+            "127.0.0.1:0".parse().unwrap(),
+            dir.to_owned(),
+            secrets,
+            OPERATOR_SECRET.to_owned(),
+        )
+    }
+}
+
+pub struct Harness {
+    pub broker: Broker,
+    pub restored: RestoreSummary,
+    pub base: String,
+    pub http: reqwest::Client,
+}
+
+pub async fn start(dir: &std::path::Path, limits: &str) -> Harness {
+    start_with(settings(dir, limits, StorageCaps::default())).await
+}
+
+pub async fn start_with(settings: BrokerSettings) -> Harness {
+    let (broker, restored) = Broker::start(settings).await.unwrap();
+    Harness::of(broker, restored)
+}
+
+/// A replica sharing admission through Redis with `options`, otherwise as [`start_with`].
+#[cfg(feature = "redis")]
+pub async fn start_shared(
+    settings: BrokerSettings,
+    options: unyolo_admission::redis::RedisOptions,
+) -> Harness {
+    let (broker, restored) = Broker::start_shared(settings, options).await.unwrap();
+    Harness::of(broker, restored)
+}
+
+impl Harness {
+    fn of(broker: Broker, restored: RestoreSummary) -> Harness {
+        Harness {
+            base: format!("http://{}", broker.local_addr()),
+            broker,
+            restored,
+            http: reqwest::Client::new(),
+        }
+    }
+
+    pub async fn send(
+        &self,
+        method: &str,
+        path: &str,
+        token: Option<&str>,
+        body: Option<reqwest::Body>,
+    ) -> Reply {
+        let method_name = method;
+        let method = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
+        let mut req = self.http.request(method, format!("{}{path}", self.base));
+        if let Some(token) = token {
+            req = req.bearer_auth(token);
+        }
+        if let Some(body) = body {
+            req = req.body(body);
+        }
+        let reply = Reply::read(req.send().await.unwrap()).await.unwrap();
+        // Every body the broker sends in these tests is checked against the contract's schema.
+        contract::check_reply(method_name, path, reply.status, &reply.body);
+        reply
+    }
+
+    pub async fn submit(&self, token: &str, body: &Value) -> Reply {
+        self.send(
+            "POST",
+            "/api/agent/v1/operations",
+            Some(token),
+            Some(body.to_string().into()),
+        )
+        .await
+    }
+
+    pub async fn get(&self, path: &str, token: Option<&str>) -> Reply {
+        self.send("GET", path, token, None).await
+    }
+
+    pub async fn post(&self, path: &str, token: Option<&str>) -> Reply {
+        self.send("POST", path, token, None).await
+    }
+
+    pub async fn rows(&self) -> u64 {
+        self.broker.database().count_operations().await.unwrap()
+    }
+
+    pub fn snapshot(&self) -> Snapshot {
+        self.broker.controller().snapshot()
+    }
+
+    pub async fn metrics(&self) -> String {
+        let reply = self.get("/metrics", Some(OPERATOR_SECRET)).await;
+        assert_eq!(reply.status, 200);
+        reply.body.as_str().unwrap().to_owned()
+    }
+}
+
+/// Asserts that nothing was admitted, refused, counted or spent between two snapshots. Rate
+/// tokens may only have refilled (time passes between the two); a spent token still shows.
+#[track_caller]
+pub fn assert_unchanged(before: &Snapshot, after: &Snapshot, what: &str) {
+    let mut after = after.clone();
+    for (now, then) in after.clients.iter_mut().zip(&before.clients) {
+        if now.tokens >= then.tokens {
+            now.tokens = then.tokens;
+        }
+    }
+    assert_eq!(&after, before, "{what}");
+}

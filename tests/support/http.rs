@@ -1,0 +1,54 @@
+//! What the tests send the broker over HTTP and how they read its answer: the submission body,
+//! and a reply as status, headers and body (JSON where it is JSON, else the text as a string),
+//! whether the broker runs in-process or as the `admission serve` process.
+
+use serde_json::{Value, json};
+
+/// An Agent V1 submission of `operation` under idempotency key `key`.
+pub fn request(key: &str, operation: &str, duration_ms: u64) -> Value {
+    json!({
+        "idempotency_key": key,
+        "operation": operation,
+        "target": {"repo": "unyolo/test", "branch": "main"},
+        "arguments": {"duration_ms": duration_ms},
+        "reason": "end-to-end test",
+    })
+}
+
+/// One answer of the broker.
+pub struct Reply {
+    pub status: u16,
+    pub headers: reqwest::header::HeaderMap,
+    pub body: Value,
+}
+
+impl Reply {
+    /// Reads the whole answer.
+    pub async fn read(response: reqwest::Response) -> Result<Reply, reqwest::Error> {
+        let status = response.status().as_u16();
+        let headers = response.headers().clone();
+        let text = response.text().await?;
+        let body = serde_json::from_str(&text).unwrap_or(Value::String(text));
+        Ok(Reply {
+            status,
+            headers,
+            body,
+        })
+    }
+
+    pub fn code(&self) -> &str {
+        self.body["error"]["code"].as_str().unwrap_or("-")
+    }
+    pub fn state(&self) -> &str {
+        self.body["state"].as_str().unwrap_or("-")
+    }
+    pub fn id(&self) -> String {
+        self.body["id"].as_str().unwrap_or_default().to_owned()
+    }
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+    pub fn retry_after(&self) -> Option<u64> {
+        self.header("retry-after").and_then(|v| v.parse().ok())
+    }
+}

@@ -1,0 +1,34 @@
+//! What the integration tests share, in one tree: a test file says `mod support;` and takes what
+//! it needs from the file of that concern.
+//!
+//! - [`secrets`]: the clients and the operator every broker test knows, and their secrets.
+//! - [`eventually`]: polling until a condition holds, with one bound for every test.
+//! - [`http`]: the submission body the tests send and the reply they read back.
+//! - [`metrics`]: one series read from a Prometheus text exposition.
+//! - [`contract`]: the Agent V1 schema every reply is checked against.
+//! - [`broker`]: a broker started in-process on loopback, and the harness that talks to it.
+//! - [`faults`]: clients that hang up, a store held locked, and the ending every fault test shares.
+//! - [`serve`]: the `admission serve` binary as a process, and the files it reads.
+//! - [`redis`]: a real `redis-server` on loopback.
+//! - [`semantics`]: one face for the in-process and the Redis admission backends.
+//!
+//! Each test binary compiles the tree whole, so a helper one binary does not use is dead there.
+#![allow(dead_code)]
+
+#[cfg(feature = "broker")]
+pub mod broker;
+#[cfg(feature = "broker")]
+pub mod contract;
+#[cfg(any(feature = "broker", feature = "redis"))]
+pub mod eventually;
+#[cfg(feature = "broker")]
+pub mod faults;
+#[cfg(feature = "broker")]
+pub mod http;
+pub mod metrics;
+pub mod redis;
+pub mod secrets;
+#[cfg(feature = "redis")]
+pub mod semantics;
+#[cfg(feature = "broker")]
+pub mod serve;
