@@ -6,16 +6,15 @@
 use std::sync::Arc;
 
 use axum::body::Body;
-use axum::extract::rejection::PathRejection;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::IntoResponse;
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::http::{
-    ApiError, ApiResult, detached, json_response, own_record, path_id, read_body, transition_to_end,
-};
+use super::api::detached::detached;
+use super::api::error::{ApiError, ApiResult, json_response};
+use super::api::extract::{Client, OperationId, is_idempotency_key, own_record, read_body};
 use super::operations::{LiveOp, TransitionFailure, duration_ms};
 use super::store::{InsertError, OperationRecord, StoreError, now_rfc3339};
 use super::{Core, ratelimit};
@@ -47,17 +46,6 @@ pub(crate) struct Submission {
     pub(crate) target: Value,
     pub(crate) arguments: Value,
     pub(crate) reason: String,
-}
-
-/// Whether `key` matches `^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$`.
-pub(crate) fn is_idempotency_key(key: &str) -> bool {
-    let bytes = key.as_bytes();
-    !bytes.is_empty()
-        && bytes.len() <= 128
-        && bytes[0].is_ascii_alphanumeric()
-        && bytes
-            .iter()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-'))
 }
 
 /// A validated submission: the request and whether it needs approval.
@@ -142,10 +130,10 @@ pub(crate) fn replay(core: &Core, existing: OperationRecord, request: &Submissio
 
 pub(crate) async fn submit(
     State(core): State<Arc<Core>>,
+    Client(client): Client,
     headers: HeaderMap,
     body: Body,
 ) -> ApiResult {
-    let client = core.auth.client(&headers)?.clone();
     let bytes = read_body(&headers, body, MAX_BODY_BYTES).await?;
     let Validated {
         request,
@@ -165,8 +153,7 @@ pub(crate) async fn submit(
         && let Some(existing) = core
             .db
             .find_by_key(client.as_str(), &request.idempotency_key)
-            .await
-            .map_err(ApiError::store)?
+            .await?
     {
         return replay(&core, existing, &request);
     }
@@ -225,8 +212,7 @@ async fn replayed_elsewhere(
     if let Some(existing) = core
         .db
         .find_by_key(client.as_str(), &request.idempotency_key)
-        .await
-        .map_err(ApiError::store)?
+        .await?
     {
         return replay(core, existing, request);
     }
@@ -282,14 +268,13 @@ pub(crate) async fn create(
             let existing = core
                 .db
                 .find_by_key(client.as_str(), &request.idempotency_key)
-                .await
-                .map_err(ApiError::store)?
-                .ok_or_else(|| ApiError::store(StoreError::new("duplicate key vanished")))?;
+                .await?
+                .ok_or_else(|| ApiError::from(StoreError::new("duplicate key vanished")))?;
             return replay(&core, existing, &request);
         }
         Err(InsertError::Store(err)) => {
             permit.refund().await;
-            return Err(ApiError::store(err));
+            return Err(err.into());
         }
     }
     let op = Arc::new(LiveOp::new(&record, permit.commit()));
@@ -314,22 +299,19 @@ pub(crate) async fn create(
 
 pub(crate) async fn get_own(
     State(core): State<Arc<Core>>,
-    headers: HeaderMap,
-    id: Result<Path<String>, PathRejection>,
+    Client(client): Client,
+    OperationId(id): OperationId,
 ) -> ApiResult {
-    let client = core.auth.client(&headers)?;
-    let id = path_id(id)?;
-    let record = own_record(&core, client, &id).await?;
+    let record = own_record(&core, &client, &id).await?;
     Ok(json_response(StatusCode::OK, record.to_json()))
 }
 
 pub(crate) async fn cancel(
     State(core): State<Arc<Core>>,
-    headers: HeaderMap,
-    id: Result<Path<String>, PathRejection>,
+    Client(client): Client,
+    OperationId(id): OperationId,
 ) -> ApiResult {
-    let client = core.auth.client(&headers)?;
-    let id = path_id(id)?;
+    let client = &client;
     own_record(&core, client, &id).await?;
     let Some(op) = core.live_op(&id) else {
         // Terminal: canceling changes nothing. Read again, after the live lookup, so the answer
@@ -338,7 +320,7 @@ pub(crate) async fn cancel(
         return Ok(json_response(StatusCode::OK, record.to_json()));
     };
     // Decided: the write and the handle's move run to their end even if the client hangs up.
-    match transition_to_end(&core, op, OperationState::Canceled).await {
+    match core.transition_to_end(op, OperationState::Canceled).await {
         Ok(record) => Ok(json_response(StatusCode::OK, record.to_json())),
         Err(TransitionFailure::NotAllowed(OperationState::Executing)) => Err(ApiError::new(
             StatusCode::CONFLICT,
@@ -349,7 +331,7 @@ pub(crate) async fn cancel(
             let record = own_record(&core, client, &id).await?;
             Ok(json_response(StatusCode::OK, record.to_json()))
         }
-        Err(TransitionFailure::Store(err)) => Err(ApiError::store(err)),
+        Err(TransitionFailure::Store(err)) => Err(err.into()),
     }
 }
 /// A refused submission as the client sees it: counted, logged, and answered with its code,
@@ -374,18 +356,6 @@ fn refused(core: &Core, client: &Identity, refused: Refused) -> axum::response::
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn idempotency_keys_follow_the_contract_pattern() {
-        assert!(is_idempotency_key("a"));
-        assert!(is_idempotency_key("A1._:-z"));
-        assert!(is_idempotency_key(&"k".repeat(128)));
-        assert!(!is_idempotency_key(&"k".repeat(129)));
-        assert!(!is_idempotency_key(""));
-        assert!(!is_idempotency_key("-leading"));
-        assert!(!is_idempotency_key("has space"));
-        assert!(!is_idempotency_key("slash/no"));
-    }
 
     fn body(reason: &str) -> Vec<u8> {
         serde_json::to_vec(&serde_json::json!({

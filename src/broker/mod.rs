@@ -3,7 +3,7 @@
 //! input, and to show broker authors where each call goes.
 //!
 //! - [`store`]: the SQLite file; what is on disk is what counts after a restart.
-//! - [`http`]: the router and what every route shares: the error envelope (`ApiError`), bearer
+//! - [`api`]: the router and what every route shares: the error envelope (`ApiError`), bearer
 //!   authentication, body reading, the `{id}` lookups and the detached runners. The handlers sit
 //!   beside the types they speak, one file per part of the Agent V1 wire contract:
 //!   - `agent_operations`: submit, get and cancel; the order authenticate → validate → replay →
@@ -79,13 +79,14 @@
 //! wires the rooms above together; the rooms themselves live in their own files.
 
 pub(crate) mod agent_operations;
+pub mod api;
+mod auth;
 pub mod discovery;
 mod drift;
 pub mod drill;
 pub mod drill_replicas;
 mod exec;
 mod health;
-pub mod http;
 #[doc(hidden)]
 pub mod keys;
 pub mod listener;
@@ -293,7 +294,7 @@ pub(crate) struct Core {
     /// Stored streams by id.
     pub(crate) streams: Mutex<HashMap<String, StoredObject>>,
     pub(crate) executor: exec::Executor,
-    pub(crate) auth: http::Auth,
+    pub(crate) auth: auth::Auth,
     pub(crate) registry: Registry,
     pub(crate) submissions: Family<SubmissionLabels, Counter>,
     /// `broker_store_ready`: 1 when the store took a write at the last scrape, else 0.
@@ -498,7 +499,7 @@ impl Broker {
             live: Mutex::new(HashMap::new()),
             streams: Mutex::new(HashMap::new()),
             executor: exec::Executor::default(),
-            auth: http::Auth::new(&settings.secrets, &settings.operator_secret),
+            auth: auth::Auth::new(&settings.secrets, &settings.operator_secret),
             registry,
             submissions,
             store_ready,
@@ -532,7 +533,7 @@ impl Broker {
             Arc::clone(&core),
             settings.retention.sweep_interval,
         ));
-        let app = http::router(Arc::clone(&core));
+        let app = api::router(Arc::clone(&core));
         let server = tokio::spawn(listener::serve(
             listener,
             app,

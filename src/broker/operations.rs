@@ -78,6 +78,21 @@ impl Core {
         self.transition_locked(&op, to, error).await
     }
 
+    /// [`Core::transition`] run detached ([`super::run_to_end`]): a decision a client made (a
+    /// cancel, an approval, a denial) ends the same whether or not the client waits for it.
+    pub(crate) async fn transition_to_end(
+        self: &Arc<Self>,
+        op: Arc<LiveOp>,
+        to: OperationState,
+    ) -> Result<OperationRecord, TransitionFailure> {
+        let transition = Arc::clone(self).transition(op, to, None);
+        super::run_to_end(transition).await.unwrap_or_else(|err| {
+            Err(TransitionFailure::Store(StoreError::new(format!(
+                "the transition did not finish: {err}"
+            ))))
+        })
+    }
+
     /// [`Core::transition`] with the counts gate and the operation's lock already held.
     async fn transition_locked(
         &self,

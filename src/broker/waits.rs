@@ -20,14 +20,15 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use axum::extract::rejection::{PathRejection, QueryRejection};
-use axum::extract::{Path, Query, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::extract::State;
+use axum::http::StatusCode;
 use tokio::sync::watch;
 
 use super::Core;
-use super::http::{ApiError, ApiResult, json_response, own_record, path_id};
-use super::listing::single_params;
+use super::api::error::{ApiError, ApiResult, json_response};
+use super::api::extract::{
+    Client, OperationId, QueryPairs, own_record, parse_integer, single_params,
+};
 
 /// Most waits one client may hold open at once.
 pub const MAX_WAITS_PER_CLIENT: usize = 32;
@@ -167,24 +168,14 @@ pub(crate) fn parse_query(pairs: Vec<(String, String)>) -> Result<WaitQuery, Api
     })
 }
 
-/// A decimal integer of plain ASCII digits (no sign, no spaces), within `u64`.
-pub(crate) fn parse_integer(text: &str) -> Option<u64> {
-    if text.is_empty() || text.len() > 20 || !text.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    text.parse().ok()
-}
-
 /// The events route.
 pub(crate) async fn wait_for_change(
     State(core): State<Arc<Core>>,
-    headers: HeaderMap,
-    id: Result<Path<String>, PathRejection>,
-    query: Result<Query<Vec<(String, String)>>, QueryRejection>,
+    Client(client): Client,
+    OperationId(id): OperationId,
+    QueryPairs(pairs): QueryPairs,
 ) -> ApiResult {
-    let client = core.auth.client(&headers)?;
-    let id = path_id(id)?;
-    let Query(pairs) = query.map_err(|rejection| ApiError::invalid(rejection.body_text()))?;
+    let client = &client;
     let WaitQuery {
         after_revision,
         wait,

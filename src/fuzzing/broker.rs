@@ -12,7 +12,7 @@ use serde_json::Value;
 use crate::broker::agent_operations::{
     MAX_ARGUMENT_PROPERTIES, MAX_TARGET_PROPERTIES, OPERATIONS, validate,
 };
-use crate::broker::http::ApiError;
+use crate::broker::api::error::ApiError;
 use crate::broker::listing::{
     DEFAULT_LIMIT, ListQuery, MAX_LIMIT, decode_cursor, encode_cursor, parse_query,
 };
