@@ -78,28 +78,22 @@
 //! core, start-up (restore, rate replay, drift, retention, replicas) and shutdown, each of which
 //! wires the rooms above together; the rooms themselves live in their own files.
 
-pub(crate) mod agent_operations;
 pub mod api;
 mod auth;
-pub mod discovery;
 mod drift;
 pub mod drill;
 pub mod drill_replicas;
 mod exec;
-mod health;
 #[doc(hidden)]
 pub mod keys;
 pub mod listener;
-pub mod listing;
 mod operations;
-mod operator;
-pub mod presentation;
-pub mod ratelimit;
 pub mod retention;
 pub mod serve;
 pub mod store;
-mod streams;
 pub mod waits;
+
+pub use api::{discovery, listing, presentation, ratelimit};
 
 use std::collections::HashMap;
 use std::net::SocketAddr;

@@ -16,9 +16,18 @@
 //! envelope, `ApiError`, with `From` the store's error) and [`extract`] (the client, the operator,
 //! the path id, the query and the body, checked once). Only this file imports the handlers.
 
+pub(crate) mod agent_operations;
 pub(crate) mod detached;
+pub mod discovery;
 pub mod error;
 pub(crate) mod extract;
+mod health;
+pub mod listing;
+mod operator;
+pub mod presentation;
+pub mod ratelimit;
+mod streams;
+pub mod waits;
 
 use std::sync::Arc;
 
@@ -27,12 +36,10 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::Response;
 use axum::routing::{delete, get, post};
 
-use crate::broker::{Core, agent_operations, discovery, health, listing, operator, streams, waits};
+use crate::broker::Core;
 use error::ApiError;
 
-pub use crate::broker::agent_operations::{
-    MAX_ARGUMENT_PROPERTIES, MAX_BODY_BYTES, MAX_TARGET_PROPERTIES,
-};
+pub use agent_operations::{MAX_ARGUMENT_PROPERTIES, MAX_BODY_BYTES, MAX_TARGET_PROPERTIES};
 pub use error::REFUSAL_MESSAGE;
 
 /// The routes, with their state.

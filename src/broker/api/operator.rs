@@ -7,11 +7,11 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use serde_json::{Value, json};
 
-use super::Core;
-use super::api::error::{ApiError, ApiResult, json_response};
-use super::api::extract::{OperationId, Operator};
-use super::operations::TransitionFailure;
-use super::store::OperationRecord;
+use super::error::{ApiError, ApiResult, json_response};
+use super::extract::{OperationId, Operator};
+use crate::broker::Core;
+use crate::broker::operations::TransitionFailure;
+use crate::broker::store::OperationRecord;
 use crate::engine::OperationState;
 
 /// Most pending requests the operator's list returns (the oldest).
@@ -71,8 +71,8 @@ pub(crate) async fn deny(
 }
 
 /// `GET /api/operator/v1/drift` (operator): compares the controller's counts with the store now
-/// and answers the report, `{"drift": N, "differences": [...]}` (see [`super::DriftReport::to_json`]).
+/// and answers the report, `{"drift": N, "differences": [...]}` (see [`crate::broker::DriftReport::to_json`]).
 pub(crate) async fn drift(State(core): State<Arc<Core>>, _operator: Operator) -> ApiResult {
-    let report = super::drift::check(&core).await?;
+    let report = crate::broker::drift::check(&core).await?;
     Ok(json_response(StatusCode::OK, report.to_json()))
 }

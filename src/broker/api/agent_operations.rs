@@ -12,13 +12,14 @@ use axum::response::IntoResponse;
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::api::detached::detached;
-use super::api::error::{ApiError, ApiResult, json_response};
-use super::api::extract::{Client, OperationId, is_idempotency_key, own_record, read_body};
-use super::operations::{LiveOp, TransitionFailure, duration_ms};
-use super::store::{InsertError, OperationRecord, StoreError, now_rfc3339};
-use super::{Core, ratelimit};
+use super::detached::detached;
+use super::error::{ApiError, ApiResult, json_response};
+use super::extract::{Client, OperationId, is_idempotency_key, own_record, read_body};
+use super::ratelimit;
 use crate::admission::{AdmissionPermit, AdmitError, Refused, Unavailable};
+use crate::broker::Core;
+use crate::broker::operations::{LiveOp, TransitionFailure, duration_ms};
+use crate::broker::store::{InsertError, OperationRecord, StoreError, now_rfc3339};
 use crate::config::Identity;
 use crate::engine::OperationState;
 

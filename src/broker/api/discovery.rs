@@ -6,8 +6,8 @@ use axum::http::StatusCode;
 use serde_json::json;
 
 use super::agent_operations::OPERATIONS;
-use super::api::error::{ApiResult, json_response};
-use super::api::extract::Client;
+use super::error::{ApiResult, json_response};
+use super::extract::Client;
 
 /// The `api_version` of every Agent V1 object.
 pub const API_VERSION: &str = "unyolo.io/agent/v1";

@@ -10,11 +10,11 @@ use http_body_util::BodyExt;
 use serde_json::json;
 use tokio::io::AsyncWriteExt;
 
-use super::api::detached::detached;
-use super::api::error::{ApiError, ApiResult, json_response};
-use super::api::extract::{Client, OperationId, content_length};
-use super::store::{StoreError, StreamRecord};
-use super::{Core, new_id};
+use super::detached::detached;
+use super::error::{ApiError, ApiResult, json_response};
+use super::extract::{Client, OperationId, content_length};
+use crate::broker::store::{StoreError, StreamRecord};
+use crate::broker::{Core, new_id};
 use crate::config::Identity;
 use crate::engine::Store;
 

@@ -19,11 +19,11 @@ use base64::Engine;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use serde_json::{Value, json};
 
-use super::Core;
-use super::api::error::{ApiError, ApiResult, json_response};
-use super::api::extract::{Client, QueryPairs, is_idempotency_key, parse_integer, single_params};
 use super::discovery::API_VERSION;
-use super::store::PageQuery;
+use super::error::{ApiError, ApiResult, json_response};
+use super::extract::{Client, QueryPairs, is_idempotency_key, parse_integer, single_params};
+use crate::broker::Core;
+use crate::broker::store::PageQuery;
 use crate::engine::OperationState;
 
 /// The page size when the query names none.

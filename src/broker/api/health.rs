@@ -8,9 +8,9 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
 
-use super::Core;
-use super::api::error::{ApiError, ApiResult, json_response};
-use super::api::extract::Operator;
+use super::error::{ApiError, ApiResult, json_response};
+use super::extract::Operator;
+use crate::broker::Core;
 
 pub(crate) async fn healthz() -> Response {
     json_response(StatusCode::OK, json!({"ok": true}))
