@@ -17,8 +17,10 @@ use super::error::{ApiError, ApiResult, json_response};
 use super::extract::{Client, OperationId, is_idempotency_key, own_record, read_body};
 use super::ratelimit;
 use crate::admission::{AdmissionPermit, AdmitError, Refused, Unavailable};
-use crate::broker::Core;
-use crate::broker::operations::{LiveOp, TransitionFailure, duration_ms};
+use crate::broker::core::Core;
+use crate::broker::core::LiveOp;
+use crate::broker::operations::TransitionFailure;
+use crate::broker::registry::{self, NotRunnable};
 use crate::broker::store::{InsertError, OperationRecord, StoreError, now_rfc3339};
 use crate::config::Identity;
 use crate::engine::OperationState;
@@ -34,9 +36,6 @@ pub const MAX_ARGUMENT_PROPERTIES: usize = 128;
 
 /// Longest submission `reason`, in characters.
 pub const MAX_REASON_CHARS: usize = 2000;
-
-/// The registered operations: name and whether it needs an operator's approval.
-pub(crate) const OPERATIONS: [(&str, bool); 2] = [("demo.run", false), ("demo.request", true)];
 
 /// A submission body: every field required, unknown fields refused.
 #[derive(Deserialize)]
@@ -86,21 +85,17 @@ pub(crate) fn validate(bytes: &[u8]) -> Result<Validated, ApiError> {
             "arguments must be a JSON object of at most 128 properties.",
         ));
     }
-    let Some(&(_, needs_approval)) = OPERATIONS
-        .iter()
-        .find(|(name, _)| *name == request.operation)
-    else {
-        return Err(ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "operation_not_registered",
-            "This broker has no such operation.",
-        ));
-    };
-    if duration_ms(&request.arguments).is_none() {
-        return Err(ApiError::invalid(
-            "arguments.duration_ms must be an integer from 0 to 600000.",
-        ));
-    }
+    let needs_approval =
+        registry::judge(&request.operation, &request.arguments).map_err(|why| match why {
+            NotRunnable::NotRegistered => ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "operation_not_registered",
+                "This broker has no such operation.",
+            ),
+            NotRunnable::Duration => {
+                ApiError::invalid("arguments.duration_ms must be an integer from 0 to 600000.")
+            }
+        })?;
     Ok(Validated {
         request,
         needs_approval,

@@ -5,7 +5,7 @@
 use axum::http::StatusCode;
 
 use super::error::{ApiError, ApiResult};
-use crate::broker::run_to_end;
+use crate::broker::core::run_to_end;
 
 /// Runs a decided change to its end ([`run_to_end`]) and returns its answer; a panic in it is a
 /// 500.

@@ -5,9 +5,9 @@
 use axum::http::StatusCode;
 use serde_json::json;
 
-use super::agent_operations::OPERATIONS;
 use super::error::{ApiResult, json_response};
 use super::extract::Client;
+use crate::broker::registry::OPERATIONS;
 
 /// The `api_version` of every Agent V1 object.
 pub const API_VERSION: &str = "unyolo.io/agent/v1";

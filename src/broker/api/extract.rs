@@ -18,7 +18,7 @@ use axum::http::{HeaderMap, StatusCode, header};
 use http_body_util::BodyExt;
 
 use super::error::ApiError;
-use crate::broker::Core;
+use crate::broker::core::Core;
 use crate::broker::store::OperationRecord;
 use crate::config::Identity;
 

@@ -10,7 +10,7 @@ use serde_json::json;
 
 use super::error::{ApiError, ApiResult, json_response};
 use super::extract::Operator;
-use crate::broker::Core;
+use crate::broker::core::Core;
 
 pub(crate) async fn healthz() -> Response {
     json_response(StatusCode::OK, json!({"ok": true}))

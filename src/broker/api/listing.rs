@@ -22,7 +22,7 @@ use serde_json::{Value, json};
 use super::discovery::API_VERSION;
 use super::error::{ApiError, ApiResult, json_response};
 use super::extract::{Client, QueryPairs, is_idempotency_key, parse_integer, single_params};
-use crate::broker::Core;
+use crate::broker::core::Core;
 use crate::broker::store::PageQuery;
 use crate::engine::OperationState;
 

@@ -36,7 +36,7 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::Response;
 use axum::routing::{delete, get, post};
 
-use crate::broker::Core;
+use crate::broker::core::Core;
 use error::ApiError;
 
 pub use agent_operations::{MAX_ARGUMENT_PROPERTIES, MAX_BODY_BYTES, MAX_TARGET_PROPERTIES};

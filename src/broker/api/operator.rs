@@ -9,7 +9,7 @@ use serde_json::{Value, json};
 
 use super::error::{ApiError, ApiResult, json_response};
 use super::extract::{OperationId, Operator};
-use crate::broker::Core;
+use crate::broker::core::Core;
 use crate::broker::operations::TransitionFailure;
 use crate::broker::store::OperationRecord;
 use crate::engine::OperationState;

@@ -7,7 +7,7 @@
 
 use serde_json::{Map, Value, json};
 
-use crate::broker::operations::duration_ms;
+use crate::broker::registry::duration_ms;
 use crate::broker::store::OperationRecord;
 
 /// The longest title, in characters.

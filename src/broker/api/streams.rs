@@ -13,8 +13,8 @@ use tokio::io::AsyncWriteExt;
 use super::detached::detached;
 use super::error::{ApiError, ApiResult, json_response};
 use super::extract::{Client, OperationId, content_length};
+use crate::broker::core::{Core, new_id};
 use crate::broker::store::{StoreError, StreamRecord};
-use crate::broker::{Core, new_id};
 use crate::config::Identity;
 use crate::engine::Store;
 

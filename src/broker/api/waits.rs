@@ -18,7 +18,7 @@ use axum::http::StatusCode;
 
 use super::error::{ApiError, ApiResult, json_response};
 use super::extract::{Client, OperationId, QueryPairs, own_record, parse_integer, single_params};
-use crate::broker::Core;
+use crate::broker::core::Core;
 use crate::broker::waits::{MAX_WAITS_PER_CLIENT, TooManyWaits};
 
 /// The longest `wait_seconds`.
