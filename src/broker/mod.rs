@@ -4,9 +4,12 @@
 //!
 //! # The layers, by folder and file
 //!
-//! Imports run one way, down this list (the layers never import upward; see the note on the
-//! store at the end):
+//! Imports run one way, down this list: a file imports only from the layers below its own (see
+//! the note on the store at the end).
 //!
+//! - the commands on top of everything: [`serve`] (`admission serve`) and [`drill`].
+//! - `startup`: [`Broker::start`] (open the store, restore the counts and the rate buckets from
+//!   it, start the tasks and the listener with the router) and [`Broker::shutdown`].
 //! - [`api`]: the only part that knows HTTP and JSON. The router (`api/mod.rs`), the leaf error
 //!   type (`api::error::ApiError`, with `From` the store's error), the extractors
 //!   (`api::extract`: the client and the operator from the bearer token, the path id, the query,
@@ -16,8 +19,6 @@
 //!   `/readyz`, `/metrics`), `operator` (Operator V1: the pending requests, approve, deny, the
 //!   on-demand drift reading), [`ratelimit`] (the quota fields on submission answers) and
 //!   [`presentation`] (what an operator reads about each operation).
-//! - `startup`: [`Broker::start`] (open the store, restore the counts and the rate buckets from
-//!   it, start the tasks) and [`Broker::shutdown`].
 //! - the rooms that act on the shared state: `operations` (the one way a live operation's state
 //!   changes: store first, then the lifecycle handle, under the operation's lock), `exec` (the
 //!   demo executor; approved work waits for an execution slot, woken by the controller when one
@@ -34,8 +35,8 @@
 //!   (the open long-poll waits and their bells), `keys` (a growable filter that answers "this key
 //!   was never used" without the store, so refusals stay off SQLite however many keys are
 //!   stored).
-//! - beside them: [`listener`] (the accept loop; header, body and idle timeouts and the
-//!   connection cap), and the commands [`serve`] and [`drill`] on top of everything.
+//! - beside them, knowing nothing of the broker: [`listener`] (the accept loop; header, body and
+//!   idle timeouts and the connection cap, for any router).
 //!
 //! This file is the assembly: the module list, the settings ([`BrokerSettings`]), the errors
 //! ([`BrokerError`]) and the [`Broker`] handle with its small accessors.

@@ -8,12 +8,12 @@
 //! carries `Cache-Control: no-store`.
 //!
 //! Each mutating handler (submit, cancel, approve, deny, upload, delete) hands everything from its
-//! decision on to a task of its own ([`detached`], `Core::transition_to_end`) and only waits for
+//! decision on to a task of its own (`detached`, `Core::transition_to_end`) and only waits for
 //! the answer, so a client that hangs up cannot leave a change half made (the broker module's docs
 //! say what is atomic, route by route).
 //!
 //! What every handler shares is in two leaves, which import no handler: [`error`] (the error
-//! envelope, `ApiError`, with `From` the store's error) and [`extract`] (the client, the operator,
+//! envelope, `ApiError`, with `From` the store's error) and `extract` (the client, the operator,
 //! the path id, the query and the body, checked once). Only this file imports the handlers.
 
 pub(crate) mod agent_operations;
