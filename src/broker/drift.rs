@@ -9,7 +9,7 @@
 //! **Why a reading cannot report drift that is not there.** Counts move while a reading is taken:
 //! an admitted permit is counted before its row is written, a transition writes its row before
 //! the handle moves. Every such change in the broker holds a shared hold on the *counts gate*
-//! ([`super::Core::hold_counts`]) from the moment it first touches a count until both sides agree
+//! ([`super::core::Core::hold_counts`]) from the moment it first touches a count until both sides agree
 //! again (row written and permit committed, row and handle moved, stream row and reservation
 //! settled). A reading takes the gate exclusively, so it sees no change half made: it reads the
 //! store (on the read connection; every gated write has committed) and the controller's
@@ -26,7 +26,7 @@ use std::fmt;
 
 use serde_json::{Value, json};
 
-use super::Core;
+use super::core::Core;
 use super::store::{StoreError, StoredCounts};
 use crate::engine::{OperationState, Store};
 use crate::metrics::Snapshot;

@@ -1,4 +1,5 @@
-//! The demo executor: approved operations wait in a FIFO queue, and the oldest starts as soon as
+//! The demo executor: approved operations wait in a FIFO queue (the core's `ExecQueue`), and the
+//! oldest starts as soon as
 //! the controller has a global execution slot for it. Executing means sleeping
 //! `arguments.duration_ms`, then succeeding.
 //!
@@ -26,47 +27,18 @@
 //! The executor is its own task, so no client's hangup cancels it; and a shutdown only ends its
 //! waits, never a start between its slot and its row: the try is awaited outside any `select!`.
 
-use std::collections::VecDeque;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::Notify;
-
-use super::Core;
-use super::operations::{LiveOp, TransitionFailure};
-use super::store::OperationError;
+use super::core::{Core, LiveOp};
+use super::operations::TransitionFailure;
+use super::store::{OperationError, OperationRecord, StoreError};
 use crate::admission::NotStarted;
 use crate::engine::OperationState;
 
 /// How long to wait before trying again what no in-process event announces: a Redis or a store
 /// that did not answer.
 const RETRY: Duration = Duration::from_secs(1);
-
-/// The queue of approved operations and the bell rung when work is queued or may start.
-#[derive(Default)]
-pub(crate) struct Executor {
-    queue: Mutex<VecDeque<Arc<LiveOp>>>,
-    bell: Notify,
-}
-
-impl Executor {
-    fn queue(&self) -> std::sync::MutexGuard<'_, VecDeque<Arc<LiveOp>>> {
-        self.queue.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Queues an approved operation for execution.
-    pub(crate) fn enqueue(&self, op: Arc<LiveOp>) {
-        self.queue().push_back(op);
-        self.wake();
-    }
-
-    /// Something changed that may let queued work start (work queued, a slot freed, a limit
-    /// raised). A wait for this replica's own pool is woken by the controller itself; this bell
-    /// serves an empty queue and a wait for the shared pool.
-    pub(crate) fn wake(&self) {
-        self.bell.notify_one();
-    }
-}
 
 /// What one try to start the oldest queued operation came to.
 enum Tried {
@@ -84,10 +56,10 @@ enum Tried {
 pub(crate) async fn run(core: Arc<Core>) {
     let mut shutdown = core.shutdown.clone();
     while !*shutdown.borrow() {
-        let Some(op) = core.executor.queue().front().cloned() else {
+        let Some(op) = core.executor.oldest() else {
             // A ring while nobody waits is kept, so work queued just now is not missed.
             tokio::select! {
-                _ = core.executor.bell.notified() => continue,
+                _ = core.executor.rung() => continue,
                 _ = shutdown.wait_for(|stop| *stop) => return,
             }
         };
@@ -96,7 +68,7 @@ pub(crate) async fn run(core: Arc<Core>) {
         let freed = op.handle.slot_freed();
         match try_start(&core, &op).await {
             Tried::Done => {
-                core.executor.queue().pop_front();
+                core.executor.pop_oldest();
             }
             Tried::PoolFull => {
                 tokio::select! {
@@ -106,7 +78,7 @@ pub(crate) async fn run(core: Arc<Core>) {
             }
             Tried::NotNow => {
                 tokio::select! {
-                    _ = core.executor.bell.notified() => {}
+                    _ = core.executor.rung() => {}
                     _ = tokio::time::sleep(RETRY) => {}
                     _ = shutdown.wait_for(|stop| *stop) => return,
                 }
@@ -238,7 +210,7 @@ async fn execute(core: Arc<Core>, op: Arc<LiveOp>) {
 async fn record_start_in_store(
     core: &Core,
     op: &LiveOp,
-) -> Result<Option<super::store::OperationRecord>, super::store::StoreError> {
+) -> Result<Option<OperationRecord>, StoreError> {
     core.db
         .set_state(
             &op.id,

@@ -2,41 +2,57 @@
 //! with a durable SQLite store. It exists to prove the library under overload, crashes and bad
 //! input, and to show broker authors where each call goes.
 //!
-//! - [`store`]: the SQLite file; what is on disk is what counts after a restart.
-//! - [`http`]: the router and what every route shares: the error envelope (`ApiError`), bearer
-//!   authentication, body reading, the `{id}` lookups and the detached runners. The handlers sit
-//!   beside the types they speak, one file per part of the Agent V1 wire contract:
-//!   - `agent_operations`: submit, get and cancel; the order authenticate → validate → replay →
-//!     admit → create → commit.
-//!   - `streams`: stream upload and delete.
-//!   - `operator`: the pending requests, approve, deny and the on-demand drift reading.
-//!   - `health`: `/healthz`, `/readyz` and `/metrics`.
-//! - `operations`: live operations, each with a lifecycle handle; a transition is written to
-//!   the store first and then applied to the handle, under the operation's lock.
-//! - `exec`: the demo executor; approved work waits for an execution slot (woken by the
-//!   controller when one is given back, not polling) and starts under the counts gate.
-//! - `keys`: a growable filter that answers "this key was never used" without the store, so
-//!   refusals stay off SQLite however many keys are stored.
-//! - [`retention`]: the sweep that keeps the store bounded: terminal operations retire after
-//!   `--retention` (a replay of a retired key is a new submission), streams are reconciled, space
-//!   returns to the filesystem.
-//! - `drift`: compares the controller's counts with the store (at start-up, on a timer, on
-//!   demand) and exports the difference as `admission_store_drift`.
-//! - [`discovery`], [`listing`] and [`waits`]: the Agent V1 reads: the descriptor, pages of
-//!   summaries, and long-poll waits on an operation's revision; [`presentation`]: what an
-//!   operator reads about each operation.
-//! - [`listener`]: the accept loop; header, body and idle timeouts and the connection cap.
-//! - [`ratelimit`]: the quota fields (`RateLimit-Policy`, `RateLimit`) on submission answers.
-//! - [`serve`] and [`drill`]: the `admission serve` and `admission drill` commands.
+//! # The layers, by folder and file
+//!
+//! Imports run one way, down this list: a file imports only from the layers below its own (see
+//! the note on the store at the end).
+//!
+//! - the commands on top of everything: [`serve`] (`admission serve`) and [`drill`].
+//! - `startup`: [`Broker::start`] (open the store, restore the counts and the rate buckets from
+//!   it, start the tasks and the listener with the router) and [`Broker::shutdown`].
+//! - [`api`]: the only part that knows HTTP and JSON. The router (`api/mod.rs`), the leaf error
+//!   type (`api::error::ApiError`, with `From` the store's error), the extractors
+//!   (`api::extract`: the client and the operator from the bearer token, the path id, the query,
+//!   the body), and one file per part of the wire contracts: `agent_operations` (submit, get,
+//!   cancel; the order authenticate → validate → replay → admit → create → commit),
+//!   [`listing`], `waits` (the long poll), `streams`, [`discovery`], `health` (`/healthz`,
+//!   `/readyz`, `/metrics`), `operator` (Operator V1: the pending requests, approve, deny, the
+//!   on-demand drift reading), [`ratelimit`] (the quota fields on submission answers) and
+//!   [`presentation`] (what an operator reads about each operation).
+//! - the rooms that act on the shared state: `operations` (the one way a live operation's state
+//!   changes: store first, then the lifecycle handle, under the operation's lock), `exec` (the
+//!   demo executor; approved work waits for an execution slot, woken by the controller when one
+//!   is given back, not polling), `drift` (compares the controller's counts with the store at
+//!   start-up, on a timer and on demand, and exports the difference as `admission_store_drift`)
+//!   and [`retention`] (the sweep that keeps the store bounded: terminal operations retire after
+//!   `--retention`, a replay of a retired key is a new submission, streams are reconciled, space
+//!   returns to the filesystem).
+//! - `core`: the state every part shares (`Core`, each live operation, the execution queue) and
+//!   `run_to_end`, the one way a decided change is detached from its client.
+//! - what the core is made of, each knowing nothing above it: [`store`] (the SQLite file; what is
+//!   on disk is what counts after a restart), `registry` (the registered operations and what a
+//!   submission's operation and arguments must be), `auth` (who a bearer secret names), [`waits`]
+//!   (the open long-poll waits and their bells), `keys` (a growable filter that answers "this key
+//!   was never used" without the store, so refusals stay off SQLite however many keys are
+//!   stored).
+//! - beside them, knowing nothing of the broker: [`listener`] (the accept loop; header, body and
+//!   idle timeouts and the connection cap, for any router).
+//!
+//! This file is the assembly: the module list, the settings ([`BrokerSettings`]), the errors
+//! ([`BrokerError`]) and the [`Broker`] handle with its small accessors.
 //!
 //! Only this module knows about HTTP, JSON bodies and SQL; the engine does not.
+//!
+//! **The store, for now.** `store.rs` still renders a record as JSON (`OperationRecord::to_json`,
+//! which reads `discovery` and `presentation` from the HTTP layer); that projection is being moved
+//! out of the store and under `api/`, after which no file below `api/` imports from it.
 //!
 //! # What a client that hangs up can and cannot leave half done
 //!
 //! A handler future is dropped at whatever `.await` it is parked on when its client hangs up. So
 //! each mutating route is split in two at the moment the broker *decides* to change something.
 //! Before it, the handler only authenticates, validates and reads; dropped there, nothing was
-//! changed. From it on, the whole change runs in a task of its own (`run_to_end`: a
+//! changed. From it on, the whole change runs in a task of its own (`run_to_end` in `core`: a
 //! `tokio::spawn`ed task the handler merely awaits; dropping a `JoinHandle` does not cancel the
 //! task), so it ends the same way whether or not anyone waits for the answer. Each change also
 //! holds the counts gate (`Core::hold_counts`) from its first touch of a count to its last, so a
@@ -74,57 +90,44 @@
 //! write either committed (restored at start-up) or did not (nothing to restore), and a stream
 //! body without a row is removed at start-up.
 //!
-//! This file is past the usual size because it is the broker's assembly: settings, the shared
-//! core, start-up (restore, rate replay, drift, retention, replicas) and shutdown, each of which
-//! wires the rooms above together; the rooms themselves live in their own files.
-
-pub(crate) mod agent_operations;
-pub mod discovery;
+pub mod api;
+mod auth;
+mod core;
 mod drift;
 pub mod drill;
 pub mod drill_replicas;
 mod exec;
-mod health;
-pub mod http;
 #[doc(hidden)]
 pub mod keys;
 pub mod listener;
-pub mod listing;
 mod operations;
-mod operator;
-pub mod presentation;
-pub mod projection;
-pub mod ratelimit;
+pub(crate) mod registry;
 pub mod retention;
 pub mod serve;
+mod startup;
 pub mod store;
-mod streams;
 pub mod waits;
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime};
+use std::sync::Arc;
+use std::time::Duration;
 
-use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::registry::Registry;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::admission::{Admission, ReplicaOptions, RestoredOperation};
+use crate::Config;
+use crate::admission::{Admission, ReplicaOptions};
 use crate::config::{ConfigError, Identity, Secrets};
-use crate::engine::{Controller, DEFAULT_CAPACITY_RETRY, StorageCaps, StoredObject};
-use crate::{Config, OperationState};
+use crate::engine::{Controller, DEFAULT_CAPACITY_RETRY, StorageCaps};
 
+pub use api::{discovery, listing, presentation, projection, ratelimit};
 pub use drift::{Difference, DriftCount, DriftReport};
 pub use listener::ConnectionSettings;
 pub use retention::{Keep, RetentionSettings, SweepReport, WallClock};
 pub use store::{Database, OperationError, OperationRecord, StoreError, StoredCounts};
 
-use operations::LiveOp;
+use self::core::Core;
 
 /// Everything a broker needs to start. Its `Debug` output shows no secret.
 #[derive(Clone)]
@@ -277,101 +280,6 @@ impl From<StoreError> for BrokerError {
     }
 }
 
-/// How long [`Broker::shutdown`] waits for the broker's tasks to end.
-const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
-
-/// The `broker_submissions_total{result}` label set.
-type SubmissionLabels = [(&'static str, &'static str); 1];
-
-/// State shared by every handler and the executor.
-pub(crate) struct Core {
-    /// Admission, in-process or shared with other replicas: every submission, transition and
-    /// start goes through it.
-    pub(crate) admission: Admission,
-    pub(crate) db: Database,
-    /// Non-terminal operations by id.
-    pub(crate) live: Mutex<HashMap<String, Arc<LiveOp>>>,
-    /// Stored streams by id.
-    pub(crate) streams: Mutex<HashMap<String, StoredObject>>,
-    pub(crate) executor: exec::Executor,
-    pub(crate) auth: http::Auth,
-    pub(crate) registry: Registry,
-    pub(crate) submissions: Family<SubmissionLabels, Counter>,
-    /// `broker_store_ready`: 1 when the store took a write at the last scrape, else 0.
-    pub(crate) store_ready: Gauge,
-    /// The (client, key) pairs that may have an operation, so a new key skips the store lookup.
-    pub(crate) keys: keys::KeyFilter,
-    /// Serializes submissions with the same (client, idempotency key), so concurrent duplicates
-    /// create one operation. Striped: bounded memory whatever the traffic.
-    pub(crate) key_locks: Box<[Arc<tokio::sync::Mutex<()>>]>,
-    /// Held shared by every change of the counts or the store while it is in progress, and
-    /// exclusively by a drift reading (see the `drift` module).
-    pub(crate) counts_gate: Arc<tokio::sync::RwLock<()>>,
-    /// Uploads whose room is reserved while their body arrives: stream id → (client, bytes).
-    pub(crate) uploading: Mutex<HashMap<String, (String, u64)>>,
-    /// `admission_store_drift`: the total difference found by the last drift reading.
-    pub(crate) drift: Gauge,
-    pub(crate) shutdown: watch::Receiver<bool>,
-    /// Open long-poll waits and the bells that wake them.
-    pub(crate) waits: waits::Waits,
-    /// The retention sweep's settings and metrics.
-    pub(crate) retention: retention::Retention,
-}
-
-impl Core {
-    /// This process's engine (what this replica holds; storage quotas, rate headers, drift).
-    pub(crate) fn controller(&self) -> &Controller {
-        self.admission.controller()
-    }
-
-    /// Counts a submission outcome: `created`, `replayed` or `rejected`.
-    pub(crate) fn count_submission(&self, result: &'static str) {
-        self.submissions.get_or_create(&[("result", result)]).inc();
-    }
-
-    fn live_ops(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<LiveOp>>> {
-        self.live.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn stored_streams(&self) -> std::sync::MutexGuard<'_, HashMap<String, StoredObject>> {
-        self.streams.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn uploads(&self) -> std::sync::MutexGuard<'_, HashMap<String, (String, u64)>> {
-        self.uploading.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// The uploads in progress: (client, bytes reserved) each.
-    pub(crate) fn uploads_in_progress(&self) -> Vec<(String, u64)> {
-        self.uploads().values().cloned().collect()
-    }
-
-    /// A shared hold on the counts gate: while it lives, no drift reading is taken. Take it before
-    /// the first count a change touches and keep it until the store and the counts agree again.
-    /// Never take it twice in one task (a reading waiting in between would deadlock it).
-    pub(crate) async fn hold_counts(&self) -> tokio::sync::OwnedRwLockReadGuard<()> {
-        Arc::clone(&self.counts_gate).read_owned().await
-    }
-
-    /// The lock serializing submissions of `client` with idempotency `key`.
-    pub(crate) fn key_lock(&self, client: &str, key: &str) -> Arc<tokio::sync::Mutex<()>> {
-        use std::hash::{Hash, Hasher};
-        let mut hasher = std::collections::hash_map::DefaultHasher::new();
-        (client, key).hash(&mut hasher);
-        let stripe = (hasher.finish() % self.key_locks.len() as u64) as usize;
-        Arc::clone(&self.key_locks[stripe])
-    }
-}
-
-/// Starts `work` on a task of its own at once (not at the first poll) and returns a future of its
-/// outcome. The caller only waits: if the caller is dropped (its client hung up), the work goes on
-/// to its end regardless. `Err` only if the work panicked or the runtime is shutting down.
-pub(crate) fn run_to_end<T: Send + 'static>(
-    work: impl Future<Output = T> + Send + 'static,
-) -> impl Future<Output = Result<T, tokio::task::JoinError>> {
-    tokio::spawn(work)
-}
-
 /// A running broker. Dropping it without [`Broker::shutdown`] leaves the server running until the
 /// runtime stops.
 pub struct Broker {
@@ -382,6 +290,8 @@ pub struct Broker {
     executor: JoinHandle<()>,
     drift: JoinHandle<()>,
     sweeper: JoinHandle<()>,
+    /// The retention sweep's state, shared with the sweeping task.
+    retention: Arc<retention::Retention>,
 }
 
 impl std::fmt::Debug for Broker {
@@ -404,176 +314,6 @@ pub struct RestoreSummary {
 }
 
 impl Broker {
-    /// Opens the store in the data dir, restores every non-terminal operation and stream into a
-    /// new controller, starts the executor and serves. Must run inside a tokio runtime.
-    ///
-    /// With [`BrokerSettings::replicas`], the broker is one replica of several sharing admission
-    /// through Redis: it registers what the store restores under the replica's name (replacing
-    /// what an earlier run under that name held, in one step) and takes its lease. A Redis that
-    /// does not answer at start-up does not stop it: the replica serves reads, cancels,
-    /// decisions, health and metrics, answers new submissions 503 `admission_unavailable` with
-    /// Retry-After, and registers (then admits) as soon as Redis answers. Only invalid options
-    /// or URL fail.
-    pub async fn start(settings: BrokerSettings) -> Result<(Broker, RestoreSummary), BrokerError> {
-        validate_broker_name(&settings.broker_name).map_err(BrokerError::Settings)?;
-        settings.validate()?;
-        let connection_cap = settings.connections.connection_cap();
-        if let Some(limit) = listener::file_limit() {
-            let derived = listener::connection_cap_for_file_limit(Some(limit));
-            if connection_cap > derived {
-                tracing::warn!(
-                    connection_cap,
-                    file_limit = limit,
-                    "the connection limit is above what the file limit leaves for connections"
-                );
-            }
-        }
-        let rate_window = largest_window(&settings.config);
-        let listener = tokio::net::TcpListener::bind(settings.listen)
-            .await
-            .map_err(|e| BrokerError::Bind(settings.listen, e))?;
-        let addr = listener
-            .local_addr()
-            .map_err(|e| BrokerError::Bind(settings.listen, e))?;
-        let controller = Controller::builder(settings.config)
-            .storage_caps(settings.storage_caps)
-            .capacity_retry(settings.capacity_retry)
-            .build();
-        let admission = Admission::new(controller, settings.replicas.clone())
-            .map_err(|e| BrokerError::Settings(e.to_string()))?;
-        let data_dir = settings.data_dir.clone();
-        let broker_name = settings.broker_name.clone();
-        let (db, recovered, keys, created) = tokio::task::spawn_blocking(move || {
-            let db = Database::open_as(&data_dir, &broker_name)?;
-            let recovered = db.recover()?;
-            let keys = keys::KeyFilter::with_capacity(db.key_count()? as usize);
-            db.for_each_key(|client, key| keys.insert(client, key))?;
-            let since = SystemTime::now()
-                .checked_sub(rate_window)
-                .unwrap_or(SystemTime::UNIX_EPOCH);
-            let created = db.created_since(since)?;
-            Ok::<_, StoreError>((db, recovered, keys, created))
-        })
-        .await
-        .map_err(|e| BrokerError::Io(format!("start-up task failed: {e}")))??;
-
-        let mut registry = Registry::default();
-        admission.register_metrics(&mut registry);
-        let drift = Gauge::default();
-        registry.register(
-            "admission_store_drift",
-            "Total absolute difference between the controller's counts and the store at the last \
-             check (0 when they agree).",
-            drift.clone(),
-        );
-        let submissions = Family::<SubmissionLabels, Counter>::default();
-        for result in ["created", "replayed", "rejected"] {
-            let _ = submissions.get_or_create(&[("result", result)]);
-        }
-        registry.register(
-            "broker_submissions",
-            "Operation submissions by result: created, replayed, or rejected by admission.",
-            submissions.clone(),
-        );
-        let store_ready = Gauge::default();
-        registry.register(
-            "broker_store_ready",
-            "Whether the store took a write (as /readyz checks it) when these metrics were scraped: 1 or 0.",
-            store_ready.clone(),
-        );
-        let retention = retention::Retention::new(settings.retention.clone(), &mut registry);
-        match settings.retention.keep {
-            Keep::Forever => tracing::warn!(
-                "retention is forever: terminal operations are never deleted and the store grows \
-                 without bound"
-            ),
-            Keep::For(keep) => tracing::info!(
-                retention = %humantime::format_duration(keep),
-                "terminal operations retire after the retention; a replay after it is new work"
-            ),
-        }
-        let (stop, shutdown) = watch::channel(false);
-        let core = Arc::new(Core {
-            admission,
-            db,
-            live: Mutex::new(HashMap::new()),
-            streams: Mutex::new(HashMap::new()),
-            executor: exec::Executor::default(),
-            auth: http::Auth::new(&settings.secrets, &settings.operator_secret),
-            registry,
-            submissions,
-            store_ready,
-            keys,
-            key_locks: (0..64)
-                .map(|_| Arc::new(tokio::sync::Mutex::new(())))
-                .collect(),
-            counts_gate: Arc::new(tokio::sync::RwLock::new(())),
-            uploading: Mutex::new(HashMap::new()),
-            drift,
-            shutdown: shutdown.clone(),
-            waits: waits::Waits::default(),
-            retention,
-        });
-        let summary = restore(&core, recovered).await;
-        match drift::check(&core).await {
-            Ok(report) if report.is_clean() => {}
-            Ok(report) => {
-                tracing::warn!(
-                    drift = report.total(),
-                    "restored counts differ from the store"
-                )
-            }
-            Err(err) => tracing::warn!(error = %err, "start-up drift check failed"),
-        }
-        restore_rates(core.controller(), created, SystemTime::now());
-
-        let executor = tokio::spawn(exec::run(Arc::clone(&core)));
-        let drift = tokio::spawn(drift::watch(Arc::clone(&core), settings.drift_interval));
-        let sweeper = tokio::spawn(retention::watch(
-            Arc::clone(&core),
-            settings.retention.sweep_interval,
-        ));
-        let app = http::router(Arc::clone(&core));
-        let server = tokio::spawn(listener::serve(
-            listener,
-            app,
-            settings.connections,
-            connection_cap,
-            shutdown.clone(),
-        ));
-        tracing::info!(
-            %addr,
-            connection_cap,
-            pending = summary.pending,
-            approved = summary.approved,
-            interrupted = summary.interrupted,
-            streams = summary.streams,
-            "broker started"
-        );
-        Ok((
-            Broker {
-                addr,
-                core,
-                stop,
-                server,
-                executor,
-                drift,
-                sweeper,
-            },
-            summary,
-        ))
-    }
-
-    /// [`Broker::start`] as one replica of several: `settings` with
-    /// [`BrokerSettings::replicas`] set to `options`.
-    pub async fn start_shared(
-        mut settings: BrokerSettings,
-        options: ReplicaOptions,
-    ) -> Result<(Broker, RestoreSummary), BrokerError> {
-        settings.replicas = Some(options);
-        Box::pin(Broker::start(settings)).await
-    }
-
     /// The address the broker listens on.
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
@@ -606,7 +346,7 @@ impl Broker {
     /// retention by the settings' clock, returns free space, reconciles streams and refreshes the
     /// store metrics. Waits for a sweep already running to finish first.
     pub async fn sweep_now(&self) -> Result<SweepReport, StoreError> {
-        retention::sweep(&self.core).await
+        retention::sweep(&self.core, &self.retention).await
     }
 
     /// Whether the replay filter lets a submission of `client` with `key` through to the store
@@ -620,31 +360,6 @@ impl Broker {
     /// invalid file leaves the old configuration in force and is counted.
     pub fn reload_from_path(&self, path: &Path) -> Result<(), ConfigError> {
         reload(&self.core, path)
-    }
-
-    /// Stops serving and executing. A change already decided (a creation, decision, cancel,
-    /// upload or delete in progress) runs to its end first; executing work is abandoned exactly
-    /// as in a crash (it stays `executing` on disk), so a broker started on the same data dir
-    /// recovers it. Returns once every
-    /// task of this broker has let go of it, so the data dir's lock is released (unless the caller
-    /// still holds a clone of [`Broker::database`]) and another broker may start on the dir.
-    pub async fn shutdown(self) {
-        let _ = self.stop.send(true);
-        let _ = self.server.await;
-        let _ = self.executor.await;
-        let _ = self.drift.await;
-        let _ = self.sweeper.await;
-        // Connection and execution tasks see the stop and return; changes in progress (see
-        // `run_to_end`) run to their end. Each holds the core until it ends. Bounded, so a stuck store call cannot hang shutdown forever.
-        let deadline = std::time::Instant::now() + SHUTDOWN_GRACE;
-        while Arc::strong_count(&self.core) > 1 && std::time::Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-        if Arc::strong_count(&self.core) > 1 {
-            tracing::warn!("shutdown: some broker tasks are still running");
-        }
-        // Live work stays counted until the lease lapses (or a restart re-registers it).
-        self.core.admission.shutdown().await;
     }
 }
 
@@ -661,136 +376,4 @@ fn reload(core: &Core, path: &Path) -> Result<(), ConfigError> {
             Err(err)
         }
     }
-}
-
-/// Puts what the store holds back under the controller: live operations (approved ones queued
-/// for execution) and stored streams.
-async fn restore(core: &Arc<Core>, recovered: store::Recovered) -> RestoreSummary {
-    let mut summary = RestoreSummary {
-        interrupted: recovered.interrupted.len(),
-        ..RestoreSummary::default()
-    };
-    for record in &recovered.interrupted {
-        tracing::warn!(
-            operation = %record.id,
-            client = %record.client_id,
-            from = "executing",
-            to = "failed",
-            error = "execution_interrupted",
-            "operation state changed"
-        );
-    }
-    let mut records = Vec::new();
-    let mut restoring = Vec::new();
-    for record in recovered.live {
-        let Ok(identity) = Identity::new(&record.client_id) else {
-            tracing::error!(operation = %record.id, "stored operation has an invalid client id; not restored");
-            continue;
-        };
-        restoring.push(RestoredOperation {
-            id: record.id.clone(),
-            identity,
-            state: record.state,
-        });
-        records.push(record);
-    }
-    let restored = core.admission.restore(restoring).await;
-    for (record, handle) in records.into_iter().zip(restored.operations) {
-        let handle = match handle {
-            Ok(handle) => handle,
-            Err(err) => {
-                tracing::error!(operation = %record.id, error = %err, "not restored");
-                continue;
-            }
-        };
-        let op = Arc::new(LiveOp::new(&record, handle));
-        core.live_ops().insert(record.id.clone(), Arc::clone(&op));
-        match record.state {
-            OperationState::Approved => {
-                summary.approved += 1;
-                core.executor.enqueue(op);
-            }
-            _ => summary.pending += 1,
-        }
-    }
-    if let Some(replica) = core.admission.replica() {
-        match restored.deferred {
-            None => tracing::info!(
-                replica,
-                restored = summary.pending + summary.approved,
-                "registered with redis"
-            ),
-            Some(err) => tracing::warn!(
-                replica,
-                restored = summary.pending + summary.approved,
-                error = %err,
-                "redis does not answer: new submissions are answered 503 admission_unavailable \
-                 until it does, then this replica registers"
-            ),
-        }
-    }
-    let mut known = std::collections::HashSet::new();
-    for stream in recovered.streams {
-        let Ok(identity) = Identity::new(&stream.client_id) else {
-            continue;
-        };
-        let object =
-            core.controller()
-                .restore_storage(&identity, crate::engine::Store::Stream, stream.size);
-        known.insert(stream.id.clone());
-        core.stored_streams().insert(stream.id, object);
-        summary.streams += 1;
-    }
-    // Bodies written but never recorded (a crash between the two) hold nothing; remove them.
-    if let Ok(entries) = std::fs::read_dir(core.db.streams_dir()) {
-        for entry in entries.flatten() {
-            let name = entry.file_name().to_string_lossy().into_owned();
-            if !known.contains(&name) {
-                let _ = std::fs::remove_file(entry.path());
-            }
-        }
-    }
-    summary
-}
-
-/// The longest rate window of any configured client: how far back start-up reads admissions.
-fn largest_window(config: &Config) -> Duration {
-    let seconds = config
-        .identities()
-        .filter_map(|identity| config.effective(identity.as_str()))
-        .map(|limits| limits.window_seconds)
-        .max()
-        .unwrap_or(0);
-    Duration::from_secs(u64::from(seconds))
-}
-
-/// Rebuilds each client's rate bucket from the creation times of its operations created within
-/// the largest window (`created`, read at start-up), as of `now`, so a restart never hands out a
-/// fresh burst. It costs no write per admission: the operation's row is the record. What a restart
-/// cannot know: tokens spent by admissions whose operation was never created (the store failed
-/// after admission, or the process died in between); those come back early.
-fn restore_rates(controller: &Controller, created: Vec<(String, SystemTime)>, now: SystemTime) {
-    let admissions = created.len();
-    let mut ages: HashMap<String, Vec<Duration>> = HashMap::new();
-    for (client, at) in created {
-        // A creation time after now (the wall clock stepped back) counts as just now.
-        let age = now.duration_since(at).unwrap_or(Duration::ZERO);
-        ages.entry(client).or_default().push(age);
-    }
-    let clients = ages.len();
-    for (client, ages) in ages {
-        if let Ok(identity) = Identity::new(&client) {
-            controller.restore_rate(&identity, ages);
-        }
-    }
-    tracing::info!(
-        admissions,
-        clients,
-        "rate buckets rebuilt from recent operations"
-    );
-}
-
-/// A fresh random id: `prefix`, `_`, 32 hex digits.
-pub(crate) fn new_id(prefix: &str) -> String {
-    crate::admission::random_id(prefix)
 }

@@ -1,6 +1,7 @@
 //! Live operations and the one way their state changes.
 //!
-//! Each live operation pairs its durable row with the controller's lifecycle handle. Every
+//! Each live operation ([`LiveOp`], held in the core's live map) pairs its durable row with the
+//! controller's lifecycle handle. Every
 //! transition takes the counts gate (so a drift reading never sees it half made) and the
 //! operation's lock, checks the move is allowed, writes the new state to the
 //! store (durable), and only then applies it to the handle, which releases the operation's slots
@@ -8,46 +9,10 @@
 //! racing transitions (a cancel and an approve, say) are written in the order they happened.
 
 use std::sync::Arc;
-use std::time::Duration;
 
-use super::Core;
+use super::core::{Core, LiveOp, run_to_end};
 use super::store::{OperationError, OperationRecord, StoreError};
-use crate::admission::OperationHandle;
 use crate::engine::{CancelOutcome, OperationState, TransitionError};
-
-/// Longest `arguments.duration_ms` the demo executor accepts (ten minutes).
-pub(crate) const MAX_DURATION_MS: u64 = 600_000;
-
-/// A non-terminal operation: its id, what the executor needs, and its lifecycle handle.
-pub(crate) struct LiveOp {
-    pub(crate) id: String,
-    pub(crate) client_id: String,
-    pub(crate) duration: Duration,
-    /// Its lifecycle handle (in-process, or mirrored to the replicas' shared counts).
-    pub(crate) handle: OperationHandle,
-    /// Held across a transition's store write and its handle update.
-    pub(crate) lock: tokio::sync::Mutex<()>,
-}
-
-impl LiveOp {
-    pub(crate) fn new(record: &OperationRecord, handle: OperationHandle) -> LiveOp {
-        LiveOp {
-            id: record.id.clone(),
-            client_id: record.client_id.clone(),
-            duration: Duration::from_millis(duration_ms(&record.arguments).unwrap_or(0)),
-            handle,
-            lock: tokio::sync::Mutex::new(()),
-        }
-    }
-}
-
-/// `arguments.duration_ms`: absent means 0; anything but an integer in 0..=600000 is `None`.
-pub(crate) fn duration_ms(arguments: &serde_json::Value) -> Option<u64> {
-    match arguments.get("duration_ms") {
-        None => Some(0),
-        Some(value) => value.as_u64().filter(|ms| *ms <= MAX_DURATION_MS),
-    }
-}
 
 /// Why a transition did not happen.
 #[derive(Debug)]
@@ -66,7 +31,7 @@ impl Core {
 
     /// Moves `op` to `to` (not `executing`; see the executor): store first, then the handle,
     /// holding the counts gate and the operation's lock throughout. Owns what it needs, so it can
-    /// run detached ([`super::run_to_end`]): once started, it ends whether or not anyone waits.
+    /// run detached ([`run_to_end`]): once started, it ends whether or not anyone waits.
     pub(crate) async fn transition(
         self: Arc<Self>,
         op: Arc<LiveOp>,
@@ -76,6 +41,22 @@ impl Core {
         let _quiet = self.hold_counts().await;
         let _guard = op.lock.lock().await;
         self.transition_locked(&op, to, error).await
+    }
+
+    /// [`Core::transition`] run detached ([`run_to_end`]): a decision a client made (a
+    /// cancel, an approval, a denial) ends the same whether or not the client waits for it.
+    pub(crate) async fn transition_to_end(
+        self: &Arc<Self>,
+        op: Arc<LiveOp>,
+        to: OperationState,
+    ) -> Result<OperationRecord, TransitionFailure> {
+        let transition = Arc::clone(self).transition(op, to, None);
+        run_to_end(transition).await.unwrap_or_else(|err| {
+            Err(TransitionFailure::Store(StoreError::unfinished(
+                "the transition",
+                err,
+            )))
+        })
     }
 
     /// [`Core::transition`] with the counts gate and the operation's lock already held.

@@ -35,7 +35,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
-use super::Core;
+use super::core::Core;
 use super::store::StoreError;
 use crate::OperationState;
 
@@ -153,7 +153,8 @@ pub struct SweepReport {
 type StateLabels = [(&'static str, &'static str); 1];
 type FileLabels = [(&'static str, &'static str); 1];
 
-/// The sweep's state and metrics, held by the broker's core.
+/// The sweep's state and metrics, held by the broker and its sweeping task (not by the core: the
+/// sweep acts on the core, the core knows nothing of it).
 pub(crate) struct Retention {
     pub(crate) settings: RetentionSettings,
     /// One sweep at a time (the timer's and an on-demand one).
@@ -237,8 +238,8 @@ impl Retention {
 
 /// Refreshes the metrics at once, then sweeps every `interval` (the first one interval after
 /// start-up) until the broker stops; zero for never.
-pub(crate) async fn watch(core: Arc<Core>, interval: Duration) {
-    if let Err(err) = refresh_metrics(&core).await {
+pub(crate) async fn watch(core: Arc<Core>, retention: Arc<Retention>, interval: Duration) {
+    if let Err(err) = refresh_metrics(&core, &retention).await {
         tracing::warn!(error = %err, "store metrics could not be read");
     }
     if interval.is_zero() {
@@ -250,7 +251,7 @@ pub(crate) async fn watch(core: Arc<Core>, interval: Duration) {
     loop {
         tokio::select! {
             _ = ticks.tick() => {
-                if let Err(err) = sweep(&core).await {
+                if let Err(err) = sweep(&core, &retention).await {
                     tracing::warn!(error = %err, "retention sweep failed; the next one retries");
                 }
             }
@@ -263,8 +264,10 @@ pub(crate) async fn watch(core: Arc<Core>, interval: Duration) {
 }
 
 /// One sweep (see the module doc).
-pub(crate) async fn sweep(core: &Arc<Core>) -> Result<SweepReport, StoreError> {
-    let retention = &core.retention;
+pub(crate) async fn sweep(
+    core: &Arc<Core>,
+    retention: &Retention,
+) -> Result<SweepReport, StoreError> {
     let _one = retention.running.lock().await;
     let started = Instant::now();
     let now = retention.settings.clock.now();
@@ -311,7 +314,7 @@ pub(crate) async fn sweep(core: &Arc<Core>) -> Result<SweepReport, StoreError> {
         report.filter_rebuilt = true;
     }
 
-    refresh_metrics(core).await?;
+    refresh_metrics(core, retention).await?;
     retention.retired_total.inc_by(report.retired);
     retention
         .last_sweep_retired
@@ -387,8 +390,7 @@ async fn reconcile_streams(core: &Arc<Core>) -> Result<(u64, u64), StoreError> {
 }
 
 /// Rows by state, database bytes and the filter's size and accuracy.
-async fn refresh_metrics(core: &Arc<Core>) -> Result<(), StoreError> {
-    let retention = &core.retention;
+async fn refresh_metrics(core: &Arc<Core>, retention: &Retention) -> Result<(), StoreError> {
     let counts = core.db.operations_by_state().await?;
     for state in OperationState::ALL {
         let n = counts

@@ -195,7 +195,7 @@ fn ensure_secret_file(path: &Path, contents: impl FnOnce(&str) -> String) -> Res
         .mode(0o600)
         .open(path)
         .map_err(|e| format!("cannot create {}: {e}", path.display()))?;
-    let secret = super::new_id("sk");
+    let secret = super::core::new_id("sk");
     file.write_all(contents(&secret).as_bytes())
         .and_then(|()| file.sync_all())
         .map_err(|e| format!("cannot write {}: {e}", path.display()))

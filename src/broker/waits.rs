@@ -1,43 +1,24 @@
-//! `GET /api/agent/v1/operations/{id}/events?after_revision=N&wait_seconds=S`: long-poll waits.
-//!
-//! A wait answers with the operation as soon as its revision is above N (at once if it already
-//! is), after S seconds as it is, or at shutdown as it is. It wakes on a per-operation bell rung
-//! by `Core::changed` right after every durable state change (the executor's start and its
-//! failures included), never by polling the store: an idle wait is a parked task. Bells are
+//! The open long-poll waits and the bells that wake them: each operation being waited on has a
+//! bell, rung by `Core::changed` right after every durable state change (the executor's start and
+//! its failures included), never by polling the store: an idle wait is a parked task. Bells are
 //! created when the first waiter of an operation arrives and dropped with its last, so the
-//! registry holds only what is waited on. A change made while the broker was down (recovery
-//! failing interrupted work) is in the durable revision, so a wait after a restart that names an
-//! older revision answers at once.
+//! registry holds only what is waited on.
 //!
 //! Waiting is not work: it is never admitted and holds no quota. A client may hold at most
-//! [`MAX_WAITS_PER_CLIENT`] waits at once; one more is refused with 429 `too_many_waits`, which
-//! concerns that client only.
+//! [`MAX_WAITS_PER_CLIENT`] waits at once; one more is refused (the route answers 429
+//! `too_many_waits`), which concerns that client only. A wait's slot is given back by its `Drop`,
+//! so a client that hangs up leaks no count.
 //!
-//! A client that hangs up drops the handler at an `.await`; the `WaitSlot` it held is released
-//! by its `Drop`, so no count leaks. Nothing is written, so nothing can be left half-done.
+//! The core holds this registry; the route that waits (`GET
+//! /api/agent/v1/operations/{id}/events`) is `api::waits`.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::sync::Mutex;
 
-use axum::extract::rejection::{PathRejection, QueryRejection};
-use axum::extract::{Path, Query, State};
-use axum::http::{HeaderMap, StatusCode};
 use tokio::sync::watch;
-
-use super::Core;
-use super::http::{ApiError, ApiResult, json_response, own_record, path_id};
-use super::listing::single_params;
-use super::projection::OperationJson;
 
 /// Most waits one client may hold open at once.
 pub const MAX_WAITS_PER_CLIENT: usize = 32;
-
-/// The longest `wait_seconds`.
-pub const MAX_WAIT_SECONDS: u64 = 30;
-
-/// `wait_seconds` when the query has none: the longest wait, as a long poll means.
-const DEFAULT_WAIT_SECONDS: u64 = MAX_WAIT_SECONDS;
 
 /// The bells of the operations being waited on, and how many waits each client holds.
 #[derive(Default)]
@@ -118,7 +99,7 @@ pub(crate) struct WaitSlot<'a> {
 
 impl WaitSlot<'_> {
     /// Returns once the bell rings (at once if it rang since the last call or since entering).
-    async fn rung(&mut self) {
+    pub(crate) async fn rung(&mut self) {
         // The sender lives in the registry as long as this slot does, so this never fails.
         let _ = self.bell.changed().await;
     }
@@ -142,120 +123,11 @@ impl Drop for WaitSlot<'_> {
     }
 }
 
-/// The wait's query: `after_revision` (≥ 0, default 0) and `wait_seconds` (0–30, default 30).
-#[derive(Debug, PartialEq, Eq)]
-pub(crate) struct WaitQuery {
-    pub(crate) after_revision: u64,
-    pub(crate) wait: Duration,
-}
-
-pub(crate) fn parse_query(pairs: Vec<(String, String)>) -> Result<WaitQuery, ApiError> {
-    let params = single_params(pairs, &["after_revision", "wait_seconds"])?;
-    let after_revision = match params.get("after_revision") {
-        None => 0,
-        Some(text) => parse_integer(text)
-            .ok_or_else(|| ApiError::invalid("after_revision must be an integer of at least 0."))?,
-    };
-    let seconds = match params.get("wait_seconds") {
-        None => DEFAULT_WAIT_SECONDS,
-        Some(text) => parse_integer(text)
-            .filter(|s| *s <= MAX_WAIT_SECONDS)
-            .ok_or_else(|| ApiError::invalid("wait_seconds must be an integer from 0 to 30."))?,
-    };
-    Ok(WaitQuery {
-        after_revision,
-        wait: Duration::from_secs(seconds),
-    })
-}
-
-/// A decimal integer of plain ASCII digits (no sign, no spaces), within `u64`.
-pub(crate) fn parse_integer(text: &str) -> Option<u64> {
-    if text.is_empty() || text.len() > 20 || !text.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    text.parse().ok()
-}
-
-/// The events route.
-pub(crate) async fn wait_for_change(
-    State(core): State<Arc<Core>>,
-    headers: HeaderMap,
-    id: Result<Path<String>, PathRejection>,
-    query: Result<Query<Vec<(String, String)>>, QueryRejection>,
-) -> ApiResult {
-    let client = core.auth.client(&headers)?;
-    let id = path_id(id)?;
-    let Query(pairs) = query.map_err(|rejection| ApiError::invalid(rejection.body_text()))?;
-    let WaitQuery {
-        after_revision,
-        wait,
-    } = parse_query(pairs)?;
-    let deadline = tokio::time::Instant::now() + wait;
-    // Enter before the first read: a change committed after that read rings this slot's bell.
-    let mut slot = core
-        .waits
-        .enter(client.as_str(), &id)
-        .map_err(|TooManyWaits| {
-            tracing::info!(client = %client, "wait refused: too many open");
-            ApiError::new(
-                StatusCode::TOO_MANY_REQUESTS,
-                "too_many_waits",
-                format!("This client already holds {MAX_WAITS_PER_CLIENT} open waits."),
-            )
-            .with_retry_after(1)
-        })?;
-    let mut shutdown = core.shutdown.clone();
-    loop {
-        let record = own_record(&core, client, &id).await?;
-        if record.revision > after_revision
-            || tokio::time::Instant::now() >= deadline
-            || *shutdown.borrow()
-        {
-            return Ok(json_response(StatusCode::OK, record.to_json()));
-        }
-        tokio::select! {
-            _ = slot.rung() => {}
-            _ = tokio::time::sleep_until(deadline) => {}
-            _ = shutdown.wait_for(|stop| *stop) => {}
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
-
-    fn pairs(query: &[(&str, &str)]) -> Vec<(String, String)> {
-        query
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect()
-    }
-
-    #[test]
-    fn a_wait_query_is_bounded_and_strict() {
-        let ok = parse_query(pairs(&[("after_revision", "3"), ("wait_seconds", "30")])).unwrap();
-        assert_eq!(ok.after_revision, 3);
-        assert_eq!(ok.wait, Duration::from_secs(30));
-        assert_eq!(
-            parse_query(vec![]).unwrap(),
-            WaitQuery {
-                after_revision: 0,
-                wait: Duration::from_secs(30)
-            }
-        );
-        for bad in [
-            &[("wait_seconds", "31")][..],
-            &[("wait_seconds", "-1")],
-            &[("wait_seconds", "1.5")],
-            &[("after_revision", "-1")],
-            &[("after_revision", "x")],
-            &[("after_revision", "1"), ("after_revision", "2")],
-            &[("since", "1")],
-        ] {
-            assert!(parse_query(pairs(bad)).is_err(), "{bad:?}");
-        }
-    }
 
     #[test]
     fn slots_are_bounded_per_client_and_given_back_on_drop() {

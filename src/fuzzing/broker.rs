@@ -9,14 +9,15 @@ use axum::extract::Query;
 use axum::http::{StatusCode, Uri};
 use serde_json::Value;
 
-use crate::broker::agent_operations::{
-    MAX_ARGUMENT_PROPERTIES, MAX_TARGET_PROPERTIES, OPERATIONS, validate,
+use crate::broker::api::agent_operations::{
+    MAX_ARGUMENT_PROPERTIES, MAX_TARGET_PROPERTIES, validate,
 };
-use crate::broker::http::ApiError;
-use crate::broker::listing::{
+use crate::broker::api::error::ApiError;
+use crate::broker::api::listing::{
     DEFAULT_LIMIT, ListQuery, MAX_LIMIT, decode_cursor, encode_cursor, parse_query,
 };
-use crate::broker::waits::{self, MAX_WAIT_SECONDS};
+use crate::broker::api::waits::{self, MAX_WAIT_SECONDS};
+use crate::broker::registry::OPERATIONS;
 use crate::engine::OperationState;
 
 /// Clients a cursor is made for and checked against.

@@ -53,6 +53,8 @@ pub enum StoreError {
         path: PathBuf,
         /// Its `user_version`.
         found: i64,
+        /// The version this broker knows.
+        supported: i64,
     },
     /// The operation's row was not in the state the change moves it from: something else moved
     /// it first.
@@ -95,11 +97,14 @@ impl std::fmt::Display for StoreError {
                 dir.display(),
                 lock.display()
             ),
-            StoreError::UnknownSchema { path, found } => write!(
+            StoreError::UnknownSchema {
+                path,
+                found,
+                supported,
+            } => write!(
                 f,
-                "{} has schema version {found}; this broker knows version {}",
+                "{} has schema version {found}; this broker knows version {supported}",
                 path.display(),
-                super::SCHEMA_VERSION
             ),
             StoreError::NotInState { id, expected } => {
                 write!(f, "operation {id} is not {expected} in the store")

@@ -12,8 +12,9 @@ use rusqlite::params;
 
 use crate::engine::OperationState;
 
+use super::database::{DATABASE_FILE, Database};
+use super::error::StoreError;
 use super::operations::parse_state;
-use super::{DATABASE_FILE, Database, StoreError};
 
 /// What the store holds, for the drift check: operation rows by client and non-terminal state,
 /// and stream files and bytes by client, read in one transaction.

@@ -11,10 +11,11 @@ use serde_json::Value;
 
 use crate::engine::OperationState;
 
+use super::database::{Database, now_rfc3339};
 use super::error::is_unique_violation;
+use super::error::{InsertError, StoreError};
 use super::schema::OPERATION_COLUMNS;
 use super::streams::{StreamRecord, all_streams};
-use super::{Database, InsertError, StoreError, now_rfc3339};
 
 /// The error an operation ended with, as the API shows it.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -18,7 +18,7 @@ use std::path::Path;
 
 use rusqlite::Connection;
 
-use super::StoreError;
+use super::error::StoreError;
 
 /// The schema version this code writes (`PRAGMA user_version`).
 pub const SCHEMA_VERSION: i64 = 3;
@@ -120,6 +120,7 @@ pub(super) fn migrate(writer: &Connection, path: &Path) -> Result<(), StoreError
             return Err(StoreError::UnknownSchema {
                 path: path.to_owned(),
                 found: other,
+                supported: SCHEMA_VERSION,
             });
         }
     }

@@ -7,7 +7,8 @@ use std::path::PathBuf;
 
 use rusqlite::{Connection, OptionalExtension, Row, params};
 
-use super::{Database, StoreError, now_rfc3339};
+use super::database::{Database, now_rfc3339};
+use super::error::StoreError;
 
 /// One stored stream.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -3,40 +3,32 @@
 
 use std::sync::Arc;
 
-use axum::extract::rejection::PathRejection;
-use axum::extract::{Path, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::extract::State;
+use axum::http::StatusCode;
 use serde_json::{Value, json};
 
-use super::Core;
-use super::http::{ApiError, ApiResult, json_response, path_id, transition_to_end};
-use super::operations::TransitionFailure;
+use super::error::{ApiError, ApiResult, json_response};
+use super::extract::{OperationId, Operator};
 use super::projection::OperationJson;
-use super::store::OperationRecord;
+use crate::broker::core::Core;
+use crate::broker::operations::TransitionFailure;
+use crate::broker::store::OperationRecord;
 use crate::engine::OperationState;
 
 /// Most pending requests the operator's list returns (the oldest).
 const LIST_LIMIT: u32 = 1000;
 
-pub(crate) async fn list_pending(State(core): State<Arc<Core>>, headers: HeaderMap) -> ApiResult {
-    core.auth.operator(&headers)?;
+pub(crate) async fn list_pending(State(core): State<Arc<Core>>, _operator: Operator) -> ApiResult {
     let records = core
         .db
         .list_in_state(OperationState::Pending, LIST_LIMIT)
-        .await
-        .map_err(ApiError::store)?;
+        .await?;
     let requests: Vec<Value> = records.iter().map(OperationRecord::to_json).collect();
     Ok(json_response(StatusCode::OK, json!({"requests": requests})))
 }
 
-async fn decide(
-    core: &Arc<Core>,
-    headers: &HeaderMap,
-    id: Result<Path<String>, PathRejection>,
-    to: OperationState,
-) -> ApiResult {
-    core.auth.operator(headers)?;
-    let id = &path_id(id)?;
+/// Approves or denies (`to`) the pending request `id`; the operator is already authenticated.
+async fn decide(core: &Arc<Core>, id: &str, to: OperationState) -> ApiResult {
     let not_pending = || {
         ApiError::new(
             StatusCode::CONFLICT,
@@ -44,7 +36,7 @@ async fn decide(
             "The request is not pending.",
         )
     };
-    if core.db.get(id).await.map_err(ApiError::store)?.is_none() {
+    if core.db.get(id).await?.is_none() {
         return Err(ApiError::new(
             StatusCode::NOT_FOUND,
             "request_not_found",
@@ -56,33 +48,32 @@ async fn decide(
         return Err(not_pending());
     }
     // Decided: the write and the handle's move run to their end even if the operator hangs up.
-    match transition_to_end(core, op, to).await {
+    match core.transition_to_end(op, to).await {
         Ok(record) => Ok(json_response(StatusCode::OK, record.to_json())),
         Err(TransitionFailure::NotAllowed(_)) => Err(not_pending()),
-        Err(TransitionFailure::Store(err)) => Err(ApiError::store(err)),
+        Err(TransitionFailure::Store(err)) => Err(err.into()),
     }
 }
 
 pub(crate) async fn approve(
     State(core): State<Arc<Core>>,
-    headers: HeaderMap,
-    id: Result<Path<String>, PathRejection>,
+    _operator: Operator,
+    OperationId(id): OperationId,
 ) -> ApiResult {
-    decide(&core, &headers, id, OperationState::Approved).await
+    decide(&core, &id, OperationState::Approved).await
 }
 
 pub(crate) async fn deny(
     State(core): State<Arc<Core>>,
-    headers: HeaderMap,
-    id: Result<Path<String>, PathRejection>,
+    _operator: Operator,
+    OperationId(id): OperationId,
 ) -> ApiResult {
-    decide(&core, &headers, id, OperationState::Denied).await
+    decide(&core, &id, OperationState::Denied).await
 }
 
 /// `GET /api/operator/v1/drift` (operator): compares the controller's counts with the store now
-/// and answers the report, `{"drift": N, "differences": [...]}` (see [`super::DriftReport::to_json`]).
-pub(crate) async fn drift(State(core): State<Arc<Core>>, headers: HeaderMap) -> ApiResult {
-    core.auth.operator(&headers)?;
-    let report = super::drift::check(&core).await.map_err(ApiError::store)?;
+/// and answers the report, `{"drift": N, "differences": [...]}` (see [`crate::broker::DriftReport::to_json`]).
+pub(crate) async fn drift(State(core): State<Arc<Core>>, _operator: Operator) -> ApiResult {
+    let report = crate::broker::drift::check(&core).await?;
     Ok(json_response(StatusCode::OK, report.to_json()))
 }

@@ -1,5 +1,5 @@
 //! The JSON projection of stored records: an [`OperationRecord`] as the Agent V1 operation object
-//! and as its summary. It lives above the store, beside the wire contract it follows (the API
+//! and as its summary. It lives in the API layer, beside the wire contract it follows (the API
 //! version, the operator's `presentation`), so the store knows rows and nothing of JSON answers.
 //!
 //! An extension trait rather than free functions so a handler reads `record.to_json()`, as it
@@ -9,7 +9,7 @@ use serde_json::{Value, json};
 
 use super::discovery::API_VERSION;
 use super::presentation::presentation;
-use super::store::OperationRecord;
+use crate::broker::store::OperationRecord;
 
 /// The Agent V1 JSON forms of an operation.
 pub trait OperationJson {

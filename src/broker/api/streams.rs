@@ -4,25 +4,26 @@
 use std::sync::Arc;
 
 use axum::body::Body;
-use axum::extract::rejection::PathRejection;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use http_body_util::BodyExt;
 use serde_json::json;
 use tokio::io::AsyncWriteExt;
 
-use super::http::{ApiError, ApiResult, content_length, detached, json_response, path_id};
-use super::store::{StoreError, StreamRecord};
-use super::{Core, new_id};
+use super::detached::detached;
+use super::error::{ApiError, ApiResult, json_response};
+use super::extract::{Client, OperationId, content_length};
+use crate::broker::core::{Core, new_id};
+use crate::broker::store::{StoreError, StreamRecord};
 use crate::config::Identity;
 use crate::engine::Store;
 
 pub(crate) async fn upload_stream(
     State(core): State<Arc<Core>>,
+    Client(client): Client,
     headers: HeaderMap,
     body: Body,
 ) -> ApiResult {
-    let client = core.auth.client(&headers)?.clone();
     let declared = content_length(&headers)?.ok_or_else(|| {
         ApiError::new(
             StatusCode::LENGTH_REQUIRED,
@@ -89,7 +90,7 @@ async fn store_stream(core: Arc<Core>, client: Identity, declared: u64, body: Bo
     };
     if let Err(err) = core.db.insert_stream(row).await {
         drop(stored);
-        return undo(&path, ApiError::store(err)).await;
+        return undo(&path, err.into()).await;
     }
     core.stored_streams().insert(id.clone(), stored);
     tracing::info!(stream = %id, client = %client, size, "stream stored");
@@ -108,7 +109,7 @@ async fn write_stream(
     mut body: Body,
     declared: u64,
 ) -> Result<u64, ApiError> {
-    let io_error = |err: std::io::Error| ApiError::store(StoreError::io("write", path, err));
+    let io_error = |err: std::io::Error| ApiError::from(StoreError::io("write", path, err));
     tokio::fs::create_dir_all(dir).await.map_err(io_error)?;
     let mut file = tokio::fs::File::create(path).await.map_err(io_error)?;
     let mut size: u64 = 0;
@@ -138,21 +139,18 @@ async fn write_stream(
 
 pub(crate) async fn delete_stream(
     State(core): State<Arc<Core>>,
-    headers: HeaderMap,
-    id: Result<Path<String>, PathRejection>,
+    Client(client): Client,
+    OperationId(id): OperationId,
 ) -> ApiResult {
-    let client = core.auth.client(&headers)?;
-    let id = path_id(id)?;
     let not_found = || ApiError::new(StatusCode::NOT_FOUND, "stream_not_found", "No such stream.");
-    match core.db.get_stream(&id).await.map_err(ApiError::store)? {
+    match core.db.get_stream(&id).await? {
         Some(stream) if stream.client_id == client.as_str() => {}
         _ => return Err(not_found()),
     }
     // Decided: row, file and room go together, whether or not the client waits.
-    let client = client.clone();
     detached(async move {
         let _quiet = core.hold_counts().await;
-        if !core.db.delete_stream(&id).await.map_err(ApiError::store)? {
+        if !core.db.delete_stream(&id).await? {
             return Err(not_found());
         }
         let _ = tokio::fs::remove_file(core.db.streams_dir().join(&id)).await;

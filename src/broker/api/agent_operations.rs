@@ -6,21 +6,23 @@
 use std::sync::Arc;
 
 use axum::body::Body;
-use axum::extract::rejection::PathRejection;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::IntoResponse;
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::http::{
-    ApiError, ApiResult, detached, json_response, own_record, path_id, read_body, transition_to_end,
-};
-use super::operations::{LiveOp, TransitionFailure, duration_ms};
+use super::detached::detached;
+use super::error::{ApiError, ApiResult, json_response};
+use super::extract::{Client, OperationId, is_idempotency_key, own_record, read_body};
 use super::projection::OperationJson;
-use super::store::{InsertError, OperationRecord, StoreError, now_rfc3339};
-use super::{Core, ratelimit};
+use super::ratelimit;
 use crate::admission::{AdmissionPermit, AdmitError, Refused, Unavailable};
+use crate::broker::core::Core;
+use crate::broker::core::LiveOp;
+use crate::broker::operations::TransitionFailure;
+use crate::broker::registry::{self, NotRunnable};
+use crate::broker::store::{InsertError, OperationRecord, StoreError, now_rfc3339};
 use crate::config::Identity;
 use crate::engine::OperationState;
 
@@ -36,9 +38,6 @@ pub const MAX_ARGUMENT_PROPERTIES: usize = 128;
 /// Longest submission `reason`, in characters.
 pub const MAX_REASON_CHARS: usize = 2000;
 
-/// The registered operations: name and whether it needs an operator's approval.
-pub(crate) const OPERATIONS: [(&str, bool); 2] = [("demo.run", false), ("demo.request", true)];
-
 /// A submission body: every field required, unknown fields refused.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -48,17 +47,6 @@ pub(crate) struct Submission {
     pub(crate) target: Value,
     pub(crate) arguments: Value,
     pub(crate) reason: String,
-}
-
-/// Whether `key` matches `^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$`.
-pub(crate) fn is_idempotency_key(key: &str) -> bool {
-    let bytes = key.as_bytes();
-    !bytes.is_empty()
-        && bytes.len() <= 128
-        && bytes[0].is_ascii_alphanumeric()
-        && bytes
-            .iter()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-'))
 }
 
 /// A validated submission: the request and whether it needs approval.
@@ -98,21 +86,17 @@ pub(crate) fn validate(bytes: &[u8]) -> Result<Validated, ApiError> {
             "arguments must be a JSON object of at most 128 properties.",
         ));
     }
-    let Some(&(_, needs_approval)) = OPERATIONS
-        .iter()
-        .find(|(name, _)| *name == request.operation)
-    else {
-        return Err(ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "operation_not_registered",
-            "This broker has no such operation.",
-        ));
-    };
-    if duration_ms(&request.arguments).is_none() {
-        return Err(ApiError::invalid(
-            "arguments.duration_ms must be an integer from 0 to 600000.",
-        ));
-    }
+    let needs_approval =
+        registry::judge(&request.operation, &request.arguments).map_err(|why| match why {
+            NotRunnable::NotRegistered => ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "operation_not_registered",
+                "This broker has no such operation.",
+            ),
+            NotRunnable::Duration => {
+                ApiError::invalid("arguments.duration_ms must be an integer from 0 to 600000.")
+            }
+        })?;
     Ok(Validated {
         request,
         needs_approval,
@@ -143,10 +127,10 @@ pub(crate) fn replay(core: &Core, existing: OperationRecord, request: &Submissio
 
 pub(crate) async fn submit(
     State(core): State<Arc<Core>>,
+    Client(client): Client,
     headers: HeaderMap,
     body: Body,
 ) -> ApiResult {
-    let client = core.auth.client(&headers)?.clone();
     let bytes = read_body(&headers, body, MAX_BODY_BYTES).await?;
     let Validated {
         request,
@@ -166,8 +150,7 @@ pub(crate) async fn submit(
         && let Some(existing) = core
             .db
             .find_by_key(client.as_str(), &request.idempotency_key)
-            .await
-            .map_err(ApiError::store)?
+            .await?
     {
         return replay(&core, existing, &request);
     }
@@ -226,8 +209,7 @@ async fn replayed_elsewhere(
     if let Some(existing) = core
         .db
         .find_by_key(client.as_str(), &request.idempotency_key)
-        .await
-        .map_err(ApiError::store)?
+        .await?
     {
         return replay(core, existing, request);
     }
@@ -283,14 +265,13 @@ pub(crate) async fn create(
             let existing = core
                 .db
                 .find_by_key(client.as_str(), &request.idempotency_key)
-                .await
-                .map_err(ApiError::store)?
-                .ok_or_else(|| ApiError::store(StoreError::new("duplicate key vanished")))?;
+                .await?
+                .ok_or_else(|| ApiError::from(StoreError::new("duplicate key vanished")))?;
             return replay(&core, existing, &request);
         }
         Err(InsertError::Store(err)) => {
             permit.refund().await;
-            return Err(ApiError::store(err));
+            return Err(err.into());
         }
     }
     let op = Arc::new(LiveOp::new(&record, permit.commit()));
@@ -315,22 +296,19 @@ pub(crate) async fn create(
 
 pub(crate) async fn get_own(
     State(core): State<Arc<Core>>,
-    headers: HeaderMap,
-    id: Result<Path<String>, PathRejection>,
+    Client(client): Client,
+    OperationId(id): OperationId,
 ) -> ApiResult {
-    let client = core.auth.client(&headers)?;
-    let id = path_id(id)?;
-    let record = own_record(&core, client, &id).await?;
+    let record = own_record(&core, &client, &id).await?;
     Ok(json_response(StatusCode::OK, record.to_json()))
 }
 
 pub(crate) async fn cancel(
     State(core): State<Arc<Core>>,
-    headers: HeaderMap,
-    id: Result<Path<String>, PathRejection>,
+    Client(client): Client,
+    OperationId(id): OperationId,
 ) -> ApiResult {
-    let client = core.auth.client(&headers)?;
-    let id = path_id(id)?;
+    let client = &client;
     own_record(&core, client, &id).await?;
     let Some(op) = core.live_op(&id) else {
         // Terminal: canceling changes nothing. Read again, after the live lookup, so the answer
@@ -339,7 +317,7 @@ pub(crate) async fn cancel(
         return Ok(json_response(StatusCode::OK, record.to_json()));
     };
     // Decided: the write and the handle's move run to their end even if the client hangs up.
-    match transition_to_end(&core, op, OperationState::Canceled).await {
+    match core.transition_to_end(op, OperationState::Canceled).await {
         Ok(record) => Ok(json_response(StatusCode::OK, record.to_json())),
         Err(TransitionFailure::NotAllowed(OperationState::Executing)) => Err(ApiError::new(
             StatusCode::CONFLICT,
@@ -350,7 +328,7 @@ pub(crate) async fn cancel(
             let record = own_record(&core, client, &id).await?;
             Ok(json_response(StatusCode::OK, record.to_json()))
         }
-        Err(TransitionFailure::Store(err)) => Err(ApiError::store(err)),
+        Err(TransitionFailure::Store(err)) => Err(err.into()),
     }
 }
 /// A refused submission as the client sees it: counted, logged, and answered with its code,
@@ -375,18 +353,6 @@ fn refused(core: &Core, client: &Identity, refused: Refused) -> axum::response::
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn idempotency_keys_follow_the_contract_pattern() {
-        assert!(is_idempotency_key("a"));
-        assert!(is_idempotency_key("A1._:-z"));
-        assert!(is_idempotency_key(&"k".repeat(128)));
-        assert!(!is_idempotency_key(&"k".repeat(129)));
-        assert!(!is_idempotency_key(""));
-        assert!(!is_idempotency_key("-leading"));
-        assert!(!is_idempotency_key("has space"));
-        assert!(!is_idempotency_key("slash/no"));
-    }
 
     fn body(reason: &str) -> Vec<u8> {
         serde_json::to_vec(&serde_json::json!({

@@ -2,15 +2,12 @@
 //! it speaks the same contract (by digest), which operations exist, and whether the broker's
 //! credential is ready.
 
-use std::sync::Arc;
-
-use axum::extract::State;
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::StatusCode;
 use serde_json::json;
 
-use super::Core;
-use super::agent_operations::OPERATIONS;
-use super::http::{ApiResult, json_response};
+use super::error::{ApiResult, json_response};
+use super::extract::Client;
+use crate::broker::registry::OPERATIONS;
 
 /// The `api_version` of every Agent V1 object.
 pub const API_VERSION: &str = "unyolo.io/agent/v1";
@@ -30,8 +27,7 @@ pub const BUILD_ID: &str = concat!(
 /// The descriptor. The demo operations act on nothing outside the broker, so there is no
 /// upstream credential to hold: it is always ready, of provider `demo` and kind `none`, never
 /// rotated (generation 0), with nothing to verify.
-pub(crate) async fn descriptor(State(core): State<Arc<Core>>, headers: HeaderMap) -> ApiResult {
-    core.auth.client(&headers)?;
+pub(crate) async fn descriptor(_client: Client) -> ApiResult {
     let operations: Vec<&str> = OPERATIONS.iter().map(|(name, _)| *name).collect();
     Ok(json_response(
         StatusCode::OK,

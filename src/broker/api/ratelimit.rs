@@ -21,7 +21,7 @@ use axum::http::{HeaderName, HeaderValue};
 use axum::response::Response;
 use sfv::{KeyRef, ListSerializer, StringRef};
 
-use super::Core;
+use crate::broker::core::Core;
 use crate::engine::{Controller, QuotaStatus, Refusal, RefusalCode};
 
 /// The `RateLimit-Policy` field name.

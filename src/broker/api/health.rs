@@ -4,12 +4,13 @@
 use std::sync::Arc;
 
 use axum::extract::State;
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
 
-use super::Core;
-use super::http::{ApiError, ApiResult, json_response};
+use super::error::{ApiError, ApiResult, json_response};
+use super::extract::Operator;
+use crate::broker::core::Core;
 
 pub(crate) async fn healthz() -> Response {
     json_response(StatusCode::OK, json!({"ok": true}))
@@ -32,8 +33,7 @@ pub(crate) async fn readyz(State(core): State<Arc<Core>>) -> ApiResult {
     }
 }
 
-pub(crate) async fn metrics(State(core): State<Arc<Core>>, headers: HeaderMap) -> ApiResult {
-    core.auth.operator(&headers)?;
+pub(crate) async fn metrics(State(core): State<Arc<Core>>, _operator: Operator) -> ApiResult {
     let ready = tokio::time::timeout(READY_DEADLINE, core.db.ping()).await;
     core.store_ready.set(i64::from(matches!(ready, Ok(Ok(())))));
     let mut text = String::new();

@@ -11,23 +11,20 @@
 //! for another client or other filters, or that was tampered with is a 400; it carries nothing a
 //! client could not see anyway, so the check guards against mistakes, not attackers.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
-use axum::extract::rejection::QueryRejection;
-use axum::extract::{Query, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::extract::State;
+use axum::http::StatusCode;
 use base64::Engine;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use serde_json::{Value, json};
 
-use super::Core;
-use super::agent_operations::is_idempotency_key;
 use super::discovery::API_VERSION;
-use super::http::{ApiError, ApiResult, json_response};
+use super::error::{ApiError, ApiResult, json_response};
+use super::extract::{Client, QueryPairs, is_idempotency_key, parse_integer, single_params};
 use super::projection::OperationJson;
-use super::store::PageQuery;
-use super::waits::parse_integer;
+use crate::broker::core::Core;
+use crate::broker::store::PageQuery;
 use crate::engine::OperationState;
 
 /// The page size when the query names none.
@@ -38,31 +35,6 @@ pub const MAX_LIMIT: u32 = 50;
 const CURSOR_VERSION: u8 = 1;
 /// Version byte, position (8 bytes), check (8 bytes).
 const CURSOR_BYTES: usize = 17;
-
-/// The query's parameters, each at most once, each one of `known`; an empty value counts as
-/// absent (a client may send `cursor=` on its first page).
-pub(crate) fn single_params(
-    pairs: Vec<(String, String)>,
-    known: &[&str],
-) -> Result<HashMap<String, String>, ApiError> {
-    let mut params = HashMap::new();
-    for (name, value) in pairs {
-        if !known.contains(&name.as_str()) {
-            return Err(ApiError::invalid(format!(
-                "Unknown query parameter {name:?}; this route takes {}.",
-                known.join(", ")
-            )));
-        }
-        if params.contains_key(&name) {
-            return Err(ApiError::invalid(format!(
-                "The query parameter {name:?} is given twice."
-            )));
-        }
-        params.insert(name, value);
-    }
-    params.retain(|_, value| !value.is_empty());
-    Ok(params)
-}
 
 /// A listing request, validated.
 #[derive(Debug, PartialEq, Eq)]
@@ -157,11 +129,9 @@ pub(crate) fn decode_cursor(
 /// The listing route.
 pub(crate) async fn list_operations(
     State(core): State<Arc<Core>>,
-    headers: HeaderMap,
-    query: Result<Query<Vec<(String, String)>>, QueryRejection>,
+    Client(client): Client,
+    QueryPairs(pairs): QueryPairs,
 ) -> ApiResult {
-    let client = core.auth.client(&headers)?;
-    let Query(pairs) = query.map_err(|rejection| ApiError::invalid(rejection.body_text()))?;
     let query = parse_query(pairs)?;
     let before = match &query.cursor {
         None => None,
@@ -179,8 +149,7 @@ pub(crate) async fn list_operations(
                 limit: query.limit + 1,
             },
         )
-        .await
-        .map_err(ApiError::store)?;
+        .await?;
     let more = rows.len() > query.limit as usize;
     rows.truncate(query.limit as usize);
     let next_cursor = match rows.last() {

@@ -7,8 +7,8 @@
 
 use serde_json::{Map, Value, json};
 
-use super::operations::duration_ms;
-use super::store::OperationRecord;
+use crate::broker::registry::duration_ms;
+use crate::broker::store::OperationRecord;
 
 /// The longest title, in characters.
 pub const TITLE_MAX: usize = 160;

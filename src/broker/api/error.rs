@@ -1,0 +1,174 @@
+//! The one error shape every route answers with: `{"error":{"code","message"}}`, its status, and a
+//! `Retry-After` when the client may retry.
+//!
+//! It is a leaf: it knows the store's error (so a handler writes `?` on a store call, as axum's own
+//! examples do) and the engine's refusal, and nothing of the routes. Every handler, extractor and
+//! the router import it; it imports none of them.
+
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde_json::{Value, json};
+
+use crate::broker::store::StoreError;
+use crate::engine::{Refusal, RefusalCode};
+
+/// The message of every admission refusal.
+pub const REFUSAL_MESSAGE: &str = "Operation admission limit reached";
+
+/// The longest error message the contract allows, in characters.
+const MAX_MESSAGE_CHARS: usize = 500;
+
+/// An error response: status, stable code, message, and a Retry-After for refusals.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    code: &'static str,
+    message: String,
+    retry_after: Option<u64>,
+}
+
+impl ApiError {
+    /// An error; a message past [`MAX_MESSAGE_CHARS`] (one quoting a long input) is cut to it,
+    /// and control characters a quoted input brought in are escaped, so it stays one line.
+    pub(crate) fn new(
+        status: StatusCode,
+        code: &'static str,
+        message: impl Into<String>,
+    ) -> ApiError {
+        let mut message = message.into();
+        if message.contains(char::is_control) {
+            message = message
+                .chars()
+                .flat_map(|c| {
+                    let escaped = c.is_control().then(|| c.escape_default());
+                    let plain = (!c.is_control()).then_some(c);
+                    escaped.into_iter().flatten().chain(plain)
+                })
+                .collect();
+        }
+        if message.chars().count() > MAX_MESSAGE_CHARS {
+            message = message.chars().take(MAX_MESSAGE_CHARS - 1).collect();
+            message.push('…');
+        }
+        ApiError {
+            status,
+            code,
+            message,
+            retry_after: None,
+        }
+    }
+
+    /// A 400 `invalid_request`.
+    pub(crate) fn invalid(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", message)
+    }
+
+    /// An admission refusal: its status and code, [`REFUSAL_MESSAGE`] and its Retry-After (at
+    /// least 1 second).
+    pub(crate) fn refused(refusal: Refusal) -> ApiError {
+        let status = StatusCode::from_u16(refusal.code.http_status())
+            .unwrap_or(StatusCode::TOO_MANY_REQUESTS);
+        if refusal.code == RefusalCode::ClientUnconfigured {
+            return ApiError::new(
+                status,
+                refusal.code.as_str(),
+                "This client is not configured for admission.",
+            );
+        }
+        ApiError {
+            status,
+            code: refusal.code.as_str(),
+            message: REFUSAL_MESSAGE.to_owned(),
+            retry_after: Some(refusal.retry_after_secs().max(1)),
+        }
+    }
+
+    /// This error with a `Retry-After` of `secs` (a refusal the client may retry).
+    pub(crate) fn with_retry_after(self, secs: u64) -> ApiError {
+        ApiError {
+            retry_after: Some(secs),
+            ..self
+        }
+    }
+
+    /// The HTTP status.
+    pub(crate) fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    /// The stable error code.
+    pub(crate) fn code(&self) -> &'static str {
+        self.code
+    }
+
+    /// The message a client reads.
+    pub(crate) fn message(&self) -> &str {
+        &self.message
+    }
+
+    /// 404 `not_found` for an operation that is unknown or another client's.
+    pub(crate) fn operation_not_found() -> ApiError {
+        ApiError::new(StatusCode::NOT_FOUND, "not_found", "No such operation.")
+    }
+}
+
+/// A store failure is a 503 `store_unavailable` (logged; the client reads no detail of it).
+impl From<StoreError> for ApiError {
+    fn from(err: StoreError) -> ApiError {
+        tracing::error!(error = %err, "store failed");
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "store_unavailable",
+            "The operation store is unavailable; try again.",
+        )
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = json!({"error": {"code": self.code, "message": self.message}});
+        let mut response = (self.status, axum::Json(body)).into_response();
+        if let Some(secs) = self.retry_after {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        if self.status == StatusCode::UNAUTHORIZED {
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        response
+    }
+}
+
+/// What a handler answers.
+pub(crate) type ApiResult = Result<Response, ApiError>;
+
+/// `body` as JSON with `status`.
+pub(crate) fn json_response(status: StatusCode, body: Value) -> Response {
+    (status, axum::Json(body)).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_messages_are_cut_to_the_contracts_500_characters() {
+        let long = ApiError::invalid(format!("Unknown query parameter {:?}.", "é".repeat(900)));
+        assert_eq!(long.message.chars().count(), MAX_MESSAGE_CHARS);
+        assert!(long.message.ends_with('…'));
+        assert_eq!(ApiError::invalid("short").message, "short");
+    }
+
+    #[test]
+    fn error_messages_quoting_control_characters_stay_one_line() {
+        // Found by the submission fuzz target: serde quotes an unknown field name as sent.
+        let quoted = ApiError::invalid("unknown field `a\nb\u{1b}[2J`, expected `reason`");
+        assert_eq!(
+            quoted.message,
+            "unknown field `a\\nb\\u{1b}[2J`, expected `reason`"
+        );
+    }
+}

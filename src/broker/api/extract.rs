@@ -1,0 +1,218 @@
+//! What a handler takes from a request, checked once here instead of in every handler: the
+//! authenticated client ([`Client`]) and the operator ([`Operator`]) from the bearer token, the
+//! operation id of the path ([`OperationId`]), the query's parameters ([`QueryPairs`] and
+//! [`single_params`]), and the body ([`read_body`]); and the caller's own operation
+//! ([`own_record`]).
+//!
+//! Each extractor rejects with an [`ApiError`], so a refused request answers in the error shape
+//! (axum's own rejections are plain text). Axum runs the extractors in the order of the handler's
+//! parameters, so a handler lists the client or the operator first: a bad token is answered
+//! before a bad path or query is looked at.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::{FromRequestParts, Path, Query};
+use axum::http::request::Parts;
+use axum::http::{HeaderMap, StatusCode, header};
+use http_body_util::BodyExt;
+
+use super::error::ApiError;
+use crate::broker::core::Core;
+use crate::broker::store::OperationRecord;
+use crate::config::Identity;
+
+/// The client the bearer token names: missing → 401, unknown → 403, both
+/// `authentication_failed`.
+pub(crate) struct Client(pub(crate) Identity);
+
+impl FromRequestParts<Arc<Core>> for Client {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, core: &Arc<Core>) -> Result<Client, ApiError> {
+        let token = bearer(&parts.headers)?;
+        core.auth
+            .client(token)
+            .cloned()
+            .map(Client)
+            .ok_or_else(rejected_token)
+    }
+}
+
+/// The operator, named by the bearer token: missing → 401, any other secret → 403, both
+/// `authentication_failed`.
+pub(crate) struct Operator;
+
+impl FromRequestParts<Arc<Core>> for Operator {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, core: &Arc<Core>) -> Result<Operator, ApiError> {
+        if core.auth.is_operator(bearer(&parts.headers)?) {
+            Ok(Operator)
+        } else {
+            Err(rejected_token())
+        }
+    }
+}
+
+fn bearer(headers: &HeaderMap) -> Result<&[u8], ApiError> {
+    headers
+        .get(header::AUTHORIZATION)
+        .and_then(|value| value.as_bytes().strip_prefix(b"Bearer "))
+        .filter(|token| !token.is_empty())
+        .ok_or_else(|| {
+            ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "authentication_failed",
+                "A bearer token is required.",
+            )
+        })
+}
+
+fn rejected_token() -> ApiError {
+    ApiError::new(
+        StatusCode::FORBIDDEN,
+        "authentication_failed",
+        "The bearer token is not valid for this route.",
+    )
+}
+
+/// The `{id}` of a route; an id that is not UTF-8 once percent-decoded is a 400 in the error
+/// shape.
+pub(crate) struct OperationId(pub(crate) String);
+
+impl<S: Send + Sync> FromRequestParts<S> for OperationId {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<OperationId, ApiError> {
+        Path::<String>::from_request_parts(parts, state)
+            .await
+            .map(|Path(id)| OperationId(id))
+            .map_err(|rejection| ApiError::invalid(rejection.body_text()))
+    }
+}
+
+/// The query string's `name=value` pairs, in order, repeats kept (each route judges them with
+/// [`single_params`]); a query that does not decode is a 400.
+pub(crate) struct QueryPairs(pub(crate) Vec<(String, String)>);
+
+impl<S: Send + Sync> FromRequestParts<S> for QueryPairs {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<QueryPairs, ApiError> {
+        Query::<Vec<(String, String)>>::from_request_parts(parts, state)
+            .await
+            .map(|Query(pairs)| QueryPairs(pairs))
+            .map_err(|rejection| ApiError::invalid(rejection.body_text()))
+    }
+}
+
+/// The query's parameters, each at most once, each one of `known`; an empty value counts as
+/// absent (a client may send `cursor=` on its first page).
+pub(crate) fn single_params(
+    pairs: Vec<(String, String)>,
+    known: &[&str],
+) -> Result<std::collections::HashMap<String, String>, ApiError> {
+    let mut params = std::collections::HashMap::new();
+    for (name, value) in pairs {
+        if !known.contains(&name.as_str()) {
+            return Err(ApiError::invalid(format!(
+                "Unknown query parameter {name:?}; this route takes {}.",
+                known.join(", ")
+            )));
+        }
+        if params.contains_key(&name) {
+            return Err(ApiError::invalid(format!(
+                "The query parameter {name:?} is given twice."
+            )));
+        }
+        params.insert(name, value);
+    }
+    params.retain(|_, value| !value.is_empty());
+    Ok(params)
+}
+
+/// A decimal integer of plain ASCII digits (no sign, no spaces), within `u64`.
+pub(crate) fn parse_integer(text: &str) -> Option<u64> {
+    if text.is_empty() || text.len() > 20 || !text.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    text.parse().ok()
+}
+
+/// Whether `key` matches `^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$`, the idempotency key's pattern
+/// (in a submission body and in a listing's query).
+pub(crate) fn is_idempotency_key(key: &str) -> bool {
+    let bytes = key.as_bytes();
+    !bytes.is_empty()
+        && bytes.len() <= 128
+        && bytes[0].is_ascii_alphanumeric()
+        && bytes
+            .iter()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-'))
+}
+
+/// Reads a body of at most `limit` bytes (413 beyond it, judged from `Content-Length` first).
+pub(crate) async fn read_body(
+    headers: &HeaderMap,
+    body: Body,
+    limit: usize,
+) -> Result<bytes::Bytes, ApiError> {
+    let too_large = || {
+        ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "payload_too_large",
+            format!("The request body is larger than {limit} bytes."),
+        )
+    };
+    if content_length(headers)?.is_some_and(|n| n > limit as u64) {
+        return Err(too_large());
+    }
+    match http_body_util::Limited::new(body, limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(err) if err.is::<http_body_util::LengthLimitError>() => Err(too_large()),
+        Err(_) => Err(ApiError::invalid("The request body could not be read.")),
+    }
+}
+
+/// The `Content-Length`, if given; one that is not a number is a 400.
+pub(crate) fn content_length(headers: &HeaderMap) -> Result<Option<u64>, ApiError> {
+    match headers.get(header::CONTENT_LENGTH) {
+        None => Ok(None),
+        Some(value) => value
+            .to_str()
+            .ok()
+            .and_then(|s| s.parse::<u64>().ok())
+            .map(Some)
+            .ok_or_else(|| ApiError::invalid("Content-Length is not a number.")),
+    }
+}
+
+/// The caller's own operation `id`, else 404 `not_found` (unknown and another client's alike).
+pub(crate) async fn own_record(
+    core: &Core,
+    client: &Identity,
+    id: &str,
+) -> Result<OperationRecord, ApiError> {
+    match core.db.get(id).await? {
+        Some(record) if record.client_id == client.as_str() => Ok(record),
+        _ => Err(ApiError::operation_not_found()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn idempotency_keys_follow_the_contract_pattern() {
+        assert!(is_idempotency_key("a"));
+        assert!(is_idempotency_key("A1._:-z"));
+        assert!(is_idempotency_key(&"k".repeat(128)));
+        assert!(!is_idempotency_key(&"k".repeat(129)));
+        assert!(!is_idempotency_key(""));
+        assert!(!is_idempotency_key("-leading"));
+        assert!(!is_idempotency_key("has space"));
+        assert!(!is_idempotency_key("slash/no"));
+    }
+}

@@ -1,0 +1,95 @@
+//! The HTTP surface, and the only part of the broker that knows HTTP and JSON: the router, and
+//! below it one file per part of each wire contract (unYOLO Agent V1 and Operator V1).
+//!
+//! A submission goes authenticate → validate → replay → admit → create → commit: nothing that can
+//! be refused without admission (a bad token, a bad body, a replay) reaches the controller, and a
+//! refusal writes nothing. Cancel, operator decisions, reads, `/healthz`, `/readyz` and `/metrics`
+//! never call admission. Every error body is `{"error":{"code","message"}}` and every response
+//! carries `Cache-Control: no-store`.
+//!
+//! Each mutating handler (submit, cancel, approve, deny, upload, delete) hands everything from its
+//! decision on to a task of its own (`detached`, `Core::transition_to_end`) and only waits for
+//! the answer, so a client that hangs up cannot leave a change half made (the broker module's docs
+//! say what is atomic, route by route).
+//!
+//! What every handler shares is in two leaves, which import no handler: [`error`] (the error
+//! envelope, `ApiError`, with `From` the store's error) and `extract` (the client, the operator,
+//! the path id, the query and the body, checked once). Only this file imports the handlers.
+
+pub(crate) mod agent_operations;
+pub(crate) mod detached;
+pub mod discovery;
+pub mod error;
+pub(crate) mod extract;
+mod health;
+pub mod listing;
+mod operator;
+pub mod presentation;
+pub mod projection;
+pub mod ratelimit;
+mod streams;
+pub mod waits;
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::Response;
+use axum::routing::{delete, get, post};
+
+use crate::broker::core::Core;
+use error::ApiError;
+
+pub use agent_operations::{MAX_ARGUMENT_PROPERTIES, MAX_BODY_BYTES, MAX_TARGET_PROPERTIES};
+pub use error::REFUSAL_MESSAGE;
+
+/// The routes, with their state.
+pub(crate) fn router(core: Arc<Core>) -> Router {
+    Router::new()
+        .route("/.well-known/unyolo-agent", get(discovery::descriptor))
+        .route(
+            "/api/agent/v1/operations",
+            post(agent_operations::submit).get(listing::list_operations),
+        )
+        .route(
+            "/api/agent/v1/operations/{id}",
+            get(agent_operations::get_own),
+        )
+        .route(
+            "/api/agent/v1/operations/{id}/events",
+            get(waits::wait_for_change),
+        )
+        .route(
+            "/api/agent/v1/operations/{id}/cancel",
+            post(agent_operations::cancel),
+        )
+        .route("/api/agent/v1/streams", post(streams::upload_stream))
+        .route("/api/agent/v1/streams/{id}", delete(streams::delete_stream))
+        .route("/api/operator/v1/requests", get(operator::list_pending))
+        .route(
+            "/api/operator/v1/requests/{id}/approve",
+            post(operator::approve),
+        )
+        .route("/api/operator/v1/requests/{id}/deny", post(operator::deny))
+        .route("/api/operator/v1/drift", get(operator::drift))
+        .route("/healthz", get(health::healthz))
+        .route("/readyz", get(health::readyz))
+        .route("/metrics", get(health::metrics))
+        .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "not_found", "No such route.") })
+        .method_not_allowed_fallback(|| async {
+            ApiError::new(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "method_not_allowed",
+                "This route does not take that method.",
+            )
+        })
+        .layer(axum::middleware::map_response(no_store))
+        .with_state(core)
+}
+
+async fn no_store(mut response: Response) -> Response {
+    response
+        .headers_mut()
+        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    response
+}

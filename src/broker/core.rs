@@ -1,0 +1,195 @@
+//! The state every part of the broker shares: [`Core`], held by every handler, the executor, the
+//! drift watch and the retention sweep, and what it holds of each live operation ([`LiveOp`]) and
+//! of the work waiting to execute ([`ExecQueue`]).
+//!
+//! It sits below everything that acts on it: its fields are types of the rooms below it (the
+//! store, the replay filter, the secrets, the open waits), and the rooms that act (transitions,
+//! the executor, drift, retention, the HTTP layer) import it, never the other way. So this file
+//! names no handler, no route and no task loop.
+//!
+//! Also here, because every change shares it: [`run_to_end`], the one way a decided change is
+//! detached from the future of the client that asked for it.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use tokio::sync::{Notify, watch};
+
+use super::auth::Auth;
+use super::keys::KeyFilter;
+use super::registry::duration_ms;
+use super::store::{Database, OperationRecord};
+use super::waits::Waits;
+use crate::admission::{Admission, OperationHandle};
+use crate::engine::{Controller, StoredObject};
+
+/// The `broker_submissions_total{result}` label set.
+pub(crate) type SubmissionLabels = [(&'static str, &'static str); 1];
+
+/// State shared by every handler and the executor.
+pub(crate) struct Core {
+    /// Admission, in-process or shared with other replicas: every submission, transition and
+    /// start goes through it.
+    pub(crate) admission: Admission,
+    pub(crate) db: Database,
+    /// Non-terminal operations by id.
+    pub(crate) live: Mutex<HashMap<String, Arc<LiveOp>>>,
+    /// Stored streams by id.
+    pub(crate) streams: Mutex<HashMap<String, StoredObject>>,
+    /// Approved operations waiting for an execution slot (the `exec` module runs them).
+    pub(crate) executor: ExecQueue,
+    pub(crate) auth: Auth,
+    pub(crate) registry: Registry,
+    pub(crate) submissions: Family<SubmissionLabels, Counter>,
+    /// `broker_store_ready`: 1 when the store took a write at the last scrape, else 0.
+    pub(crate) store_ready: Gauge,
+    /// The (client, key) pairs that may have an operation, so a new key skips the store lookup.
+    pub(crate) keys: KeyFilter,
+    /// Serializes submissions with the same (client, idempotency key), so concurrent duplicates
+    /// create one operation. Striped: bounded memory whatever the traffic.
+    pub(crate) key_locks: Box<[Arc<tokio::sync::Mutex<()>>]>,
+    /// Held shared by every change of the counts or the store while it is in progress, and
+    /// exclusively by a drift reading (see the `drift` module).
+    pub(crate) counts_gate: Arc<tokio::sync::RwLock<()>>,
+    /// Uploads whose room is reserved while their body arrives: stream id → (client, bytes).
+    pub(crate) uploading: Mutex<HashMap<String, (String, u64)>>,
+    /// `admission_store_drift`: the total difference found by the last drift reading.
+    pub(crate) drift: Gauge,
+    pub(crate) shutdown: watch::Receiver<bool>,
+    /// Open long-poll waits and the bells that wake them.
+    pub(crate) waits: Waits,
+}
+
+impl Core {
+    /// This process's engine (what this replica holds; storage quotas, rate headers, drift).
+    pub(crate) fn controller(&self) -> &Controller {
+        self.admission.controller()
+    }
+
+    /// Counts a submission outcome: `created`, `replayed` or `rejected`.
+    pub(crate) fn count_submission(&self, result: &'static str) {
+        self.submissions.get_or_create(&[("result", result)]).inc();
+    }
+
+    /// The live operations by id.
+    pub(crate) fn live_ops(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<LiveOp>>> {
+        self.live.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The stored streams by id.
+    pub(crate) fn stored_streams(
+        &self,
+    ) -> std::sync::MutexGuard<'_, HashMap<String, StoredObject>> {
+        self.streams.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The uploads in progress by stream id.
+    pub(crate) fn uploads(&self) -> std::sync::MutexGuard<'_, HashMap<String, (String, u64)>> {
+        self.uploading.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The uploads in progress: (client, bytes reserved) each.
+    pub(crate) fn uploads_in_progress(&self) -> Vec<(String, u64)> {
+        self.uploads().values().cloned().collect()
+    }
+
+    /// A shared hold on the counts gate: while it lives, no drift reading is taken. Take it before
+    /// the first count a change touches and keep it until the store and the counts agree again.
+    /// Never take it twice in one task (a reading waiting in between would deadlock it).
+    pub(crate) async fn hold_counts(&self) -> tokio::sync::OwnedRwLockReadGuard<()> {
+        Arc::clone(&self.counts_gate).read_owned().await
+    }
+
+    /// The lock serializing submissions of `client` with idempotency `key`.
+    pub(crate) fn key_lock(&self, client: &str, key: &str) -> Arc<tokio::sync::Mutex<()>> {
+        use std::hash::{Hash, Hasher};
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        (client, key).hash(&mut hasher);
+        let stripe = (hasher.finish() % self.key_locks.len() as u64) as usize;
+        Arc::clone(&self.key_locks[stripe])
+    }
+}
+
+/// A non-terminal operation: its id, what the executor needs, and its lifecycle handle.
+pub(crate) struct LiveOp {
+    pub(crate) id: String,
+    pub(crate) client_id: String,
+    pub(crate) duration: Duration,
+    /// Its lifecycle handle (in-process, or mirrored to the replicas' shared counts).
+    pub(crate) handle: OperationHandle,
+    /// Held across a transition's store write and its handle update.
+    pub(crate) lock: tokio::sync::Mutex<()>,
+}
+
+impl LiveOp {
+    pub(crate) fn new(record: &OperationRecord, handle: OperationHandle) -> LiveOp {
+        LiveOp {
+            id: record.id.clone(),
+            client_id: record.client_id.clone(),
+            duration: Duration::from_millis(duration_ms(&record.arguments).unwrap_or(0)),
+            handle,
+            lock: tokio::sync::Mutex::new(()),
+        }
+    }
+}
+
+/// The queue of approved operations, oldest first, and the bell rung when work is queued or may
+/// start. The executor (the `exec` module) takes from it.
+#[derive(Default)]
+pub(crate) struct ExecQueue {
+    queue: Mutex<VecDeque<Arc<LiveOp>>>,
+    bell: Notify,
+}
+
+impl ExecQueue {
+    fn queue(&self) -> std::sync::MutexGuard<'_, VecDeque<Arc<LiveOp>>> {
+        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Queues an approved operation for execution.
+    pub(crate) fn enqueue(&self, op: Arc<LiveOp>) {
+        self.queue().push_back(op);
+        self.wake();
+    }
+
+    /// Something changed that may let queued work start (work queued, a slot freed, a limit
+    /// raised). A wait for this replica's own pool is woken by the controller itself; this bell
+    /// serves an empty queue and a wait for the shared pool.
+    pub(crate) fn wake(&self) {
+        self.bell.notify_one();
+    }
+
+    /// The oldest queued operation, left in the queue.
+    pub(crate) fn oldest(&self) -> Option<Arc<LiveOp>> {
+        self.queue().front().cloned()
+    }
+
+    /// Takes the oldest queued operation out of the queue.
+    pub(crate) fn pop_oldest(&self) {
+        self.queue().pop_front();
+    }
+
+    /// Returns once the bell rings; a ring while nobody waits is kept for the next call.
+    pub(crate) async fn rung(&self) {
+        self.bell.notified().await;
+    }
+}
+
+/// Starts `work` on a task of its own at once (not at the first poll) and returns a future of its
+/// outcome. The caller only waits: if the caller is dropped (its client hung up), the work goes on
+/// to its end regardless. `Err` only if the work panicked or the runtime is shutting down.
+pub(crate) fn run_to_end<T: Send + 'static>(
+    work: impl Future<Output = T> + Send + 'static,
+) -> impl Future<Output = Result<T, tokio::task::JoinError>> {
+    tokio::spawn(work)
+}
+
+/// A fresh random id: `prefix`, `_`, 32 hex digits.
+pub(crate) fn new_id(prefix: &str) -> String {
+    crate::admission::random_id(prefix)
+}

@@ -1,0 +1,363 @@
+//! Start-up and shutdown: how a broker comes to serve from what its data dir holds, and how it
+//! lets go of it.
+//!
+//! [`Broker::start`] opens the store, reads back what it needs before the first request (the live
+//! operations, the replay filter's keys, the recent creations), builds the core, restores the
+//! controller's counts from the store (`restore`: live operations, approved ones queued again,
+//! stored streams; bodies never recorded are removed), rebuilds each client's rate bucket from its
+//! recent creations (`restore_rates`: a restart hands out no fresh burst), takes a first drift
+//! reading, and starts the executor, the drift watch, the retention sweep and the listener.
+//! [`Broker::shutdown`] stops them and waits, bounded, for every change in progress to finish.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use tokio::sync::watch;
+
+use super::auth::Auth;
+use super::core::{Core, ExecQueue, LiveOp, SubmissionLabels};
+use super::keys::KeyFilter;
+use super::retention::{Keep, Retention};
+use super::store::{self, Database, StoreError};
+use super::waits::Waits;
+use super::{
+    Broker, BrokerError, BrokerSettings, RestoreSummary, api, drift, exec, listener, retention,
+    validate_broker_name,
+};
+use crate::admission::{Admission, ReplicaOptions, RestoredOperation};
+use crate::config::Identity;
+use crate::engine::Controller;
+use crate::{Config, OperationState};
+
+/// How long [`Broker::shutdown`] waits for the broker's tasks to end.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+impl Broker {
+    /// Opens the store in the data dir, restores every non-terminal operation and stream into a
+    /// new controller, starts the executor and serves. Must run inside a tokio runtime.
+    ///
+    /// With [`BrokerSettings::replicas`], the broker is one replica of several sharing admission
+    /// through Redis: it registers what the store restores under the replica's name (replacing
+    /// what an earlier run under that name held, in one step) and takes its lease. A Redis that
+    /// does not answer at start-up does not stop it: the replica serves reads, cancels,
+    /// decisions, health and metrics, answers new submissions 503 `admission_unavailable` with
+    /// Retry-After, and registers (then admits) as soon as Redis answers. Only invalid options
+    /// or URL fail.
+    pub async fn start(settings: BrokerSettings) -> Result<(Broker, RestoreSummary), BrokerError> {
+        validate_broker_name(&settings.broker_name).map_err(BrokerError::Settings)?;
+        settings.validate()?;
+        let connection_cap = settings.connections.connection_cap();
+        if let Some(limit) = listener::file_limit() {
+            let derived = listener::connection_cap_for_file_limit(Some(limit));
+            if connection_cap > derived {
+                tracing::warn!(
+                    connection_cap,
+                    file_limit = limit,
+                    "the connection limit is above what the file limit leaves for connections"
+                );
+            }
+        }
+        let rate_window = largest_window(&settings.config);
+        let listener = tokio::net::TcpListener::bind(settings.listen)
+            .await
+            .map_err(|e| BrokerError::Bind(settings.listen, e))?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| BrokerError::Bind(settings.listen, e))?;
+        let controller = Controller::builder(settings.config)
+            .storage_caps(settings.storage_caps)
+            .capacity_retry(settings.capacity_retry)
+            .build();
+        let admission = Admission::new(controller, settings.replicas.clone())
+            .map_err(|e| BrokerError::Settings(e.to_string()))?;
+        let data_dir = settings.data_dir.clone();
+        let broker_name = settings.broker_name.clone();
+        let (db, recovered, keys, created) = tokio::task::spawn_blocking(move || {
+            let db = Database::open_as(&data_dir, &broker_name)?;
+            let recovered = db.recover()?;
+            let keys = KeyFilter::with_capacity(db.key_count()? as usize);
+            db.for_each_key(|client, key| keys.insert(client, key))?;
+            let since = SystemTime::now()
+                .checked_sub(rate_window)
+                .unwrap_or(SystemTime::UNIX_EPOCH);
+            let created = db.created_since(since)?;
+            Ok::<_, StoreError>((db, recovered, keys, created))
+        })
+        .await
+        .map_err(|e| BrokerError::Io(format!("start-up task failed: {e}")))??;
+
+        let mut registry = Registry::default();
+        admission.register_metrics(&mut registry);
+        let drift = Gauge::default();
+        registry.register(
+            "admission_store_drift",
+            "Total absolute difference between the controller's counts and the store at the last \
+             check (0 when they agree).",
+            drift.clone(),
+        );
+        let submissions = Family::<SubmissionLabels, Counter>::default();
+        for result in ["created", "replayed", "rejected"] {
+            let _ = submissions.get_or_create(&[("result", result)]);
+        }
+        registry.register(
+            "broker_submissions",
+            "Operation submissions by result: created, replayed, or rejected by admission.",
+            submissions.clone(),
+        );
+        let store_ready = Gauge::default();
+        registry.register(
+            "broker_store_ready",
+            "Whether the store took a write (as /readyz checks it) when these metrics were scraped: 1 or 0.",
+            store_ready.clone(),
+        );
+        let retention = Arc::new(Retention::new(settings.retention.clone(), &mut registry));
+        match settings.retention.keep {
+            Keep::Forever => tracing::warn!(
+                "retention is forever: terminal operations are never deleted and the store grows \
+                 without bound"
+            ),
+            Keep::For(keep) => tracing::info!(
+                retention = %humantime::format_duration(keep),
+                "terminal operations retire after the retention; a replay after it is new work"
+            ),
+        }
+        let (stop, shutdown) = watch::channel(false);
+        let core = Arc::new(Core {
+            admission,
+            db,
+            live: Mutex::new(HashMap::new()),
+            streams: Mutex::new(HashMap::new()),
+            executor: ExecQueue::default(),
+            auth: Auth::new(&settings.secrets, &settings.operator_secret),
+            registry,
+            submissions,
+            store_ready,
+            keys,
+            key_locks: (0..64)
+                .map(|_| Arc::new(tokio::sync::Mutex::new(())))
+                .collect(),
+            counts_gate: Arc::new(tokio::sync::RwLock::new(())),
+            uploading: Mutex::new(HashMap::new()),
+            drift,
+            shutdown: shutdown.clone(),
+            waits: Waits::default(),
+        });
+        let summary = restore(&core, recovered).await;
+        match drift::check(&core).await {
+            Ok(report) if report.is_clean() => {}
+            Ok(report) => {
+                tracing::warn!(
+                    drift = report.total(),
+                    "restored counts differ from the store"
+                )
+            }
+            Err(err) => tracing::warn!(error = %err, "start-up drift check failed"),
+        }
+        restore_rates(core.controller(), created, SystemTime::now());
+
+        let executor = tokio::spawn(exec::run(Arc::clone(&core)));
+        let drift = tokio::spawn(drift::watch(Arc::clone(&core), settings.drift_interval));
+        let sweeper = tokio::spawn(retention::watch(
+            Arc::clone(&core),
+            Arc::clone(&retention),
+            settings.retention.sweep_interval,
+        ));
+        let app = api::router(Arc::clone(&core));
+        let server = tokio::spawn(listener::serve(
+            listener,
+            app,
+            settings.connections,
+            connection_cap,
+            shutdown.clone(),
+        ));
+        tracing::info!(
+            %addr,
+            connection_cap,
+            pending = summary.pending,
+            approved = summary.approved,
+            interrupted = summary.interrupted,
+            streams = summary.streams,
+            "broker started"
+        );
+        Ok((
+            Broker {
+                addr,
+                core,
+                stop,
+                server,
+                executor,
+                drift,
+                sweeper,
+                retention,
+            },
+            summary,
+        ))
+    }
+
+    /// [`Broker::start`] as one replica of several: `settings` with
+    /// [`BrokerSettings::replicas`] set to `options`.
+    pub async fn start_shared(
+        mut settings: BrokerSettings,
+        options: ReplicaOptions,
+    ) -> Result<(Broker, RestoreSummary), BrokerError> {
+        settings.replicas = Some(options);
+        Box::pin(Broker::start(settings)).await
+    }
+
+    /// Stops serving and executing. A change already decided (a creation, decision, cancel,
+    /// upload or delete in progress) runs to its end first; executing work is abandoned exactly
+    /// as in a crash (it stays `executing` on disk), so a broker started on the same data dir
+    /// recovers it. Returns once every
+    /// task of this broker has let go of it, so the data dir's lock is released (unless the caller
+    /// still holds a clone of [`Broker::database`]) and another broker may start on the dir.
+    pub async fn shutdown(self) {
+        let _ = self.stop.send(true);
+        let _ = self.server.await;
+        let _ = self.executor.await;
+        let _ = self.drift.await;
+        let _ = self.sweeper.await;
+        // Connection and execution tasks see the stop and return; changes in progress (see
+        // `run_to_end`) run to their end. Each holds the core until it ends. Bounded, so a stuck store call cannot hang shutdown forever.
+        let deadline = std::time::Instant::now() + SHUTDOWN_GRACE;
+        while Arc::strong_count(&self.core) > 1 && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        if Arc::strong_count(&self.core) > 1 {
+            tracing::warn!("shutdown: some broker tasks are still running");
+        }
+        // Live work stays counted until the lease lapses (or a restart re-registers it).
+        self.core.admission.shutdown().await;
+    }
+}
+
+/// Puts what the store holds back under the controller: live operations (approved ones queued
+/// for execution) and stored streams.
+async fn restore(core: &Arc<Core>, recovered: store::Recovered) -> RestoreSummary {
+    let mut summary = RestoreSummary {
+        interrupted: recovered.interrupted.len(),
+        ..RestoreSummary::default()
+    };
+    for record in &recovered.interrupted {
+        tracing::warn!(
+            operation = %record.id,
+            client = %record.client_id,
+            from = "executing",
+            to = "failed",
+            error = "execution_interrupted",
+            "operation state changed"
+        );
+    }
+    let mut records = Vec::new();
+    let mut restoring = Vec::new();
+    for record in recovered.live {
+        let Ok(identity) = Identity::new(&record.client_id) else {
+            tracing::error!(operation = %record.id, "stored operation has an invalid client id; not restored");
+            continue;
+        };
+        restoring.push(RestoredOperation {
+            id: record.id.clone(),
+            identity,
+            state: record.state,
+        });
+        records.push(record);
+    }
+    let restored = core.admission.restore(restoring).await;
+    for (record, handle) in records.into_iter().zip(restored.operations) {
+        let handle = match handle {
+            Ok(handle) => handle,
+            Err(err) => {
+                tracing::error!(operation = %record.id, error = %err, "not restored");
+                continue;
+            }
+        };
+        let op = Arc::new(LiveOp::new(&record, handle));
+        core.live_ops().insert(record.id.clone(), Arc::clone(&op));
+        match record.state {
+            OperationState::Approved => {
+                summary.approved += 1;
+                core.executor.enqueue(op);
+            }
+            _ => summary.pending += 1,
+        }
+    }
+    if let Some(replica) = core.admission.replica() {
+        match restored.deferred {
+            None => tracing::info!(
+                replica,
+                restored = summary.pending + summary.approved,
+                "registered with redis"
+            ),
+            Some(err) => tracing::warn!(
+                replica,
+                restored = summary.pending + summary.approved,
+                error = %err,
+                "redis does not answer: new submissions are answered 503 admission_unavailable \
+                 until it does, then this replica registers"
+            ),
+        }
+    }
+    let mut known = std::collections::HashSet::new();
+    for stream in recovered.streams {
+        let Ok(identity) = Identity::new(&stream.client_id) else {
+            continue;
+        };
+        let object =
+            core.controller()
+                .restore_storage(&identity, crate::engine::Store::Stream, stream.size);
+        known.insert(stream.id.clone());
+        core.stored_streams().insert(stream.id, object);
+        summary.streams += 1;
+    }
+    // Bodies written but never recorded (a crash between the two) hold nothing; remove them.
+    if let Ok(entries) = std::fs::read_dir(core.db.streams_dir()) {
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if !known.contains(&name) {
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
+    }
+    summary
+}
+
+/// The longest rate window of any configured client: how far back start-up reads admissions.
+fn largest_window(config: &Config) -> Duration {
+    let seconds = config
+        .identities()
+        .filter_map(|identity| config.effective(identity.as_str()))
+        .map(|limits| limits.window_seconds)
+        .max()
+        .unwrap_or(0);
+    Duration::from_secs(u64::from(seconds))
+}
+
+/// Rebuilds each client's rate bucket from the creation times of its operations created within
+/// the largest window (`created`, read at start-up), as of `now`, so a restart never hands out a
+/// fresh burst. It costs no write per admission: the operation's row is the record. What a restart
+/// cannot know: tokens spent by admissions whose operation was never created (the store failed
+/// after admission, or the process died in between); those come back early.
+fn restore_rates(controller: &Controller, created: Vec<(String, SystemTime)>, now: SystemTime) {
+    let admissions = created.len();
+    let mut ages: HashMap<String, Vec<Duration>> = HashMap::new();
+    for (client, at) in created {
+        // A creation time after now (the wall clock stepped back) counts as just now.
+        let age = now.duration_since(at).unwrap_or(Duration::ZERO);
+        ages.entry(client).or_default().push(age);
+    }
+    let clients = ages.len();
+    for (client, ages) in ages {
+        if let Ok(identity) = Identity::new(&client) {
+            controller.restore_rate(&identity, ages);
+        }
+    }
+    tracing::info!(
+        admissions,
+        clients,
+        "rate buckets rebuilt from recent operations"
+    );
+}

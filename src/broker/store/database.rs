@@ -1,0 +1,191 @@
+//! The store's handle: the data dir (locked against a second broker), the one writer connection
+//! and the pool of readers, the clock the rows are stamped with, and the two ways every query
+//! runs (`write` and `read`, off the async threads). Each concern's queries are `impl Database`
+//! blocks in their own files; this one knows none of them.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::SystemTime;
+
+use r2d2_sqlite::SqliteConnectionManager;
+use rusqlite::Connection;
+
+use super::error::StoreError;
+use super::schema;
+
+/// How many reader connections serve gets, list pages and waits.
+pub const READERS: u32 = 4;
+
+/// The broker name an operation shows when none is configured.
+pub const DEFAULT_BROKER_NAME: &str = "admission";
+
+/// The database file's name inside the data dir.
+pub const DATABASE_FILE: &str = "admission.sqlite3";
+
+/// The bytes the write-ahead log is cut back to after a checkpoint.
+const WAL_SIZE_LIMIT: i64 = 4 * 1024 * 1024;
+
+/// The lock file's name inside the data dir: locked exclusively by the broker that owns the dir.
+pub const LOCK_FILE: &str = "admission.lock";
+
+/// The current time in RFC 3339 (UTC, milliseconds).
+pub fn now_rfc3339() -> String {
+    humantime::format_rfc3339_millis(SystemTime::now()).to_string()
+}
+
+/// A handle on the database; cheap to clone.
+#[derive(Clone)]
+pub struct Database {
+    pub(super) writer: Arc<Mutex<Connection>>,
+    pub(super) readers: r2d2::Pool<SqliteConnectionManager>,
+    pub(super) dir: PathBuf,
+    /// The broker name operations show.
+    pub(super) broker: Arc<str>,
+    /// The data dir's lock, held until the last handle is dropped (closing the file unlocks it).
+    _lock: Arc<std::fs::File>,
+}
+
+impl std::fmt::Debug for Database {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Database").field("dir", &self.dir).finish()
+    }
+}
+
+fn open_connection(path: &Path) -> rusqlite::Result<Connection> {
+    let conn = Connection::open(path)?;
+    conn.busy_timeout(std::time::Duration::from_secs(5))?;
+    conn.pragma_update(None, "journal_mode", "WAL")?;
+    // FULL: a commit is on disk before it returns, in WAL mode too.
+    conn.pragma_update(None, "synchronous", "FULL")?;
+    // When the log restarts after a checkpoint, it is cut back to this size: a burst of writes (a
+    // large sweep) does not leave a large log file behind.
+    conn.pragma_update(None, "journal_size_limit", WAL_SIZE_LIMIT)?;
+    // 32 MiB of page cache (negative: KiB): a sweep's batch touches index pages all over the
+    // file, and re-reading them for every batch is most of its cost.
+    conn.pragma_update(None, "cache_size", -32_768)?;
+    Ok(conn)
+}
+
+/// Takes the exclusive lock on `dir`'s [`LOCK_FILE`], or says which dir is in use.
+fn lock_data_dir(dir: &Path) -> Result<std::fs::File, StoreError> {
+    let path = dir.join(LOCK_FILE);
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(|e| StoreError::io("open", &path, e))?;
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => Err(StoreError::DirInUse {
+            dir: dir.to_owned(),
+            lock: path,
+        }),
+        Err(std::fs::TryLockError::Error(e)) => Err(StoreError::io("lock", &path, e)),
+    }
+}
+
+impl Database {
+    /// Opens (creating if needed) the database in `dir`, creating the schema on first start and
+    /// migrating an older one; operations show [`DEFAULT_BROKER_NAME`]. Fails if another broker
+    /// holds the data dir. Blocking; call it before serving.
+    pub fn open(dir: &Path) -> Result<Database, StoreError> {
+        Database::open_as(dir, DEFAULT_BROKER_NAME)
+    }
+
+    /// [`Database::open`], with operations showing `broker` as their broker's name.
+    pub fn open_as(dir: &Path, broker: &str) -> Result<Database, StoreError> {
+        std::fs::create_dir_all(dir).map_err(|e| StoreError::io("create", dir, e))?;
+        let lock = lock_data_dir(dir)?;
+        let path = dir.join(DATABASE_FILE);
+        let writer = open_connection(&path)?;
+        schema::migrate(&writer, &path)?;
+        // Readers only read: WAL is already on (it is a property of the file), and a reader never
+        // takes the write lock.
+        let manager = SqliteConnectionManager::file(&path).with_init(|conn| {
+            conn.busy_timeout(std::time::Duration::from_secs(5))?;
+            conn.pragma_update(None, "query_only", true)
+        });
+        let readers = r2d2::Pool::builder()
+            .max_size(READERS)
+            .connection_timeout(std::time::Duration::from_secs(5))
+            .build(manager)
+            .map_err(|source| StoreError::NoReader {
+                path: path.clone(),
+                source,
+            })?;
+        schema::ensure_indexes(&writer)?;
+        Ok(Database {
+            writer: Arc::new(Mutex::new(writer)),
+            readers,
+            broker: Arc::from(broker),
+            dir: dir.to_owned(),
+            _lock: Arc::new(lock),
+        })
+    }
+
+    /// The data dir.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The broker name operations show.
+    pub fn broker(&self) -> &str {
+        &self.broker
+    }
+
+    /// Whether the store would take a write now: the write connection takes SQLite's write lock
+    /// and lets it go, writing nothing. Fails (after the busy timeout) while another process holds
+    /// the database's write lock, and fails if the file cannot be read or locked: the states in
+    /// which a submission could not be made durable.
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        self.write(|conn| {
+            conn.execute_batch("BEGIN IMMEDIATE")?;
+            conn.execute_batch("ROLLBACK")
+        })
+        .await
+    }
+
+    /// A reader connection from the pool (blocking until one is free, at most its timeout).
+    pub(super) fn reader(&self) -> Result<r2d2::PooledConnection<SqliteConnectionManager>, StoreError> {
+        self.readers.get().map_err(|source| StoreError::NoReader {
+            path: self.dir.join(DATABASE_FILE),
+            source,
+        })
+    }
+
+    /// The write connection, blocking until no other call holds it (for the blocking calls made
+    /// before serving: recovery, seeding).
+    pub(super) fn writer(&self) -> std::sync::MutexGuard<'_, Connection> {
+        self.writer.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Runs `f` on the write connection, off the async threads.
+    pub(super) async fn write<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut Connection) -> rusqlite::Result<T> + Send + 'static,
+    ) -> Result<T, StoreError> {
+        let conn = Arc::clone(&self.writer);
+        tokio::task::spawn_blocking(move || {
+            let mut conn = conn.lock().unwrap_or_else(|p| p.into_inner());
+            f(&mut conn).map_err(StoreError::from)
+        })
+        .await
+        .map_err(|e| StoreError::unfinished("the store task", e))?
+    }
+
+    /// Runs `f` on a pooled reader connection, off the async threads; `f` gets the broker name
+    /// records show.
+    pub(super) async fn read<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Connection, &str) -> rusqlite::Result<T> + Send + 'static,
+    ) -> Result<T, StoreError> {
+        let db = self.clone();
+        tokio::task::spawn_blocking(move || {
+            let conn = db.reader()?;
+            f(&conn, &db.broker).map_err(StoreError::from)
+        })
+        .await
+        .map_err(|e| StoreError::unfinished("the store task", e))?
+    }
+}
