@@ -902,3 +902,171 @@ async fn a_replica_set_up_before_redis_runs_is_unavailable_then_registers_its_re
     assert_eq!(global(&counts), (2, 1, 0), "{counts:?}");
     assert_eq!(counts.operations, 2);
 }
+
+/// Two replicas of one deployment with one client, `amy`.
+async fn two_replicas(server: &redis_support::RedisServer) -> (Admission, Admission) {
+    let config = roomy_config(&["amy"]);
+    let r1 = replica(config.clone(), options(server, "r1")).await;
+    let r2 = replica(config, options(server, "r2")).await;
+    (r1, r2)
+}
+
+/// Admits `amy` with `key` on `admission`: the permit, failing the test on anything else.
+async fn admit_keyed(admission: &Admission, key: &str) -> unyolo_admission::AdmissionPermit {
+    match admission.admit("amy", true, Some(key)).await {
+        Ok(permit) => permit,
+        Err(other) => panic!("{key} on {:?}: {other}", admission.replica()),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refunded_permit_leaves_its_idempotency_key_free_for_an_admission_on_any_replica() {
+    let server = redis_or_skip!();
+    let (r1, r2) = two_replicas(&server).await;
+    let refunded = admit_keyed(&r1, "deploy-1").await;
+    let refunded_id = refunded.id();
+    refunded.refund().await;
+    assert!(r1.counts().await.unwrap().is_idle());
+    // The key is new work on the other replica, and on this one.
+    let permit = admit_keyed(&r2, "deploy-1").await;
+    assert_ne!(permit.id(), refunded_id);
+    let op = permit.commit();
+    match r1.admit("amy", true, Some("deploy-1")).await {
+        Err(AdmitError::Replay { operation, replica }) => {
+            assert_eq!((operation, replica.as_str()), (op.id().to_string(), "r2"));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(global(&r1.counts().await.unwrap()), (1, 1, 0));
+    op.cancel().await.unwrap();
+    assert!(r2.counts().await.unwrap().is_idle());
+    assert_eq!(r1.snapshot().dropped_permits, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_permit_leaves_its_idempotency_key_free_on_any_replica_and_is_counted_once() {
+    let server = redis_or_skip!();
+    let (r1, r2) = two_replicas(&server).await;
+    let dropped_before = r1.snapshot().dropped_permits;
+    let permit = admit_keyed(&r1, "deploy-2").await;
+    assert_eq!(global(&r1.counts().await.unwrap()), (1, 1, 0));
+    drop(permit);
+    assert!(r1.flush().await);
+    // Its slots are back everywhere, the drop is counted once (a mistake of the embedding), and
+    // the key is free on the other replica.
+    assert!(r1.counts().await.unwrap().is_idle());
+    assert!(r1.snapshot().is_idle());
+    assert_eq!(r1.snapshot().dropped_permits, dropped_before + 1);
+    let op = admit_keyed(&r2, "deploy-2").await.commit();
+    assert_eq!(global(&r2.counts().await.unwrap()), (1, 1, 0));
+    op.cancel().await.unwrap();
+    assert!(r2.counts().await.unwrap().is_idle());
+    assert_eq!(r1.snapshot().dropped_permits, dropped_before + 1);
+    assert_eq!(r2.snapshot().dropped_permits, 0);
+}
+
+/// How many clients the Redis at `conn` holds blocked (a paused client's command waits there).
+async fn blocked_clients(conn: &mut redis::aio::MultiplexedConnection) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("clients")
+        .query_async(conn)
+        .await
+        .unwrap();
+    info.lines()
+        .find_map(|line| line.strip_prefix("blocked_clients:"))
+        .map(|n| n.trim().parse().unwrap())
+        .expect("INFO clients names blocked_clients")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admission_dropped_mid_call_holds_no_slot_and_leaves_its_idempotency_key_free() {
+    let server = redis_or_skip!();
+    // Ten tokens an hour, so the tokens left show which admissions Redis decided.
+    let config = rate_config((10, 3600), (10, 3600));
+    // A long call timeout and a slow heartbeat: the only thing that ends the call below is the
+    // drop, and the only script waiting in Redis is the admission's.
+    let mut slow = options(&server, "r1");
+    slow.call_timeout = Duration::from_secs(20);
+    slow.lease_ttl = Duration::from_secs(120);
+    slow.heartbeat = Duration::from_secs(60);
+    let r1 = replica(config.clone(), slow).await;
+    let r2 = replica(config, options(&server, "r2")).await;
+    // The admission script is loaded (so the call below is one EVALSHA that runs as sent).
+    admit_op(&r1, "amy", true).await.fail().await.unwrap();
+    assert!(r1.flush().await);
+
+    // Redis holds every write command until unpaused: the admission is sent and waits there.
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let _: () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(60_000)
+        .arg("WRITE")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let call = {
+        let r1 = r1.clone();
+        tokio::spawn(async move { r1.admit("amy", true, Some("deploy-3")).await })
+    };
+    eventually("the admission waits in Redis", || {
+        let mut conn = conn.clone();
+        async move { blocked_clients(&mut conn).await == 1 }
+    })
+    .await;
+    // The caller hangs up: the admission's future is dropped with its script sent.
+    call.abort();
+    assert!(call.await.unwrap_err().is_cancelled());
+    let _: () = redis::cmd("CLIENT")
+        .arg("UNPAUSE")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    // The script ran once Redis went on; the release kept by the drop undoes it by id.
+    eventually("the kept release reaches Redis", || {
+        let r1 = r1.clone();
+        async move { r1.flush().await }
+    })
+    .await;
+    let counts = r1.counts().await.unwrap();
+    assert!(counts.is_idle(), "{counts:?}");
+    assert!(r1.snapshot().is_idle());
+    let op = admit_keyed(&r2, "deploy-3").await.commit();
+    assert_eq!(global(&r2.counts().await.unwrap()), (1, 1, 0));
+    op.cancel().await.unwrap();
+    assert!(r2.counts().await.unwrap().is_idle());
+    // The cut-off admission was decided (its token stays spent, as a dropped permit's does):
+    // of ten, the warm-up, it and the one on r2 are gone.
+    let mut kept = Vec::new();
+    assert_eq!(drain_tokens(&[&r2], "amy", "after", &mut kept).await, 7);
+    for op in &kept {
+        op.fail().await.unwrap();
+    }
+    assert!(r2.counts().await.unwrap().is_idle());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_committed_operation_keeps_its_idempotency_key_bound_on_every_replica() {
+    let server = redis_or_skip!();
+    let (r1, r2) = two_replicas(&server).await;
+    let op = admit_keyed(&r1, "deploy-4").await.commit();
+    let id = op.id().to_string();
+    for (replica, round) in [(&r2, 0), (&r1, 1), (&r2, 2)] {
+        match replica.admit("amy", true, Some("deploy-4")).await {
+            Err(AdmitError::Replay { operation, replica }) => {
+                assert_eq!((operation.as_str(), replica.as_str()), (id.as_str(), "r1"));
+            }
+            other => panic!("round {round}: {other:?}"),
+        }
+    }
+    // A replay reserved nothing, on either replica.
+    assert_eq!(global(&r1.counts().await.unwrap()), (1, 1, 0));
+    assert!(r2.snapshot().is_idle());
+    op.approve().await.unwrap();
+    match r2.admit("amy", false, Some("deploy-4")).await {
+        Err(AdmitError::Replay { operation, .. }) => assert_eq!(operation, id),
+        other => panic!("{other:?}"),
+    }
+    op.cancel().await.unwrap();
+    assert!(r1.counts().await.unwrap().is_idle());
+}
