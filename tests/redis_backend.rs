@@ -726,8 +726,7 @@ async fn a_replica_name_that_is_not_an_identity_is_refused_at_setup() {
         Controller::new(small_config()),
         Some(ReplicaOptions::new(server.url(), "a b")),
     )
-    .err()
-    .expect("refused");
+    .expect_err("refused");
     assert!(err.to_string().contains("replica"), "{err}");
     let mut bad_prefix = ReplicaOptions::new(server.url(), "r1");
     bad_prefix.prefix = "{x}".into();

@@ -1,9 +1,16 @@
 //! Admission shared by broker replicas, on Redis (cargo feature `redis`; SPEC section 7).
 //!
-//! A sibling of the in-process [`crate::Controller`] behind the same decision contract: the same
-//! checks in the same order, the same refusal codes and Retry-After rules, the same permit and
-//! lifecycle semantics. What differs is where the counts live: in one Redis, shared by every
-//! replica, so a client's limits and the global limits hold across all of them.
+//! The shared half of a replicated [`crate::Admission`]: embedders reach it only through that
+//! one API ([`crate::Admission::new`] with [`ReplicaOptions`]), which decides here first and then
+//! in the replica's own [`crate::Controller`]. The types of this module stay inside the crate;
+//! what it offers an embedder is the options and the outcome types under their older names
+//! ([`RedisOptions`], [`SharedCounts`], [`RedisStats`], [`RedisStartError`]), and, hidden, the
+//! script replies' parser (for the fuzz target) and the benchmark's rate-only baseline script.
+//!
+//! It keeps the in-process engine's decision contract: the same checks in the same order, the
+//! same refusal codes and Retry-After rules, the same permit and lifecycle semantics. What
+//! differs is where the counts live: in one Redis, shared by every replica, so a client's limits
+//! and the global limits hold across all of them.
 //!
 //! - **One script per decision.** Each admission is one atomic Lua script (`scripts/admit.lua`,
 //!   run by `EVALSHA`, loaded again on `NOSCRIPT`) on Redis server time, so replicas' clocks never
@@ -23,9 +30,11 @@
 //!   replica that cannot renew stops admitting; the survivors release a lapsed replica's holdings
 //!   exactly once (`scripts/reap.lua`); a replica that (re)registers replaces its holdings with
 //!   what it holds now in one step (`scripts/replace.lua`).
-//! - **Redis down at start-up.** [`RedisController::connect_lazy`] makes the connection on the
-//!   first call (and again after each failure); [`RedisController::register_or_defer`] holds the
-//!   restored work here and lets the heartbeat register it once Redis answers. Until then every
+//! - **Redis down at start-up.** The controller (`RedisController::connect_lazy`, behind
+//!   [`crate::Admission::new`]) makes the connection on the first call (and again after each
+//!   failure); registration (`RedisController::register_or_defer`, behind
+//!   [`crate::Admission::restore`]) holds the restored work here and lets the heartbeat register
+//!   it once Redis answers. Until then every
 //!   admission is [`Unavailable`] (no lease), and nothing is admitted unchecked.
 //! - **Redis down or slow.** Every call has a timeout; an admission that cannot be decided is
 //!   [`Unavailable`] (503 `admission_unavailable`), never admitted unchecked; a circuit stops
@@ -60,7 +69,7 @@ pub use crate::admission::{
     AdmitError, BackendStats, DeploymentCounts, NotStarted, Refused, ReplicaOptions,
     RestoredOperation, SetupError, Unavailable, UnavailableReason,
 };
-pub use handles::{RedisOperation, RedisPermit};
+pub(crate) use handles::{RedisOperation, RedisPermit};
 
 use self::circuit::{Circuit, Gate};
 use self::reply::{AdmitReply, LeaseReply, TransitionReply};
@@ -240,11 +249,12 @@ pub(crate) struct Inner {
 
 /// The admission controller shared by broker replicas through Redis. Cheap to clone.
 ///
-/// Set up with [`RedisController::connect`], then [`RedisController::register`] with what the
-/// replica's store restores (which takes the lease and starts the heartbeat); then
-/// [`RedisController::admit`] as with the in-process controller, with the operation's id.
+/// Set up with [`RedisController::connect_lazy`], then [`RedisController::register_or_defer`]
+/// with what the replica's store restores (which takes the lease and starts the heartbeat); then
+/// [`RedisController::admit`] as with the in-process controller, with the operation's id (made
+/// by [`crate::Admission`], never by a caller).
 #[derive(Clone)]
-pub struct RedisController {
+pub(crate) struct RedisController {
     inner: Arc<Inner>,
 }
 
@@ -266,30 +276,12 @@ fn rate_micros(requests: u32, window_seconds: u32) -> (u64, u64) {
 }
 
 impl RedisController {
-    /// Connects to Redis (checking it answers) for `config`. Admits nothing until
-    /// [`RedisController::register`] has taken the lease.
-    pub async fn connect(
-        config: Config,
-        options: RedisOptions,
-    ) -> Result<RedisController, SetupError> {
-        let controller = RedisController::connect_lazy(config, options)?;
-        let inner = &controller.inner;
-        let mut conn = inner.conn.clone();
-        let ping = tokio::time::timeout(
-            inner.options.call_timeout * 4,
-            redis::cmd("PING").query_async::<Value>(&mut conn),
-        )
-        .await
-        .map_err(|_| SetupError::Redis(format!("{} did not answer in time", inner.options.url)))?;
-        ping.map_err(|e| SetupError::Redis(e.to_string()))?;
-        Ok(controller)
-    }
-
-    /// As [`RedisController::connect`], without waiting for Redis: the connection is made by the
-    /// first call and made again after each failure, so a replica can start while Redis is down
-    /// (see [`RedisController::register_or_defer`]). Fails only on invalid options or URL. Call
-    /// it inside a Tokio runtime.
-    pub fn connect_lazy(
+    /// The shared controller of one replica, without waiting for Redis: the connection is made
+    /// by the first call and made again after each failure, so a replica can start while Redis
+    /// is down (see [`RedisController::register_or_defer`]). Fails only on invalid options or
+    /// URL. Call it inside a Tokio runtime. Admits nothing until registration has taken the
+    /// lease.
+    pub(crate) fn connect_lazy(
         config: Config,
         options: RedisOptions,
     ) -> Result<RedisController, SetupError> {
@@ -337,7 +329,7 @@ impl RedisController {
     }
 
     /// This replica's name.
-    pub fn replica(&self) -> &str {
+    pub(crate) fn replica(&self) -> &str {
         &self.inner.options.replica
     }
 
@@ -345,26 +337,12 @@ impl RedisController {
     /// name) is released and `restored` counted instead — even above a limit, so new work is
     /// refused until it drains — and the lease is taken, all in one atomic step. Starts the
     /// heartbeat. Returns a handle per restored operation, in order.
-    pub async fn register(
-        &self,
-        restored: impl IntoIterator<Item = RestoredOperation>,
-    ) -> Result<Vec<RedisOperation>, Unavailable> {
-        let cells = {
-            let _alone = self.inner.registration.write().await;
-            let cells = self.hold_restored(restored);
-            self.inner.replace_locked().await?;
-            cells
-        };
-        self.start_heartbeat();
-        Ok(self.handles(cells))
-    }
-
-    /// As [`RedisController::register`], but if Redis does not answer now the replica still
-    /// starts: `restored` is held here (its handles work; releases are kept), every admission is
+    ///
+    /// If Redis does not answer now the replica still starts: `restored` is held here (its handles work; releases are kept), every admission is
     /// [`Unavailable`] (no lease), and the heartbeat registers it — the same atomic replace —
     /// as soon as Redis answers, after which admissions are decided. Returns the handles and, if
     /// registration was deferred, why.
-    pub async fn register_or_defer(
+    pub(crate) async fn register_or_defer(
         &self,
         restored: impl IntoIterator<Item = RestoredOperation>,
     ) -> (Vec<RedisOperation>, Option<Unavailable>) {
@@ -441,7 +419,7 @@ impl RedisController {
 
     /// Stops the heartbeat (the lease then lapses unless another process under this name renews
     /// it). Kept releases are sent first if Redis answers.
-    pub async fn shutdown(&self) {
+    pub(crate) async fn shutdown(&self) {
         self.inner.drain().await;
         let task = self
             .inner
@@ -461,7 +439,7 @@ impl RedisController {
     /// to an operation (on any replica) answers [`AdmitError::Replay`] and reserves nothing.
     ///
     /// Retrying with the same `id` after a lost reply never counts twice.
-    pub async fn admit(
+    pub(crate) async fn admit(
         &self,
         identity: &str,
         needs_approval: bool,
@@ -610,17 +588,12 @@ impl RedisController {
     }
 
     /// Swaps in a new, already validated configuration; the next decision uses it.
-    pub fn reload(&self, config: Config) {
+    pub(crate) fn reload(&self, config: Config) {
         self.inner.config.store(Arc::new(config));
     }
 
-    /// The configuration in force.
-    pub fn config(&self) -> Config {
-        Config::clone(&self.inner.config.load())
-    }
-
     /// The shared counts now, across every replica.
-    pub async fn counts(&self) -> Result<SharedCounts, Unavailable> {
+    pub(crate) async fn counts(&self) -> Result<SharedCounts, Unavailable> {
         let inner = &self.inner;
         let mut pipe = redis::pipe();
         pipe.hgetall(&inner.keys.counts).hlen(&inner.keys.ops);
@@ -661,22 +634,22 @@ impl RedisController {
 
     /// Releases, exactly once, what every replica whose lease has lapsed held; returns how many
     /// operations were released. The heartbeat does this on every beat.
-    pub async fn reap(&self) -> Result<u64, Unavailable> {
+    pub(crate) async fn reap(&self) -> Result<u64, Unavailable> {
         self.inner.reap().await
     }
 
     /// Sends the releases kept while Redis did not answer; returns whether none is left.
-    pub async fn flush(&self) -> bool {
+    pub(crate) async fn flush(&self) -> bool {
         self.inner.drain().await
     }
 
     /// Renews the lease now (as the heartbeat does), re-registering if it lapsed.
-    pub async fn renew(&self) -> Result<(), Unavailable> {
+    pub(crate) async fn renew(&self) -> Result<(), Unavailable> {
         self.inner.renew().await
     }
 
     /// What this replica's backend has seen.
-    pub fn stats(&self) -> RedisStats {
+    pub(crate) fn stats(&self) -> RedisStats {
         let inner = &self.inner;
         // Relaxed: statistics.
         RedisStats {
