@@ -1069,3 +1069,52 @@ async fn a_committed_operation_keeps_its_idempotency_key_bound_on_every_replica(
     op.cancel().await.unwrap();
     assert!(r1.counts().await.unwrap().is_idle());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusals_and_a_permits_quota_name_the_deployments_counts_not_the_replicas() {
+    let server = redis_or_skip!();
+    // amy: 12 tokens an hour, 3 active, 2 pending.
+    let r1 = replica(small_config(), options(&server, "r1")).await;
+    let r2 = replica(small_config(), options(&server, "r2")).await;
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        held.push(admit_op(&r1, "amy", true).await);
+    }
+    // amy is at her pending limit through r1 alone; r2 holds nothing of hers.
+    let refused = match r2.admit("amy", true, None).await {
+        Err(AdmitError::Refused(refused)) => refused,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(refused.refusal.code, RefusalCode::ClientPendingLimit);
+    let quota = refused.quota.expect("amy has a quota");
+    assert_eq!((quota.pending.used, quota.pending.limit), (2, 2));
+    assert_eq!((quota.active.used, quota.active.limit), (2, 3));
+    // Two tokens spent on r1 (a refusal spends none), of twelve.
+    assert_eq!((quota.rate.quota, quota.rate.remaining), (12, 10));
+    let local = r2.controller().quota("amy").unwrap();
+    assert_eq!((local.pending.used, local.active.used), (0, 0));
+    assert_eq!(local.rate.remaining, 12);
+    // A permit's quota is the deployment's too: the third live operation, the third token.
+    let permit = r2.admit("amy", false, None).await.unwrap();
+    let quota = permit.quota().expect("amy has a quota");
+    assert_eq!((quota.active.used, quota.pending.used), (3, 2));
+    assert_eq!(quota.rate.remaining, 9);
+    assert!(quota.rate.next_token_nanos > 0);
+    held.push(permit.commit());
+    // At her active limit now, whichever replica asks.
+    for r in [&r1, &r2] {
+        match r.admit("amy", false, None).await {
+            Err(AdmitError::Refused(refused)) => {
+                assert_eq!(refused.refusal.code, RefusalCode::ClientOperationLimit);
+                let quota = refused.quota.unwrap();
+                assert_eq!(quota.active.used, quota.active.limit);
+                assert_eq!(quota.rate.remaining, 9);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    for op in &held {
+        op.fail().await.unwrap();
+    }
+    assert!(r1.counts().await.unwrap().is_idle());
+}

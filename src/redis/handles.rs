@@ -14,7 +14,9 @@ use std::sync::atomic::Ordering;
 use super::reply::TransitionReply;
 use super::{Held, Inner, Kept, Target, UnavailableReason};
 use crate::admission::NotStarted as RedisStartError;
-use crate::engine::{CancelOutcome, OperationState, Refusal, RefusalCode, TransitionError};
+use crate::engine::{
+    CancelOutcome, OperationState, QuotaStatus, Refusal, RefusalCode, TransitionError,
+};
 
 /// An admitted submission on the shared controller, before the broker has created its durable
 /// operation. [`RedisPermit::commit`] turns it into a [`RedisOperation`]; dropped without commit
@@ -30,6 +32,9 @@ pub(crate) struct RedisPermit {
     /// The idempotency record the admission wrote, freed again if this permit is refunded or
     /// dropped (committed, it stays bound to the operation).
     key: Option<String>,
+    /// The client's quota as Redis's decision left it (`None` for a retried id's admission,
+    /// which Redis did not decide again).
+    quota: Option<QuotaStatus>,
 }
 
 impl RedisPermit {
@@ -39,6 +44,7 @@ impl RedisPermit {
         needs_approval: bool,
         rate_micros: (u64, u64),
         key: Option<String>,
+        quota: Option<QuotaStatus>,
     ) -> RedisPermit {
         RedisPermit {
             inner,
@@ -46,7 +52,14 @@ impl RedisPermit {
             needs_approval,
             rate_micros,
             key,
+            quota,
         }
+    }
+
+    /// The client's quota as the shared decision left it: its bucket and its counts on every
+    /// replica.
+    pub(crate) fn quota(&self) -> Option<QuotaStatus> {
+        self.quota
     }
 
     /// The durable operation exists: its lifecycle handle (the reservation is already recorded

@@ -72,9 +72,10 @@ pub use crate::admission::{
 pub(crate) use handles::{RedisOperation, RedisPermit};
 
 use self::circuit::{Circuit, Gate};
-use self::reply::{AdmitReply, LeaseReply, TransitionReply};
-use crate::config::{Config, Identity};
-use crate::engine::{OperationState, Refusal, RefusalCode};
+use self::reply::{AdmitReply, LeaseReply, Reading, TransitionReply};
+use crate::config::{ClientLimits, Config, Identity};
+use crate::engine::gcra::{self, Rate};
+use crate::engine::{OperationState, QuotaStatus, Refusal, RefusalCode};
 
 /// The script every decision runs, with the helpers all scripts share.
 const ADMIT: &str = concat!(
@@ -261,6 +262,31 @@ pub(crate) struct RedisController {
 /// An operation id the scripts can record: 1 to 128 visible ASCII characters.
 fn valid_op_id(id: &str) -> bool {
     !id.is_empty() && id.len() <= 128 && id.bytes().all(|b| b.is_ascii_graphic())
+}
+
+/// The client's quota from what the admission script read (its bucket in µs of Redis time and
+/// its counts on every replica), built as the in-process engine builds its own
+/// ([`QuotaStatus::of`], with the engine's bucket arithmetic, [`gcra::level`]), so the quota
+/// fields say the same thing whichever backend decided.
+fn quota(
+    limits: ClientLimits,
+    options: &ReplicaOptions,
+    (interval, span): (u64, u64),
+    reading: &Reading,
+) -> QuotaStatus {
+    let (remaining, next_micros) = gcra::level(
+        reading.tat_micros,
+        reading.now_micros,
+        Rate { interval, span },
+    );
+    QuotaStatus::of(
+        limits,
+        options.caps.grant_client,
+        secs_at_least_one(options.capacity_retry),
+        (remaining, next_micros.saturating_mul(1000)),
+        reading.active,
+        reading.pending,
+    )
 }
 
 fn secs_at_least_one(d: Duration) -> Duration {
@@ -546,7 +572,13 @@ impl RedisController {
         // A definite answer: the permit below takes the reservation over, or nothing was made.
         undo.disarm();
         match reply {
-            AdmitReply::Admitted | AdmitReply::Duplicate => {
+            AdmitReply::Admitted(_) | AdmitReply::Duplicate => {
+                let quota = match &reply {
+                    AdmitReply::Admitted(reading) => {
+                        Some(quota(limits, &inner.options, (interval, span), reading))
+                    }
+                    _ => None,
+                };
                 inner.lock_held().insert(cell.id.clone(), Arc::clone(&cell));
                 Ok(RedisPermit::new(
                     Arc::clone(inner),
@@ -554,6 +586,7 @@ impl RedisController {
                     needs_approval,
                     (interval, span),
                     idem_key,
+                    quota,
                 ))
             }
             AdmitReply::Replay { id, replica } => Err(AdmitError::Replay {
@@ -570,6 +603,7 @@ impl RedisController {
                 code,
                 rate_wait_micros,
                 capacity,
+                reading,
             } => {
                 let capacity_wait = if capacity {
                     secs_at_least_one(inner.options.capacity_retry).as_nanos() as u64
@@ -581,7 +615,7 @@ impl RedisController {
                         code,
                         rate_wait_micros.saturating_mul(1000).max(capacity_wait),
                     ),
-                    quota: None,
+                    quota: Some(quota(limits, &inner.options, (interval, span), &reading)),
                 }))
             }
         }
@@ -956,5 +990,88 @@ impl Drop for Inner {
         {
             task.abort();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+    use crate::config::Limits;
+    use crate::{Controller, ManualClock, StorageCaps};
+
+    #[test]
+    fn a_quota_from_a_redis_reading_is_the_engines_quota_for_the_same_bucket_and_counts() {
+        let limits = Limits {
+            requests_per_window: 3,
+            window_seconds: 60,
+            client_active: 5,
+            client_pending: 4,
+            global_active: 10,
+            global_executing: 2,
+        };
+        let config = Config::new(limits, BTreeMap::new(), [Identity::new("amy").unwrap()]).unwrap();
+        // The pending-grant cap is below the client's pending limit: the quota names the lower.
+        let caps = StorageCaps {
+            grant_client: 2,
+            ..StorageCaps::default()
+        };
+        let start_secs = 1_000;
+        let clock = ManualClock::new();
+        clock.set_nanos(start_secs * 1_000_000_000);
+        let engine = Controller::builder(config.clone())
+            .clock(clock.clone())
+            .storage_caps(caps)
+            .build();
+        let mut options = ReplicaOptions::new("redis://127.0.0.1:1/", "r1");
+        options.caps = caps;
+        options.capacity_retry = engine.capacity_retry();
+        let amy = config.effective("amy").unwrap();
+        let rate = rate_micros(3, 60);
+        let start = start_secs * 1_000_000;
+        // What the script reads after `taken` admissions at `start`, from a full bucket (TAT
+        // `max(TAT, now) + interval` each), of which the first two need approval.
+        let reading = |taken: u64, now: u64| Reading {
+            tat_micros: start + taken * rate.0,
+            now_micros: now,
+            active: taken,
+            pending: taken.min(2),
+        };
+        let mut held = Vec::new();
+        for taken in 1..=3 {
+            held.push(engine.admit("amy", taken <= 2).unwrap().commit());
+            let redis = quota(amy, &options, rate, &reading(taken, start));
+            assert_eq!(Some(redis), engine.quota("amy"), "{taken} taken");
+            assert_eq!(redis.rate.remaining, 3 - taken);
+            assert_eq!((redis.active.used, redis.active.limit), (taken, 5));
+            assert_eq!((redis.pending.used, redis.pending.limit), (taken.min(2), 2));
+        }
+        // Empty: the next token in exactly the wait a rate refusal reports (20 s).
+        let empty = quota(amy, &options, rate, &reading(3, start));
+        assert_eq!(empty.rate.next_token_nanos, 20_000_000_000);
+        let refusal = engine.admit("amy", false).unwrap_err();
+        assert_eq!(
+            refusal.retry_after,
+            Duration::from_nanos(empty.rate.next_token_nanos)
+        );
+        // Time passes on both clocks: tokens come back alike, to a full bucket.
+        for (elapsed, remaining) in [(5, 0), (20, 1), (45, 2), (61, 3), (600, 3)] {
+            clock.set_nanos((start_secs + elapsed) * 1_000_000_000);
+            let redis = quota(
+                amy,
+                &options,
+                rate,
+                &reading(3, start + elapsed * 1_000_000),
+            );
+            assert_eq!(Some(redis), engine.quota("amy"), "after {elapsed} s");
+            assert_eq!(redis.rate.remaining, remaining, "after {elapsed} s");
+        }
+        assert_eq!(
+            quota(amy, &options, rate, &reading(3, start + 600_000_000))
+                .rate
+                .next_token_nanos,
+            0
+        );
     }
 }
