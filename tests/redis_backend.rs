@@ -1118,3 +1118,33 @@ async fn a_refusals_and_a_permits_quota_name_the_deployments_counts_not_the_repl
     }
     assert!(r1.counts().await.unwrap().is_idle());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_live_handle_releases_its_slots_on_every_replica_and_is_counted_once() {
+    let server = redis_or_skip!();
+    let (r1, r2) = two_replicas(&server).await;
+    let pending = admit_keyed(&r1, "deploy-5").await.commit();
+    let approved = admit_op(&r1, "amy", false).await;
+    let executing = admit_op(&r1, "amy", false).await;
+    executing.start().await.unwrap();
+    assert_eq!(global(&r2.counts().await.unwrap()), (3, 1, 1));
+    // Dropped while live: released as if failed, each drop counted once (by this replica's
+    // engine, which holds the local half; the shared half adds nothing to the count).
+    drop(pending);
+    drop(approved);
+    drop(executing);
+    assert!(r1.flush().await);
+    assert!(r2.counts().await.unwrap().is_idle());
+    let snapshot = r1.snapshot();
+    assert!(snapshot.is_idle());
+    assert_eq!(
+        (snapshot.dropped_operations, snapshot.dropped_permits),
+        (3, 0)
+    );
+    // A committed operation's key names it even once it has ended this way.
+    match r2.admit("amy", true, Some("deploy-5")).await {
+        Err(AdmitError::Replay { replica, .. }) => assert_eq!(replica, "r1"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(r2.snapshot().dropped_operations, 0);
+}
