@@ -12,11 +12,11 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-pub use unyolo_admission::admission::{
-    AdmissionPermit as AnyPermit, NotStarted, OperationHandle as AnyOperation,
-};
 use unyolo_admission::admission::{
     Admission, AdmitError, DeploymentCounts, ReplicaOptions, RestoredOperation,
+};
+pub use unyolo_admission::admission::{
+    AdmissionPermit as AnyPermit, NotStarted, OperationHandle as AnyOperation,
 };
 use unyolo_admission::engine::DEFAULT_CAPACITY_RETRY;
 use unyolo_admission::{
@@ -103,10 +103,13 @@ impl Setup {
                 options.heartbeat = Duration::from_secs(20);
                 // The engine on real time, as a replica's is: its rate bucket then agrees with
                 // Redis's (the shared decision binds; the local one follows it).
-                let admission = Admission::new(builder.build(), Some(options))
-                    .expect("valid replica options");
+                let admission =
+                    Admission::new(builder.build(), Some(options)).expect("valid replica options");
                 let restored = admission.restore(Vec::new()).await;
-                assert!(restored.deferred.is_none(), "the test process's redis-server answers");
+                assert!(
+                    restored.deferred.is_none(),
+                    "the test process's redis-server answers"
+                );
                 Some(Backend {
                     admission,
                     clock: None,
