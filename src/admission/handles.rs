@@ -55,8 +55,9 @@ impl AdmissionPermit {
         self.local.needs_approval()
     }
 
-    /// The client's quota as the deciding backend saw it just after this admission, for the
-    /// answer's quota fields.
+    /// The client's quota just after this admission, for the answer's quota fields: replicated,
+    /// as Redis's decision left it (the client's bucket and its counts on every replica), else
+    /// this process's engine's.
     pub fn quota(&self) -> Option<QuotaStatus> {
         self.quota
     }

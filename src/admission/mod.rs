@@ -46,7 +46,7 @@ pub use outcome::{
     Unavailable, UnavailableReason,
 };
 
-use self::backend::SharedController;
+use self::backend::{SharedController, SharedPermit};
 use crate::config::{Config, ConfigError, Identity};
 use crate::engine::{Controller, RestoreError, StartError};
 use crate::metrics::Snapshot;
@@ -184,16 +184,29 @@ impl Admission {
         let id = OperationId::new();
         let shared = match &self.shared {
             None => None,
-            Some(shared) => Some(
-                shared
+            Some(shared) => {
+                match shared
                     .admit(identity, needs_approval, &id.to_string(), idempotency_key)
-                    .await?,
-            ),
+                    .await
+                {
+                    Ok(permit) => Some(permit),
+                    Err(AdmitError::Refused(Refused { refusal, quota })) => {
+                        return Err(AdmitError::Refused(Refused {
+                            refusal,
+                            quota: quota.or_else(|| self.local.quota(identity)),
+                        }));
+                    }
+                    Err(other) => return Err(other),
+                }
+            }
         };
+        // Replicated, the quota is the shared decision's (the deployment's counts and bucket);
+        // this process's own only where Redis gave none.
+        let shared_quota = shared.as_ref().and_then(SharedPermit::quota);
         match self.local.admit(identity, needs_approval) {
             Ok(local) => Ok(AdmissionPermit {
                 id,
-                quota: self.local.quota(identity),
+                quota: shared_quota.or_else(|| self.local.quota(identity)),
                 local,
                 shared,
             }),
@@ -201,6 +214,9 @@ impl Admission {
                 if let Some(shared) = shared {
                     shared.refund().await;
                 }
+                // This engine refused (the rare case above): its own quota is the one that
+                // explains the refusal (the shared reading still counts the reservation just
+                // given back).
                 Err(AdmitError::Refused(Refused {
                     refusal,
                     quota: self.local.quota(identity),

@@ -5,9 +5,11 @@
 --       7 emission interval (µs), 8 burst span (µs), 9 client active limit, 10 client pending
 --       limit, 11 per-client grant cap, 12 global grant cap, 13 global active limit,
 --       14 global executing limit, 15 whether KEYS[5] is used (0/1), 16 its lifetime (ms).
--- Reply: {'admitted'} | {'duplicate'} (this id was admitted before: a retry) |
+-- Reply: {'admitted', reading} | {'duplicate'} (this id was admitted before: a retry) |
 --        {'replay', id, replica} | {'lease'} (this replica does not hold its lease) |
---        {'refused', code, rate wait µs, capacity exhausted 0/1}.
+--        {'refused', code, rate wait µs, capacity exhausted 0/1, reading}, where reading is
+--        {TAT µs, now µs, client active, client pending}: the client's bucket and counts just after
+--        the decision, for the client's quota (`RateLimit` fields) as the deployment sees it.
 local base, id, replica, token, client = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local approval = ARGV[6] == '1'
 local interval, span = tonumber(ARGV[7]), tonumber(ARGV[8])
@@ -75,7 +77,8 @@ if code then
   if rescaled and tat > now then
     write_tat(KEYS[3], tat, interval, span, now)
   end
-  return {'refused', code, string.format('%.0f', rate_wait), capacity}
+  return {'refused', code, string.format('%.0f', rate_wait), capacity,
+    {string.format('%.0f', tat), string.format('%.0f', now), a, p}}
 end
 
 write_tat(KEYS[3], next_tat, interval, span, now)
@@ -86,4 +89,5 @@ redis.call('SADD', KEYS[6], replica)
 if keyed then
   redis.call('SET', KEYS[5], id .. ' ' .. replica, 'PX', tonumber(ARGV[16]))
 end
-return {'admitted'}
+if approval then p = p + 1 end
+return {'admitted', {string.format('%.0f', next_tat), string.format('%.0f', now), a + 1, p}}
