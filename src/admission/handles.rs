@@ -42,7 +42,7 @@ impl AdmissionPermit {
     /// The operation's id, made by the admission (unique across restarts and replicas): store
     /// the operation under it.
     pub fn id(&self) -> OperationId {
-        self.id
+        self.id.clone()
     }
 
     /// The admitted client.
@@ -118,10 +118,10 @@ impl OperationHandle {
         OperationHandle { id, local, shared }
     }
 
-    /// The id the admission made for it (for a restored operation, one made at restore: the
-    /// broker keeps its stored id).
+    /// Its id: the one the admission made, or for a restored operation the one it was stored
+    /// under.
     pub fn id(&self) -> OperationId {
-        self.id
+        self.id.clone()
     }
 
     /// The client the operation belongs to.

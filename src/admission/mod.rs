@@ -261,7 +261,11 @@ impl Admission {
             .into_iter()
             .map(|(op, local)| {
                 local.map(|local| {
-                    OperationHandle::restored(OperationId::new(), local, shared.remove(&op.id))
+                    OperationHandle::restored(
+                        OperationId::stored(&op.id),
+                        local,
+                        shared.remove(&op.id),
+                    )
                 })
             })
             .collect();
