@@ -1,10 +1,12 @@
 //! Shared admission on one local `redis-server`: decisions per second and latency per decision
-//! with 1, 2, 3 and 4 replicas (each its own connection and tasks), beside a baseline in the same
-//! run — a rate-only GCRA script on the same connections, the least any Redis decision costs.
+//! with 1, 2, 3 and 4 replicas (each a replicated `Admission` with its own connection and tasks),
+//! beside a baseline in the same run — a rate-only GCRA script on connections of its own, the
+//! least any Redis decision costs.
 //!
-//! One decision is one `admit` (one script: rate, client and global counts, pending grants, the
-//! idempotency record); each admitted operation is then released (a second script, not timed as
-//! a decision), so the counts stay level. Not run in CI: `cargo bench --bench
+//! One decision is one `Admission::admit`, as a broker replica makes it: one script (rate, client
+//! and global counts, pending grants, the idempotency record), then the replica's own engine;
+//! each admitted operation is then released (a second script, not timed as a decision), so the
+//! counts stay level. Not run in CI: `cargo bench --bench
 //! redis`.
 
 #[path = "../tests/support/mod.rs"]
@@ -17,8 +19,8 @@ use std::time::{Duration, Instant};
 use redis::Script;
 use redis::aio::ConnectionManager;
 use unyolo_admission::config::{Identity, Limits};
-use unyolo_admission::redis::{RATE_ONLY, RedisController, RedisOptions};
-use unyolo_admission::{Config, StorageCaps};
+use unyolo_admission::redis::RATE_ONLY;
+use unyolo_admission::{Admission, Config, Controller, ReplicaOptions, StorageCaps};
 
 const TASKS_PER_REPLICA: usize = 4;
 const RUN: Duration = Duration::from_secs(3);
@@ -55,35 +57,36 @@ fn figures(mut latencies: Vec<Duration>, elapsed: Duration) -> Figures {
     }
 }
 
-async fn admissions(url: &str, replicas: usize, prefix: &str) -> Figures {
-    let mut controllers = Vec::new();
-    for r in 0..replicas {
-        let mut options = RedisOptions::new(url, format!("bench-r{r}"));
+async fn admissions(url: &str, replica_count: usize, prefix: &str) -> Figures {
+    let mut replicas = Vec::new();
+    for r in 0..replica_count {
+        let mut options = ReplicaOptions::new(url, format!("bench-r{r}"));
         options.prefix = prefix.to_owned();
-        options.caps = StorageCaps {
+        // The pending-grant caps are the engine's (`Admission::new` hands them to Redis too).
+        let caps = StorageCaps {
             grant_global: 100_000,
             grant_client: 1000,
             ..StorageCaps::default()
         };
-        let controller = RedisController::connect(config(), options).await.unwrap();
-        controller.register(Vec::new()).await.unwrap();
-        controllers.push(controller);
+        let controller = Controller::builder(config()).storage_caps(caps).build();
+        let admission = Admission::new(controller, Some(options)).unwrap();
+        assert!(admission.restore(Vec::new()).await.deferred.is_none());
+        replicas.push(admission);
     }
     let start = Instant::now();
     let mut tasks = Vec::new();
-    for (r, controller) in controllers.iter().enumerate() {
+    for (r, admission) in replicas.iter().enumerate() {
         for t in 0..TASKS_PER_REPLICA {
-            let controller = controller.clone();
+            let admission = admission.clone();
             tasks.push(tokio::spawn(async move {
                 let mut latencies = Vec::new();
                 let mut n = 0usize;
                 while start.elapsed() < RUN {
                     let client = format!("bench-{}", (r * TASKS_PER_REPLICA + t + n) % CLIENTS);
-                    let id = format!("{r}-{t}-{n}");
-                    let key = format!("k-{id}");
+                    let key = format!("k-{r}-{t}-{n}");
                     let began = Instant::now();
-                    let permit = controller
-                        .admit(&client, n.is_multiple_of(2), &id, Some(&key))
+                    let permit = admission
+                        .admit(&client, n.is_multiple_of(2), Some(&key))
                         .await
                         .expect("roomy limits admit");
                     latencies.push(began.elapsed());
@@ -99,10 +102,11 @@ async fn admissions(url: &str, replicas: usize, prefix: &str) -> Figures {
         all.extend(task.await.unwrap());
     }
     let elapsed = start.elapsed();
-    for controller in &controllers {
-        assert!(controller.flush().await);
+    for admission in &replicas {
+        assert!(admission.flush().await);
+        assert_eq!(admission.snapshot().dropped_permits, 0);
     }
-    assert!(controllers[0].counts().await.unwrap().is_idle());
+    assert!(replicas[0].counts().await.unwrap().is_idle());
     figures(all, elapsed)
 }
 

@@ -1,22 +1,24 @@
-//! The Redis-backed admission backend against a real `redis-server`: the same decisions as the
-//! in-process engine on random sequences, limits that hold across replicas, exactly-once releases,
-//! leases, a paused Redis, and one operation per idempotency key. The section-2 semantic tests
-//! run against both backends in `admission_semantics.rs`.
+//! The replicated admission against a real `redis-server`, through the library's one API
+//! ([`Admission`] with [`ReplicaOptions`]): the same decisions as the in-process engine on random
+//! sequences, limits that hold across replicas, exactly-once releases, operation ids the
+//! admission never hands out twice, leases, a paused Redis, and one operation per idempotency
+//! key (freed again by a refund, a drop or a cut-off call). The section-2 semantic tests run
+//! against both backends in `admission_semantics.rs`.
 
 mod support;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use support::eventually::assert_eventually as eventually;
 use support::redis as redis_support;
-use unyolo_admission::config::{ClientLimits, Limits};
-use unyolo_admission::redis::{
-    AdmitError, RedisController, RedisOperation, RedisOptions, RedisStartError, RestoredOperation,
-    SharedCounts, UnavailableReason,
+use unyolo_admission::admission::{
+    Admission, AdmitError, DeploymentCounts, NotStarted, OperationHandle, Refused, ReplicaOptions,
+    RestoredOperation, UnavailableReason,
 };
+use unyolo_admission::config::{ClientLimits, Limits};
 use unyolo_admission::{
     CancelOutcome, Config, Controller, Identity, ManualClock, Operation, OperationState,
     RefusalCode, StartError, StorageCaps,
@@ -62,8 +64,8 @@ fn roomy_config(clients: &[&str]) -> Config {
     Config::new(limits, BTreeMap::new(), ids(clients)).unwrap()
 }
 
-fn options(server: &redis_support::RedisServer, replica: &str) -> RedisOptions {
-    let mut options = RedisOptions::new(server.url(), replica);
+fn options(server: &redis_support::RedisServer, replica: &str) -> ReplicaOptions {
+    let mut options = ReplicaOptions::new(server.url(), replica);
     options.call_timeout = Duration::from_millis(300);
     options.lease_ttl = Duration::from_secs(30);
     options.heartbeat = Duration::from_secs(5);
@@ -71,13 +73,28 @@ fn options(server: &redis_support::RedisServer, replica: &str) -> RedisOptions {
     options
 }
 
-async fn replica(config: Config, options: RedisOptions) -> RedisController {
-    let controller = RedisController::connect(config, options).await.unwrap();
-    controller.register(Vec::new()).await.unwrap();
-    controller
+/// A replica on `controller`, registered (its lease taken) with nothing restored.
+async fn replica_on(controller: Controller, options: ReplicaOptions) -> Admission {
+    let admission = Admission::new(controller, Some(options)).expect("valid replica options");
+    let restored = admission.restore(Vec::new()).await;
+    assert!(restored.deferred.is_none(), "the replica registers");
+    admission
 }
 
-fn global(counts: &SharedCounts) -> (u64, u64, u64) {
+/// A replica whose own engine is a plain controller for `config` (on real time, as a broker's).
+async fn replica(config: Config, options: ReplicaOptions) -> Admission {
+    replica_on(Controller::new(config), options).await
+}
+
+/// Admits and commits, failing the test on anything but an admission.
+async fn admit_op(admission: &Admission, client: &str, needs_approval: bool) -> OperationHandle {
+    match admission.admit(client, needs_approval, None).await {
+        Ok(permit) => permit.commit(),
+        Err(other) => panic!("{client} not admitted: {other}"),
+    }
+}
+
+fn global(counts: &DeploymentCounts) -> (u64, u64, u64) {
     (counts.active, counts.pending, counts.executing)
 }
 
@@ -106,34 +123,32 @@ async fn random_sequences_get_the_same_decisions_and_counts_as_the_in_process_en
         };
         let mut opts = options(&server, "model");
         opts.prefix = format!("model-{seed}");
-        opts.caps = caps;
-        let shared = replica(small_config(), opts).await;
+        let shared = replica_on(
+            Controller::builder(small_config())
+                .storage_caps(caps)
+                .build(),
+            opts,
+        )
+        .await;
         let local = Controller::builder(small_config())
             .clock(ManualClock::new())
             .storage_caps(caps)
             .build();
         let mut rng = Rng(seed);
-        let mut live: Vec<(Operation, RedisOperation)> = Vec::new();
+        let mut live: Vec<(Operation, OperationHandle)> = Vec::new();
         for step in 0..250 {
             let context = format!("seed {seed} step {step}");
             match rng.below(7) {
                 0..=2 => {
                     let client = ["amy", "bob", "eve", "stranger"][rng.below(4)];
                     let needs_approval = rng.below(3) > 0;
-                    let id = format!("op-{seed}-{step}");
                     let expected = local.admit(client, needs_approval);
-                    let got = shared.admit(client, needs_approval, &id, None).await;
+                    let got = shared.admit(client, needs_approval, None).await;
                     match (expected, got) {
-                        (Ok(permit), Ok(redis_permit)) => {
-                            live.push((permit.commit(), redis_permit.commit()));
+                        (Ok(permit), Ok(shared_permit)) => {
+                            live.push((permit.commit(), shared_permit.commit()));
                         }
-                        (
-                            Err(expected),
-                            Err(AdmitError::Refused(unyolo_admission::admission::Refused {
-                                refusal: got,
-                                ..
-                            })),
-                        ) => {
+                        (Err(expected), Err(AdmitError::Refused(Refused { refusal: got, .. }))) => {
                             assert_eq!(expected.code, got.code, "{context}");
                             seen.insert(got.code);
                             if expected.code == RefusalCode::SubmissionRateLimited
@@ -157,36 +172,33 @@ async fn random_sequences_get_the_same_decisions_and_counts_as_the_in_process_en
                 }
                 action if !live.is_empty() => {
                     let i = rng.below(live.len());
-                    let (op, redis_op) = &live[i];
+                    let (op, shared_op) = &live[i];
                     match action {
-                        3 => assert_eq!(op.approve(), redis_op.approve().await, "{context}"),
+                        3 => assert_eq!(op.approve(), shared_op.approve().await, "{context}"),
                         4 => {
                             let expected = op.try_start();
-                            let got = redis_op.try_start().await;
+                            let got = shared_op.try_start().await;
                             match (expected, got) {
                                 (Ok(()), Ok(())) => {}
-                                (
-                                    Err(StartError::Saturated(a)),
-                                    Err(RedisStartError::Saturated(b)),
-                                ) => {
+                                (Err(StartError::Saturated(a)), Err(NotStarted::Saturated(b))) => {
                                     assert_eq!(a, b, "{context}")
                                 }
                                 (
                                     Err(StartError::NotApproved(a)),
-                                    Err(RedisStartError::NotApproved(b)),
+                                    Err(NotStarted::NotApproved(b)),
                                 ) => assert_eq!(a, b, "{context}"),
                                 (expected, got) => panic!("{context}: {expected:?} vs {got:?}"),
                             }
                         }
-                        5 => assert_eq!(op.succeed(), redis_op.succeed().await, "{context}"),
+                        5 => assert_eq!(op.succeed(), shared_op.succeed().await, "{context}"),
                         _ => match rng.below(4) {
-                            0 => assert_eq!(op.cancel(), redis_op.cancel().await, "{context}"),
-                            1 => assert_eq!(op.deny(), redis_op.deny().await, "{context}"),
-                            2 => assert_eq!(op.expire(), redis_op.expire().await, "{context}"),
-                            _ => assert_eq!(op.fail(), redis_op.fail().await, "{context}"),
+                            0 => assert_eq!(op.cancel(), shared_op.cancel().await, "{context}"),
+                            1 => assert_eq!(op.deny(), shared_op.deny().await, "{context}"),
+                            2 => assert_eq!(op.expire(), shared_op.expire().await, "{context}"),
+                            _ => assert_eq!(op.fail(), shared_op.fail().await, "{context}"),
                         },
                     }
-                    assert_eq!(op.state(), redis_op.state(), "{context}");
+                    assert_eq!(op.state(), shared_op.state(), "{context}");
                     if op.state().is_terminal() {
                         live.swap_remove(i);
                     }
@@ -214,11 +226,12 @@ async fn random_sequences_get_the_same_decisions_and_counts_as_the_in_process_en
                 );
             }
         }
-        for (op, redis_op) in live.drain(..) {
+        for (op, shared_op) in live.drain(..) {
             let _ = op.fail();
-            let _ = redis_op.fail().await;
+            let _ = shared_op.fail().await;
         }
         assert!(shared.counts().await.unwrap().is_idle(), "seed {seed}");
+        assert!(shared.snapshot().is_idle(), "seed {seed}");
         assert!(local.snapshot().is_idle(), "seed {seed}");
     }
     // The sequences reached every admission refusal, not just the easy ones.
@@ -257,14 +270,13 @@ async fn concurrent_admissions_on_three_replicas_never_exceed_a_limit_and_drain_
     let admitted = Arc::new(AtomicU64::new(0));
     let mut workers = Vec::new();
     for worker in 0..12 {
-        let controller = replicas[worker % 3].clone();
+        let admission = replicas[worker % 3].clone();
         let admitted = Arc::clone(&admitted);
         workers.push(tokio::spawn(async move {
             for round in 0..40 {
                 let client = clients[(worker + round) % 3];
-                let id = format!("w{worker}-{round}");
                 let needs_approval = round % 2 == 0;
-                let Ok(permit) = controller.admit(client, needs_approval, &id, None).await else {
+                let Ok(permit) = admission.admit(client, needs_approval, None).await else {
                     tokio::task::yield_now().await;
                     continue;
                 };
@@ -280,7 +292,7 @@ async fn concurrent_admissions_on_three_replicas_never_exceed_a_limit_and_drain_
                 loop {
                     match op.try_start().await {
                         Ok(()) => break,
-                        Err(RedisStartError::Saturated(_)) => tokio::task::yield_now().await,
+                        Err(NotStarted::Saturated(_)) => tokio::task::yield_now().await,
                         Err(other) => panic!("{other}"),
                     }
                 }
@@ -297,43 +309,154 @@ async fn concurrent_admissions_on_three_replicas_never_exceed_a_limit_and_drain_
     assert!(readings.load(Ordering::Relaxed) > 0);
     for r in &replicas {
         assert!(r.flush().await);
+        assert!(r.snapshot().is_idle());
     }
     let counts = replicas[1].counts().await.unwrap();
     assert!(counts.is_idle(), "{counts:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_admission_retried_with_its_id_counts_once_and_a_retried_release_frees_once() {
+async fn a_retried_release_frees_once_whatever_the_order_or_repetition_of_calls() {
     let server = redis_or_skip!();
     let shared = replica(roomy_config(&["amy"]), options(&server, "r1")).await;
-    let other = shared
-        .admit("amy", true, "op-other", None)
-        .await
-        .unwrap()
-        .commit();
-    let first = shared.admit("amy", true, "op-1", None).await.unwrap();
-    // The same id again, as after a lost reply: the reservation is not made twice.
-    let retry = shared.admit("amy", true, "op-1", None).await.unwrap();
-    let counts = shared.counts().await.unwrap();
-    assert_eq!(global(&counts), (2, 2, 0));
-    let op = first.commit();
+    let other = admit_op(&shared, "amy", true).await;
+    let canceled = admit_op(&shared, "amy", true).await;
+    let done = admit_op(&shared, "amy", false).await;
+    assert_eq!(global(&shared.counts().await.unwrap()), (3, 2, 0));
+    // Cancel twice: the second changes nothing.
     assert_eq!(
-        op.cancel().await,
+        canceled.cancel().await,
         Ok(CancelOutcome::Canceled {
             from: OperationState::Pending
         })
     );
     assert_eq!(
-        op.cancel().await,
+        canceled.cancel().await,
         Ok(CancelOutcome::AlreadyTerminal(OperationState::Canceled))
     );
-    // The retry's permit is dropped: its release names op-1 again and frees nothing more.
-    drop(retry);
+    assert!(canceled.fail().await.is_err());
+    assert!(canceled.expire().await.is_err());
+    // Run to the end, then every other ending too: refused, nothing freed again.
+    done.start().await.unwrap();
+    done.succeed().await.unwrap();
+    assert!(done.succeed().await.is_err());
+    assert!(done.fail().await.is_err());
+    assert_eq!(
+        done.cancel().await,
+        Ok(CancelOutcome::AlreadyTerminal(OperationState::Succeeded))
+    );
+    // Dropped once terminal: no release is sent for them again.
+    drop(canceled);
+    drop(done);
     assert!(shared.flush().await);
     let counts = shared.counts().await.unwrap();
-    assert_eq!(global(&counts), (1, 1, 0), "op-other still counted once");
+    assert_eq!(
+        global(&counts),
+        (1, 1, 0),
+        "the other operation still counted once"
+    );
+    assert_eq!(counts.operations, 1);
+    assert_eq!(
+        shared.snapshot().dropped_operations,
+        0,
+        "terminal drops are not mistakes"
+    );
     other.deny().await.unwrap();
     assert!(shared.counts().await.unwrap().is_idle());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operation_id_is_never_accepted_twice_for_two_admissions_across_replicas_and_restarts() {
+    let server = redis_or_skip!();
+    let limits = Limits {
+        requests_per_window: 100_000,
+        window_seconds: 1,
+        client_active: 20,
+        client_pending: 20,
+        global_active: 100,
+        global_executing: 4,
+    };
+    let config = Config::new(limits, BTreeMap::new(), ids(&["amy", "bob", "cat"])).unwrap();
+    let r1 = replica(config.clone(), options(&server, "r1")).await;
+    let r2 = replica(config.clone(), options(&server, "r2")).await;
+    let mut seen = HashSet::new();
+    let mut live: Vec<(String, OperationHandle)> = Vec::new();
+    // Admissions on both replicas, each operation ended or kept, so ids come from both and the
+    // counts move both ways.
+    for round in 0..24 {
+        let r = if round % 2 == 0 { &r1 } else { &r2 };
+        let client = ["amy", "bob", "cat"][round % 3];
+        let permit = r.admit(client, round % 3 != 0, None).await.unwrap();
+        assert!(
+            seen.insert(permit.id()),
+            "id {} handed out twice",
+            permit.id()
+        );
+        let op = permit.commit();
+        if round % 4 == 0 {
+            op.fail().await.unwrap();
+        } else {
+            live.push((r.replica().unwrap().to_owned(), op));
+        }
+    }
+    let counts = r1.counts().await.unwrap();
+    assert_eq!(counts.active, live.len() as u64, "{counts:?}");
+    assert_eq!(counts.operations, live.len() as u64);
+    // r1 restarts under its name: its store restores what r1 held, under the ids it stored.
+    let (of_r1, mut live): (Vec<_>, Vec<_>) = live.into_iter().partition(|(r, _)| r == "r1");
+    let stored: Vec<RestoredOperation> = of_r1
+        .iter()
+        .map(|(_, op)| RestoredOperation {
+            id: op.id().to_string(),
+            identity: op.identity().clone(),
+            state: op.state(),
+        })
+        .collect();
+    for (_, op) in of_r1 {
+        // As if the process died: no release is ever sent.
+        std::mem::forget(op);
+    }
+    r1.shutdown().await;
+    drop(r1);
+    let restarted = Admission::new(Controller::new(config), Some(options(&server, "r1"))).unwrap();
+    let restored = restarted.restore(stored.clone()).await;
+    assert!(restored.deferred.is_none());
+    for op in restored.operations {
+        live.push(("r1".to_owned(), op.unwrap()));
+    }
+    assert_eq!(live.len(), 24 - 6);
+    let counts = r2.counts().await.unwrap();
+    assert_eq!(
+        counts.active,
+        live.len() as u64,
+        "restored once each: {counts:?}"
+    );
+    // New admissions on the restarted replica and the other: never an id seen before, so none
+    // is taken for a retry of an earlier admission (which would count nothing).
+    for round in 0..12 {
+        let r = if round % 2 == 0 { &restarted } else { &r2 };
+        let permit = r.admit("amy", false, None).await.unwrap();
+        assert!(
+            seen.insert(permit.id()),
+            "id {} handed out twice",
+            permit.id()
+        );
+        assert!(
+            stored.iter().all(|s| s.id != permit.id().to_string()),
+            "a restored id handed out again"
+        );
+        let op = permit.commit();
+        let counts = r2.counts().await.unwrap();
+        assert_eq!(counts.active, live.len() as u64 + 1, "{counts:?}");
+        op.fail().await.unwrap();
+    }
+    let counts = r2.counts().await.unwrap();
+    assert_eq!(counts.active, live.len() as u64);
+    assert_eq!(counts.operations, live.len() as u64);
+    for (_, op) in &live {
+        op.fail().await.unwrap();
+    }
+    assert!(r2.counts().await.unwrap().is_idle());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -345,17 +468,9 @@ async fn a_lapsed_lease_is_released_by_a_survivor_exactly_once() {
     short.heartbeat = Duration::from_millis(100);
     let doomed = replica(config.clone(), short).await;
     let survivor = replica(config, options(&server, "survivor")).await;
-    let kept = survivor
-        .admit("bob", true, "s-1", None)
-        .await
-        .unwrap()
-        .commit();
+    let kept = admit_op(&survivor, "bob", true).await;
     for i in 0..3 {
-        let op = doomed
-            .admit("amy", i != 1, &format!("d-{i}"), None)
-            .await
-            .unwrap()
-            .commit();
+        let op = admit_op(&doomed, "amy", i != 1).await;
         // As if the process died: no release is ever sent.
         std::mem::forget(op);
     }
@@ -374,6 +489,7 @@ async fn a_lapsed_lease_is_released_by_a_survivor_exactly_once() {
     .await;
     assert_eq!(freed.load(Ordering::Relaxed), 3);
     assert_eq!(survivor.reap().await.unwrap(), 0, "reaped once only");
+    assert_eq!(survivor.stats().reaped, 3);
     let counts = survivor.counts().await.unwrap();
     assert_eq!(global(&counts), (1, 1, 0), "{counts:?}");
     assert_eq!(counts.clients.get("bob"), Some(&(1, 1, 0)));
@@ -386,37 +502,32 @@ async fn a_replica_restarting_under_its_name_replaces_its_holdings_with_what_it_
     let server = redis_or_skip!();
     let config = roomy_config(&["amy"]);
     let first = replica(config.clone(), options(&server, "r1")).await;
+    let mut stored = Vec::new();
     for i in 0..4 {
-        let op = first
-            .admit("amy", i % 2 == 0, &format!("op-{i}"), None)
-            .await
-            .unwrap()
-            .commit();
+        let op = admit_op(&first, "amy", i % 2 == 0).await;
+        stored.push(RestoredOperation {
+            id: op.id().to_string(),
+            identity: op.identity().clone(),
+            state: op.state(),
+        });
         std::mem::forget(op);
     }
     first.shutdown().await;
     drop(first);
     // The store restores two of the four (the others ended before the crash was recorded), one
     // approved: counted once each, nothing left of the old run.
-    let restarted = RedisController::connect(config, options(&server, "r1"))
-        .await
-        .unwrap();
-    let amy = Identity::new("amy").unwrap();
+    let restarted = Admission::new(Controller::new(config), Some(options(&server, "r1"))).unwrap();
     let restored = restarted
-        .register([
-            RestoredOperation {
-                id: "op-0".into(),
-                identity: amy.clone(),
-                state: OperationState::Pending,
-            },
-            RestoredOperation {
-                id: "op-3".into(),
-                identity: amy,
-                state: OperationState::Approved,
-            },
-        ])
-        .await
-        .unwrap();
+        .restore([stored[0].clone(), stored[3].clone()])
+        .await;
+    assert!(restored.deferred.is_none());
+    let restored: Vec<OperationHandle> = restored
+        .operations
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(restored[0].state(), OperationState::Pending);
+    assert_eq!(restored[1].state(), OperationState::Approved);
     let counts = restarted.counts().await.unwrap();
     assert_eq!(global(&counts), (2, 1, 0), "{counts:?}");
     assert_eq!(counts.operations, 2);
@@ -432,11 +543,7 @@ async fn a_cut_off_replica_stops_admitting_and_counts_its_work_again_on_return()
     let config = roomy_config(&["amy"]);
     let cut_off = replica(config.clone(), options(&server, "cut")).await;
     let other = replica(config, options(&server, "other")).await;
-    let op = cut_off
-        .admit("amy", false, "op-1", None)
-        .await
-        .unwrap()
-        .commit();
+    let op = admit_op(&cut_off, "amy", false).await;
     // Its lease lapses (as if it could not reach Redis for longer than the TTL) and the other
     // replica releases what it held.
     let client = redis::Client::open(server.url()).unwrap();
@@ -448,25 +555,20 @@ async fn a_cut_off_replica_stops_admitting_and_counts_its_work_again_on_return()
         .unwrap();
     assert_eq!(other.reap().await.unwrap(), 1);
     assert!(other.counts().await.unwrap().is_idle());
-    match cut_off.admit("amy", false, "op-2", None).await {
+    match cut_off.admit("amy", false, None).await {
         Err(AdmitError::Unavailable(u)) => {
             assert_eq!(u.reason, UnavailableReason::LeaseNotHeld);
             assert_eq!(u.http_status(), 503);
         }
         other => panic!("{other:?}"),
     }
+    assert!(!cut_off.stats().lease_held);
     // Back: it re-registers what it still holds, as a restart would.
     cut_off.renew().await.unwrap();
+    assert!(cut_off.stats().lease_held);
     let counts = other.counts().await.unwrap();
     assert_eq!(global(&counts), (1, 0, 0), "{counts:?}");
-    cut_off
-        .admit("amy", false, "op-3", None)
-        .await
-        .unwrap()
-        .commit()
-        .fail()
-        .await
-        .unwrap();
+    admit_op(&cut_off, "amy", false).await.fail().await.unwrap();
     op.fail().await.unwrap();
     assert!(other.counts().await.unwrap().is_idle());
 }
@@ -476,15 +578,11 @@ async fn a_paused_redis_answers_unavailable_never_over_admits_and_releases_catch
     let server = redis_or_skip!();
     let config = roomy_config(&["amy"]);
     let shared = replica(config, options(&server, "r1")).await;
-    let held = shared
-        .admit("amy", true, "op-held", None)
-        .await
-        .unwrap()
-        .commit();
+    let held = admit_op(&shared, "amy", true).await;
     server.pause();
     let mut unavailable = 0;
-    for i in 0..5 {
-        match shared.admit("amy", true, &format!("op-p{i}"), None).await {
+    for _ in 0..5 {
+        match shared.admit("amy", true, None).await {
             Err(AdmitError::Unavailable(u)) => {
                 assert_eq!(u.retry_after_secs(), 2);
                 unavailable += 1;
@@ -515,7 +613,7 @@ async fn a_paused_redis_answers_unavailable_never_over_admits_and_releases_catch
     eventually("admissions work again", || {
         let shared = shared.clone();
         async move {
-            match shared.admit("amy", true, "op-after", None).await {
+            match shared.admit("amy", true, None).await {
                 Ok(permit) => {
                     permit.commit().cancel().await.unwrap();
                     true
@@ -528,6 +626,7 @@ async fn a_paused_redis_answers_unavailable_never_over_admits_and_releases_catch
     .await;
     assert!(shared.flush().await);
     assert!(shared.counts().await.unwrap().is_idle());
+    assert!(shared.snapshot().is_idle());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -540,20 +639,20 @@ async fn the_same_idempotency_key_on_every_replica_creates_one_operation() {
     }
     for round in 0..5 {
         let key = format!("deploy-{round}");
-        let attempts = replicas.iter().enumerate().map(|(i, r)| {
+        let attempts = replicas.iter().map(|r| {
             let r = r.clone();
             let key = key.clone();
             tokio::spawn(async move {
-                let id = format!("op-{round}-{i}");
-                (id.clone(), r.admit("amy", true, &id, Some(&key)).await)
+                let name = r.replica().unwrap().to_owned();
+                (name, r.admit("amy", true, Some(&key)).await)
             })
         });
         let mut admitted = Vec::new();
         let mut replays = Vec::new();
         for attempt in attempts.collect::<Vec<_>>() {
-            let (id, result) = attempt.await.unwrap();
+            let (name, result) = attempt.await.unwrap();
             match result {
-                Ok(permit) => admitted.push((id, permit.commit())),
+                Ok(permit) => admitted.push((permit.id().to_string(), name, permit.commit())),
                 Err(AdmitError::Replay { operation, replica }) => {
                     replays.push((operation, replica))
                 }
@@ -562,20 +661,17 @@ async fn the_same_idempotency_key_on_every_replica_creates_one_operation() {
         }
         assert_eq!(admitted.len(), 1, "round {round}");
         assert_eq!(replays.len(), 3, "round {round}");
-        let (winner, op) = admitted.pop().unwrap();
-        let winner_replica = format!(
-            "r{}",
-            winner.rsplit('-').next().unwrap().parse::<usize>().unwrap() + 1
-        );
+        let (winner, winner_replica, op) = admitted.pop().unwrap();
         assert!(
             replays
                 .iter()
-                .all(|(o, r)| *o == winner && *r == winner_replica)
+                .all(|(o, r)| *o == winner && *r == winner_replica),
+            "{replays:?} vs {winner} on {winner_replica}"
         );
         assert_eq!(replicas[0].counts().await.unwrap().active, 1);
         // Even once the operation has ended, the key still names it.
         op.cancel().await.unwrap();
-        match replicas[2].admit("amy", true, "late", Some(&key)).await {
+        match replicas[2].admit("amy", true, Some(&key)).await {
             Err(AdmitError::Replay { operation, .. }) => assert_eq!(operation, winner),
             other => panic!("{other:?}"),
         }
@@ -592,26 +688,19 @@ async fn two_deployments_under_two_prefixes_share_a_redis_but_not_their_counts()
     green_options.prefix = "green".into();
     let green = replica(config, green_options).await;
     let _ops: Vec<_> = futures_collect(&blue, 3).await;
-    match blue.admit("eve", true, "op-more", None).await {
+    match blue.admit("eve", true, None).await {
         Err(AdmitError::Refused(_)) => {}
         other => panic!("{other:?}"),
     }
-    let _green_op = green
-        .admit("eve", true, "op-g", None)
-        .await
-        .unwrap()
-        .commit();
+    let _green_op = admit_op(&green, "eve", true).await;
     assert_eq!(blue.counts().await.unwrap().active, 1);
     assert_eq!(green.counts().await.unwrap().active, 1);
 }
 
-async fn futures_collect(controller: &RedisController, n: usize) -> Vec<RedisOperation> {
+async fn futures_collect(admission: &Admission, n: usize) -> Vec<OperationHandle> {
     let mut ops = Vec::new();
-    for i in 0..n {
-        if let Ok(p) = controller
-            .admit("eve", true, &format!("op-{i}"), None)
-            .await
-        {
+    for _ in 0..n {
+        if let Ok(p) = admission.admit("eve", true, None).await {
             ops.push(p.commit());
         }
     }
@@ -621,18 +710,15 @@ async fn futures_collect(controller: &RedisController, n: usize) -> Vec<RedisOpe
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_name_that_is_not_an_identity_is_refused_at_setup() {
     let server = redis_or_skip!();
-    let err = RedisController::connect(small_config(), RedisOptions::new(server.url(), "a b"))
-        .await
-        .err()
-        .expect("refused");
+    let err = Admission::new(
+        Controller::new(small_config()),
+        Some(ReplicaOptions::new(server.url(), "a b")),
+    )
+    .expect_err("refused");
     assert!(err.to_string().contains("replica"), "{err}");
-    let mut bad_prefix = RedisOptions::new(server.url(), "r1");
+    let mut bad_prefix = ReplicaOptions::new(server.url(), "r1");
     bad_prefix.prefix = "{x}".into();
-    assert!(
-        RedisController::connect(small_config(), bad_prefix)
-            .await
-            .is_err()
-    );
+    assert!(Admission::new(Controller::new(small_config()), Some(bad_prefix)).is_err());
 }
 
 /// amy and bob: ten tokens an hour each; roomy counts, so only the rate ever refuses.
@@ -663,16 +749,16 @@ fn rate_config(amy: (u32, u32), bob: (u32, u32)) -> Config {
 /// Admits `client` on the replicas in turn until the rate refuses; the admitted operations stay
 /// live in `kept`. Returns how many were admitted.
 async fn drain_tokens(
-    replicas: &[&RedisController],
+    replicas: &[&Admission],
     client: &str,
     tag: &str,
-    kept: &mut Vec<RedisOperation>,
+    kept: &mut Vec<OperationHandle>,
 ) -> usize {
     for n in 0..200 {
         let r = replicas[n % replicas.len()];
-        match r.admit(client, false, &format!("{tag}-{n}"), None).await {
+        match r.admit(client, false, None).await {
             Ok(permit) => kept.push(permit.commit()),
-            Err(AdmitError::Refused(unyolo_admission::admission::Refused { refusal, .. })) => {
+            Err(AdmitError::Refused(Refused { refusal, .. })) => {
                 assert_eq!(refusal.code, RefusalCode::SubmissionRateLimited, "{tag}");
                 return n;
             }
@@ -712,18 +798,13 @@ async fn a_reload_on_every_replica_rescales_the_shared_buckets_as_the_in_process
     for n in 0..4 {
         let r = if n % 2 == 0 { &r1 } else { &r2 };
         for client in ["amy", "bob"] {
-            kept.push(
-                r.admit(client, false, &format!("{client}-before-{n}"), None)
-                    .await
-                    .unwrap()
-                    .commit(),
-            );
+            kept.push(admit_op(r, client, false).await);
             kept_local.push(local.admit(client, false).unwrap().commit());
         }
     }
     // A fifth token for amy, taken before the reload and refunded after it: what comes back is
     // measured in the new rate.
-    let pending = r2.admit("amy", false, "amy-refunded", None).await.unwrap();
+    let pending = r2.admit("amy", false, None).await.unwrap();
     let pending_local = local.admit("amy", false).unwrap();
 
     r1.reload(after.clone());
@@ -744,27 +825,22 @@ async fn a_reload_on_every_replica_rescales_the_shared_buckets_as_the_in_process
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_replica_connected_before_redis_runs_is_unavailable_then_registers_its_restored_work() {
+async fn a_replica_set_up_before_redis_runs_is_unavailable_then_registers_its_restored_work() {
     if !redis_support::installed() {
         return;
     }
     let port = redis_support::free_port();
-    let mut opts = RedisOptions::new(format!("redis://127.0.0.1:{port}/"), "r1");
+    let mut opts = ReplicaOptions::new(format!("redis://127.0.0.1:{port}/"), "r1");
     opts.call_timeout = Duration::from_millis(300);
     opts.circuit_cool_down = Duration::from_millis(200);
     opts.heartbeat = Duration::from_millis(100);
     opts.lease_ttl = Duration::from_secs(2);
     let config = roomy_config(&["amy"]);
-    // `connect` waits for an answer; `connect_lazy` does not.
-    assert!(
-        RedisController::connect(config.clone(), opts.clone())
-            .await
-            .is_err()
-    );
-    let early = RedisController::connect_lazy(config, opts).unwrap();
+    // Set-up does not wait for Redis: the connection is made by the first call.
+    let early = Admission::new(Controller::new(config), Some(opts)).unwrap();
     let amy = Identity::new("amy").unwrap();
-    let (restored, deferred) = early
-        .register_or_defer([
+    let restored = early
+        .restore([
             RestoredOperation {
                 id: "kept".into(),
                 identity: amy.clone(),
@@ -777,9 +853,15 @@ async fn a_replica_connected_before_redis_runs_is_unavailable_then_registers_its
             },
         ])
         .await;
-    assert!(deferred.is_some());
+    assert!(restored.deferred.is_some());
+    let restored: Vec<OperationHandle> = restored
+        .operations
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
     assert_eq!(restored.len(), 2);
-    match early.admit("amy", false, "too-early", None).await {
+    assert!(restored.iter().all(OperationHandle::is_replicated));
+    match early.admit("amy", false, None).await {
         Err(AdmitError::Unavailable(u)) => assert_eq!(u.http_status(), 503),
         other => panic!("{other:?}"),
     }
@@ -788,13 +870,10 @@ async fn a_replica_connected_before_redis_runs_is_unavailable_then_registers_its
 
     let _server = redis_support::RedisServer::start_on(port).expect("redis-server on the port");
     let admitted = std::sync::Mutex::new(Vec::new());
-    let mut attempt = 0;
     eventually("the replica registers and admits", || {
-        attempt += 1;
-        let id = format!("on-time-{attempt}");
         let (early, admitted) = (&early, &admitted);
         async move {
-            match early.admit("amy", false, &id, None).await {
+            match early.admit("amy", false, None).await {
                 Ok(permit) => {
                     admitted.lock().unwrap().push(permit.commit());
                     true
@@ -809,4 +888,251 @@ async fn a_replica_connected_before_redis_runs_is_unavailable_then_registers_its
     // The restored pending operation and the new one; the ended one is not counted.
     assert_eq!(global(&counts), (2, 1, 0), "{counts:?}");
     assert_eq!(counts.operations, 2);
+}
+
+/// Two replicas of one deployment with one client, `amy`.
+async fn two_replicas(server: &redis_support::RedisServer) -> (Admission, Admission) {
+    let config = roomy_config(&["amy"]);
+    let r1 = replica(config.clone(), options(server, "r1")).await;
+    let r2 = replica(config, options(server, "r2")).await;
+    (r1, r2)
+}
+
+/// Admits `amy` with `key` on `admission`: the permit, failing the test on anything else.
+async fn admit_keyed(admission: &Admission, key: &str) -> unyolo_admission::AdmissionPermit {
+    match admission.admit("amy", true, Some(key)).await {
+        Ok(permit) => permit,
+        Err(other) => panic!("{key} on {:?}: {other}", admission.replica()),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refunded_permit_leaves_its_idempotency_key_free_for_an_admission_on_any_replica() {
+    let server = redis_or_skip!();
+    let (r1, r2) = two_replicas(&server).await;
+    let refunded = admit_keyed(&r1, "deploy-1").await;
+    let refunded_id = refunded.id();
+    refunded.refund().await;
+    assert!(r1.counts().await.unwrap().is_idle());
+    // The key is new work on the other replica, and on this one.
+    let permit = admit_keyed(&r2, "deploy-1").await;
+    assert_ne!(permit.id(), refunded_id);
+    let op = permit.commit();
+    match r1.admit("amy", true, Some("deploy-1")).await {
+        Err(AdmitError::Replay { operation, replica }) => {
+            assert_eq!((operation, replica.as_str()), (op.id().to_string(), "r2"));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(global(&r1.counts().await.unwrap()), (1, 1, 0));
+    op.cancel().await.unwrap();
+    assert!(r2.counts().await.unwrap().is_idle());
+    assert_eq!(r1.snapshot().dropped_permits, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_permit_leaves_its_idempotency_key_free_on_any_replica_and_is_counted_once() {
+    let server = redis_or_skip!();
+    let (r1, r2) = two_replicas(&server).await;
+    let dropped_before = r1.snapshot().dropped_permits;
+    let permit = admit_keyed(&r1, "deploy-2").await;
+    assert_eq!(global(&r1.counts().await.unwrap()), (1, 1, 0));
+    drop(permit);
+    assert!(r1.flush().await);
+    // Its slots are back everywhere, the drop is counted once (a mistake of the embedding), and
+    // the key is free on the other replica.
+    assert!(r1.counts().await.unwrap().is_idle());
+    assert!(r1.snapshot().is_idle());
+    assert_eq!(r1.snapshot().dropped_permits, dropped_before + 1);
+    let op = admit_keyed(&r2, "deploy-2").await.commit();
+    assert_eq!(global(&r2.counts().await.unwrap()), (1, 1, 0));
+    op.cancel().await.unwrap();
+    assert!(r2.counts().await.unwrap().is_idle());
+    assert_eq!(r1.snapshot().dropped_permits, dropped_before + 1);
+    assert_eq!(r2.snapshot().dropped_permits, 0);
+}
+
+/// How many clients the Redis at `conn` holds blocked (a paused client's command waits there).
+async fn blocked_clients(conn: &mut redis::aio::MultiplexedConnection) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("clients")
+        .query_async(conn)
+        .await
+        .unwrap();
+    info.lines()
+        .find_map(|line| line.strip_prefix("blocked_clients:"))
+        .map(|n| n.trim().parse().unwrap())
+        .expect("INFO clients names blocked_clients")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admission_dropped_mid_call_holds_no_slot_and_leaves_its_idempotency_key_free() {
+    let server = redis_or_skip!();
+    // Ten tokens an hour, so the tokens left show which admissions Redis decided.
+    let config = rate_config((10, 3600), (10, 3600));
+    // A long call timeout and a slow heartbeat: the only thing that ends the call below is the
+    // drop, and the only script waiting in Redis is the admission's.
+    let mut slow = options(&server, "r1");
+    slow.call_timeout = Duration::from_secs(20);
+    slow.lease_ttl = Duration::from_secs(120);
+    slow.heartbeat = Duration::from_secs(60);
+    let r1 = replica(config.clone(), slow).await;
+    let r2 = replica(config, options(&server, "r2")).await;
+    // The admission script is loaded (so the call below is one EVALSHA that runs as sent).
+    admit_op(&r1, "amy", true).await.fail().await.unwrap();
+    assert!(r1.flush().await);
+
+    // Redis holds every write command until unpaused: the admission is sent and waits there.
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let _: () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(60_000)
+        .arg("WRITE")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let call = {
+        let r1 = r1.clone();
+        tokio::spawn(async move { r1.admit("amy", true, Some("deploy-3")).await })
+    };
+    eventually("the admission waits in Redis", || {
+        let mut conn = conn.clone();
+        async move { blocked_clients(&mut conn).await == 1 }
+    })
+    .await;
+    // The caller hangs up: the admission's future is dropped with its script sent.
+    call.abort();
+    assert!(call.await.unwrap_err().is_cancelled());
+    let _: () = redis::cmd("CLIENT")
+        .arg("UNPAUSE")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    // The script ran once Redis went on; the release kept by the drop undoes it by id.
+    eventually("the kept release reaches Redis", || {
+        let r1 = r1.clone();
+        async move { r1.flush().await }
+    })
+    .await;
+    let counts = r1.counts().await.unwrap();
+    assert!(counts.is_idle(), "{counts:?}");
+    assert!(r1.snapshot().is_idle());
+    let op = admit_keyed(&r2, "deploy-3").await.commit();
+    assert_eq!(global(&r2.counts().await.unwrap()), (1, 1, 0));
+    op.cancel().await.unwrap();
+    assert!(r2.counts().await.unwrap().is_idle());
+    // The cut-off admission was decided (its token stays spent, as a dropped permit's does):
+    // of ten, the warm-up, it and the one on r2 are gone.
+    let mut kept = Vec::new();
+    assert_eq!(drain_tokens(&[&r2], "amy", "after", &mut kept).await, 7);
+    for op in &kept {
+        op.fail().await.unwrap();
+    }
+    assert!(r2.counts().await.unwrap().is_idle());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_committed_operation_keeps_its_idempotency_key_bound_on_every_replica() {
+    let server = redis_or_skip!();
+    let (r1, r2) = two_replicas(&server).await;
+    let op = admit_keyed(&r1, "deploy-4").await.commit();
+    let id = op.id().to_string();
+    for (replica, round) in [(&r2, 0), (&r1, 1), (&r2, 2)] {
+        match replica.admit("amy", true, Some("deploy-4")).await {
+            Err(AdmitError::Replay { operation, replica }) => {
+                assert_eq!((operation.as_str(), replica.as_str()), (id.as_str(), "r1"));
+            }
+            other => panic!("round {round}: {other:?}"),
+        }
+    }
+    // A replay reserved nothing, on either replica.
+    assert_eq!(global(&r1.counts().await.unwrap()), (1, 1, 0));
+    assert!(r2.snapshot().is_idle());
+    op.approve().await.unwrap();
+    match r2.admit("amy", false, Some("deploy-4")).await {
+        Err(AdmitError::Replay { operation, .. }) => assert_eq!(operation, id),
+        other => panic!("{other:?}"),
+    }
+    op.cancel().await.unwrap();
+    assert!(r1.counts().await.unwrap().is_idle());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusals_and_a_permits_quota_name_the_deployments_counts_not_the_replicas() {
+    let server = redis_or_skip!();
+    // amy: 12 tokens an hour, 3 active, 2 pending.
+    let r1 = replica(small_config(), options(&server, "r1")).await;
+    let r2 = replica(small_config(), options(&server, "r2")).await;
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        held.push(admit_op(&r1, "amy", true).await);
+    }
+    // amy is at her pending limit through r1 alone; r2 holds nothing of hers.
+    let refused = match r2.admit("amy", true, None).await {
+        Err(AdmitError::Refused(refused)) => refused,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(refused.refusal.code, RefusalCode::ClientPendingLimit);
+    let quota = refused.quota.expect("amy has a quota");
+    assert_eq!((quota.pending.used, quota.pending.limit), (2, 2));
+    assert_eq!((quota.active.used, quota.active.limit), (2, 3));
+    // Two tokens spent on r1 (a refusal spends none), of twelve.
+    assert_eq!((quota.rate.quota, quota.rate.remaining), (12, 10));
+    let local = r2.controller().quota("amy").unwrap();
+    assert_eq!((local.pending.used, local.active.used), (0, 0));
+    assert_eq!(local.rate.remaining, 12);
+    // A permit's quota is the deployment's too: the third live operation, the third token.
+    let permit = r2.admit("amy", false, None).await.unwrap();
+    let quota = permit.quota().expect("amy has a quota");
+    assert_eq!((quota.active.used, quota.pending.used), (3, 2));
+    assert_eq!(quota.rate.remaining, 9);
+    assert!(quota.rate.next_token_nanos > 0);
+    held.push(permit.commit());
+    // At her active limit now, whichever replica asks.
+    for r in [&r1, &r2] {
+        match r.admit("amy", false, None).await {
+            Err(AdmitError::Refused(refused)) => {
+                assert_eq!(refused.refusal.code, RefusalCode::ClientOperationLimit);
+                let quota = refused.quota.unwrap();
+                assert_eq!(quota.active.used, quota.active.limit);
+                assert_eq!(quota.rate.remaining, 9);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    for op in &held {
+        op.fail().await.unwrap();
+    }
+    assert!(r1.counts().await.unwrap().is_idle());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_live_handle_releases_its_slots_on_every_replica_and_is_counted_once() {
+    let server = redis_or_skip!();
+    let (r1, r2) = two_replicas(&server).await;
+    let pending = admit_keyed(&r1, "deploy-5").await.commit();
+    let approved = admit_op(&r1, "amy", false).await;
+    let executing = admit_op(&r1, "amy", false).await;
+    executing.start().await.unwrap();
+    assert_eq!(global(&r2.counts().await.unwrap()), (3, 1, 1));
+    // Dropped while live: released as if failed, each drop counted once (by this replica's
+    // engine, which holds the local half; the shared half adds nothing to the count).
+    drop(pending);
+    drop(approved);
+    drop(executing);
+    assert!(r1.flush().await);
+    assert!(r2.counts().await.unwrap().is_idle());
+    let snapshot = r1.snapshot();
+    assert!(snapshot.is_idle());
+    assert_eq!(
+        (snapshot.dropped_operations, snapshot.dropped_permits),
+        (3, 0)
+    );
+    // A committed operation's key names it even once it has ended this way.
+    match r2.admit("amy", true, Some("deploy-5")).await {
+        Err(AdmitError::Replay { replica, .. }) => assert_eq!(replica, "r1"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(r2.snapshot().dropped_operations, 0);
 }

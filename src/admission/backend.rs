@@ -60,7 +60,7 @@ mod absent {
         AdmitError, BackendStats, DeploymentCounts, NotStarted, RestoredOperation, Unavailable,
     };
     use crate::config::Config;
-    use crate::engine::{CancelOutcome, TransitionError};
+    use crate::engine::{CancelOutcome, QuotaStatus, TransitionError};
 
     #[derive(Clone)]
     pub(crate) enum SharedController {}
@@ -125,6 +125,9 @@ mod absent {
     }
 
     impl SharedPermit {
+        pub(crate) fn quota(&self) -> Option<QuotaStatus> {
+            match *self {}
+        }
         pub(crate) fn commit(self) -> SharedOperation {
             match self {}
         }

@@ -42,7 +42,7 @@ impl AdmissionPermit {
     /// The operation's id, made by the admission (unique across restarts and replicas): store
     /// the operation under it.
     pub fn id(&self) -> OperationId {
-        self.id
+        self.id.clone()
     }
 
     /// The admitted client.
@@ -55,8 +55,9 @@ impl AdmissionPermit {
         self.local.needs_approval()
     }
 
-    /// The client's quota as the deciding backend saw it just after this admission, for the
-    /// answer's quota fields.
+    /// The client's quota just after this admission, for the answer's quota fields: replicated,
+    /// as Redis's decision left it (the client's bucket and its counts on every replica), else
+    /// this process's engine's.
     pub fn quota(&self) -> Option<QuotaStatus> {
         self.quota
     }
@@ -117,10 +118,10 @@ impl OperationHandle {
         OperationHandle { id, local, shared }
     }
 
-    /// The id the admission made for it (for a restored operation, one made at restore: the
-    /// broker keeps its stored id).
+    /// Its id: the one the admission made, or for a restored operation the one it was stored
+    /// under.
     pub fn id(&self) -> OperationId {
-        self.id
+        self.id.clone()
     }
 
     /// The client the operation belongs to.

@@ -2,17 +2,22 @@
 //! has seen before: a 64-bit random number drawn once per process from the operating system's
 //! random source, then a 64-bit sequence. Unique across restarts and replicas without any
 //! coordination (two processes collide only if they draw the same 64 random bits), and cheap:
-//! one relaxed increment, no allocation until the id is written out.
+//! one relaxed increment, no allocation until the id is written out. An operation restored from
+//! a store keeps the id it was stored under, whatever its form.
 
 use std::fmt;
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// An operation's id: written `op_` and 32 lowercase hex digits.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct OperationId {
-    process: u64,
-    sequence: u64,
+/// An operation's id: written `op_` and 32 lowercase hex digits when the admission made it, or as
+/// it was stored for a restored operation. Cheap to clone.
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct OperationId(Repr);
+
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+enum Repr {
+    Made { process: u64, sequence: u64 },
+    Stored(std::sync::Arc<str>),
 }
 
 static PROCESS: OnceLock<u64> = OnceLock::new();
@@ -28,13 +33,21 @@ impl OperationId {
         });
         // Relaxed: only uniqueness matters, and one counter gives it.
         let sequence = SEQUENCE.fetch_add(1, Ordering::Relaxed);
-        OperationId { process, sequence }
+        OperationId(Repr::Made { process, sequence })
+    }
+
+    /// The id an operation was stored under (restored at start-up).
+    pub(crate) fn stored(id: &str) -> OperationId {
+        OperationId(Repr::Stored(id.into()))
     }
 }
 
 impl fmt::Display for OperationId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "op_{:016x}{:016x}", self.process, self.sequence)
+        match &self.0 {
+            Repr::Made { process, sequence } => write!(f, "op_{process:016x}{sequence:016x}"),
+            Repr::Stored(id) => f.write_str(id),
+        }
     }
 }
 
@@ -79,6 +92,14 @@ mod tests {
                 "{id}"
             );
         }
+    }
+
+    #[test]
+    fn a_restored_id_is_the_stored_one() {
+        assert_eq!(
+            OperationId::stored("op-from-2025").to_string(),
+            "op-from-2025"
+        );
     }
 
     #[test]

@@ -48,7 +48,7 @@ pub use outcome::{
 };
 pub use recovery::{KeyRecord, RecoverySource, SourceFuture};
 
-use self::backend::SharedController;
+use self::backend::{SharedController, SharedPermit};
 use crate::config::{Config, ConfigError, Identity};
 use crate::engine::{Controller, RestoreError, StartError};
 use crate::metrics::Snapshot;
@@ -186,16 +186,29 @@ impl Admission {
         let id = OperationId::new();
         let shared = match &self.shared {
             None => None,
-            Some(shared) => Some(
-                shared
+            Some(shared) => {
+                match shared
                     .admit(identity, needs_approval, &id.to_string(), idempotency_key)
-                    .await?,
-            ),
+                    .await
+                {
+                    Ok(permit) => Some(permit),
+                    Err(AdmitError::Refused(Refused { refusal, quota })) => {
+                        return Err(AdmitError::Refused(Refused {
+                            refusal,
+                            quota: quota.or_else(|| self.local.quota(identity)),
+                        }));
+                    }
+                    Err(other) => return Err(other),
+                }
+            }
         };
+        // Replicated, the quota is the shared decision's (the deployment's counts and bucket);
+        // this process's own only where Redis gave none.
+        let shared_quota = shared.as_ref().and_then(SharedPermit::quota);
         match self.local.admit(identity, needs_approval) {
             Ok(local) => Ok(AdmissionPermit {
                 id,
-                quota: self.local.quota(identity),
+                quota: shared_quota.or_else(|| self.local.quota(identity)),
                 local,
                 shared,
             }),
@@ -203,6 +216,9 @@ impl Admission {
                 if let Some(shared) = shared {
                     shared.refund().await;
                 }
+                // This engine refused (the rare case above): its own quota is the one that
+                // explains the refusal (the shared reading still counts the reservation just
+                // given back).
                 Err(AdmitError::Refused(Refused {
                     refusal,
                     quota: self.local.quota(identity),
@@ -247,7 +263,11 @@ impl Admission {
             .into_iter()
             .map(|(op, local)| {
                 local.map(|local| {
-                    OperationHandle::restored(OperationId::new(), local, shared.remove(&op.id))
+                    OperationHandle::restored(
+                        OperationId::stored(&op.id),
+                        local,
+                        shared.remove(&op.id),
+                    )
                 })
             })
             .collect();

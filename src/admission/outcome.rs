@@ -15,7 +15,9 @@ use crate::engine::{OperationState, QuotaStatus, Refusal};
 pub struct Refused {
     /// The first check that failed, in the contract's order, and when to retry.
     pub refusal: Refusal,
-    /// The client's quota at the decision (`None` for an identity that has none).
+    /// The client's quota at the decision (`None` for an identity that has none): replicated,
+    /// Redis's reading when Redis refused (the deployment's counts), this process's engine's
+    /// when the engine did.
     pub quota: Option<QuotaStatus>,
 }
 

@@ -134,19 +134,7 @@ impl Bucket {
     /// one load of the TAT so the two agree. Takes nothing.
     pub(crate) fn level(&self, now: u64, rate: Rate) -> (u64, u64) {
         // Relaxed: a lone reading of the bucket's only state.
-        let used = self
-            .tat
-            .load(Ordering::Relaxed)
-            .saturating_sub(now)
-            .min(rate.span);
-        let tokens = (rate.span - used) / rate.interval;
-        let full = rate.span / rate.interval;
-        if tokens >= full {
-            return (tokens, 0);
-        }
-        // One more token is there once `used` has fallen to `span - (tokens + 1)·interval`.
-        let next_in = used - (rate.span - (tokens + 1) * rate.interval);
-        (tokens, next_in)
+        level(self.tat.load(Ordering::Relaxed), now, rate)
     }
 
     /// Whether every token is back at `now`: forgetting the bucket then loses nothing.
@@ -164,6 +152,21 @@ impl Bucket {
             .min(rate.span);
         (rate.span - used) / rate.interval
     }
+}
+
+/// Tokens a bucket whose TAT is `tat` holds at `now`, and the time until one more will be there
+/// (zero when full), in the unit of `tat`, `now` and `rate` (nanoseconds in this engine; the Redis
+/// backend reads its buckets in microseconds through this same function).
+pub(crate) fn level(tat: u64, now: u64, rate: Rate) -> (u64, u64) {
+    let used = tat.saturating_sub(now).min(rate.span);
+    let tokens = (rate.span - used) / rate.interval;
+    let full = rate.span / rate.interval;
+    if tokens >= full {
+        return (tokens, 0);
+    }
+    // One more token is there once `used` has fallen to `span - (tokens + 1)·interval`.
+    let next_in = used - (rate.span - (tokens + 1) * rate.interval);
+    (tokens, next_in)
 }
 
 /// The TAT of a bucket, full before them, after admissions made `ages` nanoseconds before `now`:

@@ -8,6 +8,7 @@
 use std::time::Duration;
 
 use super::controller::Controller;
+use crate::config::ClientLimits;
 
 /// One client's quota at one moment (each count exactly, the set not as one atomic picture).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -72,23 +73,47 @@ impl Controller {
             return None;
         }
         let configured = settings.config.effective(identity)?;
-        let (remaining, next_token_nanos) = client.bucket.level(shared.clock.peek(), limits.rate);
-        Some(QuotaStatus {
+        Some(QuotaStatus::of(
+            configured,
+            settings.caps.grant_client,
+            settings.capacity_retry,
+            client.bucket.level(shared.clock.peek(), limits.rate),
+            client.active.get(),
+            client.pending.get(),
+        ))
+    }
+}
+
+impl QuotaStatus {
+    /// A client's quota from one reading: its configured `limits`, the pending-grant store's
+    /// per-client cap, the capacity hint, its bucket's `level` (tokens there and nanoseconds to
+    /// the next, as [`Bucket::level`](super::gcra::Bucket::level) reads them) and the slots it
+    /// holds. One function for both backends: the engine reads its own atomics, the Redis backend
+    /// what its admission script saw.
+    pub(crate) fn of(
+        limits: ClientLimits,
+        grant_client: u64,
+        capacity_retry: Duration,
+        (remaining, next_token_nanos): (u64, u64),
+        active: u64,
+        pending: u64,
+    ) -> QuotaStatus {
+        QuotaStatus {
             rate: RateQuota {
-                quota: configured.requests_per_window,
-                window_seconds: configured.window_seconds,
+                quota: limits.requests_per_window,
+                window_seconds: limits.window_seconds,
                 remaining,
                 next_token_nanos,
             },
             active: CapacityQuota {
                 limit: u64::from(limits.active),
-                used: client.active.get(),
+                used: active,
             },
             pending: CapacityQuota {
-                limit: u64::from(limits.pending).min(settings.caps.grant_client),
-                used: client.pending.get(),
+                limit: u64::from(limits.pending).min(grant_client),
+                used: pending,
             },
-            capacity_retry: settings.capacity_retry,
-        })
+            capacity_retry,
+        }
     }
 }

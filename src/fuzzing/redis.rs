@@ -5,8 +5,8 @@ use ::redis::Value;
 
 use crate::engine::RefusalCode;
 use crate::redis::reply::{
-    AdmitReply, LeaseReply, TransitionReply, parse_admit, parse_lease, parse_pair, parse_reaped,
-    parse_transition,
+    AdmitReply, LeaseReply, Reading, TransitionReply, parse_admit, parse_lease, parse_pair,
+    parse_reaped, parse_transition,
 };
 
 /// Deepest nesting a decoded reply has (the scripts return at most one level of arrays).
@@ -113,10 +113,20 @@ fn state_text(state: u8) -> &'static str {
     }
 }
 
+/// How the admission script writes a reading: the times as decimal text, the counts as integers.
+fn encode_reading(reading: &Reading) -> Value {
+    Value::Array(vec![
+        bulk(&reading.tat_micros.to_string()),
+        bulk(&reading.now_micros.to_string()),
+        int_or_text(reading.active),
+        int_or_text(reading.pending),
+    ])
+}
+
 /// How the admission script writes a decision.
 fn encode_admit(reply: &AdmitReply) -> Value {
     Value::Array(match reply {
-        AdmitReply::Admitted => vec![bulk("admitted")],
+        AdmitReply::Admitted(reading) => vec![bulk("admitted"), encode_reading(reading)],
         AdmitReply::Duplicate => vec![bulk("duplicate")],
         AdmitReply::Lease => vec![bulk("lease")],
         AdmitReply::Recovering => vec![bulk("recovering")],
@@ -125,11 +135,13 @@ fn encode_admit(reply: &AdmitReply) -> Value {
             code,
             rate_wait_micros,
             capacity,
+            reading,
         } => vec![
             bulk("refused"),
             bulk(code.as_str()),
             int(*rate_wait_micros),
             Value::Int(i64::from(*capacity)),
+            encode_reading(reading),
         ],
     })
 }
@@ -170,8 +182,9 @@ fn assert_error_message(err: &impl std::fmt::Display) {
 ///
 /// No parser panics. A refusal names a known code other than `client_unconfigured` (the scripts
 /// never see an unconfigured identity), and a capacity code always comes with the capacity flag;
-/// a replay names a non-empty id and replica; a moved or refused transition names a state `p`,
-/// `a` or `e`; a reaped replica is named. Each accepted reply, written back the way the script
+/// an admission's reading counts at least the operation it admitted; a replay names a non-empty
+/// id and replica; a moved or refused transition names a state `p`, `a` or `e`; a reaped replica
+/// is named. Each accepted reply, written back the way the script
 /// writes it, parses to the same value; a rejected one has a bounded error naming it. The
 /// admission, transition and heartbeat replies have disjoint shapes, so at most one of them
 /// accepts any reply.
@@ -191,10 +204,8 @@ pub fn redis_reply(data: &[u8]) {
                 AdmitReply::Replay { id, replica } => {
                     assert!(!id.is_empty() && !replica.is_empty(), "{reply:?}");
                 }
-                AdmitReply::Admitted
-                | AdmitReply::Duplicate
-                | AdmitReply::Lease
-                | AdmitReply::Recovering => {}
+                AdmitReply::Admitted(reading) => assert!(reading.active >= 1, "{reply:?}"),
+                AdmitReply::Duplicate | AdmitReply::Lease | AdmitReply::Recovering => {}
             }
             assert_eq!(parse_admit(&encode_admit(&reply)), Ok(reply));
         }

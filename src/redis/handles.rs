@@ -14,15 +14,16 @@ use std::sync::atomic::Ordering;
 use super::reply::TransitionReply;
 use super::{Held, Inner, Kept, Target, UnavailableReason};
 use crate::admission::NotStarted as RedisStartError;
-use crate::config::Identity;
-use crate::engine::{CancelOutcome, OperationState, Refusal, RefusalCode, TransitionError};
+use crate::engine::{
+    CancelOutcome, OperationState, QuotaStatus, Refusal, RefusalCode, TransitionError,
+};
 
 /// An admitted submission on the shared controller, before the broker has created its durable
 /// operation. [`RedisPermit::commit`] turns it into a [`RedisOperation`]; dropped without commit
 /// it releases its slots (the rate token stays spent); [`RedisPermit::refund`] returns the token
 /// too.
 #[must_use = "a permit holds slots until it is committed or dropped"]
-pub struct RedisPermit {
+pub(crate) struct RedisPermit {
     inner: Arc<Inner>,
     cell: Option<Arc<Held>>,
     needs_approval: bool,
@@ -31,6 +32,9 @@ pub struct RedisPermit {
     /// The idempotency record the admission wrote, freed again if this permit is refunded or
     /// dropped (committed, it stays bound to the operation).
     key: Option<String>,
+    /// The client's quota as Redis's decision left it (`None` for a retried id's admission,
+    /// which Redis did not decide again).
+    quota: Option<QuotaStatus>,
 }
 
 impl RedisPermit {
@@ -40,6 +44,7 @@ impl RedisPermit {
         needs_approval: bool,
         rate_micros: (u64, u64),
         key: Option<String>,
+        quota: Option<QuotaStatus>,
     ) -> RedisPermit {
         RedisPermit {
             inner,
@@ -47,38 +52,26 @@ impl RedisPermit {
             needs_approval,
             rate_micros,
             key,
+            quota,
         }
     }
 
-    fn cell(&self) -> &Held {
-        self.cell.as_deref().expect("a live permit holds its cell")
-    }
-
-    /// The operation's id.
-    pub fn id(&self) -> &str {
-        &self.cell().id
-    }
-
-    /// The admitted client.
-    pub fn identity(&self) -> &Identity {
-        &self.cell().identity
-    }
-
-    /// Whether the operation waits for an operator (it starts `pending`, else `approved`).
-    pub fn needs_approval(&self) -> bool {
-        self.needs_approval
+    /// The client's quota as the shared decision left it: its bucket and its counts on every
+    /// replica.
+    pub(crate) fn quota(&self) -> Option<QuotaStatus> {
+        self.quota
     }
 
     /// The durable operation exists: its lifecycle handle (the reservation is already recorded
     /// under its id, in its first state).
-    pub fn commit(mut self) -> RedisOperation {
+    pub(crate) fn commit(mut self) -> RedisOperation {
         let cell = self.cell.take().expect("a live permit holds its cell");
         RedisOperation::new(Arc::clone(&self.inner), cell)
     }
 
     /// The broker failed through its own fault: return the slots, the rate token and the
     /// idempotency key's binding. Dropped before Redis answers, the release is kept and sent later.
-    pub async fn refund(mut self) {
+    pub(crate) async fn refund(mut self) {
         if let Some(cell) = self.cell.take() {
             let target = Target::Refund(self.rate_micros.0, self.rate_micros.1);
             finish(&self.inner, &cell, target, self.key.take()).await;
@@ -116,7 +109,7 @@ impl fmt::Debug for RedisPermit {
 /// The shared controller's handle on one live operation: it holds the operation's slots (in
 /// Redis, under its id) until a terminal transition releases them, exactly once. Dropping a
 /// handle that is not terminal releases them as if the operation had failed.
-pub struct RedisOperation {
+pub(crate) struct RedisOperation {
     inner: Arc<Inner>,
     cell: Arc<Held>,
 }
@@ -127,34 +120,29 @@ impl RedisOperation {
     }
 
     /// The operation's id.
-    pub fn id(&self) -> &str {
+    pub(crate) fn id(&self) -> &str {
         &self.cell.id
     }
 
-    /// The client the operation belongs to.
-    pub fn identity(&self) -> &Identity {
-        &self.cell.identity
-    }
-
     /// The current state.
-    pub fn state(&self) -> OperationState {
+    pub(crate) fn state(&self) -> OperationState {
         self.cell.state()
     }
 
     /// `pending` → `approved`.
-    pub async fn approve(&self) -> Result<(), TransitionError> {
+    pub(crate) async fn approve(&self) -> Result<(), TransitionError> {
         self.transition(OperationState::Approved).await.map(|_| ())
     }
 
     /// `pending` → `denied`, releasing its slots.
-    pub async fn deny(&self) -> Result<(), TransitionError> {
+    pub(crate) async fn deny(&self) -> Result<(), TransitionError> {
         self.transition(OperationState::Denied).await.map(|_| ())
     }
 
     /// `pending` or `approved` → `canceled`, releasing its slots ([`CancelOutcome::Canceled`]
     /// with the state it left). Canceling a terminal operation changes nothing
     /// ([`CancelOutcome::AlreadyTerminal`]), as with the in-process handle.
-    pub async fn cancel(&self) -> Result<CancelOutcome, TransitionError> {
+    pub(crate) async fn cancel(&self) -> Result<CancelOutcome, TransitionError> {
         match self.transition(OperationState::Canceled).await {
             Ok(from) => Ok(CancelOutcome::Canceled { from }),
             Err(TransitionError { from, .. }) if from.is_terminal() => {
@@ -165,23 +153,23 @@ impl RedisOperation {
     }
 
     /// `pending` or `approved` → `expired`.
-    pub async fn expire(&self) -> Result<(), TransitionError> {
+    pub(crate) async fn expire(&self) -> Result<(), TransitionError> {
         self.transition(OperationState::Expired).await.map(|_| ())
     }
 
     /// Any live state → `failed`.
-    pub async fn fail(&self) -> Result<(), TransitionError> {
+    pub(crate) async fn fail(&self) -> Result<(), TransitionError> {
         self.transition(OperationState::Failed).await.map(|_| ())
     }
 
     /// `executing` → `succeeded`.
-    pub async fn succeed(&self) -> Result<(), TransitionError> {
+    pub(crate) async fn succeed(&self) -> Result<(), TransitionError> {
         self.transition(OperationState::Succeeded).await.map(|_| ())
     }
 
     /// Takes a shared execution slot and moves `approved` → `executing`. A saturated pool, or a
     /// Redis that does not answer, leaves it `approved` (queued) to retry.
-    pub async fn try_start(&self) -> Result<(), RedisStartError> {
+    pub(crate) async fn try_start(&self) -> Result<(), RedisStartError> {
         let inner = &self.inner;
         let current = self.state();
         if current != OperationState::Approved {

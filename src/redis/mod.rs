@@ -1,9 +1,16 @@
 //! Admission shared by broker replicas, on Redis (cargo feature `redis`; SPEC section 7).
 //!
-//! A sibling of the in-process [`crate::Controller`] behind the same decision contract: the same
-//! checks in the same order, the same refusal codes and Retry-After rules, the same permit and
-//! lifecycle semantics. What differs is where the counts live: in one Redis, shared by every
-//! replica, so a client's limits and the global limits hold across all of them.
+//! The shared half of a replicated [`crate::Admission`]: embedders reach it only through that
+//! one API ([`crate::Admission::new`] with [`ReplicaOptions`]), which decides here first and then
+//! in the replica's own [`crate::Controller`]. The types of this module stay inside the crate;
+//! what it offers an embedder is the options and the outcome types under their older names
+//! ([`RedisOptions`], [`SharedCounts`], [`RedisStats`], [`RedisStartError`]), and, hidden, the
+//! script replies' parser (for the fuzz target) and the benchmark's rate-only baseline script.
+//!
+//! It keeps the in-process engine's decision contract: the same checks in the same order, the
+//! same refusal codes and Retry-After rules, the same permit and lifecycle semantics. What
+//! differs is where the counts live: in one Redis, shared by every replica, so a client's limits
+//! and the global limits hold across all of them.
 //!
 //! - **One script per decision.** Each admission is one atomic Lua script (`scripts/admit.lua`,
 //!   run by `EVALSHA`, loaded again on `NOSCRIPT`) on Redis server time, so replicas' clocks never
@@ -23,9 +30,11 @@
 //!   replica that cannot renew stops admitting; the survivors release a lapsed replica's holdings
 //!   exactly once (`scripts/reap.lua`); a replica that (re)registers replaces its holdings with
 //!   what it holds now in one step (`scripts/replace.lua`).
-//! - **Redis down at start-up.** [`RedisController::connect_lazy`] makes the connection on the
-//!   first call (and again after each failure); [`RedisController::register_or_defer`] holds the
-//!   restored work here and lets the heartbeat register it once Redis answers. Until then every
+//! - **Redis down at start-up.** The controller (`RedisController::connect_lazy`, behind
+//!   [`crate::Admission::new`]) makes the connection on the first call (and again after each
+//!   failure); registration (`RedisController::register_or_defer`, behind
+//!   [`crate::Admission::restore`]) holds the restored work here and lets the heartbeat register
+//!   it once Redis answers. Until then every
 //!   admission is [`Unavailable`] (no lease), and nothing is admitted unchecked.
 //! - **Redis down or slow.** Every call has a timeout; an admission that cannot be decided is
 //!   [`Unavailable`] (503 `admission_unavailable`), never admitted unchecked; a circuit stops
@@ -61,12 +70,13 @@ pub use crate::admission::{
     RestoredOperation, SetupError, Unavailable, UnavailableReason,
 };
 pub use crate::admission::{KeyRecord, RecoverySource, SourceFuture};
-pub use handles::{RedisOperation, RedisPermit};
+pub(crate) use handles::{RedisOperation, RedisPermit};
 
 use self::circuit::{Circuit, Gate};
-use self::reply::{AdmitReply, LeaseReply, TransitionReply};
-use crate::config::{Config, Identity};
-use crate::engine::{OperationState, Refusal, RefusalCode};
+use self::reply::{AdmitReply, LeaseReply, Reading, TransitionReply};
+use crate::config::{ClientLimits, Config, Identity};
+use crate::engine::gcra::{self, Rate};
+use crate::engine::{OperationState, QuotaStatus, Refusal, RefusalCode};
 
 /// The script every decision runs, with the helpers all scripts share.
 const ADMIT: &str = concat!(
@@ -272,17 +282,43 @@ pub(crate) struct Inner {
 
 /// The admission controller shared by broker replicas through Redis. Cheap to clone.
 ///
-/// Set up with [`RedisController::connect`], then [`RedisController::register`] with what the
-/// replica's store restores (which takes the lease and starts the heartbeat); then
-/// [`RedisController::admit`] as with the in-process controller, with the operation's id.
+/// Set up with [`RedisController::connect_lazy`], then [`RedisController::register_or_defer`]
+/// with what the replica's store restores (which takes the lease and starts the heartbeat); then
+/// [`RedisController::admit`] as with the in-process controller, with the operation's id (made
+/// by [`crate::Admission`], never by a caller).
 #[derive(Clone)]
-pub struct RedisController {
+pub(crate) struct RedisController {
     inner: Arc<Inner>,
 }
 
 /// An operation id the scripts can record: 1 to 128 visible ASCII characters.
 fn valid_op_id(id: &str) -> bool {
     !id.is_empty() && id.len() <= 128 && id.bytes().all(|b| b.is_ascii_graphic())
+}
+
+/// The client's quota from what the admission script read (its bucket in µs of Redis time and
+/// its counts on every replica), built as the in-process engine builds its own
+/// ([`QuotaStatus::of`], with the engine's bucket arithmetic, [`gcra::level`]), so the quota
+/// fields say the same thing whichever backend decided.
+fn quota(
+    limits: ClientLimits,
+    options: &ReplicaOptions,
+    (interval, span): (u64, u64),
+    reading: &Reading,
+) -> QuotaStatus {
+    let (remaining, next_micros) = gcra::level(
+        reading.tat_micros,
+        reading.now_micros,
+        Rate { interval, span },
+    );
+    QuotaStatus::of(
+        limits,
+        options.caps.grant_client,
+        secs_at_least_one(options.capacity_retry),
+        (remaining, next_micros.saturating_mul(1000)),
+        reading.active,
+        reading.pending,
+    )
 }
 
 fn secs_at_least_one(d: Duration) -> Duration {
@@ -298,30 +334,12 @@ fn rate_micros(requests: u32, window_seconds: u32) -> (u64, u64) {
 }
 
 impl RedisController {
-    /// Connects to Redis (checking it answers) for `config`. Admits nothing until
-    /// [`RedisController::register`] has taken the lease.
-    pub async fn connect(
-        config: Config,
-        options: RedisOptions,
-    ) -> Result<RedisController, SetupError> {
-        let controller = RedisController::connect_lazy(config, options)?;
-        let inner = &controller.inner;
-        let mut conn = inner.conn.clone();
-        let ping = tokio::time::timeout(
-            inner.options.call_timeout * 4,
-            redis::cmd("PING").query_async::<Value>(&mut conn),
-        )
-        .await
-        .map_err(|_| SetupError::Redis(format!("{} did not answer in time", inner.options.url)))?;
-        ping.map_err(|e| SetupError::Redis(e.to_string()))?;
-        Ok(controller)
-    }
-
-    /// As [`RedisController::connect`], without waiting for Redis: the connection is made by the
-    /// first call and made again after each failure, so a replica can start while Redis is down
-    /// (see [`RedisController::register_or_defer`]). Fails only on invalid options or URL. Call
-    /// it inside a Tokio runtime.
-    pub fn connect_lazy(
+    /// The shared controller of one replica, without waiting for Redis: the connection is made
+    /// by the first call and made again after each failure, so a replica can start while Redis
+    /// is down (see [`RedisController::register_or_defer`]). Fails only on invalid options or
+    /// URL. Call it inside a Tokio runtime. Admits nothing until registration has taken the
+    /// lease.
+    pub(crate) fn connect_lazy(
         config: Config,
         options: RedisOptions,
     ) -> Result<RedisController, SetupError> {
@@ -383,7 +401,7 @@ impl RedisController {
     }
 
     /// This replica's name.
-    pub fn replica(&self) -> &str {
+    pub(crate) fn replica(&self) -> &str {
         &self.inner.options.replica
     }
 
@@ -391,25 +409,12 @@ impl RedisController {
     /// name) is released and `restored` counted instead — even above a limit, so new work is
     /// refused until it drains — and the lease is taken, all in one atomic step. Starts the
     /// heartbeat. Returns a handle per restored operation, in order.
-    pub async fn register(
-        &self,
-        restored: impl IntoIterator<Item = RestoredOperation>,
-    ) -> Result<Vec<RedisOperation>, Unavailable> {
-        let cells = {
-            let _alone = self.inner.registration.write().await;
-            self.hold_restored(restored)
-        };
-        self.inner.register_again().await?;
-        self.start_heartbeat();
-        Ok(self.handles(cells))
-    }
-
-    /// As [`RedisController::register`], but if Redis does not answer now the replica still
-    /// starts: `restored` is held here (its handles work; releases are kept), every admission is
+    ///
+    /// If Redis does not answer now the replica still starts: `restored` is held here (its handles work; releases are kept), every admission is
     /// [`Unavailable`] (no lease), and the heartbeat registers it — the same atomic replace —
     /// as soon as Redis answers, after which admissions are decided. Returns the handles and, if
     /// registration was deferred, why.
-    pub async fn register_or_defer(
+    pub(crate) async fn register_or_defer(
         &self,
         restored: impl IntoIterator<Item = RestoredOperation>,
     ) -> (Vec<RedisOperation>, Option<Unavailable>) {
@@ -487,7 +492,7 @@ impl RedisController {
 
     /// Stops the heartbeat (the lease then lapses unless another process under this name renews
     /// it). Kept releases are sent first if Redis answers.
-    pub async fn shutdown(&self) {
+    pub(crate) async fn shutdown(&self) {
         self.inner.drain().await;
         let task = self
             .inner
@@ -507,7 +512,7 @@ impl RedisController {
     /// to an operation (on any replica) answers [`AdmitError::Replay`] and reserves nothing.
     ///
     /// Retrying with the same `id` after a lost reply never counts twice.
-    pub async fn admit(
+    pub(crate) async fn admit(
         &self,
         identity: &str,
         needs_approval: bool,
@@ -617,7 +622,13 @@ impl RedisController {
         // A definite answer: the permit below takes the reservation over, or nothing was made.
         undo.disarm();
         match reply {
-            AdmitReply::Admitted | AdmitReply::Duplicate => {
+            AdmitReply::Admitted(_) | AdmitReply::Duplicate => {
+                let quota = match &reply {
+                    AdmitReply::Admitted(reading) => {
+                        Some(quota(limits, &inner.options, (interval, span), reading))
+                    }
+                    _ => None,
+                };
                 inner.lock_held().insert(cell.id.clone(), Arc::clone(&cell));
                 Ok(RedisPermit::new(
                     Arc::clone(inner),
@@ -625,6 +636,7 @@ impl RedisController {
                     needs_approval,
                     (interval, span),
                     idem_key,
+                    quota,
                 ))
             }
             AdmitReply::Replay { id, replica } => Err(AdmitError::Replay {
@@ -646,6 +658,7 @@ impl RedisController {
                 code,
                 rate_wait_micros,
                 capacity,
+                reading,
             } => {
                 let capacity_wait = if capacity {
                     secs_at_least_one(inner.options.capacity_retry).as_nanos() as u64
@@ -657,24 +670,19 @@ impl RedisController {
                         code,
                         rate_wait_micros.saturating_mul(1000).max(capacity_wait),
                     ),
-                    quota: None,
+                    quota: Some(quota(limits, &inner.options, (interval, span), &reading)),
                 }))
             }
         }
     }
 
     /// Swaps in a new, already validated configuration; the next decision uses it.
-    pub fn reload(&self, config: Config) {
+    pub(crate) fn reload(&self, config: Config) {
         self.inner.config.store(Arc::new(config));
     }
 
-    /// The configuration in force.
-    pub fn config(&self) -> Config {
-        Config::clone(&self.inner.config.load())
-    }
-
     /// The shared counts now, across every replica.
-    pub async fn counts(&self) -> Result<SharedCounts, Unavailable> {
+    pub(crate) async fn counts(&self) -> Result<SharedCounts, Unavailable> {
         let inner = &self.inner;
         let mut pipe = redis::pipe();
         pipe.hgetall(&inner.keys.counts).hlen(&inner.keys.ops);
@@ -715,17 +723,17 @@ impl RedisController {
 
     /// Releases, exactly once, what every replica whose lease has lapsed held; returns how many
     /// operations were released. The heartbeat does this on every beat.
-    pub async fn reap(&self) -> Result<u64, Unavailable> {
+    pub(crate) async fn reap(&self) -> Result<u64, Unavailable> {
         self.inner.reap().await
     }
 
     /// Sends the releases kept while Redis did not answer; returns whether none is left.
-    pub async fn flush(&self) -> bool {
+    pub(crate) async fn flush(&self) -> bool {
         self.inner.drain().await
     }
 
     /// Renews the lease now (as the heartbeat does), re-registering if it lapsed.
-    pub async fn renew(&self) -> Result<(), Unavailable> {
+    pub(crate) async fn renew(&self) -> Result<(), Unavailable> {
         self.inner.renew().await
     }
 
@@ -787,7 +795,7 @@ impl RedisController {
     }
 
     /// What this replica's backend has seen.
-    pub fn stats(&self) -> RedisStats {
+    pub(crate) fn stats(&self) -> RedisStats {
         let inner = &self.inner;
         // Relaxed: statistics.
         RedisStats {
@@ -1298,5 +1306,88 @@ impl Drop for Inner {
         {
             task.abort();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+    use crate::config::Limits;
+    use crate::{Controller, ManualClock, StorageCaps};
+
+    #[test]
+    fn a_quota_from_a_redis_reading_is_the_engines_quota_for_the_same_bucket_and_counts() {
+        let limits = Limits {
+            requests_per_window: 3,
+            window_seconds: 60,
+            client_active: 5,
+            client_pending: 4,
+            global_active: 10,
+            global_executing: 2,
+        };
+        let config = Config::new(limits, BTreeMap::new(), [Identity::new("amy").unwrap()]).unwrap();
+        // The pending-grant cap is below the client's pending limit: the quota names the lower.
+        let caps = StorageCaps {
+            grant_client: 2,
+            ..StorageCaps::default()
+        };
+        let start_secs = 1_000;
+        let clock = ManualClock::new();
+        clock.set_nanos(start_secs * 1_000_000_000);
+        let engine = Controller::builder(config.clone())
+            .clock(clock.clone())
+            .storage_caps(caps)
+            .build();
+        let mut options = ReplicaOptions::new("redis://127.0.0.1:1/", "r1");
+        options.caps = caps;
+        options.capacity_retry = engine.capacity_retry();
+        let amy = config.effective("amy").unwrap();
+        let rate = rate_micros(3, 60);
+        let start = start_secs * 1_000_000;
+        // What the script reads after `taken` admissions at `start`, from a full bucket (TAT
+        // `max(TAT, now) + interval` each), of which the first two need approval.
+        let reading = |taken: u64, now: u64| Reading {
+            tat_micros: start + taken * rate.0,
+            now_micros: now,
+            active: taken,
+            pending: taken.min(2),
+        };
+        let mut held = Vec::new();
+        for taken in 1..=3 {
+            held.push(engine.admit("amy", taken <= 2).unwrap().commit());
+            let redis = quota(amy, &options, rate, &reading(taken, start));
+            assert_eq!(Some(redis), engine.quota("amy"), "{taken} taken");
+            assert_eq!(redis.rate.remaining, 3 - taken);
+            assert_eq!((redis.active.used, redis.active.limit), (taken, 5));
+            assert_eq!((redis.pending.used, redis.pending.limit), (taken.min(2), 2));
+        }
+        // Empty: the next token in exactly the wait a rate refusal reports (20 s).
+        let empty = quota(amy, &options, rate, &reading(3, start));
+        assert_eq!(empty.rate.next_token_nanos, 20_000_000_000);
+        let refusal = engine.admit("amy", false).unwrap_err();
+        assert_eq!(
+            refusal.retry_after,
+            Duration::from_nanos(empty.rate.next_token_nanos)
+        );
+        // Time passes on both clocks: tokens come back alike, to a full bucket.
+        for (elapsed, remaining) in [(5, 0), (20, 1), (45, 2), (61, 3), (600, 3)] {
+            clock.set_nanos((start_secs + elapsed) * 1_000_000_000);
+            let redis = quota(
+                amy,
+                &options,
+                rate,
+                &reading(3, start + elapsed * 1_000_000),
+            );
+            assert_eq!(Some(redis), engine.quota("amy"), "after {elapsed} s");
+            assert_eq!(redis.rate.remaining, remaining, "after {elapsed} s");
+        }
+        assert_eq!(
+            quota(amy, &options, rate, &reading(3, start + 600_000_000))
+                .rate
+                .next_token_nanos,
+            0
+        );
     }
 }

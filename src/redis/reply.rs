@@ -8,11 +8,25 @@ use redis::Value;
 
 use crate::engine::RefusalCode;
 
+/// The client's bucket and counts just after an admission decision, as the script read them:
+/// what its quota is made of.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Reading {
+    /// The bucket's theoretical arrival time after the decision (µs of Redis time).
+    pub tat_micros: u64,
+    /// Redis's time at the decision (µs).
+    pub now_micros: u64,
+    /// The client's live operations after the decision, on every replica.
+    pub active: u64,
+    /// The client's operations awaiting approval after the decision, on every replica.
+    pub pending: u64,
+}
+
 /// What the admission script decided.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum AdmitReply {
-    /// Admitted: the reservation is recorded under the operation's id.
-    Admitted,
+    /// Admitted: the reservation is recorded under the operation's id (the reading counts it).
+    Admitted(Reading),
     /// This operation id was admitted before (a retry after a lost reply): nothing counted again.
     Duplicate,
     /// The client's idempotency key already names an operation: `(id, replica)`.
@@ -26,8 +40,8 @@ pub enum AdmitReply {
     Lease,
     /// Redis forgot the deployment and the replicas are registering again: no admission yet.
     Recovering,
-    /// Refused: the first check that failed, the rate wait (µs), and whether any capacity
-    /// dimension is exhausted (then the capacity hint applies too).
+    /// Refused: the first check that failed, the rate wait (µs), whether any capacity
+    /// dimension is exhausted (then the capacity hint applies too), and the client's reading.
     Refused {
         /// The first check that failed.
         code: RefusalCode,
@@ -35,6 +49,8 @@ pub enum AdmitReply {
         rate_wait_micros: u64,
         /// Whether any capacity dimension is exhausted.
         capacity: bool,
+        /// The client's bucket and counts (unchanged by the refusal).
+        reading: Reading,
     },
 }
 
@@ -147,12 +163,29 @@ fn refusal_code(name: &str) -> Option<RefusalCode> {
         .find(|code| code.as_str() == name && *code != RefusalCode::ClientUnconfigured)
 }
 
+/// A reading: `{tat, now, active, pending}`, four counts.
+fn reading(value: &Value) -> Option<Reading> {
+    match array(value)? {
+        [tat, now, active, pending] => Some(Reading {
+            tat_micros: int(tat)?,
+            now_micros: int(now)?,
+            active: int(active)?,
+            pending: int(pending)?,
+        }),
+        _ => None,
+    }
+}
+
 /// Parses the admission script's reply.
 pub fn parse_admit(value: &Value) -> Result<AdmitReply, ReplyError> {
     let items = array(value).ok_or_else(|| bad("admit", value))?;
     let head = items.first().and_then(text);
     let reply = match (head, items.len()) {
-        (Some("admitted"), 1) => AdmitReply::Admitted,
+        // An admission counts itself: at least one live operation.
+        (Some("admitted"), 2) => match reading(&items[1]) {
+            Some(reading) if reading.active >= 1 => AdmitReply::Admitted(reading),
+            _ => return Err(bad("admit reading", value)),
+        },
         (Some("duplicate"), 1) => AdmitReply::Duplicate,
         (Some("lease"), 1) => AdmitReply::Lease,
         (Some("recovering"), 1) => AdmitReply::Recovering,
@@ -165,7 +198,7 @@ pub fn parse_admit(value: &Value) -> Result<AdmitReply, ReplyError> {
             }
             _ => return Err(bad("admit replay", value)),
         },
-        (Some("refused"), 4) => {
+        (Some("refused"), 5) => {
             let code = text(&items[1]).and_then(refusal_code);
             let wait = int(&items[2]);
             let capacity = match int(&items[3]) {
@@ -173,15 +206,16 @@ pub fn parse_admit(value: &Value) -> Result<AdmitReply, ReplyError> {
                 Some(1) => Some(true),
                 _ => None,
             };
-            match (code, wait, capacity) {
+            match (code, wait, capacity, reading(&items[4])) {
                 // A capacity code always means a capacity dimension is exhausted.
-                (Some(code), Some(rate_wait_micros), Some(capacity))
+                (Some(code), Some(rate_wait_micros), Some(capacity), Some(reading))
                     if capacity || !code.is_capacity() =>
                 {
                     AdmitReply::Refused {
                         code,
                         rate_wait_micros,
                         capacity,
+                        reading,
                     }
                 }
                 _ => return Err(bad("admit refusal", value)),
@@ -336,7 +370,22 @@ mod tests {
     #[test]
     fn every_admit_shape_parses_and_nothing_else_does() {
         let ok = |items: Vec<Value>| parse_admit(&Value::Array(items));
-        assert_eq!(ok(vec![bulk("admitted")]), Ok(AdmitReply::Admitted));
+        let at = |tat: &str, now: &str, a: i64, p: i64| {
+            Value::Array(vec![bulk(tat), bulk(now), Value::Int(a), Value::Int(p)])
+        };
+        let read = Reading {
+            tat_micros: 1_700_000_020_000_000,
+            now_micros: 1_700_000_000_000_000,
+            active: 2,
+            pending: 1,
+        };
+        assert_eq!(
+            ok(vec![
+                bulk("admitted"),
+                at("1700000020000000", "1700000000000000", 2, 1)
+            ]),
+            Ok(AdmitReply::Admitted(read))
+        );
         assert_eq!(ok(vec![bulk("duplicate")]), Ok(AdmitReply::Duplicate));
         assert_eq!(ok(vec![bulk("lease")]), Ok(AdmitReply::Lease));
         assert_eq!(
@@ -351,47 +400,76 @@ mod tests {
                 bulk("refused"),
                 bulk("client_pending_limit"),
                 bulk("0"),
-                Value::Int(1)
+                Value::Int(1),
+                at("1700000020000000", "1700000000000000", 2, 1)
             ]),
             Ok(AdmitReply::Refused {
                 code: RefusalCode::ClientPendingLimit,
                 rate_wait_micros: 0,
-                capacity: true
+                capacity: true,
+                reading: read,
             })
         );
         for bad_reply in [
             vec![],
+            vec![bulk("admitted")],
             vec![bulk("admitted"), bulk("x")],
+            vec![bulk("admitted"), at("1", "1", 0, 0)],
+            vec![bulk("admitted"), at("1", "-1", 1, 0)],
+            vec![bulk("admitted"), at("1", "1", 1, -1)],
+            vec![bulk("admitted"), at("1.5", "1", 1, 0)],
+            vec![
+                bulk("admitted"),
+                Value::Array(vec![bulk("1"), bulk("1"), Value::Int(1)]),
+            ],
+            vec![
+                bulk("refused"),
+                bulk("client_pending_limit"),
+                bulk("0"),
+                Value::Int(1),
+            ],
+            vec![
+                bulk("refused"),
+                bulk("client_pending_limit"),
+                bulk("0"),
+                Value::Int(1),
+                bulk("1 1 1 1"),
+            ],
             vec![bulk("replay"), bulk(""), bulk("r")],
             vec![
                 bulk("refused"),
                 bulk("client_unconfigured"),
                 bulk("0"),
                 Value::Int(0),
+                at("1", "1", 0, 0),
             ],
             vec![
                 bulk("refused"),
                 bulk("client_operation_limit"),
                 bulk("0"),
                 Value::Int(0),
+                at("1", "1", 0, 0),
             ],
             vec![
                 bulk("refused"),
                 bulk("submission_rate_limited"),
                 bulk("-1"),
                 Value::Int(0),
+                at("1", "1", 0, 0),
             ],
             vec![
                 bulk("refused"),
                 bulk("submission_rate_limited"),
                 bulk("1e9"),
                 Value::Int(0),
+                at("1", "1", 0, 0),
             ],
             vec![
                 bulk("refused"),
                 bulk("submission_rate_limited"),
                 bulk("5"),
                 Value::Int(2),
+                at("1", "1", 0, 0),
             ],
             vec![bulk("admit")],
         ] {

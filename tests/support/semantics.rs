@@ -253,14 +253,21 @@ impl Backend {
                 state,
             })
             .collect();
+        let ids: Vec<String> = restored.iter().map(|op| op.id.clone()).collect();
         let restored = self.admission.restore(restored).await;
         assert!(restored.deferred.is_none(), "the replica registers");
         restored
             .operations
             .into_iter()
-            .map(|handle| {
+            .zip(ids)
+            .map(|(handle, id)| {
                 let handle = handle.ok()?;
                 assert_eq!(handle.is_replicated(), self.admission.is_replicated());
+                assert_eq!(
+                    handle.id().to_string(),
+                    id,
+                    "a restored handle keeps its stored id"
+                );
                 Some(handle)
             })
             .collect()

@@ -147,7 +147,9 @@ impl Database {
     }
 
     /// A reader connection from the pool (blocking until one is free, at most its timeout).
-    pub(super) fn reader(&self) -> Result<r2d2::PooledConnection<SqliteConnectionManager>, StoreError> {
+    pub(super) fn reader(
+        &self,
+    ) -> Result<r2d2::PooledConnection<SqliteConnectionManager>, StoreError> {
         self.readers.get().map_err(|source| StoreError::NoReader {
             path: self.dir.join(DATABASE_FILE),
             source,

@@ -7,11 +7,13 @@
 --       limit, 11 per-client grant cap, 12 global grant cap, 13 global active limit,
 --       14 global executing limit, 15 whether KEYS[5] is used (0/1), 16 its lifetime (ms; 0 for
 --       none: it lives until its operation is retired), 17 the epoch this replica registered in.
--- Reply: {'admitted'} | {'duplicate'} (this id was admitted before: a retry) |
+-- Reply: {'admitted', reading} | {'duplicate'} (this id was admitted before: a retry) |
 --        {'replay', id, replica} | {'lease'} (this replica does not hold its lease, or not in the
 --        deployment's epoch) | {'recovering'} (Redis forgot the deployment and the replicas are
 --        registering again) |
---        {'refused', code, rate wait µs, capacity exhausted 0/1}.
+--        {'refused', code, rate wait µs, capacity exhausted 0/1, reading}, where reading is
+--        {TAT µs, now µs, client active, client pending}: the client's bucket and counts just after
+--        the decision, for the client's quota (`RateLimit` fields) as the deployment sees it.
 local base, id, replica, token, client = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local approval = ARGV[6] == '1'
 local interval, span = tonumber(ARGV[7]), tonumber(ARGV[8])
@@ -82,7 +84,8 @@ if code then
   if rescaled and tat > now then
     write_tat(KEYS[3], tat, interval, span, now)
   end
-  return {'refused', code, string.format('%.0f', rate_wait), capacity}
+  return {'refused', code, string.format('%.0f', rate_wait), capacity,
+    {string.format('%.0f', tat), string.format('%.0f', now), a, p}}
 end
 
 write_tat(KEYS[3], next_tat, interval, span, now)
@@ -98,4 +101,5 @@ if keyed then
     redis.call('SET', KEYS[5], id .. ' ' .. replica)
   end
 end
-return {'admitted'}
+if approval then p = p + 1 end
+return {'admitted', {string.format('%.0f', next_tat), string.format('%.0f', now), a + 1, p}}
