@@ -89,6 +89,16 @@ struct ServeArgs {
     /// This replica's name, unique among the replicas and stable across restarts.
     #[arg(long, value_name = "NAME", requires = "redis")]
     replica: Option<String>,
+    /// Every replica of the deployment, this one included (comma-separated). After Redis forgets
+    /// the deployment (a restart without persistence, a flush), admissions resume as soon as all
+    /// of them have registered again rather than after one lease period.
+    #[arg(
+        long,
+        value_name = "NAME,NAME,...",
+        value_delimiter = ',',
+        requires = "redis"
+    )]
+    replicas: Vec<String>,
     /// The key prefix (hash tag) of this deployment's keys in Redis.
     #[arg(
         long,
@@ -165,6 +175,7 @@ fn serve(args: ServeArgs) -> ExitCode {
             let mut options =
                 unyolo_admission::ReplicaOptions::new(url, args.replica.unwrap_or_default());
             options.prefix = args.redis_prefix;
+            options.replicas = args.replicas;
             options
         }),
     };

@@ -60,6 +60,9 @@ pub(crate) struct Core {
     pub(crate) uploading: Mutex<HashMap<String, (String, u64)>>,
     /// `admission_store_drift`: the total difference found by the last drift reading.
     pub(crate) drift: Gauge,
+    /// `admission_fleet_drift`: operations the shared store holds for this replica differently
+    /// from its store, at the last reading (0 in-process).
+    pub(crate) fleet_drift: Gauge,
     pub(crate) shutdown: watch::Receiver<bool>,
     /// Open long-poll waits and the bells that wake them.
     pub(crate) waits: Waits,

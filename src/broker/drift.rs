@@ -20,6 +20,12 @@
 //! holds the gate (one store query, a few milliseconds). With a slow store that is at most the
 //! store's busy timeout, which those changes would spend on the store anyway. Reads, replays and
 //! operator listings never take the gate; a submission takes it only to be admitted.
+//!
+//! **Fleet drift.** On a replica the same reading also compares what the shared store holds
+//! under this replica's name (operation id → state) with the store's live rows, and exports the
+//! operations on which they disagree as `admission_fleet_drift` (0 when the promise of SPEC
+//! section 7 holds; always 0 in-process). A Redis that does not answer skips that half of the
+//! reading (the gauge keeps its last value) rather than hold the gate past one call's timeout.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -81,11 +87,25 @@ impl Difference {
     }
 }
 
+/// One operation on which the store and the shared store (Redis) disagree.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FleetDifference {
+    /// The operation.
+    pub id: String,
+    /// Its state in the store, if live there.
+    pub store: Option<OperationState>,
+    /// Its state in the shared store under this replica's name, if held there.
+    pub shared: Option<OperationState>,
+}
+
 /// The outcome of one comparison of the controller's counts with the store.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct DriftReport {
     /// Every count that differs (none when the promise holds), global ones first.
     pub differences: Vec<Difference>,
+    /// On a replica, every operation whose state the shared store holds differently from the
+    /// store (`None` in-process, or when the shared store did not answer).
+    pub fleet: Option<Vec<FleetDifference>>,
 }
 
 impl DriftReport {
@@ -116,7 +136,22 @@ impl DriftReport {
                 })
             })
             .collect();
-        json!({"drift": self.total(), "differences": differences})
+        let mut report = json!({"drift": self.total(), "differences": differences});
+        if let Some(fleet) = &self.fleet {
+            let fleet: Vec<Value> = fleet
+                .iter()
+                .map(|d| {
+                    json!({
+                        "operation": d.id,
+                        "store": d.store.map(|s| s.as_str()),
+                        "shared": d.shared.map(|s| s.as_str()),
+                    })
+                })
+                .collect();
+            report["fleet_drift"] = json!(fleet.len());
+            report["fleet_differences"] = Value::Array(fleet);
+        }
+        report
     }
 }
 
@@ -256,7 +291,10 @@ fn compare(snapshot: &Snapshot, stored: &StoredCounts, uploading: &[(String, u64
             store.get(name).unwrap_or(&none),
         );
     }
-    DriftReport { differences }
+    DriftReport {
+        differences,
+        fleet: None,
+    }
 }
 
 /// Takes one reading: holds the counts gate exclusively while it reads the store and the
@@ -267,10 +305,24 @@ pub(crate) async fn check(core: &Core) -> Result<DriftReport, StoreError> {
         let uploading = core.uploads_in_progress();
         let stored = core.db.counts().await?;
         let snapshot = core.controller().snapshot();
-        compare(&snapshot, &stored, &uploading)
+        let mut report = compare(&snapshot, &stored, &uploading);
+        report.fleet = fleet(core).await?;
+        report
     };
     core.drift
         .set(i64::try_from(report.total()).unwrap_or(i64::MAX));
+    if let Some(fleet) = &report.fleet {
+        core.fleet_drift
+            .set(i64::try_from(fleet.len()).unwrap_or(i64::MAX));
+        for d in fleet {
+            tracing::warn!(
+                operation = %d.id,
+                store = d.store.map_or("-", |s| s.as_str()),
+                shared = d.shared.map_or("-", |s| s.as_str()),
+                "the shared store holds this replica's operation differently from its store"
+            );
+        }
+    }
     for d in &report.differences {
         tracing::warn!(
             client = d.client.as_deref().unwrap_or("*"),
@@ -281,6 +333,47 @@ pub(crate) async fn check(core: &Core) -> Result<DriftReport, StoreError> {
         );
     }
     Ok(report)
+}
+
+/// The fleet half of a reading, under the gate: `None` in-process or if Redis does not answer.
+async fn fleet(core: &Core) -> Result<Option<Vec<FleetDifference>>, StoreError> {
+    let shared = match core.admission.shared_holdings().await {
+        Ok(Some(shared)) => shared,
+        Ok(None) => return Ok(None),
+        Err(err) => {
+            tracing::warn!(error = %err, "fleet drift not read: redis does not answer");
+            return Ok(None);
+        }
+    };
+    let live: BTreeMap<String, OperationState> = core.db.live_states().await?.into_iter().collect();
+    Ok(Some(fleet_differences(&live, &shared)))
+}
+
+/// The operations on which `store` (live rows) and `shared` (held in Redis) disagree.
+fn fleet_differences(
+    store: &BTreeMap<String, OperationState>,
+    shared: &BTreeMap<String, OperationState>,
+) -> Vec<FleetDifference> {
+    let mut differences = Vec::new();
+    for (id, &state) in store {
+        if shared.get(id) != Some(&state) {
+            differences.push(FleetDifference {
+                id: id.clone(),
+                store: Some(state),
+                shared: shared.get(id).copied(),
+            });
+        }
+    }
+    for (id, &state) in shared {
+        if !store.contains_key(id) {
+            differences.push(FleetDifference {
+                id: id.clone(),
+                store: None,
+                shared: Some(state),
+            });
+        }
+    }
+    differences
 }
 
 /// Takes a reading every `every` until the broker shuts down; a zero interval takes none.
@@ -316,6 +409,33 @@ mod tests {
         let secrets = Secrets::parse("a = secret-a\nb = secret-b\n").unwrap();
         let identities: Vec<Identity> = secrets.identities().cloned().collect();
         Controller::new(Config::defaults(identities))
+    }
+
+    #[test]
+    fn the_fleet_differs_where_a_state_differs_or_one_side_lacks_the_operation() {
+        use OperationState::{Approved, Executing, Pending};
+        let store: BTreeMap<String, OperationState> =
+            [("a", Pending), ("b", Approved), ("c", Executing)]
+                .map(|(id, s)| (id.to_string(), s))
+                .into();
+        assert!(fleet_differences(&store, &store).is_empty());
+        let shared: BTreeMap<String, OperationState> =
+            [("a", Pending), ("b", Executing), ("d", Approved)]
+                .map(|(id, s)| (id.to_string(), s))
+                .into();
+        let differences = fleet_differences(&store, &shared);
+        let seen: Vec<(&str, Option<OperationState>, Option<OperationState>)> = differences
+            .iter()
+            .map(|d| (d.id.as_str(), d.store, d.shared))
+            .collect();
+        assert_eq!(
+            seen,
+            vec![
+                ("b", Some(Approved), Some(Executing)),
+                ("c", Some(Executing), None),
+                ("d", None, Some(Approved)),
+            ]
+        );
     }
 
     #[test]

@@ -101,6 +101,7 @@ mod exec;
 pub mod keys;
 pub mod listener;
 mod operations;
+mod recovery;
 pub(crate) mod registry;
 pub mod retention;
 pub mod serve;

@@ -38,6 +38,8 @@ use prometheus_client::registry::Registry;
 use super::core::Core;
 use super::store::StoreError;
 use crate::OperationState;
+use crate::admission::KeyRecord;
+use crate::config::Identity;
 
 /// Rows deleted per write transaction: small, so a submission waiting for SQLite's write lock
 /// waits for one short batch (500 rows held the lock ~0.6 s on a loaded 2-core machine).
@@ -142,6 +144,9 @@ impl Default for RetentionSettings {
 pub struct SweepReport {
     /// Terminal operations deleted.
     pub retired: u64,
+    /// Terminal operations due that stay until the next sweep, because the shared store could
+    /// not unbind their keys.
+    pub deferred: u64,
     /// Stream rows deleted because their file was gone.
     pub stream_rows_removed: u64,
     /// Stream files removed because they had no row and no upload in progress.
@@ -278,13 +283,36 @@ pub(crate) async fn sweep(
     {
         let cutoff = humantime::format_rfc3339_millis(cutoff).to_string();
         loop {
+            let batch = core.db.retiring(cutoff.clone(), BATCH).await?;
+            let full = batch.len() >= BATCH as usize;
+            if batch.is_empty() {
+                break;
+            }
+            // The keys go before the rows: a replay that finds a key still bound (on any
+            // replica) finds its row, and one that finds it unbound is new work everywhere.
+            // Replicated, a Redis that does not answer keeps the rows until the next sweep.
+            let records: Vec<KeyRecord> = batch
+                .iter()
+                .filter_map(|row| {
+                    Some(KeyRecord {
+                        client: Identity::new(&row.client).ok()?,
+                        key: row.key.clone(),
+                        operation: row.id.clone(),
+                    })
+                })
+                .collect();
+            if let Err(err) = core.admission.retire_keys(&records).await {
+                tracing::warn!(error = %err, "cannot unbind retired keys in redis; they retire at the next sweep");
+                report.deferred += batch.len() as u64;
+                break;
+            }
             let deleted = {
                 let _quiet = core.hold_counts().await;
-                core.db.retire_batch(cutoff.clone(), BATCH).await?
+                core.db.retire(batch).await?
             };
             report.retired += deleted;
             core.keys.retired(deleted);
-            if deleted < u64::from(BATCH) {
+            if !full {
                 break;
             }
             // Let waiting writers (submissions, decisions) in between batches.

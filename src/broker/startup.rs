@@ -73,7 +73,16 @@ impl Broker {
             .storage_caps(settings.storage_caps)
             .capacity_retry(settings.capacity_retry)
             .build();
-        let admission = Admission::new(controller, settings.replicas.clone())
+        let mut replicas = settings.replicas.clone();
+        if let Some(options) = &mut replicas
+            && options.idempotency_ttl.is_none()
+            && let Keep::For(keep) = settings.retention.keep
+        {
+            // A key lives as long as its operation: the sweep unbinds it when it retires the
+            // row; the lifetime is only a net under that, a day past the retention.
+            options.idempotency_ttl = Some(keep + Duration::from_secs(24 * 3600));
+        }
+        let admission = Admission::new(controller, replicas)
             .map_err(|e| BrokerError::Settings(e.to_string()))?;
         let data_dir = settings.data_dir.clone();
         let broker_name = settings.broker_name.clone();
@@ -92,6 +101,11 @@ impl Broker {
         .map_err(|e| BrokerError::Io(format!("start-up task failed: {e}")))??;
 
         let mut registry = Registry::default();
+        // After Redis forgets, this replica's store gives back its keys and recent admissions.
+        admission.set_recovery_source(Arc::new(super::recovery::StoreSource::new(
+            db.clone(),
+            rate_window,
+        )));
         admission.register_metrics(&mut registry);
         let drift = Gauge::default();
         registry.register(
@@ -99,6 +113,13 @@ impl Broker {
             "Total absolute difference between the controller's counts and the store at the last \
              check (0 when they agree).",
             drift.clone(),
+        );
+        let fleet_drift = Gauge::default();
+        registry.register(
+            "admission_fleet_drift",
+            "Operations the shared store (Redis) holds under this replica's name differently from \
+             its store's live rows at the last check (0 when they agree; always 0 in-process).",
+            fleet_drift.clone(),
         );
         let submissions = Family::<SubmissionLabels, Counter>::default();
         for result in ["created", "replayed", "rejected"] {
@@ -144,6 +165,7 @@ impl Broker {
             counts_gate: Arc::new(tokio::sync::RwLock::new(())),
             uploading: Mutex::new(HashMap::new()),
             drift,
+            fleet_drift,
             shutdown: shutdown.clone(),
             waits: Waits::default(),
         });

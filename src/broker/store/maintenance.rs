@@ -3,7 +3,7 @@
 //! compare with the controller's.
 //!
 //! **Bounded.** The file uses incremental auto-vacuum: the broker's retention sweep deletes
-//! retired rows in small transactions ([`Database::retire_batch`]) and then returns freed pages to
+//! retired rows in small transactions ([`Database::retiring`], [`Database::retire`]) and then returns freed pages to
 //! the filesystem a few at a time ([`Database::return_free_pages`]), so neither step holds the
 //! write lock for long. An older file is switched over once at start-up with one full `VACUUM`
 //! (see `schema`).
@@ -24,6 +24,19 @@ pub struct StoredCounts {
     pub operations: Vec<(String, OperationState, u64)>,
     /// (client, files, bytes) of the stored streams.
     pub streams: Vec<(String, u64, u64)>,
+}
+
+/// A terminal operation the retention sweep is about to retire: its row and its idempotency key.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Retiring {
+    /// The row's sequence number.
+    pub seq: i64,
+    /// Its client.
+    pub client: String,
+    /// Its idempotency key.
+    pub key: String,
+    /// Its id.
+    pub id: String,
 }
 
 impl Database {
@@ -99,24 +112,74 @@ impl Database {
         .await
     }
 
-    /// Deletes up to `limit` terminal operations whose `terminal_at` is before `cutoff` (RFC 3339,
-    /// UTC, as [`super::now_rfc3339`] writes it), oldest first, in one short write transaction;
-    /// returns how many went. Non-terminal operations are never touched, whatever their
-    /// `terminal_at`.
-    pub async fn retire_batch(&self, cutoff: String, limit: u32) -> Result<u64, StoreError> {
-        self.write(move |conn| {
-            // `terminal_at` is fixed-width UTC text, so text order is time order; the partial
-            // index `operations_retiring` finds the batch without a scan.
-            conn.prepare_cached(
-                "DELETE FROM operations WHERE seq IN (SELECT seq FROM operations \
-                 WHERE terminal_at IS NOT NULL AND terminal_at < ?1 \
-                 AND state IN ('succeeded', 'failed', 'denied', 'canceled', 'expired') \
-                 ORDER BY terminal_at LIMIT ?2)",
-            )?
-            .execute(params![cutoff, limit])
+    /// Every live operation's id and state (pending, approved or executing): what this replica's
+    /// shared holdings must equal (fleet drift).
+    pub async fn live_states(&self) -> Result<Vec<(String, OperationState)>, StoreError> {
+        self.read(|conn, _| {
+            let mut stmt = conn.prepare_cached(
+                "SELECT id, state FROM operations \
+                 WHERE state IN ('pending', 'approved', 'executing')",
+            )?;
+            let rows = stmt.query_map([], |row| {
+                Ok((row.get::<_, String>(0)?, row.get::<_, String>(1)?))
+            })?;
+            let mut live = Vec::new();
+            for row in rows {
+                let (id, state) = row?;
+                if let Some(state) = OperationState::parse(&state) {
+                    live.push((id, state));
+                }
+            }
+            Ok(live)
         })
         .await
-        .map(|n| n as u64)
+    }
+
+    /// Up to `limit` terminal operations whose `terminal_at` is before `cutoff` (RFC 3339, UTC,
+    /// as [`super::now_rfc3339`] writes it), oldest first: what the next retention batch retires.
+    /// Non-terminal operations are never among them, whatever their `terminal_at`.
+    pub async fn retiring(&self, cutoff: String, limit: u32) -> Result<Vec<Retiring>, StoreError> {
+        self.read(move |conn, _| {
+            // `terminal_at` is fixed-width UTC text, so text order is time order; the partial
+            // index `operations_retiring` finds the batch without a scan.
+            let mut stmt = conn.prepare_cached(
+                "SELECT seq, client_id, idempotency_key, id FROM operations \
+                 WHERE terminal_at IS NOT NULL AND terminal_at < ?1 \
+                 AND state IN ('succeeded', 'failed', 'denied', 'canceled', 'expired') \
+                 ORDER BY terminal_at LIMIT ?2",
+            )?;
+            let rows = stmt.query_map(params![cutoff, limit], |row| {
+                Ok(Retiring {
+                    seq: row.get(0)?,
+                    client: row.get(1)?,
+                    key: row.get(2)?,
+                    id: row.get(3)?,
+                })
+            })?;
+            rows.collect()
+        })
+        .await
+    }
+
+    /// Deletes the operations of `batch` (found by [`Database::retiring`]) in one short write
+    /// transaction; returns how many went. Each is deleted only if still terminal.
+    pub async fn retire(&self, batch: Vec<Retiring>) -> Result<u64, StoreError> {
+        self.write(move |conn| {
+            let tx = conn.transaction()?;
+            let mut deleted = 0;
+            {
+                let mut stmt = tx.prepare_cached(
+                    "DELETE FROM operations WHERE seq = ?1 AND terminal_at IS NOT NULL \
+                     AND state IN ('succeeded', 'failed', 'denied', 'canceled', 'expired')",
+                )?;
+                for row in &batch {
+                    deleted += stmt.execute(params![row.seq])?;
+                }
+            }
+            tx.commit()?;
+            Ok(deleted as u64)
+        })
+        .await
     }
 
     /// Returns up to `pages` free pages to the filesystem (incremental vacuum), in one short write

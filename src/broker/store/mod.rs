@@ -33,7 +33,7 @@ mod streams;
 
 pub use database::{DATABASE_FILE, DEFAULT_BROKER_NAME, Database, LOCK_FILE, READERS, now_rfc3339};
 pub use error::{InsertError, StoreError};
-pub use maintenance::StoredCounts;
+pub use maintenance::{Retiring, StoredCounts};
 pub use operations::{OperationError, OperationRecord, PageQuery, Recovered};
 pub use schema::SCHEMA_VERSION;
 pub use streams::StreamRecord;

@@ -244,6 +244,17 @@ impl Database {
         Ok(())
     }
 
+    /// Every operation's (client, idempotency key, id): the key records a replica writes back
+    /// after the shared store forgot them.
+    pub async fn key_records(&self) -> Result<Vec<(String, String, String)>, StoreError> {
+        self.read(|conn, _| {
+            let mut stmt = conn.prepare("SELECT client_id, idempotency_key, id FROM operations")?;
+            let rows = stmt.query_map([], |row| Ok((row.get(0)?, row.get(1)?, row.get(2)?)))?;
+            rows.collect()
+        })
+        .await
+    }
+
     /// Inserts a new operation; durable when this returns `Ok`.
     pub async fn insert(&self, record: OperationRecord) -> Result<(), InsertError> {
         let result = self

@@ -1,0 +1,64 @@
+//! The broker's store as a replica's [`RecoverySource`]: after the shared store forgot the
+//! deployment, what this replica's SQLite file holds goes back to Redis with its holdings — the
+//! idempotency key of every operation it keeps (live and retained), and its clients' admissions
+//! within the longest rate window (read from the creation times, as a restart rebuilds the
+//! in-process buckets: no extra write per admission).
+
+use std::time::{Duration, SystemTime};
+
+use super::store::Database;
+use crate::admission::{KeyRecord, RecoverySource, SourceFuture};
+use crate::config::Identity;
+
+/// The store, read for a recovery.
+pub(crate) struct StoreSource {
+    db: Database,
+    /// The longest rate window of any client at start-up: how far back admissions count.
+    window: Duration,
+}
+
+impl StoreSource {
+    pub(crate) fn new(db: Database, window: Duration) -> StoreSource {
+        StoreSource { db, window }
+    }
+}
+
+impl RecoverySource for StoreSource {
+    fn key_records(&self) -> SourceFuture<'_, Vec<KeyRecord>> {
+        Box::pin(async move {
+            let rows = self.db.key_records().await.map_err(|e| e.to_string())?;
+            Ok(rows
+                .into_iter()
+                .filter_map(|(client, key, operation)| {
+                    Some(KeyRecord {
+                        client: Identity::new(&client).ok()?,
+                        key,
+                        operation,
+                    })
+                })
+                .collect())
+        })
+    }
+
+    fn recent_admissions(&self) -> SourceFuture<'_, Vec<(Identity, Duration)>> {
+        Box::pin(async move {
+            let now = SystemTime::now();
+            let since = now
+                .checked_sub(self.window)
+                .unwrap_or(SystemTime::UNIX_EPOCH);
+            let db = self.db.clone();
+            let created = tokio::task::spawn_blocking(move || db.created_since(since))
+                .await
+                .map_err(|e| e.to_string())?
+                .map_err(|e| e.to_string())?;
+            Ok(created
+                .into_iter()
+                .filter_map(|(client, at)| {
+                    // A creation time after now (the wall clock stepped back) counts as just now.
+                    let age = now.duration_since(at).unwrap_or(Duration::ZERO);
+                    Some((Identity::new(&client).ok()?, age))
+                })
+                .collect())
+        })
+    }
+}
