@@ -16,10 +16,10 @@ use std::time::Duration;
 use crate::clock::ManualClock;
 use crate::config::secrets::{LineProblem, Secrets, parse_operator_secret};
 use crate::config::{ClientLimits, Config, Identity, Limits, MAX_LIMIT, MAX_WINDOW_SECONDS};
+use crate::engine::Snapshot;
 use crate::engine::{
     Controller, Operation, OperationState, Permit, RefusalCode, StartError, StorageCaps,
 };
-use crate::metrics::Snapshot;
 
 /// The identities a fuzzed quota file is judged against.
 pub const CONFIG_IDENTITIES: [&str; 3] = ["alice", "bot-7", "ci.runner@example"];

@@ -19,7 +19,7 @@
 //!   releases its slots exactly once. Storage quotas use the same primitive.
 //! - [`clock`]: where time comes from (`quanta` in production, [`ManualClock`] in tests), clamped
 //!   so time as the engine sees it never goes back.
-//! - [`metrics`]: a lock-free [`Snapshot`] of every count and its Prometheus exposition.
+//! - [`metrics`]: the Prometheus exposition of the engine's lock-free [`Snapshot`] of every count.
 //! - `broker` (cargo feature `broker`, on by default): the reference broker behind `admission
 //!   serve`, an HTTP server with a SQLite store. The library ends where it begins.
 //!
@@ -138,9 +138,9 @@ pub use prometheus_client;
 
 pub use clock::{Clock, ManualClock, QuantaClock};
 pub use config::{ClientLimits, Config, Identity, Limits};
+pub use engine::Snapshot;
 pub use engine::{
     CancelOutcome, CapacityQuota, Controller, ControllerBuilder, Operation, OperationState, Permit,
     QuotaStatus, RateQuota, Refusal, RefusalCode, StartError, StorageCaps, StorageReservation,
     Store, StoreCaps, StoredObject, TransitionError,
 };
-pub use metrics::Snapshot;

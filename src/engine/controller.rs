@@ -35,11 +35,11 @@ use super::gcra::{Bucket, Rate};
 use super::global::{Counts, GlobalCounts, GlobalLimits, GlobalRefusal};
 use super::lifecycle::{Operation, OperationState};
 use super::refusal::{Refusal, RefusalCode};
+use super::snapshot::{ClientSnapshot, Snapshot, StoreSnapshot};
 use super::storage::{StorageReservation, StoredObject};
 use super::tally::Tally;
 use crate::clock::{Clock, MonotonicClock, QuantaClock, duration_nanos};
 use crate::config::{ClientLimits, Config, ConfigError, Identity};
-use crate::metrics::{ClientSnapshot, Snapshot, StoreSnapshot};
 use crate::sync::Event;
 
 use std::sync::atomic::Ordering;
