@@ -6,11 +6,11 @@
 //! the latest one seen, so time as the engine sees it never goes back: a backward step can neither
 //! refill a bucket nor lock a client out for longer than its window.
 
-use std::sync::Arc;
-
 use crossbeam_utils::CachePadded;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
+
+use crate::sync::Arc;
 
 /// A source of time in nanoseconds since an arbitrary origin fixed when the clock was made.
 pub trait Clock: Send + Sync + 'static {
