@@ -184,6 +184,12 @@ pub(crate) fn duration_nanos(d: Duration) -> u64 {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
+/// `nanos` in whole seconds, rounded up: a wait of 1.2 s is told as 2 s, so a client that waits
+/// what it is told never arrives early.
+pub(crate) fn whole_seconds_up(nanos: u64) -> u64 {
+    nanos.div_ceil(1_000_000_000)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -16,10 +16,6 @@ use crate::config::Secrets;
 use crate::config::secrets::read_operator_secret;
 use crate::{Config, StorageCaps};
 
-/// The default listen address.
-pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
-/// The default data dir.
-pub const DEFAULT_DATA_DIR: &str = "admission-data";
 /// The generated client secrets file's name in the data dir.
 pub const GENERATED_SECRETS: &str = "client-secrets";
 /// The generated operator secret file's name in the data dir.

@@ -33,7 +33,7 @@ use super::gauge::Gauge;
 use super::gcra::{Bucket, Rate};
 use super::global::{Counts, GlobalCounts, GlobalLimits, GlobalRefusal};
 use super::lifecycle::{Operation, OperationState};
-use super::refusal::{Refusal, RefusalCode};
+use super::refusal::{Refusal, RefusalCode, retry_after};
 use super::snapshot::{ClientSnapshot, Snapshot, StoreSnapshot};
 use super::storage::{StorageReservation, StoredObject};
 use super::tally::Tally;
@@ -120,7 +120,7 @@ impl ControllerBuilder {
             clients: Box::new([]),
             global_active: 0,
             global_executing: 0,
-            capacity_retry: round_up_to_seconds(self.capacity_retry),
+            capacity_retry: retry_after(duration_nanos(self.capacity_retry)),
             caps: self.caps,
             config: Config::defaults([]),
         };
@@ -147,10 +147,6 @@ impl ControllerBuilder {
         controller.apply(self.config, None);
         controller
     }
-}
-
-fn round_up_to_seconds(d: Duration) -> Duration {
-    Duration::from_secs(duration_nanos(d).div_ceil(1_000_000_000).max(1))
 }
 
 fn client_settings(limits: ClientLimits, configured: bool) -> ClientSettings {

@@ -443,7 +443,7 @@ fn valid_op_id(id: &str) -> bool {
 }
 
 fn secs_at_least_one(d: Duration) -> Duration {
-    Duration::from_secs(d.as_nanos().div_ceil(1_000_000_000).max(1) as u64)
+    crate::engine::refusal::retry_after(crate::clock::duration_nanos(d))
 }
 
 /// A rate in Redis's unit (µs): the emission interval and the burst span.
