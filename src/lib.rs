@@ -125,6 +125,7 @@ pub mod broker;
 pub mod clock;
 pub mod config;
 pub mod engine;
+#[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod metrics;

@@ -123,16 +123,19 @@ impl ApiError {
     }
 
     /// The HTTP status.
+    #[cfg(feature = "fuzzing")]
     pub(crate) fn status(&self) -> StatusCode {
         self.status
     }
 
     /// The stable error code.
+    #[cfg(feature = "fuzzing")]
     pub(crate) fn code(&self) -> &'static str {
         self.code
     }
 
     /// The message a client reads.
+    #[cfg(feature = "fuzzing")]
     pub(crate) fn message(&self) -> &str {
         &self.message
     }
