@@ -340,6 +340,8 @@ impl std::fmt::Debug for Database {
 fn open_connection(path: &Path) -> rusqlite::Result<Connection> {
     let conn = Connection::open(path)?;
     conn.busy_timeout(std::time::Duration::from_secs(5))?;
+    // Before WAL, whose switch writes a new file's header: a new file is incremental from the start.
+    conn.pragma_update(None, "auto_vacuum", "INCREMENTAL")?;
     conn.pragma_update(None, "journal_mode", "WAL")?;
     // FULL: a commit is on disk before it returns, in WAL mode too.
     conn.pragma_update(None, "synchronous", "FULL")?;
@@ -433,8 +435,6 @@ impl Database {
         let version: i64 = writer.pragma_query_value(None, "user_version", |r| r.get(0))?;
         match version {
             0 => {
-                // Before the first table, so the new file is incremental from the start.
-                writer.pragma_update(None, "auto_vacuum", "INCREMENTAL")?;
                 writer.execute_batch(&format!(
                     "BEGIN; {table} {OPERATIONS_INDEXES} {STREAMS_TABLE} \
                      PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;",
