@@ -290,7 +290,7 @@ fn quota(
 }
 
 fn secs_at_least_one(d: Duration) -> Duration {
-    Duration::from_secs(d.as_nanos().div_ceil(1_000_000_000).max(1) as u64)
+    crate::engine::refusal::retry_after(crate::clock::duration_nanos(d))
 }
 
 /// A rate in Redis's unit (µs): the emission interval and the burst span.
@@ -414,11 +414,7 @@ impl RedisController {
     }
 
     fn start_heartbeat(&self) {
-        let mut slot = self
-            .inner
-            .heartbeat
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let mut slot = crate::sync::lock(&self.inner.heartbeat);
         if slot.is_some() {
             return;
         }
@@ -447,12 +443,7 @@ impl RedisController {
     /// it). Kept releases are sent first if Redis answers.
     pub(crate) async fn shutdown(&self) {
         self.inner.drain().await;
-        let task = self
-            .inner
-            .heartbeat
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
+        let task = crate::sync::lock(&self.inner.heartbeat).take();
         if let Some(task) = task {
             task.abort();
         }
@@ -691,7 +682,7 @@ impl RedisController {
             lease_changes: inner.lease_changes.load(Ordering::Relaxed),
             reaped: inner.reaped.load(Ordering::Relaxed),
             unavailable: inner.unavailable.load(Ordering::Relaxed),
-            outbox: inner.outbox.lock().unwrap_or_else(|p| p.into_inner()).len() as u64,
+            outbox: crate::sync::lock(&inner.outbox).len() as u64,
             lease_held: inner.lease_held(),
             circuit_open: inner.circuit.is_open(),
         }
@@ -719,22 +710,15 @@ fn fill_random(bytes: &mut [u8]) {
 
 impl Inner {
     pub(crate) fn lock_held(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Held>>> {
-        self.held.lock().unwrap_or_else(|p| p.into_inner())
+        crate::sync::lock(&self.held)
     }
 
     fn lease_held(&self) -> bool {
-        self.lease_until
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .is_some_and(|until| Instant::now() < until)
+        crate::sync::lock(&self.lease_until).is_some_and(|until| Instant::now() < until)
     }
 
     fn lease_lost(&self) {
-        let was = self
-            .lease_until
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
+        let was = crate::sync::lock(&self.lease_until).take();
         if was.is_some() {
             // Relaxed: a statistic.
             self.lease_changes.fetch_add(1, Ordering::Relaxed);
@@ -784,19 +768,12 @@ impl Inner {
     }
 
     fn is_kept(&self, id: &str) -> bool {
-        self.outbox
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .any(|k| k.id == id)
+        crate::sync::lock(&self.outbox).iter().any(|k| k.id == id)
     }
 
     /// Keeps a release to send when Redis answers, and wakes the sender.
     pub(crate) fn keep(&self, kept: Kept) {
-        self.outbox
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(kept);
+        crate::sync::lock(&self.outbox).push(kept);
         self.wake.notify_one();
     }
 
@@ -830,11 +807,7 @@ impl Inner {
     /// Sends a release now, or keeps it for later if Redis does not answer (or earlier releases
     /// are still waiting, so they go first). Dropped before Redis answers, it is kept too.
     pub(crate) async fn release(&self, kept: Kept) {
-        let waiting = !self
-            .outbox
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .is_empty();
+        let waiting = !crate::sync::lock(&self.outbox).is_empty();
         let (id, target, key) = (kept.id.clone(), kept.target, kept.key.clone());
         let undo = KeepOnDrop::new(self, kept);
         if !waiting && !self.circuit.is_open() {
@@ -849,12 +822,7 @@ impl Inner {
     async fn drain(&self) -> bool {
         let _shared = self.registration.read().await;
         loop {
-            let next = self
-                .outbox
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .first()
-                .cloned();
+            let next = crate::sync::lock(&self.outbox).first().cloned();
             let Some(kept) = next else { return true };
             if self
                 .transition(&kept.id, kept.target, kept.key.as_deref())
@@ -863,7 +831,7 @@ impl Inner {
             {
                 return false;
             }
-            let mut outbox = self.outbox.lock().unwrap_or_else(|p| p.into_inner());
+            let mut outbox = crate::sync::lock(&self.outbox);
             if outbox.first().is_some_and(|k| k.id == kept.id) {
                 outbox.remove(0);
             }
@@ -891,8 +859,7 @@ impl Inner {
         };
         match reply::parse_lease(&value) {
             Ok(LeaseReply::Renewed) => {
-                *self.lease_until.lock().unwrap_or_else(|p| p.into_inner()) =
-                    Some(sent + self.options.lease_ttl);
+                *crate::sync::lock(&self.lease_until) = Some(sent + self.options.lease_ttl);
                 Ok(())
             }
             Ok(LeaseReply::Lapsed) => {
@@ -945,12 +912,8 @@ impl Inner {
             .map_err(|e| self.unavailable(UnavailableReason::Reply(e.to_string())))?;
         // Kept releases were for operations no longer held here: what Redis holds for this
         // replica is now exactly `held`, so they are moot.
-        self.outbox
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clear();
-        *self.lease_until.lock().unwrap_or_else(|p| p.into_inner()) =
-            Some(sent + self.options.lease_ttl);
+        crate::sync::lock(&self.outbox).clear();
+        *crate::sync::lock(&self.lease_until) = Some(sent + self.options.lease_ttl);
         // Relaxed: a statistic.
         self.lease_changes.fetch_add(1, Ordering::Relaxed);
         Ok(())
