@@ -6,11 +6,11 @@
 //! the latest one seen, so time as the engine sees it never goes back: a backward step can neither
 //! refill a bucket nor lock a client out for longer than its window.
 
-use std::sync::Arc;
-
 use crossbeam_utils::CachePadded;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
+
+use crate::sync::Arc;
 
 /// A source of time in nanoseconds since an arbitrary origin fixed when the clock was made.
 pub trait Clock: Send + Sync + 'static {
@@ -182,6 +182,12 @@ impl MonotonicClock {
 
 pub(crate) fn duration_nanos(d: Duration) -> u64 {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// `nanos` in whole seconds, rounded up: a wait of 1.2 s is told as 2 s, so a client that waits
+/// what it is told never arrives early.
+pub(crate) fn whole_seconds_up(nanos: u64) -> u64 {
+    nanos.div_ceil(1_000_000_000)
 }
 
 #[cfg(test)]

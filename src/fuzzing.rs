@@ -1,6 +1,8 @@
 //! The bodies of the cargo-fuzz targets in `fuzz/`, kept in the library so that a plain
 //! `cargo test` (`tests/fuzz_corpus_replay.rs`) replays every committed corpus file through exactly
-//! the code the fuzzer runs. Not part of the public API.
+//! the code the fuzzer runs. Not part of the public API, and behind the cargo feature `fuzzing`:
+//! `fuzz/` turns it on, and so do this package's tests (through its dev-dependency on itself), while
+//! a plain build of the library or the binary leaves this module out.
 //!
 //! Every function panics (through `assert!`) when an invariant of the contract breaks; that panic
 //! is what the fuzzer reports as a crash and what the replay test reports as a failure. The
@@ -16,10 +18,10 @@ use std::time::Duration;
 use crate::clock::ManualClock;
 use crate::config::secrets::{LineProblem, Secrets, parse_operator_secret};
 use crate::config::{ClientLimits, Config, Identity, Limits, MAX_LIMIT, MAX_WINDOW_SECONDS};
+use crate::engine::Snapshot;
 use crate::engine::{
     Controller, Operation, OperationState, Permit, RefusalCode, StartError, StorageCaps,
 };
-use crate::metrics::Snapshot;
 
 /// The identities a fuzzed quota file is judged against.
 pub const CONFIG_IDENTITIES: [&str; 3] = ["alice", "bot-7", "ci.runner@example"];

@@ -22,7 +22,7 @@
 //!   feature `redis`), behind the same calls.
 //! - [`clock`]: where time comes from (`quanta` in production, [`ManualClock`] in tests), clamped
 //!   so time as the engine sees it never goes back.
-//! - [`metrics`]: a lock-free [`Snapshot`] of every count and its Prometheus exposition.
+//! - [`metrics`]: the Prometheus exposition of the engine's lock-free [`Snapshot`] of every count.
 //! - `broker` (cargo feature `broker`, on by default): the reference broker behind `admission
 //!   serve`, an HTTP server with a SQLite store, written on [`Admission`]. The library ends where
 //!   it begins.
@@ -144,6 +144,7 @@ pub mod broker;
 pub mod clock;
 pub mod config;
 pub mod engine;
+#[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod metrics;
@@ -161,9 +162,9 @@ pub use admission::{
 };
 pub use clock::{Clock, ManualClock, QuantaClock};
 pub use config::{ClientLimits, Config, Identity, Limits};
+pub use engine::Snapshot;
 pub use engine::{
     CancelOutcome, CapacityQuota, Controller, ControllerBuilder, Operation, OperationState, Permit,
     QuotaStatus, RateQuota, Refusal, RefusalCode, StartError, StorageCaps, StorageReservation,
     Store, StoreCaps, StoredObject, TransitionError,
 };
-pub use metrics::Snapshot;

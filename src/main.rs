@@ -1,7 +1,7 @@
 //! The `admission` command: flags in, library calls out.
 //!
-//! Exit codes: 0 success; 1 an invalid or unreadable file (the quota file or a secrets file);
-//! 2 a usage error (unknown flag, missing argument, a malformed name in `--identities`).
+//! Exit codes: 0 success; 1 an invalid or unreadable file (the quota file or a secrets file), or
+//! one `kit` would not or could not write; 2 a usage error (unknown flag, missing argument, a malformed name in `--identities`).
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;
@@ -11,7 +11,7 @@ use clap::{Args, Parser, Subcommand};
 use unyolo_admission::config::{Config, Identity, Secrets};
 
 /// Admission control for agent brokers: check quota files, print the defaults, run the reference
-/// broker and its overload drill.
+/// broker and its overload drill, and write the rules and dashboard that fit its metrics.
 #[derive(Parser)]
 #[command(name = "admission", version, about)]
 struct Cli {
@@ -33,6 +33,22 @@ enum Command {
     /// step held.
     #[cfg(feature = "broker")]
     Drill(DrillArgs),
+    /// Write the Prometheus rules (with their promtool tests) and the Grafana dashboard that fit
+    /// the broker's metrics into a directory, laid out as under `deploy/` in the source tree.
+    #[cfg(feature = "broker")]
+    Kit(KitArgs),
+}
+
+/// The flags of `admission kit`.
+#[cfg(feature = "broker")]
+#[derive(Args)]
+struct KitArgs {
+    /// The directory to write into; created when absent.
+    #[arg(long, value_name = "DIR")]
+    out: PathBuf,
+    /// Overwrite files already there.
+    #[arg(long)]
+    force: bool,
 }
 
 /// The flags of `admission drill`.
@@ -150,6 +166,21 @@ fn main() -> ExitCode {
                 ExitCode::SUCCESS
             } else {
                 ExitCode::FAILURE
+            }
+        }
+        #[cfg(feature = "broker")]
+        Command::Kit(args) => {
+            match unyolo_admission::broker::serve::write_kit(&args.out, args.force) {
+                Ok(written) => {
+                    for path in written {
+                        println!("{}", path.display());
+                    }
+                    ExitCode::SUCCESS
+                }
+                Err(err) => {
+                    eprintln!("error: {err}");
+                    ExitCode::FAILURE
+                }
             }
         }
     }

@@ -12,3 +12,15 @@ pub(crate) use loom::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 
 #[cfg(not(loom))]
 pub(crate) use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+
+/// `Arc` and `Mutex` are std's under `cfg(loom)` too: the engine's `Arc`s live inside `ArcSwap`,
+/// which holds std's, and its mutexes only serialize reloads, which no loom model checks.
+pub(crate) use std::sync::{Arc, Mutex, MutexGuard};
+
+/// Locks `mutex`, recovering it if a holder panicked: every mutex here guards nothing, or state a
+/// holder leaves consistent at each step, so one panic must not make every later caller panic too.
+pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}

@@ -81,19 +81,19 @@ impl Core {
 
     /// The live operations by id.
     pub(crate) fn live_ops(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<LiveOp>>> {
-        self.live.lock().unwrap_or_else(|p| p.into_inner())
+        crate::sync::lock(&self.live)
     }
 
     /// The stored streams by id.
     pub(crate) fn stored_streams(
         &self,
     ) -> std::sync::MutexGuard<'_, HashMap<String, StoredObject>> {
-        self.streams.lock().unwrap_or_else(|p| p.into_inner())
+        crate::sync::lock(&self.streams)
     }
 
     /// The uploads in progress by stream id.
     pub(crate) fn uploads(&self) -> std::sync::MutexGuard<'_, HashMap<String, (String, u64)>> {
-        self.uploading.lock().unwrap_or_else(|p| p.into_inner())
+        crate::sync::lock(&self.uploading)
     }
 
     /// The uploads in progress: (client, bytes reserved) each.
@@ -151,7 +151,7 @@ pub(crate) struct ExecQueue {
 
 impl ExecQueue {
     fn queue(&self) -> std::sync::MutexGuard<'_, VecDeque<Arc<LiveOp>>> {
-        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+        crate::sync::lock(&self.queue)
     }
 
     /// Queues an approved operation for execution.

@@ -98,7 +98,7 @@ impl KeyFilter {
         // The rebuild lock first and throughout: a rebuild swapping filters holds it too while it
         // replays and swaps, so this digest lands in the old filter and in the pending list, or
         // in the new filter; never in a filter about to be dropped only.
-        let mut rebuilding = self.rebuilding.lock().unwrap_or_else(|p| p.into_inner());
+        let mut rebuilding = crate::sync::lock(&self.rebuilding);
         self.filter
             .write()
             .unwrap_or_else(|p| p.into_inner())
@@ -141,11 +141,11 @@ impl KeyFilter {
         expected_keys: usize,
         scan: impl FnOnce(&mut dyn FnMut(&str, &str)) -> Result<(), E>,
     ) -> Result<(), E> {
-        *self.rebuilding.lock().unwrap_or_else(|p| p.into_inner()) = Some(Vec::new());
+        *crate::sync::lock(&self.rebuilding) = Some(Vec::new());
         let retired_before = self.retired.load(std::sync::atomic::Ordering::Relaxed);
         let mut fresh = new_filter(expected_keys);
         let scanned = scan(&mut |client, key| fresh.insert(&self.digest(client, key)));
-        let mut rebuilding = self.rebuilding.lock().unwrap_or_else(|p| p.into_inner());
+        let mut rebuilding = crate::sync::lock(&self.rebuilding);
         let pending = rebuilding.take().unwrap_or_default();
         scanned?;
         for digest in pending {

@@ -288,12 +288,7 @@ impl OpenConnections {
             .values()
             // Relaxed: a hint; the connection's task checks again before it closes.
             .filter(|state| state.requests.load(Ordering::Relaxed) == 0)
-            .map(|state| {
-                (
-                    *state.idle_since.lock().unwrap_or_else(|p| p.into_inner()),
-                    state,
-                )
-            })
+            .map(|state| (*crate::sync::lock(&state.idle_since), state))
             .filter(|(since, _)| since.elapsed() >= EVICTION_GRACE)
             .min_by_key(|(since, _)| *since);
         if let Some((_, state)) = longest {
@@ -304,7 +299,7 @@ impl OpenConnections {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Arc<ConnectionState>>> {
-        self.by_id.lock().unwrap_or_else(|p| p.into_inner())
+        crate::sync::lock(&self.by_id)
     }
 }
 
@@ -322,7 +317,7 @@ impl Busy {
 
 impl Drop for Busy {
     fn drop(&mut self) {
-        *self.0.idle_since.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
+        *crate::sync::lock(&self.0.idle_since) = Instant::now();
         // Relaxed: as in `enter`; the idle time is under its own lock.
         self.0.requests.fetch_sub(1, Ordering::Relaxed);
     }

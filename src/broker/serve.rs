@@ -16,10 +16,6 @@ use crate::config::Secrets;
 use crate::config::secrets::read_operator_secret;
 use crate::{Config, StorageCaps};
 
-/// The default listen address.
-pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
-/// The default data dir.
-pub const DEFAULT_DATA_DIR: &str = "admission-data";
 /// The generated client secrets file's name in the data dir.
 pub const GENERATED_SECRETS: &str = "client-secrets";
 /// The generated operator secret file's name in the data dir.
@@ -29,6 +25,64 @@ pub const GENERATED_OPERATOR_SECRET: &str = "operator-secret";
 pub const RULES_FILE: &str = "deploy/prometheus/admission.rules.yml";
 /// The Grafana dashboard for this broker's metrics, in the source tree.
 pub const DASHBOARD_FILE: &str = "deploy/grafana/admission.json";
+
+/// What `deploy/` holds, built into the binary so an installed one, with no source tree, can
+/// write it out (`admission kit --out DIR`): the rules ([`RULES_FILE`]), their `promtool` tests
+/// and the dashboard ([`DASHBOARD_FILE`]), each by its path under `deploy/`.
+pub const KIT: [(&str, &str); 3] = [
+    (
+        "prometheus/admission.rules.yml",
+        include_str!("../../deploy/prometheus/admission.rules.yml"),
+    ),
+    (
+        "prometheus/tests/admission.rules.test.yml",
+        include_str!("../../deploy/prometheus/tests/admission.rules.test.yml"),
+    ),
+    (
+        "grafana/admission.json",
+        include_str!("../../deploy/grafana/admission.json"),
+    ),
+];
+
+/// Writes [`KIT`] under `out` as it lies under `deploy/` (creating `out` and the folders in it),
+/// and returns the paths written. Writes nothing when `out` or a folder in it is not a directory,
+/// or, unless `force`, when one of the files is already there.
+pub fn write_kit(out: &Path, force: bool) -> Result<Vec<PathBuf>, String> {
+    let files: Vec<(PathBuf, &str)> = KIT
+        .iter()
+        .map(|&(name, contents)| (out.join(name), contents))
+        .collect();
+    for (path, _) in &files {
+        let mut folders = path.ancestors().skip(1).take_while(|a| a.starts_with(out));
+        if let Some(folder) = folders.find(|a| a.exists() && !a.is_dir()) {
+            return Err(format!(
+                "{} is not a directory; nothing was written",
+                folder.display()
+            ));
+        }
+        if path.is_dir() {
+            return Err(format!(
+                "{} is a directory; nothing was written",
+                path.display()
+            ));
+        }
+        if path.exists() && !force {
+            return Err(format!(
+                "{} exists; nothing was written (--force overwrites)",
+                path.display()
+            ));
+        }
+    }
+    for (path, contents) in &files {
+        if let Some(folder) = path.parent() {
+            std::fs::create_dir_all(folder)
+                .map_err(|e| format!("cannot create {}: {e}", folder.display()))?;
+        }
+        std::fs::write(path, contents)
+            .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    }
+    Ok(files.into_iter().map(|(path, _)| path).collect())
+}
 
 /// The flags of `admission serve`.
 #[derive(Clone, Debug)]
@@ -153,6 +207,7 @@ async fn serve(settings: BrokerSettings, admission_config: Option<PathBuf>) -> R
         broker.local_addr()
     );
     println!("rules for these metrics: {RULES_FILE} (dashboard: {DASHBOARD_FILE})");
+    println!("  (no source tree? `admission kit --out DIR` writes both)");
     println!("listening on {}", broker.local_addr());
     let _ = std::io::stdout().flush();
     loop {

@@ -43,7 +43,7 @@ pub(crate) struct TooManyWaits;
 
 impl Waits {
     fn registry(&self) -> std::sync::MutexGuard<'_, Registry> {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+        crate::sync::lock(&self.inner)
     }
 
     /// Rings the bell of operation `id`, if anyone waits on it. Call after the change is

@@ -4,7 +4,6 @@
 //! so the engine's imports run one way.
 
 use std::sync::atomic::AtomicU64 as StdAtomicU64;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -18,7 +17,7 @@ use super::refusal::RefusalCode;
 use super::tally::Tally;
 use crate::clock::MonotonicClock;
 use crate::config::{Config, Identity};
-use crate::sync::{Event, IntoNotification};
+use crate::sync::{Arc, Event, IntoNotification, Mutex};
 
 /// State every handle needs to release what it holds: global counts, limits, time.
 pub(crate) struct Shared {

@@ -20,7 +20,6 @@
 //! visibility to the whole engine.
 
 use std::sync::atomic::AtomicU64 as StdAtomicU64;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -34,13 +33,13 @@ use super::gauge::Gauge;
 use super::gcra::{Bucket, Rate};
 use super::global::{Counts, GlobalCounts, GlobalLimits, GlobalRefusal};
 use super::lifecycle::{Operation, OperationState};
-use super::refusal::{Refusal, RefusalCode};
+use super::refusal::{Refusal, RefusalCode, retry_after};
+use super::snapshot::{ClientSnapshot, Snapshot, StoreSnapshot};
 use super::storage::{StorageReservation, StoredObject};
 use super::tally::Tally;
 use crate::clock::{Clock, MonotonicClock, QuantaClock, duration_nanos};
 use crate::config::{ClientLimits, Config, ConfigError, Identity};
-use crate::metrics::{ClientSnapshot, Snapshot, StoreSnapshot};
-use crate::sync::Event;
+use crate::sync::{Arc, Event, Mutex, lock};
 
 use std::sync::atomic::Ordering;
 
@@ -121,7 +120,7 @@ impl ControllerBuilder {
             clients: Box::new([]),
             global_active: 0,
             global_executing: 0,
-            capacity_retry: round_up_to_seconds(self.capacity_retry),
+            capacity_retry: retry_after(duration_nanos(self.capacity_retry)),
             caps: self.caps,
             config: Config::defaults([]),
         };
@@ -148,10 +147,6 @@ impl ControllerBuilder {
         controller.apply(self.config, None);
         controller
     }
-}
-
-fn round_up_to_seconds(d: Duration) -> Duration {
-    Duration::from_secs(duration_nanos(d).div_ceil(1_000_000_000).max(1))
 }
 
 fn client_settings(limits: ClientLimits, configured: bool) -> ClientSettings {
@@ -517,11 +512,7 @@ impl Controller {
     /// slot that is not its own as long as a slot is reused only once nothing can reach the state
     /// that had it: `forget_unheld` sees to that. Admissions take none of the locks used here.
     fn apply(&self, config: Config, extra: Option<&Identity>) {
-        let mut guard = self
-            .inner
-            .reloading
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let mut guard = lock(&self.inner.reloading);
         let Reloading { retired } = &mut *guard;
         let shared = &self.inner.shared;
         // Once no decision reads the settings the last reload retired, their table no longer
@@ -568,7 +559,7 @@ impl Controller {
             };
         let mut new_states = Vec::new();
         // Until the new settings are in force, no refund reads a rate its bucket is not scaled to.
-        let rescaling = shared.rescaling.lock().unwrap_or_else(|p| p.into_inner());
+        let rescaling = lock(&shared.rescaling);
         for identity in config.identities() {
             let limits = client_settings(
                 config
@@ -892,7 +883,7 @@ impl Permit {
         if let Some(client) = self.client.take() {
             release_admission(&client, self.needs_approval);
             let shared = &*client.shared;
-            let _rescaling = shared.rescaling.lock().unwrap_or_else(|p| p.into_inner());
+            let _rescaling = lock(&shared.rescaling);
             let rate_now = client.settings(&shared.settings.load()).rate;
             client.bucket.give_back_nanos(self.rate.token_in(rate_now));
         }

@@ -9,14 +9,13 @@
 //! house keeps models next to the primitives they check); the code itself is under 450 lines.
 
 use std::fmt;
-use std::sync::Arc;
 
 use super::client::ClientState;
 use super::global::Counts;
 use super::refusal::{Refusal, RefusalCode};
 use crate::clock::duration_nanos;
 use crate::config::Identity;
-use crate::sync::{AtomicU8, EventListener, Ordering};
+use crate::sync::{Arc, AtomicU8, EventListener, Ordering};
 
 /// The Agent V1 operation states.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -1,11 +1,13 @@
 //! The admission engine: rate maths (`gcra`), the reservation primitive (`gauge`), the global
 //! counts (`global`), the per-client state they share (`client`), the decision (`controller`),
-//! the life of admitted work (`lifecycle`), storage quotas (`caps`, `storage`), and what a
-//! client may still do (`quota`, read-only). Nothing here knows about HTTP, JSON or SQL.
+//! the life of admitted work (`lifecycle`), storage quotas (`caps`, `storage`), what a client
+//! may still do (`quota`, read-only), and a lock-free reading of every count (`snapshot`, which
+//! the `metrics` module renders). Nothing here knows about HTTP, JSON, SQL or Prometheus.
 //!
 //! Imports run one way, upward: `gauge`, `gcra`, `global`, `refusal` and `caps` know nothing of
-//! clients; `client` builds on them; `lifecycle` and `storage` build on `client`; `controller`
-//! builds on all of them, and `quota` reads through it.
+//! clients; `snapshot` is plain data over `caps` and `refusal`; `client` builds on them;
+//! `lifecycle` and `storage` build on `client`; `controller` builds on all of them, and `quota`
+//! reads through it.
 
 pub(crate) mod caps;
 pub(crate) mod client;
@@ -16,6 +18,7 @@ pub(crate) mod global;
 pub(crate) mod lifecycle;
 pub(crate) mod quota;
 pub(crate) mod refusal;
+pub(crate) mod snapshot;
 pub(crate) mod storage;
 pub(crate) mod tally;
 
@@ -24,4 +27,5 @@ pub use controller::{Controller, ControllerBuilder, DEFAULT_CAPACITY_RETRY, Perm
 pub use lifecycle::{CancelOutcome, Operation, OperationState, StartError, TransitionError};
 pub use quota::{CapacityQuota, QuotaStatus, RateQuota};
 pub use refusal::{Refusal, RefusalCode};
+pub use snapshot::{ClientSnapshot, Snapshot, StoreSnapshot};
 pub use storage::{StorageReservation, StoredObject};

@@ -7,6 +7,8 @@
 
 use std::time::Duration;
 
+use crate::clock::whole_seconds_up;
+
 use super::controller::Controller;
 use crate::config::ClientLimits;
 
@@ -41,7 +43,7 @@ pub struct RateQuota {
 impl RateQuota {
     /// [`RateQuota::next_token_nanos`] rounded up to whole seconds (as Retry-After is).
     pub fn next_token_secs(&self) -> u64 {
-        self.next_token_nanos.div_ceil(1_000_000_000)
+        whole_seconds_up(self.next_token_nanos)
     }
 }
 

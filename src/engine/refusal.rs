@@ -3,6 +3,8 @@
 use std::fmt;
 use std::time::Duration;
 
+use crate::clock::whole_seconds_up;
+
 /// The stable reason for a refusal. [`RefusalCode::as_str`] gives the wire code.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum RefusalCode {
@@ -159,14 +161,18 @@ impl Refusal {
         self.code.message()
     }
 
-    /// A refusal whose wait is `wait_nanos`, rounded up to whole seconds, at least one.
+    /// A refusal whose wait is `wait_nanos`, as [`retry_after`] tells it.
     pub(crate) fn after_nanos(code: RefusalCode, wait_nanos: u64) -> Refusal {
-        let secs = wait_nanos.div_ceil(1_000_000_000).max(1);
         Refusal {
             code,
-            retry_after: Duration::from_secs(secs),
+            retry_after: retry_after(wait_nanos),
         }
     }
+}
+
+/// A wait of `wait_nanos` as a Retry-After: rounded up to whole seconds, at least one.
+pub(crate) fn retry_after(wait_nanos: u64) -> Duration {
+    Duration::from_secs(whole_seconds_up(wait_nanos).max(1))
 }
 
 impl fmt::Display for Refusal {

@@ -4,7 +4,6 @@
 //! They use the same reservation primitive as admission: bytes are reserved before a write (from
 //! a declared size), settled to the real size after it, and released on delete or expiry.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::caps::{Store, StoreCaps};
@@ -12,6 +11,7 @@ use super::client::{ClientState, Settings};
 use super::refusal::Refusal;
 use crate::clock::duration_nanos;
 use crate::config::Identity;
+use crate::sync::Arc;
 
 /// Takes `files` and `bytes` in the client's gauges then the global ones, all or nothing.
 fn acquire(client: &ClientState, store: Store, files: u64, bytes: u64, caps: &StoreCaps) -> bool {

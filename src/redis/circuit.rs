@@ -38,7 +38,7 @@ impl Circuit {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        crate::sync::lock(&self.state)
     }
 
     /// Asks to make a call now.

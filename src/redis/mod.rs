@@ -322,7 +322,7 @@ fn quota(
 }
 
 fn secs_at_least_one(d: Duration) -> Duration {
-    Duration::from_secs(d.as_nanos().div_ceil(1_000_000_000).max(1) as u64)
+    crate::engine::refusal::retry_after(crate::clock::duration_nanos(d))
 }
 
 /// A rate in Redis's unit (µs): the emission interval and the burst span.
@@ -460,11 +460,7 @@ impl RedisController {
     }
 
     fn start_heartbeat(&self) {
-        let mut slot = self
-            .inner
-            .heartbeat
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let mut slot = crate::sync::lock(&self.inner.heartbeat);
         if slot.is_some() {
             return;
         }
@@ -494,12 +490,7 @@ impl RedisController {
     /// it). Kept releases are sent first if Redis answers.
     pub(crate) async fn shutdown(&self) {
         self.inner.drain().await;
-        let task = self
-            .inner
-            .heartbeat
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
+        let task = crate::sync::lock(&self.inner.heartbeat).take();
         if let Some(task) = task {
             task.abort();
         }
@@ -803,7 +794,7 @@ impl RedisController {
             lease_changes: inner.lease_changes.load(Ordering::Relaxed),
             reaped: inner.reaped.load(Ordering::Relaxed),
             unavailable: inner.unavailable.load(Ordering::Relaxed),
-            outbox: inner.outbox.lock().unwrap_or_else(|p| p.into_inner()).len() as u64,
+            outbox: crate::sync::lock(&inner.outbox).len() as u64,
             lease_held: inner.lease_held(),
             circuit_open: inner.circuit.is_open(),
             // Relaxed: a reading for metrics.
@@ -833,22 +824,15 @@ fn fill_random(bytes: &mut [u8]) {
 
 impl Inner {
     pub(crate) fn lock_held(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Held>>> {
-        self.held.lock().unwrap_or_else(|p| p.into_inner())
+        crate::sync::lock(&self.held)
     }
 
     fn lease_held(&self) -> bool {
-        self.lease_until
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .is_some_and(|until| Instant::now() < until)
+        crate::sync::lock(&self.lease_until).is_some_and(|until| Instant::now() < until)
     }
 
     fn lease_lost(&self) {
-        let was = self
-            .lease_until
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
+        let was = crate::sync::lock(&self.lease_until).take();
         if was.is_some() {
             // Relaxed: a statistic.
             self.lease_changes.fetch_add(1, Ordering::Relaxed);
@@ -898,19 +882,12 @@ impl Inner {
     }
 
     fn is_kept(&self, id: &str) -> bool {
-        self.outbox
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .any(|k| k.id == id)
+        crate::sync::lock(&self.outbox).iter().any(|k| k.id == id)
     }
 
     /// Keeps a release to send when Redis answers, and wakes the sender.
     pub(crate) fn keep(&self, kept: Kept) {
-        self.outbox
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(kept);
+        crate::sync::lock(&self.outbox).push(kept);
         self.wake.notify_one();
     }
 
@@ -944,11 +921,7 @@ impl Inner {
     /// Sends a release now, or keeps it for later if Redis does not answer (or earlier releases
     /// are still waiting, so they go first). Dropped before Redis answers, it is kept too.
     pub(crate) async fn release(&self, kept: Kept) {
-        let waiting = !self
-            .outbox
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .is_empty();
+        let waiting = !crate::sync::lock(&self.outbox).is_empty();
         let (id, target, key) = (kept.id.clone(), kept.target, kept.key.clone());
         let undo = KeepOnDrop::new(self, kept);
         if !waiting && !self.circuit.is_open() {
@@ -963,12 +936,7 @@ impl Inner {
     async fn drain(&self) -> bool {
         let _shared = self.registration.read().await;
         loop {
-            let next = self
-                .outbox
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .first()
-                .cloned();
+            let next = crate::sync::lock(&self.outbox).first().cloned();
             let Some(kept) = next else { return true };
             if self
                 .transition(&kept.id, kept.target, kept.key.as_deref())
@@ -977,7 +945,7 @@ impl Inner {
             {
                 return false;
             }
-            let mut outbox = self.outbox.lock().unwrap_or_else(|p| p.into_inner());
+            let mut outbox = crate::sync::lock(&self.outbox);
             if outbox.first().is_some_and(|k| k.id == kept.id) {
                 outbox.remove(0);
             }
@@ -1007,8 +975,7 @@ impl Inner {
         };
         match reply::parse_lease(&value) {
             Ok(LeaseReply::Renewed) => {
-                *self.lease_until.lock().unwrap_or_else(|p| p.into_inner()) =
-                    Some(sent + self.options.lease_ttl);
+                *crate::sync::lock(&self.lease_until) = Some(sent + self.options.lease_ttl);
                 self.learn_replicas().await;
                 Ok(())
             }
@@ -1029,7 +996,7 @@ impl Inner {
 
     /// The epoch this replica registered in, if it has.
     fn epoch(&self) -> Option<String> {
-        self.epoch.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        crate::sync::lock(&self.epoch).clone()
     }
 
     /// Asks the heartbeat to renew (and register again if need be) now.
@@ -1050,9 +1017,7 @@ impl Inner {
         )
         .await;
         if let Ok(Ok(members)) = members {
-            self.known_replicas
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
+            crate::sync::lock(&self.known_replicas)
                 .extend(members.into_iter().filter(|m| Identity::new(m).is_ok()));
         }
     }
@@ -1153,10 +1118,7 @@ impl Inner {
         let mut fresh = [0u8; 16];
         fill_random(&mut fresh);
         let fresh: String = fresh.iter().map(|b| format!("{b:02x}")).collect();
-        let known: Vec<String> = self
-            .known_replicas
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+        let known: Vec<String> = crate::sync::lock(&self.known_replicas)
             .iter()
             .cloned()
             .collect();
@@ -1192,7 +1154,7 @@ impl Inner {
         // Kept releases before this point are for operations no longer held here (each left
         // `held` before it was kept): once Redis holds exactly `held` for this replica they are
         // moot, unless they free an idempotency key. Those kept while the script runs are not.
-        let kept_before = self.outbox.lock().unwrap_or_else(|p| p.into_inner()).len();
+        let kept_before = crate::sync::lock(&self.outbox).len();
         for cell in self.lock_held().values() {
             let state = match cell.state() {
                 OperationState::Pending => "p",
@@ -1212,18 +1174,17 @@ impl Inner {
         let reply = reply::parse_replace(&value)
             .map_err(|e| self.unavailable(UnavailableReason::Reply(e.to_string())))?;
         {
-            let mut outbox = self.outbox.lock().unwrap_or_else(|p| p.into_inner());
+            let mut outbox = crate::sync::lock(&self.outbox);
             let mut index = 0;
             outbox.retain(|kept| {
                 index += 1;
                 index > kept_before || kept.key.is_some()
             });
         }
-        *self.epoch.lock().unwrap_or_else(|p| p.into_inner()) = Some(reply.epoch);
+        *crate::sync::lock(&self.epoch) = Some(reply.epoch);
         // Relaxed: a reading for metrics.
         self.recovering.store(reply.recovering, Ordering::Relaxed);
-        *self.lease_until.lock().unwrap_or_else(|p| p.into_inner()) =
-            Some(sent + self.options.lease_ttl);
+        *crate::sync::lock(&self.lease_until) = Some(sent + self.options.lease_ttl);
         // Relaxed: a statistic.
         self.lease_changes.fetch_add(1, Ordering::Relaxed);
         Ok(())

@@ -92,16 +92,19 @@ impl ApiError {
     }
 
     /// The HTTP status.
+    #[cfg(any(test, feature = "fuzzing"))]
     pub(crate) fn status(&self) -> StatusCode {
         self.status
     }
 
     /// The stable error code.
+    #[cfg(any(test, feature = "fuzzing"))]
     pub(crate) fn code(&self) -> &'static str {
         self.code
     }
 
     /// The message a client reads.
+    #[cfg(any(test, feature = "fuzzing"))]
     pub(crate) fn message(&self) -> &str {
         &self.message
     }

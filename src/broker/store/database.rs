@@ -54,6 +54,8 @@ impl std::fmt::Debug for Database {
 fn open_connection(path: &Path) -> rusqlite::Result<Connection> {
     let conn = Connection::open(path)?;
     conn.busy_timeout(std::time::Duration::from_secs(5))?;
+    // Before WAL, whose switch writes a new file's header: a new file is incremental from the start.
+    conn.pragma_update(None, "auto_vacuum", "INCREMENTAL")?;
     conn.pragma_update(None, "journal_mode", "WAL")?;
     // FULL: a commit is on disk before it returns, in WAL mode too.
     conn.pragma_update(None, "synchronous", "FULL")?;
@@ -159,7 +161,7 @@ impl Database {
     /// The write connection, blocking until no other call holds it (for the blocking calls made
     /// before serving: recovery, seeding).
     pub(super) fn writer(&self) -> std::sync::MutexGuard<'_, Connection> {
-        self.writer.lock().unwrap_or_else(|p| p.into_inner())
+        crate::sync::lock(&self.writer)
     }
 
     /// Runs `f` on the write connection, off the async threads.
@@ -169,7 +171,7 @@ impl Database {
     ) -> Result<T, StoreError> {
         let conn = Arc::clone(&self.writer);
         tokio::task::spawn_blocking(move || {
-            let mut conn = conn.lock().unwrap_or_else(|p| p.into_inner());
+            let mut conn = crate::sync::lock(&conn);
             f(&mut conn).map_err(StoreError::from)
         })
         .await

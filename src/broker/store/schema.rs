@@ -100,8 +100,6 @@ pub(super) fn migrate(writer: &Connection, path: &Path) -> Result<(), StoreError
     let version: i64 = writer.pragma_query_value(None, "user_version", |r| r.get(0))?;
     match version {
         0 => {
-            // Before the first table, so the new file is incremental from the start.
-            writer.pragma_update(None, "auto_vacuum", "INCREMENTAL")?;
             writer.execute_batch(&format!(
                 "BEGIN; {table} {OPERATIONS_INDEXES} {STREAMS_TABLE} \
                  PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;",
