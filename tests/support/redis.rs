@@ -47,6 +47,32 @@ impl RedisServer {
         format!("redis://127.0.0.1:{}/", self.port)
     }
 
+    /// Kills the server (`kill -9`, no persistence: everything it held is gone) and starts an
+    /// empty one on the same port, as a Redis restarted without persistence is.
+    pub fn restart_empty(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let port = self.port;
+        for _ in 0..50 {
+            if let Some(fresh) = RedisServer::start_on(port) {
+                *self = fresh;
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        panic!("redis-server did not come back on port {port}");
+    }
+
+    /// `FLUSHALL`: the server forgets every key at once.
+    pub fn flush_all(&self) {
+        let status = Command::new("redis-cli")
+            .args(["-p", &self.port.to_string(), "FLUSHALL"])
+            .stdout(Stdio::null())
+            .status()
+            .expect("redis-cli runs");
+        assert!(status.success(), "FLUSHALL failed");
+    }
+
     /// Freezes the server (SIGSTOP): connections stay open, nothing answers.
     pub fn pause(&self) {
         self.signal("-STOP");

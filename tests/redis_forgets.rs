@@ -1,0 +1,385 @@
+//! Replicas when Redis forgets (SPEC section 7, "Redis forgets"; issue 18): three replicas on a
+//! real `redis-server`, with pending, approved and executing work on every one, through Redis
+//! restarted empty (`kill -9`, no persistence) and `FLUSHALL`. Throughout, the deployment's
+//! counts never exceed a limit; after recovery every replica's holdings, its clients' spent rate
+//! tokens and its idempotency keys are back, and nothing is admitted that the limits refuse.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use support::eventually::assert_eventually;
+use support::redis::RedisServer;
+use unyolo_admission::admission::{
+    Admission, AdmitError, KeyRecord, NotStarted, OperationHandle, RecoverySource, ReplicaOptions,
+    SourceFuture, UnavailableReason,
+};
+use unyolo_admission::config::{ClientLimits, Limits};
+use unyolo_admission::{Config, Controller, Identity, RefusalCode};
+
+const REPLICAS: [&str; 3] = ["r1", "r2", "r3"];
+
+/// amy: 6 live at most (3 pending), plenty of tokens; bob: 5 tokens per 600 s; 4 executing at
+/// most in all.
+fn config() -> Config {
+    let (amy, bob) = (Identity::new("amy").unwrap(), Identity::new("bob").unwrap());
+    let limits = Limits {
+        requests_per_window: 1_000,
+        window_seconds: 60,
+        client_active: 20,
+        client_pending: 10,
+        global_active: 40,
+        global_executing: 4,
+    };
+    let mut overrides = BTreeMap::new();
+    overrides.insert(
+        amy.clone(),
+        ClientLimits {
+            requests_per_window: 1_000,
+            window_seconds: 60,
+            active: 6,
+            pending: 3,
+        },
+    );
+    overrides.insert(
+        bob.clone(),
+        ClientLimits {
+            requests_per_window: 5,
+            window_seconds: 600,
+            active: 20,
+            pending: 10,
+        },
+    );
+    Config::new(limits, overrides, [amy, bob]).unwrap()
+}
+
+/// What a replica's store would hold: its operations' keys and its admissions' times.
+#[derive(Default)]
+struct MemoryStore {
+    keys: Mutex<Vec<KeyRecord>>,
+    admitted: Mutex<Vec<(Identity, Instant)>>,
+}
+
+impl RecoverySource for MemoryStore {
+    fn key_records(&self) -> SourceFuture<'_, Vec<KeyRecord>> {
+        let keys = self.keys.lock().unwrap().clone();
+        Box::pin(async move { Ok(keys) })
+    }
+
+    fn recent_admissions(&self) -> SourceFuture<'_, Vec<(Identity, Duration)>> {
+        let admitted: Vec<(Identity, Duration)> = self
+            .admitted
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(client, at)| (client.clone(), at.elapsed()))
+            .collect();
+        Box::pin(async move { Ok(admitted) })
+    }
+}
+
+struct Replica {
+    admission: Admission,
+    store: Arc<MemoryStore>,
+    live: Vec<OperationHandle>,
+}
+
+impl Replica {
+    async fn start(server: &RedisServer, name: &str) -> Replica {
+        let mut options = ReplicaOptions::new(server.url(), name);
+        options.replicas = REPLICAS.iter().map(|r| r.to_string()).collect();
+        // A short lease, so a lost one is noticed quickly; generous calls for a noisy machine.
+        options.lease_ttl = Duration::from_secs(4);
+        options.heartbeat = Duration::from_millis(300);
+        options.call_timeout = Duration::from_secs(2);
+        options.circuit_cool_down = Duration::from_millis(100);
+        let admission = Admission::new(Controller::new(config()), Some(options)).unwrap();
+        let store = Arc::new(MemoryStore::default());
+        admission.set_recovery_source(Arc::clone(&store) as Arc<dyn RecoverySource>);
+        let restored = admission.restore(Vec::new()).await;
+        assert!(restored.deferred.is_none(), "{name} registers");
+        Replica {
+            admission,
+            store,
+            live: Vec::new(),
+        }
+    }
+
+    /// Admits and commits (recording it as a store would), or says why not.
+    async fn submit(
+        &mut self,
+        client: &str,
+        approval: bool,
+        key: &str,
+    ) -> Result<usize, AdmitError> {
+        let permit = self.admission.admit(client, approval, Some(key)).await?;
+        let identity = Identity::new(client).unwrap();
+        self.store.keys.lock().unwrap().push(KeyRecord {
+            client: identity.clone(),
+            key: key.to_string(),
+            operation: permit.id().to_string(),
+        });
+        self.store
+            .admitted
+            .lock()
+            .unwrap()
+            .push((identity, Instant::now()));
+        self.live.push(permit.commit());
+        Ok(self.live.len() - 1)
+    }
+}
+
+async fn three_replicas(server: &RedisServer) -> Vec<Replica> {
+    let mut replicas = Vec::new();
+    for name in REPLICAS {
+        replicas.push(Replica::start(server, name).await);
+    }
+    replicas
+}
+
+/// On every replica: amy 2 live (one pending, one approved), one of them (on r1 and r2) executing;
+/// bob's 5 tokens spent on r1 (his operations live, queued). amy is then at her limit of 6, the
+/// pool holds 2 of 4, bob has no token.
+async fn fill(replicas: &mut [Replica]) {
+    for (i, replica) in replicas.iter_mut().enumerate() {
+        replica
+            .submit("amy", true, &format!("amy-p-{i}"))
+            .await
+            .unwrap();
+        let run = replica
+            .submit("amy", false, &format!("amy-a-{i}"))
+            .await
+            .unwrap();
+        if i < 2 {
+            replica.live[run].try_start().await.unwrap();
+        }
+    }
+    for n in 0..5 {
+        replicas[0]
+            .submit("bob", false, &format!("bob-{n}"))
+            .await
+            .unwrap();
+    }
+    let counts = replicas[0].admission.counts().await.unwrap();
+    assert_eq!(counts.clients["amy"].0, 6, "amy at her limit");
+    assert_eq!(counts.executing, 2);
+}
+
+/// Every sampled reading of the deployment's counts stays within the limits.
+fn assert_within_limits(counts: &unyolo_admission::admission::DeploymentCounts, when: &str) {
+    let (amy, bob) = (
+        counts.clients.get("amy").copied().unwrap_or_default(),
+        counts.clients.get("bob").copied().unwrap_or_default(),
+    );
+    assert!(
+        amy.0 <= 6 && amy.1 <= 3,
+        "{when}: amy over her limits: {counts:?}"
+    );
+    assert!(bob.0 <= 20, "{when}: bob over his limit: {counts:?}");
+    assert!(
+        counts.executing <= 4,
+        "{when}: executing over 4: {counts:?}"
+    );
+    assert!(counts.active <= 40, "{when}: active over 40: {counts:?}");
+}
+
+/// While the replicas recover, every replica keeps trying to admit amy (at her limit) and bob
+/// (out of tokens), and the counts are sampled: nothing may get through, and no sample may exceed
+/// a limit. Returns once all three admit again (a fresh client's admission goes through).
+async fn recover_admitting_nothing_over_a_limit(replicas: &mut [Replica]) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut unavailable = 0;
+    loop {
+        assert!(Instant::now() < deadline, "the replicas never recovered");
+        let mut recovered = 0;
+        for (i, replica) in replicas.iter_mut().enumerate() {
+            for (client, approval) in [("amy", false), ("amy", true), ("bob", false)] {
+                match replica.admission.admit(client, approval, None).await {
+                    Ok(permit) => {
+                        panic!("r{} admitted {client} while at a limit: {permit:?}", i + 1)
+                    }
+                    Err(AdmitError::Refused(refused)) => {
+                        let expected = if client == "amy" {
+                            RefusalCode::ClientOperationLimit
+                        } else {
+                            RefusalCode::SubmissionRateLimited
+                        };
+                        assert_eq!(refused.refusal.code, expected, "{client} on r{}", i + 1);
+                        recovered += 1;
+                    }
+                    Err(AdmitError::Unavailable(u)) => {
+                        assert!(
+                            matches!(
+                                u.reason,
+                                UnavailableReason::LeaseNotHeld
+                                    | UnavailableReason::Recovering
+                                    | UnavailableReason::Timeout
+                                    | UnavailableReason::CircuitOpen
+                                    | UnavailableReason::Redis(_)
+                            ),
+                            "{u}"
+                        );
+                        unavailable += 1;
+                    }
+                    Err(AdmitError::Replay { .. }) => unreachable!("no key"),
+                }
+            }
+            if let Ok(counts) = replica.admission.counts().await {
+                assert_within_limits(&counts, "while recovering");
+            }
+        }
+        if recovered == 3 * replicas.len() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        unavailable > 0,
+        "no admission was ever refused as unavailable: did Redis forget?"
+    );
+}
+
+/// After recovery: the counts are every live handle again, the pool is as full as before, and
+/// each key still names its one operation on every replica.
+async fn assert_everything_back(replicas: &mut [Replica]) {
+    let live: usize = replicas.iter().map(|r| r.live.len()).sum();
+    let counts = replicas[1].admission.counts().await.unwrap();
+    assert_eq!(
+        counts.active as usize, live,
+        "every live operation counted again: {counts:?}"
+    );
+    assert_eq!(counts.clients["amy"], (6, 3, 2), "{counts:?}");
+    assert_eq!(counts.executing, 2, "{counts:?}");
+    assert_within_limits(&counts, "after recovery");
+    // One operation per key, on every replica: amy's key from r1 replays on r2 and r3.
+    let first = replicas[0].store.keys.lock().unwrap()[0].clone();
+    for replica in &replicas[1..] {
+        match replica.admission.admit("amy", true, Some(&first.key)).await {
+            Err(AdmitError::Replay { operation, replica }) => {
+                assert_eq!(
+                    (operation.as_str(), replica.as_str()),
+                    (first.operation.as_str(), "r1")
+                );
+            }
+            other => panic!("the key {} made a second operation: {other:?}", first.key),
+        }
+    }
+    // The pool: two more may start, not three.
+    let mut started = 0;
+    for replica in replicas.iter() {
+        for handle in &replica.live {
+            if handle.state() == unyolo_admission::OperationState::Approved {
+                match handle.try_start().await {
+                    Ok(()) => started += 1,
+                    Err(NotStarted::Saturated(_)) => {}
+                    Err(other) => panic!("start: {other}"),
+                }
+            }
+        }
+    }
+    assert_eq!(started, 2, "the pool of 4 held 2");
+    let counts = replicas[0].admission.counts().await.unwrap();
+    assert_eq!(counts.executing, 4);
+    // Everything drains to zero.
+    for replica in replicas.iter_mut() {
+        for handle in replica.live.drain(..) {
+            let _ = handle.cancel().await;
+            let _ = handle.fail().await;
+        }
+        assert!(replica.admission.flush().await);
+    }
+    let counts = replicas[2].admission.counts().await.unwrap();
+    assert!(counts.is_idle(), "{counts:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flushall_with_live_work_on_three_replicas_exceeds_no_limit_and_restores_every_count() {
+    let Some(server) = RedisServer::start() else {
+        return;
+    };
+    let mut replicas = three_replicas(&server).await;
+    fill(&mut replicas).await;
+    server.flush_all();
+    recover_admitting_nothing_over_a_limit(&mut replicas).await;
+    assert_everything_back(&mut replicas).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_killed_and_restarted_empty_with_live_work_exceeds_no_limit_and_restores_every_count()
+{
+    let Some(mut server) = RedisServer::start() else {
+        return;
+    };
+    let mut replicas = three_replicas(&server).await;
+    fill(&mut replicas).await;
+    server.restart_empty();
+    recover_admitting_nothing_over_a_limit(&mut replicas).await;
+    assert_everything_back(&mut replicas).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_flush_a_replica_that_never_returns_holds_admissions_back_for_one_lease_only() {
+    let Some(server) = RedisServer::start() else {
+        return;
+    };
+    // r3 is listed but never runs.
+    let mut replicas = Vec::new();
+    for name in &REPLICAS[..2] {
+        replicas.push(Replica::start(&server, name).await);
+    }
+    // A new deployment whose listed r3 never comes: the first admission waits one lease.
+    let first = &mut replicas[0];
+    assert_eventually("the first admission", async || {
+        first.submit("amy", true, "before").await.is_ok()
+    })
+    .await;
+    server.flush_all();
+    // Both register again; r3 never does: admissions wait, as unavailable, then resume once one
+    // lease period has passed.
+    let mut recovering = 0;
+    assert_eventually("admissions resume without r3", async || {
+        match replicas[1].admission.admit("amy", false, None).await {
+            Ok(permit) => {
+                permit.refund().await;
+                true
+            }
+            Err(AdmitError::Unavailable(u)) => {
+                if u.reason == UnavailableReason::Recovering {
+                    recovering += 1;
+                }
+                false
+            }
+            Err(other) => panic!("{other}"),
+        }
+    })
+    .await;
+    assert!(recovering > 0, "the recovery window held admissions back");
+    let counts = replicas[0].admission.counts().await.unwrap();
+    assert_eq!(
+        counts.clients["amy"],
+        (1, 1, 0),
+        "r1's pending work is counted again"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_deployment_with_every_replica_listed_admits_once_all_have_registered() {
+    let Some(server) = RedisServer::start() else {
+        return;
+    };
+    let mut first = Replica::start(&server, "r1").await;
+    // r2 and r3 are listed and not yet there: a Redis with no state may have forgotten them.
+    match first.submit("amy", true, "early").await {
+        Err(AdmitError::Unavailable(u)) => assert_eq!(u.reason, UnavailableReason::Recovering),
+        other => panic!("admitted before the others registered: {other:?}"),
+    }
+    let mut others = Vec::new();
+    for name in &REPLICAS[1..] {
+        others.push(Replica::start(&server, name).await);
+    }
+    // All three registered: the next admission goes through at once, on any of them.
+    first.submit("amy", true, "now").await.unwrap();
+    others[1].submit("amy", true, "there").await.unwrap();
+}
