@@ -24,6 +24,11 @@
 //!   the default ([`default_refusal_response`]) is
 //!   `{"error":{"code":"client_request_limit","message":"..."}}`.
 //!
+//! - [`ByteBudget`] bounds what fairness does not: the bytes held buffered for all requests at
+//!   once (bodies being read, rows being rendered). A [`BytesReservation`] holds its bytes until
+//!   it drops; past the budget a new one waits briefly or is refused
+//!   (`broker_buffered_bytes`, `broker_buffered_bytes_refused_total`).
+//!
 //! # In front of an axum router
 //!
 //! ```
@@ -65,8 +70,10 @@
 
 pub mod share;
 
+mod budget;
 mod layer;
 
+pub use budget::{BudgetRefusal, ByteBudget, BytesReservation};
 pub use layer::{FairBody, FairnessLayer, FairnessService, REFUSAL_CODE, default_refusal_response};
 pub use share::{
     Class, Fairness, FairnessConfig, FairnessRefusal, FairnessSnapshot, FlowSnapshot,
