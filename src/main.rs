@@ -159,6 +159,7 @@ fn serve(args: ServeArgs) -> ExitCode {
             header_timeout: args.header_timeout,
             body_timeout: args.body_timeout,
             max_connections: args.max_connections,
+            ..unyolo_admission::broker::ConnectionSettings::default()
         },
         retention: args.retention,
         redis: args.redis.map(|url| {
