@@ -321,6 +321,9 @@ impl Fairness {
     ///
     /// Cancel-safe: dropped while waiting, the request leaves its queue; dropped just as room was
     /// granted, the room goes back to the others.
+    ///
+    /// Waiting uses tokio's timer: call it inside a tokio runtime with time enabled (any runtime
+    /// serving axum is one).
     pub async fn acquire(&self, class: Class) -> Result<UnitsPermit, FairnessRefusal> {
         match self.start(class) {
             Start::Now(permit) => Ok(permit),
