@@ -144,6 +144,8 @@ pub mod broker;
 pub mod clock;
 pub mod config;
 pub mod engine;
+#[cfg(feature = "broker")]
+pub mod fairness;
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;

@@ -91,6 +91,14 @@ struct ServeArgs {
     /// The longest wait for the next part of a request body (e.g. `30s`).
     #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = humantime::parse_duration)]
     body_timeout: std::time::Duration,
+    /// The longest a whole request body may take, from when the broker starts reading it (e.g.
+    /// `5min`); past it the body is cut off (400).
+    #[arg(long, value_name = "DURATION", default_value = "5min", value_parser = humantime::parse_duration)]
+    body_deadline: std::time::Duration,
+    /// The least average rate of a request body after its first 2 s, in bytes a second; a slower
+    /// body is cut off (400). 0 turns the minimum off.
+    #[arg(long, value_name = "BYTES", default_value_t = unyolo_admission::broker::listener::DEFAULT_BODY_MIN_RATE)]
+    body_min_rate: u64,
     /// The most connections open at once; derived from the open-file limit when absent.
     #[arg(long, value_name = "N")]
     max_connections: Option<usize>,
@@ -199,7 +207,10 @@ fn serve(args: ServeArgs) -> ExitCode {
         connections: unyolo_admission::broker::ConnectionSettings {
             header_timeout: args.header_timeout,
             body_timeout: args.body_timeout,
+            body_deadline: args.body_deadline,
+            body_min_rate: args.body_min_rate,
             max_connections: args.max_connections,
+            ..unyolo_admission::broker::ConnectionSettings::default()
         },
         retention: args.retention,
         redis: args.redis.map(|url| {

@@ -9,14 +9,21 @@
 //!   has no other idle state, and a separate longer idle setting could never take effect.
 //! - **Body timeout** (tower-http's `RequestBodyTimeout`): the longest wait for the next piece of
 //!   a request body once its head is in; the handler then sees a body that could not be read.
+//! - **Body deadline and minimum rate** (ours, in `listener/body.rs`): the whole body must arrive within a
+//!   deadline and, past a grace period, at an average rate above a minimum, counted from when the
+//!   handler first reads it; otherwise the handler sees a body that could not be read
+//!   ([`BodyCutOff`] in its source chain), and each cut-off is counted in
+//!   `broker_body_deadlines_total{reason}` ([`BodyMetrics`]).
 //! - **Connection cap**: a semaphore permit per open connection. The cap comes from the process's
 //!   file limit (see [`connection_cap_for_file_limit`]), so the broker never runs out of
 //!   descriptors for its store. At the cap, a newly accepted connection makes room by closing the
 //!   connection that has been idle longest (no request in progress: silent, half a head, or kept
 //!   alive), so a flood of half-open connections cannot queue `/healthz` or an operator decision
-//!   behind itself; only when every connection has a request in progress does the newcomer wait
-//!   for one to end (at most a body timeout between body parts, then the handler's own time).
-//!   This part is ours: hyper and tower offer no eviction.
+//!   behind itself. When none is idle, a connection stuck on a body that breaks the deadline or
+//!   the minimum rate makes room instead, closed as if its client had hung up (its handler was
+//!   still reading the body: nothing was decided yet). Only when every connection has a request
+//!   in progress that is not stuck on its body does the newcomer wait for one to end. This part is
+//!   ours: hyper and tower offer no eviction.
 //! - **Graceful shutdown** (hyper-util's `GracefulShutdown`): on stop, idle connections close at
 //!   once and requests in flight finish, for at most a bounded grace.
 //!
@@ -28,6 +35,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
@@ -35,10 +43,24 @@ use tokio::net::TcpListener;
 use tokio::sync::{Notify, Semaphore, watch};
 use tower_http::timeout::RequestBodyTimeout;
 
+mod body;
+#[cfg(test)]
+mod slow_bodies;
+
+pub use body::{BodyCutOff, BodyMetrics, CutOffReason, body_cut_off};
+use body::{BodyLimits, BodyProgress, LimitedBody};
+
 /// The default [`ConnectionSettings::header_timeout`].
 pub const DEFAULT_HEADER_TIMEOUT: Duration = Duration::from_secs(10);
 /// The default [`ConnectionSettings::body_timeout`].
 pub const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(30);
+/// The default [`ConnectionSettings::body_deadline`]: room for the largest submission body
+/// (1 MiB) at the default minimum rate.
+pub const DEFAULT_BODY_DEADLINE: Duration = Duration::from_secs(300);
+/// The default [`ConnectionSettings::body_min_rate`], in bytes a second.
+pub const DEFAULT_BODY_MIN_RATE: u64 = 4 * 1024;
+/// The default [`ConnectionSettings::body_rate_grace`].
+pub const DEFAULT_BODY_RATE_GRACE: Duration = Duration::from_secs(2);
 
 /// Descriptors kept back from connections whatever the file limit: stdio, the data-dir lock, the
 /// SQLite files of both connections (database, WAL, shared memory, temporary files), the runtime's
@@ -72,6 +94,15 @@ pub struct ConnectionSettings {
     pub header_timeout: Duration,
     /// The longest wait for the next part of a request body. Default 30 s.
     pub body_timeout: Duration,
+    /// The longest a whole request body may take, from when the handler starts reading it.
+    /// Default 300 s.
+    pub body_deadline: Duration,
+    /// The least average rate of a request body past [`ConnectionSettings::body_rate_grace`], in
+    /// bytes a second; 0: no minimum. Default 4 KiB/s.
+    pub body_min_rate: u64,
+    /// How long a request body may arrive below the minimum rate before its average counts.
+    /// Default 2 s.
+    pub body_rate_grace: Duration,
     /// The most connections open at once; `None` derives it from the process's file limit
     /// ([`connection_cap_for_file_limit`]).
     pub max_connections: Option<usize>,
@@ -82,13 +113,17 @@ impl Default for ConnectionSettings {
         ConnectionSettings {
             header_timeout: DEFAULT_HEADER_TIMEOUT,
             body_timeout: DEFAULT_BODY_TIMEOUT,
+            body_deadline: DEFAULT_BODY_DEADLINE,
+            body_min_rate: DEFAULT_BODY_MIN_RATE,
+            body_rate_grace: DEFAULT_BODY_RATE_GRACE,
             max_connections: None,
         }
     }
 }
 
 impl ConnectionSettings {
-    /// Why these settings cannot serve, if they cannot: a zero timeout or a zero cap.
+    /// Why these settings cannot serve, if they cannot: a zero timeout, deadline or grace, a
+    /// grace not shorter than the deadline, or a zero cap.
     pub fn problem(&self) -> Option<String> {
         if self.header_timeout.is_zero() {
             return Some("the header timeout must be longer than zero".to_owned());
@@ -96,10 +131,30 @@ impl ConnectionSettings {
         if self.body_timeout.is_zero() {
             return Some("the body timeout must be longer than zero".to_owned());
         }
+        if self.body_deadline.is_zero() {
+            return Some("the body deadline must be longer than zero".to_owned());
+        }
+        if self.body_rate_grace.is_zero() {
+            return Some("the body rate grace must be longer than zero".to_owned());
+        }
+        if self.body_rate_grace >= self.body_deadline {
+            return Some(format!(
+                "the body rate grace ({:?}) must be shorter than the body deadline ({:?})",
+                self.body_rate_grace, self.body_deadline
+            ));
+        }
         if self.max_connections == Some(0) {
             return Some("the connection limit must be at least 1".to_owned());
         }
         None
+    }
+
+    fn body_limits(&self) -> BodyLimits {
+        BodyLimits {
+            deadline: self.body_deadline,
+            min_rate: self.body_min_rate,
+            grace: self.body_rate_grace,
+        }
     }
 
     /// The connection cap in force: the configured one, or the one the file limit allows.
@@ -130,13 +185,28 @@ pub fn connection_cap_for_file_limit(file_limit: Option<u64>) -> usize {
 }
 
 /// Serves `app` on `listener` until `stop` turns true, holding at most `cap` connections open.
+/// Bodies cut off are counted in a [`BodyMetrics`] of its own; [`serve_counted`] takes one
+/// registered in the broker's registry.
 pub(crate) async fn serve(
     listener: TcpListener,
     app: axum::Router,
     settings: ConnectionSettings,
     cap: usize,
-    mut stop: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
 ) {
+    serve_counted(listener, app, settings, cap, stop, BodyMetrics::default()).await;
+}
+
+/// [`serve`], counting bodies cut off in `metrics`.
+pub(crate) async fn serve_counted(
+    listener: TcpListener,
+    app: axum::Router,
+    settings: ConnectionSettings,
+    cap: usize,
+    mut stop: watch::Receiver<bool>,
+    metrics: BodyMetrics,
+) {
+    let limits = settings.body_limits();
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(TokioTimer::new())
         .header_read_timeout(settings.header_timeout)
@@ -180,7 +250,7 @@ pub(crate) async fn serve(
                 // idle connection has closed to make room for it. Asked again while it waits: a
                 // connection may become idle (or idle long enough) meanwhile.
                 let permit = loop {
-                    open.evict_longest_idle();
+                    open.evict_one(&limits);
                     tokio::select! {
                         permit = Arc::clone(&permits).acquire_owned() => break permit.ok(),
                         () = stopped(&mut stop) => break None,
@@ -195,8 +265,15 @@ pub(crate) async fn serve(
         let (id, state) = open.insert();
         let busy = Arc::clone(&state);
         let service = service.clone();
-        let service = hyper::service::service_fn(move |request| {
+        let body_metrics = metrics.clone();
+        let service = hyper::service::service_fn(move |request: hyper::Request<Incoming>| {
             let request_open = Busy::enter(&busy);
+            // Relaxed: only distinctness matters.
+            let nth = busy.bodies.fetch_add(1, Ordering::Relaxed);
+            let request = request.map(|body| {
+                let progress = Arc::clone(&busy.body);
+                LimitedBody::new(body, limits, progress, nth, body_metrics.clone())
+            });
             let response = hyper::service::Service::call(&service, request);
             async move {
                 let response = response.await;
@@ -206,6 +283,7 @@ pub(crate) async fn serve(
         });
         let connection = graceful.watch(http.serve_connection(TokioIo::new(stream), service));
         let open = Arc::clone(&open);
+        let metrics = metrics.clone();
         tokio::spawn(async move {
             let mut connection = std::pin::pin!(connection);
             loop {
@@ -219,10 +297,15 @@ pub(crate) async fn serve(
                     }
                     () = state.evict.notified() => {
                         // Checked here, where the connection is not being polled: no request can
-                        // start between the check and the drop, so no handler is ever dropped.
+                        // start between the check and the drop, so no handler is dropped unless
+                        // it was stuck reading a slow body (as if its client had hung up).
                         // Relaxed: see `Busy::enter`.
                         if state.requests.load(Ordering::Relaxed) == 0 {
                             tracing::debug!("idle connection closed to make room");
+                            break;
+                        }
+                        if state.body.claim_stuck(&limits, &metrics) {
+                            tracing::debug!("connection stuck on a slow body closed to make room");
                             break;
                         }
                     }
@@ -258,8 +341,12 @@ struct ConnectionState {
     /// When the connection last had no request in progress began: accepted, or its last
     /// response produced.
     idle_since: Mutex<Instant>,
-    /// Asks the connection's task to close it, if it is still idle.
+    /// Asks the connection's task to close it, if it is still idle or stuck on a slow body.
     evict: Notify,
+    /// The request body it is receiving, if any.
+    body: Arc<BodyProgress>,
+    /// Request bodies so far, to tell one from the next.
+    bodies: AtomicU64,
 }
 
 impl OpenConnections {
@@ -270,6 +357,8 @@ impl OpenConnections {
             requests: AtomicUsize::new(0),
             idle_since: Mutex::new(Instant::now()),
             evict: Notify::new(),
+            body: Arc::default(),
+            bodies: AtomicU64::new(0),
         });
         self.lock().insert(id, Arc::clone(&state));
         (id, state)
@@ -280,9 +369,10 @@ impl OpenConnections {
     }
 
     /// Asks the connection idle longest to close, if one has been idle for [`EVICTION_GRACE`];
-    /// none if every one has a request in progress or has only just become idle (a newcomer
-    /// whose head is still on its way).
-    fn evict_longest_idle(&self) {
+    /// else the one stuck longest on a body that breaks `limits`; none if every one has a
+    /// request in progress that is not stuck, or has only just become idle (a newcomer whose
+    /// head is still on its way).
+    fn evict_one(&self, limits: &BodyLimits) {
         let open = self.lock();
         let longest = open
             .values()
@@ -291,7 +381,14 @@ impl OpenConnections {
             .map(|state| (*crate::sync::lock(&state.idle_since), state))
             .filter(|(since, _)| since.elapsed() >= EVICTION_GRACE)
             .min_by_key(|(since, _)| *since);
-        if let Some((_, state)) = longest {
+        let now = Instant::now();
+        let chosen = longest.map(|(_, state)| state).or_else(|| {
+            open.values()
+                .filter_map(|state| Some((state.body.stuck_since(limits, now)?, state)))
+                .min_by_key(|(since, _)| *since)
+                .map(|(_, state)| state)
+        });
+        if let Some(state) = chosen {
             // Wakes the task only if it is parked waiting: no request is left standing to close
             // the connection later, when it may be busy or just kept alive.
             state.evict.notify_waiters();
@@ -351,7 +448,7 @@ mod tests {
     }
 
     #[test]
-    fn zero_timeouts_and_a_zero_cap_are_refused() {
+    fn zero_timeouts_a_grace_past_the_deadline_and_a_zero_cap_are_refused() {
         let ok = ConnectionSettings::default();
         assert_eq!(ok.problem(), None);
         for bad in [
@@ -361,6 +458,18 @@ mod tests {
             },
             ConnectionSettings {
                 body_timeout: Duration::ZERO,
+                ..ok
+            },
+            ConnectionSettings {
+                body_deadline: Duration::ZERO,
+                ..ok
+            },
+            ConnectionSettings {
+                body_rate_grace: Duration::ZERO,
+                ..ok
+            },
+            ConnectionSettings {
+                body_rate_grace: ok.body_deadline,
                 ..ok
             },
             ConnectionSettings {
