@@ -81,7 +81,7 @@ impl AdmissionPermit {
     pub async fn refund(self) {
         self.local.refund();
         if let Some(shared) = self.shared {
-            shared.refund().await;
+            Box::pin(shared.refund()).await;
         }
     }
 }
@@ -144,7 +144,7 @@ impl OperationHandle {
     pub async fn approve(&self) -> Result<(), TransitionError> {
         self.local.approve()?;
         if let Some(shared) = &self.shared {
-            let _ = shared.approve().await;
+            let _ = Box::pin(shared.approve()).await;
         }
         Ok(())
     }
@@ -154,7 +154,7 @@ impl OperationHandle {
     pub async fn deny(&self) -> Result<(), TransitionError> {
         self.local.deny()?;
         if let Some(shared) = &self.shared {
-            let _ = shared.deny().await;
+            let _ = Box::pin(shared.deny()).await;
         }
         Ok(())
     }
@@ -166,7 +166,7 @@ impl OperationHandle {
     pub async fn cancel(&self) -> Result<CancelOutcome, TransitionError> {
         let outcome = self.local.cancel()?;
         if let (true, Some(shared)) = (outcome.changed(), &self.shared) {
-            let _ = shared.cancel().await;
+            let _ = Box::pin(shared.cancel()).await;
         }
         Ok(outcome)
     }
@@ -176,7 +176,7 @@ impl OperationHandle {
     pub async fn expire(&self) -> Result<(), TransitionError> {
         self.local.expire()?;
         if let Some(shared) = &self.shared {
-            let _ = shared.expire().await;
+            let _ = Box::pin(shared.expire()).await;
         }
         Ok(())
     }
@@ -186,7 +186,7 @@ impl OperationHandle {
     pub async fn fail(&self) -> Result<(), TransitionError> {
         self.local.fail()?;
         if let Some(shared) = &self.shared {
-            let _ = shared.fail().await;
+            let _ = Box::pin(shared.fail()).await;
         }
         Ok(())
     }
@@ -196,7 +196,7 @@ impl OperationHandle {
     pub async fn succeed(&self) -> Result<(), TransitionError> {
         self.local.succeed()?;
         if let Some(shared) = &self.shared {
-            let _ = shared.succeed().await;
+            let _ = Box::pin(shared.succeed()).await;
         }
         Ok(())
     }
@@ -220,7 +220,7 @@ impl OperationHandle {
         };
         // Gives the local slot back unless the shared one is taken too.
         let undo = Unstart(Some(&self.local));
-        let outcome = shared.try_start().await;
+        let outcome = Box::pin(shared.try_start()).await;
         match outcome {
             Ok(()) => {
                 undo.keep();

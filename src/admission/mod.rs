@@ -48,7 +48,7 @@ pub use outcome::{
 };
 pub use recovery::{KeyRecord, RecoverySource, SourceFuture};
 
-use self::backend::{SharedController, SharedPermit};
+use self::backend::SharedController;
 use crate::config::{Config, ConfigError, Identity};
 use crate::engine::{Controller, RestoreError, StartError};
 use crate::metrics::Snapshot;
@@ -183,39 +183,49 @@ impl Admission {
         idempotency_key: Option<&str>,
     ) -> Result<AdmissionPermit, AdmitError> {
         let identity = identity.as_ref();
+        let Some(shared) = &self.shared else {
+            // In-process: the engine alone, at the first poll, with nothing else to read (the
+            // engine's quota is read when the answer is written: `Admission::quota`).
+            return match self.local.admit(identity, needs_approval) {
+                Ok(local) => Ok(AdmissionPermit {
+                    id: OperationId::new(),
+                    quota: None,
+                    local,
+                    shared: None,
+                }),
+                Err(refusal) => Err(AdmitError::Refused(Refused {
+                    refusal,
+                    quota: None,
+                })),
+            };
+        };
         let id = OperationId::new();
-        let shared = match &self.shared {
-            None => None,
-            Some(shared) => {
-                match shared
-                    .admit(identity, needs_approval, &id.to_string(), idempotency_key)
-                    .await
-                {
-                    Ok(permit) => Some(permit),
-                    Err(AdmitError::Refused(Refused { refusal, quota })) => {
-                        return Err(AdmitError::Refused(Refused {
-                            refusal,
-                            quota: quota.or_else(|| self.local.quota(identity)),
-                        }));
-                    }
-                    Err(other) => return Err(other),
-                }
+        // Boxed, so the in-process future stays small (the Redis call's state is large).
+        let decided =
+            Box::pin(shared.admit(identity, needs_approval, &id.to_string(), idempotency_key))
+                .await;
+        let shared = match decided {
+            Ok(permit) => permit,
+            Err(AdmitError::Refused(Refused { refusal, quota })) => {
+                return Err(AdmitError::Refused(Refused {
+                    refusal,
+                    quota: quota.or_else(|| self.local.quota(identity)),
+                }));
             }
+            Err(other) => return Err(other),
         };
         // Replicated, the quota is the shared decision's (the deployment's counts and bucket);
         // this process's own only where Redis gave none.
-        let shared_quota = shared.as_ref().and_then(SharedPermit::quota);
+        let shared_quota = shared.quota();
         match self.local.admit(identity, needs_approval) {
             Ok(local) => Ok(AdmissionPermit {
                 id,
                 quota: shared_quota.or_else(|| self.local.quota(identity)),
                 local,
-                shared,
+                shared: Some(shared),
             }),
             Err(refusal) => {
-                if let Some(shared) = shared {
-                    shared.refund().await;
-                }
+                Box::pin(shared.refund()).await;
                 // This engine refused (the rare case above): its own quota is the one that
                 // explains the refusal (the shared reading still counts the reservation just
                 // given back).
@@ -225,6 +235,13 @@ impl Admission {
                 }))
             }
         }
+    }
+
+    /// The client's quota as this process's engine sees it now (`None` for an identity that has
+    /// none): in-process, the quota an answer carries; replicated, use the decision's
+    /// ([`AdmissionPermit::quota`], [`Refused::quota`]), which counts every replica.
+    pub fn quota(&self, identity: &str) -> Option<crate::engine::QuotaStatus> {
+        self.local.quota(identity)
     }
 
     /// Puts what the durable store holds back under admission at start-up: each live operation

@@ -274,6 +274,8 @@ pub(crate) async fn create(
             return Err(err.into());
         }
     }
+    // Replicated, the answer's quota fields are the shared decision's (every replica's counts).
+    let decided = permit.quota();
     let op = Arc::new(LiveOp::new(&record, permit.commit()));
     core.live_ops().insert(record.id.clone(), Arc::clone(&op));
     core.count_submission("created");
@@ -291,7 +293,10 @@ pub(crate) async fn create(
     {
         response.headers_mut().insert(header::LOCATION, location);
     }
-    Ok(ratelimit::answer(&core, client.as_str(), response, None))
+    Ok(match decided {
+        Some(quota) => ratelimit::with_status(response, &quota, None),
+        None => ratelimit::answer(&core, client.as_str(), response, None),
+    })
 }
 
 pub(crate) async fn get_own(
