@@ -231,3 +231,194 @@ async fn a_replica_started_before_redis_serves_reads_answers_503_then_registers_
     r1.broker.shutdown().await;
     r2.broker.shutdown().await;
 }
+
+/// Replicas whose retention is one second, swept only on demand, on a clock a test moves.
+async fn retiring_replica(
+    server: &support::redis::RedisServer,
+    dir: &std::path::Path,
+    name: &str,
+    ahead: std::sync::Arc<std::sync::atomic::AtomicU64>,
+) -> Harness {
+    use unyolo_admission::broker::{Keep, RetentionSettings, WallClock};
+    let mut options = RedisOptions::new(server.url(), name);
+    options.call_timeout = Duration::from_secs(2);
+    let mut settings = settings(dir, ROOMY_RATE, StorageCaps::default());
+    settings.broker_name = name.to_owned();
+    settings.retention = RetentionSettings {
+        keep: Keep::For(Duration::from_secs(1)),
+        sweep_interval: Duration::ZERO,
+        clock: WallClock::from_fn(move || {
+            std::time::SystemTime::now()
+                + Duration::from_secs(ahead.load(std::sync::atomic::Ordering::Relaxed))
+        }),
+    };
+    start_shared(settings, options).await
+}
+
+const ROOMY_RATE: &str = r#"{"requests_per_window": 1000, "window_seconds": 60,
+  "client_active": 100, "client_pending": 50, "global_active": 500, "global_executing": 50}"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retention_sweep_racing_replays_on_two_replicas_makes_every_later_submission_new_work() {
+    let server = redis_or_skip!();
+    let ahead = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let (d1, d2) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let r1 = retiring_replica(&server, d1.path(), "r1", ahead.clone()).await;
+    let r2 = retiring_replica(&server, d2.path(), "r2", ahead.clone()).await;
+    // Twenty operations on r1 that finish at once (demo.run, no duration).
+    let keys: Vec<String> = (0..20).map(|i| format!("retire-{i}")).collect();
+    let mut first = Vec::new();
+    for key in &keys {
+        let reply = r1.submit(AGENT_SECRET, &request(key, "demo.run", 0)).await;
+        assert_eq!(reply.status, 202, "{key}");
+        first.push(reply.id());
+    }
+    assert!(
+        eventually(async || r1.snapshot().is_idle()).await,
+        "the runs finish"
+    );
+    // While live in the store, the keys replay on r1 and are held elsewhere on r2.
+    assert_eq!(
+        r1.submit(AGENT_SECRET, &request(&keys[0], "demo.run", 0))
+            .await
+            .status,
+        200
+    );
+    assert_eq!(
+        r2.submit(AGENT_SECRET, &request(&keys[0], "demo.run", 0))
+            .await
+            .code(),
+        "idempotency_key_elsewhere"
+    );
+    // Past the retention: the sweep runs while both replicas replay the keys.
+    ahead.store(3600, std::sync::atomic::Ordering::Relaxed);
+    let sweep = r1.broker.sweep_now();
+    let replays = async {
+        let mut answers = Vec::new();
+        for key in &keys {
+            for h in [&r1, &r2] {
+                let reply = h.submit(AGENT_SECRET, &request(key, "demo.run", 0)).await;
+                answers.push((
+                    key.clone(),
+                    reply.status,
+                    reply.code().to_owned(),
+                    reply.id(),
+                ));
+            }
+        }
+        answers
+    };
+    let (swept, answers) = tokio::join!(sweep, replays);
+    let swept = swept.unwrap();
+    assert_eq!(swept.deferred, 0, "{swept:?}");
+    // During the race a key answers as a replay of its live row, as held elsewhere while its row
+    // still exists, or as new work; never a 409 naming an operation that is gone.
+    for (key, status, code, id) in &answers {
+        match *status {
+            200 | 202 => {}
+            409 => {
+                assert_eq!(code, "idempotency_key_elsewhere", "{key}");
+                let original = &first[keys.iter().position(|k| k == key).unwrap()];
+                assert!(
+                    r1.broker.database().get(original).await.unwrap().is_some()
+                        || answers
+                            .iter()
+                            .any(|(k, s, _, i)| k == key && *s == 202 && i != original),
+                    "{key}: 409 naming {id} after its operation was retired"
+                );
+            }
+            other => panic!("{key}: {other} {code}"),
+        }
+    }
+    // Every operation of the first round is gone, and every later submission of its key, on
+    // either replica, is new work (or a replay of that new work).
+    for (key, original) in keys.iter().zip(&first) {
+        assert!(
+            r1.broker.database().get(original).await.unwrap().is_none(),
+            "{key} retired"
+        );
+        for h in [&r2, &r1] {
+            let reply = h.submit(AGENT_SECRET, &request(key, "demo.run", 0)).await;
+            assert!(
+                matches!(reply.status, 200 | 202 | 409),
+                "{key}: {} {}",
+                reply.status,
+                reply.code()
+            );
+            assert_ne!(
+                &reply.id(),
+                original,
+                "{key} answered with its retired operation"
+            );
+            if reply.status == 409 {
+                // Bound to the new work another replica made: its row exists there.
+                assert_eq!(reply.code(), "idempotency_key_elsewhere");
+            }
+        }
+    }
+}
+
+/// The idempotency records Redis holds for the deployment under the default prefix.
+fn key_records_in_redis(server: &support::redis::RedisServer) -> usize {
+    let out = std::process::Command::new("redis-cli")
+        .args([
+            "-p",
+            &server.port.to_string(),
+            "--scan",
+            "--pattern",
+            "{admission}:key:*",
+        ])
+        .output()
+        .expect("redis-cli runs");
+    String::from_utf8_lossy(&out.stdout).lines().count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rate_limit_flood_on_one_replica_leaves_no_key_bound_but_the_created_ones() {
+    let server = redis_or_skip!();
+    let (d1, d2) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    const FLOOD: &str = r#"{"requests_per_window": 10, "window_seconds": 3600,
+      "client_active": 100, "client_pending": 50, "global_active": 500, "global_executing": 50}"#;
+    let start = |dir: std::path::PathBuf, name: &'static str| {
+        let server_url = server.url();
+        async move {
+            let mut options = RedisOptions::new(server_url, name);
+            options.call_timeout = Duration::from_secs(2);
+            let mut settings = settings(&dir, FLOOD, StorageCaps::default());
+            settings.broker_name = name.to_owned();
+            start_shared(settings, options).await
+        }
+    };
+    let r1 = start(d1.path().to_owned(), "r1").await;
+    let r2 = start(d2.path().to_owned(), "r2").await;
+    let (mut created, mut refused) = (Vec::new(), Vec::new());
+    for i in 0..200 {
+        let key = format!("flood-{i}");
+        let reply = r1
+            .submit(AGENT_SECRET, &request(&key, "demo.request", 0))
+            .await;
+        match reply.status {
+            202 => created.push(key),
+            429 => refused.push(key),
+            other => panic!("{key}: {other} {}", reply.code()),
+        }
+    }
+    assert_eq!(created.len(), 10, "the bucket's ten tokens");
+    assert_eq!(
+        key_records_in_redis(&server),
+        created.len(),
+        "one record per operation, none for a refusal"
+    );
+    // A refused key is free on the other replica: it is refused by the rate there too, never
+    // answered as held elsewhere.
+    for key in refused.iter().take(20) {
+        let reply = r2
+            .submit(AGENT_SECRET, &request(key, "demo.request", 0))
+            .await;
+        assert_eq!(
+            (reply.status, reply.code()),
+            (429, "submission_rate_limited"),
+            "{key}"
+        );
+    }
+}
