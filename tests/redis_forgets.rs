@@ -383,3 +383,114 @@ async fn a_new_deployment_with_every_replica_listed_admits_once_all_have_registe
     first.submit("amy", true, "now").await.unwrap();
     others[1].submit("amy", true, "there").await.unwrap();
 }
+
+/// A small deterministic generator (xorshift), so a failing sequence can be replayed by seed.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: usize) -> usize {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 % n as u64) as usize
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn random_sequences_with_redis_forgetting_at_random_points_never_admit_what_the_engine_refuses()
+ {
+    use unyolo_admission::{ManualClock, Operation};
+    let Some(server) = RedisServer::start() else {
+        return;
+    };
+    let mut flushes = 0;
+    for seed in [3u64, 11, 2026] {
+        let mut options = ReplicaOptions::new(server.url(), "model");
+        options.prefix = format!("forgets-{seed}");
+        options.call_timeout = Duration::from_secs(2);
+        options.lease_ttl = Duration::from_secs(30);
+        options.heartbeat = Duration::from_secs(10);
+        let shared = Admission::new(Controller::new(config()), Some(options)).unwrap();
+        let store = Arc::new(MemoryStore::default());
+        shared.set_recovery_source(Arc::clone(&store) as Arc<dyn RecoverySource>);
+        assert!(shared.restore(Vec::new()).await.deferred.is_none());
+        // The in-process engine decides the same sequence on a clock that never moves.
+        let local = Controller::builder(config())
+            .clock(ManualClock::new())
+            .build();
+        let mut rng = Rng(seed);
+        let mut live: Vec<(Operation, OperationHandle)> = Vec::new();
+        for step in 0..300 {
+            let context = format!("seed {seed} step {step}");
+            match rng.below(9) {
+                0..=3 => {
+                    let client = ["amy", "bob", "stranger"][rng.below(3)];
+                    let approval = rng.below(2) == 0;
+                    let expected = local.admit(client, approval);
+                    match (expected, shared.admit(client, approval, None).await) {
+                        (Ok(permit), Ok(shared_permit)) => {
+                            store
+                                .admitted
+                                .lock()
+                                .unwrap()
+                                .push((Identity::new(client).unwrap(), Instant::now()));
+                            live.push((permit.commit(), shared_permit.commit()));
+                        }
+                        // The shared engine may refuse more (a restored bucket is never
+                        // fuller), never less: the model gives its permit back to stay in step.
+                        (Ok(permit), Err(AdmitError::Refused(_))) => permit.refund(),
+                        (Err(_), Err(AdmitError::Refused(_))) => {}
+                        (Err(expected), Ok(got)) => {
+                            panic!(
+                                "{context}: admitted {got:?} that the engine refused: {expected:?}"
+                            )
+                        }
+                        (_, Err(other)) => panic!("{context}: {other}"),
+                    }
+                }
+                8 => {
+                    // Redis forgets everything; the replica notices and registers again.
+                    server.flush_all();
+                    flushes += 1;
+                    shared.renew().await.expect("the replica registers again");
+                }
+                action if !live.is_empty() => {
+                    let i = rng.below(live.len());
+                    let (op, shared_op) = &live[i];
+                    match action {
+                        4 => assert_eq!(op.approve(), shared_op.approve().await, "{context}"),
+                        5 => match (op.try_start(), shared_op.try_start().await) {
+                            (Ok(()), Ok(())) => {}
+                            (
+                                Err(_),
+                                Err(NotStarted::Saturated(_) | NotStarted::NotApproved(_)),
+                            ) => {}
+                            (expected, got) => panic!("{context}: {expected:?} vs {got:?}"),
+                        },
+                        6 => assert_eq!(op.succeed(), shared_op.succeed().await, "{context}"),
+                        _ => assert_eq!(op.cancel(), shared_op.cancel().await, "{context}"),
+                    }
+                    if op.state().is_terminal() {
+                        live.swap_remove(i);
+                    }
+                }
+                _ => {}
+            }
+            // Whatever Redis forgot, it counts exactly what is live once it has registered again.
+            let counts = shared.counts().await.unwrap();
+            let snapshot = local.snapshot();
+            assert_eq!(
+                (counts.active, counts.pending, counts.executing),
+                (snapshot.active, snapshot.pending, snapshot.executing),
+                "{context}"
+            );
+        }
+        for (op, shared_op) in live.drain(..) {
+            let _ = op.fail();
+            let _ = shared_op.fail().await;
+        }
+        assert!(shared.flush().await);
+        assert!(shared.counts().await.unwrap().is_idle(), "seed {seed}");
+    }
+    assert!(flushes > 0, "no sequence made Redis forget");
+}
