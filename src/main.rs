@@ -92,11 +92,11 @@ struct ServeArgs {
     #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = humantime::parse_duration)]
     body_timeout: std::time::Duration,
     /// The longest a whole request body may take, from when the broker starts reading it (e.g.
-    /// `5min`); past it the body is cut off (400).
+    /// `5min`); past it the body is cut off (408).
     #[arg(long, value_name = "DURATION", default_value = "5min", value_parser = humantime::parse_duration)]
     body_deadline: std::time::Duration,
     /// The least average rate of a request body after its first 2 s, in bytes a second; a slower
-    /// body is cut off (400). 0 turns the minimum off.
+    /// body is cut off (408). 0 turns the minimum off.
     #[arg(long, value_name = "BYTES", default_value_t = unyolo_admission::broker::listener::DEFAULT_BODY_MIN_RATE)]
     body_min_rate: u64,
     /// The most connections open at once; derived from the open-file limit when absent.

@@ -136,6 +136,8 @@ impl Broker {
             "Whether the store took a write (as /readyz checks it) when these metrics were scraped: 1 or 0.",
             store_ready.clone(),
         );
+        let body_metrics = listener::BodyMetrics::default();
+        body_metrics.register(&mut registry);
         let retention = Arc::new(Retention::new(settings.retention.clone(), &mut registry));
         match settings.retention.keep {
             Keep::Forever => tracing::warn!(
@@ -190,12 +192,13 @@ impl Broker {
             settings.retention.sweep_interval,
         ));
         let app = api::router(Arc::clone(&core));
-        let server = tokio::spawn(listener::serve(
+        let server = tokio::spawn(listener::serve_counted(
             listener,
             app,
             settings.connections,
             connection_cap,
             shutdown.clone(),
+            body_metrics,
         ));
         tracing::info!(
             %addr,

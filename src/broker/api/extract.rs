@@ -152,7 +152,8 @@ pub(crate) fn is_idempotency_key(key: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-'))
 }
 
-/// Reads a body of at most `limit` bytes (413 beyond it, judged from `Content-Length` first).
+/// Reads a body of at most `limit` bytes (413 beyond it, judged from `Content-Length` first; 408
+/// when the listener cuts it off for coming too slowly or past its deadline).
 pub(crate) async fn read_body(
     headers: &HeaderMap,
     body: Body,
@@ -171,7 +172,7 @@ pub(crate) async fn read_body(
     match http_body_util::Limited::new(body, limit).collect().await {
         Ok(collected) => Ok(collected.to_bytes()),
         Err(err) if err.is::<http_body_util::LengthLimitError>() => Err(too_large()),
-        Err(_) => Err(ApiError::invalid("The request body could not be read.")),
+        Err(err) => Err(ApiError::unreadable_body(&*err)),
     }
 }
 
