@@ -102,6 +102,15 @@ struct ServeArgs {
     /// The most connections open at once; derived from the open-file limit when absent.
     #[arg(long, value_name = "N")]
     max_connections: Option<usize>,
+    /// The most units one client's requests hold in flight (a GET, a wait or a cancel costs 1, a
+    /// submission or an upload 2, a page of summaries 1 + limit/10); past it a request waits up
+    /// to 1 s, then gets 429 `client_request_limit`.
+    #[arg(long, value_name = "N", default_value_t = unyolo_admission::fairness::FairnessConfig::default().per_client_units)]
+    client_requests: u32,
+    /// Units of the total (512) that only health, readiness, metrics, cancellation and operator
+    /// requests may use.
+    #[arg(long, value_name = "N", default_value_t = unyolo_admission::fairness::FairnessConfig::default().exempt_reserved_units)]
+    exempt_reserved: u32,
     /// How long terminal operations are kept before they are deleted (e.g. `7days`, `12h`); `0`
     /// or `forever` keeps everything. A replay of a deleted operation's key is new work.
     #[arg(long, value_name = "DURATION", default_value = "7days")]
@@ -220,6 +229,11 @@ fn serve(args: ServeArgs) -> ExitCode {
             options.replicas = args.replicas;
             options
         }),
+        fairness: unyolo_admission::fairness::FairnessConfig {
+            per_client_units: args.client_requests,
+            exempt_reserved_units: args.exempt_reserved,
+            ..unyolo_admission::fairness::FairnessConfig::default()
+        },
     };
     match run(options) {
         Ok(()) => ExitCode::SUCCESS,

@@ -121,6 +121,7 @@ use crate::Config;
 use crate::admission::{Admission, ReplicaOptions};
 use crate::config::{ConfigError, Identity, Secrets};
 use crate::engine::{Controller, DEFAULT_CAPACITY_RETRY, StorageCaps};
+use crate::fairness::FairnessConfig;
 
 pub use api::{discovery, listing, presentation, projection, ratelimit};
 pub use drift::{Difference, DriftCount, DriftReport};
@@ -159,6 +160,9 @@ pub struct BrokerSettings {
     /// Shared admission with other replicas through Redis (a URL and a replica name), or `None`
     /// for admission decided by this process alone.
     pub replicas: Option<ReplicaOptions>,
+    /// Each client's share of requests in flight, and the capacity kept for exempt requests
+    /// (health, readiness, metrics, cancellation, operator routes); see [`crate::fairness`].
+    pub fairness: FairnessConfig,
 }
 
 /// How often, by default, the broker compares its counts with the store.
@@ -179,6 +183,7 @@ impl std::fmt::Debug for BrokerSettings {
             .field("connections", &self.connections)
             .field("retention", &self.retention)
             .field("replicas", &self.replicas)
+            .field("fairness", &self.fairness)
             .finish()
     }
 }
@@ -206,18 +211,22 @@ impl BrokerSettings {
             connections: ConnectionSettings::default(),
             retention: RetentionSettings::default(),
             replicas: None,
+            fairness: FairnessConfig::default(),
         }
     }
 
     /// Why these settings cannot start a broker, if they cannot: the operator secret equal to a
-    /// client's (that client could decide its own requests), or connection settings that cannot
-    /// serve.
+    /// client's (that client could decide its own requests), connection settings that cannot
+    /// serve, or fairness numbers that cannot work.
     pub fn validate(&self) -> Result<(), BrokerError> {
         if let Some(client) = client_sharing_secret(&self.secrets, &self.operator_secret) {
             return Err(BrokerError::SharedSecret(client.clone()));
         }
         if let Some(problem) = self.connections.problem() {
             return Err(BrokerError::Settings(problem));
+        }
+        if let Some(problem) = self.fairness.problem() {
+            return Err(BrokerError::Settings(format!("fairness: {problem}")));
         }
         Ok(())
     }
@@ -328,6 +337,12 @@ impl Broker {
     /// The admission every submission goes through.
     pub fn admission(&self) -> &Admission {
         &self.core.admission
+    }
+
+    /// The fairness layer in front of the routes (its snapshot: units and requests in flight per
+    /// client).
+    pub fn fairness(&self) -> &crate::fairness::Fairness {
+        &self.core.fairness
     }
 
     /// The store.
