@@ -19,7 +19,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
-use crate::fairness::Fairness;
+use crate::fairness::{ByteBudget, Fairness};
 use tokio::sync::{Notify, watch};
 
 use super::auth::Auth;
@@ -70,6 +70,8 @@ pub(crate) struct Core {
     pub(crate) waits: Waits,
     /// Each client's share of requests in flight (the router's fairness layer).
     pub(crate) fairness: Fairness,
+    /// The bytes request bodies may hold buffered at once, across every request.
+    pub(crate) budget: ByteBudget,
 }
 
 impl Core {

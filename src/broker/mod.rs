@@ -163,7 +163,14 @@ pub struct BrokerSettings {
     /// Each client's share of requests in flight, and the capacity kept for exempt requests
     /// (health, readiness, metrics, cancellation, operator routes); see [`crate::fairness`].
     pub fairness: FairnessConfig,
+    /// The most bytes of request bodies held buffered at once, across every request
+    /// ([`DEFAULT_BUFFERED_BYTES`] by default); past it a body waits a second for room, then is
+    /// answered 503 `body_budget_exhausted` unread.
+    pub buffered_bytes: usize,
 }
+
+/// The default [`BrokerSettings::buffered_bytes`]: 256 MiB.
+pub const DEFAULT_BUFFERED_BYTES: usize = 256 << 20;
 
 /// How often, by default, the broker compares its counts with the store.
 pub const DEFAULT_DRIFT_INTERVAL: Duration = Duration::from_secs(30);
@@ -184,6 +191,7 @@ impl std::fmt::Debug for BrokerSettings {
             .field("retention", &self.retention)
             .field("replicas", &self.replicas)
             .field("fairness", &self.fairness)
+            .field("buffered_bytes", &self.buffered_bytes)
             .finish()
     }
 }
@@ -212,12 +220,14 @@ impl BrokerSettings {
             retention: RetentionSettings::default(),
             replicas: None,
             fairness: FairnessConfig::default(),
+            buffered_bytes: DEFAULT_BUFFERED_BYTES,
         }
     }
 
     /// Why these settings cannot start a broker, if they cannot: the operator secret equal to a
     /// client's (that client could decide its own requests), connection settings that cannot
-    /// serve, or fairness numbers that cannot work.
+    /// serve, fairness numbers that cannot work, or a buffered-bytes budget smaller than the
+    /// largest submission body.
     pub fn validate(&self) -> Result<(), BrokerError> {
         if let Some(client) = client_sharing_secret(&self.secrets, &self.operator_secret) {
             return Err(BrokerError::SharedSecret(client.clone()));
@@ -227,6 +237,14 @@ impl BrokerSettings {
         }
         if let Some(problem) = self.fairness.problem() {
             return Err(BrokerError::Settings(format!("fairness: {problem}")));
+        }
+        if self.buffered_bytes < api::MAX_BODY_BYTES {
+            return Err(BrokerError::Settings(format!(
+                "the buffered-bytes budget ({} bytes) must hold at least one largest submission \
+                 body ({} bytes)",
+                self.buffered_bytes,
+                api::MAX_BODY_BYTES
+            )));
         }
         Ok(())
     }

@@ -109,6 +109,8 @@ pub struct ServeOptions {
     /// Each client's share of requests in flight (`--client-requests`) and the exempt reserve
     /// (`--exempt-reserved`).
     pub fairness: crate::fairness::FairnessConfig,
+    /// The most bytes of request bodies held buffered at once (`--buffered-bytes`).
+    pub buffered_bytes: usize,
 }
 
 /// Runs the broker until `SIGINT` or `SIGTERM`. Prints `listening on ADDR` once it serves.
@@ -171,6 +173,7 @@ pub fn run(options: ServeOptions) -> Result<(), String> {
         broker_name: options.broker_name.clone(),
         connections: options.connections,
         fairness: options.fairness,
+        buffered_bytes: options.buffered_bytes,
         retention: RetentionSettings {
             keep: options.retention,
             ..RetentionSettings::default()

@@ -32,7 +32,7 @@ use super::{
 use crate::admission::{Admission, ReplicaOptions, RestoredOperation};
 use crate::config::Identity;
 use crate::engine::Controller;
-use crate::fairness::Fairness;
+use crate::fairness::{ByteBudget, Fairness};
 use crate::{Config, OperationState};
 
 /// How long [`Broker::shutdown`] waits for the broker's tasks to end.
@@ -139,6 +139,8 @@ impl Broker {
         );
         let fairness = Fairness::new(settings.fairness).map_err(BrokerError::Settings)?;
         fairness.register(&mut registry);
+        let budget = ByteBudget::new(settings.buffered_bytes);
+        budget.register(&mut registry);
         let body_metrics = listener::BodyMetrics::default();
         body_metrics.register(&mut registry);
         let retention = Arc::new(Retention::new(settings.retention.clone(), &mut registry));
@@ -174,6 +176,7 @@ impl Broker {
             shutdown: shutdown.clone(),
             waits: Waits::default(),
             fairness,
+            budget,
         });
         let summary = restore(&core, recovered).await;
         match drift::check(&core).await {
