@@ -27,6 +27,7 @@ use serde_json::{Value, json};
 use unyolo_admission::broker::waits::MAX_WAITS_PER_CLIENT;
 use unyolo_admission::broker::{Broker, BrokerSettings, ConnectionSettings};
 use unyolo_admission::config::{Identity, Secrets};
+use unyolo_admission::fairness::FairnessConfig;
 use unyolo_admission::{Config, StorageCaps};
 
 fn env(name: &str, default: usize) -> usize {
@@ -170,6 +171,7 @@ fn main() {
             "client_pending": 1, "global_active": {clients}, "global_executing": 1}}"#
     );
     let config = Config::from_bytes(limits.as_bytes(), identities).unwrap();
+    let share = 2 * MAX_WAITS_PER_CLIENT as u32;
     let settings = BrokerSettings {
         config,
         storage_caps: StorageCaps {
@@ -179,6 +181,14 @@ fn main() {
         connections: ConnectionSettings {
             max_connections: Some(waits + 256),
             ..ConnectionSettings::default()
+        },
+        // The fairness layer's share (32 units by default, one a wait) raised past each client's
+        // wait limit and its pool past every client's, so the limit measured here is the waits'.
+        fairness: FairnessConfig {
+            per_client_units: share,
+            total_units: share * (clients as u32 + 1)
+                + FairnessConfig::default().exempt_reserved_units,
+            ..FairnessConfig::default()
         },
         ..BrokerSettings::new(
             "127.0.0.1:0".parse().unwrap(),

@@ -92,16 +92,29 @@ struct ServeArgs {
     #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = humantime::parse_duration)]
     body_timeout: std::time::Duration,
     /// The longest a whole request body may take, from when the broker starts reading it (e.g.
-    /// `5min`); past it the body is cut off (400).
+    /// `5min`); past it the body is cut off (408).
     #[arg(long, value_name = "DURATION", default_value = "5min", value_parser = humantime::parse_duration)]
     body_deadline: std::time::Duration,
     /// The least average rate of a request body after its first 2 s, in bytes a second; a slower
-    /// body is cut off (400). 0 turns the minimum off.
+    /// body is cut off (408). 0 turns the minimum off.
     #[arg(long, value_name = "BYTES", default_value_t = unyolo_admission::broker::listener::DEFAULT_BODY_MIN_RATE)]
     body_min_rate: u64,
     /// The most connections open at once; derived from the open-file limit when absent.
     #[arg(long, value_name = "N")]
     max_connections: Option<usize>,
+    /// The most units one client's requests hold in flight (a GET, a wait or a cancel costs 1, a
+    /// submission or an upload 2, a page of summaries 1 + limit/10); past it a request waits up
+    /// to 1 s, then gets 429 `client_request_limit`.
+    #[arg(long, value_name = "N", default_value_t = unyolo_admission::fairness::FairnessConfig::default().per_client_units)]
+    client_requests: u32,
+    /// Units of the total (512) that only health, readiness, metrics, cancellation and operator
+    /// requests may use.
+    #[arg(long, value_name = "N", default_value_t = unyolo_admission::fairness::FairnessConfig::default().exempt_reserved_units)]
+    exempt_reserved: u32,
+    /// The most bytes of request bodies the broker holds buffered at once, across every request;
+    /// past it a body waits up to 1 s for room, then gets 503 `body_budget_exhausted`, unread.
+    #[arg(long, value_name = "BYTES", default_value_t = unyolo_admission::broker::DEFAULT_BUFFERED_BYTES)]
+    buffered_bytes: usize,
     /// How long terminal operations are kept before they are deleted (e.g. `7days`, `12h`); `0`
     /// or `forever` keeps everything. A replay of a deleted operation's key is new work.
     #[arg(long, value_name = "DURATION", default_value = "7days")]
@@ -220,6 +233,12 @@ fn serve(args: ServeArgs) -> ExitCode {
             options.replicas = args.replicas;
             options
         }),
+        fairness: unyolo_admission::fairness::FairnessConfig {
+            per_client_units: args.client_requests,
+            exempt_reserved_units: args.exempt_reserved,
+            ..unyolo_admission::fairness::FairnessConfig::default()
+        },
+        buffered_bytes: args.buffered_bytes,
     };
     match run(options) {
         Ok(()) => ExitCode::SUCCESS,

@@ -505,7 +505,17 @@ async fn missing_operations_and_unknown_routes_are_not_found() {
 #[tokio::test]
 async fn waits_are_bounded_per_client_never_block_others_and_end_at_shutdown() {
     let dir = tempfile::tempdir().unwrap();
-    let h = start(dir.path(), ROOMY).await;
+    // The client's fairness share (32 units by default, one a wait) is raised past its wait
+    // limit, so the limit judged here is the waits' own, and its other requests get room.
+    let fairness = unyolo_admission::fairness::FairnessConfig {
+        per_client_units: 64,
+        ..Default::default()
+    };
+    let h = start_with(unyolo_admission::broker::BrokerSettings {
+        fairness,
+        ..settings(dir.path(), ROOMY, StorageCaps::default())
+    })
+    .await;
     let id = h
         .submit(AGENT_SECRET, &request("held", "demo.request", 0))
         .await

@@ -18,6 +18,8 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
+
+use crate::fairness::{ByteBudget, Fairness};
 use tokio::sync::{Notify, watch};
 
 use super::auth::Auth;
@@ -66,6 +68,10 @@ pub(crate) struct Core {
     pub(crate) shutdown: watch::Receiver<bool>,
     /// Open long-poll waits and the bells that wake them.
     pub(crate) waits: Waits,
+    /// Each client's share of requests in flight (the router's fairness layer).
+    pub(crate) fairness: Fairness,
+    /// The bytes request bodies may hold buffered at once, across every request.
+    pub(crate) budget: ByteBudget,
 }
 
 impl Core {

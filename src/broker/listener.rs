@@ -184,20 +184,8 @@ pub fn connection_cap_for_file_limit(file_limit: Option<u64>) -> usize {
     }
 }
 
-/// Serves `app` on `listener` until `stop` turns true, holding at most `cap` connections open.
-/// Bodies cut off are counted in a [`BodyMetrics`] of its own; [`serve_counted`] takes one
-/// registered in the broker's registry.
-pub(crate) async fn serve(
-    listener: TcpListener,
-    app: axum::Router,
-    settings: ConnectionSettings,
-    cap: usize,
-    stop: watch::Receiver<bool>,
-) {
-    serve_counted(listener, app, settings, cap, stop, BodyMetrics::default()).await;
-}
-
-/// [`serve`], counting bodies cut off in `metrics`.
+/// Serves `app` on `listener` until `stop` turns true, holding at most `cap` connections open,
+/// and counting bodies cut off in `metrics` (the broker's, registered in its registry).
 pub(crate) async fn serve_counted(
     listener: TcpListener,
     app: axum::Router,

@@ -121,6 +121,7 @@ use crate::Config;
 use crate::admission::{Admission, ReplicaOptions};
 use crate::config::{ConfigError, Identity, Secrets};
 use crate::engine::{Controller, DEFAULT_CAPACITY_RETRY, StorageCaps};
+use crate::fairness::FairnessConfig;
 
 pub use api::{discovery, listing, presentation, projection, ratelimit};
 pub use drift::{Difference, DriftCount, DriftReport};
@@ -159,7 +160,17 @@ pub struct BrokerSettings {
     /// Shared admission with other replicas through Redis (a URL and a replica name), or `None`
     /// for admission decided by this process alone.
     pub replicas: Option<ReplicaOptions>,
+    /// Each client's share of requests in flight, and the capacity kept for exempt requests
+    /// (health, readiness, metrics, cancellation, operator routes); see [`crate::fairness`].
+    pub fairness: FairnessConfig,
+    /// The most bytes of request bodies held buffered at once, across every request
+    /// ([`DEFAULT_BUFFERED_BYTES`] by default); past it a body waits a second for room, then is
+    /// answered 503 `body_budget_exhausted` unread.
+    pub buffered_bytes: usize,
 }
+
+/// The default [`BrokerSettings::buffered_bytes`]: 256 MiB.
+pub const DEFAULT_BUFFERED_BYTES: usize = 256 << 20;
 
 /// How often, by default, the broker compares its counts with the store.
 pub const DEFAULT_DRIFT_INTERVAL: Duration = Duration::from_secs(30);
@@ -179,6 +190,8 @@ impl std::fmt::Debug for BrokerSettings {
             .field("connections", &self.connections)
             .field("retention", &self.retention)
             .field("replicas", &self.replicas)
+            .field("fairness", &self.fairness)
+            .field("buffered_bytes", &self.buffered_bytes)
             .finish()
     }
 }
@@ -206,18 +219,32 @@ impl BrokerSettings {
             connections: ConnectionSettings::default(),
             retention: RetentionSettings::default(),
             replicas: None,
+            fairness: FairnessConfig::default(),
+            buffered_bytes: DEFAULT_BUFFERED_BYTES,
         }
     }
 
     /// Why these settings cannot start a broker, if they cannot: the operator secret equal to a
-    /// client's (that client could decide its own requests), or connection settings that cannot
-    /// serve.
+    /// client's (that client could decide its own requests), connection settings that cannot
+    /// serve, fairness numbers that cannot work, or a buffered-bytes budget smaller than the
+    /// largest submission body.
     pub fn validate(&self) -> Result<(), BrokerError> {
         if let Some(client) = client_sharing_secret(&self.secrets, &self.operator_secret) {
             return Err(BrokerError::SharedSecret(client.clone()));
         }
         if let Some(problem) = self.connections.problem() {
             return Err(BrokerError::Settings(problem));
+        }
+        if let Some(problem) = self.fairness.problem() {
+            return Err(BrokerError::Settings(format!("fairness: {problem}")));
+        }
+        if self.buffered_bytes < api::MAX_BODY_BYTES {
+            return Err(BrokerError::Settings(format!(
+                "the buffered-bytes budget ({} bytes) must hold at least one largest submission \
+                 body ({} bytes)",
+                self.buffered_bytes,
+                api::MAX_BODY_BYTES
+            )));
         }
         Ok(())
     }
@@ -328,6 +355,12 @@ impl Broker {
     /// The admission every submission goes through.
     pub fn admission(&self) -> &Admission {
         &self.core.admission
+    }
+
+    /// The fairness layer in front of the routes (its snapshot: units and requests in flight per
+    /// client).
+    pub fn fairness(&self) -> &crate::fairness::Fairness {
+        &self.core.fairness
     }
 
     /// The store.

@@ -106,6 +106,11 @@ pub struct ServeOptions {
     /// One replica of several sharing admission through Redis (`--redis URL --replica NAME`);
     /// `None`: the in-process controller alone.
     pub redis: Option<crate::admission::ReplicaOptions>,
+    /// Each client's share of requests in flight (`--client-requests`) and the exempt reserve
+    /// (`--exempt-reserved`).
+    pub fairness: crate::fairness::FairnessConfig,
+    /// The most bytes of request bodies held buffered at once (`--buffered-bytes`).
+    pub buffered_bytes: usize,
 }
 
 /// Runs the broker until `SIGINT` or `SIGTERM`. Prints `listening on ADDR` once it serves.
@@ -114,6 +119,9 @@ pub fn run(options: ServeOptions) -> Result<(), String> {
         .map_err(|e| format!("cannot create {}: {e}", options.data_dir.display()))?;
     if let Some(problem) = options.connections.problem() {
         return Err(problem);
+    }
+    if let Some(problem) = options.fairness.problem() {
+        return Err(format!("fairness: {problem}"));
     }
     let secrets_path = match &options.secrets {
         Some(path) => path.clone(),
@@ -164,6 +172,8 @@ pub fn run(options: ServeOptions) -> Result<(), String> {
         storage_caps: StorageCaps::default(),
         broker_name: options.broker_name.clone(),
         connections: options.connections,
+        fairness: options.fairness,
+        buffered_bytes: options.buffered_bytes,
         retention: RetentionSettings {
             keep: options.retention,
             ..RetentionSettings::default()

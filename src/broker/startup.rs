@@ -32,6 +32,7 @@ use super::{
 use crate::admission::{Admission, ReplicaOptions, RestoredOperation};
 use crate::config::Identity;
 use crate::engine::Controller;
+use crate::fairness::{ByteBudget, Fairness};
 use crate::{Config, OperationState};
 
 /// How long [`Broker::shutdown`] waits for the broker's tasks to end.
@@ -136,6 +137,12 @@ impl Broker {
             "Whether the store took a write (as /readyz checks it) when these metrics were scraped: 1 or 0.",
             store_ready.clone(),
         );
+        let fairness = Fairness::new(settings.fairness).map_err(BrokerError::Settings)?;
+        fairness.register(&mut registry);
+        let budget = ByteBudget::new(settings.buffered_bytes);
+        budget.register(&mut registry);
+        let body_metrics = listener::BodyMetrics::default();
+        body_metrics.register(&mut registry);
         let retention = Arc::new(Retention::new(settings.retention.clone(), &mut registry));
         match settings.retention.keep {
             Keep::Forever => tracing::warn!(
@@ -168,6 +175,8 @@ impl Broker {
             fleet_drift,
             shutdown: shutdown.clone(),
             waits: Waits::default(),
+            fairness,
+            budget,
         });
         let summary = restore(&core, recovered).await;
         match drift::check(&core).await {
@@ -190,12 +199,13 @@ impl Broker {
             settings.retention.sweep_interval,
         ));
         let app = api::router(Arc::clone(&core));
-        let server = tokio::spawn(listener::serve(
+        let server = tokio::spawn(listener::serve_counted(
             listener,
             app,
             settings.connections,
             connection_cap,
             shutdown.clone(),
+            body_metrics,
         ));
         tracing::info!(
             %addr,

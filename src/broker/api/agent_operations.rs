@@ -131,7 +131,8 @@ pub(crate) async fn submit(
     headers: HeaderMap,
     body: Body,
 ) -> ApiResult {
-    let bytes = read_body(&headers, body, MAX_BODY_BYTES).await?;
+    // The body's room in the buffered-bytes budget is held until the submission is answered.
+    let (bytes, _buffered) = read_body(&core.budget, &headers, body, MAX_BODY_BYTES).await?;
     let Validated {
         request,
         needs_approval,

@@ -9,6 +9,7 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 
+use crate::broker::listener::{CutOffReason, body_cut_off};
 use crate::broker::store::StoreError;
 use crate::engine::{Refusal, RefusalCode};
 
@@ -107,6 +108,29 @@ impl ApiError {
     #[cfg(any(test, feature = "fuzzing"))]
     pub(crate) fn message(&self) -> &str {
         &self.message
+    }
+
+    /// A request body that could not be read, from the error reading it: `408 request_timeout`
+    /// when the listener cut it off (too slow past the grace, or past its deadline), else a 400
+    /// `invalid_request` (the client hung up, a frame timed out, a malformed chunk).
+    pub(crate) fn unreadable_body(err: &(dyn std::error::Error + 'static)) -> ApiError {
+        match body_cut_off(err) {
+            Some(cut) => {
+                let secs = cut.after.as_secs_f64();
+                let message = match cut.reason {
+                    CutOffReason::Deadline => format!(
+                        "The request body came past its deadline: still arriving after {secs:.1} s."
+                    ),
+                    CutOffReason::TooSlow => format!(
+                        "The request body came too slowly: {} bytes in {secs:.1} s is below the \
+                         minimum rate.",
+                        cut.bytes
+                    ),
+                };
+                ApiError::new(StatusCode::REQUEST_TIMEOUT, "request_timeout", message)
+            }
+            None => ApiError::invalid("The request body could not be read."),
+        }
     }
 
     /// 404 `not_found` for an operation that is unknown or another client's.

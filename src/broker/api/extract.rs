@@ -1,7 +1,7 @@
 //! What a handler takes from a request, checked once here instead of in every handler: the
 //! authenticated client ([`Client`]) and the operator ([`Operator`]) from the bearer token, the
 //! operation id of the path ([`OperationId`]), the query's parameters ([`QueryPairs`] and
-//! [`single_params`]), and the body ([`read_body`]); and the caller's own operation
+//! [`single_params`]), and the body ([`read_body`], within the buffered-bytes budget); and the caller's own operation
 //! ([`own_record`]).
 //!
 //! Each extractor rejects with an [`ApiError`], so a refused request answers in the error shape
@@ -21,6 +21,7 @@ use super::error::ApiError;
 use crate::broker::core::Core;
 use crate::broker::store::OperationRecord;
 use crate::config::Identity;
+use crate::fairness::{ByteBudget, BytesReservation};
 
 /// The client the bearer token names: missing → 401, unknown → 403, both
 /// `authentication_failed`.
@@ -152,12 +153,21 @@ pub(crate) fn is_idempotency_key(key: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-'))
 }
 
-/// Reads a body of at most `limit` bytes (413 beyond it, judged from `Content-Length` first).
+/// How long a body waits for room in the buffered-bytes budget before it is refused.
+const BUDGET_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Reads a body of at most `limit` bytes (413 beyond it, judged from `Content-Length` first; 408
+/// when the listener cuts it off for coming too slowly or past its deadline), holding its bytes
+/// in `budget`: room for the `Content-Length` (or `limit` when there is none) is reserved before
+/// a byte is read, then shrunk to the bytes read. With no room within a second it is refused,
+/// 503 `body_budget_exhausted` with Retry-After, unread. Keep the reservation for as long as the
+/// body's bytes (or what is parsed from them) are held.
 pub(crate) async fn read_body(
+    budget: &ByteBudget,
     headers: &HeaderMap,
     body: Body,
     limit: usize,
-) -> Result<bytes::Bytes, ApiError> {
+) -> Result<(bytes::Bytes, BytesReservation), ApiError> {
     let too_large = || {
         ApiError::new(
             StatusCode::PAYLOAD_TOO_LARGE,
@@ -165,13 +175,28 @@ pub(crate) async fn read_body(
             format!("The request body is larger than {limit} bytes."),
         )
     };
-    if content_length(headers)?.is_some_and(|n| n > limit as u64) {
+    let declared = content_length(headers)?;
+    if declared.is_some_and(|n| n > limit as u64) {
         return Err(too_large());
     }
+    let room = declared.map_or(limit, |n| n as usize);
+    let mut reservation = budget.reserve(room, BUDGET_WAIT).await.map_err(|refusal| {
+        tracing::warn!(bytes = room, %refusal, "request body refused: buffered-bytes budget");
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "body_budget_exhausted",
+            "The broker holds as many request bodies as it may buffer; retry shortly.",
+        )
+        .with_retry_after(1)
+    })?;
     match http_body_util::Limited::new(body, limit).collect().await {
-        Ok(collected) => Ok(collected.to_bytes()),
+        Ok(collected) => {
+            let bytes = collected.to_bytes();
+            reservation.shrink_to(bytes.len());
+            Ok((bytes, reservation))
+        }
         Err(err) if err.is::<http_body_util::LengthLimitError>() => Err(too_large()),
-        Err(_) => Err(ApiError::invalid("The request body could not be read.")),
+        Err(err) => Err(ApiError::unreadable_body(&*err)),
     }
 }
 

@@ -21,6 +21,7 @@ pub(crate) mod detached;
 pub mod discovery;
 pub mod error;
 pub(crate) mod extract;
+mod fairness;
 mod health;
 pub mod listing;
 mod operator;
@@ -33,18 +34,25 @@ pub mod waits;
 use std::sync::Arc;
 
 use axum::Router;
+use axum::http::request::Parts;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::Response;
 use axum::routing::{delete, get, post};
 
 use crate::broker::core::Core;
+use crate::fairness::FairnessLayer;
 use error::ApiError;
 
 pub use agent_operations::{MAX_ARGUMENT_PROPERTIES, MAX_BODY_BYTES, MAX_TARGET_PROPERTIES};
 pub use error::REFUSAL_MESSAGE;
 
-/// The routes, with their state.
+/// The routes, with their state, behind the fairness layer (`fairness::classify` says what each
+/// request is; a refusal is the layer's default 429 `client_request_limit`).
 pub(crate) fn router(core: Arc<Core>) -> Router {
+    let classifier = Arc::clone(&core);
+    let fair = FairnessLayer::new(core.fairness.clone(), move |head: &Parts| {
+        fairness::classify(&classifier, head)
+    });
     Router::new()
         .route("/.well-known/unyolo-agent", get(discovery::descriptor))
         .route(
@@ -84,6 +92,7 @@ pub(crate) fn router(core: Arc<Core>) -> Router {
             )
         })
         .layer(axum::middleware::map_response(no_store))
+        .layer(fair)
         .with_state(core)
 }
 

@@ -114,7 +114,7 @@ async fn write_stream(
     let mut file = tokio::fs::File::create(path).await.map_err(io_error)?;
     let mut size: u64 = 0;
     while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|_| ApiError::invalid("The request body could not be read."))?;
+        let frame = frame.map_err(|err| ApiError::unreadable_body(&err))?;
         let Ok(data) = frame.into_data() else {
             continue;
         };

@@ -1,0 +1,283 @@
+//! SPEC section 6, "no client starves the others", against a broker in-process: one client
+//! holding its whole share of requests in flight gets 429 `client_request_limit` past it, while
+//! another client's submission, `/healthz` and the first client's own cancel are answered; its
+//! units come back when its requests end.
+#![cfg(feature = "broker")]
+
+mod support;
+
+use std::time::Duration;
+
+use support::broker::{ROOMY, settings, start_with};
+use support::eventually::assert_eventually;
+use support::http::request;
+use support::metrics::metric;
+use support::secrets::{AGENT, AGENT_SECRET, OTHER_SECRET};
+use unyolo_admission::StorageCaps;
+use unyolo_admission::broker::BrokerSettings;
+use unyolo_admission::fairness::FairnessConfig;
+
+/// A share of 4 units, none of them queued: a fifth unit is refused at once.
+const SHARE: u32 = 4;
+
+fn fairness() -> FairnessConfig {
+    FairnessConfig {
+        per_client_units: SHARE,
+        exempt_reserved_units: 4,
+        total_units: 16,
+        queue_depth: 0,
+        queue_wait: Duration::from_secs(1),
+        retry_after: Duration::from_secs(1),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_holding_its_share_with_long_polls_cannot_keep_out_another_client_health_or_its_cancel()
+ {
+    let dir = tempfile::tempdir().unwrap();
+    let h = start_with(BrokerSettings {
+        fairness: fairness(),
+        ..settings(dir.path(), ROOMY, StorageCaps::default())
+    })
+    .await;
+    let created = h
+        .submit(AGENT_SECRET, &request("held", "demo.request", 0))
+        .await;
+    assert_eq!(created.status, 202, "{}", created.body);
+    let id = created.id();
+    let revision = created.body["revision"].as_u64().unwrap();
+
+    // The agent's whole share: long polls that wait for a change nobody makes yet.
+    let mut waits = tokio::task::JoinSet::new();
+    for _ in 0..SHARE {
+        let url = format!(
+            "{}/api/agent/v1/operations/{id}/events?after_revision={revision}&wait_seconds=30",
+            h.base
+        );
+        let http = h.http.clone();
+        waits.spawn(async move {
+            let reply = http
+                .get(url)
+                .bearer_auth(AGENT_SECRET)
+                .send()
+                .await
+                .unwrap();
+            reply.status().as_u16()
+        });
+    }
+    assert_eventually("the long polls hold the agent's whole share", async || {
+        h.broker
+            .fairness()
+            .snapshot()
+            .client(AGENT)
+            .is_some_and(|flow| flow.units == SHARE && flow.requests == SHARE)
+    })
+    .await;
+
+    // Past its share: 429 client_request_limit, Retry-After, no-store; nothing reaches the route.
+    let refused = h
+        .get(
+            &format!("/api/agent/v1/operations/{id}"),
+            Some(AGENT_SECRET),
+        )
+        .await;
+    assert_eq!(refused.status, 429, "{}", refused.body);
+    assert_eq!(refused.code(), "client_request_limit");
+    assert_eq!(refused.retry_after(), Some(1));
+    assert_eq!(refused.header("cache-control"), Some("no-store"));
+    let again = h
+        .submit(AGENT_SECRET, &request("over-share", "demo.run", 0))
+        .await;
+    assert_eq!(again.status, 429, "{}", again.body);
+    assert_eq!(h.rows().await, 1, "a refused submission wrote nothing");
+
+    // Everyone else, and the exempt routes, still answer.
+    let other = h
+        .submit(OTHER_SECRET, &request("other", "demo.run", 0))
+        .await;
+    assert_eq!(other.status, 202, "{}", other.body);
+    assert_eq!(h.get("/healthz", None).await.status, 200);
+    let text = h.metrics().await;
+    let rejected = format!(
+        "broker_client_requests_rejected_total{{client=\"{AGENT}\",reason=\"queue_full\"}}"
+    );
+    assert_eq!(metric(&text, &rejected), Some(2), "{text}");
+    let units = format!("broker_client_units_in_flight{{client=\"{AGENT}\"}}");
+    assert_eq!(metric(&text, &units), Some(u64::from(SHARE)), "{text}");
+    let canceled = h
+        .post(
+            &format!("/api/agent/v1/operations/{id}/cancel"),
+            Some(AGENT_SECRET),
+        )
+        .await;
+    assert_eq!(canceled.status, 200, "{}", canceled.body);
+    assert_eq!(canceled.state(), "canceled");
+
+    // The cancel is the change the long polls waited for: they end, and give their units back.
+    while let Some(status) = waits.join_next().await {
+        assert_eq!(status.unwrap(), 200);
+    }
+    assert_eventually("every unit is back", async || {
+        h.broker.fairness().snapshot().is_idle()
+    })
+    .await;
+    let text = h.metrics().await;
+    assert_eq!(metric(&text, &units), Some(0), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_token_is_still_answered_403_through_the_fairness_layer() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = start_with(BrokerSettings {
+        fairness: fairness(),
+        ..settings(dir.path(), ROOMY, StorageCaps::default())
+    })
+    .await;
+    let reply = h
+        .get("/api/agent/v1/operations", Some("not-a-secret"))
+        .await;
+    assert_eq!(reply.status, 403, "{}", reply.body);
+    assert_eq!(reply.code(), "authentication_failed");
+    assert!(h.broker.fairness().snapshot().is_idle());
+}
+
+#[tokio::test]
+async fn fairness_numbers_that_cannot_work_stop_the_broker_at_start_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let settings = BrokerSettings {
+        fairness: FairnessConfig {
+            per_client_units: 0,
+            ..FairnessConfig::default()
+        },
+        ..settings(dir.path(), ROOMY, StorageCaps::default())
+    };
+    let err = unyolo_admission::broker::Broker::start(settings)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("per-client units"), "{err}");
+}
+
+/// The broker's resident memory (this process's, as the broker runs in it), in bytes.
+fn resident_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+    let kib: u64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+    kib * 1024
+}
+
+/// Reads one answer from `read`: its head and as much body as arrives before the server closes
+/// the connection or the JSON ends.
+async fn read_answer(read: &mut tokio::net::tcp::OwnedReadHalf) -> String {
+    use tokio::io::AsyncReadExt;
+    let mut received = Vec::new();
+    let mut chunk = [0u8; 4096];
+    while !(received.windows(4).any(|w| w == b"\r\n\r\n") && received.ends_with(b"}")) {
+        match read.read(&mut chunk).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => received.extend_from_slice(&chunk[..n]),
+        }
+    }
+    String::from_utf8_lossy(&received).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bodies_past_the_byte_budget_are_refused_unread_while_another_client_and_health_answer() {
+    use tokio::io::AsyncWriteExt;
+    const BODY: usize = 1 << 20;
+    const HELD: usize = 4;
+    const SENT: usize = 12;
+    let budget = HELD * BODY + BODY / 2;
+    let dir = tempfile::tempdir().unwrap();
+    let h = start_with(BrokerSettings {
+        buffered_bytes: budget,
+        // No minimum rate: the held bodies stay held until the test lets them go.
+        connections: unyolo_admission::broker::ConnectionSettings {
+            body_min_rate: 0,
+            ..Default::default()
+        },
+        ..settings(dir.path(), ROOMY, StorageCaps::default())
+    })
+    .await;
+    let addr = h.broker.local_addr();
+
+    // SENT submissions of one client, each declaring a whole 1 MiB body and sending 64 KiB of it.
+    let (release, released) = tokio::sync::watch::channel(false);
+    let (answered, mut answers) = tokio::sync::mpsc::unbounded_channel();
+    let mut bodies = tokio::task::JoinSet::new();
+    for n in 0..SENT {
+        let (mut released, answered) = (released.clone(), answered.clone());
+        bodies.spawn(async move {
+            let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+            let (mut read, mut write) = stream.into_split();
+            let head = format!(
+                "POST /api/agent/v1/operations HTTP/1.1\r\nHost: x\r\n\
+                 Authorization: Bearer {AGENT_SECRET}\r\nContent-Type: application/json\r\n\
+                 Content-Length: {BODY}\r\n\r\n{{\"idempotency_key\": \"big-{n}\", \"reason\": \""
+            );
+            write.write_all(head.as_bytes()).await.unwrap();
+            let _ = write.write_all(&vec![b'x'; 64 << 10]).await;
+            tokio::select! {
+                answer = read_answer(&mut read) => { let _ = answered.send(answer); }
+                _ = released.changed() => {}
+            }
+        });
+    }
+    drop(answered);
+    for _ in 0..SENT - HELD {
+        let answer = tokio::time::timeout(support::eventually::PATIENCE, answers.recv())
+            .await
+            .expect("a body past the budget was answered")
+            .unwrap();
+        assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+        assert!(answer.contains("body_budget_exhausted"), "{answer}");
+        assert!(
+            answer.to_ascii_lowercase().contains("retry-after: 1"),
+            "{answer}"
+        );
+    }
+    let text = h.metrics().await;
+    let held = (HELD * BODY) as u64;
+    assert_eq!(
+        metric(&text, "broker_buffered_bytes "),
+        Some(held),
+        "{text}"
+    );
+    assert_eq!(
+        metric(&text, "broker_buffered_bytes_refused_total"),
+        Some((SENT - HELD) as u64),
+        "{text}"
+    );
+    assert_eq!(
+        metric(&text, "broker_buffered_bytes_limit"),
+        Some(budget as u64)
+    );
+
+    // Another client's small submission, its reads and /healthz are answered meanwhile.
+    let other = h
+        .submit(OTHER_SECRET, &request("small", "demo.run", 0))
+        .await;
+    assert_eq!(other.status, 202, "{}", other.body);
+    assert_eq!(
+        h.get("/api/agent/v1/operations", Some(OTHER_SECRET))
+            .await
+            .status,
+        200
+    );
+    assert_eq!(h.get("/healthz", None).await.status, 200);
+    let rss = resident_bytes();
+    let bound = budget as u64 + (200 << 20);
+    assert!(rss < bound, "resident {rss} bytes, above {bound}");
+
+    // Let the held bodies go: their handlers see the hang-up, and the budget is whole again.
+    let _ = release.send(true);
+    while bodies.join_next().await.is_some() {}
+    assert_eventually("the held bodies' bytes are given back", async || {
+        metric(&h.metrics().await, "broker_buffered_bytes ") == Some(0)
+    })
+    .await;
+    assert_eq!(
+        h.rows().await,
+        1,
+        "only the other client's submission was created"
+    );
+}
