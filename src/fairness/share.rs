@@ -33,7 +33,7 @@ pub const UNKEYED_LABEL: &str = "-";
 /// reserve is the part of it that no client's load can take.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FairnessConfig {
-    /// The most units one client holds at once. Default 32.
+    /// The most units one client holds at once. Default 64: above the 32 waits a client may hold open, so the wait limit (`too_many_waits`) answers first.
     pub per_client_units: u32,
     /// Units of the total that only exempt requests may use. Default 32.
     pub exempt_reserved_units: u32,
@@ -52,7 +52,7 @@ pub struct FairnessConfig {
 impl Default for FairnessConfig {
     fn default() -> FairnessConfig {
         FairnessConfig {
-            per_client_units: 32,
+            per_client_units: 64,
             exempt_reserved_units: 32,
             total_units: 512,
             queue_wait: Duration::from_secs(1),
