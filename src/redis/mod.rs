@@ -42,13 +42,24 @@
 //!   order, until Redis answers.
 //! - **One operation per key.** The admission script records (client, idempotency key) →
 //!   (operation id, replica) with the reservation, so the same key sent to two replicas admits
-//!   once; the second is told which operation and replica hold it.
+//!   once; the second is told which operation and replica hold it. The record lives as long as its
+//!   operation: freed by a refund, a drop or an unanswered admission (the release names it), and
+//!   by [`crate::Admission::retire_keys`] when the store retires the operation.
+//! - **Redis forgets.** The deployment has an epoch (`{prefix}:epoch`), written by the first
+//!   registration on a Redis that holds none; every admission and heartbeat checks it. A replica
+//!   that finds it gone or changed registers again (`register_again`): its key records go back
+//!   first (`scripts/restore_keys.lua`, from the embedder's [`RecoverySource`]), then, in the one
+//!   atomic replace, its holdings and its clients' rate debts. A new epoch opens a recovery window
+//!   (`{prefix}:recovery`, one lease long) in which no replica admits until every replica it knew
+//!   of has registered again (`scripts/replace.lua`).
 //!
 //! What stays per replica: storage quotas (streams, sealed payloads) and the durable store.
 //!
 //! This file is one piece past the usual size because its parts share one private state
-//! (`Inner`: the connection, the lease, the kept releases, the registration lock) whose rules only
-//! hold together: the options and errors come first, then the controller, then the calls it makes.
+//! (`Inner`: the connection, the lease, the epoch, the kept releases, the registration lock) whose
+//! rules only hold together — registration after a loss reads and rewrites all of them: the
+//! options and errors come first, then the controller, then the calls it makes; its unit tests
+//! (the quota arithmetic, the rate debts) close it.
 //! The handles (`handles`), the reply parser (`reply`) and the circuit (`circuit`) stand alone.
 
 mod circuit;
@@ -1277,6 +1288,41 @@ mod tests {
     use super::*;
     use crate::config::Limits;
     use crate::{Controller, ManualClock, StorageCaps};
+
+    #[test]
+    fn rate_debts_replay_the_admissions_as_the_engine_restores_a_bucket() {
+        let bob = Identity::new("bob").unwrap();
+        let limits = Limits {
+            requests_per_window: 5,
+            window_seconds: 600,
+            ..Limits::default()
+        };
+        let config = Config::new(limits, BTreeMap::new(), [bob.clone()]).unwrap();
+        let secs = Duration::from_secs;
+        // Five tokens spent 25 s ago: the bucket is empty and the next token is 95 s away, so the
+        // TAT lies 575 s past now (a full span of 600 s, less the 25 s that passed).
+        let spent: Vec<(Identity, Duration)> = (0..5).map(|_| (bob.clone(), secs(25))).collect();
+        let debts = rate_debts(&config, &spent);
+        assert_eq!(debts.len(), 1);
+        assert_eq!(debts[0].micros, 575_000_000);
+        assert_eq!(
+            (debts[0].interval, debts[0].span),
+            (120_000_000, 600_000_000)
+        );
+        // One admission a whole window old (or older) counts nothing; an unknown client neither.
+        let stale = [
+            (bob.clone(), secs(600)),
+            (Identity::new("eve").unwrap(), secs(1)),
+        ];
+        assert!(rate_debts(&config, &stale).is_empty());
+        // Spread out: tokens 10 minutes apart never pile up beyond the last one's interval.
+        let spread = [
+            (bob.clone(), secs(599)),
+            (bob.clone(), secs(300)),
+            (bob.clone(), secs(1)),
+        ];
+        assert_eq!(rate_debts(&config, &spread)[0].micros, 119_000_000);
+    }
 
     #[test]
     fn a_quota_from_a_redis_reading_is_the_engines_quota_for_the_same_bucket_and_counts() {
