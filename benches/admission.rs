@@ -80,6 +80,22 @@ fn baseline() -> MutexAdmission {
     )
 }
 
+/// `bot-0` may make one request a day: once it is spent, every admission is a rate refusal.
+fn one_a_day() -> Config {
+    let id = Identity::new("bot-0").expect("valid");
+    let mut overrides = BTreeMap::new();
+    overrides.insert(
+        id.clone(),
+        ClientLimits {
+            requests_per_window: 1,
+            window_seconds: 86_400,
+            active: 10,
+            pending: 10,
+        },
+    );
+    Config::new(roomy_limits(), overrides, [id]).expect("valid")
+}
+
 /// Reloads done, and nanoseconds of admissions timed while they ran (group 5), to report the
 /// reload rate behind each figure.
 static RELOADS: AtomicU64 = AtomicU64::new(0);
@@ -161,18 +177,7 @@ fn full_cycle(cr: &mut Criterion) {
         b.iter(|| cycle(&c, black_box("bot-0")))
     });
     // A client with one request a day, spent: every admission is a rate refusal.
-    let id = Identity::new("bot-0").expect("valid");
-    let mut overrides = BTreeMap::new();
-    overrides.insert(
-        id.clone(),
-        ClientLimits {
-            requests_per_window: 1,
-            window_seconds: 86_400,
-            active: 10,
-            pending: 10,
-        },
-    );
-    let config = Config::new(roomy_limits(), overrides, [id]).expect("valid");
+    let config = one_a_day();
     let refusing = Controller::builder(config).clock(fast_clock()).build();
     drop(refusing.admit("bot-0", false).expect("the one token"));
     g.bench_function("refusal_rate_limited", |b| {
@@ -197,18 +202,7 @@ fn full_cycle(cr: &mut Criterion) {
 ///    very overload it exists for.
 fn refusal_flood(cr: &mut Criterion) {
     let mut g = cr.benchmark_group("6_refusal_flood");
-    let id = Identity::new("bot-0").expect("valid");
-    let mut overrides = BTreeMap::new();
-    overrides.insert(
-        id.clone(),
-        ClientLimits {
-            requests_per_window: 1,
-            window_seconds: 86_400,
-            active: 10,
-            pending: 10,
-        },
-    );
-    let config = Config::new(roomy_limits(), overrides, [id]).expect("valid");
+    let config = one_a_day();
     let refusing = Controller::builder(config).clock(fast_clock()).build();
     drop(refusing.admit("bot-0", false).expect("the one token"));
     let refuse = |_| {
@@ -403,18 +397,7 @@ fn admission_api(cr: &mut Criterion) {
     g.bench_function("admission_cycle", |b| {
         b.iter(|| admission_cycle(&a, black_box("bot-0")))
     });
-    let id = Identity::new("bot-0").expect("valid");
-    let mut overrides = BTreeMap::new();
-    overrides.insert(
-        id.clone(),
-        ClientLimits {
-            requests_per_window: 1,
-            window_seconds: 86_400,
-            active: 10,
-            pending: 10,
-        },
-    );
-    let config = Config::new(roomy_limits(), overrides, [id]).expect("valid");
+    let config = one_a_day();
     let refusing = Controller::builder(config.clone())
         .clock(fast_clock())
         .build();

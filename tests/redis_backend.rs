@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use support::eventually::assert_eventually as eventually;
 use support::redis as redis_support;
+use support::rng::Rng;
 use unyolo_admission::admission::{
     Admission, AdmitError, DeploymentCounts, NotStarted, OperationHandle, Refused, ReplicaOptions,
     RestoredOperation, UnavailableReason,
@@ -96,18 +97,6 @@ async fn admit_op(admission: &Admission, client: &str, needs_approval: bool) -> 
 
 fn global(counts: &DeploymentCounts) -> (u64, u64, u64) {
     (counts.active, counts.pending, counts.executing)
-}
-
-/// A small deterministic generator (xorshift), so a failing sequence can be replayed by seed.
-struct Rng(u64);
-
-impl Rng {
-    fn below(&mut self, n: usize) -> usize {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        (self.0 % n as u64) as usize
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use support::eventually::assert_eventually;
 use support::redis::RedisServer;
+use support::rng::Rng;
 use unyolo_admission::admission::{
     Admission, AdmitError, KeyRecord, NotStarted, OperationHandle, RecoverySource, ReplicaOptions,
     SourceFuture, UnavailableReason,
@@ -382,18 +383,6 @@ async fn a_new_deployment_with_every_replica_listed_admits_once_all_have_registe
     // All three registered: the next admission goes through at once, on any of them.
     first.submit("amy", true, "now").await.unwrap();
     others[1].submit("amy", true, "there").await.unwrap();
-}
-
-/// A small deterministic generator (xorshift), so a failing sequence can be replayed by seed.
-struct Rng(u64);
-
-impl Rng {
-    fn below(&mut self, n: usize) -> usize {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        (self.0 % n as u64) as usize
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1083,31 +1083,36 @@ impl Inner {
     /// Writes `records` back as idempotency records bound to this replica (where the key is not
     /// bound already), in calls of [`KEY_RECORDS_PER_CALL`].
     async fn restore_keys(&self, records: &[KeyRecord]) -> Result<(), Unavailable> {
-        for chunk in records.chunks(KEY_RECORDS_PER_CALL) {
-            let mut invocation = self.scripts.restore_keys.prepare_invoke();
+        let ttl = self.options.idempotency_ttl.map_or(0, ttl_millis);
+        self.send_key_records(&self.scripts.restore_keys, records, |invocation| {
             invocation
                 .arg(&self.keys.base)
                 .arg(&self.options.replica)
-                .arg(self.options.idempotency_ttl.map_or(0, ttl_millis));
-            for record in chunk {
-                invocation
-                    .arg(record.client.as_str())
-                    .arg(&record.key)
-                    .arg(&record.operation);
-            }
-            self.call(&invocation)
-                .await
-                .map_err(|r| self.unavailable(r))?;
-        }
-        Ok(())
+                .arg(ttl);
+        })
+        .await
     }
 
     /// Unbinds each key from its operation (if it still names it), in calls of
     /// [`KEY_RECORDS_PER_CALL`]: the operations were retired, and a retired key is new work.
     pub(crate) async fn retire_keys(&self, records: &[KeyRecord]) -> Result<(), Unavailable> {
-        for chunk in records.chunks(KEY_RECORDS_PER_CALL) {
-            let mut invocation = self.scripts.retire_keys.prepare_invoke();
+        self.send_key_records(&self.scripts.retire_keys, records, |invocation| {
             invocation.arg(&self.keys.base);
+        })
+        .await
+    }
+
+    /// Runs `script` over `records` in calls of [`KEY_RECORDS_PER_CALL`]: `head` writes the
+    /// script's leading arguments, then each record's client, key and operation follow.
+    async fn send_key_records(
+        &self,
+        script: &Script,
+        records: &[KeyRecord],
+        head: impl Fn(&mut redis::ScriptInvocation<'_>),
+    ) -> Result<(), Unavailable> {
+        for chunk in records.chunks(KEY_RECORDS_PER_CALL) {
+            let mut invocation = script.prepare_invoke();
+            head(&mut invocation);
             for record in chunk {
                 invocation
                     .arg(record.client.as_str())

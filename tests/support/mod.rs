@@ -9,7 +9,8 @@
 //! - [`broker`]: a broker started in-process on loopback, and the harness that talks to it.
 //! - [`faults`]: clients that hang up, a store held locked, and the ending every fault test shares.
 //! - [`serve`]: the `admission serve` binary as a process, and the files it reads.
-//! - [`redis`]: a real `redis-server` on loopback.
+//! - [`redis`]: a real `redis-server` on loopback (restarted empty or flushed on demand).
+//! - [`rng`]: the deterministic generator of the model tests.
 //! - [`semantics`]: one face for the in-process and the Redis admission backends.
 //!
 //! Each test binary compiles the tree whole, so a helper one binary does not use is dead there.
@@ -27,6 +28,7 @@ pub mod faults;
 pub mod http;
 pub mod metrics;
 pub mod redis;
+pub mod rng;
 pub mod secrets;
 #[cfg(feature = "redis")]
 pub mod semantics;
