@@ -441,3 +441,78 @@ async fn a_refund_after_a_store_error_leaves_the_key_free_on_every_replica() {
     assert_eq!(retried.status, 202, "{}", retried.code());
     assert_eq!(key_records_in_redis(&server), 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_flushall_replicas_recover_their_work_cancels_keep_working_and_fleet_drift_is_zero()
+{
+    let server = redis_or_skip!();
+    let (d1, d2) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let start = |dir: std::path::PathBuf, name: &'static str| {
+        let url = server.url();
+        async move {
+            let mut options = RedisOptions::new(url, name);
+            options.call_timeout = Duration::from_secs(2);
+            options.lease_ttl = Duration::from_secs(4);
+            options.heartbeat = Duration::from_millis(300);
+            options.replicas = vec!["r1".to_owned(), "r2".to_owned()];
+            let mut settings = settings(&dir, TIGHT, StorageCaps::default());
+            settings.broker_name = name.to_owned();
+            start_shared(settings, options).await
+        }
+    };
+    let r1 = start(d1.path().to_owned(), "r1").await;
+    let r2 = start(d2.path().to_owned(), "r2").await;
+    let mut ids = Vec::new();
+    for (h, key) in [(&r1, "p1"), (&r2, "p2")] {
+        let reply = eventually_admitted(h, key).await;
+        ids.push(reply);
+    }
+    server.flush_all();
+    // While Redis has forgotten, cancels still answer, and nothing is admitted over the limit.
+    let cancel = format!("/api/agent/v1/operations/{}/cancel", ids[0]);
+    assert_eq!(r1.post(&cancel, Some(AGENT_SECRET)).await.status, 200);
+    // Both register again; then r1's cancel is reflected and r2's pending work is counted.
+    let resumed = eventually(async || {
+        let reply = r2
+            .submit(AGENT_SECRET, &request("after", "demo.request", 0))
+            .await;
+        reply.status == 202
+    })
+    .await;
+    assert!(resumed, "the replicas never admitted again");
+    let counts = r1.broker.admission().counts().await.unwrap();
+    assert_eq!(
+        counts.clients.get("agent").copied(),
+        Some((2, 2, 0)),
+        "{counts:?}"
+    );
+    for h in [&r1, &r2] {
+        let report = h.broker.check_drift().await.unwrap();
+        assert!(report.is_clean(), "{report:?}");
+        assert_eq!(
+            report.fleet,
+            Some(Vec::new()),
+            "fleet drift after recovery: {report:?}"
+        );
+    }
+    let text = r2.metrics().await;
+    assert_eq!(metric(&text, "admission_fleet_drift"), Some(0));
+}
+
+/// Submits `key` until admitted (a new deployment with every replica listed waits for all of
+/// them to register) and returns the operation's id.
+async fn eventually_admitted(h: &Harness, key: &str) -> String {
+    let mut id = None;
+    let admitted = eventually(async || {
+        let reply = h
+            .submit(AGENT_SECRET, &request(key, "demo.request", 0))
+            .await;
+        if reply.status == 202 || reply.status == 200 {
+            id = Some(reply.id());
+        }
+        id.is_some()
+    })
+    .await;
+    assert!(admitted, "{key} never admitted");
+    id.unwrap()
+}
