@@ -556,6 +556,30 @@ mod loom_models {
         });
     }
 
+    /// A replica's start gives its local slot back (`unstart`: the shared pool refused) while the
+    /// operation fails from elsewhere: whichever wins, the execution slot is released exactly
+    /// once and the counts end as the final state says (queued again, or nothing held).
+    #[test]
+    fn loom_unstart_racing_a_failure_releases_the_execution_once() {
+        loom::model(|| {
+            let (c, op) = one_operation(OperationState::Approved);
+            op.try_start().expect("an idle pool has a slot");
+            let failer = {
+                let op = op.clone();
+                thread::spawn(move || op.fail().is_ok())
+            };
+            let unstarted = op.unstart();
+            let failed = failer.join().unwrap();
+            let end = op.state();
+            assert!(failed, "an executing or approved operation can always fail");
+            assert_eq!(end, OperationState::Failed);
+            // Had the unstart won first, the failure then moved approved → failed; either way
+            // nothing is held at the end.
+            let _ = unstarted;
+            assert_counts(&c, end);
+        });
+    }
+
     /// A start racing a cancel and an expiry: at most one of the two terminal calls wins, the
     /// start either wins first or leaves no execution slot behind, and an operation that did
     /// start finishes with every count at zero.
