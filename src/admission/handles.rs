@@ -139,13 +139,20 @@ impl OperationHandle {
         self.shared.is_some()
     }
 
+    /// Sends a move the local handle has just made to the shared half, if any: by operation id,
+    /// kept and resent if Redis does not answer; its outcome only confirms what the local move
+    /// decided. Boxed, so the in-process futures stay small (the Redis call's state is large).
+    async fn mirror<'a, F: Future>(&'a self, call: impl FnOnce(&'a SharedOperation) -> F) {
+        if let Some(shared) = &self.shared {
+            let _ = Box::pin(call(shared)).await;
+        }
+    }
+
     /// `pending` → `approved` (queued for an execution slot). Done at the first poll; dropping
     /// the future later loses nothing.
     pub async fn approve(&self) -> Result<(), TransitionError> {
         self.local.approve()?;
-        if let Some(shared) = &self.shared {
-            let _ = Box::pin(shared.approve()).await;
-        }
+        self.mirror(SharedOperation::approve).await;
         Ok(())
     }
 
@@ -153,9 +160,7 @@ impl OperationHandle {
     /// later loses nothing.
     pub async fn deny(&self) -> Result<(), TransitionError> {
         self.local.deny()?;
-        if let Some(shared) = &self.shared {
-            let _ = Box::pin(shared.deny()).await;
-        }
+        self.mirror(SharedOperation::deny).await;
         Ok(())
     }
 
@@ -165,8 +170,8 @@ impl OperationHandle {
     /// the first poll; dropping the future later loses nothing.
     pub async fn cancel(&self) -> Result<CancelOutcome, TransitionError> {
         let outcome = self.local.cancel()?;
-        if let (true, Some(shared)) = (outcome.changed(), &self.shared) {
-            let _ = Box::pin(shared.cancel()).await;
+        if outcome.changed() {
+            self.mirror(SharedOperation::cancel).await;
         }
         Ok(outcome)
     }
@@ -175,9 +180,7 @@ impl OperationHandle {
     /// dropping the future later loses nothing.
     pub async fn expire(&self) -> Result<(), TransitionError> {
         self.local.expire()?;
-        if let Some(shared) = &self.shared {
-            let _ = Box::pin(shared.expire()).await;
-        }
+        self.mirror(SharedOperation::expire).await;
         Ok(())
     }
 
@@ -185,9 +188,7 @@ impl OperationHandle {
     /// future later loses nothing.
     pub async fn fail(&self) -> Result<(), TransitionError> {
         self.local.fail()?;
-        if let Some(shared) = &self.shared {
-            let _ = Box::pin(shared.fail()).await;
-        }
+        self.mirror(SharedOperation::fail).await;
         Ok(())
     }
 
@@ -195,9 +196,7 @@ impl OperationHandle {
     /// future later loses nothing.
     pub async fn succeed(&self) -> Result<(), TransitionError> {
         self.local.succeed()?;
-        if let Some(shared) = &self.shared {
-            let _ = Box::pin(shared.succeed()).await;
-        }
+        self.mirror(SharedOperation::succeed).await;
         Ok(())
     }
 
