@@ -225,6 +225,15 @@ pub(crate) async fn own_record(
     }
 }
 
+/// A query as the extractor hands it over, from literal pairs (for the parsers' unit tests).
+#[cfg(test)]
+pub(crate) fn test_pairs(query: &[(&str, &str)]) -> Vec<(String, String)> {
+    query
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -175,13 +175,7 @@ pub(crate) async fn list_operations(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn pairs(query: &[(&str, &str)]) -> Vec<(String, String)> {
-        query
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect()
-    }
+    use crate::broker::api::extract::test_pairs as pairs;
 
     #[test]
     fn listing_parameters_are_bounded_and_strict() {

@@ -100,13 +100,7 @@ pub(crate) async fn wait_for_change(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn pairs(query: &[(&str, &str)]) -> Vec<(String, String)> {
-        query
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect()
-    }
+    use crate::broker::api::extract::test_pairs as pairs;
 
     #[test]
     fn a_wait_query_is_bounded_and_strict() {
