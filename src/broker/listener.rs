@@ -24,6 +24,12 @@
 //!   still reading the body: nothing was decided yet). Only when every connection has a request
 //!   in progress that is not stuck on its body does the newcomer wait for one to end. This part is
 //!   ours: hyper and tower offer no eviction.
+//! - **Listen backlog** ([`bind`]): the kernel's queue of connections not yet accepted is 4096
+//!   deep (or `net.core.somaxconn`, if lower), not the 128 of `std` and tokio. At the cap the
+//!   accept loop takes one connection at a time, as eviction makes room, so a flood holds about
+//!   `cap + backlog` connections; past the backlog the kernel drops new connections' SYNs and
+//!   their clients retry after 1, 3, 7, 15 s... With 128, a flood of a few hundred connections
+//!   left `/healthz` behind such retries for up to half a minute.
 //! - **Graceful shutdown** (hyper-util's `GracefulShutdown`): on stop, idle connections close at
 //!   once and requests in flight finish, for at most a bounded grace.
 //!
@@ -77,6 +83,9 @@ const EVICTION_GRACE: Duration = Duration::from_millis(500);
 
 /// How often a newcomer waiting at the cap asks again for an idle connection to make room.
 const EVICTION_RETRY: Duration = Duration::from_millis(100);
+
+/// The listen backlog [`bind`] asks for; the kernel lowers it to `net.core.somaxconn`.
+const LISTEN_BACKLOG: u32 = 4096;
 
 /// How long a stopping server waits for requests in flight.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
@@ -182,6 +191,19 @@ pub fn connection_cap_for_file_limit(file_limit: Option<u64>) -> usize {
             .clamp(1, Semaphore::MAX_PERMITS),
         None => FALLBACK_CONNECTION_CAP,
     }
+}
+
+/// A TCP listener on `addr` with a listen backlog of [`LISTEN_BACKLOG`] (see the module docs),
+/// address reuse on as `std` and tokio set it.
+pub(crate) fn bind(addr: std::net::SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
 }
 
 /// Serves `app` on `listener` until `stop` turns true, holding at most `cap` connections open,
@@ -466,6 +488,38 @@ mod tests {
             },
         ] {
             assert!(bad.problem().is_some(), "{bad:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn the_listener_queues_more_than_the_std_backlog_of_128() {
+        // Connections the broker has not accepted yet wait in the kernel's queue: 300 of them
+        // all complete their handshake (none is left retrying a dropped SYN), as long as the
+        // kernel allows a backlog that deep.
+        let somaxconn = std::fs::read_to_string("/proc/sys/net/core/somaxconn")
+            .ok()
+            .and_then(|s| s.trim().parse::<usize>().ok());
+        let Some(max) = somaxconn.filter(|&max| max > 300) else {
+            eprintln!("skipped: net.core.somaxconn is {somaxconn:?}, below the 300 this needs");
+            return;
+        };
+        let listener = bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let addr = listener.local_addr().unwrap();
+        // Nothing is accepted meanwhile: with a shallower queue the handshake past it never
+        // completes (its SYN is dropped, and dropped again on every retry), so this bound is
+        // not about speed.
+        let waiting = tokio::time::timeout(Duration::from_secs(30), async {
+            let mut waiting = Vec::new();
+            for _ in 0..300 {
+                waiting.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+            }
+            waiting
+        })
+        .await
+        .unwrap_or_else(|_| panic!("the listen queue held fewer than 300 (somaxconn {max})"));
+        assert_eq!(waiting.len(), 300);
+        for _ in 0..300 {
+            listener.accept().await.unwrap();
         }
     }
 

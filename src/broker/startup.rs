@@ -64,9 +64,8 @@ impl Broker {
             }
         }
         let rate_window = largest_window(&settings.config);
-        let listener = tokio::net::TcpListener::bind(settings.listen)
-            .await
-            .map_err(|e| BrokerError::Bind(settings.listen, e))?;
+        let listener =
+            listener::bind(settings.listen).map_err(|e| BrokerError::Bind(settings.listen, e))?;
         let addr = listener
             .local_addr()
             .map_err(|e| BrokerError::Bind(settings.listen, e))?;
