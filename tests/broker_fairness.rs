@@ -195,6 +195,11 @@ async fn bodies_past_the_byte_budget_are_refused_unread_while_another_client_and
             body_min_rate: 0,
             ..Default::default()
         },
+        // A share for every body at once (18 units each): only the byte budget binds.
+        fairness: FairnessConfig {
+            per_client_units: 400,
+            ..FairnessConfig::default()
+        },
         ..settings(dir.path(), ROOMY, StorageCaps::default())
     })
     .await;

@@ -107,8 +107,8 @@ pub struct OperationSummary {
     pub presentation: Presentation,
 }
 
-/// What a replay and a get read before the operation itself: whose it is, the digest of the
-/// request that created it, and how many bytes its stored request holds.
+/// What a replay, a get and a wait read before the operation itself: whose it is, the digest of
+/// the request that created it, how many bytes its stored request holds, and its revision.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StoredRequest {
     /// The operation's id.
@@ -119,6 +119,8 @@ pub struct StoredRequest {
     pub digest: String,
     /// Bytes of its stored `target`, `arguments` and `reason` together.
     pub bytes: u64,
+    /// The operation's revision now.
+    pub revision: u64,
 }
 
 /// The columns a listing page selects.
@@ -127,7 +129,7 @@ const SUMMARY_COLUMNS: &str = "id, client_id, idempotency_key, operation, state,
 
 /// The columns of a [`StoredRequest`]: `octet_length` takes a value's size from the record
 /// header, without reading the text.
-const REQUEST_COLUMNS: &str = "id, client_id, request_digest, \
+const REQUEST_COLUMNS: &str = "id, client_id, request_digest, revision, \
     octet_length(target) + octet_length(arguments) + octet_length(reason) AS bytes";
 
 /// The stored presentation of `row`; a row without one was never derived (start-up derives every
@@ -173,6 +175,7 @@ impl StoredRequest {
             client_id: row.get("client_id")?,
             digest: digest.unwrap_or_default(),
             bytes: row.get::<_, Option<i64>>("bytes")?.unwrap_or(0).max(0) as u64,
+            revision: row.get::<_, i64>("revision")?.max(1) as u64,
         })
     }
 }
