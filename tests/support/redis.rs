@@ -93,6 +93,42 @@ impl RedisServer {
     }
 }
 
+/// `redis-cli -p port args...`'s output (it must succeed).
+pub fn cli(port: u16, args: &[&str]) -> String {
+    let out = Command::new("redis-cli")
+        .arg("-p")
+        .arg(port.to_string())
+        .args(args)
+        .output()
+        .expect("redis-cli runs");
+    assert!(out.status.success(), "redis-cli {args:?} failed");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Script calls (`EVALSHA` and `EVAL`) the server on `port` has run since it started (or since
+/// `CONFIG RESETSTAT`), from `INFO commandstats`.
+pub fn script_calls(port: u16) -> u64 {
+    cli(port, &["INFO", "commandstats"])
+        .lines()
+        .filter_map(|line| {
+            let rest = line
+                .strip_prefix("cmdstat_evalsha:")
+                .or_else(|| line.strip_prefix("cmdstat_eval:"))?;
+            rest.split(',')
+                .find_map(|kv| kv.strip_prefix("calls="))?
+                .trim()
+                .parse::<u64>()
+                .ok()
+        })
+        .sum()
+}
+
+/// Closes every subscriber connection on the server on `port` (`CLIENT KILL TYPE pubsub`):
+/// each replica's notice subscription is lost.
+pub fn kill_subscribers(port: u16) {
+    cli(port, &["CLIENT", "KILL", "TYPE", "pubsub"]);
+}
+
 /// Waits until the server under `child` answers PING on `port`; false if `child` exits first or
 /// ten seconds pass.
 fn wait_ready(child: &mut Child, port: u16) -> bool {
