@@ -54,15 +54,14 @@ if state == to then
   return {'same'}
 end
 if to == 'a' and state == 'p' then
-  lower('pending')
-  lower('p:' .. client)
+  adjust({'pending', 'p:' .. client}, -1)
   redis.call('PUBLISH', base .. ':notices', 'r ' .. client)
 elseif to == 'e' and state == 'a' then
-  if count('executing') >= tonumber(ARGV[4]) then
+  local known = counts({'executing', 'e:' .. client})
+  if known['executing'] >= tonumber(ARGV[4]) then
     return {'saturated'}
   end
-  raise('executing')
-  raise('e:' .. client)
+  adjust({'executing', 'e:' .. client}, 1, known)
 else
   return {'not_allowed', state}
 end
