@@ -358,6 +358,66 @@ fn tight_config() -> Config {
     Config::new(limits, BTreeMap::new(), identities).unwrap()
 }
 
+/// A refusal flood: one client at its limit, `TASKS_PER_REPLICA` tasks per replica submitting
+/// as fast as they can for `RUN`; refusals per second per replica, and script calls per refusal
+/// (`INFO commandstats`), with the refusal memory on or off.
+async fn refusal_flood(url: &str, replica_count: usize, memory: bool, conn: &mut ConnectionManager) -> (f64, f64) {
+    let mut replicas = Vec::new();
+    for r in 0..replica_count {
+        let mut options = ReplicaOptions::new(url, format!("flood-r{r}"));
+        options.prefix = format!("flood{replica_count}{memory}");
+        options.refusal_memory = memory;
+        let admission = Admission::new(Controller::new(tight_config()), Some(options)).unwrap();
+        assert!(admission.restore(Vec::new()).await.deferred.is_none());
+        while memory && !admission.stats().notices_live {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        replicas.push(admission);
+    }
+    let held = replicas[0].admit("bench-0", false, None).await.unwrap().commit();
+    let before = script_calls(conn).await;
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for admission in &replicas {
+        for _ in 0..TASKS_PER_REPLICA {
+            let admission = admission.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut refused = 0u64;
+                while start.elapsed() < RUN {
+                    match admission.admit("bench-0", false, None).await {
+                        Err(unyolo_admission::AdmitError::Refused(_)) => refused += 1,
+                        other => panic!("{other:?}"),
+                    }
+                }
+                refused
+            }));
+        }
+    }
+    let mut refused = 0;
+    for task in tasks {
+        refused += task.await.unwrap();
+    }
+    let elapsed = start.elapsed();
+    let calls = script_calls(conn).await - before;
+    held.fail().await.unwrap();
+    for admission in &replicas {
+        admission.shutdown().await;
+    }
+    (
+        refused as f64 / elapsed.as_secs_f64() / replica_count as f64,
+        calls as f64 / refused as f64,
+    )
+}
+
+async fn script_calls(conn: &mut ConnectionManager) -> u64 {
+    commandstats(conn)
+        .await
+        .iter()
+        .filter(|(name, ..)| name == "evalsha" || name == "eval")
+        .map(|(_, calls, _)| calls)
+        .sum()
+}
+
 fn main() {
     let Some(server) = support::redis::RedisServer::start() else {
         return;
@@ -389,6 +449,21 @@ fn main() {
                 baseline.p50,
                 baseline.p99,
                 admit.per_sec / baseline.per_sec
+            );
+        }
+        let mut conn = ConnectionManager::new(redis::Client::open(url.as_str()).unwrap())
+            .await
+            .unwrap();
+        println!(
+            "{:<10} {:>22} {:>18} {:>22} {:>18}",
+            "replicas", "refusals/s/replica", "calls/refusal", "memory off: refusals/s", "calls/refusal"
+        );
+        for replicas in [1, 2, 3] {
+            let (on, on_calls) = refusal_flood(&url, replicas, true, &mut conn).await;
+            let (off, off_calls) = refusal_flood(&url, replicas, false, &mut conn).await;
+            println!(
+                "{:<10} {:>22.0} {:>18.5} {:>22.0} {:>18.3}",
+                replicas, on, on_calls, off, off_calls
             );
         }
     });

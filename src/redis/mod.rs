@@ -945,17 +945,19 @@ impl Inner {
     }
 
     /// With [`ReplicaOptions::wait_replicas`], waits (`WAIT`, on the connection the admission
-    /// was written on) until that many Redis replicas hold every write made so far, within the
-    /// call timeout.
+    /// was written on) until that many Redis replicas hold every write made so far, for half the
+    /// call timeout at most.
     async fn acknowledged(&self) -> Result<(), UnavailableReason> {
         let wanted = self.options.wait_replicas;
         if wanted == 0 {
             return Ok(());
         }
         let mut conn = self.conn.clone();
-        let millis = ttl_millis(self.options.call_timeout);
+        // Redis answers WAIT after half the call timeout at most, well within the connection's
+        // own reply timeout (the call timeout).
+        let millis = ttl_millis(self.options.call_timeout / 2);
         let acked = tokio::time::timeout(
-            self.options.call_timeout * 2,
+            self.options.call_timeout,
             redis::cmd("WAIT")
                 .arg(wanted)
                 .arg(millis)
