@@ -280,6 +280,7 @@ async fn a_refusal_flood_on_three_serve_replicas_costs_redis_one_call_per_replic
     let beats = (elapsed.as_secs_f64() / BEAT.as_secs_f64()).ceil() as u64 + 1;
     let allowed = 3 * windows + 2 * other_admitted + 3 * 2 * beats;
     assert_eq!(refused, 240);
+    eprintln!("{calls} script calls for {refused} refusals in {elapsed:?} (at most {allowed})");
     assert!(
         calls <= allowed,
         "{calls} script calls for {refused} refusals in {elapsed:?} (at most {allowed})"
