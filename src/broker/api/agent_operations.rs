@@ -22,7 +22,9 @@ use crate::broker::core::Core;
 use crate::broker::core::LiveOp;
 use crate::broker::operations::TransitionFailure;
 use crate::broker::registry::{self, NotRunnable};
-use crate::broker::store::{InsertError, OperationRecord, StoreError, now_rfc3339};
+use crate::broker::store::{
+    DecisionMark, InsertError, OperationRecord, StateChange, StoreError, now_rfc3339,
+};
 use crate::config::Identity;
 use crate::engine::OperationState;
 
@@ -251,6 +253,7 @@ pub(crate) async fn create(
         terminal_at: None,
         error: None,
         revision: 1,
+        decided: None,
         broker: core.db.broker().to_owned(),
     };
     let inserted = core.db.insert(record.clone()).await;
@@ -323,7 +326,19 @@ pub(crate) async fn cancel(
         return Ok(json_response(StatusCode::OK, record.to_json()));
     };
     // Decided: the write and the handle's move run to their end even if the client hangs up.
-    match core.transition_to_end(op, OperationState::Canceled).await {
+    // The client decides its own cancel: it is `decided_by` (a cancel of approved work revokes).
+    let change = StateChange {
+        error: None,
+        decision: Some(DecisionMark {
+            by: client.as_str().to_owned(),
+            on_behalf_of: None,
+            revoked: false,
+        }),
+    };
+    match core
+        .transition_to_end(op, OperationState::Canceled, change)
+        .await
+    {
         Ok(record) => Ok(json_response(StatusCode::OK, record.to_json())),
         Err(TransitionFailure::NotAllowed(OperationState::Executing)) => Err(ApiError::new(
             StatusCode::CONFLICT,

@@ -20,21 +20,30 @@
 //! - `operations`: the operation rows (insert, lookups, state changes, listing pages, start-up
 //!   recovery);
 //! - `streams`: the stream rows;
+//! - `decisions`: operators' decisions, judged and committed with their idempotency records in
+//!   one transaction;
+//! - `requests`: the operators' request pages;
 //! - `maintenance`: what keeps the file bounded and checked (retention deletes, returning free
 //!   pages, checkpoints, the counts the drift check compares);
 //! - `error`: what went wrong, as values a caller matches on.
 
 mod database;
+mod decisions;
 mod error;
 mod maintenance;
 mod operations;
+mod requests;
 mod schema;
 mod streams;
 
 pub use database::{DATABASE_FILE, DEFAULT_BROKER_NAME, Database, LOCK_FILE, READERS, now_rfc3339};
 pub use error::{InsertError, StoreError};
 pub use maintenance::{Retiring, StoredCounts};
-pub use operations::{OperationError, OperationRecord, PageQuery, Recovered};
+pub use decisions::{DecidedMove, DecisionCommand, DecisionOutcome, DecisionScope};
+pub use operations::{
+    Decided, DecisionMark, OperationError, OperationRecord, PageQuery, Recovered, StateChange,
+};
+pub use requests::{RequestQuery, StateFilter};
 pub use schema::SCHEMA_VERSION;
 pub use streams::StreamRecord;
 
@@ -62,6 +71,7 @@ mod tests {
             terminal_at: None,
             error: None,
             revision: 1,
+            decided: None,
             broker: DEFAULT_BROKER_NAME.to_owned(),
         }
     }

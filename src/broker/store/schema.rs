@@ -11,6 +11,15 @@
 //! made `seq` explicit: the migration copies each row's old rowid into it, so a cursor handed out
 //! before the upgrade still points at the same place after it.
 //!
+//! Schema 5 adds what Operator V1 needs: who decided each operation, when, and for whom
+//! (`decided_at`, `decided_by`, `decided_on_behalf_of`), whether a cancel took back an approval
+//! (`revoked`), and the `operator_decisions` table, one row per committed decision keyed by
+//! (request, action, idempotency key), holding the command's hash and the request as that
+//! decision committed it (what a replay answers).
+//!
+//! Each step applies when the file's `user_version` is below its number, on its own, so the steps
+//! chain whatever version an older file is at.
+//!
 //! A new file uses incremental auto-vacuum from its first table (see `maintenance`); an older
 //! file is switched over once at start-up with one full `VACUUM`.
 
@@ -21,7 +30,7 @@ use rusqlite::Connection;
 use super::error::StoreError;
 
 /// The schema version this code writes (`PRAGMA user_version`).
-pub const SCHEMA_VERSION: i64 = 3;
+pub const SCHEMA_VERSION: i64 = 5;
 
 /// The operations table, named `{name}`. `seq` is its explicit rowid: listing cursors are `seq`
 /// values, so they survive a `VACUUM` (which may renumber an implicit rowid) and, with
@@ -63,10 +72,34 @@ CREATE TABLE streams (
 );
 ";
 
+/// The columns of an operation row up to schema 3, in table order after `seq`.
+const OPERATION_COLUMNS_V3: &str = "id, client_id, idempotency_key, operation, target, \
+    arguments, reason, state, created_at, updated_at, terminal_at, error_code, error_message, \
+    revision";
+
 /// The columns of an operation row, in table order after `seq`.
 pub(super) const OPERATION_COLUMNS: &str = "id, client_id, idempotency_key, operation, target, \
     arguments, reason, state, created_at, updated_at, terminal_at, error_code, error_message, \
-    revision";
+    revision, decided_at, decided_by, decided_on_behalf_of, revoked";
+
+/// Schema 5: who decided, when, for whom, whether a cancel took back an approval, and the
+/// operators' decision records (see the module docs).
+const STEP_5: &str = "
+ALTER TABLE operations ADD COLUMN decided_at TEXT;
+ALTER TABLE operations ADD COLUMN decided_by TEXT;
+ALTER TABLE operations ADD COLUMN decided_on_behalf_of TEXT;
+ALTER TABLE operations ADD COLUMN revoked INTEGER NOT NULL DEFAULT 0;
+CREATE TABLE operator_decisions (
+    request_id      TEXT NOT NULL,
+    action          TEXT NOT NULL,
+    idempotency_key TEXT NOT NULL,
+    command_hash    TEXT NOT NULL,
+    operator        TEXT NOT NULL,
+    committed       TEXT NOT NULL,
+    created_at      TEXT NOT NULL,
+    PRIMARY KEY (request_id, action, idempotency_key)
+) WITHOUT ROWID;
+";
 
 /// From schema version 1: every existing operation starts at revision 1 (it has no recorded
 /// history), and the indexes that listing pages walk.
@@ -81,8 +114,8 @@ CREATE INDEX operations_by_client_state ON operations (client_id, state);
 /// migration still points at the same place.
 fn migrate_2_to_3() -> String {
     format!(
-        "{table} INSERT INTO operations_v3 (seq, {OPERATION_COLUMNS}) \
-         SELECT rowid, {OPERATION_COLUMNS} FROM operations ORDER BY rowid; \
+        "{table} INSERT INTO operations_v3 (seq, {OPERATION_COLUMNS_V3}) \
+         SELECT rowid, {OPERATION_COLUMNS_V3} FROM operations ORDER BY rowid; \
          DROP TABLE operations; ALTER TABLE operations_v3 RENAME TO operations; {OPERATIONS_INDEXES}",
         table = OPERATIONS_TABLE.replace("{name}", "operations_v3"),
     )
@@ -98,29 +131,30 @@ const AUTO_VACUUM_INCREMENTAL: i64 = 2;
 /// incremental vacuum.
 pub(super) fn migrate(writer: &Connection, path: &Path) -> Result<(), StoreError> {
     let version: i64 = writer.pragma_query_value(None, "user_version", |r| r.get(0))?;
-    match version {
-        0 => {
-            writer.execute_batch(&format!(
-                "BEGIN; {table} {OPERATIONS_INDEXES} {STREAMS_TABLE} \
-                 PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;",
+    if version > SCHEMA_VERSION {
+        return Err(StoreError::UnknownSchema {
+            path: path.to_owned(),
+            found: version,
+            supported: SCHEMA_VERSION,
+        });
+    }
+    if version < SCHEMA_VERSION {
+        // Every step that applies, in one transaction: a file is at one version or the next.
+        let mut steps = String::from("BEGIN;");
+        match version {
+            0 => steps.push_str(&format!(
+                "{table} {OPERATIONS_INDEXES} {STREAMS_TABLE}",
                 table = OPERATIONS_TABLE.replace("{name}", "operations"),
-            ))?;
+            )),
+            1 => steps.push_str(&format!("{MIGRATE_1_TO_2} {}", migrate_2_to_3())),
+            2 => steps.push_str(&migrate_2_to_3()),
+            _ => {}
         }
-        1 | 2 => {
-            let first = if version == 1 { MIGRATE_1_TO_2 } else { "" };
-            writer.execute_batch(&format!(
-                "BEGIN; {first} {} PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;",
-                migrate_2_to_3()
-            ))?;
+        if version < 5 {
+            steps.push_str(STEP_5);
         }
-        SCHEMA_VERSION => {}
-        other => {
-            return Err(StoreError::UnknownSchema {
-                path: path.to_owned(),
-                found: other,
-                supported: SCHEMA_VERSION,
-            });
-        }
+        steps.push_str(&format!("PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;"));
+        writer.execute_batch(&steps)?;
     }
     // An older file (or one created by hand) is switched to incremental vacuum once: the mode
     // only takes effect through a full `VACUUM`, which rewrites the file (a one-time cost at
@@ -135,14 +169,19 @@ pub(super) fn migrate(writer: &Connection, path: &Path) -> Result<(), StoreError
 }
 
 /// Creates the indexes no schema version owns. The start-up rate replay reads operations by
-/// creation time, and the retention sweep terminal ones by when they ended. Created at every
+/// creation time, the retention sweep terminal ones by when they ended, and the operators'
+/// request pages an operation's rows newest first (all of them, or those in one state). Created at every
 /// open, not by a schema version: an index changes no row, and an older file gains it on its next
 /// start.
 pub(super) fn ensure_indexes(writer: &Connection) -> Result<(), StoreError> {
     writer.execute_batch(
         "CREATE INDEX IF NOT EXISTS operations_by_created_at ON operations (created_at); \
          CREATE INDEX IF NOT EXISTS operations_retiring ON operations (terminal_at) \
-         WHERE terminal_at IS NOT NULL;",
+         WHERE terminal_at IS NOT NULL; \
+         CREATE INDEX IF NOT EXISTS operations_requests \
+         ON operations (operation, created_at, id); \
+         CREATE INDEX IF NOT EXISTS operations_requests_by_state \
+         ON operations (operation, state, created_at, id);",
     )?;
     Ok(())
 }
