@@ -141,7 +141,7 @@ async fn a_real_prometheus_scrapes_the_broker_and_records_the_rules() {
              authorization:\n      credentials: {OPERATOR_SECRET}\n    \
              static_configs:\n      - targets: ['{addr}']\n",
             rules = rules.display(),
-            addr = h.broker.local_addr(),
+            addr = h.operator_addr(),
         ),
     )
     .unwrap();

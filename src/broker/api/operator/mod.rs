@@ -39,10 +39,7 @@ use error::{ErrorCode, Failure, OperatorError, OperatorResult};
 /// The `api_version` of Operator V1.
 pub const OPERATOR_API_VERSION: &str = "unyolo.io/operator/v1";
 
-/// The digest of the Operator V1 contract this broker implements (unYOLO's
-/// `protocol/contract/generated.go` `OperatorV1Digest`).
-pub const OPERATOR_CONTRACT_DIGEST: &str =
-    "sha256:ab10778e2838f660157b000e442a1b97c5217fd92e66107122451b6894f0b9d3";
+pub use super::discovery::OPERATOR_CONTRACT_DIGEST;
 
 /// The `X-Correlation-ID` header.
 pub const CORRELATION_ID: HeaderName = HeaderName::from_static("x-correlation-id");
