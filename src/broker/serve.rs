@@ -242,7 +242,14 @@ async fn serve(settings: BrokerSettings, admission_config: Option<PathBuf>) -> R
 /// generated file (created with an operator `operator` if missing), else an earlier release's
 /// one-line file there, read as operator `operator`. Prints which.
 fn operators(options: &ServeOptions) -> Result<(Operators, PathBuf), String> {
-    let read = |path: &Path| Operators::from_path(path).map_err(|e| format!("operator secrets {e}"));
+    let read = |path: &Path| match Operators::from_path(path) {
+        Ok(operators) if operators.is_empty() => Err(format!(
+            "operator secrets {}: no operator; give at least one `name = secret` line",
+            path.display()
+        )),
+        Ok(operators) => Ok(operators),
+        Err(e) => Err(format!("operator secrets {e}")),
+    };
     if let Some(path) = &options.operator_secrets {
         return Ok((read(path)?, path.clone()));
     }

@@ -81,7 +81,9 @@ impl Database {
     ) -> Result<DecisionOutcome<R>, StoreError> {
         let broker = Arc::clone(&self.broker);
         self.write(move |conn| {
-            let tx = conn.transaction()?;
+            // Immediate: the write lock is taken at the start (waiting out another process's
+            // hold within the busy timeout), so the reads below see what the write commits on.
+            let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
             let scope = &command.scope;
             let recorded: Option<(String, String)> = tx
                 .prepare_cached(

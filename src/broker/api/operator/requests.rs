@@ -93,7 +93,7 @@ impl ListQuery {
     }
 
     /// The cursor of a page that ended at `record`.
-    fn cursor_after(&self, record: &OperationRecord) -> String {
+    pub(crate) fn cursor_after(&self, record: &OperationRecord) -> String {
         let cursor = Cursor {
             created_at: record.created_at.clone(),
             id: record.id.clone(),
