@@ -83,8 +83,8 @@ fn page_sql(query: &RequestQuery) -> (String, Vec<SqlValue>) {
         values.push(SqlValue::Text(wanted[0].clone()));
     }
     if let Some((created_at, id)) = &query.before {
-        sql.push_str(" AND (created_at < ? OR (created_at = ? AND id < ?))");
-        values.push(SqlValue::Text(created_at.clone()));
+        // A row value, so SQLite seeks the index to the position instead of walking to it.
+        sql.push_str(" AND (created_at, id) < (?, ?)");
         values.push(SqlValue::Text(created_at.clone()));
         values.push(SqlValue::Text(id.clone()));
     }
