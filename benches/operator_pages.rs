@@ -189,7 +189,10 @@ async fn pages(repeats: usize, largest: u64) {
         }
         results.push((size, row));
     }
-    println!("{:<28} {:>12} {:>12} {:>8}", "shape", "1k", "largest", "ratio");
+    println!(
+        "{:<28} {:>12} {:>12} {:>8}",
+        "shape", "1k", "largest", "ratio"
+    );
     let (first, last) = (&results[0].1, &results[results.len() - 1].1);
     for ((name, small), (_, large)) in first.iter().zip(last) {
         println!(

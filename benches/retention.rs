@@ -156,7 +156,11 @@ async fn store_run(rows: usize, retiring: usize, refusals: usize, concurrency: u
             "127.0.0.1:0".parse().unwrap(),
             dir.path().to_owned(),
             secrets,
-            unyolo_admission::config::Operators::single("bench", "retention-operator-secret-0123456789abcdef").unwrap(),
+            unyolo_admission::config::Operators::single(
+                "bench",
+                "retention-operator-secret-0123456789abcdef",
+            )
+            .unwrap(),
         )
     };
     let rss_before = rss_bytes();

@@ -283,16 +283,27 @@ async fn operator_routes_refuse_client_tokens_and_client_routes_refuse_the_opera
         // On the operator listener a client's secret is no operator's: 401, never 403.
         for token in [AGENT_SECRET, OTHER_SECRET, "nope"] {
             let auth = format!("Bearer {token}");
-            let body = Some(("application/json", br#"{"expected_revision":1,"idempotency_key":"k"}"#.to_vec()));
+            let body = Some((
+                "application/json",
+                br#"{"expected_revision":1,"idempotency_key":"k"}"#.to_vec(),
+            ));
             let reply = h.operator.send_raw(method, path, Some(&auth), body).await;
-            assert_eq!((reply.status, reply.code()), (401, "unauthorized"), "{path}");
+            assert_eq!(
+                (reply.status, reply.code()),
+                (401, "unauthorized"),
+                "{path}"
+            );
             assert_eq!(
                 reply.header("www-authenticate"),
                 Some(r#"Bearer realm="broker-operator""#)
             );
         }
         let reply = h.operator.send_raw(method, path, None, None).await;
-        assert_eq!((reply.status, reply.code()), (401, "unauthorized"), "{path}");
+        assert_eq!(
+            (reply.status, reply.code()),
+            (401, "unauthorized"),
+            "{path}"
+        );
         // On the agent listener none of them exists, whoever asks.
         for token in [Some(AGENT_SECRET), Some(OPERATOR_SECRET), None] {
             let reply = h.send(method, path, token, None).await;

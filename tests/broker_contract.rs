@@ -207,7 +207,12 @@ async fn every_answer_carries_no_store_and_every_error_the_error_shape() {
         ("/admission/v1/drift", OPERATOR_SECRET),
     ] {
         let reply = h.get(path, Some(token)).await;
-        assert_error_shape(&reply, 404, "not_found", "operator routes are not on this listener");
+        assert_error_shape(
+            &reply,
+            404,
+            "not_found",
+            "operator routes are not on this listener",
+        );
     }
     let reply = h
         .get("/api/agent/v1/operations/op_x", Some(AGENT_SECRET))
@@ -301,9 +306,7 @@ async fn cancel_is_200_for_pending_and_approved_409_while_executing_and_200_unch
         h.post(&format!("{}/cancel", path_of(op)), Some(AGENT_SECRET))
             .await
     };
-    let approve = async |op: &Reply| {
-        h.operator.approve(&op.id()).await
-    };
+    let approve = async |op: &Reply| h.operator.approve(&op.id()).await;
 
     let pending = h
         .submit(AGENT_SECRET, &request("pending", "demo.request", 0))

@@ -302,7 +302,10 @@ async fn a_row_written_behind_the_brokers_back_is_reported_as_drift_on_the_timer
         "{}",
         route.body
     );
-    let agent_only = h.operator_with(AGENT_SECRET).get("/admission/v1/drift").await;
+    let agent_only = h
+        .operator_with(AGENT_SECRET)
+        .get("/admission/v1/drift")
+        .await;
     assert_eq!(agent_only.status, 401, "the drift route is the operator's");
     let agent_listener = h.get("/admission/v1/drift", Some(AGENT_SECRET)).await;
     assert_eq!(agent_listener.status, 404, "not on the agent listener");

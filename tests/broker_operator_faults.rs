@@ -55,7 +55,10 @@ async fn an_operator_who_hangs_up_mid_decision_leaves_it_whole_and_a_retry_repla
             replayed += 1;
         }
     }
-    assert_eq!(replayed, records, "one record per decision the hang-ups made");
+    assert_eq!(
+        replayed, records,
+        "one record per decision the hang-ups made"
+    );
     ends_whole(&h, dir.path()).await;
     h.broker.shutdown().await;
 }
@@ -114,7 +117,8 @@ async fn of_concurrent_decisions_on_one_request_exactly_one_wins_the_rest_see_a_
                 };
                 let id = id.clone();
                 tokio::spawn(async move {
-                    let body = json!({"expected_revision": 1, "idempotency_key": format!("race-{i}")});
+                    let body =
+                        json!({"expected_revision": 1, "idempotency_key": format!("race-{i}")});
                     operator.decide(&id, action(i), &body).await
                 })
             })

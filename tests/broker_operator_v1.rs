@@ -110,11 +110,11 @@ async fn discovery_health_and_readiness_name_the_operator_v1_contract() {
     // Not ready while another process holds the store's write lock; ready once it lets go.
     let holder = lock_store(dir.path(), Duration::from_secs(3));
     let busy = h.operator.send_raw("GET", "/readyz", None, None).await;
+    assert_eq!((busy.status, busy.code()), (503, "temporarily_unavailable"));
     assert_eq!(
-        (busy.status, busy.code()),
-        (503, "temporarily_unavailable")
+        busy.body["error"]["message"],
+        "operator source is not ready"
     );
-    assert_eq!(busy.body["error"]["message"], "operator source is not ready");
     assert_eq!(busy.header("retry-after"), None);
     tokio::task::spawn_blocking(move || holder.join().unwrap())
         .await
@@ -129,8 +129,8 @@ async fn bearer_or_basic_in_any_case_names_the_operator_who_decides() {
     let dir = tempfile::tempdir().unwrap();
     let h = start(dir.path(), ROOMY).await;
     let id = pending_request(&h, "who").await;
-    let basic = base64::engine::general_purpose::STANDARD
-        .encode(format!("anyone:{OTHER_OPERATOR_SECRET}"));
+    let basic =
+        base64::engine::general_purpose::STANDARD.encode(format!("anyone:{OTHER_OPERATOR_SECRET}"));
     for auth in [
         format!("Bearer {OPERATOR_SECRET}"),
         format!("bearer {OPERATOR_SECRET}"),
@@ -138,7 +138,10 @@ async fn bearer_or_basic_in_any_case_names_the_operator_who_decides() {
         format!("Basic {basic}"),
         format!("bAsIc {basic}"),
     ] {
-        let reply = h.operator.send_raw("GET", REQUESTS, Some(&auth), None).await;
+        let reply = h
+            .operator
+            .send_raw("GET", REQUESTS, Some(&auth), None)
+            .await;
         assert_eq!(reply.status, 200, "{auth}");
     }
     for auth in [
@@ -148,8 +151,15 @@ async fn bearer_or_basic_in_any_case_names_the_operator_who_decides() {
         format!("Basic {OPERATOR_SECRET}"),
         "Bearer".to_owned(),
     ] {
-        let reply = h.operator.send_raw("GET", REQUESTS, Some(&auth), None).await;
-        assert_eq!((reply.status, reply.code()), (401, "unauthorized"), "{auth}");
+        let reply = h
+            .operator
+            .send_raw("GET", REQUESTS, Some(&auth), None)
+            .await;
+        assert_eq!(
+            (reply.status, reply.code()),
+            (401, "unauthorized"),
+            "{auth}"
+        );
         assert_eq!(
             reply.header("www-authenticate"),
             Some(r#"Bearer realm="broker-operator""#)
@@ -157,7 +167,8 @@ async fn bearer_or_basic_in_any_case_names_the_operator_who_decides() {
     }
     // The matched name is the actor.
     let path = format!("{REQUESTS}/{id}/deny");
-    let body = json!({"expected_revision": 1, "idempotency_key": "k", "on_behalf_of": "telegram:42"});
+    let body =
+        json!({"expected_revision": 1, "idempotency_key": "k", "on_behalf_of": "telegram:42"});
     let denied = h
         .operator
         .send_raw(
@@ -181,7 +192,13 @@ async fn every_answer_has_a_fresh_correlation_id_and_every_error_the_closed_enve
     let b = h.operator.get(REQUESTS).await;
     assert_ne!(a.header("x-correlation-id"), b.header("x-correlation-id"));
     let cases = [
-        ("GET", "/nowhere".to_owned(), 404, "not_found", "route not found"),
+        (
+            "GET",
+            "/nowhere".to_owned(),
+            404,
+            "not_found",
+            "route not found",
+        ),
         (
             "DELETE",
             REQUESTS.to_owned(),
@@ -214,7 +231,11 @@ async fn every_answer_has_a_fresh_correlation_id_and_every_error_the_closed_enve
     for (method, path, status, code, message) in cases {
         let auth = format!("Bearer {OPERATOR_SECRET}");
         let reply = h.operator.send_raw(method, &path, Some(&auth), None).await;
-        assert_eq!((reply.status, reply.code()), (status, code), "{method} {path}");
+        assert_eq!(
+            (reply.status, reply.code()),
+            (status, code),
+            "{method} {path}"
+        );
         assert_eq!(reply.body["error"]["message"], message, "{method} {path}");
         assert!(reply.body["error"].get("current").is_none());
     }
@@ -301,7 +322,9 @@ async fn pages_run_newest_first_and_a_cursor_only_continues_its_own_query() {
     loop {
         let page = h
             .operator
-            .get(&format!("{REQUESTS}?status=pending&limit=2&cursor={cursor}"))
+            .get(&format!(
+                "{REQUESTS}?status=pending&limit=2&cursor={cursor}"
+            ))
             .await;
         assert_eq!(page.status, 200);
         pages += 1;
@@ -321,7 +344,10 @@ async fn pages_run_newest_first_and_a_cursor_only_continues_its_own_query() {
     assert_eq!(pages, 3);
     assert_eq!(seen, created);
     // The first page's cursor, asked for under another query, is refused.
-    let first = h.operator.get(&format!("{REQUESTS}?status=pending&limit=2")).await;
+    let first = h
+        .operator
+        .get(&format!("{REQUESTS}?status=pending&limit=2"))
+        .await;
     let cursor = first.body["next_cursor"].as_str().unwrap();
     for other in [
         format!("status=all&limit=2&cursor={cursor}"),
@@ -329,7 +355,11 @@ async fn pages_run_newest_first_and_a_cursor_only_continues_its_own_query() {
         format!("status=pending&requester=agent&limit=2&cursor={cursor}"),
     ] {
         let reply = h.operator.get(&format!("{REQUESTS}?{other}")).await;
-        assert_eq!((reply.status, reply.code()), (400, "invalid_request"), "{other}");
+        assert_eq!(
+            (reply.status, reply.code()),
+            (400, "invalid_request"),
+            "{other}"
+        );
     }
     // 0 is the default of 50; 100 the largest.
     let everything = h.operator.get(&format!("{REQUESTS}?limit=0")).await;
@@ -393,7 +423,10 @@ async fn one_request_reads_back_and_an_operation_without_approval_is_no_request(
     for unknown in [run.as_str(), "op_nothing"] {
         let reply = h.operator.request(unknown).await;
         assert_eq!((reply.status, reply.code()), (404, "not_found"));
-        let decided = h.operator.decide(unknown, "approve", &decision(1, "k")).await;
+        let decided = h
+            .operator
+            .decide(unknown, "approve", &decision(1, "k"))
+            .await;
         assert_eq!((decided.status, decided.code()), (404, "not_found"));
     }
     assert_eq!(h.broker.database().count_decisions().await.unwrap(), 0);
@@ -424,11 +457,17 @@ async fn each_state_projects_onto_the_specs_request() {
         json!({"max_duration_seconds": 300, "max_uses": 1})
     );
     assert_eq!(pending["request_reason"], "end-to-end test");
-    assert_eq!(pending["presentation"]["target"], "branch=main, repo=unyolo/test");
+    assert_eq!(
+        pending["presentation"]["target"],
+        "branch=main, repo=unyolo/test"
+    );
     let created = humantime::parse_rfc3339(agent.body["created_at"].as_str().unwrap()).unwrap();
     let expires =
         humantime::parse_rfc3339(pending["pending_expires_at"].as_str().unwrap()).unwrap();
-    assert_eq!(expires.duration_since(created).unwrap(), Duration::from_secs(300));
+    assert_eq!(
+        expires.duration_since(created).unwrap(),
+        Duration::from_secs(300)
+    );
     assert!(pending.get("decided_at").is_none());
 
     // Canceled by its client from pending: canceled, decided by the client.
@@ -446,7 +485,10 @@ async fn each_state_projects_onto_the_specs_request() {
     // Approved and queued: active, revocable; canceled by its client then: revoked.
     let queued = pending_request(&h, "q").await;
     let long = h
-        .submit(AGENT_SECRET, &request("long-request", "demo.request", 600_000))
+        .submit(
+            AGENT_SECRET,
+            &request("long-request", "demo.request", 600_000),
+        )
         .await
         .id();
     let quick = pending_request(&h, "quick").await;
@@ -521,7 +563,10 @@ async fn the_conformance_lifecycle_approve_replay_conflict_stale_revoke_revoke()
     // Another operator with the same key: another command, a conflict too.
     let grace = h.operator_with(OTHER_OPERATOR_SECRET);
     let theirs = grace.decide(&id, "approve", &approve).await;
-    assert_eq!((theirs.status, theirs.code()), (409, "idempotency_conflict"));
+    assert_eq!(
+        (theirs.status, theirs.code()),
+        (409, "idempotency_conflict")
+    );
     let detail = h.operator.request(&id).await.body;
     assert_eq!(detail["status"], "active");
     assert!(detail["revision"].as_u64().unwrap() > 1);
@@ -562,9 +607,7 @@ async fn a_replay_answers_what_its_decision_committed_not_what_the_request_becam
     let body = decision(1, "once");
     let approved = h.operator.decide(&id, "approve", &body).await;
     assert_eq!(approved.body["status"], "active");
-    assert!(
-        eventually(async || h.operator.request(&id).await.body["status"] == "consumed").await
-    );
+    assert!(eventually(async || h.operator.request(&id).await.body["status"] == "consumed").await);
     let replay = h.operator.decide(&id, "approve", &body).await;
     assert_eq!(replay.header("idempotency-replayed"), Some("true"));
     assert_eq!(replay.body, approved.body);
@@ -580,12 +623,26 @@ async fn a_decision_needs_a_json_content_type_and_the_contracts_strict_body() {
     let auth = format!("Bearer {OPERATOR_SECRET}");
     let good = decision(1, "k").to_string().into_bytes();
     let (rows, snapshot) = (h.rows().await, h.snapshot());
-    for content_type in ["", "text/plain", "application/jsonx", "application/x-www-form-urlencoded"] {
+    for content_type in [
+        "",
+        "text/plain",
+        "application/jsonx",
+        "application/x-www-form-urlencoded",
+    ] {
         let reply = h
             .operator
-            .send_raw("POST", &path, Some(&auth), Some((content_type, good.clone())))
+            .send_raw(
+                "POST",
+                &path,
+                Some(&auth),
+                Some((content_type, good.clone())),
+            )
             .await;
-        assert_eq!((reply.status, reply.code()), (415, "invalid_request"), "{content_type:?}");
+        assert_eq!(
+            (reply.status, reply.code()),
+            (415, "invalid_request"),
+            "{content_type:?}"
+        );
         assert_eq!(
             reply.body["error"]["message"],
             "content type must be application/json"
@@ -638,14 +695,19 @@ async fn a_decision_needs_a_json_content_type_and_the_contracts_strict_body() {
         assert_eq!(reply.body["error"]["message"], message);
     }
     // Constraints on a deny are no command.
-    let deny = json!({"expected_revision": 1, "idempotency_key": "k", "constraints": {"max_uses": 1}});
+    let deny =
+        json!({"expected_revision": 1, "idempotency_key": "k", "constraints": {"max_uses": 1}});
     let reply = h.operator.decide(&id, "deny", &deny).await;
     assert_eq!((reply.status, reply.code()), (400, "invalid_request"));
     // Nothing changed: still pending at revision 1, no record, no count moved.
     assert_eq!(h.operator.request(&id).await.body["revision"], 1);
     assert_eq!(h.broker.database().count_decisions().await.unwrap(), 0);
     assert_eq!(h.rows().await, rows);
-    assert_unchanged(&snapshot, &h.snapshot(), "a refused decision changed something");
+    assert_unchanged(
+        &snapshot,
+        &h.snapshot(),
+        "a refused decision changed something",
+    );
     // Parameters on the media type are fine.
     let ok = h
         .operator
@@ -671,7 +733,11 @@ async fn a_stale_revision_writes_nothing_so_the_same_key_with_the_fresh_one_comm
     assert_eq!(stale.body["error"]["current"]["status"], "pending");
     assert_eq!(stale.body["error"]["current"]["revision"], 1);
     assert_eq!(h.broker.database().count_decisions().await.unwrap(), 0);
-    assert_unchanged(&snapshot, &h.snapshot(), "a stale decision changed something");
+    assert_unchanged(
+        &snapshot,
+        &h.snapshot(),
+        "a stale decision changed something",
+    );
     let fresh = h.operator.decide(&id, "deny", &decision(1, "key")).await;
     assert_eq!(fresh.status, 200, "{}", fresh.body);
     assert_eq!(fresh.header("idempotency-replayed"), None);
@@ -791,14 +857,24 @@ async fn decisions_are_counted_by_action_and_outcome_and_the_drift_stays_zero() 
     assert_eq!(h.snapshot().pending, 1);
     let metrics = h.metrics().await;
     for (series, n) in [
-        (r#"broker_operator_decisions_total{action="deny",outcome="committed"}"#, 1),
-        (r#"broker_operator_decisions_total{action="deny",outcome="replayed"}"#, 1),
+        (
+            r#"broker_operator_decisions_total{action="deny",outcome="committed"}"#,
+            1,
+        ),
+        (
+            r#"broker_operator_decisions_total{action="deny",outcome="replayed"}"#,
+            1,
+        ),
         (
             r#"broker_operator_decisions_total{action="approve",outcome="revision_conflict"}"#,
             1,
         ),
     ] {
-        assert_eq!(support::metrics::metric(&metrics, series), Some(n), "{series}");
+        assert_eq!(
+            support::metrics::metric(&metrics, series),
+            Some(n),
+            "{series}"
+        );
     }
     assert_eq!(h.operator.drift().await["drift"], 0);
     h.broker.shutdown().await;
@@ -830,7 +906,10 @@ async fn a_unix_socket_operator_listener_is_private_and_gone_after_shutdown() {
     stream.read_to_string(&mut answer).await.unwrap();
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     assert!(answer.contains("unyolo.io/operator/v1"), "{answer}");
-    assert!(answer.to_ascii_lowercase().contains("x-correlation-id: "), "{answer}");
+    assert!(
+        answer.to_ascii_lowercase().contains("x-correlation-id: "),
+        "{answer}"
+    );
     h.broker.shutdown().await;
     assert!(!socket.exists(), "the socket outlived its broker");
 }

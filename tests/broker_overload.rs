@@ -60,7 +60,10 @@ async fn a_refusal_is_429_with_an_integer_retry_after_and_writes_nothing() {
     assert_eq!(after.admitted, snapshot.admitted);
     let listed = h.get("/api/agent/v1/operations", Some(AGENT_SECRET)).await;
     assert_eq!(listed.body["operations"].as_array().unwrap().len(), 2);
-    let pending = h.operator.get("/api/operator/v1/requests?status=pending").await;
+    let pending = h
+        .operator
+        .get("/api/operator/v1/requests?status=pending")
+        .await;
     assert_eq!(
         pending.body["requests"].as_array().unwrap().len(),
         2,
@@ -239,7 +242,9 @@ async fn exempt_paths_answer_during_overload_and_never_pass_admission() {
         200
     );
     assert_eq!(
-        h.operator.get("/api/operator/v1/requests?status=pending").await
+        h.operator
+            .get("/api/operator/v1/requests?status=pending")
+            .await
             .status,
         200
     );
@@ -622,7 +627,10 @@ async fn work_of_a_client_removed_from_the_secrets_survives_a_restart_and_can_be
         (429, "global_operation_limit")
     );
     // The operator still sees and decides them, and deciding frees the slots.
-    let listed = h.operator.get("/api/operator/v1/requests?status=pending").await;
+    let listed = h
+        .operator
+        .get("/api/operator/v1/requests?status=pending")
+        .await;
     assert_eq!(listed.body["requests"].as_array().unwrap().len(), 2);
     let denied = h.operator.deny(&first.id()).await;
     assert_eq!((denied.status, denied.state()), (200, "denied"));

@@ -73,7 +73,10 @@ async fn after_kill_9_every_operation_is_back_counts_are_restored_and_executing_
         .await
     );
     // The pool (1) is busy, so the approved request waits in the queue.
-    let approve = server.operator.approve(queued["id"].as_str().unwrap()).await;
+    let approve = server
+        .operator
+        .approve(queued["id"].as_str().unwrap())
+        .await;
     assert_eq!(approve.status, 200, "{}", approve.body);
     assert_eq!(
         server

@@ -56,10 +56,22 @@ fn each_rule_of_the_operator_secrets_file_stops_serve_with_its_line() {
     let good = "s3cret-0123456789abcdef0123456789";
     let cases = [
         (format!("ada = {short}\n"), 1, "at least 32 bytes"),
-        (format!("ada = {good}\nada = {good}-2\n"), 2, "already defined"),
-        (format!("ada = {good}\nbob = {good}\n"), 2, "same as on line 1"),
+        (
+            format!("ada = {good}\nada = {good}-2\n"),
+            2,
+            "already defined",
+        ),
+        (
+            format!("ada = {good}\nbob = {good}\n"),
+            2,
+            "same as on line 1",
+        ),
         (format!("# c\n\n = {good}\n"), 3, "1 to 200 bytes"),
-        (format!("{} = {good}\n", "n".repeat(201)), 1, "1 to 200 bytes"),
+        (
+            format!("{} = {good}\n", "n".repeat(201)),
+            1,
+            "1 to 200 bytes",
+        ),
         ("ada\n".to_owned(), 1, "expected `name = secret`"),
         ("ada =\n".to_owned(), 1, "the secret is empty"),
         (format!("ada = {good}\u{1b}x\n"), 1, "control character"),

@@ -53,6 +53,9 @@ mod tests {
         assert_eq!(auth.operator("a".repeat(31).as_bytes()), None);
         assert_eq!(auth.operator("a".repeat(33).as_bytes()), None);
         assert_eq!(auth.operator(b"bot-secret"), None);
-        assert_eq!(auth.client(b"bot-secret").map(Identity::as_str), Some("bot"));
+        assert_eq!(
+            auth.client(b"bot-secret").map(Identity::as_str),
+            Some("bot")
+        );
     }
 }

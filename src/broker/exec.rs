@@ -190,7 +190,11 @@ async fn execute(core: Arc<Core>, op: Arc<LiveOp>) {
     }
     loop {
         let outcome = Arc::clone(&core)
-            .transition(Arc::clone(&op), OperationState::Succeeded, StateChange::default())
+            .transition(
+                Arc::clone(&op),
+                OperationState::Succeeded,
+                StateChange::default(),
+            )
             .await;
         match outcome {
             Ok(_) | Err(TransitionFailure::NotAllowed(_)) => return,

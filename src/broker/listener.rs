@@ -27,14 +27,21 @@
 //! - **Graceful shutdown** (hyper-util's `GracefulShutdown`): on stop, idle connections close at
 //!   once and requests in flight finish, for at most a bounded grace.
 //!
+//! - **Listeners**: a TCP listener or a Unix socket ([`ListenAddr`]; the socket is created mode
+//!   0600 under a temporary name and renamed into place, and removed when its loop ends). One
+//!   accept loop serves both kinds (`Acceptor`), and the broker's two listeners (agents,
+//!   operators) share one `ConnectionPool`: one cap for every connection (each is a descriptor),
+//!   and at the cap the connection idle longest on either listener makes room, so a flood on the
+//!   agent listener cannot keep an operator out.
+//!
 //! Only HTTP/1.1 is served: the Agent V1 wire is HTTP/1.1, and hyper's header timeout is an
 //! HTTP/1 setting.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use hyper::body::Incoming;

@@ -12,11 +12,13 @@
 //!   it, start the tasks and the listener with the router) and [`Broker::shutdown`].
 //! - [`api`]: the only part that knows HTTP and JSON. The router (`api/mod.rs`), the leaf error
 //!   type (`api::error::ApiError`, with `From` the store's error), the extractors
-//!   (`api::extract`: the client and the operator from the bearer token, the path id, the query,
+//!   (`api::extract`: the client from the bearer token, the path id, the query,
 //!   the body), and one file per part of the wire contracts: `agent_operations` (submit, get,
 //!   cancel; the order authenticate → validate → replay → admit → create → commit),
 //!   [`listing`], `waits` (the long poll), `streams`, [`discovery`], `health` (`/healthz`,
-//!   `/readyz`, `/metrics`), `operator` (Operator V1: the pending requests, approve, deny, the
+//!   `/readyz` of the agent listener), [`api::operator`] (the operator listener: Operator V1's
+//!   discovery, health, request list, one request and decisions, its envelope and projection,
+//!   `/metrics` and `/admission/v1/drift`; the
 //!   on-demand drift reading), [`ratelimit`] (the quota fields on submission answers) and
 //!   [`presentation`] (what an operator reads about each operation).
 //! - the rooms that act on the shared state: `operations` (the one way a live operation's state
@@ -35,8 +37,9 @@
 //!   (the open long-poll waits and their bells), `keys` (a growable filter that answers "this key
 //!   was never used" without the store, so refusals stay off SQLite however many keys are
 //!   stored).
-//! - beside them, knowing nothing of the broker: [`listener`] (the accept loop; header, body and
-//!   idle timeouts and the connection cap, for any router).
+//! - beside them, knowing nothing of the broker: [`listener`] (the accept loop, for TCP and Unix
+//!   sockets; header, body and idle timeouts and one connection cap shared by both listeners, for
+//!   any router).
 //!
 //! This file is the assembly: the module list, the settings ([`BrokerSettings`]), the errors
 //! ([`BrokerError`]) and the [`Broker`] handle with its small accessors.
@@ -65,11 +68,16 @@
 //!   run detached, still holding the per-key lock, so a retry with the same key waits for them and
 //!   then replays. There is no `.await` between `admit` and the spawn, so no permit is ever
 //!   dropped by a hangup.
-//! - **approve / deny / cancel**: authenticate and look the operation up (a hangup here changes
-//!   nothing); then gate, the operation's lock, the state check, the durable write and the handle
-//!   transition (which releases slots on a terminal move; approved work is queued) run detached.
-//!   A decision that loses the race to another (approve vs cancel) is refused inside the task, by
-//!   the same state check.
+//! - **cancel**: authenticate and look the operation up (a hangup here changes nothing); then
+//!   gate, the operation's lock, the state check, the durable write and the handle transition
+//!   (which releases slots on a terminal move) run detached.
+//! - **an operator's approve / deny / revoke** (`Core::decide_to_end`): authenticate, read and
+//!   judge the body (a hangup here changes nothing); then, detached: the gate, the operation's
+//!   lock, and one SQLite write transaction that looks up the idempotency record, the request,
+//!   checks the revision, the transition and the constraints, and writes the state change with
+//!   the decision's record; then the handle's move (approved work is queued). A decision that
+//!   loses the race to another (two operators, or a cancel) sees the revision the winner wrote
+//!   and is refused `revision_conflict`, writing nothing.
 //! - **upload**: authenticate and read `Content-Length` in the handler; everything else runs
 //!   detached, reading the body included: the room is reserved (under the gate, recorded as an
 //!   upload in progress, which drift counts as stored), the body is written to its file, then

@@ -34,7 +34,9 @@ pub(crate) fn approval_operations() -> impl Iterator<Item = &'static str> {
 /// The kind of an operation's target, as operators filter by it (`target_kind`): the part of the
 /// operation's name before its first `.` (`demo` for `demo.request`), the provider it acts on.
 pub(crate) fn target_kind(operation: &str) -> &str {
-    operation.split_once('.').map_or(operation, |(kind, _)| kind)
+    operation
+        .split_once('.')
+        .map_or(operation, |(kind, _)| kind)
 }
 
 /// Why a submission is not work this broker runs.

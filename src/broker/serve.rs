@@ -176,12 +176,7 @@ pub fn run(options: ServeOptions) -> Result<(), String> {
             ..RetentionSettings::default()
         },
         operator_listen: options.operator_listen.clone(),
-        ..BrokerSettings::new(
-            options.listen,
-            options.data_dir.clone(),
-            secrets,
-            operators,
-        )
+        ..BrokerSettings::new(options.listen, options.data_dir.clone(), secrets, operators)
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

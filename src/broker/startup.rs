@@ -21,8 +21,8 @@ use tokio::sync::watch;
 
 use super::auth::Auth;
 use super::core::{Core, DecisionLabels, ExecQueue, LiveOp, SubmissionLabels};
-use super::listener::{ConnectionPool, ConnectionSettings, ListenAddr, UnixSocket};
 use super::keys::KeyFilter;
+use super::listener::{ConnectionPool, ConnectionSettings, ListenAddr, UnixSocket};
 use super::retention::{Keep, Retention};
 use super::store::{self, Database, StoreError};
 use super::waits::Waits;

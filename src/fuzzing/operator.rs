@@ -215,7 +215,11 @@ fn continues_only_itself(pairs: &[(String, String)], query: &ListQuery) {
         next.after,
         Some((record.created_at.clone(), record.id.clone()))
     );
-    let other = if query.limit == MAX_LIMIT { 1 } else { query.limit + 1 };
+    let other = if query.limit == MAX_LIMIT {
+        1
+    } else {
+        query.limit + 1
+    };
     assert!(parse_list_query(&with(Some(other.to_string()))).is_err());
 }
 

@@ -284,10 +284,8 @@ pub async fn assert_counts_match_the_store(h: &Harness, data: &Path) {
         "stream files on disk vs rows"
     );
     // Two reads, so a request still arriving may move one between them: poll until they agree.
-    let agree = eventually(async || {
-        h.operator.pending().await.len() as u64 == h.snapshot().pending
-    })
-    .await;
+    let agree =
+        eventually(async || h.operator.pending().await.len() as u64 == h.snapshot().pending).await;
     assert!(
         agree,
         "the inbox never matched the controller's pending count"

@@ -28,10 +28,10 @@ pub mod eventually;
 #[cfg(feature = "broker")]
 pub mod faults;
 #[cfg(feature = "broker")]
-pub mod operator;
-#[cfg(feature = "broker")]
 pub mod http;
 pub mod metrics;
+#[cfg(feature = "broker")]
+pub mod operator;
 pub mod operator_contract;
 pub mod redis;
 pub mod rng;

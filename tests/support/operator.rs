@@ -34,7 +34,11 @@ pub fn component_of(method: &str, path: &str, status: u16) -> Option<&'static st
 pub fn check_reply(method: &str, path: &str, reply: &Reply) {
     let what = format!("{method} {path} → {}", reply.status);
     assert_eq!(reply.header("cache-control"), Some("no-store"), "{what}");
-    assert_eq!(reply.header("x-content-type-options"), Some("nosniff"), "{what}");
+    assert_eq!(
+        reply.header("x-content-type-options"),
+        Some("nosniff"),
+        "{what}"
+    );
     let id = reply.header("x-correlation-id").unwrap_or_default();
     assert!(
         id.len() == 22
@@ -126,8 +130,13 @@ impl Operator {
         let auth = format!("Bearer {}", self.token);
         let path = format!("/api/operator/v1/requests/{id}/{action}");
         let bytes = body.to_string().into_bytes();
-        self.send_raw("POST", &path, Some(&auth), Some(("application/json", bytes)))
-            .await
+        self.send_raw(
+            "POST",
+            &path,
+            Some(&auth),
+            Some(("application/json", bytes)),
+        )
+        .await
     }
 
     /// The request `id` as it is now.

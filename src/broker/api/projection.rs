@@ -99,7 +99,10 @@ mod tests {
         let fields = full.as_object().unwrap();
         assert!(fields.values().all(|v| !v.is_null()), "{full}");
         assert!(!fields.contains_key("terminal_at") && !fields.contains_key("error"));
-        assert!(!fields.contains_key("approval_id"), "demo.run needs no approval");
+        assert!(
+            !fields.contains_key("approval_id"),
+            "demo.run needs no approval"
+        );
         let request = OperationRecord {
             operation: "demo.request".to_owned(),
             ..record()

@@ -37,9 +37,9 @@ mod schema;
 mod streams;
 
 pub use database::{DATABASE_FILE, DEFAULT_BROKER_NAME, Database, LOCK_FILE, READERS, now_rfc3339};
+pub use decisions::{DecidedMove, DecisionCommand, DecisionOutcome, DecisionScope};
 pub use error::{InsertError, StoreError};
 pub use maintenance::{Retiring, StoredCounts};
-pub use decisions::{DecidedMove, DecisionCommand, DecisionOutcome, DecisionScope};
 pub use operations::{
     Decided, DecisionMark, OperationError, OperationRecord, PageQuery, Recovered, StateChange,
 };

@@ -139,7 +139,9 @@ impl OperationRecord {
                 None => None,
                 Some(at) => Some(Decided {
                     at,
-                    by: row.get::<_, Option<String>>("decided_by")?.unwrap_or_default(),
+                    by: row
+                        .get::<_, Option<String>>("decided_by")?
+                        .unwrap_or_default(),
                     on_behalf_of: row.get("decided_on_behalf_of")?,
                     revoked: row.get::<_, i64>("revoked")? != 0,
                 }),
@@ -186,27 +188,28 @@ pub(super) fn change_state(
     let now = now_rfc3339();
     let terminal_at = to.is_terminal().then_some(now.as_str());
     let decision = change.decision.as_ref();
-    let changed = tx.prepare_cached(
-        "UPDATE operations SET state = ?3, updated_at = ?4, terminal_at = ?5, \
+    let changed = tx
+        .prepare_cached(
+            "UPDATE operations SET state = ?3, updated_at = ?4, terminal_at = ?5, \
          error_code = ?6, error_message = ?7, revision = revision + 1, \
          decided_at = CASE WHEN ?8 IS NULL THEN decided_at ELSE ?4 END, \
          decided_by = CASE WHEN ?8 IS NULL THEN decided_by ELSE ?8 END, \
          decided_on_behalf_of = CASE WHEN ?8 IS NULL THEN decided_on_behalf_of ELSE ?9 END, \
          revoked = CASE WHEN ?8 IS NULL THEN revoked ELSE ?10 END \
          WHERE id = ?1 AND state = ?2",
-    )?
-    .execute(params![
-        id,
-        from.as_str(),
-        to.as_str(),
-        now,
-        terminal_at,
-        change.error.as_ref().map(|e| e.code.as_str()),
-        change.error.as_ref().map(|e| e.message.as_str()),
-        decision.map(|d| d.by.as_str()),
-        decision.and_then(|d| d.on_behalf_of.as_deref()),
-        decision.map(|d| i64::from(d.revoked)),
-    ])?;
+        )?
+        .execute(params![
+            id,
+            from.as_str(),
+            to.as_str(),
+            now,
+            terminal_at,
+            change.error.as_ref().map(|e| e.code.as_str()),
+            change.error.as_ref().map(|e| e.message.as_str()),
+            decision.map(|d| d.by.as_str()),
+            decision.and_then(|d| d.on_behalf_of.as_deref()),
+            decision.map(|d| i64::from(d.revoked)),
+        ])?;
     if changed != 1 {
         return Ok(None);
     }
@@ -540,7 +543,10 @@ impl Database {
                     i64::try_from(record.revision).unwrap_or(i64::MAX),
                     record.decided.as_ref().map(|d| d.at.as_str()),
                     record.decided.as_ref().map(|d| d.by.as_str()),
-                    record.decided.as_ref().and_then(|d| d.on_behalf_of.as_deref()),
+                    record
+                        .decided
+                        .as_ref()
+                        .and_then(|d| d.on_behalf_of.as_deref()),
                     record.decided.as_ref().is_some_and(|d| d.revoked),
                 ])?;
             }

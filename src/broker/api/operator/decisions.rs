@@ -504,8 +504,14 @@ mod tests {
     #[test]
     fn commands_that_do_not_normalize_are_invalid_requests() {
         for (action, bad) in [
-            (Action::Approve, r#"{"expected_revision":1,"idempotency_key":"   "}"#),
-            (Action::Approve, r#"{"expected_revision":1,"idempotency_key":"a\tb"}"#),
+            (
+                Action::Approve,
+                r#"{"expected_revision":1,"idempotency_key":"   "}"#,
+            ),
+            (
+                Action::Approve,
+                r#"{"expected_revision":1,"idempotency_key":"a\tb"}"#,
+            ),
             (
                 Action::Deny,
                 r#"{"expected_revision":1,"idempotency_key":"k","constraints":{}}"#,

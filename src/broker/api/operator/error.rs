@@ -172,7 +172,11 @@ impl OperatorError {
 
     /// 404 `not_found`, `route not found`.
     pub(crate) fn no_route() -> OperatorError {
-        OperatorError::new(StatusCode::NOT_FOUND, ErrorCode::NotFound, "route not found")
+        OperatorError::new(
+            StatusCode::NOT_FOUND,
+            ErrorCode::NotFound,
+            "route not found",
+        )
     }
 
     /// 404 `not_found`, `request not found`.

@@ -266,10 +266,7 @@ mod tests {
             presented_secret(basic("ada:s3cret").as_bytes()).unwrap(),
             b"s3cret"
         );
-        assert_eq!(
-            presented_secret(basic(":a:b").as_bytes()).unwrap(),
-            b"a:b"
-        );
+        assert_eq!(presented_secret(basic(":a:b").as_bytes()).unwrap(), b"a:b");
         assert_eq!(presented_secret(basic("ada:").as_bytes()), None);
         assert_eq!(presented_secret(basic("ada").as_bytes()), None);
         assert_eq!(presented_secret(b"Bearer"), None);

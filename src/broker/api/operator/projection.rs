@@ -40,9 +40,7 @@ pub(crate) fn status(record: &OperationRecord) -> &'static str {
         OperationState::Failed if ran(record) => "consumed",
         OperationState::Failed => "failed",
         OperationState::Denied => "denied",
-        OperationState::Canceled if record.decided.as_ref().is_some_and(|d| d.revoked) => {
-            "revoked"
-        }
+        OperationState::Canceled if record.decided.as_ref().is_some_and(|d| d.revoked) => "revoked",
         OperationState::Canceled => "canceled",
         OperationState::Expired => "expired",
     }
@@ -102,7 +100,8 @@ pub(crate) fn broker_request(record: &OperationRecord, pending_timeout: Duration
         request["request_reason"] = Value::from(record.reason.as_str());
     }
     if record.state == OperationState::Pending {
-        request["approval_bounds"] = json!({"max_duration_seconds": APPROVAL_SECONDS, "max_uses": 1});
+        request["approval_bounds"] =
+            json!({"max_duration_seconds": APPROVAL_SECONDS, "max_uses": 1});
         if let Some(at) = pending_expires_at(&record.created_at, pending_timeout) {
             request["pending_expires_at"] = Value::from(at);
         }
@@ -175,7 +174,12 @@ mod tests {
             ..record(OperationState::Canceled)
         };
         for (record, status, used, actions) in [
-            (record(OperationState::Approved), "active", 0, json!(["revoke"])),
+            (
+                record(OperationState::Approved),
+                "active",
+                0,
+                json!(["revoke"]),
+            ),
             (record(OperationState::Executing), "active", 0, json!([])),
             (record(OperationState::Succeeded), "consumed", 1, json!([])),
             (failed("execution_interrupted"), "consumed", 1, json!([])),

@@ -193,7 +193,12 @@ pub fn parse_list_query(pairs: &[(String, String)]) -> Result<ListQuery, Operato
 /// operation and target-kind filters), the states of the group.
 fn store_query(query: &ListQuery, limit: u32) -> RequestQuery {
     let operations = registry::approval_operations()
-        .filter(|op| query.operation.as_deref().is_none_or(|wanted| wanted == *op))
+        .filter(|op| {
+            query
+                .operation
+                .as_deref()
+                .is_none_or(|wanted| wanted == *op)
+        })
         .filter(|op| {
             query
                 .target_kind
@@ -381,8 +386,16 @@ mod tests {
             Some(("2026-01-01T00:00:00.000Z".to_owned(), "op_2".to_owned()))
         );
         for other in [
-            vec![("status", "active"), ("limit", "2"), ("cursor", cursor.as_str())],
-            vec![("status", "pending"), ("limit", "3"), ("cursor", cursor.as_str())],
+            vec![
+                ("status", "active"),
+                ("limit", "2"),
+                ("cursor", cursor.as_str()),
+            ],
+            vec![
+                ("status", "pending"),
+                ("limit", "3"),
+                ("cursor", cursor.as_str()),
+            ],
             vec![("status", "pending"), ("cursor", cursor.as_str())],
         ] {
             assert!(parse(&other).is_err(), "{other:?}");
