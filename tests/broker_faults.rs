@@ -78,7 +78,7 @@ async fn cancels_whose_client_hangs_up_release_exactly_what_the_store_released()
     }
     assert!(eventually(async || h.snapshot().executing == 2).await);
     for id in &ids[..4] {
-        let approved = h.operator.approve(&id).await;
+        let approved = h.operator.approve(id).await;
         assert_eq!(approved.status, 200);
     }
     assert_eq!(h.snapshot().queued, 4);

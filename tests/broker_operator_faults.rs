@@ -23,7 +23,11 @@ fn hang_up_body(id: &str) -> Value {
 }
 
 fn action(i: usize) -> &'static str {
-    if i % 2 == 0 { "approve" } else { "deny" }
+    if i.is_multiple_of(2) {
+        "approve"
+    } else {
+        "deny"
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
