@@ -161,7 +161,11 @@ async fn main() {
             "127.0.0.1:0".parse().unwrap(),
             dir.path().to_owned(),
             secrets,
-            "load-operator".to_owned(),
+            unyolo_admission::config::Operators::single(
+                "bench",
+                "load-operator-secret-0123456789abcdef",
+            )
+            .unwrap(),
         )
     };
     let (broker, _) = Broker::start(settings).await.unwrap();

@@ -110,6 +110,7 @@ fn terminal(i: usize, old: bool) -> OperationRecord {
         terminal_at: Some(at.to_owned()),
         error: None,
         revision: 3,
+        decided: None,
         broker: "admission".to_owned(),
         presentation: unyolo_admission::broker::presentation::derive(
             "demo.run",
@@ -161,7 +162,11 @@ async fn store_run(rows: usize, retiring: usize, refusals: usize, concurrency: u
             "127.0.0.1:0".parse().unwrap(),
             dir.path().to_owned(),
             secrets,
-            "retention-operator".to_owned(),
+            unyolo_admission::config::Operators::single(
+                "bench",
+                "retention-operator-secret-0123456789abcdef",
+            )
+            .unwrap(),
         )
     };
     let rss_before = rss_bytes();

@@ -194,7 +194,11 @@ fn main() {
             "127.0.0.1:0".parse().unwrap(),
             dir.path().to_owned(),
             secrets,
-            "wait-bench-operator".to_owned(),
+            unyolo_admission::config::Operators::single(
+                "bench",
+                "wait-bench-operator-secret-0123456789abcdef",
+            )
+            .unwrap(),
         )
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()

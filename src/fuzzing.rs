@@ -63,6 +63,14 @@ mod broker;
 #[cfg(feature = "broker")]
 pub use broker::{agent_query, agent_query_accepted, submission, submission_accepted};
 
+#[cfg(feature = "broker")]
+mod operator;
+#[cfg(feature = "broker")]
+pub use operator::{
+    operator_decision, operator_decision_accepted, operator_list_query,
+    operator_list_query_accepted,
+};
+
 #[cfg(feature = "redis")]
 mod redis;
 #[cfg(feature = "redis")]

@@ -66,18 +66,23 @@ struct DrillArgs {
 #[cfg(feature = "broker")]
 #[derive(Args)]
 struct ServeArgs {
-    /// The address to listen on.
+    /// Where agents connect (Agent V1).
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8080")]
     listen: std::net::SocketAddr,
+    /// Where operators connect (Operator V1, /metrics, /admission/v1/drift): ADDR:PORT, or
+    /// `unix:/abs/path` for a Unix socket (created mode 0600, removed on shutdown).
+    #[arg(long, value_name = "ADDR", default_value = unyolo_admission::broker::DEFAULT_OPERATOR_LISTEN)]
+    operator_listen: unyolo_admission::broker::ListenAddr,
     /// The data dir (SQLite file, stream bodies, generated secrets).
     #[arg(long, value_name = "DIR", default_value = "./admission-data")]
     data: PathBuf,
     /// Client secrets (`name = secret` per line); generated in the data dir when absent.
     #[arg(long, value_name = "FILE")]
     secrets: Option<PathBuf>,
-    /// The operator secret (one line); generated in the data dir when absent.
+    /// The operators (`name = secret` per line, secrets of at least 32 bytes); generated in the
+    /// data dir, with an operator `operator`, when absent.
     #[arg(long, value_name = "FILE")]
-    operator_secret: Option<PathBuf>,
+    operator_secrets: Option<PathBuf>,
     /// The quota file (absolute path), re-read on SIGHUP; the defaults when absent.
     #[arg(long, value_name = "PATH")]
     admission_config: Option<PathBuf>,
@@ -232,7 +237,8 @@ fn serve(args: ServeArgs) -> ExitCode {
         listen: args.listen,
         data_dir: args.data,
         secrets: args.secrets,
-        operator_secret: args.operator_secret,
+        operator_listen: args.operator_listen,
+        operator_secrets: args.operator_secrets,
         admission_config: args.admission_config,
         broker_name: args.broker_name,
         connections: unyolo_admission::broker::ConnectionSettings {

@@ -119,6 +119,7 @@ async fn the_operation_object_has_broker_revision_and_presentation_and_never_a_n
         fields,
         [
             "api_version",
+            "approval_id",
             "arguments",
             "broker",
             "client_id",
@@ -154,18 +155,14 @@ async fn the_operation_object_has_broker_revision_and_presentation_and_never_a_n
         .await;
     let summary = &page.body["operations"][0];
     let mut expected = op.clone();
-    for field in ["target", "arguments", "reason"] {
+    for field in ["target", "arguments", "reason", "approval_id"] {
         expected.as_object_mut().unwrap().remove(field);
     }
     assert_eq!(summary, &expected);
 
     // Denied: terminal_at appears, error does not (nothing failed).
-    let denied = h
-        .post(
-            &format!("/api/operator/v1/requests/{}/deny", created.id()),
-            Some(OPERATOR_SECRET),
-        )
-        .await;
+    assert_eq!(h.operator.deny(&created.id()).await.status, 200);
+    let denied = h.get(&op_path(&created.id()), Some(AGENT_SECRET)).await;
     assert_eq!(
         (denied.status, denied.state(), revision(&denied.body)),
         (200, "denied", 2)
@@ -199,16 +196,10 @@ async fn a_client_follows_an_operation_revision_by_revision_from_submit_to_its_e
 
     // The operator approves while the client waits.
     let approver = {
-        let (http, base) = (h.http.clone(), h.base.clone());
-        let path = format!("{base}/api/operator/v1/requests/{id}/approve");
+        let (operator, id) = (h.operator.clone(), id.clone());
         tokio::spawn(async move {
             tokio::time::sleep(Duration::from_millis(100)).await;
-            http.post(path)
-                .bearer_auth(OPERATOR_SECRET)
-                .send()
-                .await
-                .unwrap()
-                .status()
+            operator.approve(&id).await.status
         })
     };
     let mut seen = vec![created.body.clone()];
@@ -812,15 +803,10 @@ async fn a_data_dir_of_schema_version_1_keeps_working_from_revision_1() {
     assert_eq!(failed.body["error"]["code"], "execution_interrupted");
     let page = h.get("/api/agent/v1/operations", Some(AGENT_SECRET)).await;
     assert_eq!(page.body["operations"].as_array().unwrap().len(), 2);
-    let approved = h
-        .post(
-            "/api/operator/v1/requests/op_old_pending/approve",
-            Some(OPERATOR_SECRET),
-        )
-        .await;
+    let approved = h.operator.approve("op_old_pending").await;
     assert_eq!(
-        (approved.state(), revision(&approved.body)),
-        ("approved", 2)
+        (approved.body["status"].as_str(), revision(&approved.body)),
+        (Some("active"), 2)
     );
     // A replay of the old key is still recognized.
     let old_key = h

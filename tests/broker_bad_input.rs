@@ -271,26 +271,45 @@ async fn operator_routes_refuse_client_tokens_and_client_routes_refuse_the_opera
     let (rows, snapshot) = (h.rows().await, h.snapshot());
     let operator_routes = [
         ("GET", "/api/operator/v1/requests".to_owned()),
+        ("GET", format!("/api/operator/v1/requests/{id}")),
         ("POST", format!("/api/operator/v1/requests/{id}/approve")),
         ("POST", format!("/api/operator/v1/requests/{id}/deny")),
+        ("POST", format!("/api/operator/v1/requests/{id}/revoke")),
+        ("GET", "/.well-known/unyolo-operator".to_owned()),
         ("GET", "/metrics".to_owned()),
+        ("GET", "/admission/v1/drift".to_owned()),
     ];
     for (method, path) in &operator_routes {
-        for token in [Some(AGENT_SECRET), Some(OTHER_SECRET), Some("nope")] {
-            let reply = h.send(method, path, token, None).await;
+        // On the operator listener a client's secret is no operator's: 401, never 403.
+        for token in [AGENT_SECRET, OTHER_SECRET, "nope"] {
+            let auth = format!("Bearer {token}");
+            let body = Some((
+                "application/json",
+                br#"{"expected_revision":1,"idempotency_key":"k"}"#.to_vec(),
+            ));
+            let reply = h.operator.send_raw(method, path, Some(&auth), body).await;
             assert_eq!(
                 (reply.status, reply.code()),
-                (403, "authentication_failed"),
+                (401, "unauthorized"),
                 "{path}"
             );
-            assert_error_shape(&reply);
+            assert_eq!(
+                reply.header("www-authenticate"),
+                Some(r#"Bearer realm="broker-operator""#)
+            );
         }
-        let reply = h.send(method, path, None, None).await;
+        let reply = h.operator.send_raw(method, path, None, None).await;
         assert_eq!(
             (reply.status, reply.code()),
-            (401, "authentication_failed"),
+            (401, "unauthorized"),
             "{path}"
         );
+        // On the agent listener none of them exists, whoever asks.
+        for token in [Some(AGENT_SECRET), Some(OPERATOR_SECRET), None] {
+            let reply = h.send(method, path, token, None).await;
+            assert_eq!((reply.status, reply.code()), (404, "not_found"), "{path}");
+            assert_error_shape(&reply);
+        }
     }
     let cancel = format!("/api/agent/v1/operations/{id}/cancel");
     let reply = h.post(&cancel, Some(OPERATOR_SECRET)).await;
@@ -339,11 +358,13 @@ async fn another_clients_operation_is_not_found_and_cannot_be_canceled() {
         .get("/api/agent/v1/operations/op_missing", Some(AGENT_SECRET))
         .await;
     assert_eq!((reply.status, reply.code()), (404, "not_found"));
-    for decision in ["approve", "deny"] {
-        let path = format!("/api/operator/v1/requests/op_missing/{decision}");
-        let reply = h.post(&path, Some(OPERATOR_SECRET)).await;
-        assert_eq!((reply.status, reply.code()), (404, "request_not_found"));
+    for decision in ["approve", "deny", "revoke"] {
+        let body = json!({"expected_revision": 1, "idempotency_key": "k"});
+        let reply = h.operator.decide("op_missing", decision, &body).await;
+        assert_eq!((reply.status, reply.code()), (404, "not_found"));
+        assert_eq!(reply.body["error"]["message"], "request not found");
     }
+    assert_eq!(h.broker.database().count_decisions().await.unwrap(), 0);
     assert_unchanged(&snapshot, &h.snapshot(), "admission state changed");
     let reply = h
         .get(

@@ -65,6 +65,7 @@ async fn a_created_operation_has_exactly_the_agent_v1_fields_and_a_location_that
         fields,
         [
             "api_version",
+            "approval_id",
             "arguments",
             "broker",
             "client_id",
@@ -106,17 +107,20 @@ async fn a_created_operation_has_exactly_the_agent_v1_fields_and_a_location_that
     assert_eq!(read.body, created.body);
     let listed = h.get("/api/agent/v1/operations", Some(AGENT_SECRET)).await;
     let mut summary = created.body.clone();
-    for field in ["target", "arguments", "reason"] {
+    for field in ["target", "arguments", "reason", "approval_id"] {
         summary.as_object_mut().unwrap().remove(field);
     }
     assert_eq!(
         listed.body,
         json!({"api_version": "unyolo.io/agent/v1", "operations": [summary], "next_cursor": null})
     );
-    let requests = h
-        .get("/api/operator/v1/requests", Some(OPERATOR_SECRET))
-        .await;
-    assert_eq!(requests.body, json!({"requests": [created.body.clone()]}));
+    // The operator sees it as an Operator V1 request (checked against that contract), the same
+    // operation by id and revision; Agent V1 names it by `approval_id`.
+    let requests = h.operator.get("/api/operator/v1/requests").await;
+    assert_eq!(requests.body["requests"].as_array().unwrap().len(), 1);
+    assert_eq!(requests.body["requests"][0]["id"], created.body["id"]);
+    assert_eq!(requests.body["requests"][0]["revision"], 1);
+    assert_eq!(created.body["approval_id"], created.body["id"]);
 
     // A run that needs no approval starts approved and ends succeeded with the same fields.
     let run = h
@@ -172,13 +176,8 @@ async fn every_answer_carries_no_store_and_every_error_the_error_shape() {
         ),
         ("/.well-known/unyolo-agent".to_owned(), Some(AGENT_SECRET)),
         ("/api/agent/v1/operations".to_owned(), Some(AGENT_SECRET)),
-        (
-            "/api/operator/v1/requests".to_owned(),
-            Some(OPERATOR_SECRET),
-        ),
         ("/healthz".to_owned(), None),
         ("/readyz".to_owned(), None),
-        ("/metrics".to_owned(), Some(OPERATOR_SECRET)),
     ] {
         let reply = h.get(&path, token).await;
         assert_eq!(reply.status, 200, "{path}");
@@ -200,22 +199,28 @@ async fn every_answer_carries_no_store_and_every_error_the_error_shape() {
     assert_error_shape(&reply, 401, "authentication_failed", "no token");
     let reply = h.get("/api/agent/v1/operations", Some("wrong")).await;
     assert_error_shape(&reply, 403, "authentication_failed", "wrong token");
-    let reply = h.get("/metrics", Some(AGENT_SECRET)).await;
-    assert_error_shape(
-        &reply,
-        403,
-        "authentication_failed",
-        "metrics, client token",
-    );
+    for (path, token) in [
+        ("/metrics", OPERATOR_SECRET),
+        ("/metrics", AGENT_SECRET),
+        ("/api/operator/v1/requests", OPERATOR_SECRET),
+        ("/.well-known/unyolo-operator", OPERATOR_SECRET),
+        ("/admission/v1/drift", OPERATOR_SECRET),
+    ] {
+        let reply = h.get(path, Some(token)).await;
+        assert_error_shape(
+            &reply,
+            404,
+            "not_found",
+            "operator routes are not on this listener",
+        );
+    }
     let reply = h
         .get("/api/agent/v1/operations/op_x", Some(AGENT_SECRET))
         .await;
     assert_error_shape(&reply, 404, "not_found", "unknown operation");
     let reply = h.get("/nowhere", None).await;
     assert_error_shape(&reply, 404, "not_found", "unknown route");
-    let reply = h
-        .send("DELETE", "/metrics", Some(OPERATOR_SECRET), None)
-        .await;
+    let reply = h.send("DELETE", "/healthz", None, None).await;
     assert_error_shape(&reply, 405, "method_not_allowed", "405");
     let reply = h
         .send(
@@ -234,10 +239,9 @@ async fn every_answer_carries_no_store_and_every_error_the_error_shape() {
     conflict["reason"] = json!("another reason");
     let reply = h.submit(AGENT_SECRET, &conflict).await;
     assert_error_shape(&reply, 409, "idempotency_conflict", "409");
-    let deny = format!("/api/operator/v1/requests/{}/deny", created.id());
-    assert_eq!(h.post(&deny, Some(OPERATOR_SECRET)).await.status, 200);
-    let reply = h.post(&deny, Some(OPERATOR_SECRET)).await;
-    assert_error_shape(&reply, 409, "request_not_pending", "not pending");
+    assert_eq!(h.operator.deny(&created.id()).await.status, 200);
+    let reply = h.operator.deny(&created.id()).await;
+    assert_eq!((reply.status, reply.code()), (409, "invalid_transition"));
     let reply = h
         .send(
             "POST",
@@ -273,19 +277,13 @@ async fn every_answer_carries_no_store_and_every_error_the_error_shape() {
     for path in [
         "/api/agent/v1/operations/%FF",
         "/api/agent/v1/operations/%FF/cancel",
-        "/api/operator/v1/requests/%C3%28/approve",
     ] {
-        let token = if path.starts_with("/api/operator") {
-            OPERATOR_SECRET
-        } else {
-            AGENT_SECRET
-        };
-        let method = if path.ends_with("approve") || path.ends_with("cancel") {
+        let method = if path.ends_with("cancel") {
             "POST"
         } else {
             "GET"
         };
-        let reply = h.send(method, path, Some(token), None).await;
+        let reply = h.send(method, path, Some(AGENT_SECRET), None).await;
         assert_error_shape(&reply, 400, "invalid_request", path);
     }
     let reply = h
@@ -308,13 +306,7 @@ async fn cancel_is_200_for_pending_and_approved_409_while_executing_and_200_unch
         h.post(&format!("{}/cancel", path_of(op)), Some(AGENT_SECRET))
             .await
     };
-    let approve = async |op: &Reply| {
-        h.post(
-            &format!("/api/operator/v1/requests/{}/approve", op.id()),
-            Some(OPERATOR_SECRET),
-        )
-        .await
-    };
+    let approve = async |op: &Reply| h.operator.approve(&op.id()).await;
 
     let pending = h
         .submit(AGENT_SECRET, &request("pending", "demo.request", 0))
@@ -342,7 +334,7 @@ async fn cancel_is_200_for_pending_and_approved_409_while_executing_and_200_unch
         );
     }
     assert!(eventually(async || h.snapshot().executing == 10).await);
-    assert_eq!(approve(&queued).await.state(), "approved");
+    assert_eq!(approve(&queued).await.state(), "active");
     assert_eq!(h.snapshot().queued, 1);
     let reply = h
         .post(&format!("{}/cancel", path_of(&queued)), Some(OTHER_SECRET))
@@ -356,8 +348,7 @@ async fn cancel_is_200_for_pending_and_approved_409_while_executing_and_200_unch
     assert_eq!(still.state(), "executing");
 
     // Terminal (canceled, denied, succeeded): 200 with the operation exactly as it was.
-    let deny = format!("/api/operator/v1/requests/{}/deny", denied.id());
-    assert_eq!(h.post(&deny, Some(OPERATOR_SECRET)).await.state(), "denied");
+    assert_eq!(h.operator.deny(&denied.id()).await.body["status"], "denied");
     for op in [&pending, &denied] {
         let before = h.get(&path_of(op), Some(AGENT_SECRET)).await;
         tokio::time::sleep(std::time::Duration::from_millis(5)).await;
@@ -376,117 +367,6 @@ async fn cancel_is_200_for_pending_and_approved_409_while_executing_and_200_unch
 }
 
 #[tokio::test]
-async fn the_operator_list_shows_pending_requests_only() {
-    let dir = tempfile::tempdir().unwrap();
-    let h = start(dir.path(), ROOMY).await;
-    let waiting = h
-        .submit(AGENT_SECRET, &request("waiting", "demo.request", 0))
-        .await;
-    let other_waiting = h
-        .submit(OTHER_SECRET, &request("waiting", "demo.request", 0))
-        .await;
-    let approved = h
-        .submit(AGENT_SECRET, &request("approved", "demo.request", 60_000))
-        .await;
-    let denied = h
-        .submit(AGENT_SECRET, &request("denied", "demo.request", 0))
-        .await;
-    let canceled = h
-        .submit(AGENT_SECRET, &request("canceled", "demo.request", 0))
-        .await;
-    let run = h.submit(AGENT_SECRET, &request("run", "demo.run", 0)).await;
-    h.post(
-        &format!("/api/operator/v1/requests/{}/approve", approved.id()),
-        Some(OPERATOR_SECRET),
-    )
-    .await;
-    h.post(
-        &format!("/api/operator/v1/requests/{}/deny", denied.id()),
-        Some(OPERATOR_SECRET),
-    )
-    .await;
-    h.post(
-        &format!("{}/cancel", path_of(&canceled)),
-        Some(AGENT_SECRET),
-    )
-    .await;
-    assert!(
-        eventually(async || h.get(&path_of(&run), Some(AGENT_SECRET)).await.state() == "succeeded")
-            .await
-    );
-    let reply = h
-        .get("/api/operator/v1/requests", Some(OPERATOR_SECRET))
-        .await;
-    assert_eq!(reply.status, 200);
-    let ids: Vec<&str> = reply.body["requests"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|op| {
-            assert_eq!(op["state"], "pending");
-            op["id"].as_str().unwrap()
-        })
-        .collect();
-    assert_eq!(ids, [waiting.id(), other_waiting.id()]);
-}
-
-#[tokio::test]
-async fn approve_and_deny_answer_409_request_not_pending_for_anything_not_pending() {
-    let dir = tempfile::tempdir().unwrap();
-    let h = start(dir.path(), ROOMY).await;
-    let decide = async |op: &Reply, decision: &str| {
-        h.post(
-            &format!("/api/operator/v1/requests/{}/{decision}", op.id()),
-            Some(OPERATOR_SECRET),
-        )
-        .await
-    };
-    let approved = h
-        .submit(AGENT_SECRET, &request("approved", "demo.request", 60_000))
-        .await;
-    let reply = decide(&approved, "approve").await;
-    assert_eq!((reply.status, reply.state()), (200, "approved"));
-    let denied = h
-        .submit(AGENT_SECRET, &request("denied", "demo.request", 0))
-        .await;
-    let reply = decide(&denied, "deny").await;
-    assert_eq!((reply.status, reply.state()), (200, "denied"));
-    let canceled = h
-        .submit(AGENT_SECRET, &request("canceled", "demo.request", 0))
-        .await;
-    h.post(
-        &format!("{}/cancel", path_of(&canceled)),
-        Some(AGENT_SECRET),
-    )
-    .await;
-    let run = h.submit(AGENT_SECRET, &request("run", "demo.run", 0)).await;
-    assert!(
-        eventually(async || h.get(&path_of(&run), Some(AGENT_SECRET)).await.state() == "succeeded")
-            .await
-    );
-    assert!(
-        eventually(
-            async || h.get(&path_of(&approved), Some(AGENT_SECRET)).await.state() == "executing"
-        )
-        .await
-    );
-    let snapshot = h.snapshot();
-    for op in [&approved, &denied, &canceled, &run] {
-        let before = h.get(&path_of(op), Some(AGENT_SECRET)).await;
-        for decision in ["approve", "deny"] {
-            let reply = decide(op, decision).await;
-            let what = format!("{decision} of a {} operation", before.state());
-            assert_error_shape(&reply, 409, "request_not_pending", &what);
-        }
-        assert_eq!(
-            h.get(&path_of(op), Some(AGENT_SECRET)).await.body,
-            before.body
-        );
-    }
-    assert_unchanged(&snapshot, &h.snapshot(), "admission state changed");
-}
-
-#[tokio::test]
 async fn metrics_use_the_spec_names_with_code_none_for_accepted_submissions() {
     let dir = tempfile::tempdir().unwrap();
     let h = start(dir.path(), TWO_PER_MINUTE).await;
@@ -500,7 +380,7 @@ async fn metrics_use_the_spec_names_with_code_none_for_accepted_submissions() {
         .submit(AGENT_SECRET, &request("c", "demo.request", 0))
         .await;
     assert_eq!(refused.status, 429);
-    let reply = h.get("/metrics", Some(OPERATOR_SECRET)).await;
+    let reply = h.operator.get("/metrics").await;
     assert_eq!(reply.status, 200);
     assert!(
         reply.header("content-type").is_some_and(

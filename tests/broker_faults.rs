@@ -17,7 +17,7 @@ use support::eventually::eventually;
 use support::faults::*;
 use support::http::request;
 use support::metrics::metric;
-use support::secrets::{AGENT, AGENT_SECRET, OPERATOR_SECRET, OTHER};
+use support::secrets::{AGENT, AGENT_SECRET, OTHER};
 use unyolo_admission::StorageCaps;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -78,9 +78,7 @@ async fn cancels_whose_client_hangs_up_release_exactly_what_the_store_released()
     }
     assert!(eventually(async || h.snapshot().executing == 2).await);
     for id in &ids[..4] {
-        let approved = h
-            .post(&format!("{INBOX}/{id}/approve"), Some(OPERATOR_SECRET))
-            .await;
+        let approved = h.operator.approve(id).await;
         assert_eq!(approved.status, 200);
     }
     assert_eq!(h.snapshot().queued, 4);
@@ -295,7 +293,7 @@ async fn a_row_written_behind_the_brokers_back_is_reported_as_drift_on_the_timer
         controller: 0,
         store: 1,
     }));
-    let route = h.get("/api/operator/v1/drift", Some(OPERATOR_SECRET)).await;
+    let route = h.operator.get("/admission/v1/drift").await;
     assert_eq!(route.body["drift"], 206);
     assert!(
         route.body["differences"].as_array().unwrap().contains(
@@ -304,8 +302,13 @@ async fn a_row_written_behind_the_brokers_back_is_reported_as_drift_on_the_timer
         "{}",
         route.body
     );
-    let agent_only = h.get("/api/operator/v1/drift", Some(AGENT_SECRET)).await;
-    assert_eq!(agent_only.status, 403, "the drift route is the operator's");
+    let agent_only = h
+        .operator_with(AGENT_SECRET)
+        .get("/admission/v1/drift")
+        .await;
+    assert_eq!(agent_only.status, 401, "the drift route is the operator's");
+    let agent_listener = h.get("/admission/v1/drift", Some(AGENT_SECRET)).await;
+    assert_eq!(agent_listener.status, 404, "not on the agent listener");
     conn.execute("DELETE FROM operations WHERE id = 'op_behind'", [])
         .unwrap();
     conn.execute("DELETE FROM streams WHERE id = 'st_behind'", [])
@@ -350,9 +353,7 @@ async fn a_start_the_locked_store_cannot_record_waits_for_the_store_and_then_run
         .await;
     assert_eq!(long.status, 202, "{}", long.body);
     assert!(eventually(async || h.snapshot().executing == 1).await);
-    let approved = h
-        .post(&format!("{INBOX}/{queued}/approve"), Some(OPERATOR_SECRET))
-        .await;
+    let approved = h.operator.approve(&queued).await;
     assert_eq!(approved.status, 200);
     assert_eq!(h.snapshot().queued, 1);
     // Longer than the broker's busy timeout (5 s), so its first attempt to record the start

@@ -10,13 +10,11 @@ use std::collections::BTreeMap;
 use support::eventually::eventually;
 use support::faults::*;
 use support::http::request;
-use support::secrets::{AGENT_SECRET, OPERATOR_SECRET};
+use support::secrets::AGENT_SECRET;
 use support::serve::{Files, Server};
 
 async fn drift_of(server: &Server) -> serde_json::Value {
-    let reply = server.get("/api/operator/v1/drift", OPERATOR_SECRET).await;
-    assert_eq!(reply.status, 200, "{}", reply.body);
-    reply.body
+    server.operator.drift().await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -57,7 +55,7 @@ async fn a_kill_9_in_the_middle_of_a_hang_up_burst_restarts_with_counts_equal_to
         &mut bodies,
     );
     // The kill lands once the first half of the burst has been sent, the rest meets a dead port.
-    let addr = server.addr;
+    let addr = Listeners::of_server(&server);
     let (first, second) = requests.split_at(requests.len() / 2);
     let (first, second) = (first.to_vec(), second.to_vec());
     let late = tokio::spawn(async move {
@@ -81,18 +79,10 @@ async fn a_kill_9_in_the_middle_of_a_hang_up_burst_restarts_with_counts_equal_to
             assert_eq!(op.status, 200, "replay of {key}: {}", op.body);
         }
     }
-    let inbox = server.get(INBOX, OPERATOR_SECRET).await.body;
-    let ids: Vec<String> = inbox["requests"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|op| op["id"].as_str().unwrap().to_owned())
-        .collect();
+    let ids = server.operator.pending().await;
     for (i, id) in ids.iter().enumerate() {
         let decision = if i % 2 == 0 { "approve" } else { "deny" };
-        let reply = server
-            .post(&format!("{INBOX}/{id}/{decision}"), OPERATOR_SECRET)
-            .await;
+        let reply = server.operator.act(id, decision).await;
         assert_eq!(reply.status, 200, "{decision} {id}: {}", reply.body);
     }
     let drained = eventually(async || {

@@ -12,7 +12,7 @@ use support::broker::{Harness, ROOMY, settings, start, start_with};
 use support::eventually::eventually;
 use support::http::request;
 use support::metrics::metric;
-use support::secrets::{AGENT, AGENT_SECRET, OPERATOR_SECRET, OTHER_SECRET};
+use support::secrets::{AGENT, AGENT_SECRET, OTHER_SECRET};
 use unyolo_admission::broker::BrokerSettings;
 use unyolo_admission::config::Secrets;
 use unyolo_admission::engine::StoreCaps;
@@ -61,7 +61,8 @@ async fn a_refusal_is_429_with_an_integer_retry_after_and_writes_nothing() {
     let listed = h.get("/api/agent/v1/operations", Some(AGENT_SECRET)).await;
     assert_eq!(listed.body["operations"].as_array().unwrap().len(), 2);
     let pending = h
-        .get("/api/operator/v1/requests", Some(OPERATOR_SECRET))
+        .operator
+        .get("/api/operator/v1/requests?status=pending")
         .await;
     assert_eq!(
         pending.body["requests"].as_array().unwrap().len(),
@@ -142,12 +143,7 @@ async fn replay_answers_over_every_limit_up_to_key_order_and_consumes_nothing() 
     assert_eq!(h.rows().await, rows);
     assert_eq!(h.snapshot(), snapshot, "replay consumed something");
     // Replay answers in any state, even terminal.
-    let denied = h
-        .post(
-            &format!("/api/operator/v1/requests/{}/deny", first.id()),
-            Some(OPERATOR_SECRET),
-        )
-        .await;
+    let denied = h.operator.deny(&first.id()).await;
     assert_eq!(denied.state(), "denied");
     let reply = h
         .submit(AGENT_SECRET, &request("a", "demo.request", 0))
@@ -246,34 +242,23 @@ async fn exempt_paths_answer_during_overload_and_never_pass_admission() {
         200
     );
     assert_eq!(
-        h.get("/api/operator/v1/requests", Some(OPERATOR_SECRET))
+        h.operator
+            .get("/api/operator/v1/requests?status=pending")
             .await
             .status,
         200
     );
-    let denied = h
-        .post(
-            &format!("/api/operator/v1/requests/{}/deny", a.id()),
-            Some(OPERATOR_SECRET),
-        )
-        .await;
+    let denied = h.operator.deny(&a.id()).await;
     assert_eq!(denied.state(), "denied");
-    let approved = h
-        .post(
-            &format!("/api/operator/v1/requests/{}/approve", b.id()),
-            Some(OPERATOR_SECRET),
-        )
-        .await;
-    assert_eq!(approved.state(), "approved");
-    let not_pending = h
-        .post(
-            &format!("/api/operator/v1/requests/{}/deny", b.id()),
-            Some(OPERATOR_SECRET),
-        )
-        .await;
-    assert_eq!(
-        (not_pending.status, not_pending.code()),
-        (409, "request_not_pending")
+    let approved = h.operator.approve(&b.id()).await;
+    assert_eq!(approved.state(), "active");
+    // Not pending any more (and maybe already started, a revision on, by the executor).
+    let not_pending = h.operator.deny(&b.id()).await;
+    assert_eq!(not_pending.status, 409, "{}", not_pending.body);
+    assert!(
+        ["invalid_transition", "revision_conflict"].contains(&not_pending.code()),
+        "{}",
+        not_pending.body
     );
     let cancel = h
         .post(
@@ -317,11 +302,7 @@ async fn cancel_releases_pending_and_queued_work_and_frees_the_slot() {
         .await;
     assert_eq!(run.status, 202);
     assert!(eventually(async || h.snapshot().executing == 1).await);
-    h.post(
-        &format!("/api/operator/v1/requests/{}/approve", queued.id()),
-        Some(OPERATOR_SECRET),
-    )
-    .await;
+    h.operator.approve(&queued.id()).await;
     assert_eq!(h.snapshot().queued, 1);
     for op in [&pending, &queued] {
         let reply = h
@@ -364,8 +345,7 @@ async fn queued_work_starts_when_a_slot_is_given_back_passing_work_canceled_whil
     assert_eq!(run.status, 202);
     assert!(eventually(async || h.snapshot().executing == 1).await);
     for op in [&canceled, &next] {
-        let approve = format!("/api/operator/v1/requests/{}/approve", op.id());
-        assert_eq!(h.post(&approve, Some(OPERATOR_SECRET)).await.status, 200);
+        assert_eq!(h.operator.approve(&op.id()).await.status, 200);
     }
     assert_eq!(h.snapshot().queued, 2);
     // The oldest, the one the executor waits a slot for, is canceled: the executor lets it go.
@@ -619,7 +599,7 @@ async fn work_of_a_client_removed_from_the_secrets_survives_a_restart_and_can_be
             "127.0.0.1:0".parse().unwrap(),
             dir.path().to_owned(),
             secrets,
-            OPERATOR_SECRET.to_owned(),
+            support::secrets::operators(),
         )
     };
     let h = start_with(settings).await;
@@ -648,22 +628,13 @@ async fn work_of_a_client_removed_from_the_secrets_survives_a_restart_and_can_be
     );
     // The operator still sees and decides them, and deciding frees the slots.
     let listed = h
-        .get("/api/operator/v1/requests", Some(OPERATOR_SECRET))
+        .operator
+        .get("/api/operator/v1/requests?status=pending")
         .await;
     assert_eq!(listed.body["requests"].as_array().unwrap().len(), 2);
-    let denied = h
-        .post(
-            &format!("/api/operator/v1/requests/{}/deny", first.id()),
-            Some(OPERATOR_SECRET),
-        )
-        .await;
+    let denied = h.operator.deny(&first.id()).await;
     assert_eq!((denied.status, denied.state()), (200, "denied"));
-    let canceled_by_operator = h
-        .post(
-            &format!("/api/operator/v1/requests/{}/deny", second.id()),
-            Some(OPERATOR_SECRET),
-        )
-        .await;
+    let canceled_by_operator = h.operator.deny(&second.id()).await;
     assert_eq!(canceled_by_operator.status, 200);
     assert_eq!(
         h.submit(AGENT_SECRET, &request("a-3", "demo.run", 0))

@@ -49,11 +49,8 @@ async fn after_kill_9_every_operation_is_back_counts_are_restored_and_executing_
     let Reply { body: done, .. } = server
         .submit(AGENT_SECRET, &request("done", "demo.request", 0))
         .await;
-    let deny = format!(
-        "/api/operator/v1/requests/{}/deny",
-        done["id"].as_str().unwrap()
-    );
-    assert_eq!(server.post(&deny, OPERATOR_SECRET).await.status, 200);
+    let deny = server.operator.deny(done["id"].as_str().unwrap()).await;
+    assert_eq!(deny.status, 200, "{}", deny.body);
     let Reply { body: queued, .. } = server
         .submit(AGENT_SECRET, &request("queued", "demo.request", 100))
         .await;
@@ -76,11 +73,11 @@ async fn after_kill_9_every_operation_is_back_counts_are_restored_and_executing_
         .await
     );
     // The pool (1) is busy, so the approved request waits in the queue.
-    let approve = format!(
-        "/api/operator/v1/requests/{}/approve",
-        queued["id"].as_str().unwrap()
-    );
-    assert_eq!(server.post(&approve, OPERATOR_SECRET).await.status, 200);
+    let approve = server
+        .operator
+        .approve(queued["id"].as_str().unwrap())
+        .await;
+    assert_eq!(approve.status, 200, "{}", approve.body);
     assert_eq!(
         server
             .metric(r#"admission_operations{state="queued"}"#)
@@ -250,7 +247,7 @@ async fn serve_without_secrets_generates_private_files_and_prints_only_their_pat
     let data = dir.path().join("data");
     let server = Server::spawn(None, &["--data", data.to_str().unwrap()]);
     let secrets = data.join("client-secrets");
-    let operator = data.join("operator-secret");
+    let operator = data.join("operator-secrets");
     for file in [&secrets, &operator] {
         use std::os::unix::fs::PermissionsExt;
         let mode = std::fs::metadata(file).unwrap().permissions().mode();
@@ -263,10 +260,13 @@ async fn serve_without_secrets_generates_private_files_and_prints_only_their_pat
     }
     let text = std::fs::read_to_string(&secrets).unwrap();
     let client = text.trim().strip_prefix("default = ").unwrap().to_owned();
-    let operator_secret = std::fs::read_to_string(&operator)
-        .unwrap()
+    let operator_text = std::fs::read_to_string(&operator).unwrap();
+    let operator_secret = operator_text
         .trim()
+        .strip_prefix("operator = ")
+        .unwrap()
         .to_owned();
+    assert!(operator_secret.len() >= 32, "{operator_secret}");
     assert!(!server.stdout.contains(&client) && !server.stdout.contains(&operator_secret));
     let Reply {
         status, body: _, ..
@@ -274,11 +274,18 @@ async fn serve_without_secrets_generates_private_files_and_prints_only_their_pat
         .submit(&client, &request("k", "demo.request", 0))
         .await;
     assert_eq!(status, 202);
-    let Reply { status, body, .. } = server
-        .get("/api/operator/v1/requests", &operator_secret)
+    let inbox = server
+        .operator
+        .with_secret(&operator_secret)
+        .get("/api/operator/v1/requests")
         .await;
-    assert_eq!(status, 200);
-    assert_eq!(body["requests"].as_array().unwrap().len(), 1);
+    assert_eq!(inbox.status, 200);
+    assert_eq!(inbox.body["requests"].as_array().unwrap().len(), 1);
+    assert_eq!(
+        inbox.body["requests"][0]["requester"], "default",
+        "{}",
+        inbox.body
+    );
     drop(server);
     // A restart reuses them.
     let server = Server::spawn(None, &["--data", data.to_str().unwrap()]);
@@ -399,7 +406,7 @@ async fn a_second_serve_on_a_data_dir_in_use_exits_1_naming_the_dir() {
 fn an_invalid_secrets_file_stops_serve_with_its_line_and_problem_and_shows_no_secret() {
     let dir = tempfile::tempdir().unwrap();
     let operator = dir.path().join("operator");
-    std::fs::write(&operator, "operator-s3cret-zz\n").unwrap();
+    std::fs::write(&operator, "ada = operator-s3cret-zz-0123456789abcdef\n").unwrap();
     let cases = [
         (
             "duplicate name",
@@ -435,7 +442,7 @@ fn an_invalid_secrets_file_stops_serve_with_its_line_and_problem_and_shows_no_se
             data.to_str().unwrap(),
             "--secrets",
             secrets.to_str().unwrap(),
-            "--operator-secret",
+            "--operator-secrets",
             operator.to_str().unwrap(),
         ]);
         assert_eq!(code, Some(1), "{name}: {stderr}");
@@ -458,14 +465,14 @@ fn an_invalid_secrets_file_stops_serve_with_its_line_and_problem_and_shows_no_se
     let data = dir.path().join("data");
     for (flag, file, expected) in [
         ("--secrets", &missing, "error: secrets file"),
-        ("--operator-secret", &empty, "error: operator secret"),
+        ("--operator-secrets", &empty, "error: operator secrets"),
     ] {
         let mut args = vec!["--data", data.to_str().unwrap()];
         if flag == "--secrets" {
             args.extend(["--secrets", file.to_str().unwrap()]);
         } else {
             args.extend(["--secrets", secrets.to_str().unwrap()]);
-            args.extend(["--operator-secret", file.to_str().unwrap()]);
+            args.extend(["--operator-secrets", file.to_str().unwrap()]);
         }
         let Exit { code, stderr, .. } = run_to_end(&args);
         assert_eq!(code, Some(1), "{stderr}");
@@ -548,12 +555,10 @@ async fn no_secret_reaches_the_log_even_at_trace_level() {
             .status,
         403
     );
-    let approve = format!(
-        "/api/operator/v1/requests/{}/approve",
-        created["id"].as_str().unwrap()
-    );
-    assert_eq!(server.post(&approve, OPERATOR_SECRET).await.status, 200);
-    assert_eq!(server.post(&approve, AGENT_SECRET).await.status, 403);
+    let id = created["id"].as_str().unwrap();
+    assert_eq!(server.operator.approve(id).await.status, 200);
+    let stranger = server.operator.with_secret(AGENT_SECRET);
+    assert_eq!(stranger.approve(id).await.status, 401);
     write_config(&config, 9);
     server.sighup();
     assert!(

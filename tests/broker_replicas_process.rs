@@ -10,8 +10,8 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use support::http::{Reply, request};
-use support::secrets::{AGENT_SECRET, OPERATOR_SECRET};
+use support::http::request;
+use support::secrets::AGENT_SECRET;
 use support::serve::{Files, Server};
 
 /// Three pending operations per client, across every replica.
@@ -33,7 +33,7 @@ fn replica(redis_url: &str, files: &Files, dir: &Path, name: &str) -> Server {
         data.to_str().unwrap(),
         "--secrets",
         files.secrets.to_str().unwrap(),
-        "--operator-secret",
+        "--operator-secrets",
         files.operator.to_str().unwrap(),
         "--admission-config",
         files.config.to_str().unwrap(),
@@ -52,37 +52,15 @@ async fn submit(server: &Server, key: &str) -> (u16, String, String) {
     (reply.status, reply.code().to_owned(), reply.id())
 }
 
-/// The ids in a replica's operator inbox.
+/// The ids of the pending requests in a replica's operator inbox (its own operator listener:
+/// each replica shows its own requests).
 async fn inbox(server: &Server) -> Vec<String> {
-    let Reply { status, body, .. } = server
-        .send(
-            reqwest::Method::GET,
-            "/api/operator/v1/requests",
-            OPERATOR_SECRET,
-            None,
-        )
-        .await
-        .unwrap();
-    assert_eq!(status, 200, "{body}");
-    body["requests"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| r["id"].as_str().unwrap().to_owned())
-        .collect()
+    server.operator.pending().await
 }
 
 async fn deny(server: &Server, id: &str) {
-    let Reply { status, body, .. } = server
-        .send(
-            reqwest::Method::POST,
-            &format!("/api/operator/v1/requests/{id}/deny"),
-            OPERATOR_SECRET,
-            Some(Value::Object(Default::default())),
-        )
-        .await
-        .unwrap();
-    assert_eq!(status, 200, "deny {id}: {body}");
+    let reply = server.operator.deny(id).await;
+    assert_eq!(reply.status, 200, "deny {id}: {}", reply.body);
 }
 
 /// Asserts a fresh submission on every replica is refused with 429 `client_pending_limit`.

@@ -16,7 +16,7 @@ use support::eventually::eventually;
 use support::faults::upload;
 use support::http::request;
 use support::metrics::metric;
-use support::secrets::{AGENT, AGENT_SECRET, OPERATOR_SECRET};
+use support::secrets::{AGENT, AGENT_SECRET};
 use unyolo_admission::StorageCaps;
 use unyolo_admission::broker::store::{Database, OperationRecord, PageQuery};
 use unyolo_admission::broker::{BrokerSettings, Keep, RetentionSettings, WallClock};
@@ -79,6 +79,7 @@ fn old_terminal(i: usize, terminal_at: &str, padding: usize) -> OperationRecord 
         terminal_at: Some(terminal_at.to_owned()),
         error: None,
         revision: 3,
+        decided: None,
         broker: "admission".to_owned(),
         presentation: unyolo_admission::broker::presentation::derive(
             "demo.run",
@@ -111,12 +112,7 @@ async fn terminal_operations_older_than_the_retention_retire_and_live_ones_stay(
     let waiting = h
         .submit(AGENT_SECRET, &request("waiting", "demo.request", 0))
         .await;
-    let deny = h
-        .post(
-            &format!("/api/operator/v1/requests/{}/deny", denied.id()),
-            Some(OPERATOR_SECRET),
-        )
-        .await;
+    let deny = h.operator.deny(&denied.id()).await;
     assert_eq!(deny.status, 200, "{}", deny.body);
     wait_state(&h, &done.id(), "succeeded").await;
 
@@ -135,12 +131,7 @@ async fn terminal_operations_older_than_the_retention_retire_and_live_ones_stay(
     }
     let live = h.get(&op_path(&waiting.id()), Some(AGENT_SECRET)).await;
     assert_eq!(live.state(), "pending");
-    let approve = h
-        .post(
-            &format!("/api/operator/v1/requests/{}/approve", waiting.id()),
-            Some(OPERATOR_SECRET),
-        )
-        .await;
+    let approve = h.operator.approve(&waiting.id()).await;
     assert_eq!(approve.status, 200, "{}", approve.body);
 
     let metrics = h.metrics().await;
@@ -249,12 +240,7 @@ async fn a_sweep_racing_submissions_and_decisions_loses_nothing_and_leaves_no_dr
             .await;
         assert_eq!(reply.status, 202, "{}", reply.body);
         if let Some(decision) = decision {
-            let decided = h
-                .post(
-                    &format!("/api/operator/v1/requests/{}/{decision}", reply.id()),
-                    Some(OPERATOR_SECRET),
-                )
-                .await;
+            let decided = h.operator.act(&reply.id(), decision).await;
             assert_eq!(decided.status, 200, "{}", decided.body);
         }
         ids.push(reply.id());

@@ -12,7 +12,7 @@ use support::broker::start;
 use support::eventually::eventually;
 use support::http::request;
 use support::metrics::metric;
-use support::secrets::{AGENT_SECRET, OPERATOR_SECRET, OTHER_SECRET};
+use support::secrets::{AGENT_SECRET, OTHER_SECRET};
 
 /// Series Prometheus makes itself, not the broker.
 const FROM_PROMETHEUS: &[&str] = &["up"];
@@ -410,10 +410,8 @@ async fn every_metric_the_dashboard_and_rules_name_is_exported_with_its_labels()
             .await;
         assert_eq!(reply.status, 202);
     }
-    let approve = format!("/api/operator/v1/requests/{}/approve", pending[0]);
-    assert_eq!(h.post(&approve, Some(OPERATOR_SECRET)).await.status, 200);
-    let deny = format!("/api/operator/v1/requests/{}/deny", pending[1]);
-    assert_eq!(h.post(&deny, Some(OPERATOR_SECRET)).await.status, 200);
+    assert_eq!(h.operator.approve(&pending[0]).await.status, 200);
+    assert_eq!(h.operator.deny(&pending[1]).await.status, 200);
     let cancel = format!("/api/agent/v1/operations/{}/cancel", pending[2]);
     assert_eq!(h.post(&cancel, Some(AGENT_SECRET)).await.status, 200);
     let stream = h

@@ -141,7 +141,7 @@ async fn a_real_prometheus_scrapes_the_broker_and_records_the_rules() {
              authorization:\n      credentials: {OPERATOR_SECRET}\n    \
              static_configs:\n      - targets: ['{addr}']\n",
             rules = rules.display(),
-            addr = h.broker.local_addr(),
+            addr = h.operator_addr(),
         ),
     )
     .unwrap();
@@ -207,7 +207,9 @@ fn serve_prints_where_its_metrics_are_and_which_rule_file_fits_them() {
     let dir = tempfile::tempdir().unwrap();
     let server = Server::spawn(None, &["--data", dir.path().to_str().unwrap()]);
     let seen: Vec<&str> = server.stdout.lines().collect();
-    let addr = server.addr;
+    // On the operator listener, not the agents'.
+    let addr = &server.operator_addr;
+    assert_ne!(addr, &server.addr.to_string());
     assert!(
         seen.iter()
             .any(|l| l.starts_with(&format!("metrics: http://{addr}/metrics"))),

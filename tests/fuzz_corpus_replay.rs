@@ -52,6 +52,18 @@ fn every_submission_corpus_file_holds_the_invariants() {
     assert!(replay("submission", fuzzing::submission) >= 12);
 }
 
+#[cfg(feature = "broker")]
+#[test]
+fn every_operator_decision_corpus_file_holds_the_invariants() {
+    assert!(replay("operator_decision", fuzzing::operator_decision) >= 12);
+}
+
+#[cfg(feature = "broker")]
+#[test]
+fn every_operator_list_query_corpus_file_holds_the_invariants() {
+    assert!(replay("operator_list_query", fuzzing::operator_list_query) >= 12);
+}
+
 #[cfg(feature = "redis")]
 #[test]
 fn every_redis_reply_corpus_file_holds_the_invariants() {
@@ -122,6 +134,24 @@ fn submission_seeds_are_judged_as_their_names_say() {
     );
 }
 
+#[cfg(feature = "broker")]
+#[test]
+fn operator_seeds_are_judged_as_their_names_say() {
+    for (target, accepted) in [
+        (
+            "operator_decision",
+            fuzzing::operator_decision_accepted as fn(&[u8]) -> bool,
+        ),
+        ("operator_list_query", fuzzing::operator_list_query_accepted),
+    ] {
+        let (valid, invalid) = judge_seeds(target, accepted);
+        assert!(
+            valid >= 3 && invalid >= 3,
+            "{target}: {valid} valid, {invalid} invalid"
+        );
+    }
+}
+
 #[cfg(feature = "redis")]
 #[test]
 fn redis_reply_seeds_are_judged_as_their_names_say() {
@@ -165,7 +195,9 @@ fn every_corpus_directory_has_a_replay() {
                 "secrets_parse",
                 "agent_query",
                 "submission",
-                "redis_reply"
+                "redis_reply",
+                "operator_decision",
+                "operator_list_query"
             ]
             .contains(&name.to_str().unwrap_or("")),
             "no replay for fuzz/corpus/{name:?}"
@@ -187,7 +219,7 @@ fn every_fuzz_target_has_a_seed_corpus() {
         );
         targets += 1;
     }
-    assert_eq!(targets, 6);
+    assert_eq!(targets, 8);
 }
 
 /// A few thousand pseudo-random op sequences, so a plain `cargo test` explores beyond the corpus.

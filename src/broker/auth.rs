@@ -1,22 +1,24 @@
-//! Who a bearer secret names: one of the configured clients, the operator, or nobody.
+//! Who a bearer secret names: one of the configured clients, one of the named operators, or
+//! nobody.
 //!
 //! The secrets live here, below the HTTP layer, so the core holds them without knowing a header;
-//! `api::extract` reads the `Authorization` header and answers 401/403. Secrets are compared in
-//! constant time and never logged.
+//! `api::extract` reads the `Authorization` header and answers 401/403 on the agent listener,
+//! `api::operator` answers 401 on the operator listener. Secrets are compared in constant time
+//! (every one of them, so the time says nothing about which matched) and never logged.
 
-use crate::config::{Identity, Secrets};
+use crate::config::{Identity, Operators, Secrets};
 
-/// The client secrets and the operator's secret.
+/// The client secrets and the operators' secrets.
 pub(crate) struct Auth {
     clients: Secrets,
-    operator: Box<[u8]>,
+    operators: Operators,
 }
 
 impl Auth {
-    pub(crate) fn new(secrets: &Secrets, operator: &str) -> Auth {
+    pub(crate) fn new(secrets: &Secrets, operators: &Operators) -> Auth {
         Auth {
             clients: secrets.clone(),
-            operator: operator.as_bytes().into(),
+            operators: operators.clone(),
         }
     }
 
@@ -26,15 +28,10 @@ impl Auth {
         self.clients.identify(token)
     }
 
-    /// Whether `token` is the operator's secret.
-    pub(crate) fn is_operator(&self, token: &[u8]) -> bool {
-        constant_time_eq(&self.operator, token)
+    /// The name of the operator whose secret `token` is, if any.
+    pub(crate) fn operator(&self, token: &[u8]) -> Option<&str> {
+        self.operators.identify(token)
     }
-}
-
-/// Whether two secrets are equal, in time that depends on their lengths only (`subtle`).
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    subtle::ConstantTimeEq::ct_eq(a, b).into()
 }
 
 #[cfg(test)]
@@ -42,11 +39,23 @@ mod tests {
     use super::*;
 
     #[test]
-    fn secrets_compare_by_full_content() {
-        assert!(constant_time_eq(b"secret", b"secret"));
-        assert!(!constant_time_eq(b"secret", b"secre"));
-        assert!(!constant_time_eq(b"secret", b"secret!"));
-        assert!(!constant_time_eq(b"", b"x"));
-        assert!(!constant_time_eq(b"secret", b"Secret"));
+    fn operators_are_named_by_their_full_secret_only() {
+        let clients = Secrets::parse("bot = bot-secret\n").unwrap();
+        let operators = Operators::parse(&format!(
+            "ada = {}\nbob = {}\n",
+            "a".repeat(32),
+            "b".repeat(40)
+        ))
+        .unwrap();
+        let auth = Auth::new(&clients, &operators);
+        assert_eq!(auth.operator("a".repeat(32).as_bytes()), Some("ada"));
+        assert_eq!(auth.operator("b".repeat(40).as_bytes()), Some("bob"));
+        assert_eq!(auth.operator("a".repeat(31).as_bytes()), None);
+        assert_eq!(auth.operator("a".repeat(33).as_bytes()), None);
+        assert_eq!(auth.operator(b"bot-secret"), None);
+        assert_eq!(
+            auth.client(b"bot-secret").map(Identity::as_str),
+            Some("bot")
+        );
     }
 }

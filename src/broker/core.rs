@@ -33,6 +33,9 @@ use crate::engine::{Controller, StoredObject};
 /// The `broker_submissions_total{result}` label set.
 pub(crate) type SubmissionLabels = [(&'static str, &'static str); 1];
 
+/// The `broker_operator_decisions_total{action,outcome}` label set.
+pub(crate) type DecisionLabels = [(&'static str, &'static str); 2];
+
 /// State shared by every handler and the executor.
 pub(crate) struct Core {
     /// Admission, in-process or shared with other replicas: every submission, transition and
@@ -72,6 +75,11 @@ pub(crate) struct Core {
     pub(crate) fairness: Fairness,
     /// The bytes request bodies may hold buffered at once, across every request.
     pub(crate) budget: ByteBudget,
+    /// How long a request waits for a decision (its `pending_expires_at` is its creation plus
+    /// this): the one place the broker reads the pending timeout from.
+    pub(crate) pending_timeout: Duration,
+    /// `broker_operator_decisions_total{action,outcome}`.
+    pub(crate) operator_decisions: Family<DecisionLabels, Counter>,
 }
 
 impl Core {
@@ -112,6 +120,16 @@ impl Core {
     /// Never take it twice in one task (a reading waiting in between would deadlock it).
     pub(crate) async fn hold_counts(&self) -> tokio::sync::OwnedRwLockReadGuard<()> {
         Arc::clone(&self.counts_gate).read_owned().await
+    }
+
+    /// The cursor of the newest event in the operators' event log, if there is one: a request
+    /// page's `event_cursor` (first pages only), so an operator can list, then stream from
+    /// there. **Seam**: the event log is the events branch's (issue 20); until it lands there is
+    /// no event, hence no cursor.
+    pub(crate) async fn newest_event_cursor(
+        &self,
+    ) -> Result<Option<String>, super::store::StoreError> {
+        Ok(None)
     }
 
     /// The lock serializing submissions of `client` with idempotency `key`.

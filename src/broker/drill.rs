@@ -18,15 +18,15 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-use super::{Broker, BrokerSettings, RestoreSummary};
-use crate::config::{Identity, Secrets};
+use super::{Broker, BrokerSettings, ListenAddr, RestoreSummary};
+use crate::config::{Identity, Operators, Secrets};
 use crate::{Config, Snapshot};
 
 pub(super) const AGENT: &str = "agent";
 pub(super) const AGENT_SECRET: &str = "drill-agent-secret";
 const OTHER: &str = "other";
 const OTHER_SECRET: &str = "drill-other-secret";
-pub(super) const OPERATOR_SECRET: &str = "drill-operator-secret";
+pub(super) const OPERATOR_SECRET: &str = "drill-operator-secret-0123456789abcdef";
 
 /// The drill's limits: each client may have 4 operations active and 2 awaiting approval; two
 /// operations may execute at a time.
@@ -131,8 +131,12 @@ impl Reply {
         self.body["error"]["code"].as_str().unwrap_or("-")
     }
 
+    /// An operation's `state`, or a request's `status`.
     fn state(&self) -> &str {
-        self.body["state"].as_str().unwrap_or("-")
+        self.body["state"]
+            .as_str()
+            .or_else(|| self.body["status"].as_str())
+            .unwrap_or("-")
     }
 
     fn id(&self) -> String {
@@ -151,24 +155,51 @@ impl Reply {
     }
 }
 
-struct Client {
+/// The drill's HTTP client: agents' calls to the agent listener, the operator's to the
+/// operator listener.
+pub(super) struct Client {
     http: reqwest::Client,
     base: String,
+    operator: String,
 }
 
 impl Client {
-    fn new(addr: SocketAddr) -> Client {
+    pub(super) fn new(broker: &Broker) -> Client {
+        let operator = match broker.operator_addr() {
+            ListenAddr::Tcp(addr) => format!("http://{addr}"),
+            // The drill listens on TCP; a socket would need a client of its own.
+            ListenAddr::Unix(_) => String::new(),
+        };
         Client {
             http: reqwest::Client::new(),
-            base: format!("http://{addr}"),
+            base: format!("http://{}", broker.local_addr()),
+            operator,
         }
     }
 
+    /// A call to the agent listener.
     async fn call(&self, method: &str, path: &str, token: &str, body: Option<Value>) -> Reply {
+        self.send(&self.base, method, path, token, body).await
+    }
+
+    /// A call to the operator listener, as the drill's operator.
+    async fn operator(&self, method: &str, path: &str, body: Option<Value>) -> Reply {
+        self.send(&self.operator, method, path, OPERATOR_SECRET, body)
+            .await
+    }
+
+    async fn send(
+        &self,
+        base: &str,
+        method: &str,
+        path: &str,
+        token: &str,
+        body: Option<Value>,
+    ) -> Reply {
         let method = reqwest::Method::from_bytes(method.as_bytes()).unwrap_or(reqwest::Method::GET);
         let mut request = self
             .http
-            .request(method, format!("{}{path}", self.base))
+            .request(method, format!("{base}{path}"))
             .bearer_auth(token);
         if let Some(body) = body {
             request = request.json(&body);
@@ -223,7 +254,7 @@ fn settings(dir: &Path) -> BrokerSettings {
             "127.0.0.1:0".parse().expect("loopback"),
             PathBuf::from(dir),
             secrets,
-            OPERATOR_SECRET.to_owned(),
+            Operators::single("drill", OPERATOR_SECRET).expect("the drill's operator is valid"),
         )
     }
 }
@@ -286,7 +317,7 @@ pub async fn walk(dir: &Path) -> Vec<Step> {
         format!("listening on {}", broker.local_addr()),
         true,
     );
-    let c = Client::new(broker.local_addr());
+    let c = Client::new(&broker);
 
     // Fill the agent's pending limit.
     let r1 = c
@@ -382,7 +413,7 @@ pub async fn walk(dir: &Path) -> Vec<Step> {
     );
     let health = c.call("GET", "/healthz", "", None).await;
     let ready = c.call("GET", "/readyz", "", None).await;
-    let metrics = c.call("GET", "/metrics", OPERATOR_SECRET, None).await;
+    let metrics = c.operator("GET", "/metrics", None).await;
     let text = metrics.body.as_str().unwrap_or_default();
     let pending_refusals = metric(
         text,
@@ -405,7 +436,7 @@ pub async fn walk(dir: &Path) -> Vec<Step> {
 
     // Operator decisions and cancels.
     let pending = c
-        .call("GET", "/api/operator/v1/requests", OPERATOR_SECRET, None)
+        .operator("GET", "/api/operator/v1/requests?status=pending", None)
         .await;
     let listed = pending.body["requests"].as_array().map_or(0, Vec::len);
     let denied = decide(&c, &r1.id(), "deny").await;
@@ -414,7 +445,7 @@ pub async fn walk(dir: &Path) -> Vec<Step> {
     let snap = broker.controller().snapshot();
     step(
         "operator: list, deny, approve",
-        "2 pending; denied; approved (queued); 409",
+        "2 pending; denied; active (queued); 409 invalid_transition",
         format!(
             "{listed} pending; {}; {} (queued {}); {}",
             denied.state(),
@@ -424,10 +455,10 @@ pub async fn walk(dir: &Path) -> Vec<Step> {
         ),
         listed == 2
             && denied.state() == "denied"
-            && approved.state() == "approved"
+            && approved.state() == "active"
             && snap.queued == 1
             && again.status == 409
-            && again.code() == "request_not_pending",
+            && again.code() == "invalid_transition",
     );
     let canceled = cancel(&c, &r2.id()).await;
     let executing = cancel(&c, &run1.id()).await;
@@ -492,7 +523,7 @@ pub async fn walk(dir: &Path) -> Vec<Step> {
             return steps;
         }
     };
-    let c = Client::new(broker.local_addr());
+    let c = Client::new(&broker);
     let after = broker.controller().snapshot();
     let rows_after = rows(&broker).await;
     let expected = RestoreSummary {
@@ -625,7 +656,7 @@ async fn hang_up_mid_submission(broker: &Broker, dir: &Path, c: &Client) -> (Str
     let drift = broker.check_drift().await;
     let pending = broker.controller().snapshot().pending;
     let inbox = c
-        .call("GET", "/api/operator/v1/requests", OPERATOR_SECRET, None)
+        .operator("GET", "/api/operator/v1/requests?status=pending", None)
         .await;
     let mut denied = Vec::new();
     for request in inbox.body["requests"].as_array().into_iter().flatten() {
@@ -671,9 +702,17 @@ async fn send_submission(
     Some(stream)
 }
 
+/// The operator's `decision` on request `id`, made against its current revision.
 async fn decide(c: &Client, id: &str, decision: &str) -> Reply {
+    let current = c
+        .operator("GET", &format!("/api/operator/v1/requests/{id}"), None)
+        .await;
+    let body = json!({
+        "expected_revision": current.body["revision"].as_u64().unwrap_or(0),
+        "idempotency_key": format!("drill-{decision}-{id}"),
+    });
     let path = format!("/api/operator/v1/requests/{id}/{decision}");
-    c.call("POST", &path, OPERATOR_SECRET, None).await
+    c.operator("POST", &path, Some(body)).await
 }
 
 async fn cancel(c: &Client, id: &str) -> Reply {

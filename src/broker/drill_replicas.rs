@@ -21,7 +21,7 @@ use super::drill::{AGENT, AGENT_SECRET, LIMITS, OPERATOR_SECRET, Step, table};
 use super::{Broker, BrokerSettings};
 use crate::Config;
 use crate::admission::ReplicaOptions;
-use crate::config::{Identity, Secrets};
+use crate::config::{Identity, Operators, Secrets};
 
 /// A `redis-server` the drill started, stopped when dropped.
 struct OwnRedis(Child);
@@ -119,7 +119,7 @@ fn settings(dir: &Path, name: &str) -> BrokerSettings {
             "127.0.0.1:0".parse().expect("an address"),
             dir.to_owned(),
             secrets,
-            OPERATOR_SECRET.to_owned(),
+            Operators::single("drill", OPERATOR_SECRET).expect("a valid operator"),
         )
     }
 }

@@ -32,7 +32,7 @@ use std::time::Duration;
 
 use super::core::{Core, LiveOp};
 use super::operations::TransitionFailure;
-use super::store::{OperationError, OperationRecord, StoreError};
+use super::store::{OperationError, OperationRecord, StateChange, StoreError};
 use crate::admission::NotStarted;
 use crate::engine::OperationState;
 
@@ -174,7 +174,7 @@ async fn abandon_start(core: &Arc<Core>, op: &Arc<LiveOp>, detail: &str) {
             &op.id,
             OperationState::Approved,
             OperationState::Failed,
-            Some(error),
+            StateChange::error(Some(error)),
         )
         .await;
     core.changed(op, OperationState::Approved, OperationState::Failed);
@@ -190,7 +190,11 @@ async fn execute(core: Arc<Core>, op: Arc<LiveOp>) {
     }
     loop {
         let outcome = Arc::clone(&core)
-            .transition(Arc::clone(&op), OperationState::Succeeded, None)
+            .transition(
+                Arc::clone(&op),
+                OperationState::Succeeded,
+                StateChange::default(),
+            )
             .await;
         match outcome {
             Ok(_) | Err(TransitionFailure::NotAllowed(_)) => return,
@@ -216,7 +220,7 @@ async fn record_start_in_store(
             &op.id,
             OperationState::Approved,
             OperationState::Executing,
-            None,
+            StateChange::default(),
         )
         .await
 }

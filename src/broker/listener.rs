@@ -33,10 +33,19 @@
 //! - **Graceful shutdown** (hyper-util's `GracefulShutdown`): on stop, idle connections close at
 //!   once and requests in flight finish, for at most a bounded grace.
 //!
+//! - **Listeners**: a TCP listener or a Unix socket ([`ListenAddr`]; the socket is created mode
+//!   0600 under a temporary name and renamed into place, and removed when its loop ends). One
+//!   accept loop serves both kinds (`Acceptor`), and the broker's two listeners (agents,
+//!   operators) share one `ConnectionPool`: one cap for every connection (each is a descriptor),
+//!   and at the cap the connection idle longest on either listener makes room, so a flood on the
+//!   agent listener cannot keep an operator out.
+//!
 //! Only HTTP/1.1 is served: the Agent V1 wire is HTTP/1.1, and hyper's header timeout is an
 //! HTTP/1 setting.
 
 use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -206,13 +215,160 @@ pub(crate) fn bind(addr: std::net::SocketAddr) -> std::io::Result<TcpListener> {
     socket.listen(LISTEN_BACKLOG)
 }
 
-/// Serves `app` on `listener` until `stop` turns true, holding at most `cap` connections open,
-/// and counting bodies cut off in `metrics` (the broker's, registered in its registry).
-pub(crate) async fn serve_counted(
-    listener: TcpListener,
+/// Where a listener listens: a TCP address, or a Unix socket's path (`unix:/abs/path`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ListenAddr {
+    /// A TCP address (port 0 picks a free port).
+    Tcp(SocketAddr),
+    /// A Unix socket at this absolute, normalized path: created mode 0600 (only the broker's
+    /// user may connect), removed when the listener stops.
+    Unix(PathBuf),
+}
+
+impl std::str::FromStr for ListenAddr {
+    type Err = String;
+
+    /// `127.0.0.1:8081`, `[::1]:8081`, or `unix:/run/admission/operator.sock` (absolute and
+    /// normalized: no `.`, `..`, `//` or trailing `/`).
+    fn from_str(text: &str) -> Result<ListenAddr, String> {
+        if let Some(path) = text.strip_prefix("unix:") {
+            let normalized = path.starts_with('/')
+                && path.len() > 1
+                && !path.ends_with('/')
+                && path[1..]
+                    .split('/')
+                    .all(|part| !part.is_empty() && part != "." && part != "..");
+            if !normalized {
+                return Err(format!(
+                    "{text:?}: a Unix socket is `unix:` and an absolute, normalized path (no `.`, \
+                     `..`, `//` or trailing `/`)"
+                ));
+            }
+            return Ok(ListenAddr::Unix(PathBuf::from(path)));
+        }
+        text.parse::<SocketAddr>()
+            .map(ListenAddr::Tcp)
+            .map_err(|_| format!("{text:?} is neither ADDR:PORT nor unix:/abs/path"))
+    }
+}
+
+impl std::fmt::Display for ListenAddr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ListenAddr::Tcp(addr) => write!(f, "{addr}"),
+            ListenAddr::Unix(path) => write!(f, "unix:{}", path.display()),
+        }
+    }
+}
+
+/// What an accept loop accepts connections from: a TCP listener or a Unix socket. The loop
+/// itself ([`serve_counted`]) is one, whichever it is.
+pub(crate) trait Acceptor: Send + 'static {
+    /// One accepted connection.
+    type Stream: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static;
+
+    /// The next connection, ready to serve.
+    fn accept_one(&self) -> impl Future<Output = std::io::Result<Self::Stream>> + Send;
+}
+
+impl Acceptor for TcpListener {
+    type Stream = tokio::net::TcpStream;
+
+    async fn accept_one(&self) -> std::io::Result<tokio::net::TcpStream> {
+        let (stream, _peer) = self.accept().await?;
+        let _ = stream.set_nodelay(true);
+        Ok(stream)
+    }
+}
+
+/// A Unix socket listener that removes its file when dropped (when its accept loop ends).
+pub(crate) struct UnixSocket {
+    listener: tokio::net::UnixListener,
+    path: PathBuf,
+}
+
+impl UnixSocket {
+    /// Binds a Unix socket at `path`, mode 0600 from the moment it has that name: bound under a
+    /// temporary name beside it, restricted, then renamed into place. A socket file left by a
+    /// broker that died is replaced; one a live process answers on, or a file that is not a
+    /// socket, is refused.
+    pub(crate) fn bind(path: &Path) -> std::io::Result<UnixSocket> {
+        use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+        if let Ok(meta) = std::fs::symlink_metadata(path) {
+            if !meta.file_type().is_socket() {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::AlreadyExists,
+                    format!("{} exists and is not a socket", path.display()),
+                ));
+            }
+            if std::os::unix::net::UnixStream::connect(path).is_ok() {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::AddrInUse,
+                    format!("another process listens on {}", path.display()),
+                ));
+            }
+        }
+        let mut temporary = path.as_os_str().to_owned();
+        temporary.push(format!(".{}.binding", std::process::id()));
+        let temporary = PathBuf::from(temporary);
+        let _ = std::fs::remove_file(&temporary);
+        let listener = tokio::net::UnixListener::bind(&temporary)?;
+        let placed = std::fs::set_permissions(&temporary, std::fs::Permissions::from_mode(0o600))
+            .and_then(|()| std::fs::rename(&temporary, path));
+        if let Err(err) = placed {
+            let _ = std::fs::remove_file(&temporary);
+            return Err(err);
+        }
+        Ok(UnixSocket {
+            listener,
+            path: path.to_owned(),
+        })
+    }
+}
+
+impl Drop for UnixSocket {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+impl Acceptor for UnixSocket {
+    type Stream = tokio::net::UnixStream;
+
+    async fn accept_one(&self) -> std::io::Result<tokio::net::UnixStream> {
+        let (stream, _peer) = self.listener.accept().await?;
+        Ok(stream)
+    }
+}
+
+/// The connections of every listener of one broker: one cap for all of them (each connection
+/// is a descriptor, whichever listener took it), and the open connections a newcomer at the cap
+/// may displace, so a flood on the agent listener cannot keep an operator out either.
+pub(crate) struct ConnectionPool {
+    cap: usize,
+    permits: Arc<Semaphore>,
+    open: Arc<OpenConnections>,
+}
+
+impl ConnectionPool {
+    /// A pool of at most `cap` connections.
+    pub(crate) fn new(cap: usize) -> Arc<ConnectionPool> {
+        Arc::new(ConnectionPool {
+            cap,
+            permits: Arc::new(Semaphore::new(cap)),
+            open: Arc::new(OpenConnections::default()),
+        })
+    }
+}
+
+/// Serves `app` on `listener` until `stop` turns true, holding the connections in `pool` (shared
+/// with the broker's other listener), and counting bodies cut off in `metrics` (the broker's,
+/// registered in its registry).
+pub(crate) async fn serve_counted<A: Acceptor>(
+    listener: A,
     app: axum::Router,
     settings: ConnectionSettings,
-    cap: usize,
+    pool: Arc<ConnectionPool>,
     mut stop: watch::Receiver<bool>,
     metrics: BodyMetrics,
 ) {
@@ -222,14 +378,15 @@ pub(crate) async fn serve_counted(
         .header_read_timeout(settings.header_timeout)
         .keep_alive(true);
     let service = TowerToHyperService::new(RequestBodyTimeout::new(app, settings.body_timeout));
-    let permits = Arc::new(Semaphore::new(cap));
-    let open = Arc::new(OpenConnections::default());
+    let cap = pool.cap;
+    let permits = Arc::clone(&pool.permits);
+    let open = Arc::clone(&pool.open);
     let graceful = GracefulShutdown::new();
     let mut saturated = false;
     loop {
         let stream = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok((stream, _peer)) => stream,
+            accepted = listener.accept_one() => match accepted {
+                Ok(stream) => stream,
                 Err(err) => {
                     if !is_connection_error(&err) {
                         tracing::warn!(error = %err, "accept failed");
@@ -271,7 +428,6 @@ pub(crate) async fn serve_counted(
                 permit
             }
         };
-        let _ = stream.set_nodelay(true);
         let (id, state) = open.insert();
         let busy = Arc::clone(&state);
         let service = service.clone();

@@ -12,11 +12,13 @@
 //!   it, start the tasks and the listener with the router) and [`Broker::shutdown`].
 //! - [`api`]: the only part that knows HTTP and JSON. The router (`api/mod.rs`), the leaf error
 //!   type (`api::error::ApiError`, with `From` the store's error), the extractors
-//!   (`api::extract`: the client and the operator from the bearer token, the path id, the query,
+//!   (`api::extract`: the client from the bearer token, the path id, the query,
 //!   the body), and one file per part of the wire contracts: `agent_operations` (submit, get,
 //!   cancel; the order authenticate → validate → replay → admit → create → commit),
 //!   [`listing`], `waits` (the long poll), `streams`, [`discovery`], `health` (`/healthz`,
-//!   `/readyz`, `/metrics`), `operator` (Operator V1: the pending requests, approve, deny, the
+//!   `/readyz` of the agent listener), [`api::operator`] (the operator listener: Operator V1's
+//!   discovery, health, request list, one request and decisions, its envelope and projection,
+//!   `/metrics` and `/admission/v1/drift`; the
 //!   on-demand drift reading), [`ratelimit`] (the quota fields on submission answers) and
 //!   [`presentation`] (what an operator reads about each operation).
 //! - the rooms that act on the shared state: `operations` (the one way a live operation's state
@@ -35,8 +37,9 @@
 //!   (the open long-poll waits and their bells), `keys` (a growable filter that answers "this key
 //!   was never used" without the store, so refusals stay off SQLite however many keys are
 //!   stored).
-//! - beside them, knowing nothing of the broker: [`listener`] (the accept loop; header, body and
-//!   idle timeouts and the connection cap, for any router).
+//! - beside them, knowing nothing of the broker: [`listener`] (the accept loop, for TCP and Unix
+//!   sockets; header, body and idle timeouts and one connection cap shared by both listeners, for
+//!   any router).
 //!
 //! This file is the assembly: the module list, the settings ([`BrokerSettings`]), the errors
 //! ([`BrokerError`]) and the [`Broker`] handle with its small accessors.
@@ -65,11 +68,16 @@
 //!   run detached, still holding the per-key lock, so a retry with the same key waits for them and
 //!   then replays. There is no `.await` between `admit` and the spawn, so no permit is ever
 //!   dropped by a hangup.
-//! - **approve / deny / cancel**: authenticate and look the operation up (a hangup here changes
-//!   nothing); then gate, the operation's lock, the state check, the durable write and the handle
-//!   transition (which releases slots on a terminal move; approved work is queued) run detached.
-//!   A decision that loses the race to another (approve vs cancel) is refused inside the task, by
-//!   the same state check.
+//! - **cancel**: authenticate and look the operation up (a hangup here changes nothing); then
+//!   gate, the operation's lock, the state check, the durable write and the handle transition
+//!   (which releases slots on a terminal move) run detached.
+//! - **an operator's approve / deny / revoke** (`Core::decide_to_end`): authenticate, read and
+//!   judge the body (a hangup here changes nothing); then, detached: the gate, the operation's
+//!   lock, and one SQLite write transaction that looks up the idempotency record, the request,
+//!   checks the revision, the transition and the constraints, and writes the state change with
+//!   the decision's record; then the handle's move (approved work is queued). A decision that
+//!   loses the race to another (two operators, or a cancel) sees the revision the winner wrote
+//!   and is refused `revision_conflict`, writing nothing.
 //! - **upload**: authenticate and read `Content-Length` in the handler; everything else runs
 //!   detached, reading the body included: the room is reserved (under the gate, recorded as an
 //!   upload in progress, which drift counts as stored), the body is written to its file, then
@@ -119,13 +127,13 @@ use tokio::task::JoinHandle;
 
 use crate::Config;
 use crate::admission::{Admission, ReplicaOptions};
-use crate::config::{ConfigError, Identity, Secrets};
+use crate::config::{ConfigError, Identity, Operators, Secrets};
 use crate::engine::{Controller, DEFAULT_CAPACITY_RETRY, StorageCaps};
 use crate::fairness::FairnessConfig;
 
 pub use api::{discovery, listing, presentation, projection, ratelimit};
 pub use drift::{Difference, DriftCount, DriftReport};
-pub use listener::ConnectionSettings;
+pub use listener::{ConnectionSettings, ListenAddr};
 pub use retention::{Keep, RetentionSettings, SweepReport, WallClock};
 pub use store::{Database, OperationError, OperationRecord, StoreError, StoredCounts};
 
@@ -134,14 +142,20 @@ use self::core::Core;
 /// Everything a broker needs to start. Its `Debug` output shows no secret.
 #[derive(Clone)]
 pub struct BrokerSettings {
-    /// Where to listen (port 0 picks a free port; see [`Broker::local_addr`]).
+    /// Where agents connect (port 0 picks a free port; see [`Broker::local_addr`]).
     pub listen: SocketAddr,
+    /// Where operators connect: Operator V1, `/metrics` and `/admission/v1/drift`
+    /// ([`DEFAULT_OPERATOR_LISTEN`] by default; see [`Broker::operator_addr`]).
+    pub operator_listen: ListenAddr,
     /// The data dir: the SQLite file and stream bodies.
     pub data_dir: PathBuf,
     /// The client identities and their bearer secrets; the controller is built for exactly these.
     pub secrets: Secrets,
-    /// The operator's bearer secret.
-    pub operator_secret: String,
+    /// The named operators and their bearer secrets; the matched name decides (`decided_by`).
+    pub operators: Operators,
+    /// How long a request may wait for an operator's decision before it expires
+    /// ([`DEFAULT_PENDING_TIMEOUT`] by default): its `pending_expires_at` is its creation plus this.
+    pub pending_timeout: Duration,
     /// The admission limits (validated for the identities of `secrets`).
     pub config: Config,
     /// The stream, sealed-payload and pending-grant store caps.
@@ -169,6 +183,12 @@ pub struct BrokerSettings {
     pub buffered_bytes: usize,
 }
 
+/// The default [`BrokerSettings::operator_listen`]: `127.0.0.1:8081`.
+pub const DEFAULT_OPERATOR_LISTEN: &str = "127.0.0.1:8081";
+
+/// The default [`BrokerSettings::pending_timeout`]: 5 minutes, as unYOLO's.
+pub const DEFAULT_PENDING_TIMEOUT: Duration = Duration::from_secs(300);
+
 /// The default [`BrokerSettings::buffered_bytes`]: 256 MiB.
 pub const DEFAULT_BUFFERED_BYTES: usize = 256 << 20;
 
@@ -179,9 +199,11 @@ impl std::fmt::Debug for BrokerSettings {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("BrokerSettings")
             .field("listen", &self.listen)
+            .field("operator_listen", &self.operator_listen)
             .field("data_dir", &self.data_dir)
             .field("secrets", &self.secrets)
-            .field("operator_secret", &"<redacted>")
+            .field("operators", &self.operators)
+            .field("pending_timeout", &self.pending_timeout)
             .field("config", &self.config)
             .field("storage_caps", &self.storage_caps)
             .field("capacity_retry", &self.capacity_retry)
@@ -198,19 +220,22 @@ impl std::fmt::Debug for BrokerSettings {
 
 impl BrokerSettings {
     /// Settings with the default limits for the identities of `secrets`, the default caps and
-    /// Retry-After hint.
+    /// Retry-After hint; operators on `127.0.0.1` at a port the system picks (set
+    /// [`BrokerSettings::operator_listen`] for another).
     pub fn new(
         listen: SocketAddr,
         data_dir: PathBuf,
         secrets: Secrets,
-        operator_secret: String,
+        operators: Operators,
     ) -> BrokerSettings {
         let config = Config::defaults(secrets.identities().cloned());
         BrokerSettings {
             listen,
+            operator_listen: ListenAddr::Tcp(SocketAddr::from(([127, 0, 0, 1], 0))),
             data_dir,
             secrets,
-            operator_secret,
+            operators,
+            pending_timeout: DEFAULT_PENDING_TIMEOUT,
             config,
             storage_caps: StorageCaps::default(),
             capacity_retry: DEFAULT_CAPACITY_RETRY,
@@ -224,13 +249,23 @@ impl BrokerSettings {
         }
     }
 
-    /// Why these settings cannot start a broker, if they cannot: the operator secret equal to a
-    /// client's (that client could decide its own requests), connection settings that cannot
-    /// serve, fairness numbers that cannot work, or a buffered-bytes budget smaller than the
-    /// largest submission body.
+    /// Why these settings cannot start a broker, if they cannot: no operator, an operator secret
+    /// equal to a client's (that client could decide its own requests), a zero pending timeout,
+    /// connection settings that cannot serve, fairness numbers that cannot work, or a
+    /// buffered-bytes budget smaller than the largest submission body.
     pub fn validate(&self) -> Result<(), BrokerError> {
-        if let Some(client) = client_sharing_secret(&self.secrets, &self.operator_secret) {
+        if let Some((_, client)) = self.operators.sharing_with(&self.secrets) {
             return Err(BrokerError::SharedSecret(client.clone()));
+        }
+        if self.operators.is_empty() {
+            return Err(BrokerError::Settings(
+                "no operator: give at least one `name = secret` line".to_owned(),
+            ));
+        }
+        if self.pending_timeout.is_zero() {
+            return Err(BrokerError::Settings(
+                "the pending timeout must be longer than zero".to_owned(),
+            ));
         }
         if let Some(problem) = self.connections.problem() {
             return Err(BrokerError::Settings(problem));
@@ -250,15 +285,6 @@ impl BrokerSettings {
     }
 }
 
-/// The client whose secret equals `operator_secret`, if any. Every secret is compared, in constant
-/// time, so the time taken says nothing about which one matched.
-pub fn client_sharing_secret<'a>(
-    secrets: &'a Secrets,
-    operator_secret: &str,
-) -> Option<&'a Identity> {
-    secrets.identify(operator_secret.as_bytes())
-}
-
 /// Checks a broker name: 1 to 64 characters, none of them a control character.
 pub fn validate_broker_name(name: &str) -> Result<(), String> {
     let chars = name.chars().count();
@@ -273,13 +299,13 @@ pub fn validate_broker_name(name: &str) -> Result<(), String> {
 /// Why a broker could not start.
 #[derive(Debug)]
 pub enum BrokerError {
-    /// The listen address could not be bound.
-    Bind(SocketAddr, std::io::Error),
+    /// A listen address could not be bound.
+    Bind(ListenAddr, std::io::Error),
     /// The store could not be opened or recovered.
     Store(StoreError),
     /// Another file problem (data dir, secrets).
     Io(String),
-    /// The operator secret is also this client's secret.
+    /// An operator's secret is also this client's secret.
     SharedSecret(Identity),
     /// A setting out of its bounds (the broker name) or that cannot serve (a zero timeout).
     Settings(String),
@@ -293,7 +319,7 @@ impl std::fmt::Display for BrokerError {
             BrokerError::Io(detail) => f.write_str(detail),
             BrokerError::SharedSecret(client) => write!(
                 f,
-                "the operator secret is also the secret of client `{client}`; that client could decide its own requests, so give the operator a secret of its own"
+                "an operator secret is also the secret of client `{client}`; that client could decide its own requests, so give the operator a secret of its own"
             ),
             BrokerError::Settings(detail) => f.write_str(detail),
         }
@@ -312,9 +338,11 @@ impl From<StoreError> for BrokerError {
 /// runtime stops.
 pub struct Broker {
     addr: SocketAddr,
+    operator_addr: ListenAddr,
     core: Arc<Core>,
     stop: watch::Sender<bool>,
     server: JoinHandle<()>,
+    operator_server: JoinHandle<()>,
     executor: JoinHandle<()>,
     drift: JoinHandle<()>,
     sweeper: JoinHandle<()>,
@@ -324,7 +352,10 @@ pub struct Broker {
 
 impl std::fmt::Debug for Broker {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Broker").field("addr", &self.addr).finish()
+        f.debug_struct("Broker")
+            .field("addr", &self.addr)
+            .field("operator_addr", &self.operator_addr)
+            .finish()
     }
 }
 
@@ -342,9 +373,14 @@ pub struct RestoreSummary {
 }
 
 impl Broker {
-    /// The address the broker listens on.
+    /// The address the broker listens on for agents.
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Where the broker listens for operators (the port bound, when 0 was asked for).
+    pub fn operator_addr(&self) -> &ListenAddr {
+        &self.operator_addr
     }
 
     /// The embedded controller: what this process holds (for snapshots in tests and the drill).
@@ -371,7 +407,7 @@ impl Broker {
     /// Compares the controller's counts with the store now (per client and global: pending,
     /// queued, executing, active; per store: files and bytes), sets `admission_store_drift` to the
     /// total difference and logs each one. Waits for the changes in progress to finish, so the
-    /// reading never catches one half made. The same reading `GET /api/operator/v1/drift` answers.
+    /// reading never catches one half made. The same reading `GET /admission/v1/drift` answers on the operator listener.
     pub async fn check_drift(&self) -> Result<DriftReport, StoreError> {
         drift::check(&self.core).await
     }

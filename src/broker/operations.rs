@@ -11,7 +11,9 @@
 use std::sync::Arc;
 
 use super::core::{Core, LiveOp, run_to_end};
-use super::store::{OperationError, OperationRecord, StoreError};
+use super::store::{
+    DecidedMove, DecisionCommand, DecisionOutcome, OperationRecord, StateChange, StoreError,
+};
 use crate::engine::{CancelOutcome, OperationState, TransitionError};
 
 /// Why a transition did not happen.
@@ -36,11 +38,11 @@ impl Core {
         self: Arc<Self>,
         op: Arc<LiveOp>,
         to: OperationState,
-        error: Option<OperationError>,
+        change: StateChange,
     ) -> Result<OperationRecord, TransitionFailure> {
         let _quiet = self.hold_counts().await;
         let _guard = op.lock.lock().await;
-        self.transition_locked(&op, to, error).await
+        self.transition_locked(&op, to, change).await
     }
 
     /// [`Core::transition`] run detached ([`run_to_end`]): a decision a client made (a
@@ -49,8 +51,9 @@ impl Core {
         self: &Arc<Self>,
         op: Arc<LiveOp>,
         to: OperationState,
+        change: StateChange,
     ) -> Result<OperationRecord, TransitionFailure> {
-        let transition = Arc::clone(self).transition(op, to, None);
+        let transition = Arc::clone(self).transition(op, to, change);
         run_to_end(transition).await.unwrap_or_else(|err| {
             Err(TransitionFailure::Store(StoreError::unfinished(
                 "the transition",
@@ -64,16 +67,20 @@ impl Core {
         &self,
         op: &Arc<LiveOp>,
         to: OperationState,
-        error: Option<OperationError>,
+        mut change: StateChange,
     ) -> Result<OperationRecord, TransitionFailure> {
         debug_assert_ne!(to, OperationState::Executing);
         let from = op.handle.state();
         if !from.can_move_to(to) {
             return Err(TransitionFailure::NotAllowed(from));
         }
+        if let Some(decision) = &mut change.decision {
+            // A cancel of approved work takes the approval back (Operator V1 shows `revoked`).
+            decision.revoked |= from == OperationState::Approved && to == OperationState::Canceled;
+        }
         let record = self
             .db
-            .set_state(&op.id, from, to, error)
+            .set_state(&op.id, from, to, change)
             .await
             .map_err(TransitionFailure::Store)?
             .ok_or_else(|| {
@@ -82,7 +89,53 @@ impl Core {
                     expected: from,
                 })
             })?;
-        // Every transition holds the lock, so the handle is still in `from`.
+        self.follow_in_handle(op, from, to).await;
+        Ok(record)
+    }
+
+    /// An operator's decision on request `id`, judged and committed by the store in one
+    /// transaction ([`crate::broker::store::Database::decide`]), then followed by the lifecycle
+    /// handle, holding the counts gate and the operation's lock (if it is live) throughout, and
+    /// run detached ([`run_to_end`]): decided once the store is asked, it ends the same whether
+    /// or not the operator waits for the answer. `judge` also gets the state the handle is in
+    /// (`None` when the operation is not live): a move the handle cannot make is refused there.
+    pub(crate) async fn decide_to_end<R: Send + 'static>(
+        self: &Arc<Self>,
+        command: DecisionCommand,
+        judge: impl FnOnce(&OperationRecord, Option<OperationState>) -> Result<DecidedMove, R>
+        + Send
+        + 'static,
+        render: impl FnOnce(&OperationRecord) -> String + Send + 'static,
+    ) -> Result<DecisionOutcome<R>, StoreError> {
+        let core = Arc::clone(self);
+        let work = async move {
+            let _quiet = core.hold_counts().await;
+            let op = core.live_op(&command.scope.request_id);
+            let _guard = match &op {
+                Some(op) => Some(op.lock.lock().await),
+                None => None,
+            };
+            let live = op.as_ref().map(|op| op.handle.state());
+            let outcome = core
+                .db
+                .decide(command, move |record| judge(record, live), render)
+                .await?;
+            if let (DecisionOutcome::Committed(record, _), Some(op), Some(from)) =
+                (&outcome, &op, live)
+            {
+                core.follow_in_handle(op, from, record.state).await;
+            }
+            Ok(outcome)
+        };
+        run_to_end(work)
+            .await
+            .unwrap_or_else(|err| Err(StoreError::unfinished("the decision", err)))
+    }
+
+    /// Applies a move already durable in the store to `op`'s handle (which releases its slots on
+    /// a terminal move) and follows it up ([`Core::changed`]). Called with the counts gate and
+    /// the operation's lock held, so the handle is still in `from`.
+    async fn follow_in_handle(&self, op: &Arc<LiveOp>, from: OperationState, to: OperationState) {
         // One call for both backends: the local move at once, the shared one by operation id
         // (kept and resent if Redis does not answer; this task runs to its end regardless).
         let applied = match to {
@@ -101,7 +154,6 @@ impl Core {
         };
         debug_assert!(applied.is_ok(), "{applied:?}");
         self.changed(op, from, to);
-        Ok(record)
     }
 
     /// Logs a state change (already durable) and follows it up: waiters on the operation are

@@ -15,6 +15,30 @@ pub(crate) const MAX_DURATION_MS: u64 = 600_000;
 /// The registered operations: name and whether it needs an operator's approval.
 pub(crate) const OPERATIONS: [(&str, bool); 2] = [("demo.run", false), ("demo.request", true)];
 
+/// Whether `operation` is registered and needs an operator's approval: its operations are the
+/// requests operators see (Operator V1).
+pub(crate) fn needs_approval(operation: &str) -> bool {
+    OPERATIONS
+        .iter()
+        .any(|(name, approval)| *approval && *name == operation)
+}
+
+/// The registered operations that need an operator's approval.
+pub(crate) fn approval_operations() -> impl Iterator<Item = &'static str> {
+    OPERATIONS
+        .iter()
+        .filter(|(_, approval)| *approval)
+        .map(|(name, _)| *name)
+}
+
+/// The kind of an operation's target, as operators filter by it (`target_kind`): the part of the
+/// operation's name before its first `.` (`demo` for `demo.request`), the provider it acts on.
+pub(crate) fn target_kind(operation: &str) -> &str {
+    operation
+        .split_once('.')
+        .map_or(operation, |(kind, _)| kind)
+}
+
 /// Why a submission is not work this broker runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum NotRunnable {

@@ -1,25 +1,29 @@
 //! `admission serve`: resolve the secrets and the quota file, start the broker, reload on
 //! `SIGHUP`, stop on `SIGINT`/`SIGTERM`.
 //!
-//! With no secrets given, a client `default` and an operator secret are generated once into the
-//! data dir (mode 0600) and reused on every later start; their paths are printed, never their
-//! contents.
+//! With no secrets given, a client `default` and an operator `operator` are generated once into
+//! the data dir (mode 0600) and reused on every later start; their paths are printed, never their
+//! contents. A data dir an earlier release wrote holds a one-line operator secret file
+//! (`operator-secret`) instead: it is read as operator `operator` when its secret meets today's
+//! rules (at least 32 bytes, which every generated one does).
 
 use std::io::Write;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
-use super::{
-    Broker, BrokerSettings, ConnectionSettings, Keep, RetentionSettings, client_sharing_secret,
-};
-use crate::config::Secrets;
-use crate::config::secrets::read_operator_secret;
+use super::{Broker, BrokerSettings, ConnectionSettings, Keep, ListenAddr, RetentionSettings};
+use crate::config::{Operators, Secrets};
 use crate::{Config, StorageCaps};
 
 /// The generated client secrets file's name in the data dir.
 pub const GENERATED_SECRETS: &str = "client-secrets";
-/// The generated operator secret file's name in the data dir.
-pub const GENERATED_OPERATOR_SECRET: &str = "operator-secret";
+/// The generated operator secrets file's name in the data dir.
+pub const GENERATED_OPERATOR_SECRETS: &str = "operator-secrets";
+/// The one-line operator secret file earlier releases generated in the data dir; read as
+/// operator [`DEFAULT_OPERATOR`] when no [`GENERATED_OPERATOR_SECRETS`] is there.
+pub const LEGACY_OPERATOR_SECRET: &str = "operator-secret";
+/// The name of the operator generated (or read from a [`LEGACY_OPERATOR_SECRET`]).
+pub const DEFAULT_OPERATOR: &str = "operator";
 
 /// The Prometheus rule file that fits this broker's metrics, in the source tree.
 pub const RULES_FILE: &str = "deploy/prometheus/admission.rules.yml";
@@ -87,14 +91,16 @@ pub fn write_kit(out: &Path, force: bool) -> Result<Vec<PathBuf>, String> {
 /// The flags of `admission serve`.
 #[derive(Clone, Debug)]
 pub struct ServeOptions {
-    /// Where to listen.
+    /// Where agents connect.
     pub listen: SocketAddr,
+    /// Where operators connect.
+    pub operator_listen: ListenAddr,
     /// The data dir.
     pub data_dir: PathBuf,
     /// A client secrets file; generated in the data dir when absent.
     pub secrets: Option<PathBuf>,
-    /// An operator secret file; generated in the data dir when absent.
-    pub operator_secret: Option<PathBuf>,
+    /// An operator secrets file; generated in the data dir when absent.
+    pub operator_secrets: Option<PathBuf>,
     /// The quota file, re-read on `SIGHUP`; the defaults when absent.
     pub admission_config: Option<PathBuf>,
     /// The broker's name, shown as every operation's `broker`.
@@ -133,21 +139,12 @@ pub fn run(options: ServeOptions) -> Result<(), String> {
         }
     };
     let secrets = Secrets::from_path(&secrets_path).map_err(|e| format!("secrets file {e}"))?;
-    let operator_path = match &options.operator_secret {
-        Some(path) => path.clone(),
-        None => {
-            let path = options.data_dir.join(GENERATED_OPERATOR_SECRET);
-            ensure_secret_file(&path, |secret| format!("{secret}\n"))?;
-            println!("operator secret: {}", path.display());
-            path
-        }
-    };
-    let operator_secret =
-        read_operator_secret(&operator_path).map_err(|e| format!("operator secret {e}"))?;
-    if let Some(client) = client_sharing_secret(&secrets, &operator_secret) {
+    let (operators, operator_path) = operators(&options)?;
+    if let Some((line, client)) = operators.sharing_with(&secrets) {
         return Err(format!(
-            "the operator secret in {} is also the secret of client `{client}` in {}; that client \
-             could decide its own requests, so give the operator a secret of its own",
+            "operator secrets {}: line {line}: the secret is also the secret of client `{client}` \
+             in {}; that client could decide its own requests, so give the operator a secret of \
+             its own",
             operator_path.display(),
             secrets_path.display()
         ));
@@ -178,12 +175,8 @@ pub fn run(options: ServeOptions) -> Result<(), String> {
             keep: options.retention,
             ..RetentionSettings::default()
         },
-        ..BrokerSettings::new(
-            options.listen,
-            options.data_dir.clone(),
-            secrets,
-            operator_secret,
-        )
+        operator_listen: options.operator_listen.clone(),
+        ..BrokerSettings::new(options.listen, options.data_dir.clone(), secrets, operators)
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -212,12 +205,15 @@ async fn serve(settings: BrokerSettings, admission_config: Option<PathBuf>) -> R
         restored.pending, restored.approved, restored.interrupted, restored.streams
     );
     // Before "listening on": whoever waits for that line may stop reading there.
-    println!(
-        "metrics: http://{}/metrics (Authorization: Bearer <operator secret>)",
-        broker.local_addr()
-    );
+    let operator_addr = broker.operator_addr();
+    let metrics_url = match operator_addr {
+        ListenAddr::Tcp(addr) => format!("http://{addr}/metrics"),
+        ListenAddr::Unix(path) => format!("/metrics on the socket {}", path.display()),
+    };
+    println!("metrics: {metrics_url} (Authorization: Bearer <operator secret>)");
     println!("rules for these metrics: {RULES_FILE} (dashboard: {DASHBOARD_FILE})");
     println!("  (no source tree? `admission kit --out DIR` writes both)");
+    println!("operators on {operator_addr}");
     println!("listening on {}", broker.local_addr());
     let _ = std::io::stdout().flush();
     loop {
@@ -235,6 +231,44 @@ async fn serve(settings: BrokerSettings, admission_config: Option<PathBuf>) -> R
     tracing::info!("shutting down");
     broker.shutdown().await;
     Ok(())
+}
+
+/// The operators and the file they came from: `--operator-secrets`, else the data dir's
+/// generated file (created with an operator `operator` if missing), else an earlier release's
+/// one-line file there, read as operator `operator`. Prints which.
+fn operators(options: &ServeOptions) -> Result<(Operators, PathBuf), String> {
+    let read = |path: &Path| match Operators::from_path(path) {
+        Ok(operators) if operators.is_empty() => Err(format!(
+            "operator secrets {}: no operator; give at least one `name = secret` line",
+            path.display()
+        )),
+        Ok(operators) => Ok(operators),
+        Err(e) => Err(format!("operator secrets {e}")),
+    };
+    if let Some(path) = &options.operator_secrets {
+        return Ok((read(path)?, path.clone()));
+    }
+    let generated = options.data_dir.join(GENERATED_OPERATOR_SECRETS);
+    let legacy = options.data_dir.join(LEGACY_OPERATOR_SECRET);
+    if !generated.exists() && legacy.exists() {
+        let operators = Operators::from_legacy_path(&legacy, DEFAULT_OPERATOR).map_err(|e| {
+            format!(
+                "operator secret {e} (an earlier release's one-line file, read as operator \
+                 `{DEFAULT_OPERATOR}`; write {} with `name = secret` lines instead)",
+                generated.display()
+            )
+        })?;
+        println!(
+            "operator secrets: {} (an earlier release's one-line file, read as operator `{DEFAULT_OPERATOR}`)",
+            legacy.display()
+        );
+        return Ok((operators, legacy));
+    }
+    ensure_secret_file(&generated, |secret| {
+        format!("{DEFAULT_OPERATOR} = {secret}\n")
+    })?;
+    println!("operator secrets: {}", generated.display());
+    Ok((read(&generated)?, generated))
 }
 
 /// Logs to stderr, one structured line per event; `RUST_LOG` filters (default `info`).

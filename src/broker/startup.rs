@@ -20,8 +20,9 @@ use prometheus_client::registry::Registry;
 use tokio::sync::watch;
 
 use super::auth::Auth;
-use super::core::{Core, ExecQueue, LiveOp, SubmissionLabels};
+use super::core::{Core, DecisionLabels, ExecQueue, LiveOp, SubmissionLabels};
 use super::keys::KeyFilter;
+use super::listener::{ConnectionPool, ConnectionSettings, ListenAddr, UnixSocket};
 use super::retention::{Keep, Retention};
 use super::store::{self, Database, StoreError};
 use super::waits::Waits;
@@ -64,11 +65,10 @@ impl Broker {
             }
         }
         let rate_window = largest_window(&settings.config);
-        let listener =
-            listener::bind(settings.listen).map_err(|e| BrokerError::Bind(settings.listen, e))?;
-        let addr = listener
-            .local_addr()
-            .map_err(|e| BrokerError::Bind(settings.listen, e))?;
+        let agent_bind = |e| BrokerError::Bind(ListenAddr::Tcp(settings.listen), e);
+        let listener = listener::bind(settings.listen).map_err(agent_bind)?;
+        let addr = listener.local_addr().map_err(agent_bind)?;
+        let operator_listener = OperatorListener::bind(&settings.operator_listen).await?;
         let controller = Controller::builder(settings.config)
             .storage_caps(settings.storage_caps)
             .capacity_retry(settings.capacity_retry)
@@ -130,6 +130,13 @@ impl Broker {
              its store's live rows at the last check (0 when they agree; always 0 in-process).",
             fleet_drift.clone(),
         );
+        let operator_decisions = Family::<DecisionLabels, Counter>::default();
+        registry.register(
+            "broker_operator_decisions",
+            "Operator decisions (approve, deny, revoke) by outcome: committed, replayed, or the \
+             error code that refused them.",
+            operator_decisions.clone(),
+        );
         let submissions = Family::<SubmissionLabels, Counter>::default();
         for result in ["created", "replayed", "rejected"] {
             let _ = submissions.get_or_create(&[("result", result)]);
@@ -169,7 +176,7 @@ impl Broker {
             live: Mutex::new(HashMap::new()),
             streams: Mutex::new(HashMap::new()),
             executor: ExecQueue::default(),
-            auth: Auth::new(&settings.secrets, &settings.operator_secret),
+            auth: Auth::new(&settings.secrets, &settings.operators),
             registry,
             submissions,
             store_ready,
@@ -185,6 +192,8 @@ impl Broker {
             waits: Waits::default(),
             fairness,
             budget,
+            pending_timeout: settings.pending_timeout,
+            operator_decisions,
         });
         let summary = restore(&core, recovered).await;
         match drift::check(&core).await {
@@ -206,17 +215,26 @@ impl Broker {
             Arc::clone(&retention),
             settings.retention.sweep_interval,
         ));
-        let app = api::router(Arc::clone(&core));
+        // One connection cap for both listeners: each connection is a descriptor either way.
+        let pool = listener::ConnectionPool::new(connection_cap);
         let server = tokio::spawn(listener::serve_counted(
             listener,
-            app,
+            api::agent_router(Arc::clone(&core)),
             settings.connections,
-            connection_cap,
+            Arc::clone(&pool),
+            shutdown.clone(),
+            body_metrics.clone(),
+        ));
+        let (operator_addr, operator_server) = operator_listener.serve(
+            api::operator_router(Arc::clone(&core)),
+            settings.connections,
+            pool,
             shutdown.clone(),
             body_metrics,
-        ));
+        );
         tracing::info!(
             %addr,
+            operator = %operator_addr,
             connection_cap,
             pending = summary.pending,
             approved = summary.approved,
@@ -227,9 +245,11 @@ impl Broker {
         Ok((
             Broker {
                 addr,
+                operator_addr,
                 core,
                 stop,
                 server,
+                operator_server,
                 executor,
                 drift,
                 sweeper,
@@ -258,6 +278,7 @@ impl Broker {
     pub async fn shutdown(self) {
         let _ = self.stop.send(true);
         let _ = self.server.await;
+        let _ = self.operator_server.await;
         let _ = self.executor.await;
         let _ = self.drift.await;
         let _ = self.sweeper.await;
@@ -272,6 +293,52 @@ impl Broker {
         }
         // Live work stays counted until the lease lapses (or a restart re-registers it).
         self.core.admission.shutdown().await;
+    }
+}
+
+/// The operator listener, bound before anything else starts (so a bad address fails start-up
+/// before the store is opened).
+enum OperatorListener {
+    Tcp(tokio::net::TcpListener),
+    Unix(UnixSocket, std::path::PathBuf),
+}
+
+impl OperatorListener {
+    async fn bind(addr: &ListenAddr) -> Result<OperatorListener, BrokerError> {
+        let failed = |e| BrokerError::Bind(addr.clone(), e);
+        match addr {
+            ListenAddr::Tcp(tcp) => listener::bind(*tcp)
+                .map(OperatorListener::Tcp)
+                .map_err(failed),
+            ListenAddr::Unix(path) => UnixSocket::bind(path)
+                .map(|socket| OperatorListener::Unix(socket, path.clone()))
+                .map_err(failed),
+        }
+    }
+
+    /// Serves `app` on it; returns where it listens and the accept loop's task.
+    fn serve(
+        self,
+        app: axum::Router,
+        settings: ConnectionSettings,
+        pool: Arc<ConnectionPool>,
+        stop: watch::Receiver<bool>,
+        metrics: listener::BodyMetrics,
+    ) -> (ListenAddr, tokio::task::JoinHandle<()>) {
+        match self {
+            OperatorListener::Tcp(tcp) => {
+                let addr = tcp
+                    .local_addr()
+                    .map(ListenAddr::Tcp)
+                    .unwrap_or_else(|_| ListenAddr::Tcp(([127, 0, 0, 1], 0).into()));
+                let task = listener::serve_counted(tcp, app, settings, pool, stop, metrics);
+                (addr, tokio::spawn(task))
+            }
+            OperatorListener::Unix(socket, path) => {
+                let task = listener::serve_counted(socket, app, settings, pool, stop, metrics);
+                (ListenAddr::Unix(path), tokio::spawn(task))
+            }
+        }
     }
 }
 

@@ -15,7 +15,7 @@ mod wire;
 pub use error::{ConfigError, Rule};
 pub use identity::{Identity, IdentityError};
 pub use load::check_path;
-pub use secrets::{Secrets, SecretsError};
+pub use secrets::{Operators, Secrets, SecretsError};
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;

@@ -83,6 +83,14 @@ pub enum LineProblem {
     /// The secret holds a control character (a tab, a lone carriage return, an escape...): no
     /// client could send it as a bearer token, so the identity could never authenticate.
     ControlCharacter,
+    /// An operator's name is empty, longer than 200 bytes, or holds a control character.
+    BadOperatorName,
+    /// An operator's secret is shorter than [`MIN_OPERATOR_SECRET_BYTES`] (the length is safe to
+    /// show).
+    ShortSecret {
+        /// Its length in bytes.
+        bytes: usize,
+    },
 }
 
 impl fmt::Display for LineProblem {
@@ -109,6 +117,15 @@ impl fmt::Display for LineProblem {
             }
             LineProblem::ControlCharacter => f.write_str(
                 "the secret holds a control character, which a bearer token cannot carry",
+            ),
+            LineProblem::BadOperatorName => write!(
+                f,
+                "an operator's name is 1 to {MAX_OPERATOR_NAME_BYTES} bytes without control characters"
+            ),
+            LineProblem::ShortSecret { bytes } => write!(
+                f,
+                "the secret is {bytes} bytes; an operator's secret is at least \
+                 {MIN_OPERATOR_SECRET_BYTES} bytes"
             ),
         }
     }
@@ -259,6 +276,170 @@ impl fmt::Debug for Secrets {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_map()
             .entries(self.by_identity.keys().map(|i| (i, "<redacted>")))
+            .finish()
+    }
+}
+
+/// The shortest operator secret, in bytes (unYOLO's `auth.MinimumSecretBytes`; its Go client
+/// refuses a shorter token).
+pub const MIN_OPERATOR_SECRET_BYTES: usize = 32;
+
+/// The longest operator name, in bytes.
+pub const MAX_OPERATOR_NAME_BYTES: usize = 200;
+
+/// The named operators of a broker (`--operator-secrets`): each name and its bearer secret, and
+/// the line it was given on.
+///
+/// Read from a file with one `name = secret` per line, like the client secrets; blank lines and
+/// lines starting with `#` are ignored, whitespace around the name and the secret is trimmed, the
+/// secret is everything after the first `=`. A name is 1 to [`MAX_OPERATOR_NAME_BYTES`] bytes
+/// without control characters (it becomes `decided_by`, e.g. `Ada Lovelace` or `telegram:42`); a
+/// secret is at least [`MIN_OPERATOR_SECRET_BYTES`] bytes without control characters; names and
+/// secrets are unique.
+#[derive(Clone, PartialEq, Eq, Default)]
+pub struct Operators {
+    entries: Vec<OperatorEntry>,
+}
+
+#[derive(Clone, PartialEq, Eq)]
+struct OperatorEntry {
+    name: String,
+    secret: String,
+    line: usize,
+}
+
+impl Operators {
+    /// Parses the text of an operator secrets file.
+    pub fn parse(text: &str) -> Result<Operators, SecretsError> {
+        let mut entries: Vec<OperatorEntry> = Vec::new();
+        for (index, raw) in text.lines().enumerate() {
+            let line = index + 1;
+            let fail = |problem| SecretsError::Line { line, problem };
+            let trimmed = raw.trim();
+            if trimmed.is_empty() || trimmed.starts_with('#') {
+                continue;
+            }
+            let (name, secret) = trimmed
+                .split_once('=')
+                .ok_or_else(|| fail(LineProblem::MissingEquals))?;
+            let (name, secret) = (name.trim(), secret.trim());
+            if name.is_empty()
+                || name.len() > MAX_OPERATOR_NAME_BYTES
+                || name.contains(char::is_control)
+            {
+                return Err(fail(LineProblem::BadOperatorName));
+            }
+            if secret.is_empty() {
+                return Err(fail(LineProblem::EmptySecret));
+            }
+            if secret.contains(char::is_control) {
+                return Err(fail(LineProblem::ControlCharacter));
+            }
+            if secret.len() < MIN_OPERATOR_SECRET_BYTES {
+                return Err(fail(LineProblem::ShortSecret {
+                    bytes: secret.len(),
+                }));
+            }
+            if let Some(first) = entries.iter().find(|e| e.name == name) {
+                return Err(fail(LineProblem::DuplicateName {
+                    name: name.to_owned(),
+                    first_line: first.line,
+                }));
+            }
+            if let Some(first) = entries.iter().find(|e| e.secret == secret) {
+                return Err(fail(LineProblem::DuplicateSecret {
+                    first_line: first.line,
+                }));
+            }
+            entries.push(OperatorEntry {
+                name: name.to_owned(),
+                secret: secret.to_owned(),
+                line,
+            });
+        }
+        Ok(Operators { entries })
+    }
+
+    /// Parses the bytes of an operator secrets file; non-UTF-8 content is an error naming its
+    /// line.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Operators, SecretsError> {
+        Operators::parse(utf8(bytes)?)
+    }
+
+    /// Reads and parses an operator secrets file (at most [`MAX_SECRETS_FILE_BYTES`]).
+    pub fn from_path(path: &Path) -> Result<Operators, SecretsError> {
+        let bytes = read_secret_file(path)?;
+        Operators::from_bytes(&bytes).map_err(|e| e.in_file(path))
+    }
+
+    /// One operator, `name`, with `secret` (given on line 1), if the secret meets the rules: for
+    /// the one-line operator secret file of earlier releases, and for tests.
+    pub fn single(name: &str, secret: &str) -> Result<Operators, SecretsError> {
+        Operators::parse(&format!("{name} = {secret}\n"))
+    }
+
+    /// Reads the one-line operator secret file of earlier releases as operator `name`, if its
+    /// secret meets today's rules (at least [`MIN_OPERATOR_SECRET_BYTES`] bytes).
+    pub fn from_legacy_path(path: &Path, name: &str) -> Result<Operators, SecretsError> {
+        let secret = read_operator_secret(path)?;
+        Operators::single(name, &secret).map_err(|e| e.in_file(path))
+    }
+
+    /// The name of the operator whose secret is `token`, if any. Every secret is compared, each
+    /// in constant time (`subtle`), as [`Secrets::identify`] does.
+    pub fn identify(&self, token: &[u8]) -> Option<&str> {
+        use subtle::ConstantTimeEq;
+        let mut found = None;
+        for entry in &self.entries {
+            if bool::from(entry.secret.as_bytes().ct_eq(token)) {
+                found = Some(entry.name.as_str());
+            }
+        }
+        found
+    }
+
+    /// The first operator (by line) whose secret is also a client's secret in `clients`: its
+    /// line and the client. Every secret compared in constant time.
+    pub fn sharing_with<'a>(&self, clients: &'a Secrets) -> Option<(usize, &'a Identity)> {
+        self.entries.iter().find_map(|entry| {
+            clients
+                .identify(entry.secret.as_bytes())
+                .map(|client| (entry.line, client))
+        })
+    }
+
+    /// The operators' names, in file order.
+    pub fn names(&self) -> impl ExactSizeIterator<Item = &str> + '_ {
+        self.entries.iter().map(|e| e.name.as_str())
+    }
+
+    /// Every operator with its secret, in file order.
+    pub fn iter(&self) -> impl ExactSizeIterator<Item = (&str, &str)> + '_ {
+        self.entries
+            .iter()
+            .map(|e| (e.name.as_str(), e.secret.as_str()))
+    }
+
+    /// The secret of operator `name`, if there is one.
+    pub fn secret(&self, name: &str) -> Option<&str> {
+        self.iter().find(|(n, _)| *n == name).map(|(_, s)| s)
+    }
+
+    /// How many operators there are.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether there is none.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+}
+
+impl fmt::Debug for Operators {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_map()
+            .entries(self.entries.iter().map(|e| (&e.name, "<redacted>")))
             .finish()
     }
 }

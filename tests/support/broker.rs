@@ -2,13 +2,14 @@
 //! harness that talks to it over HTTP; every reply it reads is checked against the contract.
 
 use serde_json::Value;
-use unyolo_admission::broker::{Broker, BrokerSettings, RestoreSummary};
+use unyolo_admission::broker::{Broker, BrokerSettings, ListenAddr, RestoreSummary};
 use unyolo_admission::config::Identity;
 use unyolo_admission::{Config, Snapshot, StorageCaps};
 
 use super::contract;
 use super::http::Reply;
-use super::secrets::{OPERATOR_SECRET, secrets};
+use super::operator::Operator;
+use super::secrets::{operators, secrets};
 
 /// Roomy limits: nothing binds unless a test makes it.
 pub const ROOMY: &str = r#"{"requests_per_window": 1000, "window_seconds": 60,
@@ -25,7 +26,7 @@ pub fn settings(dir: &std::path::Path, limits: &str, caps: StorageCaps) -> Broke
             "127.0.0.1:0".parse().unwrap(),
             dir.to_owned(),
             secrets,
-            OPERATOR_SECRET.to_owned(),
+            operators(),
         )
     }
 }
@@ -33,8 +34,11 @@ pub fn settings(dir: &std::path::Path, limits: &str, caps: StorageCaps) -> Broke
 pub struct Harness {
     pub broker: Broker,
     pub restored: RestoreSummary,
+    /// The agent listener, `http://ADDR`.
     pub base: String,
     pub http: reqwest::Client,
+    /// The operator (`OPERATOR`) on the operator listener.
+    pub operator: Operator,
 }
 
 pub async fn start(dir: &std::path::Path, limits: &str) -> Harness {
@@ -60,10 +64,24 @@ impl Harness {
     fn of(broker: Broker, restored: RestoreSummary) -> Harness {
         Harness {
             base: format!("http://{}", broker.local_addr()),
+            operator: Operator::new(operator_base(&broker)),
             broker,
             restored,
             http: reqwest::Client::new(),
         }
+    }
+
+    /// The operator listener's TCP address.
+    pub fn operator_addr(&self) -> std::net::SocketAddr {
+        match self.broker.operator_addr() {
+            ListenAddr::Tcp(addr) => *addr,
+            ListenAddr::Unix(path) => panic!("the operator listens on {}", path.display()),
+        }
+    }
+
+    /// An operator with `token` on this broker's operator listener.
+    pub fn operator_with(&self, token: &str) -> Operator {
+        Operator::with_token(self.operator.base.clone(), token)
     }
 
     pub async fn send(
@@ -114,10 +132,17 @@ impl Harness {
         self.broker.controller().snapshot()
     }
 
+    /// The broker's `/metrics` (on the operator listener).
     pub async fn metrics(&self) -> String {
-        let reply = self.get("/metrics", Some(OPERATOR_SECRET)).await;
-        assert_eq!(reply.status, 200);
-        reply.body.as_str().unwrap().to_owned()
+        self.operator.metrics().await
+    }
+}
+
+/// `http://ADDR` of a broker's TCP operator listener.
+pub fn operator_base(broker: &Broker) -> String {
+    match broker.operator_addr() {
+        ListenAddr::Tcp(addr) => format!("http://{addr}"),
+        ListenAddr::Unix(path) => format!("unix:{}", path.display()),
     }
 }
 

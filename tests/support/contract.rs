@@ -76,8 +76,6 @@ pub fn kind_of(method: &str, path: &str, status: u16) -> Option<&'static str> {
         ("POST", ["api", "agent", "v1", "operations", _, "cancel"]) => Some("operation"),
         ("POST", ["api", "agent", "v1", "streams"]) => Some("stream"),
         ("DELETE", ["api", "agent", "v1", "streams", _]) => Some("stream_deleted"),
-        ("GET", ["api", "operator", "v1", "requests"]) => Some("operator_requests"),
-        ("POST", ["api", "operator", "v1", "requests", _, "approve" | "deny"]) => Some("operation"),
         _ => None,
     }
 }

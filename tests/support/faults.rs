@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use serde_json::Value;
+use serde_json::{Value, json};
 use unyolo_admission::StorageCaps;
 use unyolo_admission::broker::{Broker, DriftReport};
 
@@ -28,6 +28,31 @@ pub struct HangUp {
     pub body: Vec<u8>,
     /// The `Content-Length` sent; `None` sends the body's length.
     pub declared: Option<usize>,
+    /// Sent to the operator listener (else the agent listener).
+    pub to_operator: bool,
+}
+
+/// Where a broker listens: its agent and operator listeners (TCP).
+#[derive(Clone, Copy, Debug)]
+pub struct Listeners {
+    pub agent: std::net::SocketAddr,
+    pub operator: std::net::SocketAddr,
+}
+
+impl Listeners {
+    pub fn of(h: &Harness) -> Listeners {
+        Listeners {
+            agent: h.broker.local_addr(),
+            operator: h.operator_addr(),
+        }
+    }
+
+    pub fn of_server(server: &super::serve::Server) -> Listeners {
+        Listeners {
+            agent: server.addr,
+            operator: server.operator_addr.parse().unwrap(),
+        }
+    }
 }
 
 impl HangUp {
@@ -43,6 +68,21 @@ impl HangUp {
             token: token.to_owned(),
             body,
             declared: None,
+            to_operator: false,
+        }
+    }
+
+    /// An operator's decision on request `id` (at revision 1, as created) with a body.
+    pub fn decision(id: &str, action: &str) -> HangUp {
+        let body = json!({"expected_revision": 1, "idempotency_key": format!("hang-up-{id}")});
+        HangUp {
+            to_operator: true,
+            ..HangUp::new(
+                "POST",
+                format!("{INBOX}/{id}/{action}"),
+                OPERATOR_SECRET,
+                body.to_string().into_bytes(),
+            )
         }
     }
 
@@ -77,11 +117,15 @@ impl HangUp {
     }
 }
 
-/// Sends every request at once, each on its own connection closed right after writing.
-pub async fn hang_up_all(addr: std::net::SocketAddr, requests: Vec<HangUp>) {
+/// Sends every request at once, each on its own connection (to the listener it is for) closed
+/// right after writing.
+pub async fn hang_up_all(to: Listeners, requests: Vec<HangUp>) {
     let tasks: Vec<_> = requests
         .into_iter()
-        .map(|r| tokio::spawn(async move { r.send(addr).await }))
+        .map(|r| {
+            let addr = if r.to_operator { to.operator } else { to.agent };
+            tokio::spawn(async move { r.send(addr).await })
+        })
         .collect();
     for task in tasks {
         let _ = task.await;
@@ -182,7 +226,7 @@ pub async fn burst_watching_drift(h: &Harness, requests: Vec<HangUp>) {
     let stop = Arc::new(AtomicBool::new(false));
     let watcher = watch_drift(&h.broker, Arc::clone(&stop));
     let sender = async {
-        hang_up_all(h.broker.local_addr(), requests).await;
+        hang_up_all(Listeners::of(h), requests).await;
         stop.store(true, Ordering::Relaxed);
     };
     let (dirty, ()) = tokio::join!(watcher, sender);
@@ -223,9 +267,8 @@ pub async fn quiet(h: &Harness, data: &Path) {
 pub async fn assert_counts_match_the_store(h: &Harness, data: &Path) {
     let report = h.broker.check_drift().await.unwrap();
     assert!(report.is_clean(), "drift: {report:?}");
-    let route = h.get("/api/operator/v1/drift", Some(OPERATOR_SECRET)).await;
-    assert_eq!(route.status, 200);
-    assert_eq!(route.body["drift"], 0, "{}", route.body);
+    let route = h.operator.drift().await;
+    assert_eq!(route["drift"], 0, "{route}");
     let metrics = h.metrics().await;
     assert_eq!(metric(&metrics, "admission_store_drift"), Some(0));
     // No permit or live handle was lost on the way (non-zero would be a broker bug).
@@ -241,11 +284,8 @@ pub async fn assert_counts_match_the_store(h: &Harness, data: &Path) {
         "stream files on disk vs rows"
     );
     // Two reads, so a request still arriving may move one between them: poll until they agree.
-    let agree = eventually(async || {
-        let inbox = h.get(INBOX, Some(OPERATOR_SECRET)).await;
-        inbox.body["requests"].as_array().unwrap().len() as u64 == h.snapshot().pending
-    })
-    .await;
+    let agree =
+        eventually(async || h.operator.pending().await.len() as u64 == h.snapshot().pending).await;
     assert!(
         agree,
         "the inbox never matched the controller's pending count"
@@ -253,26 +293,18 @@ pub async fn assert_counts_match_the_store(h: &Harness, data: &Path) {
 }
 
 /// The operator decides every request in the inbox, approving or denying in turn, until it is
-/// empty. Each decision is 200, unless a late request of the burst decided it first (409, and the
-/// operation is then no longer pending). Returns how many this call decided.
+/// empty. Each decision is 200, unless a late request of the burst decided it first (409
+/// `revision_conflict` or `invalid_transition`, and the operation is then no longer pending). Returns how many this call decided.
 pub async fn decide_the_inbox(h: &Harness) -> usize {
     let mut decided = 0;
     let emptied = eventually(async || {
-        let inbox = h.get(INBOX, Some(OPERATOR_SECRET)).await;
-        let ids: Vec<String> = inbox.body["requests"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|op| op["id"].as_str().unwrap().to_owned())
-            .collect();
+        let ids = h.operator.pending().await;
         if ids.is_empty() {
             return true;
         }
         for id in &ids {
             let decision = if decided % 2 == 0 { "approve" } else { "deny" };
-            let reply = h
-                .post(&format!("{INBOX}/{id}/{decision}"), Some(OPERATOR_SECRET))
-                .await;
+            let reply = h.operator.act(id, decision).await;
             if reply.status == 200 {
                 decided += 1;
                 continue;
@@ -371,12 +403,7 @@ pub fn decisions(ids: &[String]) -> Vec<HangUp> {
         .enumerate()
         .map(|(i, id)| {
             let decision = if i % 2 == 0 { "approve" } else { "deny" };
-            HangUp::new(
-                "POST",
-                format!("{INBOX}/{id}/{decision}"),
-                OPERATOR_SECRET,
-                Vec::new(),
-            )
+            HangUp::decision(id, decision)
         })
         .collect()
 }

@@ -39,8 +39,12 @@ impl Reply {
     pub fn code(&self) -> &str {
         self.body["error"]["code"].as_str().unwrap_or("-")
     }
+    /// An Agent V1 operation's `state`, or an Operator V1 request's `status`.
     pub fn state(&self) -> &str {
-        self.body["state"].as_str().unwrap_or("-")
+        self.body["state"]
+            .as_str()
+            .or_else(|| self.body["status"].as_str())
+            .unwrap_or("-")
     }
     pub fn id(&self) -> String {
         self.body["id"].as_str().unwrap_or_default().to_owned()

@@ -16,7 +16,8 @@ use super::contract;
 use super::eventually::PATIENCE;
 use super::http::Reply;
 use super::metrics::metric;
-use super::secrets::{OPERATOR_SECRET, secrets_file};
+use super::operator::Operator;
+use super::secrets::{operator_secrets_file, secrets_file};
 
 /// The paths of the files `serve` reads, in a test's temporary dir.
 pub struct Files {
@@ -36,7 +37,7 @@ impl Files {
             config: dir.join("admission.json"),
         };
         std::fs::write(&files.secrets, secrets_file()).unwrap();
-        std::fs::write(&files.operator, format!("{OPERATOR_SECRET}\n")).unwrap();
+        std::fs::write(&files.operator, operator_secrets_file()).unwrap();
         std::fs::write(&files.config, limits).unwrap();
         files
     }
@@ -46,7 +47,7 @@ impl Files {
         [
             ("--data", &self.data),
             ("--secrets", &self.secrets),
-            ("--operator-secret", &self.operator),
+            ("--operator-secrets", &self.operator),
             ("--admission-config", &self.config),
         ]
         .into_iter()
@@ -69,6 +70,10 @@ pub struct Server {
     child: Child,
     pub addr: SocketAddr,
     pub base: String,
+    /// Where it listens for operators, as it printed it (`ADDR` or `unix:/path`).
+    pub operator_addr: String,
+    /// The operator (`OPERATOR`) on its operator listener (TCP).
+    pub operator: Operator,
     /// What it printed up to and including its `listening on` line.
     pub stdout: String,
     stderr: Arc<Mutex<Vec<u8>>>,
@@ -81,15 +86,21 @@ impl Drop for Server {
     }
 }
 
-/// `admission serve --listen 127.0.0.1:0` with `args`, logging at `log_filter`, through `sh` so
+/// `admission serve --listen 127.0.0.1:0 --operator-listen 127.0.0.1:0` (unless `args` names
+/// another operator listener) with `args`, logging at `log_filter`, through `sh` so
 /// `ulimit -n` can lower its open-file limit first (`exec` keeps the pid the server's own).
 fn command(file_limit: Option<u32>, log_filter: &str, args: &[impl AsRef<str>]) -> Command {
     let limit = file_limit.map_or(String::new(), |n| format!("ulimit -n {n} && "));
+    let operator = if args.iter().any(|a| a.as_ref() == "--operator-listen") {
+        ""
+    } else {
+        " --operator-listen 127.0.0.1:0"
+    };
     let mut command = Command::new("sh");
     command
         .arg("-c")
         .arg(format!(
-            "{limit}exec \"$0\" serve --listen 127.0.0.1:0 \"$@\""
+            "{limit}exec \"$0\" serve --listen 127.0.0.1:0{operator} \"$@\""
         ))
         .arg(env!("CARGO_BIN_EXE_admission"))
         .args(args.iter().map(AsRef::as_ref))
@@ -171,11 +182,15 @@ impl Server {
         });
         let deadline = Instant::now() + PATIENCE;
         let mut seen = String::new();
+        let mut operator_addr = String::new();
         let addr = loop {
             match printed.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
                 Ok(line) => {
                     seen.push_str(&line);
                     seen.push('\n');
+                    if let Some(addr) = line.trim().strip_prefix("operators on ") {
+                        operator_addr = addr.to_owned();
+                    }
                     if let Some(addr) = line.trim().strip_prefix("listening on ") {
                         break addr.parse::<SocketAddr>().unwrap();
                     }
@@ -196,6 +211,8 @@ impl Server {
             child,
             addr,
             base: format!("http://{addr}"),
+            operator: Operator::new(format!("http://{operator_addr}")),
+            operator_addr,
             stdout: seen,
             stderr: logged,
         }
@@ -287,10 +304,8 @@ impl Server {
             .unwrap()
     }
 
-    /// One series of the server's `/metrics`.
+    /// One series of the server's `/metrics` (on its operator listener).
     pub async fn metric(&self, series: &str) -> Option<u64> {
-        let reply = self.get("/metrics", OPERATOR_SECRET).await;
-        assert_eq!(reply.status, 200);
-        metric(reply.body.as_str().unwrap(), series)
+        metric(&self.operator.metrics().await, series)
     }
 }

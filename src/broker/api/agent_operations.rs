@@ -26,7 +26,8 @@ use crate::broker::core::LiveOp;
 use crate::broker::operations::TransitionFailure;
 use crate::broker::registry::{self, NotRunnable};
 use crate::broker::store::{
-    InsertError, OperationRecord, StoreError, StoredRequest, now_rfc3339, request_digest,
+    DecisionMark, InsertError, OperationRecord, StateChange, StoreError, StoredRequest,
+    now_rfc3339, request_digest,
 };
 use crate::config::Identity;
 use crate::engine::OperationState;
@@ -278,6 +279,7 @@ pub(crate) async fn create(
         terminal_at: None,
         error: None,
         revision: 1,
+        decided: None,
         broker: core.db.broker().to_owned(),
         presentation: shown,
     };
@@ -353,7 +355,19 @@ pub(crate) async fn cancel(
         return Ok(json_response(StatusCode::OK, record.to_json()));
     };
     // Decided: the write and the handle's move run to their end even if the client hangs up.
-    match core.transition_to_end(op, OperationState::Canceled).await {
+    // The client decides its own cancel: it is `decided_by` (a cancel of approved work revokes).
+    let change = StateChange {
+        error: None,
+        decision: Some(DecisionMark {
+            by: client.as_str().to_owned(),
+            on_behalf_of: None,
+            revoked: false,
+        }),
+    };
+    match core
+        .transition_to_end(op, OperationState::Canceled, change)
+        .await
+    {
         Ok(record) => Ok(json_response(StatusCode::OK, record.to_json())),
         Err(TransitionFailure::NotAllowed(OperationState::Executing)) => Err(ApiError::new(
             StatusCode::CONFLICT,

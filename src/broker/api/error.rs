@@ -93,7 +93,6 @@ impl ApiError {
     }
 
     /// The HTTP status.
-    #[cfg(any(test, feature = "fuzzing"))]
     pub(crate) fn status(&self) -> StatusCode {
         self.status
     }

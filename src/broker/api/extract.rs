@@ -1,5 +1,5 @@
 //! What a handler takes from a request, checked once here instead of in every handler: the
-//! authenticated client ([`Client`]) and the operator ([`Operator`]) from the bearer token, the
+//! authenticated client ([`Client`]) from the bearer token, the
 //! operation id of the path ([`OperationId`]), the query's parameters ([`QueryPairs`] and
 //! [`single_params`]), and the body ([`read_body`], within the buffered-bytes budget); the
 //! caller's own operation ([`own_record`], or rendered whole within the budget:
@@ -42,22 +42,6 @@ impl FromRequestParts<Arc<Core>> for Client {
             .cloned()
             .map(Client)
             .ok_or_else(rejected_token)
-    }
-}
-
-/// The operator, named by the bearer token: missing → 401, any other secret → 403, both
-/// `authentication_failed`.
-pub(crate) struct Operator;
-
-impl FromRequestParts<Arc<Core>> for Operator {
-    type Rejection = ApiError;
-
-    async fn from_request_parts(parts: &mut Parts, core: &Arc<Core>) -> Result<Operator, ApiError> {
-        if core.auth.is_operator(bearer(&parts.headers)?) {
-            Ok(Operator)
-        } else {
-            Err(rejected_token())
-        }
     }
 }
 

@@ -30,15 +30,15 @@ const BODY_UNIT_BYTES: u64 = 64 << 10;
 /// The most units a body's size adds: a whole 1 MiB submission's.
 const MAX_SIZE_COST: u32 = 16;
 
-/// What the request with head `head` is: health, readiness, metrics, cancellation and every
-/// operator route are exempt; a request whose bearer token names a client is that client's; any
+/// What the request with head `head` is (on the agent listener; the operator listener has no
+/// fairness layer, its requests take nothing from the clients' shares): health, readiness and
+/// cancellation are exempt; a request whose bearer token names a client is that client's; any
 /// other is unkeyed.
 pub(crate) fn classify(core: &Core, head: &Parts) -> Class {
     let path = head.uri.path();
     let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
     let exempt = match segments.as_slice() {
-        ["healthz" | "readyz" | "metrics"] => true,
-        ["api", "operator", ..] | ["admission", ..] => true,
+        ["healthz" | "readyz"] => true,
         ["api", "agent", "v1", "operations", _, "cancel"] => head.method == Method::POST,
         _ => false,
     };

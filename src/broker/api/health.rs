@@ -1,15 +1,14 @@
-//! Health and metrics: `/healthz` (alive), `/readyz` (the store takes writes) and `/metrics`
-//! (operator; OpenMetrics text).
+//! The agent listener's health: `/healthz` (alive) and `/readyz` (the store takes writes).
+//! `/metrics` is on the operator listener (`operator`).
 
 use std::sync::Arc;
 
 use axum::extract::State;
-use axum::http::{StatusCode, header};
-use axum::response::{IntoResponse, Response};
+use axum::http::StatusCode;
+use axum::response::Response;
 use serde_json::json;
 
 use super::error::{ApiError, ApiResult, json_response};
-use super::extract::Operator;
 use crate::broker::core::Core;
 
 pub(crate) async fn healthz() -> Response {
@@ -31,26 +30,4 @@ pub(crate) async fn readyz(State(core): State<Arc<Core>>) -> ApiResult {
             "The operation store does not answer.",
         )),
     }
-}
-
-pub(crate) async fn metrics(State(core): State<Arc<Core>>, _operator: Operator) -> ApiResult {
-    let ready = tokio::time::timeout(READY_DEADLINE, core.db.ping()).await;
-    core.store_ready.set(i64::from(matches!(ready, Ok(Ok(())))));
-    let mut text = String::new();
-    prometheus_client::encoding::text::encode(&mut text, &core.registry).map_err(|_| {
-        ApiError::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "internal_error",
-            "Metrics could not be encoded.",
-        )
-    })?;
-    Ok((
-        StatusCode::OK,
-        [(
-            header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        text,
-    )
-        .into_response())
 }

@@ -4,8 +4,9 @@
 //! A submission goes authenticate → validate → replay → admit → create → commit: nothing that can
 //! be refused without admission (a bad token, a bad body, a replay) reaches the controller, and a
 //! refusal writes nothing. Cancel, operator decisions, reads, `/healthz`, `/readyz` and `/metrics`
-//! never call admission. Every error body is `{"error":{"code","message"}}` and every response
-//! carries `Cache-Control: no-store`.
+//! never call admission. On the agent listener every error body is `{"error":{"code","message"}}`
+//! and every response carries `Cache-Control: no-store`; the operator listener's routes are
+//! under [`operator`], with Operator V1's envelope.
 //!
 //! Each mutating handler (submit, cancel, approve, deny, upload, delete) hands everything from its
 //! decision on to a task of its own (`detached`, `Core::transition_to_end`) and only waits for
@@ -24,7 +25,7 @@ pub(crate) mod extract;
 mod fairness;
 mod health;
 pub mod listing;
-mod operator;
+pub mod operator;
 pub mod presentation;
 pub mod projection;
 pub mod ratelimit;
@@ -46,9 +47,15 @@ use error::ApiError;
 pub use agent_operations::{MAX_ARGUMENT_PROPERTIES, MAX_BODY_BYTES, MAX_TARGET_PROPERTIES};
 pub use error::REFUSAL_MESSAGE;
 
-/// The routes, with their state, behind the fairness layer (`fairness::classify` says what each
-/// request is; a refusal is the layer's default 429 `client_request_limit`).
-pub(crate) fn router(core: Arc<Core>) -> Router {
+/// The operator listener's routes (Operator V1, `/metrics`, `/admission/v1/drift`).
+pub(crate) fn operator_router(core: Arc<Core>) -> Router {
+    operator::router(core)
+}
+
+/// The agent listener's routes (Agent V1, `/healthz`, `/readyz`), with their state, behind the
+/// fairness layer (`fairness::classify` says what each request is; a refusal is the layer's
+/// default 429 `client_request_limit`). No operator route and no `/metrics`: they are 404 here.
+pub(crate) fn agent_router(core: Arc<Core>) -> Router {
     let classifier = Arc::clone(&core);
     let fair = FairnessLayer::new(core.fairness.clone(), move |head: &Parts| {
         fairness::classify(&classifier, head)
@@ -73,16 +80,8 @@ pub(crate) fn router(core: Arc<Core>) -> Router {
         )
         .route("/api/agent/v1/streams", post(streams::upload_stream))
         .route("/api/agent/v1/streams/{id}", delete(streams::delete_stream))
-        .route("/api/operator/v1/requests", get(operator::list_pending))
-        .route(
-            "/api/operator/v1/requests/{id}/approve",
-            post(operator::approve),
-        )
-        .route("/api/operator/v1/requests/{id}/deny", post(operator::deny))
-        .route("/api/operator/v1/drift", get(operator::drift))
         .route("/healthz", get(health::healthz))
         .route("/readyz", get(health::readyz))
-        .route("/metrics", get(health::metrics))
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "not_found", "No such route.") })
         .method_not_allowed_fallback(|| async {
             ApiError::new(

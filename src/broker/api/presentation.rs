@@ -46,7 +46,7 @@ pub(crate) fn presentation_json(shown: &Presentation) -> Value {
 
 /// `branch=main, repo=unyolo/test` (by name; strings unquoted, other values as JSON), or
 /// `no target`.
-fn describe_target(target: &Value) -> String {
+pub(crate) fn describe_target(target: &Value) -> String {
     let Some(fields) = target.as_object().filter(|fields| !fields.is_empty()) else {
         return "no target".to_owned();
     };
@@ -66,7 +66,7 @@ fn describe_fields(fields: &Map<String, Value>) -> String {
 
 /// `text` cut to at most `max` characters, ending in `…` when cut; control characters become
 /// spaces so a title stays one line.
-fn truncate(text: &str, max: usize) -> String {
+pub(crate) fn truncate(text: &str, max: usize) -> String {
     let clean: String = text
         .chars()
         .map(|c| if c.is_control() { ' ' } else { c })

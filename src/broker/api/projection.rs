@@ -9,12 +9,14 @@ use serde_json::{Value, json};
 
 use super::discovery::API_VERSION;
 use super::presentation::presentation_json;
+use crate::broker::registry;
 use crate::broker::store::{OperationRecord, OperationSummary};
 
 /// The Agent V1 JSON forms of an operation.
 pub trait OperationJson {
     /// The Agent V1 operation object: every field the contract has, optional ones only when
-    /// they have a value (never a `null`).
+    /// they have a value (never a `null`); an operation that needs approval carries
+    /// `approval_id`, the id of its Operator V1 request (its own id).
     fn to_json(&self) -> Value;
 
     /// [`OperationJson::to_json`], moving the request's values into the object instead of
@@ -42,6 +44,10 @@ impl OperationJson for OperationRecord {
                 "error".to_owned(),
                 json!({"code": error.code, "message": error.message}),
             );
+        }
+        if registry::needs_approval(&self.operation) {
+            // Its Operator V1 request is the operation itself.
+            fields.insert("approval_id".to_owned(), Value::from(self.id.as_str()));
         }
         object
     }
@@ -97,6 +103,7 @@ mod tests {
             terminal_at: None,
             error: None,
             revision: 1,
+            decided: None,
             broker: "admission".to_owned(),
             presentation: crate::broker::store::Presentation {
                 title: "Run the demo".to_owned(),
@@ -111,6 +118,16 @@ mod tests {
         let fields = full.as_object().unwrap();
         assert!(fields.values().all(|v| !v.is_null()), "{full}");
         assert!(!fields.contains_key("terminal_at") && !fields.contains_key("error"));
+        assert!(
+            !fields.contains_key("approval_id"),
+            "demo.run needs no approval"
+        );
+        let request = OperationRecord {
+            operation: "demo.request".to_owned(),
+            ..record()
+        };
+        assert_eq!(request.to_json()["approval_id"], "op_1");
+        assert!(request.to_summary_json().get("approval_id").is_none());
         assert_eq!(full["target"], json!({"repo": "unyolo/test"}));
         let summary = record().to_summary_json();
         for absent in ["target", "arguments", "reason", "error"] {

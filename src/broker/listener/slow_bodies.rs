@@ -56,7 +56,7 @@ async fn start(settings: ConnectionSettings, cap: usize) -> Server {
         listener,
         app,
         settings,
-        cap,
+        ConnectionPool::new(cap),
         stopped,
         metrics.clone(),
     ));

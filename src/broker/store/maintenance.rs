@@ -172,8 +172,17 @@ impl Database {
                     "DELETE FROM operations WHERE seq = ?1 AND terminal_at IS NOT NULL \
                      AND state IN ('succeeded', 'failed', 'denied', 'canceled', 'expired')",
                 )?;
+                let mut decisions = tx.prepare_cached(
+                    "DELETE FROM operator_decisions WHERE request_id = ?1 \
+                     AND NOT EXISTS (SELECT 1 FROM operations WHERE id = ?1)",
+                )?;
                 for row in &batch {
-                    deleted += stmt.execute(params![row.seq])?;
+                    let gone = stmt.execute(params![row.seq])?;
+                    if gone == 1 {
+                        // Its decision records go with it: a replay after retention is new work.
+                        decisions.execute(params![row.id])?;
+                    }
+                    deleted += gone;
                 }
             }
             tx.commit()?;

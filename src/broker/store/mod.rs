@@ -21,26 +21,33 @@
 //!   recovery);
 //! - `digest`: the canonical digest of a request, stored with its operation for replays;
 //! - `streams`: the stream rows;
+//! - `decisions`: operators' decisions, judged and committed with their idempotency records in
+//!   one transaction;
+//! - `requests`: the operators' request pages;
 //! - `maintenance`: what keeps the file bounded and checked (retention deletes, returning free
 //!   pages, checkpoints, the counts the drift check compares);
 //! - `error`: what went wrong, as values a caller matches on.
 
 mod database;
+mod decisions;
 mod digest;
 mod error;
 mod maintenance;
 mod operations;
+mod requests;
 mod schema;
 mod streams;
 
 pub use database::{DATABASE_FILE, DEFAULT_BROKER_NAME, Database, LOCK_FILE, READERS, now_rfc3339};
+pub use decisions::{DecidedMove, DecisionCommand, DecisionOutcome, DecisionScope};
 pub use digest::request_digest;
 pub use error::{InsertError, StoreError};
 pub use maintenance::{Retiring, StoredCounts};
 pub use operations::{
-    OperationError, OperationRecord, OperationSummary, PageQuery, Presentation, Recovered,
-    StoredRequest,
+    Decided, DecisionMark, OperationError, OperationRecord, OperationSummary, PageQuery,
+    Presentation, Recovered, StateChange, StoredRequest,
 };
+pub use requests::{RequestQuery, StateFilter};
 pub use schema::SCHEMA_VERSION;
 pub use streams::StreamRecord;
 
@@ -68,6 +75,7 @@ mod tests {
             terminal_at: None,
             error: None,
             revision: 1,
+            decided: None,
             broker: DEFAULT_BROKER_NAME.to_owned(),
             presentation: Presentation {
                 title: format!("Run {id}"),

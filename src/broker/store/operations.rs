@@ -44,6 +44,52 @@ pub struct Presentation {
     pub summary: Option<String>,
 }
 
+/// Who decided an operation, when and for whom: an operator's approve, deny or revoke, or the
+/// client's own cancel.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Decided {
+    /// RFC 3339, UTC.
+    pub at: String,
+    /// The operator's name, or the client id for the client's cancel.
+    pub by: String,
+    /// Whom the operator decided for (a decision's `on_behalf_of`), if anyone.
+    pub on_behalf_of: Option<String>,
+    /// Whether the decision took back an approval (a revoke, or a cancel of approved work).
+    pub revoked: bool,
+}
+
+/// Who makes a state change, for the change to record ([`Decided`] without the time, which the
+/// store stamps).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DecisionMark {
+    /// The operator's name, or the client id.
+    pub by: String,
+    /// Whom the operator decides for.
+    pub on_behalf_of: Option<String>,
+    /// Whether it takes back an approval.
+    pub revoked: bool,
+}
+
+/// What a state change writes besides the state: the error a failure ends with, and who decided
+/// (for decisions and cancels).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StateChange {
+    /// Why it failed (for a move to `failed`).
+    pub error: Option<OperationError>,
+    /// Who decided, if this change is a decision.
+    pub decision: Option<DecisionMark>,
+}
+
+impl StateChange {
+    /// A change carrying `error` only.
+    pub fn error(error: Option<OperationError>) -> StateChange {
+        StateChange {
+            error,
+            decision: None,
+        }
+    }
+}
+
 /// One durable operation, as stored (the broker's `projection` shows it as the API does).
 #[derive(Clone, Debug, PartialEq)]
 pub struct OperationRecord {
@@ -73,6 +119,8 @@ pub struct OperationRecord {
     pub error: Option<OperationError>,
     /// 1 at creation, +1 on every change; durable.
     pub revision: u64,
+    /// The last decision about it (an operator's, or the client's cancel), if any.
+    pub decided: Option<Decided>,
     /// The name of the broker that holds it (not stored: the broker's configured name).
     pub broker: String,
     /// Its presentation, as derived at creation.
@@ -203,7 +251,7 @@ impl OperationRecord {
         request_digest(&self.operation, &self.target, &self.arguments, &self.reason)
     }
 
-    fn from_row(row: &Row<'_>, broker: &str) -> rusqlite::Result<OperationRecord> {
+    pub(super) fn from_row(row: &Row<'_>, broker: &str) -> rusqlite::Result<OperationRecord> {
         let presentation = presentation_of(row)?;
         OperationRecord::from_row_presented(row, broker, presentation)
     }
@@ -240,6 +288,17 @@ impl OperationRecord {
                 message: error_message.unwrap_or_default(),
             }),
             revision: row.get::<_, i64>("revision")?.max(1) as u64,
+            decided: match row.get::<_, Option<String>>("decided_at")? {
+                None => None,
+                Some(at) => Some(Decided {
+                    at,
+                    by: row
+                        .get::<_, Option<String>>("decided_by")?
+                        .unwrap_or_default(),
+                    on_behalf_of: row.get("decided_on_behalf_of")?,
+                    revoked: row.get::<_, i64>("revoked")? != 0,
+                }),
+            },
             broker: broker.to_owned(),
             presentation,
         })
@@ -257,9 +316,56 @@ pub struct Recovered {
     pub streams: Vec<StreamRecord>,
 }
 
-const SELECT_OPERATION: &str = "SELECT id, client_id, idempotency_key, operation, target, \
-    arguments, reason, state, created_at, updated_at, terminal_at, error_code, error_message, \
-    revision, title, summary FROM operations";
+pub(super) const SELECT_OPERATION: &str = "SELECT id, client_id, idempotency_key, operation, \
+    target, arguments, reason, state, created_at, updated_at, terminal_at, error_code, \
+    error_message, revision, title, summary, decided_at, decided_by, decided_on_behalf_of, \
+    revoked FROM operations";
+
+/// Moves operation `id` from `from` to `to` inside `tx`, writing what `change` carries, +1 on
+/// its revision; the updated record, or `None` if the row was not in `from`. **Every** state
+/// change of an operation goes through here (submission aside: a row is created in its first
+/// state), in the caller's transaction: transitions, starts, decisions, recovery. So whatever
+/// must be written with each change (the event log's entry) is written here, once.
+pub(super) fn change_state(
+    tx: &rusqlite::Transaction<'_>,
+    broker: &str,
+    id: &str,
+    from: OperationState,
+    to: OperationState,
+    change: &StateChange,
+) -> rusqlite::Result<Option<OperationRecord>> {
+    let now = now_rfc3339();
+    let terminal_at = to.is_terminal().then_some(now.as_str());
+    let decision = change.decision.as_ref();
+    let changed = tx
+        .prepare_cached(
+            "UPDATE operations SET state = ?3, updated_at = ?4, terminal_at = ?5, \
+         error_code = ?6, error_message = ?7, revision = revision + 1, \
+         decided_at = CASE WHEN ?8 IS NULL THEN decided_at ELSE ?4 END, \
+         decided_by = CASE WHEN ?8 IS NULL THEN decided_by ELSE ?8 END, \
+         decided_on_behalf_of = CASE WHEN ?8 IS NULL THEN decided_on_behalf_of ELSE ?9 END, \
+         revoked = CASE WHEN ?8 IS NULL THEN revoked ELSE ?10 END \
+         WHERE id = ?1 AND state = ?2",
+        )?
+        .execute(params![
+            id,
+            from.as_str(),
+            to.as_str(),
+            now,
+            terminal_at,
+            change.error.as_ref().map(|e| e.code.as_str()),
+            change.error.as_ref().map(|e| e.message.as_str()),
+            decision.map(|d| d.by.as_str()),
+            decision.and_then(|d| d.on_behalf_of.as_deref()),
+            decision.map(|d| i64::from(d.revoked)),
+        ])?;
+    if changed != 1 {
+        return Ok(None);
+    }
+    tx.prepare_cached(&format!("{SELECT_OPERATION} WHERE id = ?1"))?
+        .query_row(params![id], |row| OperationRecord::from_row(row, broker))
+        .optional()
+}
 
 /// What a listing page selects: the caller's operations, newest first, after a position.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -299,7 +405,6 @@ impl Database {
     pub fn recover(&self) -> Result<Recovered, StoreError> {
         let mut conn = self.writer();
         let tx = conn.transaction()?;
-        let now = now_rfc3339();
         let error = OperationError {
             code: "execution_interrupted".to_owned(),
             message: "The broker stopped while the operation was executing; it was not run again."
@@ -312,23 +417,21 @@ impl Database {
             stmt.query_map([], |row| OperationRecord::from_row(row, &self.broker))?
                 .collect::<rusqlite::Result<Vec<_>>>()?
         };
-        tx.execute(
-            "UPDATE operations SET state = 'failed', updated_at = ?1, terminal_at = ?1, \
-             error_code = ?2, error_message = ?3, revision = revision + 1 \
-             WHERE state = 'executing'",
-            params![now, error.code, error.message],
-        )?;
-        let interrupted = interrupted
-            .into_iter()
-            .map(|record| OperationRecord {
-                state: OperationState::Failed,
-                updated_at: now.clone(),
-                terminal_at: Some(now.clone()),
-                error: Some(error.clone()),
-                revision: record.revision + 1,
-                ..record
-            })
-            .collect();
+        let change = StateChange::error(Some(error));
+        let mut failed = Vec::with_capacity(interrupted.len());
+        for record in &interrupted {
+            if let Some(record) = change_state(
+                &tx,
+                &self.broker,
+                &record.id,
+                OperationState::Executing,
+                OperationState::Failed,
+                &change,
+            )? {
+                failed.push(record);
+            }
+        }
+        let interrupted = failed;
         let live = {
             let mut stmt = tx.prepare(&format!(
                 "{SELECT_OPERATION} WHERE state IN ('pending', 'approved') ORDER BY rowid"
@@ -617,45 +720,21 @@ impl Database {
         .await
     }
 
-    /// Moves operation `id` from `from` to `to` (with `error` for a failure); durable when this
-    /// returns. Returns the updated record, or `None` if the row was not in `from`.
+    /// Moves operation `id` from `from` to `to`, writing what `change` carries ([`change_state`]);
+    /// durable when this returns. Returns the updated record, or `None` if the row was not in
+    /// `from`.
     pub async fn set_state(
         &self,
         id: &str,
         from: OperationState,
         to: OperationState,
-        error: Option<OperationError>,
+        change: StateChange,
     ) -> Result<Option<OperationRecord>, StoreError> {
         let id = id.to_owned();
         let broker = Arc::clone(&self.broker);
         self.write(move |conn| {
-            let now = now_rfc3339();
-            let terminal_at = to.is_terminal().then_some(now.as_str());
             let tx = conn.transaction()?;
-            let changed = tx.execute(
-                "UPDATE operations SET state = ?3, updated_at = ?4, terminal_at = ?5, \
-                 error_code = ?6, error_message = ?7, revision = revision + 1 \
-                 WHERE id = ?1 AND state = ?2",
-                params![
-                    id,
-                    from.as_str(),
-                    to.as_str(),
-                    now,
-                    terminal_at,
-                    error.as_ref().map(|e| e.code.as_str()),
-                    error.as_ref().map(|e| e.message.as_str()),
-                ],
-            )?;
-            let record = if changed == 1 {
-                tx.query_row(
-                    &format!("{SELECT_OPERATION} WHERE id = ?1"),
-                    params![id],
-                    |row| OperationRecord::from_row(row, &broker),
-                )
-                .optional()?
-            } else {
-                None
-            };
+            let record = change_state(&tx, &broker, &id, from, to, &change)?;
             tx.commit()?;
             Ok(record)
         })
@@ -672,7 +751,7 @@ impl Database {
             let mut stmt = tx.prepare(&format!(
                 "INSERT INTO operations ({OPERATION_COLUMNS}) \
                  VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, \
-                 ?17)"
+                 ?17, ?18, ?19, ?20, ?21)"
             ))?;
             for record in records {
                 stmt.execute(params![
@@ -693,6 +772,13 @@ impl Database {
                     record.presentation.title,
                     record.presentation.summary,
                     record.request_digest(),
+                    record.decided.as_ref().map(|d| d.at.as_str()),
+                    record.decided.as_ref().map(|d| d.by.as_str()),
+                    record
+                        .decided
+                        .as_ref()
+                        .and_then(|d| d.on_behalf_of.as_deref()),
+                    record.decided.as_ref().is_some_and(|d| d.revoked),
                 ])?;
             }
         }

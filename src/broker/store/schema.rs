@@ -18,6 +18,12 @@
 //! stored JSON once at start-up ([`super::Database::fill_derived`]) and drops the index, so the
 //! reads never meet a row without them.
 //!
+//! Schema 5 adds what Operator V1 needs: who decided each operation, when, and for whom
+//! (`decided_at`, `decided_by`, `decided_on_behalf_of`), whether a cancel took back an approval
+//! (`revoked`), and the `operator_decisions` table, one row per committed decision keyed by
+//! (request, action, idempotency key), holding the command's hash and the request as that
+//! decision committed it (what a replay answers).
+//!
 //! Each step brings a file from the version below its number to its number, and a file applies
 //! every step above its version in one transaction. A new file is the version 3 table plus every
 //! later step, so a column added by a step is there on new and old files alike.
@@ -32,7 +38,7 @@ use rusqlite::Connection;
 use super::error::StoreError;
 
 /// The schema version this code writes (`PRAGMA user_version`).
-pub const SCHEMA_VERSION: i64 = 4;
+pub const SCHEMA_VERSION: i64 = 5;
 
 /// The operations table as schema 3 made it, named `{name}` (later steps add columns to it).
 /// `seq` is its explicit rowid: listing cursors are `seq`
@@ -83,7 +89,8 @@ const OPERATION_COLUMNS_V3: &str = "id, client_id, idempotency_key, operation, t
 /// The columns of an operation row, in table order after `seq`.
 pub(super) const OPERATION_COLUMNS: &str = "id, client_id, idempotency_key, operation, target, \
     arguments, reason, state, created_at, updated_at, terminal_at, error_code, error_message, \
-    revision, title, summary, request_digest";
+    revision, title, summary, request_digest, decided_at, decided_by, decided_on_behalf_of, \
+    revoked";
 
 /// From schema version 1: every existing operation starts at revision 1 (it has no recorded
 /// history), and the indexes that listing pages walk.
@@ -115,11 +122,30 @@ ALTER TABLE operations ADD COLUMN request_digest TEXT;
 CREATE INDEX operations_underived ON operations (seq) WHERE request_digest IS NULL;
 ";
 
+/// From schema version 4: who decided, when, for whom, whether a cancel took back an approval,
+/// and the operators' decision records (see the module docs).
+const MIGRATE_4_TO_5: &str = "
+ALTER TABLE operations ADD COLUMN decided_at TEXT;
+ALTER TABLE operations ADD COLUMN decided_by TEXT;
+ALTER TABLE operations ADD COLUMN decided_on_behalf_of TEXT;
+ALTER TABLE operations ADD COLUMN revoked INTEGER NOT NULL DEFAULT 0;
+CREATE TABLE operator_decisions (
+    request_id      TEXT NOT NULL,
+    action          TEXT NOT NULL,
+    idempotency_key TEXT NOT NULL,
+    command_hash    TEXT NOT NULL,
+    operator        TEXT NOT NULL,
+    committed       TEXT NOT NULL,
+    created_at      TEXT NOT NULL,
+    PRIMARY KEY (request_id, action, idempotency_key)
+) WITHOUT ROWID;
+";
+
 /// The index that lists the rows schema 4's step found, until start-up filled them.
 pub(super) const UNDERIVED_INDEX: &str = "operations_underived";
 
 /// The steps after schema 3, each with the version it brings a file to, in order.
-const STEPS_AFTER_3: [(i64, &str); 1] = [(4, MIGRATE_3_TO_4)];
+const STEPS_AFTER_3: [(i64, &str); 2] = [(4, MIGRATE_3_TO_4), (5, MIGRATE_4_TO_5)];
 
 /// `PRAGMA auto_vacuum` value for `INCREMENTAL`: freed pages stay in the file until
 /// `PRAGMA incremental_vacuum` returns them to the filesystem, which the retention sweep does in

@@ -1,0 +1,561 @@
+//! `POST /api/operator/v1/requests/{id}/{approve|deny|revoke}`: an operator's decision, in the
+//! contract's order.
+//!
+//! 1. The path (an id past 128 characters is 400), then the credential (401), then the action
+//!    (any other is 404 `route not found`).
+//! 2. The body: `Content-Type: application/json` (parameters allowed; else 415), at most
+//!    [`MAX_DECISION_BYTES`], strictly the contract's `Decision` (unknown or repeated fields,
+//!    `null` where a value is due, trailing data, a bound broken: 400 `decision body is invalid`),
+//!    then normalized (the key trimmed, no control characters; `constraints` only on approve,
+//!    `notification` not on revoke: else 400 `request is invalid`). See [`parse_decision`].
+//! 3. From here the decision is made, in one store transaction run to its end whether or not the
+//!    operator waits ([`crate::broker::core::Core::decide_to_end`]): the idempotency record of
+//!    (request, action, key) (the same command replays what it committed, 200 with
+//!    `Idempotency-Replayed: true`; another is 409 `idempotency_conflict`), the request (404),
+//!    `expected_revision` (409 `revision_conflict` with `current`), a `notification` (admission
+//!    issues no decision tokens: 409 `invalid_decision_token`), the transition (409
+//!    `invalid_transition`), the constraints (may only narrow: 409 `constraint_exceeded`). Then
+//!    the state change, the revision and the decision's record commit together, and the
+//!    controller's counts follow (a deny or revoke releases the request's slots).
+//!
+//! The command hash covers the whole normalized command, the operator's name included, so the
+//! same key from another operator, for another revision or on behalf of someone else is a
+//! conflict, not a replay.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::{FromRequestParts, Path, State};
+use axum::http::request::Parts;
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
+use axum::response::IntoResponse;
+use serde::{Deserialize, Deserializer};
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+
+use super::OperatorName;
+use super::error::{ErrorCode, OperatorError, OperatorResult};
+use super::projection::{APPROVAL_SECONDS, broker_request};
+use super::requests::valid_id;
+use crate::broker::api::error::json_response;
+use crate::broker::api::extract::read_body;
+use crate::broker::core::Core;
+use crate::broker::registry;
+use crate::broker::store::{
+    DecidedMove, DecisionCommand, DecisionOutcome, DecisionScope, OperationRecord,
+};
+use crate::engine::OperationState;
+
+/// The largest decision body, in bytes (unYOLO's `maxDecisionBodyBytes`).
+pub const MAX_DECISION_BYTES: usize = 96 * 1024;
+
+/// The `Idempotency-Replayed` header of a replayed decision.
+pub const IDEMPOTENCY_REPLAYED: HeaderName = HeaderName::from_static("idempotency-replayed");
+
+/// The largest integer JSON carries exactly (2^53 - 1), the contract's bound on revisions.
+const MAX_SAFE_INTEGER: u64 = (1 << 53) - 1;
+
+/// What an operator decides.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// Pending → approved (queued for execution).
+    Approve,
+    /// Pending → denied.
+    Deny,
+    /// Approved → canceled (shown as `revoked`).
+    Revoke,
+}
+
+impl Action {
+    /// The action a path segment names.
+    pub fn from_path(segment: &str) -> Option<Action> {
+        match segment {
+            "approve" => Some(Action::Approve),
+            "deny" => Some(Action::Deny),
+            "revoke" => Some(Action::Revoke),
+            _ => None,
+        }
+    }
+
+    /// The action as the path spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Action::Approve => "approve",
+            Action::Deny => "deny",
+            Action::Revoke => "revoke",
+        }
+    }
+}
+
+/// An approval's constraints: each may only narrow the request's bounds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Constraints {
+    /// The approval's duration, in seconds (at least 1).
+    pub duration_seconds: Option<u64>,
+    /// The most uses: absent (`None`), unlimited (`Some(None)`), or a number 1–1,000,000.
+    pub max_uses: Option<Option<u64>>,
+}
+
+/// A decision body, judged and normalized.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DecisionBody {
+    /// The request's revision the operator decided on.
+    pub expected_revision: u64,
+    /// The key, trimmed.
+    pub idempotency_key: String,
+    /// Whom the operator decides for (absent when empty).
+    pub on_behalf_of: Option<String>,
+    /// Narrowed bounds (approve only).
+    pub constraints: Option<Constraints>,
+    /// A notification decision, as sent (never honoured: admission issues no tokens).
+    pub notification: Option<Value>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct WireDecision {
+    expected_revision: u64,
+    idempotency_key: String,
+    #[serde(default, deserialize_with = "present")]
+    on_behalf_of: Option<String>,
+    #[serde(default, deserialize_with = "present")]
+    constraints: Option<WireConstraints>,
+    #[serde(default, deserialize_with = "present")]
+    notification: Option<WireNotification>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct WireConstraints {
+    #[serde(default, deserialize_with = "present")]
+    duration_seconds: Option<u64>,
+    #[serde(default, deserialize_with = "specified")]
+    max_uses: Option<Option<u64>>,
+}
+
+#[derive(Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+struct WireNotification {
+    kind: String,
+    renderer: String,
+    decision_token: String,
+    chat_id: i64,
+    message_id: u64,
+    text: String,
+    presentation_json: String,
+    presentation_digest: String,
+    rendered_digest: String,
+}
+
+/// A field that, when given, holds a value (`null` is refused).
+fn present<'de, D: Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<Option<T>, D::Error> {
+    T::deserialize(d).map(Some)
+}
+
+/// A field that, when given, holds a value or `null` (both are kept apart from absent).
+fn specified<'de, D: Deserializer<'de>, T: Deserialize<'de>>(
+    d: D,
+) -> Result<Option<Option<T>>, D::Error> {
+    Option::<T>::deserialize(d).map(Some)
+}
+
+fn is_digest(text: &str) -> bool {
+    text.strip_prefix("sha256:").is_some_and(|hex| {
+        hex.len() == 64 && hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+    })
+}
+
+fn chars_within(text: &str, min: usize, max: usize) -> bool {
+    (min..=max).contains(&text.chars().count())
+}
+
+impl WireNotification {
+    /// Whether it is the contract's `NotificationDecision` (every field within its bounds).
+    fn valid(&self) -> bool {
+        self.kind == "telegram"
+            && chars_within(&self.renderer, 1, 64)
+            && chars_within(&self.decision_token, 1, 200)
+            && self.chat_id != 0
+            && self.chat_id.unsigned_abs() <= MAX_SAFE_INTEGER
+            && (1..=MAX_SAFE_INTEGER).contains(&self.message_id)
+            && chars_within(&self.text, 1, 32_768)
+            && chars_within(&self.presentation_json, 1, 65_536)
+            && is_digest(&self.presentation_digest)
+            && is_digest(&self.rendered_digest)
+    }
+}
+
+/// Judges a decision body for `action` (see the module docs): 400 `decision body is invalid`
+/// for a body that is not the contract's `Decision`, 400 `request is invalid` for one that does
+/// not normalize (a blank key, a control character, constraints on a deny or revoke, a
+/// notification on a revoke).
+pub fn parse_decision(action: Action, bytes: &[u8]) -> Result<DecisionBody, OperatorError> {
+    let wire: WireDecision =
+        serde_json::from_slice(bytes).map_err(|_| OperatorError::invalid_body())?;
+    let constraints_valid = wire.constraints.as_ref().is_none_or(|c| {
+        c.duration_seconds
+            .is_none_or(|d| (1..=MAX_SAFE_INTEGER).contains(&d))
+            && c.max_uses
+                .is_none_or(|uses| uses.is_none_or(|n| (1..=1_000_000).contains(&n)))
+    });
+    let body_valid = (1..=MAX_SAFE_INTEGER).contains(&wire.expected_revision)
+        && chars_within(&wire.idempotency_key, 1, 200)
+        && wire
+            .on_behalf_of
+            .as_deref()
+            .is_none_or(|who| chars_within(who, 0, 200))
+        && constraints_valid
+        && wire
+            .notification
+            .as_ref()
+            .is_none_or(|n| n.valid() && wire.constraints.is_none());
+    if !body_valid {
+        return Err(OperatorError::invalid_body());
+    }
+    let key = wire.idempotency_key.trim();
+    let on_behalf_of = wire.on_behalf_of.filter(|who| !who.is_empty());
+    let normalizes = !key.is_empty()
+        && key.len() <= 200
+        && !key.contains(char::is_control)
+        && on_behalf_of
+            .as_deref()
+            .is_none_or(|who| !who.contains(char::is_control))
+        && (action == Action::Approve || wire.constraints.is_none())
+        && (action != Action::Revoke || wire.notification.is_none());
+    if !normalizes {
+        return Err(OperatorError::invalid());
+    }
+    Ok(DecisionBody {
+        expected_revision: wire.expected_revision,
+        idempotency_key: key.to_owned(),
+        on_behalf_of,
+        constraints: wire.constraints.map(|c| Constraints {
+            duration_seconds: c.duration_seconds,
+            max_uses: c.max_uses,
+        }),
+        notification: wire
+            .notification
+            .map(|n| serde_json::to_value(n).expect("a notification serializes")),
+    })
+}
+
+impl DecisionBody {
+    /// The hash of the whole command: the request, the action, the operator and everything the
+    /// body said (normalized).
+    pub fn command_hash(&self, id: &str, action: Action, operator: &str) -> String {
+        let constraints = self.constraints.as_ref().map(|c| {
+            json!({
+                "duration_seconds": c.duration_seconds,
+                "max_uses": c.max_uses.flatten(),
+                "max_uses_specified": c.max_uses.is_some(),
+            })
+        });
+        // serde_json's maps are sorted: one text per command.
+        let command = json!({
+            "id": id,
+            "action": action.as_str(),
+            "operator": operator,
+            "on_behalf_of": self.on_behalf_of,
+            "expected_revision": self.expected_revision,
+            "idempotency_key": self.idempotency_key,
+            "constraints": constraints,
+            "notification": self.notification,
+        });
+        let digest = Sha256::digest(command.to_string().as_bytes());
+        digest.iter().map(|b| format!("{b:02x}")).collect()
+    }
+}
+
+/// Why a decision the store looked at was refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Refusal {
+    /// Not a request (an operation that needs no approval).
+    NotARequest,
+    /// `expected_revision` is not the request's.
+    Stale,
+    /// A notification decision (admission issues no tokens).
+    Token,
+    /// The action is not allowed from the request's status.
+    Transition,
+    /// The constraints widen the bounds.
+    Exceeded,
+}
+
+/// The contract's checks on the stored request, in its order; `live` is the state the
+/// operation's lifecycle handle is in (`None`: not live).
+fn judge(
+    body: &DecisionBody,
+    action: Action,
+    record: &OperationRecord,
+    live: Option<OperationState>,
+) -> Result<DecidedMove, Refusal> {
+    if !registry::needs_approval(&record.operation) {
+        return Err(Refusal::NotARequest);
+    }
+    if record.revision != body.expected_revision {
+        return Err(Refusal::Stale);
+    }
+    if body.notification.is_some() {
+        return Err(Refusal::Token);
+    }
+    let (from, to, revoked) = match action {
+        Action::Approve => (OperationState::Pending, OperationState::Approved, false),
+        Action::Deny => (OperationState::Pending, OperationState::Denied, false),
+        Action::Revoke => (OperationState::Approved, OperationState::Canceled, true),
+    };
+    if record.state != from || live != Some(from) {
+        return Err(Refusal::Transition);
+    }
+    if let Some(constraints) = &body.constraints {
+        let longer = constraints
+            .duration_seconds
+            .is_some_and(|d| d > APPROVAL_SECONDS);
+        // Every request is used at most once: unlimited or more widen it.
+        let more_uses = constraints
+            .max_uses
+            .is_some_and(|uses| uses.is_none_or(|n| n > 1));
+        if longer || more_uses {
+            return Err(Refusal::Exceeded);
+        }
+    }
+    Ok(DecidedMove { to, revoked })
+}
+
+/// The `{id}` and `{action}` of a decision route; the id judged before the credential, the
+/// action after it.
+pub(crate) struct DecisionPath {
+    id: String,
+    action: String,
+}
+
+impl<S: Send + Sync> FromRequestParts<S> for DecisionPath {
+    type Rejection = OperatorError;
+
+    async fn from_request_parts(
+        parts: &mut Parts,
+        state: &S,
+    ) -> Result<DecisionPath, OperatorError> {
+        let Path((id, action)) = Path::<(String, String)>::from_request_parts(parts, state)
+            .await
+            .map_err(|_| OperatorError::invalid())?;
+        valid_id(&id)?;
+        Ok(DecisionPath { id, action })
+    }
+}
+
+/// Whether the request says its body is JSON (`application/json`, parameters allowed).
+fn is_json(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.split(';').next())
+        .is_some_and(|media| media.trim().eq_ignore_ascii_case("application/json"))
+}
+
+/// `POST /api/operator/v1/requests/{id}/{action}`.
+pub(crate) async fn decide(
+    State(core): State<Arc<Core>>,
+    DecisionPath { id, action }: DecisionPath,
+    OperatorName(operator): OperatorName,
+    headers: HeaderMap,
+    body: Body,
+) -> OperatorResult {
+    let Some(action) = Action::from_path(&action) else {
+        return Err(OperatorError::no_route());
+    };
+    let count = |outcome: &'static str| {
+        core.operator_decisions
+            .get_or_create(&[("action", action.as_str()), ("outcome", outcome)])
+            .inc();
+    };
+    if !is_json(&headers) {
+        count("invalid_request");
+        return Err(OperatorError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            ErrorCode::InvalidRequest,
+            "content type must be application/json",
+        ));
+    }
+    let parsed = match read_body(&core.budget, &headers, body, MAX_DECISION_BYTES).await {
+        Ok((bytes, _held)) => parse_decision(action, &bytes),
+        Err(err) => Err(OperatorError::from(err)),
+    };
+    let decision = parsed.inspect_err(|_| count("invalid_request"))?;
+    let command = DecisionCommand {
+        scope: DecisionScope {
+            request_id: id.clone(),
+            action: action.as_str().to_owned(),
+            idempotency_key: decision.idempotency_key.clone(),
+        },
+        command_hash: decision.command_hash(&id, action, &operator),
+        operator: operator.clone(),
+        on_behalf_of: decision.on_behalf_of.clone(),
+    };
+    let timeout = core.pending_timeout;
+    // Decided: from here the decision runs to its end, whether or not the operator waits.
+    let outcome = core
+        .decide_to_end(
+            command,
+            move |record, live| judge(&decision, action, record, live),
+            move |record| broker_request(record, timeout).to_string(),
+        )
+        .await
+        .inspect_err(|_| count("storage_unavailable"))?;
+    let current = |record: &OperationRecord| broker_request(record, timeout);
+    match outcome {
+        DecisionOutcome::Committed(record, _) => {
+            count("committed");
+            tracing::info!(
+                request = %record.id,
+                operator = %operator,
+                action = action.as_str(),
+                revision = record.revision,
+                "operator decision committed"
+            );
+            Ok(json_response(StatusCode::OK, current(&record)))
+        }
+        DecisionOutcome::Replayed(committed) => {
+            count("replayed");
+            let mut response = (
+                StatusCode::OK,
+                [(header::CONTENT_TYPE, "application/json")],
+                committed,
+            )
+                .into_response();
+            response
+                .headers_mut()
+                .insert(IDEMPOTENCY_REPLAYED, HeaderValue::from_static("true"));
+            Ok(response)
+        }
+        DecisionOutcome::IdempotencyConflict => {
+            count("idempotency_conflict");
+            Err(OperatorError::conflict(ErrorCode::IdempotencyConflict))
+        }
+        DecisionOutcome::NotFound | DecisionOutcome::Refused(Refusal::NotARequest, _) => {
+            count("not_found");
+            Err(OperatorError::no_request())
+        }
+        DecisionOutcome::Refused(Refusal::Stale, record) => {
+            count("revision_conflict");
+            Err(OperatorError::conflict(ErrorCode::RevisionConflict).with_current(current(&record)))
+        }
+        DecisionOutcome::Refused(Refusal::Token, _) => {
+            count("invalid_decision_token");
+            Err(OperatorError::conflict(ErrorCode::InvalidDecisionToken))
+        }
+        DecisionOutcome::Refused(Refusal::Transition, _) => {
+            count("invalid_transition");
+            Err(OperatorError::conflict(ErrorCode::InvalidTransition))
+        }
+        DecisionOutcome::Refused(Refusal::Exceeded, _) => {
+            count("constraint_exceeded");
+            Err(OperatorError::conflict(ErrorCode::ConstraintExceeded))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(action: Action, body: &str) -> Result<DecisionBody, OperatorError> {
+        parse_decision(action, body.as_bytes())
+    }
+
+    #[test]
+    fn a_plain_decision_parses_and_its_key_is_trimmed() {
+        let body = parse(
+            Action::Approve,
+            r#"{"expected_revision":1,"idempotency_key":"  k1 ","on_behalf_of":"telegram:42"}"#,
+        )
+        .unwrap();
+        assert_eq!(body.idempotency_key, "k1");
+        assert_eq!(body.on_behalf_of.as_deref(), Some("telegram:42"));
+        assert_eq!(body.expected_revision, 1);
+    }
+
+    #[test]
+    fn bodies_that_are_not_the_contracts_decision_are_invalid() {
+        for bad in [
+            r#"{"expected_revision":1}"#,
+            r#"{"idempotency_key":"k"}"#,
+            r#"{"expected_revision":0,"idempotency_key":"k"}"#,
+            r#"{"expected_revision":1.0,"idempotency_key":"k"}"#,
+            r#"{"expected_revision":"1","idempotency_key":"k"}"#,
+            r#"{"expected_revision":9007199254740992,"idempotency_key":"k"}"#,
+            r#"{"expected_revision":1,"idempotency_key":""}"#,
+            r#"{"expected_revision":1,"idempotency_key":"k","extra":1}"#,
+            r#"{"expected_revision":1,"idempotency_key":"k","idempotency_key":"j"}"#,
+            r#"{"expected_revision":1,"idempotency_key":"k"} trailing"#,
+            r#"{"expected_revision":1,"idempotency_key":"k","on_behalf_of":null}"#,
+            r#"{"expected_revision":1,"idempotency_key":"k","constraints":{"max_uses":0}}"#,
+            r#"{"expected_revision":1,"idempotency_key":"k","constraints":{"duration_seconds":0}}"#,
+            r#"{"expected_revision":1,"idempotency_key":"k","constraints":{"other":1}}"#,
+            r#"{"expected_revision":1,"idempotency_key":"k","notification":{"kind":"telegram"}}"#,
+            r#"[]"#,
+            "",
+        ] {
+            let err = parse(Action::Approve, bad).unwrap_err();
+            assert_eq!(err.status(), StatusCode::BAD_REQUEST, "{bad}");
+            assert_eq!(err.message(), "decision body is invalid", "{bad}");
+        }
+    }
+
+    #[test]
+    fn commands_that_do_not_normalize_are_invalid_requests() {
+        for (action, bad) in [
+            (
+                Action::Approve,
+                r#"{"expected_revision":1,"idempotency_key":"   "}"#,
+            ),
+            (
+                Action::Approve,
+                r#"{"expected_revision":1,"idempotency_key":"a\tb"}"#,
+            ),
+            (
+                Action::Deny,
+                r#"{"expected_revision":1,"idempotency_key":"k","constraints":{}}"#,
+            ),
+            (
+                Action::Revoke,
+                r#"{"expected_revision":1,"idempotency_key":"k","constraints":{"max_uses":1}}"#,
+            ),
+        ] {
+            let err = parse(action, bad).unwrap_err();
+            assert_eq!(err.message(), "request is invalid", "{bad}");
+        }
+    }
+
+    #[test]
+    fn the_command_hash_covers_the_operator_and_every_field() {
+        let body = parse(
+            Action::Approve,
+            r#"{"expected_revision":1,"idempotency_key":"k"}"#,
+        )
+        .unwrap();
+        let base = body.command_hash("op_1", Action::Approve, "ada");
+        assert_eq!(base, body.command_hash("op_1", Action::Approve, "ada"));
+        assert_ne!(base, body.command_hash("op_1", Action::Approve, "bob"));
+        assert_ne!(base, body.command_hash("op_2", Action::Approve, "ada"));
+        let other = parse(
+            Action::Approve,
+            r#"{"expected_revision":1,"idempotency_key":"k","on_behalf_of":"x"}"#,
+        )
+        .unwrap();
+        assert_ne!(base, other.command_hash("op_1", Action::Approve, "ada"));
+        let unlimited = parse(
+            Action::Approve,
+            r#"{"expected_revision":1,"idempotency_key":"k","constraints":{"max_uses":null}}"#,
+        )
+        .unwrap();
+        let absent = parse(
+            Action::Approve,
+            r#"{"expected_revision":1,"idempotency_key":"k","constraints":{}}"#,
+        )
+        .unwrap();
+        assert_ne!(
+            unlimited.command_hash("op_1", Action::Approve, "ada"),
+            absent.command_hash("op_1", Action::Approve, "ada")
+        );
+    }
+}

@@ -1,0 +1,277 @@
+//! The operator listener's routes: unYOLO's **Operator V1** (discovery, health, readiness, the
+//! request list, one request, decisions), `/metrics` and admission's own drift reading
+//! (`/admission/v1/drift`). Nothing here is mounted on the agent listener.
+//!
+//! Every response carries `Cache-Control: no-store`, `X-Content-Type-Options: nosniff` and
+//! `X-Correlation-ID` (22 characters, base64url of 16 random bytes), set by one layer
+//! ([`envelope`]), which also writes every error's body with the same correlation id. Errors are
+//! [`OperatorError`]s with codes from the contract's closed list only.
+//!
+//! Files: `error` (the envelope), `projection` (an operation as a `BrokerRequest`), `requests`
+//! (the list and one request), `decisions` (approve, deny, revoke).
+//!
+//! The order of checks is the contract's: route → path and query (400) → the operator's
+//! credential (401) → the action (404) → the body (415, 400) → idempotency → lookup (404) →
+//! revision (409) → transition (409) → constraints (409).
+
+pub mod decisions;
+pub mod error;
+pub(crate) mod projection;
+pub mod requests;
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::{FromRequestParts, Request, State};
+use axum::http::request::Parts;
+use axum::http::{HeaderName, HeaderValue, StatusCode, header};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use base64::Engine;
+use serde_json::json;
+
+use super::discovery::BUILD_ID;
+use super::error::json_response;
+use crate::broker::core::Core;
+use error::{ErrorCode, Failure, OperatorError, OperatorResult};
+
+/// The `api_version` of Operator V1.
+pub const OPERATOR_API_VERSION: &str = "unyolo.io/operator/v1";
+
+pub use super::discovery::OPERATOR_CONTRACT_DIGEST;
+
+/// The `X-Correlation-ID` header.
+pub const CORRELATION_ID: HeaderName = HeaderName::from_static("x-correlation-id");
+
+/// The operator's routes, with their state.
+pub(crate) fn router(core: Arc<Core>) -> Router {
+    Router::new()
+        .route("/.well-known/unyolo-operator", get(discover))
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/api/operator/v1/requests", get(requests::list))
+        .route("/api/operator/v1/requests/{id}", get(requests::get_one))
+        .route(
+            "/api/operator/v1/requests/{id}/{action}",
+            post(decisions::decide),
+        )
+        .route("/metrics", get(metrics))
+        .route("/admission/v1/drift", get(drift))
+        .fallback(|| async { OperatorError::no_route() })
+        .method_not_allowed_fallback(|| async {
+            OperatorError::new(
+                StatusCode::METHOD_NOT_ALLOWED,
+                ErrorCode::MethodNotAllowed,
+                "method not allowed",
+            )
+        })
+        .layer(axum::middleware::from_fn(envelope))
+        .with_state(core)
+}
+
+/// A fresh correlation id: base64url (no padding) of 16 random bytes, 22 characters.
+pub(crate) fn new_correlation_id() -> Option<String> {
+    let mut bytes = [0u8; 16];
+    getrandom::fill(&mut bytes).ok()?;
+    Some(base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes))
+}
+
+/// The layer around every operator route: a correlation id for the request (the response's
+/// `X-Correlation-ID`), the error body with it, and the headers every
+/// response carries. Without randomness there is no id to give: 503 `temporarily_unavailable`
+/// with `X-Correlation-ID: unavailable`, as unYOLO's own server answers.
+async fn envelope(request: Request, next: Next) -> Response {
+    let (correlation_id, mut response) = match new_correlation_id() {
+        Some(id) => (id, next.run(request).await),
+        None => (
+            "unavailable".to_owned(),
+            OperatorError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                ErrorCode::TemporarilyUnavailable,
+                "secure request identifier unavailable",
+            )
+            .into_response(),
+        ),
+    };
+    if let Some(failure) = response.extensions_mut().remove::<Failure>() {
+        let (parts, _) = response.into_parts();
+        let body = axum::Json(failure.body(&correlation_id)).into_response();
+        let (body_parts, body) = body.into_parts();
+        response = Response::from_parts(parts, body);
+        if let Some(content_type) = body_parts.headers.get(header::CONTENT_TYPE) {
+            response
+                .headers_mut()
+                .insert(header::CONTENT_TYPE, content_type.clone());
+        }
+    }
+    let headers = response.headers_mut();
+    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    headers.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
+    if let Ok(value) = HeaderValue::from_str(&correlation_id) {
+        headers.insert(CORRELATION_ID, value);
+    }
+    response
+}
+
+/// The operator the credential names: `Authorization: Bearer <secret>`, or `Basic` with the
+/// secret as the password; the scheme in any case. Missing or wrong: 401 `unauthorized` with
+/// `WWW-Authenticate: Bearer realm="broker-operator"` (never 403).
+pub(crate) struct OperatorName(pub(crate) String);
+
+impl FromRequestParts<Arc<Core>> for OperatorName {
+    type Rejection = OperatorError;
+
+    async fn from_request_parts(
+        parts: &mut Parts,
+        core: &Arc<Core>,
+    ) -> Result<OperatorName, OperatorError> {
+        let secret = parts
+            .headers
+            .get(header::AUTHORIZATION)
+            .and_then(|value| presented_secret(value.as_bytes()))
+            .ok_or_else(OperatorError::unauthorized)?;
+        core.auth
+            .operator(&secret)
+            .map(|name| OperatorName(name.to_owned()))
+            .ok_or_else(OperatorError::unauthorized)
+    }
+}
+
+/// The secret an `Authorization` header presents, as unYOLO's `SecretFromAuthorization` reads
+/// it: trimmed, split at the first space; `Bearer` (any case) → the rest, trimmed; `Basic` (any
+/// case) → base64 of `user:password`, the password (non-empty). Anything else presents none.
+pub fn presented_secret(header: &[u8]) -> Option<Vec<u8>> {
+    let text = std::str::from_utf8(header).ok()?.trim();
+    let (scheme, rest) = text.split_once(' ')?;
+    let rest = rest.trim();
+    if scheme.eq_ignore_ascii_case("bearer") {
+        return (!rest.is_empty()).then(|| rest.as_bytes().to_vec());
+    }
+    if scheme.eq_ignore_ascii_case("basic") {
+        let decoded = base64::engine::general_purpose::STANDARD
+            .decode(rest)
+            .ok()?;
+        let colon = decoded.iter().position(|&b| b == b':')?;
+        let password = &decoded[colon + 1..];
+        return (!password.is_empty()).then(|| password.to_vec());
+    }
+    None
+}
+
+/// `{status, contract_digest, build_id}`.
+fn health_body() -> serde_json::Value {
+    json!({
+        "status": "ok",
+        "contract_digest": OPERATOR_CONTRACT_DIGEST,
+        "build_id": BUILD_ID,
+    })
+}
+
+/// `GET /.well-known/unyolo-operator` (operator): the contract this listener speaks.
+async fn discover(_operator: OperatorName) -> OperatorResult {
+    Ok(json_response(
+        StatusCode::OK,
+        json!({
+            "api_version": OPERATOR_API_VERSION,
+            "contract_digest": OPERATOR_CONTRACT_DIGEST,
+            "build_id": BUILD_ID,
+        }),
+    ))
+}
+
+/// `GET /healthz` (no credential): alive.
+async fn healthz() -> Response {
+    json_response(StatusCode::OK, health_body())
+}
+
+/// How long `/readyz` waits for the store before answering 503.
+const READY_DEADLINE: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// `GET /readyz` (no credential): ready when the store would take a write within
+/// [`READY_DEADLINE`], else 503 `temporarily_unavailable` (no Retry-After, as unYOLO's).
+async fn readyz(State(core): State<Arc<Core>>) -> OperatorResult {
+    match tokio::time::timeout(READY_DEADLINE, core.db.ping()).await {
+        Ok(Ok(())) => Ok(json_response(StatusCode::OK, health_body())),
+        _ => Err(OperatorError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            ErrorCode::TemporarilyUnavailable,
+            "operator source is not ready",
+        )),
+    }
+}
+
+/// `GET /metrics` (operator): OpenMetrics text.
+async fn metrics(State(core): State<Arc<Core>>, _operator: OperatorName) -> OperatorResult {
+    let ready = tokio::time::timeout(READY_DEADLINE, core.db.ping()).await;
+    core.store_ready.set(i64::from(matches!(ready, Ok(Ok(())))));
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &core.registry).map_err(|_| {
+        OperatorError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            ErrorCode::InternalError,
+            "operator request failed",
+        )
+    })?;
+    Ok((
+        StatusCode::OK,
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response())
+}
+
+/// `GET /admission/v1/drift` (operator): compares the controller's counts with the store now
+/// and answers the report, `{"drift": N, "differences": [...]}` (see
+/// [`crate::broker::DriftReport::to_json`]).
+async fn drift(State(core): State<Arc<Core>>, _operator: OperatorName) -> OperatorResult {
+    let report = crate::broker::drift::check(&core).await?;
+    Ok(json_response(StatusCode::OK, report.to_json()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn correlation_ids_are_22_base64url_characters_and_differ() {
+        let a = new_correlation_id().unwrap();
+        let b = new_correlation_id().unwrap();
+        assert_eq!(a.len(), 22);
+        assert!(
+            a.bytes()
+                .all(|c| c.is_ascii_alphanumeric() || c == b'-' || c == b'_')
+        );
+        assert_ne!(a, b);
+    }
+
+    #[test]
+    fn a_secret_is_presented_as_bearer_or_basic_password_in_any_case() {
+        let basic = |userpass: &str| {
+            format!(
+                "bAsIc {}",
+                base64::engine::general_purpose::STANDARD.encode(userpass)
+            )
+        };
+        assert_eq!(presented_secret(b"Bearer abc").unwrap(), b"abc");
+        assert_eq!(presented_secret(b"  bearer   abc  ").unwrap(), b"abc");
+        assert_eq!(presented_secret(b"BEARER abc").unwrap(), b"abc");
+        assert_eq!(
+            presented_secret(basic("ada:s3cret").as_bytes()).unwrap(),
+            b"s3cret"
+        );
+        assert_eq!(presented_secret(basic(":a:b").as_bytes()).unwrap(), b"a:b");
+        assert_eq!(presented_secret(basic("ada:").as_bytes()), None);
+        assert_eq!(presented_secret(basic("ada").as_bytes()), None);
+        assert_eq!(presented_secret(b"Bearer"), None);
+        assert_eq!(presented_secret(b"Bearer "), None);
+        assert_eq!(presented_secret(b"Token abc"), None);
+        assert_eq!(presented_secret(b"Basic !!!"), None);
+    }
+}

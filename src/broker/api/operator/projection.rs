@@ -1,0 +1,202 @@
+//! An operation that needs approval as Operator V1's `BrokerRequest` (SPEC section 8's table):
+//!
+//! | operation | request `status` | `allowed_actions` | `used_count` |
+//! | --- | --- | --- | --- |
+//! | pending | `pending` (with `approval_bounds`, `pending_expires_at`) | approve, deny | 0 |
+//! | approved, waiting for a slot | `active` | revoke | 0 |
+//! | executing | `active` | none | 0 |
+//! | succeeded, or failed after running | `consumed` | none | 1 |
+//! | failed before running | `failed` | none | 0 |
+//! | denied | `denied` | none | 0 |
+//! | canceled from pending (by its client) | `canceled` | none | 0 |
+//! | canceled from approved (by its client), or revoked | `revoked` | none | 0 |
+//! | expired | `expired` | none | 0 |
+//!
+//! Every request is `mode: "execution"`: one exact action, used at most once
+//! (`requested_max_uses` and `granted_max_uses` 1); its approval is good for
+//! [`APPROVAL_SECONDS`].
+
+use std::time::Duration;
+
+use serde_json::{Value, json};
+
+use crate::broker::api::presentation::{describe_target, presentation_json, truncate};
+use crate::broker::store::OperationRecord;
+use crate::engine::OperationState;
+
+/// `requested_duration_seconds` of every request, and the bound an approval's
+/// `constraints.duration_seconds` may narrow: five minutes, unYOLO's default.
+pub const APPROVAL_SECONDS: u64 = 300;
+
+/// The longest `presentation.target`, in characters.
+const TARGET_MAX: usize = 500;
+
+/// The request's status as Operator V1 names it.
+pub(crate) fn status(record: &OperationRecord) -> &'static str {
+    match record.state {
+        OperationState::Pending => "pending",
+        OperationState::Approved | OperationState::Executing => "active",
+        OperationState::Succeeded => "consumed",
+        OperationState::Failed if ran(record) => "consumed",
+        OperationState::Failed => "failed",
+        OperationState::Denied => "denied",
+        OperationState::Canceled if record.decided.as_ref().is_some_and(|d| d.revoked) => "revoked",
+        OperationState::Canceled => "canceled",
+        OperationState::Expired => "expired",
+    }
+}
+
+/// Whether a failed operation had started running (its error is the executor's).
+fn ran(record: &OperationRecord) -> bool {
+    record
+        .error
+        .as_ref()
+        .is_some_and(|e| e.code.starts_with("execution_"))
+}
+
+/// The actions an operator may take now.
+pub(crate) fn allowed_actions(record: &OperationRecord) -> &'static [&'static str] {
+    match record.state {
+        OperationState::Pending => &["approve", "deny"],
+        OperationState::Approved => &["revoke"],
+        _ => &[],
+    }
+}
+
+/// When a request created at `created_at` stops waiting for a decision.
+pub(crate) fn pending_expires_at(created_at: &str, pending_timeout: Duration) -> Option<String> {
+    let created = humantime::parse_rfc3339(created_at).ok()?;
+    Some(humantime::format_rfc3339_millis(created + pending_timeout).to_string())
+}
+
+/// `record` as a `BrokerRequest`.
+pub(crate) fn broker_request(record: &OperationRecord, pending_timeout: Duration) -> Value {
+    let shown = presentation_json(&record.presentation);
+    let mut presentation = json!({
+        "risk": "low",
+        "title": shown["title"],
+        "target": truncate(&describe_target(&record.target), TARGET_MAX),
+    });
+    if let Some(summary) = shown.get("summary") {
+        presentation["summary"] = summary.clone();
+    }
+    let used = u64::from(status(record) == "consumed");
+    let mut request = json!({
+        "id": record.id,
+        "revision": record.revision,
+        "requester": record.client_id,
+        "operation": record.operation,
+        "mode": "execution",
+        "status": status(record),
+        "requested_at": record.created_at,
+        "requested_duration_seconds": APPROVAL_SECONDS,
+        "requested_max_uses": 1,
+        "granted_max_uses": 1,
+        "used_count": used,
+        "presentation": presentation,
+        "allowed_actions": allowed_actions(record),
+    });
+    if !record.reason.is_empty() {
+        request["request_reason"] = Value::from(record.reason.as_str());
+    }
+    if record.state == OperationState::Pending {
+        request["approval_bounds"] =
+            json!({"max_duration_seconds": APPROVAL_SECONDS, "max_uses": 1});
+        if let Some(at) = pending_expires_at(&record.created_at, pending_timeout) {
+            request["pending_expires_at"] = Value::from(at);
+        }
+    }
+    if let Some(decided) = &record.decided {
+        request["decided_at"] = Value::from(decided.at.as_str());
+        request["decided_by"] = Value::from(decided.by.as_str());
+        if let Some(on_behalf_of) = &decided.on_behalf_of {
+            request["decided_on_behalf_of"] = Value::from(on_behalf_of.as_str());
+        }
+    }
+    request
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::broker::store::{Decided, OperationError};
+
+    fn record(state: OperationState) -> OperationRecord {
+        OperationRecord {
+            id: "op_1".to_owned(),
+            client_id: "agent".to_owned(),
+            idempotency_key: "k".to_owned(),
+            operation: "demo.request".to_owned(),
+            target: json!({"repo": "demo"}),
+            arguments: json!({}),
+            reason: "why".to_owned(),
+            state,
+            created_at: "2026-01-01T00:00:00.000Z".to_owned(),
+            updated_at: "2026-01-01T00:00:00.000Z".to_owned(),
+            terminal_at: None,
+            error: None,
+            revision: 1,
+            decided: None,
+            broker: "admission".to_owned(),
+            presentation: crate::broker::store::Presentation::default(),
+        }
+    }
+
+    #[test]
+    fn a_pending_request_shows_its_bounds_and_when_it_expires() {
+        let shown = broker_request(&record(OperationState::Pending), Duration::from_secs(300));
+        assert_eq!(shown["status"], "pending");
+        assert_eq!(shown["allowed_actions"], json!(["approve", "deny"]));
+        assert_eq!(shown["pending_expires_at"], "2026-01-01T00:05:00.000Z");
+        assert_eq!(
+            shown["approval_bounds"],
+            json!({"max_duration_seconds": 300, "max_uses": 1})
+        );
+        assert_eq!(shown["presentation"]["target"], "repo=demo");
+        assert!(shown.get("decided_at").is_none());
+    }
+
+    #[test]
+    fn each_state_projects_to_the_specs_status_and_use_count() {
+        let failed = |code: &str| OperationRecord {
+            error: Some(OperationError {
+                code: code.to_owned(),
+                message: "m".to_owned(),
+            }),
+            ..record(OperationState::Failed)
+        };
+        let canceled = |revoked| OperationRecord {
+            decided: Some(Decided {
+                at: "2026-01-01T00:00:01.000Z".to_owned(),
+                by: "agent".to_owned(),
+                on_behalf_of: None,
+                revoked,
+            }),
+            ..record(OperationState::Canceled)
+        };
+        for (record, status, used, actions) in [
+            (
+                record(OperationState::Approved),
+                "active",
+                0,
+                json!(["revoke"]),
+            ),
+            (record(OperationState::Executing), "active", 0, json!([])),
+            (record(OperationState::Succeeded), "consumed", 1, json!([])),
+            (failed("execution_interrupted"), "consumed", 1, json!([])),
+            (failed("store_unavailable"), "failed", 0, json!([])),
+            (record(OperationState::Denied), "denied", 0, json!([])),
+            (canceled(false), "canceled", 0, json!([])),
+            (canceled(true), "revoked", 0, json!([])),
+            (record(OperationState::Expired), "expired", 0, json!([])),
+        ] {
+            let shown = broker_request(&record, Duration::from_secs(300));
+            assert_eq!(shown["status"], status, "{record:?}");
+            assert_eq!(shown["used_count"], used, "{record:?}");
+            assert_eq!(shown["allowed_actions"], actions, "{record:?}");
+            assert!(shown.get("approval_bounds").is_none(), "{record:?}");
+        }
+        let revoked = broker_request(&canceled(true), Duration::from_secs(300));
+        assert_eq!(revoked["decided_by"], "agent");
+    }
+}

@@ -1,0 +1,222 @@
+//! Operator decisions under faults (SPEC sections 6 and 8): an operator who hangs up mid-decision,
+//! the store held by another process during a decision, concurrent decisions on one request, a
+//! replay after a restart, and `kill -9` between the commit and the answer. In every case the
+//! decision is made whole or not at all, a retry with the same key replays what was committed,
+//! and the controller's counts equal the store (drift 0).
+#![cfg(feature = "broker")]
+
+mod support;
+
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use support::broker::{Harness, assert_unchanged, settings, start_with};
+use support::faults::*;
+use support::http::request;
+use support::secrets::{AGENT_SECRET, OTHER_OPERATOR_SECRET};
+use support::serve::{Files, Server};
+use unyolo_admission::StorageCaps;
+
+/// The body [`HangUp::decision`] sends for request `id`.
+fn hang_up_body(id: &str) -> Value {
+    json!({"expected_revision": 1, "idempotency_key": format!("hang-up-{id}")})
+}
+
+fn action(i: usize) -> &'static str {
+    if i.is_multiple_of(2) {
+        "approve"
+    } else {
+        "deny"
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_who_hangs_up_mid_decision_leaves_it_whole_and_a_retry_replays_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = start_tight(dir.path()).await;
+    let ids = create_pending(&h, "hang", 10).await;
+    let hang_ups = ids
+        .iter()
+        .enumerate()
+        .map(|(i, id)| HangUp::decision(id, action(i)))
+        .collect();
+    burst_watching_drift(&h, hang_ups).await;
+    quiet(&h, dir.path()).await;
+    assert_counts_match_the_store(&h, dir.path()).await;
+    let records = h.broker.database().count_decisions().await.unwrap();
+    let mut replayed = 0;
+    for (i, id) in ids.iter().enumerate() {
+        let before = h.operator.request(id).await.body;
+        let retry = h.operator.decide(id, action(i), &hang_up_body(id)).await;
+        assert_eq!(retry.status, 200, "{id}: {}", retry.body);
+        if before["status"] == "pending" {
+            // Not decided before the hang-up: the retry decides it now.
+            assert_eq!(retry.header("idempotency-replayed"), None);
+        } else {
+            // Decided, whole: the retry answers what that decision committed.
+            assert_eq!(retry.header("idempotency-replayed"), Some("true"));
+            assert_eq!(retry.body["decided_by"], "operator");
+            replayed += 1;
+        }
+    }
+    assert_eq!(
+        replayed, records,
+        "one record per decision the hang-ups made"
+    );
+    ends_whole(&h, dir.path()).await;
+    h.broker.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decision_while_another_process_holds_the_store_waits_for_it_or_changes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = start_tight(dir.path()).await;
+    let ids = create_pending(&h, "locked", 2).await;
+    // Held shorter than the busy timeout (5 s): the decision waits, then commits.
+    let holder = lock_store(dir.path(), Duration::from_secs(2));
+    let waited = h.operator.deny(&ids[0]).await;
+    assert_eq!(waited.status, 200, "{}", waited.body);
+    tokio::task::spawn_blocking(move || holder.join().unwrap())
+        .await
+        .unwrap();
+    // Held past it: 503 storage_unavailable, Retry-After 1, and nothing written or counted.
+    let snapshot = h.snapshot();
+    let holder = lock_store(dir.path(), Duration::from_secs(7));
+    let body = json!({"expected_revision": 1, "idempotency_key": "locked"});
+    let refused = h.operator.decide(&ids[1], "approve", &body).await;
+    assert_eq!(
+        (refused.status, refused.code()),
+        (503, "storage_unavailable"),
+        "{}",
+        refused.body
+    );
+    assert_eq!(refused.header("retry-after"), Some("1"));
+    tokio::task::spawn_blocking(move || holder.join().unwrap())
+        .await
+        .unwrap();
+    assert_unchanged(&snapshot, &h.snapshot(), "a failed decision moved a count");
+    assert_eq!(h.operator.request(&ids[1]).await.body["revision"], 1);
+    assert_eq!(h.broker.database().count_decisions().await.unwrap(), 1);
+    // The retry is a new decision (nothing was recorded), and it commits.
+    let retried = h.operator.decide(&ids[1], "approve", &body).await;
+    assert_eq!(retried.status, 200, "{}", retried.body);
+    assert_eq!(retried.header("idempotency-replayed"), None);
+    ends_whole(&h, dir.path()).await;
+    h.broker.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn of_concurrent_decisions_on_one_request_exactly_one_wins_the_rest_see_a_revision_conflict()
+{
+    let dir = tempfile::tempdir().unwrap();
+    let h = start_tight(dir.path()).await;
+    let ids = create_pending(&h, "race", 4).await;
+    for id in &ids {
+        let tasks: Vec<_> = (0..8)
+            .map(|i| {
+                let operator = if i % 3 == 0 {
+                    h.operator_with(OTHER_OPERATOR_SECRET)
+                } else {
+                    h.operator.clone()
+                };
+                let id = id.clone();
+                tokio::spawn(async move {
+                    let body =
+                        json!({"expected_revision": 1, "idempotency_key": format!("race-{i}")});
+                    operator.decide(&id, action(i), &body).await
+                })
+            })
+            .collect();
+        let mut won = 0;
+        for task in tasks {
+            let reply = task.await.unwrap();
+            match reply.status {
+                200 => won += 1,
+                409 => assert_eq!(reply.code(), "revision_conflict", "{}", reply.body),
+                other => panic!("{other}: {}", reply.body),
+            }
+        }
+        assert_eq!(won, 1, "exactly one decision on {id} wins");
+    }
+    assert_eq!(h.broker.database().count_decisions().await.unwrap(), 4);
+    ends_whole(&h, dir.path()).await;
+    h.broker.shutdown().await;
+}
+
+async fn restart(h: Harness, dir: &std::path::Path) -> Harness {
+    h.broker.shutdown().await;
+    start_with(settings(dir, LIMITS, StorageCaps::default())).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decision_replays_after_a_restart_and_its_key_still_conflicts_with_another_command() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = start_tight(dir.path()).await;
+    let ids = create_pending(&h, "restart", 2).await;
+    let body = json!({"expected_revision": 1, "idempotency_key": "before-restart"});
+    let denied = h.operator.decide(&ids[0], "deny", &body).await;
+    assert_eq!(denied.status, 200);
+    let h = restart(h, dir.path()).await;
+    let replay = h.operator.decide(&ids[0], "deny", &body).await;
+    assert_eq!(replay.status, 200);
+    assert_eq!(replay.header("idempotency-replayed"), Some("true"));
+    assert_eq!(replay.body, denied.body);
+    let mut other = body.clone();
+    other["on_behalf_of"] = json!("someone else");
+    let conflict = h.operator.decide(&ids[0], "deny", &other).await;
+    assert_eq!(
+        (conflict.status, conflict.code()),
+        (409, "idempotency_conflict")
+    );
+    // The other request was restored pending and is decidable.
+    assert_eq!(h.operator.approve(&ids[1]).await.status, 200);
+    ends_whole(&h, dir.path()).await;
+    h.broker.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kill_9_between_a_decision_and_its_answer_restarts_decided_or_not_never_half() {
+    let dir = tempfile::tempdir().unwrap();
+    let files = Files::write(dir.path(), LIMITS);
+    let server = Server::spawn_logging(None, "warn", &files.args());
+    let mut ids = Vec::new();
+    for i in 0..8 {
+        let op = server
+            .submit(
+                AGENT_SECRET,
+                &request(&format!("kill-{i}"), "demo.request", 0),
+            )
+            .await;
+        assert_eq!(op.status, 202, "{}", op.body);
+        ids.push(op.id());
+    }
+    let hang_ups: Vec<HangUp> = ids
+        .iter()
+        .enumerate()
+        .map(|(i, id)| HangUp::decision(id, action(i)))
+        .collect();
+    hang_up_all(Listeners::of_server(&server), hang_ups).await;
+    drop(server); // SIGKILL, answers unread
+    let server = Server::spawn_logging(None, "warn", &files.args());
+    assert_eq!(server.operator.drift().await["drift"], 0);
+    for (i, id) in ids.iter().enumerate() {
+        let before = server.operator.request(id).await.body;
+        let retry = server
+            .operator
+            .decide(id, action(i), &hang_up_body(id))
+            .await;
+        assert_eq!(retry.status, 200, "{id}: {}", retry.body);
+        let replayed = retry.header("idempotency-replayed") == Some("true");
+        assert_eq!(
+            replayed,
+            before["status"] != "pending",
+            "{id}: a decision the store holds replays, one it lacks is made now: {before}"
+        );
+    }
+    assert!(
+        support::eventually::eventually(async || server.operator.pending().await.is_empty()).await
+    );
+    assert_eq!(server.operator.drift().await["drift"], 0);
+    assert_eq!(server.metric("admission_store_drift").await, Some(0));
+    drop(server);
+}
