@@ -6,6 +6,7 @@
 //! - [`http`]: the submission body the tests send and the reply they read back.
 //! - [`metrics`]: one series read from a Prometheus text exposition.
 //! - [`contract`]: the Agent V1 schema every reply is checked against.
+//! - [`operator_contract`]: the Operator V1 contract (vendored yaml), its digest and validators.
 //! - [`broker`]: a broker started in-process on loopback, and the harness that talks to it.
 //! - [`faults`]: clients that hang up, a store held locked, and the ending every fault test shares.
 //! - [`serve`]: the `admission serve` binary as a process, and the files it reads.
@@ -27,6 +28,7 @@ pub mod faults;
 #[cfg(feature = "broker")]
 pub mod http;
 pub mod metrics;
+pub mod operator_contract;
 pub mod redis;
 pub mod rng;
 pub mod secrets;

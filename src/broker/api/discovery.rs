@@ -16,6 +16,12 @@ pub const API_VERSION: &str = "unyolo.io/agent/v1";
 pub const CONTRACT_DIGEST: &str =
     "sha256:bdc7fc2230ea7db9ede54305f2adcb3e3c21451056e58f9467fd5dbcc4a3ddc7";
 
+/// The digest of the Operator V1 contract the operator listener implements (unYOLO's
+/// `OperatorV1Digest`, recomputed from the vendored `tests/contract/operator-v1.yaml` by
+/// `tests/operator_contract.rs`).
+pub const OPERATOR_CONTRACT_DIGEST: &str =
+    "sha256:ab10778e2838f660157b000e442a1b97c5217fd92e66107122451b6894f0b9d3";
+
 /// The crate version and the commit it was built from (`unknown` outside git), e.g.
 /// `0.1.0+0b792bf`.
 pub const BUILD_ID: &str = concat!(
