@@ -110,6 +110,7 @@ fn terminal(i: usize, old: bool) -> OperationRecord {
         terminal_at: Some(at.to_owned()),
         error: None,
         revision: 3,
+        ended_from: None,
         broker: "admission".to_owned(),
     }
 }

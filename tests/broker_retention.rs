@@ -79,6 +79,7 @@ fn old_terminal(i: usize, terminal_at: &str, padding: usize) -> OperationRecord 
         terminal_at: Some(terminal_at.to_owned()),
         error: None,
         revision: 3,
+        ended_from: None,
         broker: "admission".to_owned(),
     }
 }

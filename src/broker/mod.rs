@@ -96,7 +96,9 @@ mod core;
 mod drift;
 pub mod drill;
 pub mod drill_replicas;
+pub mod event_streams;
 mod exec;
+mod expiry;
 #[doc(hidden)]
 pub mod keys;
 pub mod listener;
@@ -125,6 +127,7 @@ use crate::fairness::FairnessConfig;
 
 pub use api::{discovery, listing, presentation, projection, ratelimit};
 pub use drift::{Difference, DriftCount, DriftReport};
+pub use event_streams::EventStreamLimits;
 pub use listener::ConnectionSettings;
 pub use retention::{Keep, RetentionSettings, SweepReport, WallClock};
 pub use store::{Database, OperationError, OperationRecord, StoreError, StoredCounts};
@@ -167,7 +170,16 @@ pub struct BrokerSettings {
     /// ([`DEFAULT_BUFFERED_BYTES`] by default); past it a body waits a second for room, then is
     /// answered 503 `body_budget_exhausted` unread.
     pub buffered_bytes: usize,
+    /// How long a request (an operation needing approval) may stay pending before it expires
+    /// ([`DEFAULT_PENDING_TIMEOUT`] by default; not zero). Its `pending_expires_at` is its
+    /// creation plus this.
+    pub pending_timeout: Duration,
+    /// How many Operator V1 event streams may be open at once, per operator and in total.
+    pub event_streams: EventStreamLimits,
 }
+
+/// The default [`BrokerSettings::pending_timeout`]: five minutes, as unYOLO's.
+pub const DEFAULT_PENDING_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// The default [`BrokerSettings::buffered_bytes`]: 256 MiB.
 pub const DEFAULT_BUFFERED_BYTES: usize = 256 << 20;
@@ -192,6 +204,8 @@ impl std::fmt::Debug for BrokerSettings {
             .field("replicas", &self.replicas)
             .field("fairness", &self.fairness)
             .field("buffered_bytes", &self.buffered_bytes)
+            .field("pending_timeout", &self.pending_timeout)
+            .field("event_streams", &self.event_streams)
             .finish()
     }
 }
@@ -221,6 +235,8 @@ impl BrokerSettings {
             replicas: None,
             fairness: FairnessConfig::default(),
             buffered_bytes: DEFAULT_BUFFERED_BYTES,
+            pending_timeout: DEFAULT_PENDING_TIMEOUT,
+            event_streams: EventStreamLimits::default(),
         }
     }
 
@@ -237,6 +253,15 @@ impl BrokerSettings {
         }
         if let Some(problem) = self.fairness.problem() {
             return Err(BrokerError::Settings(format!("fairness: {problem}")));
+        }
+        if self.pending_timeout.is_zero() {
+            return Err(BrokerError::Settings(
+                "the pending timeout must be above zero (a request would expire as it is made)"
+                    .to_owned(),
+            ));
+        }
+        if let Some(problem) = self.event_streams.problem() {
+            return Err(BrokerError::Settings(problem));
         }
         if self.buffered_bytes < api::MAX_BODY_BYTES {
             return Err(BrokerError::Settings(format!(
@@ -318,6 +343,8 @@ pub struct Broker {
     executor: JoinHandle<()>,
     drift: JoinHandle<()>,
     sweeper: JoinHandle<()>,
+    /// The pending-expiry sweeper.
+    expiry: JoinHandle<()>,
     /// The retention sweep's state, shared with the sweeping task.
     retention: Arc<retention::Retention>,
 }
@@ -381,6 +408,12 @@ impl Broker {
     /// store metrics. Waits for a sweep already running to finish first.
     pub async fn sweep_now(&self) -> Result<SweepReport, StoreError> {
         retention::sweep(&self.core, &self.retention).await
+    }
+
+    /// The cursor of the newest Operator V1 event (`None` before the first): a consumer that
+    /// streams from it sees every event after this moment.
+    pub fn newest_event_cursor(&self) -> Option<String> {
+        self.core.newest_event_cursor()
     }
 
     /// Whether the replay filter lets a submission of `client` with `key` through to the store

@@ -15,6 +15,15 @@ pub(crate) const MAX_DURATION_MS: u64 = 600_000;
 /// The registered operations: name and whether it needs an operator's approval.
 pub(crate) const OPERATIONS: [(&str, bool); 2] = [("demo.run", false), ("demo.request", true)];
 
+/// The registered operations that need an operator's approval: Operator V1 requests, whose
+/// changes the event log records.
+pub(crate) fn approval_operations() -> impl Iterator<Item = &'static str> {
+    OPERATIONS
+        .iter()
+        .filter(|(_, needs_approval)| *needs_approval)
+        .map(|(name, _)| *name)
+}
+
 /// Why a submission is not work this broker runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum NotRunnable {

@@ -20,7 +20,8 @@ use prometheus_client::registry::Registry;
 use tokio::sync::watch;
 
 use super::auth::Auth;
-use super::core::{Core, ExecQueue, LiveOp, SubmissionLabels};
+use super::core::{Core, ExecQueue, LiveOp, PendingExpiries, SubmissionLabels};
+use super::event_streams::EventStreams;
 use super::keys::KeyFilter;
 use super::retention::{Keep, Retention};
 use super::store::{self, Database, StoreError};
@@ -88,7 +89,8 @@ impl Broker {
         let data_dir = settings.data_dir.clone();
         let broker_name = settings.broker_name.clone();
         let (db, recovered, keys, created) = tokio::task::spawn_blocking(move || {
-            let db = Database::open_as(&data_dir, &broker_name)?;
+            let db = Database::open_as(&data_dir, &broker_name)?
+                .with_requests(super::registry::approval_operations());
             let recovered = db.recover()?;
             let keys = KeyFilter::with_capacity(db.key_count()? as usize);
             db.for_each_key(|client, key| keys.insert(client, key))?;
@@ -154,6 +156,8 @@ impl Broker {
                 "terminal operations retire after the retention; a replay after it is new work"
             ),
         }
+        let event_streams = EventStreams::new(settings.event_streams);
+        event_streams.register(&mut registry, db.event_bell().written());
         let (stop, shutdown) = watch::channel(false);
         let core = Arc::new(Core {
             admission,
@@ -177,6 +181,9 @@ impl Broker {
             waits: Waits::default(),
             fairness,
             budget,
+            pending_timeout: settings.pending_timeout,
+            expiries: PendingExpiries::default(),
+            event_streams,
         });
         let summary = restore(&core, recovered).await;
         match drift::check(&core).await {
@@ -198,6 +205,7 @@ impl Broker {
             Arc::clone(&retention),
             settings.retention.sweep_interval,
         ));
+        let expiry = tokio::spawn(super::expiry::run(Arc::clone(&core)));
         let app = api::router(Arc::clone(&core));
         let server = tokio::spawn(listener::serve_counted(
             listener,
@@ -225,6 +233,7 @@ impl Broker {
                 executor,
                 drift,
                 sweeper,
+                expiry,
                 retention,
             },
             summary,
@@ -253,6 +262,7 @@ impl Broker {
         let _ = self.executor.await;
         let _ = self.drift.await;
         let _ = self.sweeper.await;
+        let _ = self.expiry.await;
         // Connection and execution tasks see the stop and return; changes in progress (see
         // `run_to_end`) run to their end. Each holds the core until it ends. Bounded, so a stuck store call cannot hang shutdown forever.
         let deadline = std::time::Instant::now() + SHUTDOWN_GRACE;
@@ -308,7 +318,7 @@ async fn restore(core: &Arc<Core>, recovered: store::Recovered) -> RestoreSummar
             }
         };
         let op = Arc::new(LiveOp::new(&record, handle));
-        core.live_ops().insert(record.id.clone(), Arc::clone(&op));
+        core.add_live(&op, record.state);
         match record.state {
             OperationState::Approved => {
                 summary.approved += 1;

@@ -251,6 +251,7 @@ pub(crate) async fn create(
         terminal_at: None,
         error: None,
         revision: 1,
+        ended_from: None,
         broker: core.db.broker().to_owned(),
     };
     let inserted = core.db.insert(record.clone()).await;
@@ -278,7 +279,7 @@ pub(crate) async fn create(
     // Replicated, the answer's quota fields are the shared decision's (every replica's counts).
     let decided = permit.quota();
     let op = Arc::new(LiveOp::new(&record, permit.commit()));
-    core.live_ops().insert(record.id.clone(), Arc::clone(&op));
+    core.add_live(&op, record.state);
     core.count_submission("created");
     tracing::info!(
         operation = %record.id,

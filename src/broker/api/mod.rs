@@ -20,6 +20,7 @@ pub(crate) mod agent_operations;
 pub(crate) mod detached;
 pub mod discovery;
 pub mod error;
+pub mod events;
 pub(crate) mod extract;
 mod fairness;
 mod health;
@@ -80,6 +81,7 @@ pub(crate) fn router(core: Arc<Core>) -> Router {
         )
         .route("/api/operator/v1/requests/{id}/deny", post(operator::deny))
         .route("/api/operator/v1/drift", get(operator::drift))
+        .route("/api/operator/v1/events", get(events::stream_events))
         .route("/healthz", get(health::healthz))
         .route("/readyz", get(health::readyz))
         .route("/metrics", get(health::metrics))

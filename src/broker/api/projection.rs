@@ -82,6 +82,7 @@ mod tests {
             terminal_at: None,
             error: None,
             revision: 1,
+            ended_from: None,
             broker: "admission".to_owned(),
         }
     }

@@ -20,12 +20,15 @@
 //! - `operations`: the operation rows (insert, lookups, state changes, listing pages, start-up
 //!   recovery);
 //! - `streams`: the stream rows;
+//! - `events`: the Operator V1 event log (one row per revision change of a request, written in
+//!   the change's own transaction), its cursors, and the request status of a state;
 //! - `maintenance`: what keeps the file bounded and checked (retention deletes, returning free
 //!   pages, checkpoints, the counts the drift check compares);
 //! - `error`: what went wrong, as values a caller matches on.
 
 mod database;
 mod error;
+pub mod events;
 mod maintenance;
 mod operations;
 mod schema;
@@ -33,6 +36,7 @@ mod streams;
 
 pub use database::{DATABASE_FILE, DEFAULT_BROKER_NAME, Database, LOCK_FILE, READERS, now_rfc3339};
 pub use error::{InsertError, StoreError};
+pub use events::{EventBell, EventKind, EventPage, RequestStatus, StoredEvent, request_status};
 pub use maintenance::{Retiring, StoredCounts};
 pub use operations::{OperationError, OperationRecord, PageQuery, Recovered};
 pub use schema::SCHEMA_VERSION;
@@ -62,6 +66,7 @@ mod tests {
             terminal_at: None,
             error: None,
             revision: 1,
+            ended_from: None,
             broker: DEFAULT_BROKER_NAME.to_owned(),
         }
     }

@@ -3,7 +3,6 @@
 //! projection of a row into an [`OperationRecord`], so a reader checks the columns a query
 //! selects against what the record needs in one file (the table itself is in `schema`).
 
-use std::sync::Arc;
 use std::time::SystemTime;
 
 use rusqlite::{OptionalExtension, Row, params};
@@ -14,6 +13,7 @@ use crate::engine::OperationState;
 use super::database::{Database, now_rfc3339};
 use super::error::is_unique_violation;
 use super::error::{InsertError, StoreError};
+use super::events;
 use super::schema::OPERATION_COLUMNS;
 use super::streams::{StreamRecord, all_streams};
 
@@ -55,6 +55,10 @@ pub struct OperationRecord {
     pub error: Option<OperationError>,
     /// 1 at creation, +1 on every change; durable.
     pub revision: u64,
+    /// The state a terminal operation left (`None` while live, and for rows older than schema
+    /// 6): what tells a revocation from a cancel while pending, and a failure while running
+    /// from one before it (see [`super::request_status`]).
+    pub ended_from: Option<OperationState>,
     /// The name of the broker that holds it (not stored: the broker's configured name).
     pub broker: String,
 }
@@ -68,6 +72,10 @@ impl OperationRecord {
                 rusqlite::Error::FromSqlConversionFailure(0, rusqlite::types::Type::Text, e.into())
             })
         };
+        let ended_from = row
+            .get::<_, Option<String>>("ended_from")?
+            .map(|text| parse_state(text, 0))
+            .transpose()?;
         let error_code: Option<String> = row.get("error_code")?;
         let error_message: Option<String> = row.get("error_message")?;
         Ok(OperationRecord {
@@ -87,6 +95,7 @@ impl OperationRecord {
                 message: error_message.unwrap_or_default(),
             }),
             revision: row.get::<_, i64>("revision")?.max(1) as u64,
+            ended_from,
             broker: broker.to_owned(),
         })
     }
@@ -105,11 +114,11 @@ pub struct Recovered {
 
 const SELECT_OPERATION: &str = "SELECT id, client_id, idempotency_key, operation, target, \
     arguments, reason, state, created_at, updated_at, terminal_at, error_code, error_message, \
-    revision FROM operations";
+    revision, ended_from FROM operations";
 
 const FIND_BY_KEY: &str = "SELECT id, client_id, idempotency_key, operation, target, \
     arguments, reason, state, created_at, updated_at, terminal_at, error_code, error_message, \
-    revision FROM operations WHERE client_id = ?1 AND idempotency_key = ?2";
+    revision, ended_from FROM operations WHERE client_id = ?1 AND idempotency_key = ?2";
 
 /// What a listing page selects: the caller's operations, newest first, after a position.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -166,11 +175,11 @@ impl Database {
         };
         tx.execute(
             "UPDATE operations SET state = 'failed', updated_at = ?1, terminal_at = ?1, \
-             error_code = ?2, error_message = ?3, revision = revision + 1 \
-             WHERE state = 'executing'",
+             error_code = ?2, error_message = ?3, revision = revision + 1, \
+             ended_from = 'executing' WHERE state = 'executing'",
             params![now, error.code, error.message],
         )?;
-        let interrupted = interrupted
+        let interrupted: Vec<OperationRecord> = interrupted
             .into_iter()
             .map(|record| OperationRecord {
                 state: OperationState::Failed,
@@ -178,9 +187,22 @@ impl Database {
                 terminal_at: Some(now.clone()),
                 error: Some(error.clone()),
                 revision: record.revision + 1,
+                ended_from: Some(OperationState::Executing),
                 ..record
             })
             .collect();
+        let mut newest = None;
+        for record in interrupted.iter().filter(|r| self.is_request(&r.operation)) {
+            newest = Some(events::append(
+                &tx,
+                &record.id,
+                record.revision,
+                Some(OperationState::Executing),
+                OperationState::Failed,
+                record.ended_from,
+                &now,
+            )?);
+        }
         let live = {
             let mut stmt = tx.prepare(&format!(
                 "{SELECT_OPERATION} WHERE state IN ('pending', 'approved') ORDER BY rowid"
@@ -190,6 +212,13 @@ impl Database {
         };
         let streams = all_streams(&tx)?;
         tx.commit()?;
+        if let Some(seq) = newest {
+            let written = interrupted
+                .iter()
+                .filter(|r| self.is_request(&r.operation))
+                .count();
+            self.events.rang(seq, written as u64);
+        }
         Ok(Recovered {
             interrupted,
             live,
@@ -255,11 +284,15 @@ impl Database {
         .await
     }
 
-    /// Inserts a new operation; durable when this returns `Ok`.
+    /// Inserts a new operation (and, for a request, its `request.created` event in the same
+    /// transaction); durable when this returns `Ok`.
     pub async fn insert(&self, record: OperationRecord) -> Result<(), InsertError> {
+        let is_request = self.is_request(&record.operation);
+        let bell = self.events.clone();
         let result = self
             .write(move |conn| {
-                conn.execute(
+                let tx = conn.transaction()?;
+                tx.execute(
                     "INSERT INTO operations (id, client_id, idempotency_key, operation, target, \
                      arguments, reason, state, created_at, updated_at, terminal_at, error_code, \
                      error_message, revision) \
@@ -276,11 +309,29 @@ impl Database {
                         record.created_at,
                         record.updated_at,
                     ],
-                )
+                )?;
+                let seq = is_request
+                    .then(|| {
+                        events::append(
+                            &tx,
+                            &record.id,
+                            1,
+                            None,
+                            record.state,
+                            None,
+                            &record.created_at,
+                        )
+                    })
+                    .transpose()?;
+                tx.commit()?;
+                if let Some(seq) = seq {
+                    bell.rang(seq, 1);
+                }
+                Ok(())
             })
             .await;
         match result {
-            Ok(_) => Ok(()),
+            Ok(()) => Ok(()),
             Err(err) if is_unique_violation(&err) => Err(InsertError::Duplicate),
             Err(err) => Err(InsertError::Store(err)),
         }
@@ -388,8 +439,9 @@ impl Database {
         .await
     }
 
-    /// Moves operation `id` from `from` to `to` (with `error` for a failure); durable when this
-    /// returns. Returns the updated record, or `None` if the row was not in `from`.
+    /// Moves operation `id` from `from` to `to` (with `error` for a failure), with its event if
+    /// it is a request, in one transaction; durable when this returns. Returns the updated
+    /// record, or `None` if the row was not in `from`.
     pub async fn set_state(
         &self,
         id: &str,
@@ -398,14 +450,15 @@ impl Database {
         error: Option<OperationError>,
     ) -> Result<Option<OperationRecord>, StoreError> {
         let id = id.to_owned();
-        let broker = Arc::clone(&self.broker);
+        let db = self.clone();
         self.write(move |conn| {
             let now = now_rfc3339();
             let terminal_at = to.is_terminal().then_some(now.as_str());
+            let ended_from = to.is_terminal().then_some(from.as_str());
             let tx = conn.transaction()?;
             let changed = tx.execute(
                 "UPDATE operations SET state = ?3, updated_at = ?4, terminal_at = ?5, \
-                 error_code = ?6, error_message = ?7, revision = revision + 1 \
+                 error_code = ?6, error_message = ?7, revision = revision + 1, ended_from = ?8 \
                  WHERE id = ?1 AND state = ?2",
                 params![
                     id,
@@ -415,19 +468,35 @@ impl Database {
                     terminal_at,
                     error.as_ref().map(|e| e.code.as_str()),
                     error.as_ref().map(|e| e.message.as_str()),
+                    ended_from,
                 ],
             )?;
             let record = if changed == 1 {
                 tx.query_row(
                     &format!("{SELECT_OPERATION} WHERE id = ?1"),
                     params![id],
-                    |row| OperationRecord::from_row(row, &broker),
+                    |row| OperationRecord::from_row(row, &db.broker),
                 )
                 .optional()?
             } else {
                 None
             };
+            let seq = match &record {
+                Some(record) if db.is_request(&record.operation) => Some(events::append(
+                    &tx,
+                    &record.id,
+                    record.revision,
+                    Some(from),
+                    to,
+                    record.ended_from,
+                    &now,
+                )?),
+                _ => None,
+            };
             tx.commit()?;
+            if let Some(seq) = seq {
+                db.events.rang(seq, 1);
+            }
             Ok(record)
         })
         .await
@@ -441,8 +510,8 @@ impl Database {
         let tx = conn.transaction()?;
         {
             let mut stmt = tx.prepare(&format!(
-                "INSERT INTO operations ({OPERATION_COLUMNS}) \
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)"
+                "INSERT INTO operations ({OPERATION_COLUMNS}, ended_from) \
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)"
             ))?;
             for record in records {
                 stmt.execute(params![
@@ -460,6 +529,7 @@ impl Database {
                     record.error.as_ref().map(|e| e.code.as_str()),
                     record.error.as_ref().map(|e| e.message.as_str()),
                     i64::try_from(record.revision).unwrap_or(i64::MAX),
+                    record.ended_from.map(OperationState::as_str),
                 ])?;
             }
         }

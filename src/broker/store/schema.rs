@@ -11,6 +11,15 @@
 //! made `seq` explicit: the migration copies each row's old rowid into it, so a cursor handed out
 //! before the upgrade still points at the same place after it.
 //!
+//! Schema 6 adds the Operator V1 event log (`operator_events`, see `events`): one row per
+//! revision change of a request, its `seq` the event's sequence (`AUTOINCREMENT`: never reused,
+//! so a cursor never names two events), and `operations.ended_from`, the state a terminal
+//! operation left (what tells a request revoked from approved from one canceled while pending,
+//! and a failure after running from one before it).
+//!
+//! Each step applies when `user_version` is below its number, in its own transaction, so steps
+//! written on different branches chain in number order.
+//!
 //! A new file uses incremental auto-vacuum from its first table (see `maintenance`); an older
 //! file is switched over once at start-up with one full `VACUUM`.
 
@@ -21,7 +30,7 @@ use rusqlite::Connection;
 use super::error::StoreError;
 
 /// The schema version this code writes (`PRAGMA user_version`).
-pub const SCHEMA_VERSION: i64 = 3;
+pub const SCHEMA_VERSION: i64 = 6;
 
 /// The operations table, named `{name}`. `seq` is its explicit rowid: listing cursors are `seq`
 /// values, so they survive a `VACUUM` (which may renumber an implicit rowid) and, with
@@ -88,6 +97,21 @@ fn migrate_2_to_3() -> String {
     )
 }
 
+/// Schema 6: the event log and `operations.ended_from` (see the module doc). Rows written before
+/// it have no events and no `ended_from`.
+const MIGRATE_TO_6: &str = "
+CREATE TABLE operator_events (
+    seq         INTEGER PRIMARY KEY AUTOINCREMENT,
+    kind        TEXT NOT NULL,
+    request_id  TEXT NOT NULL,
+    revision    INTEGER NOT NULL,
+    status      TEXT NOT NULL,
+    occurred_at TEXT NOT NULL,
+    used_count  INTEGER NOT NULL
+);
+ALTER TABLE operations ADD COLUMN ended_from TEXT;
+";
+
 /// `PRAGMA auto_vacuum` value for `INCREMENTAL`: freed pages stay in the file until
 /// `PRAGMA incremental_vacuum` returns them to the filesystem, which the retention sweep does in
 /// small steps.
@@ -98,29 +122,34 @@ const AUTO_VACUUM_INCREMENTAL: i64 = 2;
 /// incremental vacuum.
 pub(super) fn migrate(writer: &Connection, path: &Path) -> Result<(), StoreError> {
     let version: i64 = writer.pragma_query_value(None, "user_version", |r| r.get(0))?;
+    if version > SCHEMA_VERSION {
+        return Err(StoreError::UnknownSchema {
+            path: path.to_owned(),
+            found: version,
+            supported: SCHEMA_VERSION,
+        });
+    }
     match version {
         0 => {
             writer.execute_batch(&format!(
                 "BEGIN; {table} {OPERATIONS_INDEXES} {STREAMS_TABLE} \
-                 PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;",
+                 PRAGMA user_version = 3; COMMIT;",
                 table = OPERATIONS_TABLE.replace("{name}", "operations"),
             ))?;
         }
         1 | 2 => {
             let first = if version == 1 { MIGRATE_1_TO_2 } else { "" };
             writer.execute_batch(&format!(
-                "BEGIN; {first} {} PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;",
+                "BEGIN; {first} {} PRAGMA user_version = 3; COMMIT;",
                 migrate_2_to_3()
             ))?;
         }
-        SCHEMA_VERSION => {}
-        other => {
-            return Err(StoreError::UnknownSchema {
-                path: path.to_owned(),
-                found: other,
-                supported: SCHEMA_VERSION,
-            });
-        }
+        _ => {}
+    }
+    if version < 6 {
+        writer.execute_batch(&format!(
+            "BEGIN; {MIGRATE_TO_6} PRAGMA user_version = 6; COMMIT;"
+        ))?;
     }
     // An older file (or one created by hand) is switched to incremental vacuum once: the mode
     // only takes effect through a full `VACUUM`, which rewrites the file (a one-time cost at
