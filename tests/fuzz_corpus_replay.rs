@@ -52,6 +52,12 @@ fn every_submission_corpus_file_holds_the_invariants() {
     assert!(replay("submission", fuzzing::submission) >= 12);
 }
 
+#[cfg(feature = "broker")]
+#[test]
+fn every_event_cursor_corpus_file_holds_the_invariants() {
+    assert!(replay("event_cursor", fuzzing::event_cursor) >= 12);
+}
+
 #[cfg(feature = "redis")]
 #[test]
 fn every_redis_reply_corpus_file_holds_the_invariants() {
@@ -114,6 +120,16 @@ fn agent_query_seeds_are_judged_as_their_names_say() {
 
 #[cfg(feature = "broker")]
 #[test]
+fn event_cursor_seeds_are_judged_as_their_names_say() {
+    let (valid, invalid) = judge_seeds("event_cursor", fuzzing::event_cursor_accepted);
+    assert!(
+        valid >= 3 && invalid >= 3,
+        "{valid} valid, {invalid} invalid"
+    );
+}
+
+#[cfg(feature = "broker")]
+#[test]
 fn submission_seeds_are_judged_as_their_names_say() {
     let (valid, invalid) = judge_seeds("submission", fuzzing::submission_accepted);
     assert!(
@@ -165,7 +181,8 @@ fn every_corpus_directory_has_a_replay() {
                 "secrets_parse",
                 "agent_query",
                 "submission",
-                "redis_reply"
+                "redis_reply",
+                "event_cursor"
             ]
             .contains(&name.to_str().unwrap_or("")),
             "no replay for fuzz/corpus/{name:?}"
@@ -187,7 +204,7 @@ fn every_fuzz_target_has_a_seed_corpus() {
         );
         targets += 1;
     }
-    assert_eq!(targets, 6);
+    assert_eq!(targets, 7);
 }
 
 /// A few thousand pseudo-random op sequences, so a plain `cargo test` explores beyond the corpus.

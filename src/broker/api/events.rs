@@ -25,7 +25,7 @@ use axum::body::Body;
 use axum::extract::FromRequestParts;
 use axum::extract::State;
 use axum::http::request::Parts;
-use axum::http::{HeaderValue, StatusCode, header};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::Response;
 use bytes::Bytes;
 use serde_json::json;
@@ -60,39 +60,46 @@ impl<S: Send + Sync> FromRequestParts<S> for StreamStart {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<StreamStart, ApiError> {
-        let query = parts.uri.query().unwrap_or("");
-        let mut cursor: Option<String> = None;
-        for (name, value) in form_urlencoded_pairs(query)? {
-            if name != "cursor" {
-                continue;
-            }
-            if cursor.is_some() {
-                return Err(ApiError::invalid(
-                    "The query parameter \"cursor\" is given twice.",
-                ));
-            }
-            cursor = Some(value);
-        }
-        let cursor = cursor.filter(|c| !c.is_empty());
-        if let Some(cursor) = &cursor {
-            bounded("cursor", cursor)?;
-            return Ok(StreamStart(Some(cursor.clone())));
-        }
-        let mut ids = parts.headers.get_all("last-event-id").iter();
-        let (first, second) = (ids.next(), ids.next());
-        if second.is_some() {
-            return Err(ApiError::invalid("Last-Event-ID is given more than once."));
-        }
-        let Some(value) = first else {
-            return Ok(StreamStart(None));
-        };
-        let value = value
-            .to_str()
-            .map_err(|_| ApiError::invalid("Last-Event-ID is not visible ASCII."))?
-            .trim();
-        bounded("Last-Event-ID", value)?;
-        Ok(StreamStart((!value.is_empty()).then(|| value.to_owned())))
+        stream_start(parts.uri.query(), &parts.headers).map(StreamStart)
     }
+}
+
+/// The cursor a stream starts after, from the request's query string and headers: the query's
+/// `cursor` (at most once) unless empty, else the `Last-Event-ID` header (at most once, trimmed)
+/// unless empty, else none; either longer than [`MAX_CURSOR_CHARS`] is a 400. Other query
+/// parameters are ignored. The cursor is not decoded here (that is [`decode_cursor`], after
+/// authentication).
+pub fn stream_start(query: Option<&str>, headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+    let mut cursor: Option<String> = None;
+    for (name, value) in query_pairs(query.unwrap_or(""))? {
+        if name != "cursor" {
+            continue;
+        }
+        if cursor.is_some() {
+            return Err(ApiError::invalid(
+                "The query parameter \"cursor\" is given twice.",
+            ));
+        }
+        cursor = Some(value);
+    }
+    if let Some(cursor) = cursor.filter(|c| !c.is_empty()) {
+        bounded("cursor", &cursor)?;
+        return Ok(Some(cursor));
+    }
+    let mut ids = headers.get_all("last-event-id").iter();
+    let (first, second) = (ids.next(), ids.next());
+    if second.is_some() {
+        return Err(ApiError::invalid("Last-Event-ID is given more than once."));
+    }
+    let Some(value) = first else {
+        return Ok(None);
+    };
+    let value = value
+        .to_str()
+        .map_err(|_| ApiError::invalid("Last-Event-ID is not visible ASCII."))?
+        .trim();
+    bounded("Last-Event-ID", value)?;
+    Ok((!value.is_empty()).then(|| value.to_owned()))
 }
 
 fn bounded(what: &str, cursor: &str) -> Result<(), ApiError> {
@@ -105,7 +112,7 @@ fn bounded(what: &str, cursor: &str) -> Result<(), ApiError> {
 }
 
 /// The query's pairs, percent-decoded (as axum's `Query` decodes them).
-fn form_urlencoded_pairs(query: &str) -> Result<Vec<(String, String)>, ApiError> {
+fn query_pairs(query: &str) -> Result<Vec<(String, String)>, ApiError> {
     let uri: axum::http::Uri = format!("/?{query}")
         .parse()
         .map_err(|_| ApiError::invalid("The query does not parse."))?;
