@@ -6,6 +6,7 @@
 //! - [`http`]: the submission body the tests send and the reply they read back.
 //! - [`metrics`]: one series read from a Prometheus text exposition.
 //! - [`contract`]: the Agent V1 schema every reply is checked against.
+//! - [`events`]: the Operator V1 event stream read by a real SSE parser, every event checked.
 //! - [`operator_contract`]: the Operator V1 contract (vendored yaml), its digest and validators.
 //! - [`broker`]: a broker started in-process on loopback, and the harness that talks to it.
 //! - [`faults`]: clients that hang up, a store held locked, and the ending every fault test shares.
@@ -21,6 +22,8 @@
 pub mod broker;
 #[cfg(feature = "broker")]
 pub mod contract;
+#[cfg(feature = "broker")]
+pub mod events;
 #[cfg(any(feature = "broker", feature = "redis"))]
 pub mod eventually;
 #[cfg(feature = "broker")]

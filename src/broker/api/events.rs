@@ -144,7 +144,7 @@ pub(crate) async fn stream_events(
     })?;
     // Subscribed before the first read: a commit after the read rings this receiver.
     let newest = core.db.event_bell().subscribe();
-    let (events, more) = match core.db.events_after(after, PAGE).await? {
+    let (start, events, more) = match core.db.events_after(after, PAGE).await? {
         EventPage::Expired => {
             return Err(ApiError::new(
                 StatusCode::GONE,
@@ -152,10 +152,14 @@ pub(crate) async fn stream_events(
                 "The cursor is no longer retained; list the requests and stream from their event_cursor.",
             ));
         }
-        EventPage::Events { events, more } => (events, more),
+        EventPage::Events {
+            after,
+            events,
+            more,
+        } => (after, events, more),
     };
     let stream = Stream {
-        after: after.unwrap_or(0),
+        after: start,
         first: Some(events),
         more,
         shutdown: core.shutdown.clone(),
@@ -207,7 +211,7 @@ impl Stream {
             }
             if self.more || *self.newest.borrow() > self.after {
                 match self.core.db.events_after(Some(self.after), PAGE).await {
-                    Ok(EventPage::Events { events, more }) => {
+                    Ok(EventPage::Events { events, more, .. }) => {
                         self.more = more;
                         if let Some(chunk) = self.frames(&events) {
                             return Some((Ok(chunk), self));

@@ -348,6 +348,9 @@ pub(super) fn append(
 pub enum EventPage {
     /// The events after the cursor, oldest first (at most the limit), and whether more follow.
     Events {
+        /// The sequence they follow: the cursor's, or for no cursor the one before the oldest
+        /// retained (the high-water mark when none is). A stream goes on from here.
+        after: i64,
         /// The events.
         events: Vec<StoredEvent>,
         /// Whether events after the last one are already stored.
@@ -402,7 +405,7 @@ impl Database {
                 tx.query_row("SELECT MIN(seq) FROM operator_events", [], |r| r.get(0))?;
             let start = match (after, oldest) {
                 (None, Some(oldest)) => oldest - 1,
-                (None, None) => 0,
+                (None, None) => high_water(&tx)?,
                 // Retained starts at `oldest`: a cursor just before it still sees every event.
                 (Some(after), Some(oldest)) if after < oldest - 1 => {
                     tx.finish()?;
@@ -426,7 +429,11 @@ impl Database {
             tx.finish()?;
             let more = events.len() > limit as usize;
             events.truncate(limit as usize);
-            Ok(EventPage::Events { events, more })
+            Ok(EventPage::Events {
+                after: start,
+                events,
+                more,
+            })
         })
         .await
     }
