@@ -437,6 +437,25 @@ async fn open_streams_are_bounded_and_a_slot_given_back_opens_again() {
 }
 
 #[tokio::test]
+async fn at_the_connection_cap_an_open_stream_is_not_taken_for_an_idle_connection() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = serve(dir.path(), &["--max-connections", "4"]);
+    let mut stream = open(&server.base, OPERATOR_SECRET, "", &[]).await.stream();
+    // Silent connections past the cap: each newcomer makes room by closing the connection idle
+    // longest, which must be a silent one, never the stream (its response is still being sent).
+    let silent: Vec<std::net::TcpStream> = (0..8)
+        .map(|_| std::net::TcpStream::connect(server.addr).unwrap())
+        .collect();
+    let id = submit_request(&server, "through-the-flood", 0).await;
+    let event = stream.next_event().await.expect("the stream is still open");
+    assert_eq!(
+        summary(&event),
+        expect(&id, "request.created", 1, "pending", 0)
+    );
+    drop(silent);
+}
+
+#[tokio::test]
 async fn shutdown_ends_every_open_stream_without_waiting_out_the_grace() {
     let dir = tempfile::tempdir().unwrap();
     let mut server = serve(dir.path(), &[]);
