@@ -111,6 +111,7 @@ fn terminal(i: usize, old: bool) -> OperationRecord {
         error: None,
         revision: 3,
         decided: None,
+        ended_from: None,
         broker: "admission".to_owned(),
         presentation: unyolo_admission::broker::presentation::derive(
             "demo.run",

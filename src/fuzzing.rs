@@ -61,7 +61,10 @@ pub fn config_parse(data: &[u8]) {
 #[cfg(feature = "broker")]
 mod broker;
 #[cfg(feature = "broker")]
-pub use broker::{agent_query, agent_query_accepted, submission, submission_accepted};
+pub use broker::{
+    agent_query, agent_query_accepted, event_cursor, event_cursor_accepted, submission,
+    submission_accepted,
+};
 
 #[cfg(feature = "broker")]
 mod operator;

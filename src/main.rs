@@ -124,6 +124,10 @@ struct ServeArgs {
     /// or `forever` keeps everything. A replay of a deleted operation's key is new work.
     #[arg(long, value_name = "DURATION", default_value = "7days")]
     retention: unyolo_admission::broker::Keep,
+    /// How long a request that needs an operator's approval may stay pending before it expires
+    /// (e.g. `5min`, `90s`); not zero.
+    #[arg(long, value_name = "DURATION", default_value = "5min", value_parser = humantime::parse_duration)]
+    pending_timeout: std::time::Duration,
     /// Share admission with other replicas through this Redis (`redis://host:port/db`); needs
     /// `--replica`. Without it, this process counts alone (the in-process controller).
     #[arg(long, value_name = "URL", requires = "replica")]
@@ -267,6 +271,7 @@ fn serve(args: ServeArgs) -> ExitCode {
             ..unyolo_admission::fairness::FairnessConfig::default()
         },
         buffered_bytes: args.buffered_bytes,
+        pending_timeout: args.pending_timeout,
     };
     match run(options) {
         Ok(()) => ExitCode::SUCCESS,

@@ -786,6 +786,8 @@ async fn a_data_dir_of_schema_version_1_keeps_working_from_revision_1() {
     // Kept for ever: these rows ended in 2025, long past the default retention.
     let mut s = settings(dir.path(), ROOMY, StorageCaps::default());
     s.retention.keep = unyolo_admission::broker::Keep::Forever;
+    // And not expired: the pending one was created in 2025, far past the default pending timeout.
+    s.pending_timeout = std::time::Duration::from_secs(10 * 365 * 24 * 3600);
     let h = start_with(s).await;
     assert_eq!(h.restored.pending, 1);
     let version: i64 = rusqlite::Connection::open(dir.path().join("admission.sqlite3"))

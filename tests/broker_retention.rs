@@ -80,6 +80,7 @@ fn old_terminal(i: usize, terminal_at: &str, padding: usize) -> OperationRecord 
         error: None,
         revision: 3,
         decided: None,
+        ended_from: None,
         broker: "admission".to_owned(),
         presentation: unyolo_admission::broker::presentation::derive(
             "demo.run",

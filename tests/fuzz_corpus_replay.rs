@@ -64,6 +64,12 @@ fn every_operator_list_query_corpus_file_holds_the_invariants() {
     assert!(replay("operator_list_query", fuzzing::operator_list_query) >= 12);
 }
 
+#[cfg(feature = "broker")]
+#[test]
+fn every_event_cursor_corpus_file_holds_the_invariants() {
+    assert!(replay("event_cursor", fuzzing::event_cursor) >= 12);
+}
+
 #[cfg(feature = "redis")]
 #[test]
 fn every_redis_reply_corpus_file_holds_the_invariants() {
@@ -118,6 +124,16 @@ fn secrets_seeds_are_judged_as_their_names_say() {
 #[test]
 fn agent_query_seeds_are_judged_as_their_names_say() {
     let (valid, invalid) = judge_seeds("agent_query", fuzzing::agent_query_accepted);
+    assert!(
+        valid >= 3 && invalid >= 3,
+        "{valid} valid, {invalid} invalid"
+    );
+}
+
+#[cfg(feature = "broker")]
+#[test]
+fn event_cursor_seeds_are_judged_as_their_names_say() {
+    let (valid, invalid) = judge_seeds("event_cursor", fuzzing::event_cursor_accepted);
     assert!(
         valid >= 3 && invalid >= 3,
         "{valid} valid, {invalid} invalid"
@@ -196,6 +212,7 @@ fn every_corpus_directory_has_a_replay() {
                 "agent_query",
                 "submission",
                 "redis_reply",
+                "event_cursor",
                 "operator_decision",
                 "operator_list_query"
             ]
@@ -219,7 +236,7 @@ fn every_fuzz_target_has_a_seed_corpus() {
         );
         targets += 1;
     }
-    assert_eq!(targets, 8);
+    assert_eq!(targets, 9);
 }
 
 /// A few thousand pseudo-random op sequences, so a plain `cargo test` explores beyond the corpus.

@@ -11,8 +11,8 @@
 //! detached from the future of the client that asked for it.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, SystemTime};
 
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -23,6 +23,7 @@ use crate::fairness::{ByteBudget, Fairness};
 use tokio::sync::{Notify, watch};
 
 use super::auth::Auth;
+use super::event_streams::EventStreams;
 use super::keys::KeyFilter;
 use super::registry::duration_ms;
 use super::store::{Database, OperationRecord};
@@ -75,11 +76,15 @@ pub(crate) struct Core {
     pub(crate) fairness: Fairness,
     /// The bytes request bodies may hold buffered at once, across every request.
     pub(crate) budget: ByteBudget,
-    /// How long a request waits for a decision (its `pending_expires_at` is its creation plus
-    /// this): the one place the broker reads the pending timeout from.
+    /// How long a request waits for a decision (`--pending-timeout`; its `pending_expires_at`
+    /// is its creation plus this): the one place the broker reads the pending timeout from.
     pub(crate) pending_timeout: Duration,
     /// `broker_operator_decisions_total{action,outcome}`.
     pub(crate) operator_decisions: Family<DecisionLabels, Counter>,
+    /// The pending requests by when they expire (the `expiry` sweeper takes from it).
+    pub(crate) expiries: PendingExpiries,
+    /// The open Operator V1 event streams and their bounds.
+    pub(crate) event_streams: EventStreams,
 }
 
 impl Core {
@@ -122,14 +127,27 @@ impl Core {
         Arc::clone(&self.counts_gate).read_owned().await
     }
 
-    /// The cursor of the newest event in the operators' event log, if there is one: a request
-    /// page's `event_cursor` (first pages only), so an operator can list, then stream from
-    /// there. **Seam**: the event log is the events branch's (issue 20); until it lands there is
-    /// no event, hence no cursor.
-    pub(crate) async fn newest_event_cursor(
-        &self,
-    ) -> Result<Option<String>, super::store::StoreError> {
-        Ok(None)
+    /// Adds a live operation to the live map; a pending one is also queued for expiry at its
+    /// [`Core::pending_expires_at`].
+    pub(crate) fn add_live(&self, op: &Arc<LiveOp>, state: crate::engine::OperationState) {
+        self.live_ops().insert(op.id.clone(), Arc::clone(op));
+        if state == crate::engine::OperationState::Pending {
+            self.expiries
+                .push(self.pending_expires_at(op.created_at), Arc::downgrade(op));
+        }
+    }
+
+    /// When a request created at `created_at` expires if nobody decides it (its
+    /// `pending_expires_at`).
+    pub(crate) fn pending_expires_at(&self, created_at: SystemTime) -> SystemTime {
+        created_at + self.pending_timeout
+    }
+
+    /// The cursor of the newest event in the log (the request list's `event_cursor`), `None`
+    /// before the first; read from the event bell, not the store.
+    pub(crate) fn newest_event_cursor(&self) -> Option<String> {
+        let newest = self.db.event_bell().newest();
+        (newest > 0).then(|| super::store::events::encode_cursor(newest))
     }
 
     /// The lock serializing submissions of `client` with idempotency `key`.
@@ -151,6 +169,8 @@ pub(crate) struct LiveOp {
     pub(crate) handle: OperationHandle,
     /// Held across a transition's store write and its handle update.
     pub(crate) lock: tokio::sync::Mutex<()>,
+    /// When it was created (its row's `created_at`; now, if that does not parse).
+    pub(crate) created_at: SystemTime,
 }
 
 impl LiveOp {
@@ -161,7 +181,56 @@ impl LiveOp {
             duration: Duration::from_millis(duration_ms(&record.arguments).unwrap_or(0)),
             handle,
             lock: tokio::sync::Mutex::new(()),
+            created_at: humantime::parse_rfc3339(&record.created_at)
+                .unwrap_or_else(|_| SystemTime::now()),
         }
+    }
+}
+
+/// The pending requests in the order they expire, and the bell rung when one is queued. The
+/// timeout is one for all, so creation order is expiry order and a FIFO suffices: a new request
+/// always expires after every one queued before it (restored ones are queued oldest first). An
+/// entry whose request was decided meanwhile is skipped when its time comes (it is held weakly,
+/// so a finished operation is not kept alive by the queue).
+#[derive(Default)]
+pub(crate) struct PendingExpiries {
+    queue: Mutex<VecDeque<(SystemTime, Weak<LiveOp>)>>,
+    bell: Notify,
+}
+
+impl PendingExpiries {
+    fn queue(&self) -> std::sync::MutexGuard<'_, VecDeque<(SystemTime, Weak<LiveOp>)>> {
+        crate::sync::lock(&self.queue)
+    }
+
+    /// Queues a pending request expiring at `at`.
+    pub(crate) fn push(&self, at: SystemTime, op: Weak<LiveOp>) {
+        self.queue().push_back((at, op));
+        self.bell.notify_one();
+    }
+
+    /// When the first queued request expires, if any is queued.
+    pub(crate) fn next(&self) -> Option<SystemTime> {
+        self.queue().front().map(|(at, _)| *at)
+    }
+
+    /// Takes out every entry due at `now`, oldest first, with the requests still live.
+    pub(crate) fn take_due(&self, now: SystemTime) -> Vec<Arc<LiveOp>> {
+        let mut queue = self.queue();
+        let mut due = Vec::new();
+        while queue.front().is_some_and(|(at, _)| *at <= now) {
+            if let Some((_, op)) = queue.pop_front()
+                && let Some(op) = op.upgrade()
+            {
+                due.push(op);
+            }
+        }
+        due
+    }
+
+    /// Returns once a request is queued; a ring while nobody waits is kept for the next call.
+    pub(crate) async fn rung(&self) {
+        self.bell.notified().await;
     }
 }
 

@@ -17,7 +17,8 @@
 //! - **Connection cap**: a semaphore permit per open connection. The cap comes from the process's
 //!   file limit (see [`connection_cap_for_file_limit`]), so the broker never runs out of
 //!   descriptors for its store. At the cap, a newly accepted connection makes room by closing the
-//!   connection that has been idle longest (no request in progress: silent, half a head, or kept
+//!   connection that has been idle longest (no request in progress, a request being in progress
+//!   until its response body is sent, so an open event stream is never idle: silent, half a head, or kept
 //!   alive), so a flood of half-open connections cannot queue `/healthz` or an operator decision
 //!   behind itself. When none is idle, a connection stuck on a body that breaks the deadline or
 //!   the minimum rate makes room instead, closed as if its client had hung up (its handler was
@@ -442,9 +443,16 @@ pub(crate) async fn serve_counted<A: Acceptor>(
             });
             let response = hyper::service::Service::call(&service, request);
             async move {
-                let response = response.await;
-                drop(request_open);
-                response
+                // The request stays in progress until its response body ends, so a streamed
+                // answer (an Operator V1 event stream) is never taken for an idle connection.
+                response.await.map(|response| {
+                    response.map(|body| {
+                        axum::body::Body::new(BusyBody {
+                            body,
+                            _busy: request_open,
+                        })
+                    })
+                })
             }
         });
         let connection = graceful.watch(http.serve_connection(TokioIo::new(stream), service));
@@ -583,6 +591,32 @@ impl Drop for Busy {
         *crate::sync::lock(&self.0.idle_since) = Instant::now();
         // Relaxed: as in `enter`; the idle time is under its own lock.
         self.0.requests.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// A response body that holds its request's [`Busy`] until the body ends or is dropped.
+struct BusyBody {
+    body: axum::body::Body,
+    _busy: Busy,
+}
+
+impl hyper::body::Body for BusyBody {
+    type Data = bytes::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<bytes::Bytes>, axum::Error>>> {
+        std::pin::Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.body.size_hint()
     }
 }
 

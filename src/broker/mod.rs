@@ -104,7 +104,9 @@ mod core;
 mod drift;
 pub mod drill;
 pub mod drill_replicas;
+pub mod event_streams;
 mod exec;
+mod expiry;
 #[doc(hidden)]
 pub mod keys;
 pub mod listener;
@@ -133,6 +135,7 @@ use crate::fairness::FairnessConfig;
 
 pub use api::{discovery, listing, presentation, projection, ratelimit};
 pub use drift::{Difference, DriftCount, DriftReport};
+pub use event_streams::EventStreamLimits;
 pub use listener::{ConnectionSettings, ListenAddr};
 pub use retention::{Keep, RetentionSettings, SweepReport, WallClock};
 pub use store::{Database, OperationError, OperationRecord, StoreError, StoredCounts};
@@ -154,7 +157,8 @@ pub struct BrokerSettings {
     /// The named operators and their bearer secrets; the matched name decides (`decided_by`).
     pub operators: Operators,
     /// How long a request may wait for an operator's decision before it expires
-    /// ([`DEFAULT_PENDING_TIMEOUT`] by default): its `pending_expires_at` is its creation plus this.
+    /// ([`DEFAULT_PENDING_TIMEOUT`] by default; not zero): its `pending_expires_at` is its
+    /// creation plus this.
     pub pending_timeout: Duration,
     /// The admission limits (validated for the identities of `secrets`).
     pub config: Config,
@@ -181,6 +185,8 @@ pub struct BrokerSettings {
     /// ([`DEFAULT_BUFFERED_BYTES`] by default); past it a body waits a second for room, then is
     /// answered 503 `body_budget_exhausted` unread.
     pub buffered_bytes: usize,
+    /// How many Operator V1 event streams may be open at once, per operator and in total.
+    pub event_streams: EventStreamLimits,
 }
 
 /// The default [`BrokerSettings::operator_listen`]: `127.0.0.1:8081`.
@@ -214,6 +220,8 @@ impl std::fmt::Debug for BrokerSettings {
             .field("replicas", &self.replicas)
             .field("fairness", &self.fairness)
             .field("buffered_bytes", &self.buffered_bytes)
+            .field("pending_timeout", &self.pending_timeout)
+            .field("event_streams", &self.event_streams)
             .finish()
     }
 }
@@ -246,6 +254,7 @@ impl BrokerSettings {
             replicas: None,
             fairness: FairnessConfig::default(),
             buffered_bytes: DEFAULT_BUFFERED_BYTES,
+            event_streams: EventStreamLimits::default(),
         }
     }
 
@@ -272,6 +281,15 @@ impl BrokerSettings {
         }
         if let Some(problem) = self.fairness.problem() {
             return Err(BrokerError::Settings(format!("fairness: {problem}")));
+        }
+        if self.pending_timeout.is_zero() {
+            return Err(BrokerError::Settings(
+                "the pending timeout must be above zero (a request would expire as it is made)"
+                    .to_owned(),
+            ));
+        }
+        if let Some(problem) = self.event_streams.problem() {
+            return Err(BrokerError::Settings(problem));
         }
         if self.buffered_bytes < api::MAX_BODY_BYTES {
             return Err(BrokerError::Settings(format!(
@@ -346,6 +364,8 @@ pub struct Broker {
     executor: JoinHandle<()>,
     drift: JoinHandle<()>,
     sweeper: JoinHandle<()>,
+    /// The pending-expiry sweeper.
+    expiry: JoinHandle<()>,
     /// The retention sweep's state, shared with the sweeping task.
     retention: Arc<retention::Retention>,
 }
@@ -417,6 +437,12 @@ impl Broker {
     /// store metrics. Waits for a sweep already running to finish first.
     pub async fn sweep_now(&self) -> Result<SweepReport, StoreError> {
         retention::sweep(&self.core, &self.retention).await
+    }
+
+    /// The cursor of the newest Operator V1 event (`None` before the first): a consumer that
+    /// streams from it sees every event after this moment.
+    pub fn newest_event_cursor(&self) -> Option<String> {
+        self.core.newest_event_cursor()
     }
 
     /// Whether the replay filter lets a submission of `client` with `key` through to the store

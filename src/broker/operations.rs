@@ -12,7 +12,8 @@ use std::sync::Arc;
 
 use super::core::{Core, LiveOp, run_to_end};
 use super::store::{
-    DecidedMove, DecisionCommand, DecisionOutcome, OperationRecord, StateChange, StoreError,
+    DecidedMove, DecisionCommand, DecisionOutcome, OperationError, OperationRecord, StateChange,
+    StoreError,
 };
 use crate::engine::{CancelOutcome, OperationState, TransitionError};
 
@@ -57,6 +58,37 @@ impl Core {
         run_to_end(transition).await.unwrap_or_else(|err| {
             Err(TransitionFailure::Store(StoreError::unfinished(
                 "the transition",
+                err,
+            )))
+        })
+    }
+
+    /// Expires `op` if it is still pending (a request nobody decided in time), run to its end
+    /// like every transition: the row (with its `request.expired` event) first, then the handle,
+    /// which releases the operation's slots. `Ok(None)` when it was no longer pending.
+    pub(crate) async fn expire_to_end(
+        self: &Arc<Self>,
+        op: Arc<LiveOp>,
+    ) -> Result<Option<OperationRecord>, TransitionFailure> {
+        let core = Arc::clone(self);
+        let expiry = async move {
+            let _quiet = core.hold_counts().await;
+            let _guard = op.lock.lock().await;
+            if op.handle.state() != OperationState::Pending {
+                return Ok(None);
+            }
+            let error = OperationError {
+                code: "operation_approval_expired".to_owned(),
+                message: "No operator decided on the request within the pending timeout."
+                    .to_owned(),
+            };
+            core.transition_locked(&op, OperationState::Expired, StateChange::error(Some(error)))
+                .await
+                .map(Some)
+        };
+        run_to_end(expiry).await.unwrap_or_else(|err| {
+            Err(TransitionFailure::Store(StoreError::unfinished(
+                "the expiry",
                 err,
             )))
         })

@@ -11,11 +11,13 @@
 //!    SQLite's write lock. Each batch holds the counts gate (`Core::hold_counts`) like every other
 //!    change, though deleting terminal rows changes no count. Non-terminal operations are never
 //!    touched, however old;
-//! 2. returns freed pages to the filesystem ([`VACUUM_STEP`] pages per transaction: the file
+//! 2. trims the Operator V1 event log to its newest [`MAX_EVENTS`] and to none older than the
+//!    retention, oldest first, [`BATCH`] events per write transaction;
+//! 3. returns freed pages to the filesystem ([`VACUUM_STEP`] pages per transaction: the file
 //!    uses incremental auto-vacuum);
-//! 3. reconciles streams under the counts gate: a row whose file is gone is deleted and its room
+//! 4. reconciles streams under the counts gate: a row whose file is gone is deleted and its room
 //!    released in the controller; a file with no row and no upload in progress is removed;
-//! 4. rebuilds the replay filter from the store once a quarter of its keys have retired (see the
+//! 5. rebuilds the replay filter from the store once a quarter of its keys have retired (see the
 //!    `keys` module), and refreshes the store and filter metrics.
 //!
 //! **A replay after retention is new work.** The contract's replay window is the retention: once
@@ -37,6 +39,7 @@ use prometheus_client::registry::Registry;
 
 use super::core::Core;
 use super::store::StoreError;
+use super::store::events::MAX_EVENTS;
 use crate::OperationState;
 use crate::admission::KeyRecord;
 use crate::config::Identity;
@@ -153,6 +156,8 @@ pub struct SweepReport {
     pub stream_files_removed: u64,
     /// Whether the replay filter was rebuilt from the store.
     pub filter_rebuilt: bool,
+    /// Operator V1 events deleted (past the newest [`MAX_EVENTS`] or older than the retention).
+    pub events_trimmed: u64,
 }
 
 type StateLabels = [(&'static str, &'static str); 1];
@@ -319,10 +324,27 @@ pub(crate) async fn sweep(
             tokio::task::yield_now().await;
         }
     }
+    let event_cutoff = match retention.settings.keep {
+        Keep::For(keep) => now
+            .checked_sub(keep)
+            .map(|cutoff| humantime::format_rfc3339_millis(cutoff).to_string()),
+        Keep::Forever => None,
+    };
+    loop {
+        let trimmed = core
+            .db
+            .trim_events(MAX_EVENTS, event_cutoff.clone(), BATCH)
+            .await?;
+        report.events_trimmed += trimmed;
+        if trimmed < u64::from(BATCH) {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
     while core.db.return_free_pages(VACUUM_STEP).await? > 0 {
         tokio::task::yield_now().await;
     }
-    if report.retired > 0 {
+    if report.retired > 0 || report.events_trimmed > 0 {
         core.db.checkpoint().await?;
     }
     let (rows_removed, files_removed) = reconcile_streams(core).await?;

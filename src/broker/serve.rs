@@ -117,6 +117,8 @@ pub struct ServeOptions {
     pub fairness: crate::fairness::FairnessConfig,
     /// The most bytes of request bodies held buffered at once (`--buffered-bytes`).
     pub buffered_bytes: usize,
+    /// How long a request may stay pending before it expires (`--pending-timeout`; not zero).
+    pub pending_timeout: std::time::Duration,
 }
 
 /// Runs the broker until `SIGINT` or `SIGTERM`. Prints `listening on ADDR` once it serves.
@@ -128,6 +130,12 @@ pub fn run(options: ServeOptions) -> Result<(), String> {
     }
     if let Some(problem) = options.fairness.problem() {
         return Err(format!("fairness: {problem}"));
+    }
+    if options.pending_timeout.is_zero() {
+        return Err(
+            "--pending-timeout must be above zero (a request would expire as it is made)"
+                .to_owned(),
+        );
     }
     let secrets_path = match &options.secrets {
         Some(path) => path.clone(),
@@ -171,6 +179,7 @@ pub fn run(options: ServeOptions) -> Result<(), String> {
         connections: options.connections,
         fairness: options.fairness,
         buffered_bytes: options.buffered_bytes,
+        pending_timeout: options.pending_timeout,
         retention: RetentionSettings {
             keep: options.retention,
             ..RetentionSettings::default()

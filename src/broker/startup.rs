@@ -20,7 +20,8 @@ use prometheus_client::registry::Registry;
 use tokio::sync::watch;
 
 use super::auth::Auth;
-use super::core::{Core, DecisionLabels, ExecQueue, LiveOp, SubmissionLabels};
+use super::core::{Core, DecisionLabels, ExecQueue, LiveOp, PendingExpiries, SubmissionLabels};
+use super::event_streams::EventStreams;
 use super::keys::KeyFilter;
 use super::listener::{ConnectionPool, ConnectionSettings, ListenAddr, UnixSocket};
 use super::retention::{Keep, Retention};
@@ -87,7 +88,8 @@ impl Broker {
         let data_dir = settings.data_dir.clone();
         let broker_name = settings.broker_name.clone();
         let (db, recovered, keys, created) = tokio::task::spawn_blocking(move || {
-            let db = Database::open_as(&data_dir, &broker_name)?;
+            let db = Database::open_as(&data_dir, &broker_name)?
+                .with_requests(super::registry::approval_operations());
             // Rows an older schema wrote get their presentation and digest once, before
             // anything reads them.
             let derived = db.fill_derived(super::presentation::derive)?;
@@ -169,6 +171,8 @@ impl Broker {
                 "terminal operations retire after the retention; a replay after it is new work"
             ),
         }
+        let event_streams = EventStreams::new(settings.event_streams);
+        event_streams.register(&mut registry, db.event_bell().written());
         let (stop, shutdown) = watch::channel(false);
         let core = Arc::new(Core {
             admission,
@@ -194,6 +198,8 @@ impl Broker {
             budget,
             pending_timeout: settings.pending_timeout,
             operator_decisions,
+            expiries: PendingExpiries::default(),
+            event_streams,
         });
         let summary = restore(&core, recovered).await;
         match drift::check(&core).await {
@@ -217,6 +223,7 @@ impl Broker {
         ));
         // One connection cap for both listeners: each connection is a descriptor either way.
         let pool = listener::ConnectionPool::new(connection_cap);
+        let expiry = tokio::spawn(super::expiry::run(Arc::clone(&core)));
         let server = tokio::spawn(listener::serve_counted(
             listener,
             api::agent_router(Arc::clone(&core)),
@@ -253,6 +260,7 @@ impl Broker {
                 executor,
                 drift,
                 sweeper,
+                expiry,
                 retention,
             },
             summary,
@@ -282,6 +290,7 @@ impl Broker {
         let _ = self.executor.await;
         let _ = self.drift.await;
         let _ = self.sweeper.await;
+        let _ = self.expiry.await;
         // Connection and execution tasks see the stop and return; changes in progress (see
         // `run_to_end`) run to their end. Each holds the core until it ends. Bounded, so a stuck store call cannot hang shutdown forever.
         let deadline = std::time::Instant::now() + SHUTDOWN_GRACE;
@@ -383,7 +392,7 @@ async fn restore(core: &Arc<Core>, recovered: store::Recovered) -> RestoreSummar
             }
         };
         let op = Arc::new(LiveOp::new(&record, handle));
-        core.live_ops().insert(record.id.clone(), Arc::clone(&op));
+        core.add_live(&op, record.state);
         match record.state {
             OperationState::Approved => {
                 summary.approved += 1;

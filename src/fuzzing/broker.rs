@@ -366,3 +366,110 @@ pub fn submission(data: &[u8]) {
         }
     }
 }
+
+/// Whether `text` is, by a plain reading of the cursor format, a cursor the event stream
+/// accepts: 11 characters of the base64url alphabet encoding 8 bytes (so the last character's
+/// two spare bits are zero) whose first bit, the sign of the sequence, is zero.
+fn event_cursor_shape(text: &str) -> bool {
+    const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+    let values: Option<Vec<usize>> = text
+        .bytes()
+        .map(|b| ALPHABET.iter().position(|&a| a == b))
+        .collect();
+    values.is_some_and(|v| v.len() == 11 && v[0] < 32 && v[10] % 4 == 0)
+}
+
+/// Arbitrary bytes as the start of an Operator V1 event stream: as a cursor itself, as the
+/// query string of `GET /api/operator/v1/events`, and as its `Last-Event-ID` header.
+///
+/// A cursor decodes exactly when [`event_cursor_shape`] says so, to a sequence ≥ 0 whose
+/// encoding is that very cursor; the encoding of any sequence ≥ 0 (the first 8 bytes) decodes
+/// back to it. The stream's start is the query's `cursor` when given once and non-empty (400
+/// when given twice, or longer than 1024 characters), else the trimmed header when non-empty
+/// (400 when longer), else none; every refusal is a 400 `invalid_request` with a one-line
+/// message.
+pub fn event_cursor(data: &[u8]) {
+    use crate::broker::api::events::stream_start;
+    use crate::broker::store::events::{MAX_CURSOR_CHARS, decode_cursor, encode_cursor};
+
+    if let Ok(text) = std::str::from_utf8(data) {
+        match decode_cursor(text) {
+            Ok(seq) => {
+                assert!(event_cursor_shape(text), "{text:?} decoded to {seq}");
+                assert!(seq >= 0);
+                assert_eq!(encode_cursor(seq), text);
+            }
+            Err(_) => assert!(!event_cursor_shape(text), "{text:?} refused"),
+        }
+    }
+    if data.len() >= 8 {
+        let seq = i64::from_be_bytes(data[..8].try_into().expect("8 bytes")) & i64::MAX;
+        let cursor = encode_cursor(seq);
+        assert_eq!(decode_cursor(&cursor), Ok(seq));
+        assert!(event_cursor_shape(&cursor), "{cursor}");
+    }
+
+    let query = std::str::from_utf8(data)
+        .ok()
+        .filter(|text| Uri::try_from(format!("/api/operator/v1/events?{text}")).is_ok());
+    let header = axum::http::HeaderValue::from_bytes(data).ok();
+    let mut headers = axum::http::HeaderMap::new();
+    if let Some(value) = &header {
+        headers.insert("last-event-id", value.clone());
+    }
+    let pairs = match query.map(|q| query_pairs_of("/api/operator/v1/events", q)) {
+        Some(Some(Ok(pairs))) => pairs,
+        Some(Some(Err(_))) | Some(None) => {
+            if let Some(query) = query {
+                match stream_start(Some(query), &headers) {
+                    Ok(start) => panic!("an undecodable query was accepted: {start:?}"),
+                    Err(err) => assert_bad_request(&err, &["invalid_request"]),
+                }
+            }
+            return;
+        }
+        None => Vec::new(),
+    };
+    let cursors: Vec<&str> = pairs
+        .iter()
+        .filter(|(name, _)| name == "cursor")
+        .map(|(_, value)| value.as_str())
+        .collect();
+    let from_header: Result<Option<&str>, ()> = match &header {
+        None => Ok(None),
+        Some(value) => match value.to_str().map(str::trim) {
+            Err(_) => Err(()),
+            Ok("") => Ok(None),
+            Ok(text) if text.chars().count() > MAX_CURSOR_CHARS => Err(()),
+            Ok(text) => Ok(Some(text)),
+        },
+    };
+    let expected = match cursors.as_slice() {
+        [_, _, ..] => Err(()),
+        [cursor] if cursor.chars().count() > MAX_CURSOR_CHARS => Err(()),
+        [cursor] if !cursor.is_empty() => Ok(Some(*cursor)),
+        _ => from_header,
+    };
+    match (stream_start(query, &headers), expected) {
+        (Ok(start), Ok(expected)) => assert_eq!(start.as_deref(), expected, "{data:?}"),
+        (Err(err), Err(())) => assert_bad_request(&err, &["invalid_request"]),
+        (got, expected) => panic!("{data:?}: got {got:?}, expected {expected:?}"),
+    }
+}
+
+/// The query string `query` of a request to `path`, decoded as its route decodes it; `None`
+/// when it is not a request target at all.
+fn query_pairs_of(path: &str, query: &str) -> Option<Result<Vec<(String, String)>, ApiError>> {
+    let uri = Uri::try_from(format!("{path}?{query}")).ok()?;
+    Some(
+        Query::<Vec<(String, String)>>::try_from_uri(&uri)
+            .map(|Query(pairs)| pairs)
+            .map_err(|rejection| ApiError::invalid(rejection.body_text())),
+    )
+}
+
+/// Whether the event stream accepts `data` as a cursor (see [`agent_query_accepted`]).
+pub fn event_cursor_accepted(data: &[u8]) -> bool {
+    std::str::from_utf8(data)
+        .is_ok_and(|text| crate::broker::store::events::decode_cursor(text).is_ok())
+}

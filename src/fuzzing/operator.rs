@@ -197,6 +197,7 @@ fn continues_only_itself(pairs: &[(String, String)], query: &ListQuery) {
         decided: None,
         broker: "admission".to_owned(),
         presentation: crate::broker::store::Presentation::default(),
+        ended_from: None,
     };
     let cursor = query.cursor_after(&record);
     let with = |limit: Option<String>| -> Vec<(String, String)> {

@@ -6,6 +6,7 @@
 //! - [`http`]: the submission body the tests send and the reply they read back.
 //! - [`metrics`]: one series read from a Prometheus text exposition.
 //! - [`contract`]: the Agent V1 schema every reply is checked against.
+//! - [`events`]: the Operator V1 event stream read by a real SSE parser, every event checked.
 //! - [`operator_contract`]: the Operator V1 contract (vendored yaml), its digest and validators.
 //! - [`operator`]: an operator speaking Operator V1 to the operator listener, every reply checked
 //!   against the vendored contract ([`operator_contract`]).
@@ -23,6 +24,8 @@
 pub mod broker;
 #[cfg(feature = "broker")]
 pub mod contract;
+#[cfg(feature = "broker")]
+pub mod events;
 #[cfg(any(feature = "broker", feature = "redis"))]
 pub mod eventually;
 #[cfg(feature = "broker")]

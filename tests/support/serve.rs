@@ -246,6 +246,15 @@ impl Server {
         String::from_utf8_lossy(&self.stderr.lock().unwrap()).into_owned()
     }
 
+    /// Sends SIGTERM (shut down gracefully).
+    pub fn sigterm(&self) {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.pid().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+
     /// Sends SIGHUP (reload the admission config).
     pub fn sighup(&self) {
         let status = Command::new("kill")

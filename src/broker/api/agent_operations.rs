@@ -280,6 +280,7 @@ pub(crate) async fn create(
         error: None,
         revision: 1,
         decided: None,
+        ended_from: None,
         broker: core.db.broker().to_owned(),
         presentation: shown,
     };
@@ -311,7 +312,7 @@ pub(crate) async fn create(
     // Replicated, the answer's quota fields are the shared decision's (every replica's counts).
     let decided = permit.quota();
     let op = Arc::new(LiveOp::new(&record, permit.commit()));
-    core.live_ops().insert(record.id.clone(), Arc::clone(&op));
+    core.add_live(&op, record.state);
     core.count_submission("created");
     tracing::info!(
         operation = %record.id,

@@ -21,6 +21,7 @@ pub(crate) mod agent_operations;
 pub(crate) mod detached;
 pub mod discovery;
 pub mod error;
+pub mod events;
 pub(crate) mod extract;
 mod fairness;
 mod health;

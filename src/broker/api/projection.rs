@@ -104,6 +104,7 @@ mod tests {
             error: None,
             revision: 1,
             decided: None,
+            ended_from: None,
             broker: "admission".to_owned(),
             presentation: crate::broker::store::Presentation {
                 title: "Run the demo".to_owned(),

@@ -41,6 +41,11 @@ pub struct Database {
     pub(super) dir: PathBuf,
     /// The broker name operations show.
     pub(super) broker: Arc<str>,
+    /// The operations whose changes the event log records: those that need an operator's
+    /// approval (Operator V1 requests). None until [`Database::with_requests`].
+    pub(super) requests: Arc<[String]>,
+    /// Where the newest committed event is published.
+    pub(super) events: super::events::EventBell,
     /// The data dir's lock, held until the last handle is dropped (closing the file unlocks it).
     _lock: Arc<std::fs::File>,
 }
@@ -117,13 +122,24 @@ impl Database {
                 source,
             })?;
         schema::ensure_indexes(&writer)?;
+        let events = super::events::open_bell(&writer)?;
         Ok(Database {
             writer: Arc::new(Mutex::new(writer)),
             readers,
             broker: Arc::from(broker),
+            requests: Arc::from([]),
+            events,
             dir: dir.to_owned(),
             _lock: Arc::new(lock),
         })
+    }
+
+    /// This handle, recording in the event log the changes of the operations named in
+    /// `requests` (the registered operations that need an operator's approval). The broker
+    /// passes them at start-up; the store knows no operation by name.
+    pub fn with_requests<'a>(mut self, requests: impl IntoIterator<Item = &'a str>) -> Database {
+        self.requests = requests.into_iter().map(str::to_owned).collect();
+        self
     }
 
     /// The data dir.

@@ -8,7 +8,6 @@
 //! write, and the state change ([`change_state`], the one place every state change is written)
 //! and the decision's record commit together, or nothing does.
 
-use std::sync::Arc;
 
 use rusqlite::{OptionalExtension, params};
 
@@ -79,8 +78,9 @@ impl Database {
         judge: impl FnOnce(&OperationRecord) -> Result<DecidedMove, R> + Send + 'static,
         render: impl FnOnce(&OperationRecord) -> String + Send + 'static,
     ) -> Result<DecisionOutcome<R>, StoreError> {
-        let broker = Arc::clone(&self.broker);
+        let db = self.clone();
         self.write(move |conn| {
+            let broker = &db.broker;
             // Immediate: the write lock is taken at the start (waiting out another process's
             // hold within the busy timeout), so the reads below see what the write commits on.
             let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
@@ -105,7 +105,7 @@ impl Database {
             let current = tx
                 .prepare_cached(&format!("{SELECT_OPERATION} WHERE id = ?1"))?
                 .query_row(params![scope.request_id], |row| {
-                    OperationRecord::from_row(row, &broker)
+                    OperationRecord::from_row(row, broker)
                 })
                 .optional()?;
             let Some(current) = current else {
@@ -123,9 +123,9 @@ impl Database {
                     revoked: decided.revoked,
                 }),
             };
-            let Some(record) = change_state(
+            let Some((record, seq)) = change_state(
                 &tx,
-                &broker,
+                &db,
                 &current.id,
                 current.state,
                 decided.to,
@@ -151,6 +151,9 @@ impl Database {
                 now_rfc3339(),
             ])?;
             tx.commit()?;
+            if let Some(seq) = seq {
+                db.events.rang(seq, 1);
+            }
             Ok(DecisionOutcome::Committed(record, rendered))
         })
         .await

@@ -24,6 +24,8 @@
 //! - `decisions`: operators' decisions, judged and committed with their idempotency records in
 //!   one transaction;
 //! - `requests`: the operators' request pages;
+//! - `events`: the Operator V1 event log (one row per revision change of a request, written in
+//!   the change's own transaction), its cursors, and the request status of a state;
 //! - `maintenance`: what keeps the file bounded and checked (retention deletes, returning free
 //!   pages, checkpoints, the counts the drift check compares);
 //! - `error`: what went wrong, as values a caller matches on.
@@ -32,6 +34,7 @@ mod database;
 mod decisions;
 mod digest;
 mod error;
+pub mod events;
 mod maintenance;
 mod operations;
 mod requests;
@@ -42,6 +45,7 @@ pub use database::{DATABASE_FILE, DEFAULT_BROKER_NAME, Database, LOCK_FILE, READ
 pub use decisions::{DecidedMove, DecisionCommand, DecisionOutcome, DecisionScope};
 pub use digest::request_digest;
 pub use error::{InsertError, StoreError};
+pub use events::{EventBell, EventKind, EventPage, RequestStatus, StoredEvent, request_status};
 pub use maintenance::{Retiring, StoredCounts};
 pub use operations::{
     Decided, DecisionMark, OperationError, OperationRecord, OperationSummary, PageQuery,
@@ -76,6 +80,7 @@ mod tests {
             error: None,
             revision: 1,
             decided: None,
+            ended_from: None,
             broker: DEFAULT_BROKER_NAME.to_owned(),
             presentation: Presentation {
                 title: format!("Run {id}"),

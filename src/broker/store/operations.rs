@@ -10,7 +10,6 @@
 //! without reading the text), so a conflict is answered from the digest alone and a full
 //! render can reserve its bytes before it reads them.
 
-use std::sync::Arc;
 use std::time::SystemTime;
 
 use rusqlite::{OptionalExtension, Row, params};
@@ -22,6 +21,7 @@ use super::database::{Database, now_rfc3339};
 use super::digest::request_digest;
 use super::error::is_unique_violation;
 use super::error::{InsertError, StoreError};
+use super::events;
 use super::schema::{OPERATION_COLUMNS, UNDERIVED_INDEX};
 use super::streams::{StreamRecord, all_streams};
 
@@ -121,6 +121,10 @@ pub struct OperationRecord {
     pub revision: u64,
     /// The last decision about it (an operator's, or the client's cancel), if any.
     pub decided: Option<Decided>,
+    /// The state a terminal operation left (`None` while live, and for rows older than schema
+    /// 6): what tells a revocation from a cancel while pending, and a failure while running
+    /// from one before it (see [`super::request_status`]).
+    pub ended_from: Option<OperationState>,
     /// The name of the broker that holds it (not stored: the broker's configured name).
     pub broker: String,
     /// Its presentation, as derived at creation.
@@ -269,6 +273,10 @@ impl OperationRecord {
                 rusqlite::Error::FromSqlConversionFailure(0, rusqlite::types::Type::Text, e.into())
             })
         };
+        let ended_from = row
+            .get::<_, Option<String>>("ended_from")?
+            .map(|text| parse_state(text, 0))
+            .transpose()?;
         let error_code: Option<String> = row.get("error_code")?;
         let error_message: Option<String> = row.get("error_message")?;
         Ok(OperationRecord {
@@ -299,6 +307,7 @@ impl OperationRecord {
                     revoked: row.get::<_, i64>("revoked")? != 0,
                 }),
             },
+            ended_from,
             broker: broker.to_owned(),
             presentation,
         })
@@ -319,23 +328,25 @@ pub struct Recovered {
 pub(super) const SELECT_OPERATION: &str = "SELECT id, client_id, idempotency_key, operation, \
     target, arguments, reason, state, created_at, updated_at, terminal_at, error_code, \
     error_message, revision, title, summary, decided_at, decided_by, decided_on_behalf_of, \
-    revoked FROM operations";
+    revoked, ended_from FROM operations";
 
 /// Moves operation `id` from `from` to `to` inside `tx`, writing what `change` carries, +1 on
-/// its revision; the updated record, or `None` if the row was not in `from`. **Every** state
-/// change of an operation goes through here (submission aside: a row is created in its first
-/// state), in the caller's transaction: transitions, starts, decisions, recovery. So whatever
-/// must be written with each change (the event log's entry) is written here, once.
+/// its revision, and (for a request) its Operator V1 event; the updated record and the event's
+/// sequence, or `None` if the row was not in `from`. **Every** state change of an operation goes
+/// through here (submission aside: a row is created in its first state, with its own event), in
+/// the caller's transaction: transitions, starts, decisions, recovery, expiry. The caller rings
+/// the event bell ([`Database::rang`]) after its commit.
 pub(super) fn change_state(
     tx: &rusqlite::Transaction<'_>,
-    broker: &str,
+    db: &Database,
     id: &str,
     from: OperationState,
     to: OperationState,
     change: &StateChange,
-) -> rusqlite::Result<Option<OperationRecord>> {
+) -> rusqlite::Result<Option<(OperationRecord, Option<i64>)>> {
     let now = now_rfc3339();
     let terminal_at = to.is_terminal().then_some(now.as_str());
+    let ended_from = to.is_terminal().then_some(from.as_str());
     let decision = change.decision.as_ref();
     let changed = tx
         .prepare_cached(
@@ -344,7 +355,8 @@ pub(super) fn change_state(
          decided_at = CASE WHEN ?8 IS NULL THEN decided_at ELSE ?4 END, \
          decided_by = CASE WHEN ?8 IS NULL THEN decided_by ELSE ?8 END, \
          decided_on_behalf_of = CASE WHEN ?8 IS NULL THEN decided_on_behalf_of ELSE ?9 END, \
-         revoked = CASE WHEN ?8 IS NULL THEN revoked ELSE ?10 END \
+         revoked = CASE WHEN ?8 IS NULL THEN revoked ELSE ?10 END, \
+         ended_from = ?11 \
          WHERE id = ?1 AND state = ?2",
         )?
         .execute(params![
@@ -358,13 +370,32 @@ pub(super) fn change_state(
             decision.map(|d| d.by.as_str()),
             decision.and_then(|d| d.on_behalf_of.as_deref()),
             decision.map(|d| i64::from(d.revoked)),
+            ended_from,
         ])?;
     if changed != 1 {
         return Ok(None);
     }
-    tx.prepare_cached(&format!("{SELECT_OPERATION} WHERE id = ?1"))?
-        .query_row(params![id], |row| OperationRecord::from_row(row, broker))
-        .optional()
+    let Some(record) = tx
+        .prepare_cached(&format!("{SELECT_OPERATION} WHERE id = ?1"))?
+        .query_row(params![id], |row| OperationRecord::from_row(row, &db.broker))
+        .optional()?
+    else {
+        return Ok(None);
+    };
+    let seq = if db.is_request(&record.operation) {
+        Some(events::append(
+            tx,
+            &record.id,
+            record.revision,
+            Some(from),
+            to,
+            record.ended_from,
+            &now,
+        )?)
+    } else {
+        None
+    };
+    Ok(Some((record, seq)))
 }
 
 /// What a listing page selects: the caller's operations, newest first, after a position.
@@ -419,16 +450,18 @@ impl Database {
         };
         let change = StateChange::error(Some(error));
         let mut failed = Vec::with_capacity(interrupted.len());
+        let mut newest = None;
         for record in &interrupted {
-            if let Some(record) = change_state(
+            if let Some((record, seq)) = change_state(
                 &tx,
-                &self.broker,
+                self,
                 &record.id,
                 OperationState::Executing,
                 OperationState::Failed,
                 &change,
             )? {
                 failed.push(record);
+                newest = seq.or(newest);
             }
         }
         let interrupted = failed;
@@ -441,6 +474,13 @@ impl Database {
         };
         let streams = all_streams(&tx)?;
         tx.commit()?;
+        if let Some(seq) = newest {
+            let written = interrupted
+                .iter()
+                .filter(|r| self.is_request(&r.operation))
+                .count();
+            self.events.rang(seq, written as u64);
+        }
         Ok(Recovered {
             interrupted,
             live,
@@ -506,11 +546,15 @@ impl Database {
         .await
     }
 
-    /// Inserts a new operation; durable when this returns `Ok`.
+    /// Inserts a new operation (and, for a request, its `request.created` event in the same
+    /// transaction); durable when this returns `Ok`.
     pub async fn insert(&self, record: OperationRecord) -> Result<(), InsertError> {
+        let is_request = self.is_request(&record.operation);
+        let bell = self.events.clone();
         let result = self
             .write(move |conn| {
-                conn.execute(
+                let tx = conn.transaction()?;
+                tx.execute(
                     "INSERT INTO operations (id, client_id, idempotency_key, operation, target, \
                      arguments, reason, state, created_at, updated_at, terminal_at, error_code, \
                      error_message, revision, title, summary, request_digest) \
@@ -531,11 +575,29 @@ impl Database {
                         record.presentation.summary,
                         record.request_digest(),
                     ],
-                )
+                )?;
+                let seq = is_request
+                    .then(|| {
+                        events::append(
+                            &tx,
+                            &record.id,
+                            1,
+                            None,
+                            record.state,
+                            None,
+                            &record.created_at,
+                        )
+                    })
+                    .transpose()?;
+                tx.commit()?;
+                if let Some(seq) = seq {
+                    bell.rang(seq, 1);
+                }
+                Ok(())
             })
             .await;
         match result {
-            Ok(_) => Ok(()),
+            Ok(()) => Ok(()),
             Err(err) if is_unique_violation(&err) => Err(InsertError::Duplicate),
             Err(err) => Err(InsertError::Store(err)),
         }
@@ -720,8 +782,8 @@ impl Database {
         .await
     }
 
-    /// Moves operation `id` from `from` to `to`, writing what `change` carries ([`change_state`]);
-    /// durable when this returns. Returns the updated record, or `None` if the row was not in
+    /// Moves operation `id` from `from` to `to`, writing what `change` carries and its event if
+    /// it is a request ([`change_state`]), in one transaction; durable when this returns. Returns the updated record, or `None` if the row was not in
     /// `from`.
     pub async fn set_state(
         &self,
@@ -731,12 +793,17 @@ impl Database {
         change: StateChange,
     ) -> Result<Option<OperationRecord>, StoreError> {
         let id = id.to_owned();
-        let broker = Arc::clone(&self.broker);
+        let db = self.clone();
         self.write(move |conn| {
             let tx = conn.transaction()?;
-            let record = change_state(&tx, &broker, &id, from, to, &change)?;
+            let changed = change_state(&tx, &db, &id, from, to, &change)?;
             tx.commit()?;
-            Ok(record)
+            Ok(changed.map(|(record, seq)| {
+                if let Some(seq) = seq {
+                    db.events.rang(seq, 1);
+                }
+                record
+            }))
         })
         .await
     }
@@ -749,9 +816,9 @@ impl Database {
         let tx = conn.transaction()?;
         {
             let mut stmt = tx.prepare(&format!(
-                "INSERT INTO operations ({OPERATION_COLUMNS}) \
+                "INSERT INTO operations ({OPERATION_COLUMNS}, ended_from) \
                  VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, \
-                 ?17, ?18, ?19, ?20, ?21)"
+                 ?17, ?18, ?19, ?20, ?21, ?22)"
             ))?;
             for record in records {
                 stmt.execute(params![
@@ -779,6 +846,7 @@ impl Database {
                         .as_ref()
                         .and_then(|d| d.on_behalf_of.as_deref()),
                     record.decided.as_ref().is_some_and(|d| d.revoked),
+                    record.ended_from.map(OperationState::as_str),
                 ])?;
             }
         }

@@ -24,6 +24,12 @@
 //! (request, action, idempotency key), holding the command's hash and the request as that
 //! decision committed it (what a replay answers).
 //!
+//! Schema 6 adds the Operator V1 event log (`operator_events`, see `events`): one row per
+//! revision change of a request, its `seq` the event's sequence (`AUTOINCREMENT`: never reused,
+//! so a cursor never names two events), and `operations.ended_from`, the state a terminal
+//! operation left (what tells a request revoked from approved from one canceled while pending,
+//! and a failure after running from one before it).
+//!
 //! Each step brings a file from the version below its number to its number, and a file applies
 //! every step above its version in one transaction. A new file is the version 3 table plus every
 //! later step, so a column added by a step is there on new and old files alike.
@@ -38,7 +44,7 @@ use rusqlite::Connection;
 use super::error::StoreError;
 
 /// The schema version this code writes (`PRAGMA user_version`).
-pub const SCHEMA_VERSION: i64 = 5;
+pub const SCHEMA_VERSION: i64 = 6;
 
 /// The operations table as schema 3 made it, named `{name}` (later steps add columns to it).
 /// `seq` is its explicit rowid: listing cursors are `seq`
@@ -141,11 +147,30 @@ CREATE TABLE operator_decisions (
 ) WITHOUT ROWID;
 ";
 
+/// From schema version 5: the event log and `operations.ended_from` (see the module doc). Rows
+/// written before it have no events and no `ended_from`.
+const MIGRATE_5_TO_6: &str = "
+CREATE TABLE operator_events (
+    seq         INTEGER PRIMARY KEY AUTOINCREMENT,
+    kind        TEXT NOT NULL,
+    request_id  TEXT NOT NULL,
+    revision    INTEGER NOT NULL,
+    status      TEXT NOT NULL,
+    occurred_at TEXT NOT NULL,
+    used_count  INTEGER NOT NULL
+);
+ALTER TABLE operations ADD COLUMN ended_from TEXT;
+";
+
 /// The index that lists the rows schema 4's step found, until start-up filled them.
 pub(super) const UNDERIVED_INDEX: &str = "operations_underived";
 
 /// The steps after schema 3, each with the version it brings a file to, in order.
-const STEPS_AFTER_3: [(i64, &str); 2] = [(4, MIGRATE_3_TO_4), (5, MIGRATE_4_TO_5)];
+const STEPS_AFTER_3: [(i64, &str); 3] = [
+    (4, MIGRATE_3_TO_4),
+    (5, MIGRATE_4_TO_5),
+    (6, MIGRATE_5_TO_6),
+];
 
 /// `PRAGMA auto_vacuum` value for `INCREMENTAL`: freed pages stay in the file until
 /// `PRAGMA incremental_vacuum` returns them to the filesystem, which the retention sweep does in

@@ -51,6 +51,7 @@ pub(crate) fn router(core: Arc<Core>) -> Router {
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/api/operator/v1/requests", get(requests::list))
+        .route("/api/operator/v1/events", get(super::events::stream_events))
         .route("/api/operator/v1/requests/{id}", get(requests::get_one))
         .route(
             "/api/operator/v1/requests/{id}/{action}",

@@ -139,6 +139,7 @@ mod tests {
             decided: None,
             broker: "admission".to_owned(),
             presentation: crate::broker::store::Presentation::default(),
+            ended_from: None,
         }
     }
 

@@ -268,7 +268,7 @@ pub(crate) async fn list(
         page["next_cursor"] = Value::from(query.cursor_after(last));
     }
     if query.after.is_none()
-        && let Some(cursor) = core.newest_event_cursor().await?
+        && let Some(cursor) = core.newest_event_cursor()
     {
         page["event_cursor"] = Value::from(cursor);
     }
@@ -379,6 +379,7 @@ mod tests {
             decided: None,
             broker: "admission".to_owned(),
             presentation: crate::broker::store::Presentation::default(),
+            ended_from: None,
         };
         let cursor = query.cursor_after(&record);
         let next = parse(&[("status", "pending"), ("limit", "2"), ("cursor", &cursor)]).unwrap();

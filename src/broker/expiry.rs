@@ -1,0 +1,71 @@
+//! Pending expiry: a request nobody decides within `--pending-timeout` (five minutes by default,
+//! as unYOLO) ends `expired`, with its `request.expired` event, its slots released like any
+//! terminal transition (`Core::expire_to_end`, which runs to its end under the counts gate and
+//! the operation's lock), and its Agent V1 waiters woken.
+//!
+//! **A timer, not a poll.** The pending requests wait in the core's `PendingExpiries` in the order
+//! they expire (one timeout for all: creation order). The sweeper sleeps until the first one is
+//! due, or until a request is queued while none was; it never reads the store to find work.
+//! [`Core::expire_due`] is also what a read that must see due expiries first calls (the
+//! operator's request list and decisions, as upstream applies due lifecycle changes before them).
+//!
+//! **Per replica.** Each replica expires the requests of its own store, like everything else its
+//! store holds; the shared counts follow through the handle's release.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use super::core::Core;
+use super::operations::TransitionFailure;
+
+/// How long the sweeper waits before retrying an expiry the store could not take.
+const RETRY: Duration = Duration::from_secs(1);
+
+impl Core {
+    /// Expires every pending request whose time has come (by the wall clock), oldest first, each
+    /// run to its end; returns how many expired. A request whose expiry the store could not take
+    /// is queued again, due at once.
+    pub(crate) async fn expire_due(self: &Arc<Self>) -> usize {
+        let mut expired = 0;
+        for op in self.expiries.take_due(SystemTime::now()) {
+            match self.expire_to_end(Arc::clone(&op)).await {
+                Ok(Some(_)) => expired += 1,
+                Ok(None) | Err(TransitionFailure::NotAllowed(_)) => {}
+                Err(TransitionFailure::Store(err)) => {
+                    tracing::warn!(operation = %op.id, error = %err, "cannot record the expiry yet; retrying");
+                    self.expiries
+                        .push(SystemTime::now() + RETRY, Arc::downgrade(&op));
+                }
+            }
+        }
+        expired
+    }
+}
+
+/// The sweeper: expires requests as they fall due, until the broker shuts down.
+pub(crate) async fn run(core: Arc<Core>) {
+    let mut shutdown = core.shutdown.clone();
+    loop {
+        if *shutdown.borrow() {
+            return;
+        }
+        core.expire_due().await;
+        match core.expiries.next() {
+            Some(at) => {
+                let wait = at
+                    .duration_since(SystemTime::now())
+                    .unwrap_or(Duration::ZERO);
+                tokio::select! {
+                    _ = tokio::time::sleep(wait) => {}
+                    _ = shutdown.wait_for(|stop| *stop) => return,
+                }
+            }
+            None => {
+                tokio::select! {
+                    _ = core.expiries.rung() => {}
+                    _ = shutdown.wait_for(|stop| *stop) => return,
+                }
+            }
+        }
+    }
+}

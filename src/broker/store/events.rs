@@ -1,0 +1,746 @@
+//! The Operator V1 event log: one row per revision change of a request (an operation that needs
+//! an operator's approval), written in the same transaction as the change itself, so the log and
+//! the operations never disagree, after a crash either.
+//!
+//! - **What an event says** ([`StoredEvent`]): its sequence (`seq`, the cursor), its kind (from
+//!   the contract's closed enum only, [`EventKind`]), the request, the request's revision and
+//!   Operator V1 status after the change ([`RequestStatus`], by [`request_status`]), when, and
+//!   the use count. [`event_kind`] names the change: a state move `from` → `to`.
+//! - **Who writes it**: every statement that creates a request or changes its state calls
+//!   [`append`] inside its transaction (creation, each state change, recovery's
+//!   `execution_interrupted`), and after the commit [`EventBell::rang`] publishes the newest
+//!   sequence, so streams wake on a change without polling the store.
+//! - **Reading** ([`Database::events_after`]): strictly after a cursor, in sequence order, one page
+//!   at a time, with the check that the cursor is still within what is retained, all in one read
+//!   transaction.
+//! - **Retention** ([`Database::trim_events`]): the newest [`MAX_EVENTS`] and none older than the
+//!   retention, deleted oldest first in small batches by the retention sweep; only ever a prefix
+//!   of the log, so what is retained has no gap.
+//!
+//! Cursors ([`encode_cursor`], [`decode_cursor`]) are unYOLO's: base64url without padding of the
+//! sequence as 8 big-endian bytes (11 characters).
+
+use std::sync::Arc;
+
+use base64::Engine;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use prometheus_client::metrics::counter::Counter;
+use rusqlite::{Connection, OptionalExtension, params};
+use tokio::sync::watch;
+
+use crate::engine::OperationState;
+
+use super::database::Database;
+use super::error::StoreError;
+
+/// How many events the log keeps at most (the newest; unYOLO's `MaxEvents`).
+pub const MAX_EVENTS: u32 = 10_000;
+
+/// The longest cursor the contract allows.
+pub const MAX_CURSOR_CHARS: usize = 1024;
+
+/// An Operator V1 request status (the contract's `Status`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RequestStatus {
+    /// Awaiting a decision.
+    Pending,
+    /// Approved: waiting for an execution slot, or executing.
+    Active,
+    /// Denied by an operator.
+    Denied,
+    /// Failed before it ran.
+    Failed,
+    /// Canceled by its requester while pending.
+    Canceled,
+    /// Nobody decided within the pending timeout.
+    Expired,
+    /// Ran (succeeded, or failed while running): its one use is spent.
+    Consumed,
+    /// Canceled after approval: by its requester, or revoked by an operator.
+    Revoked,
+}
+
+impl RequestStatus {
+    /// Every status.
+    pub const ALL: [RequestStatus; 8] = [
+        RequestStatus::Pending,
+        RequestStatus::Active,
+        RequestStatus::Denied,
+        RequestStatus::Failed,
+        RequestStatus::Canceled,
+        RequestStatus::Expired,
+        RequestStatus::Consumed,
+        RequestStatus::Revoked,
+    ];
+
+    /// The contract's name.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            RequestStatus::Pending => "pending",
+            RequestStatus::Active => "active",
+            RequestStatus::Denied => "denied",
+            RequestStatus::Failed => "failed",
+            RequestStatus::Canceled => "canceled",
+            RequestStatus::Expired => "expired",
+            RequestStatus::Consumed => "consumed",
+            RequestStatus::Revoked => "revoked",
+        }
+    }
+
+    /// The status named `name`.
+    pub fn parse(name: &str) -> Option<RequestStatus> {
+        RequestStatus::ALL.into_iter().find(|s| s.as_str() == name)
+    }
+
+    /// The request's `used_count` in this status: 1 once it ran, else 0 (a request is one
+    /// execution).
+    pub const fn used_count(self) -> u64 {
+        match self {
+            RequestStatus::Consumed => 1,
+            _ => 0,
+        }
+    }
+}
+
+/// The Operator V1 status of a request in `state`; `ended_from` is the state a terminal
+/// operation left (`operations.ended_from`), which tells a revocation (canceled from approved)
+/// from a cancel while pending, and a failure while running (consumed) from one before it.
+/// SPEC section 8's projection: the event log and the request projection both use it.
+pub const fn request_status(
+    state: OperationState,
+    ended_from: Option<OperationState>,
+) -> RequestStatus {
+    match (state, ended_from) {
+        (OperationState::Pending, _) => RequestStatus::Pending,
+        (OperationState::Approved | OperationState::Executing, _) => RequestStatus::Active,
+        (OperationState::Succeeded, _) => RequestStatus::Consumed,
+        (OperationState::Failed, Some(OperationState::Executing)) => RequestStatus::Consumed,
+        (OperationState::Failed, _) => RequestStatus::Failed,
+        (OperationState::Denied, _) => RequestStatus::Denied,
+        (OperationState::Canceled, Some(OperationState::Approved)) => RequestStatus::Revoked,
+        (OperationState::Canceled, _) => RequestStatus::Canceled,
+        (OperationState::Expired, _) => RequestStatus::Expired,
+    }
+}
+
+/// An event's kind: the values of the contract's `BrokerEvent.kind` enum this broker emits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum EventKind {
+    /// A request was created (revision 1).
+    RequestCreated,
+    /// An operator approved it.
+    RequestApproved,
+    /// An operator denied it.
+    RequestDenied,
+    /// It failed before it ran.
+    RequestFailed,
+    /// Its requester canceled it while pending.
+    RequestCanceled,
+    /// Nobody decided within the pending timeout.
+    RequestExpired,
+    /// Canceled after approval (by its requester, or revoked by an operator).
+    GrantRevoked,
+    /// It took an execution slot and started.
+    GrantReserved,
+    /// It ran and succeeded: its one use is consumed.
+    GrantConsumed,
+    /// It failed while running (e.g. `execution_interrupted` after a crash).
+    ExecutionFailed,
+}
+
+impl EventKind {
+    /// Every kind this broker emits.
+    pub const ALL: [EventKind; 10] = [
+        EventKind::RequestCreated,
+        EventKind::RequestApproved,
+        EventKind::RequestDenied,
+        EventKind::RequestFailed,
+        EventKind::RequestCanceled,
+        EventKind::RequestExpired,
+        EventKind::GrantRevoked,
+        EventKind::GrantReserved,
+        EventKind::GrantConsumed,
+        EventKind::ExecutionFailed,
+    ];
+
+    /// The contract's name.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            EventKind::RequestCreated => "request.created",
+            EventKind::RequestApproved => "request.approved",
+            EventKind::RequestDenied => "request.denied",
+            EventKind::RequestFailed => "request.failed",
+            EventKind::RequestCanceled => "request.canceled",
+            EventKind::RequestExpired => "request.expired",
+            EventKind::GrantRevoked => "grant.revoked",
+            EventKind::GrantReserved => "grant.reserved",
+            EventKind::GrantConsumed => "grant.consumed",
+            EventKind::ExecutionFailed => "execution.failed",
+        }
+    }
+
+    /// The kind named `name`.
+    pub fn parse(name: &str) -> Option<EventKind> {
+        EventKind::ALL.into_iter().find(|k| k.as_str() == name)
+    }
+}
+
+/// The event of a request's move from `from` (`None`: its creation) to `to`; one per revision.
+pub const fn event_kind(from: Option<OperationState>, to: OperationState) -> EventKind {
+    use OperationState as S;
+    match (from, to) {
+        (None, _) | (Some(_), S::Pending) => EventKind::RequestCreated,
+        (Some(_), S::Approved) => EventKind::RequestApproved,
+        (Some(_), S::Executing) => EventKind::GrantReserved,
+        (Some(_), S::Succeeded) => EventKind::GrantConsumed,
+        (Some(S::Executing), S::Failed) => EventKind::ExecutionFailed,
+        (Some(_), S::Failed) => EventKind::RequestFailed,
+        (Some(_), S::Denied) => EventKind::RequestDenied,
+        (Some(S::Approved), S::Canceled) => EventKind::GrantRevoked,
+        (Some(_), S::Canceled) => EventKind::RequestCanceled,
+        (Some(_), S::Expired) => EventKind::RequestExpired,
+    }
+}
+
+/// One stored event.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoredEvent {
+    /// Its sequence: monotonic, never reused; the cursor encodes it.
+    pub seq: i64,
+    /// What happened.
+    pub kind: EventKind,
+    /// The request (operation) id.
+    pub request_id: String,
+    /// The request's revision after the change.
+    pub revision: u64,
+    /// The request's Operator V1 status after the change.
+    pub status: RequestStatus,
+    /// When (RFC 3339, UTC, milliseconds).
+    pub occurred_at: String,
+    /// The request's use count after the change.
+    pub used_count: u64,
+}
+
+impl StoredEvent {
+    /// Its cursor.
+    pub fn cursor(&self) -> String {
+        encode_cursor(self.seq)
+    }
+}
+
+/// The cursor of sequence `seq`.
+pub fn encode_cursor(seq: i64) -> String {
+    URL_SAFE_NO_PAD.encode(seq.max(0).to_be_bytes())
+}
+
+/// Why a cursor is not one this broker hands out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MalformedCursor;
+
+/// The sequence a cursor names: base64url without padding of 8 big-endian bytes, at most
+/// [`MAX_CURSOR_CHARS`] long, within `i64` (the store's integer).
+pub fn decode_cursor(cursor: &str) -> Result<i64, MalformedCursor> {
+    if cursor.len() > MAX_CURSOR_CHARS {
+        return Err(MalformedCursor);
+    }
+    let bytes = URL_SAFE_NO_PAD
+        .decode(cursor)
+        .map_err(|_| MalformedCursor)?;
+    let bytes: [u8; 8] = bytes.try_into().map_err(|_| MalformedCursor)?;
+    let seq = i64::from_be_bytes(bytes);
+    if seq < 0 {
+        return Err(MalformedCursor);
+    }
+    Ok(seq)
+}
+
+/// Where the newest event's sequence is published after each commit, and the count of events
+/// written: what streams wait on instead of polling the store.
+#[derive(Clone)]
+pub struct EventBell {
+    newest: Arc<watch::Sender<i64>>,
+    written: Counter,
+}
+
+impl EventBell {
+    fn new(newest: i64) -> EventBell {
+        EventBell {
+            newest: Arc::new(watch::Sender::new(newest)),
+            written: Counter::default(),
+        }
+    }
+
+    /// Publishes that the events up to `seq` are committed (call after the commit).
+    pub(super) fn rang(&self, seq: i64, written: u64) {
+        self.written.inc_by(written);
+        self.newest.send_if_modified(|newest| {
+            let newer = seq > *newest;
+            if newer {
+                *newest = seq;
+            }
+            newer
+        });
+    }
+
+    /// A receiver of the newest committed sequence.
+    pub fn subscribe(&self) -> watch::Receiver<i64> {
+        self.newest.subscribe()
+    }
+
+    /// The newest committed sequence (0 before the first event).
+    pub fn newest(&self) -> i64 {
+        *self.newest.borrow()
+    }
+
+    /// Events written since start-up (`broker_operator_events_written_total`).
+    pub fn written(&self) -> Counter {
+        self.written.clone()
+    }
+}
+
+/// Opens the bell at the log's high-water mark (blocking; at open).
+pub(super) fn open_bell(conn: &Connection) -> rusqlite::Result<EventBell> {
+    Ok(EventBell::new(high_water(conn)?))
+}
+
+/// The highest sequence ever assigned (`AUTOINCREMENT` keeps it even when the rows are gone).
+fn high_water(conn: &Connection) -> rusqlite::Result<i64> {
+    Ok(conn
+        .query_row(
+            "SELECT seq FROM sqlite_sequence WHERE name = 'operator_events'",
+            [],
+            |r| r.get::<_, i64>(0),
+        )
+        .optional()?
+        .unwrap_or(0))
+}
+
+/// Appends the event of request `request_id`'s move from `from` (`None`: its creation) to `to`
+/// at `revision` (after the move), inside the caller's transaction; returns its sequence.
+/// `ended_from` is what the row's `ended_from` is after the move.
+pub(super) fn append(
+    tx: &Connection,
+    request_id: &str,
+    revision: u64,
+    from: Option<OperationState>,
+    to: OperationState,
+    ended_from: Option<OperationState>,
+    occurred_at: &str,
+) -> rusqlite::Result<i64> {
+    let status = request_status(to, ended_from);
+    tx.prepare_cached(
+        "INSERT INTO operator_events (kind, request_id, revision, status, occurred_at, used_count) \
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+    )?
+    .execute(params![
+        event_kind(from, to).as_str(),
+        request_id,
+        i64::try_from(revision).unwrap_or(i64::MAX),
+        status.as_str(),
+        occurred_at,
+        status.used_count() as i64,
+    ])?;
+    Ok(tx.last_insert_rowid())
+}
+
+/// What [`Database::events_after`] found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum EventPage {
+    /// The events after the cursor, oldest first (at most the limit), and whether more follow.
+    Events {
+        /// The sequence they follow: the cursor's, or for no cursor the one before the oldest
+        /// retained (the high-water mark when none is). A stream goes on from here.
+        after: i64,
+        /// The events.
+        events: Vec<StoredEvent>,
+        /// Whether events after the last one are already stored.
+        more: bool,
+    },
+    /// Events after the cursor are no longer retained (410 `cursor_expired`).
+    Expired,
+}
+
+fn from_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<StoredEvent> {
+    let corrupt = |column: usize, what: String| {
+        rusqlite::Error::FromSqlConversionFailure(column, rusqlite::types::Type::Text, what.into())
+    };
+    let kind: String = row.get(1)?;
+    let status: String = row.get(4)?;
+    Ok(StoredEvent {
+        seq: row.get(0)?,
+        kind: EventKind::parse(&kind)
+            .ok_or_else(|| corrupt(1, format!("unknown event kind {kind:?}")))?,
+        request_id: row.get(2)?,
+        revision: row.get::<_, i64>(3)?.max(1) as u64,
+        status: RequestStatus::parse(&status)
+            .ok_or_else(|| corrupt(4, format!("unknown request status {status:?}")))?,
+        occurred_at: row.get(5)?,
+        used_count: row.get::<_, i64>(6)?.max(0) as u64,
+    })
+}
+
+impl Database {
+    /// The bell streams wait on (the newest committed event's sequence).
+    pub fn event_bell(&self) -> &EventBell {
+        &self.events
+    }
+
+    /// Whether changes of `operation` are requests the event log records (it needs an
+    /// operator's approval).
+    pub fn is_request(&self, operation: &str) -> bool {
+        self.requests.iter().any(|name| name == operation)
+    }
+
+    /// Up to `limit` events strictly after sequence `after` (`None`: from the oldest retained),
+    /// oldest first; [`EventPage::Expired`] when events after `after` were already deleted. One
+    /// read transaction: the check and the page see the same log.
+    pub async fn events_after(
+        &self,
+        after: Option<i64>,
+        limit: u32,
+    ) -> Result<EventPage, StoreError> {
+        self.read(move |conn, _| {
+            let tx = conn.unchecked_transaction()?;
+            let oldest: Option<i64> =
+                tx.query_row("SELECT MIN(seq) FROM operator_events", [], |r| r.get(0))?;
+            let start = match (after, oldest) {
+                (None, Some(oldest)) => oldest - 1,
+                (None, None) => high_water(&tx)?,
+                // Retained starts at `oldest`: a cursor just before it still sees every event.
+                (Some(after), Some(oldest)) if after < oldest - 1 => {
+                    tx.finish()?;
+                    return Ok(EventPage::Expired);
+                }
+                // Nothing retained: a cursor below the high-water mark missed deleted events.
+                (Some(after), None) if after < high_water(&tx)? => {
+                    tx.finish()?;
+                    return Ok(EventPage::Expired);
+                }
+                (Some(after), _) => after,
+            };
+            let mut events = {
+                let mut stmt = tx.prepare_cached(
+                    "SELECT seq, kind, request_id, revision, status, occurred_at, used_count \
+                     FROM operator_events WHERE seq > ?1 ORDER BY seq LIMIT ?2",
+                )?;
+                stmt.query_map(params![start, i64::from(limit) + 1], from_row)?
+                    .collect::<rusqlite::Result<Vec<_>>>()?
+            };
+            tx.finish()?;
+            let more = events.len() > limit as usize;
+            events.truncate(limit as usize);
+            Ok(EventPage::Events {
+                after: start,
+                events,
+                more,
+            })
+        })
+        .await
+    }
+
+    /// The events of request `id`, oldest first (for tests and the drill).
+    pub async fn events_of(&self, id: &str) -> Result<Vec<StoredEvent>, StoreError> {
+        let id = id.to_owned();
+        self.read(move |conn, _| {
+            let mut stmt = conn.prepare_cached(
+                "SELECT seq, kind, request_id, revision, status, occurred_at, used_count \
+                 FROM operator_events WHERE request_id = ?1 ORDER BY seq",
+            )?;
+            stmt.query_map(params![id], from_row)?.collect()
+        })
+        .await
+    }
+
+    /// How many events are retained.
+    pub async fn count_events(&self) -> Result<u64, StoreError> {
+        self.read(|conn, _| {
+            conn.query_row("SELECT COUNT(*) FROM operator_events", [], |r| {
+                r.get::<_, i64>(0)
+            })
+        })
+        .await
+        .map(|n| n.max(0) as u64)
+    }
+
+    /// Deletes, oldest first, at most `batch` of the events past retention: beyond the newest
+    /// `keep` and, with a `cutoff` (RFC 3339), every one from the oldest up to the last older
+    /// than it. Only a prefix of the log goes, so what stays has no gap. One short write
+    /// transaction; returns how many were deleted (call again while it returns `batch`).
+    pub async fn trim_events(
+        &self,
+        keep: u32,
+        cutoff: Option<String>,
+        batch: u32,
+    ) -> Result<u64, StoreError> {
+        self.write(move |conn| {
+            let tx = conn.transaction()?;
+            let newest: Option<i64> =
+                tx.query_row("SELECT MAX(seq) FROM operator_events", [], |r| r.get(0))?;
+            let Some(newest) = newest else {
+                return Ok(0);
+            };
+            let mut bound = newest - i64::from(keep);
+            if let Some(cutoff) = cutoff {
+                // The first event not older than the cutoff; all before it go (fixed-width UTC
+                // text, so text order is time order).
+                let first_kept: Option<i64> = tx.query_row(
+                    "SELECT MIN(seq) FROM operator_events WHERE occurred_at >= ?1",
+                    params![cutoff],
+                    |r| r.get(0),
+                )?;
+                bound = bound.max(first_kept.map_or(newest, |seq| seq - 1));
+            }
+            let deleted = tx.execute(
+                "DELETE FROM operator_events WHERE seq IN \
+                 (SELECT seq FROM operator_events WHERE seq <= ?1 ORDER BY seq LIMIT ?2)",
+                params![bound, batch],
+            )?;
+            tx.commit()?;
+            Ok(deleted as u64)
+        })
+        .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::broker::store::{OperationRecord, now_rfc3339};
+
+    fn request(i: usize, operation: &str) -> OperationRecord {
+        let now = now_rfc3339();
+        OperationRecord {
+            id: format!("op_{i:032}"),
+            client_id: "bot-7".to_owned(),
+            idempotency_key: format!("k{i}"),
+            operation: operation.to_owned(),
+            target: serde_json::json!({}),
+            arguments: serde_json::json!({}),
+            reason: "r".to_owned(),
+            state: OperationState::Pending,
+            created_at: now.clone(),
+            updated_at: now,
+            terminal_at: None,
+            error: None,
+            revision: 1,
+            ended_from: None,
+            decided: None,
+            broker: "admission".to_owned(),
+            presentation: crate::broker::store::Presentation {
+                title: format!("Request {i}"),
+                summary: None,
+            },
+        }
+    }
+
+    fn events_of(page: EventPage) -> Vec<StoredEvent> {
+        match page {
+            EventPage::Events { events, .. } => events,
+            EventPage::Expired => panic!("expired"),
+        }
+    }
+
+    #[tokio::test]
+    async fn each_change_of_a_request_writes_one_event_and_other_work_none() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Database::open(dir.path())
+            .unwrap()
+            .with_requests(["demo.request"]);
+        let mut bell = db.event_bell().subscribe();
+        db.insert(request(1, "demo.request")).await.unwrap();
+        db.insert(request(2, "demo.run")).await.unwrap();
+        assert_eq!(*bell.borrow_and_update(), 1, "rung after the commit");
+        let moved = db
+            .set_state(
+                &request(1, "").id,
+                OperationState::Pending,
+                OperationState::Approved,
+                crate::broker::store::StateChange::default(),
+            )
+            .await
+            .unwrap();
+        assert!(moved.is_some());
+        // A move from a state the row is not in changes nothing and writes nothing.
+        let stale = db
+            .set_state(
+                &request(1, "").id,
+                OperationState::Pending,
+                OperationState::Denied,
+                crate::broker::store::StateChange::default(),
+            )
+            .await
+            .unwrap();
+        assert!(stale.is_none());
+        db.set_state(
+            &request(2, "").id,
+            OperationState::Pending,
+            OperationState::Canceled,
+            crate::broker::store::StateChange::default(),
+        )
+        .await
+        .unwrap();
+        db.set_state(
+            &request(1, "").id,
+            OperationState::Approved,
+            OperationState::Canceled,
+            crate::broker::store::StateChange::default(),
+        )
+        .await
+        .unwrap();
+        let events = events_of(db.events_after(None, 100).await.unwrap());
+        let got: Vec<_> = events
+            .iter()
+            .map(|e| (e.seq, e.kind, e.revision, e.status, e.used_count))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (1, EventKind::RequestCreated, 1, RequestStatus::Pending, 0),
+                (2, EventKind::RequestApproved, 2, RequestStatus::Active, 0),
+                (3, EventKind::GrantRevoked, 3, RequestStatus::Revoked, 0),
+            ]
+        );
+        assert_eq!(db.event_bell().newest(), 3);
+        assert_eq!(db.event_bell().written().get(), 3);
+        let stored = db.get(&request(1, "").id).await.unwrap().unwrap();
+        assert_eq!(stored.ended_from, Some(OperationState::Approved));
+    }
+
+    #[tokio::test]
+    async fn trimming_keeps_the_newest_as_a_gapless_suffix_and_older_cursors_expire() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Database::open(dir.path())
+            .unwrap()
+            .with_requests(["demo.request"]);
+        for i in 0..30 {
+            db.insert(request(i, "demo.request")).await.unwrap();
+        }
+        let mut trimmed = 0;
+        loop {
+            let n = db.trim_events(10, None, 7).await.unwrap();
+            trimmed += n;
+            if n < 7 {
+                break;
+            }
+        }
+        assert_eq!(trimmed, 20);
+        assert_eq!(db.count_events().await.unwrap(), 10);
+        let left = events_of(db.events_after(None, 100).await.unwrap());
+        assert_eq!(
+            left.iter().map(|e| e.seq).collect::<Vec<_>>(),
+            (21..=30).collect::<Vec<_>>()
+        );
+        assert_eq!(
+            db.events_after(Some(19), 100).await.unwrap(),
+            EventPage::Expired
+        );
+        assert_eq!(
+            events_of(db.events_after(Some(20), 100).await.unwrap()).len(),
+            10
+        );
+        assert_eq!(
+            events_of(db.events_after(Some(30), 100).await.unwrap()).len(),
+            0
+        );
+        // With a cutoff after every event, all go; then only the newest cursor still resumes.
+        let later = humantime::format_rfc3339_millis(
+            std::time::SystemTime::now() + std::time::Duration::from_secs(60),
+        )
+        .to_string();
+        assert_eq!(db.trim_events(10, Some(later), 100).await.unwrap(), 10);
+        assert_eq!(
+            db.events_after(Some(29), 100).await.unwrap(),
+            EventPage::Expired
+        );
+        assert_eq!(
+            db.events_after(Some(30), 100).await.unwrap(),
+            EventPage::Events {
+                after: 30,
+                events: vec![],
+                more: false
+            }
+        );
+        assert_eq!(
+            db.events_after(None, 100).await.unwrap(),
+            EventPage::Events {
+                after: 30,
+                events: vec![],
+                more: false
+            },
+            "an empty cursor goes on from the high-water mark"
+        );
+    }
+
+    #[test]
+    fn a_cursor_round_trips_and_is_unyolos_eleven_characters() {
+        assert_eq!(encode_cursor(1), "AAAAAAAAAAE");
+        for seq in [0, 1, 255, 1 << 40, i64::MAX] {
+            let cursor = encode_cursor(seq);
+            assert_eq!(cursor.len(), 11);
+            assert_eq!(decode_cursor(&cursor), Ok(seq));
+        }
+    }
+
+    #[test]
+    fn a_cursor_that_is_not_eight_base64url_bytes_is_malformed() {
+        for bad in [
+            "",
+            "AAAAAAAAAA",
+            "AAAAAAAAAAAE",
+            "AAAAAAAAAA=",
+            "AAAAAAAAAA+",
+            "AAAAAAAAAA/",
+            "gAAAAAAAAAA",
+            "AAAAAAAAAAE=",
+            " AAAAAAAAAAE",
+        ] {
+            assert_eq!(decode_cursor(bad), Err(MalformedCursor), "{bad:?}");
+        }
+        assert_eq!(decode_cursor(&"A".repeat(2000)), Err(MalformedCursor));
+    }
+
+    #[test]
+    fn each_state_maps_to_the_spec_status_and_each_move_to_one_enum_kind() {
+        use OperationState as S;
+        use RequestStatus as R;
+        let cases = [
+            (S::Pending, None, R::Pending),
+            (S::Approved, None, R::Active),
+            (S::Executing, None, R::Active),
+            (S::Succeeded, Some(S::Executing), R::Consumed),
+            (S::Failed, Some(S::Executing), R::Consumed),
+            (S::Failed, Some(S::Approved), R::Failed),
+            (S::Failed, Some(S::Pending), R::Failed),
+            (S::Denied, Some(S::Pending), R::Denied),
+            (S::Canceled, Some(S::Pending), R::Canceled),
+            (S::Canceled, Some(S::Approved), R::Revoked),
+            (S::Expired, Some(S::Pending), R::Expired),
+        ];
+        for (state, ended_from, status) in cases {
+            assert_eq!(
+                request_status(state, ended_from),
+                status,
+                "{state} from {ended_from:?}"
+            );
+        }
+        let moves = [
+            (None, S::Pending, EventKind::RequestCreated),
+            (Some(S::Pending), S::Approved, EventKind::RequestApproved),
+            (Some(S::Approved), S::Executing, EventKind::GrantReserved),
+            (Some(S::Executing), S::Succeeded, EventKind::GrantConsumed),
+            (Some(S::Executing), S::Failed, EventKind::ExecutionFailed),
+            (Some(S::Approved), S::Failed, EventKind::RequestFailed),
+            (Some(S::Pending), S::Denied, EventKind::RequestDenied),
+            (Some(S::Pending), S::Canceled, EventKind::RequestCanceled),
+            (Some(S::Approved), S::Canceled, EventKind::GrantRevoked),
+            (Some(S::Pending), S::Expired, EventKind::RequestExpired),
+        ];
+        for (from, to, kind) in moves {
+            assert_eq!(event_kind(from, to), kind, "{from:?} → {to}");
+            assert_eq!(EventKind::parse(kind.as_str()), Some(kind));
+        }
+        for status in RequestStatus::ALL {
+            assert_eq!(RequestStatus::parse(status.as_str()), Some(status));
+        }
+    }
+}
