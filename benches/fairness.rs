@@ -350,8 +350,9 @@ async fn start_attack(
             }
         }
         Attack::HeavyReplay => {
-            for body in heavy.iter().take(16).cloned() {
+            for body in heavy.iter().take(16) {
                 let (base, mut stop) = (server.base.clone(), stop.subscribe());
+                let body = body.clone();
                 tasks.spawn(async move {
                     let http = pooled_client();
                     while !*stop.borrow_and_update() {

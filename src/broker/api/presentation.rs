@@ -1,5 +1,5 @@
 //! What an operator reads in the inbox: each operation's `presentation`, derived from what the
-//! operation will do, once, when it is created ([`derive`]), and stored with it, so a listing
+//! operation will do, once, when it is created ([`derive()`]), and stored with it, so a listing
 //! page shows it without reading the request (schema 4 derived it for the rows created before).
 //!
 //! The title says, in one line of at most [`TITLE_MAX`] characters, what `demo.run` or

@@ -22,7 +22,7 @@ use super::digest::request_digest;
 use super::error::is_unique_violation;
 use super::error::{InsertError, StoreError};
 use super::events;
-use super::schema::{OPERATION_COLUMNS, UNDERIVED_INDEX};
+use super::schema::OPERATION_COLUMNS;
 use super::streams::{StreamRecord, all_streams};
 
 /// The error an operation ended with, as the API shows it.
@@ -635,10 +635,11 @@ impl Database {
         .await
     }
 
-    /// Derives what schema 4 stores for every row its migration found without it (blocking; at
-    /// start-up, before anything reads the rows): the `presentation` from the stored request,
-    /// and the request's digest. Returns how many rows it filled. Done once: when no such row
-    /// is left, the index that lists them is dropped, and later starts find nothing to do.
+    /// Derives what schema 4 stores for every row that lacks it (blocking; at start-up, before
+    /// anything reads the rows): the `presentation` from the stored request, and the request's
+    /// digest. Those are the rows schema 4's migration found, and any row written into the file
+    /// by another program; the partial index `operations_underived` lists exactly them, so a
+    /// start with none costs one empty index lookup. Returns how many rows it filled.
     pub fn fill_derived(
         &self,
         derive: impl Fn(&str, &Value, &Value, &str) -> Presentation,
@@ -646,20 +647,13 @@ impl Database {
         /// Rows filled per transaction.
         const BATCH: i64 = 500;
         let mut conn = self.writer();
-        let pending: bool = conn.query_row(
-            "SELECT count(*) > 0 FROM sqlite_master WHERE type = 'index' AND name = ?1",
-            params![UNDERIVED_INDEX],
-            |row| row.get(0),
-        )?;
-        if !pending {
-            return Ok(0);
-        }
         let mut filled = 0;
         loop {
             let tx = conn.transaction()?;
             let rows = {
                 let mut stmt = tx.prepare(&format!(
-                    "SELECT seq, {SELECT} WHERE request_digest IS NULL ORDER BY seq LIMIT ?1",
+                    "SELECT seq, {SELECT} INDEXED BY operations_underived \
+                     WHERE request_digest IS NULL ORDER BY seq LIMIT ?1",
                     SELECT = SELECT_OPERATION.trim_start_matches("SELECT ")
                 ))?;
                 stmt.query_map(params![BATCH], |row| {
@@ -686,9 +680,6 @@ impl Database {
                 )?;
             }
             let done = (rows.len() as i64) < BATCH;
-            if done {
-                tx.execute_batch(&format!("DROP INDEX {UNDERIVED_INDEX}"))?;
-            }
             tx.commit()?;
             filled += rows.len() as u64;
             if done {

@@ -13,10 +13,11 @@
 //!
 //! Schema 4 stores at creation what a summary and a replay need, so neither reads the request
 //! whole: `title` and `summary` (the operation's presentation) and `request_digest` (SHA-256 of
-//! the canonical request, see `digest`). Its step adds the three columns and marks every row it
-//! found with the partial index `operations_underived`; the broker fills those rows from their
-//! stored JSON once at start-up ([`super::Database::fill_derived`]) and drops the index, so the
-//! reads never meet a row without them.
+//! the canonical request, see `digest`). Its step adds the three columns; the partial index
+//! `operations_underived` lists the rows without them (those the step found, and any a program
+//! other than the broker writes), and the broker fills those from their stored JSON at start-up
+//! ([`super::Database::fill_derived`]), so the reads never meet a row without them. The index is
+//! empty otherwise, and costs an insert nothing but evaluating its condition.
 //!
 //! Schema 5 adds what Operator V1 needs: who decided each operation, when, and for whom
 //! (`decided_at`, `decided_by`, `decided_on_behalf_of`), whether a cancel took back an approval
@@ -120,7 +121,7 @@ fn migrate_2_to_3() -> String {
 
 /// From schema version 3: the presentation (`title`, `summary`) and the request's digest, stored
 /// at creation so a summary and a replay read only these. Rows already there get them at
-/// start-up, once: the partial index lists exactly those rows, and is dropped when they are done.
+/// start-up: the partial index lists exactly the rows without them.
 const MIGRATE_3_TO_4: &str = "
 ALTER TABLE operations ADD COLUMN title TEXT;
 ALTER TABLE operations ADD COLUMN summary TEXT;
@@ -162,8 +163,6 @@ CREATE TABLE operator_events (
 ALTER TABLE operations ADD COLUMN ended_from TEXT;
 ";
 
-/// The index that lists the rows schema 4's step found, until start-up filled them.
-pub(super) const UNDERIVED_INDEX: &str = "operations_underived";
 
 /// The steps after schema 3, each with the version it brings a file to, in order.
 const STEPS_AFTER_3: [(i64, &str); 3] = [
@@ -311,16 +310,28 @@ mod tests {
             (r#"{"repo":"u/t","branch":"main"}"#.len() + 17 + 3) as u64
         );
 
-        // Once: the index listing the rows to fill is gone, and a second start fills nothing.
-        let index: i64 = db
-            .writer()
-            .query_row(
-                "SELECT count(*) FROM sqlite_master WHERE name = ?1",
-                [UNDERIVED_INDEX],
-                |r| r.get(0),
+        // Once: a second start finds nothing to fill; a row another program writes without them
+        // is filled at the next.
+        assert_eq!(db.fill_derived(|_, _, _, _| unreachable!()).unwrap(), 0);
+        db.writer()
+            .execute(
+                "INSERT INTO operations (id, client_id, idempotency_key, operation, target, \
+                 arguments, reason, state, created_at, updated_at) VALUES ('op_2', 'bot-7', 'k2', \
+                 'demo.run', '{}', '{}', 'by hand', 'succeeded', '2025-01-01T00:00:00.000Z', \
+                 '2025-01-01T00:00:00.000Z')",
+                [],
             )
             .unwrap();
-        assert_eq!(index, 0);
-        assert_eq!(db.fill_derived(|_, _, _, _| unreachable!()).unwrap(), 0);
+        assert_eq!(db.fill_derived(shown).unwrap(), 1);
+        let plan: String = db
+            .writer()
+            .query_row(
+                "EXPLAIN QUERY PLAN SELECT seq FROM operations INDEXED BY operations_underived \
+                 WHERE request_digest IS NULL ORDER BY seq",
+                [],
+                |r| r.get(3),
+            )
+            .unwrap();
+        assert!(plan.contains("operations_underived"), "{plan}");
     }
 }
