@@ -474,24 +474,6 @@ impl Database {
         .await
     }
 
-    /// Every operation in `state`, oldest first, at most `limit`.
-    pub async fn list_in_state(
-        &self,
-        state: OperationState,
-        limit: u32,
-    ) -> Result<Vec<OperationRecord>, StoreError> {
-        self.read(move |conn, broker| {
-            let mut stmt = conn.prepare_cached(&format!(
-                "{SELECT_OPERATION} WHERE state = ?1 ORDER BY rowid LIMIT ?2"
-            ))?;
-            stmt.query_map(params![state.as_str(), limit], |row| {
-                OperationRecord::from_row(row, broker)
-            })?
-            .collect()
-        })
-        .await
-    }
-
     /// Moves operation `id` from `from` to `to`, writing what `change` carries ([`change_state`]);
     /// durable when this returns. Returns the updated record, or `None` if the row was not in
     /// `from`.
