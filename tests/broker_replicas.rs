@@ -531,8 +531,8 @@ async fn each_replicas_operator_listener_shows_and_decides_its_own_requests_only
         .submit(AGENT_SECRET, &request("on-r2", "demo.request", 0))
         .await
         .id();
-    assert_eq!(r1.operator.pending().await, [on_r1.clone()]);
-    assert_eq!(r2.operator.pending().await, [on_r2.clone()]);
+    assert_eq!(r1.operator.pending().await, std::slice::from_ref(&on_r1));
+    assert_eq!(r2.operator.pending().await, std::slice::from_ref(&on_r2));
     let body = serde_json::json!({"expected_revision": 1, "idempotency_key": "elsewhere"});
     let elsewhere = r2.operator.decide(&on_r1, "deny", &body).await;
     assert_eq!((elsewhere.status, elsewhere.code()), (404, "not_found"));
