@@ -474,7 +474,7 @@ impl Database {
         .await
     }
 
-    /// Moves operation `id` from `from` to `to`, writing what `change` carries ([`change_state`]);
+    /// Moves operation `id` from `from` to `to`, writing what `change` carries (`change_state`);
     /// durable when this returns. Returns the updated record, or `None` if the row was not in
     /// `from`.
     pub async fn set_state(
