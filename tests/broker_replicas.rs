@@ -516,3 +516,40 @@ async fn eventually_admitted(h: &Harness, key: &str) -> String {
     assert!(admitted, "{key} never admitted");
     id.unwrap()
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_replicas_operator_listener_shows_and_decides_its_own_requests_only() {
+    let server = redis_or_skip!();
+    let (d1, d2) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let r1 = replica(&server, d1.path(), "r1").await;
+    let r2 = replica(&server, d2.path(), "r2").await;
+    let on_r1 = r1
+        .submit(AGENT_SECRET, &request("on-r1", "demo.request", 0))
+        .await
+        .id();
+    let on_r2 = r2
+        .submit(AGENT_SECRET, &request("on-r2", "demo.request", 0))
+        .await
+        .id();
+    assert_eq!(r1.operator.pending().await, std::slice::from_ref(&on_r1));
+    assert_eq!(r2.operator.pending().await, std::slice::from_ref(&on_r2));
+    let body = serde_json::json!({"expected_revision": 1, "idempotency_key": "elsewhere"});
+    let elsewhere = r2.operator.decide(&on_r1, "deny", &body).await;
+    assert_eq!((elsewhere.status, elsewhere.code()), (404, "not_found"));
+    let denied = r1.operator.decide(&on_r1, "deny", &body).await;
+    assert_eq!(denied.status, 200, "{}", denied.body);
+    // The denial released the client's pending slot across the replicas: r2 admits again.
+    assert!(
+        eventually(async || {
+            r2.submit(AGENT_SECRET, &request("after", "demo.request", 0))
+                .await
+                .status
+                == 202
+        })
+        .await
+    );
+    assert_eq!(r1.operator.drift().await["drift"], 0);
+    assert_eq!(r2.operator.drift().await["drift"], 0);
+    r1.broker.shutdown().await;
+    r2.broker.shutdown().await;
+}

@@ -714,6 +714,34 @@ mod tests {
     }
 
     #[test]
+    fn a_listen_address_is_addr_port_or_an_absolute_normalized_unix_path() {
+        assert_eq!(
+            "127.0.0.1:8081".parse::<ListenAddr>(),
+            Ok(ListenAddr::Tcp(SocketAddr::from(([127, 0, 0, 1], 8081))))
+        );
+        assert_eq!(
+            "unix:/run/admission/operator.sock".parse::<ListenAddr>(),
+            Ok(ListenAddr::Unix(PathBuf::from(
+                "/run/admission/operator.sock"
+            )))
+        );
+        for bad in [
+            "unix:relative.sock",
+            "unix:/run/./x.sock",
+            "unix:/run/../x.sock",
+            "unix://run/x.sock",
+            "unix:/run/",
+            "unix:/",
+            "localhost:8081",
+            "8081",
+        ] {
+            assert!(bad.parse::<ListenAddr>().is_err(), "{bad}");
+        }
+        let shown = ListenAddr::Unix(PathBuf::from("/run/a.sock")).to_string();
+        assert_eq!(shown.parse::<ListenAddr>().unwrap().to_string(), shown);
+    }
+
+    #[test]
     fn an_explicit_cap_wins_over_the_file_limit() {
         let settings = ConnectionSettings {
             max_connections: Some(7),

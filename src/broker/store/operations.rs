@@ -755,26 +755,9 @@ impl Database {
         .await
     }
 
-    /// Every operation in `state`, oldest first, at most `limit`.
-    pub async fn list_in_state(
-        &self,
-        state: OperationState,
-        limit: u32,
-    ) -> Result<Vec<OperationRecord>, StoreError> {
-        self.read(move |conn, broker| {
-            let mut stmt = conn.prepare_cached(&format!(
-                "{SELECT_OPERATION} WHERE state = ?1 ORDER BY rowid LIMIT ?2"
-            ))?;
-            stmt.query_map(params![state.as_str(), limit], |row| {
-                OperationRecord::from_row(row, broker)
-            })?
-            .collect()
-        })
-        .await
-    }
-
     /// Moves operation `id` from `from` to `to`, writing what `change` carries and its event if
-    /// it is a request ([`change_state`]), in one transaction; durable when this returns. Returns the updated record, or `None` if the row was not in
+    /// it is a request (`change_state`), in one transaction; durable when this returns. Returns
+    /// the updated record, or `None` if the row was not in
     /// `from`.
     pub async fn set_state(
         &self,

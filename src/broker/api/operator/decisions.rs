@@ -9,7 +9,7 @@
 //!    then normalized (the key trimmed, no control characters; `constraints` only on approve,
 //!    `notification` not on revoke: else 400 `request is invalid`). See [`parse_decision`].
 //! 3. From here the decision is made, in one store transaction run to its end whether or not the
-//!    operator waits ([`crate::broker::core::Core::decide_to_end`]): the idempotency record of
+//!    operator waits (`Core::decide_to_end`): the idempotency record of
 //!    (request, action, key) (the same command replays what it committed, 200 with
 //!    `Idempotency-Replayed: true`; another is 409 `idempotency_conflict`), the request (404),
 //!    `expected_revision` (409 `revision_conflict` with `current`), a `notification` (admission

@@ -4,7 +4,7 @@
 //!
 //! Every response carries `Cache-Control: no-store`, `X-Content-Type-Options: nosniff` and
 //! `X-Correlation-ID` (22 characters, base64url of 16 random bytes), set by one layer
-//! ([`envelope`]), which also writes every error's body with the same correlation id. Errors are
+//! (`envelope`), which also writes every error's body with the same correlation id. Errors are
 //! [`OperatorError`]s with codes from the contract's closed list only.
 //!
 //! Files: `error` (the envelope), `projection` (an operation as a `BrokerRequest`), `requests`
