@@ -405,6 +405,8 @@ async fn refusal_flood(
                 while start.elapsed() < RUN {
                     match admission.admit("bench-0", false, None).await {
                         Err(unyolo_admission::AdmitError::Refused(_)) => refused += 1,
+                        // Redis too slow on a loaded machine: not a refusal, not counted.
+                        Err(unyolo_admission::AdmitError::Unavailable(_)) => {}
                         other => panic!("{other:?}"),
                     }
                 }

@@ -53,7 +53,7 @@ fn config() -> Config {
     Config::new(
         limits,
         overrides,
-        ["amy", "bob", "cat", "dan"].map(|n| id(n)),
+        ["amy", "bob", "cat", "dan"].map(id),
     )
     .unwrap()
 }
@@ -415,7 +415,7 @@ fn model_config() -> Config {
     Config::new(
         limits,
         overrides,
-        ["amy", "bob", "cat", "dan"].map(|n| id(n)),
+        ["amy", "bob", "cat", "dan"].map(id),
     )
     .unwrap()
 }
