@@ -50,12 +50,7 @@ fn config() -> Config {
     overrides.insert(id("amy"), client(100_000, 60, 1, 1));
     overrides.insert(id("cat"), client(100_000, 60, 5, 1));
     overrides.insert(id("dan"), client(1, 3600, 5, 5));
-    Config::new(
-        limits,
-        overrides,
-        ["amy", "bob", "cat", "dan"].map(id),
-    )
-    .unwrap()
+    Config::new(limits, overrides, ["amy", "bob", "cat", "dan"].map(id)).unwrap()
 }
 
 /// Options for replica `name` under `prefix`: no heartbeat during a test (its scripts would be
@@ -412,12 +407,7 @@ fn model_config() -> Config {
             pending: 2,
         },
     );
-    Config::new(
-        limits,
-        overrides,
-        ["amy", "bob", "cat", "dan"].map(id),
-    )
-    .unwrap()
+    Config::new(limits, overrides, ["amy", "bob", "cat", "dan"].map(id)).unwrap()
 }
 
 const CLIENTS: [&str; 4] = ["amy", "bob", "cat", "dan"];
