@@ -190,7 +190,10 @@ async fn a_refusal_flood_on_three_serve_replicas_costs_redis_one_call_per_replic
     assert_eq!(status, 202, "{code}");
     for (i, server) in replicas.iter().enumerate() {
         let reply = server
-            .submit(OTHER_SECRET, &request(&format!("warm-{i}"), "demo.request", 0))
+            .submit(
+                OTHER_SECRET,
+                &request(&format!("warm-{i}"), "demo.request", 0),
+            )
             .await;
         assert_eq!(reply.status, 202, "{}", reply.body);
         deny(server, &reply.id()).await;
@@ -215,7 +218,11 @@ async fn a_refusal_flood_on_three_serve_replicas_costs_redis_one_call_per_replic
                     let reply = http
                         .post(format!("{base}/api/agent/v1/operations"))
                         .bearer_auth(AGENT_SECRET)
-                        .json(&request(&format!("flood-{i}-{loop_no}-{n}"), "demo.request", 0))
+                        .json(&request(
+                            &format!("flood-{i}-{loop_no}-{n}"),
+                            "demo.request",
+                            0,
+                        ))
                         .send()
                         .await
                         .unwrap();
@@ -241,7 +248,11 @@ async fn a_refusal_flood_on_three_serve_replicas_costs_redis_one_call_per_replic
                     &request(&format!("other-{round}-{i}"), "demo.request", 0),
                 )
                 .await;
-            assert_eq!(reply.status, 202, "the other client is admitted: {}", reply.body);
+            assert_eq!(
+                reply.status, 202,
+                "the other client is admitted: {}",
+                reply.body
+            );
             deny(server, &reply.id()).await;
             other_admitted += 1;
         }
@@ -282,7 +293,10 @@ async fn a_refusal_flood_on_three_serve_replicas_costs_redis_one_call_per_replic
     support::eventually::assert_eventually("the agent is admitted on r2", async || {
         attempt += 1;
         let (status, code, _) = submit(&replicas[1], &format!("after-{attempt}")).await;
-        assert!(status == 202 || code == "client_pending_limit", "{status} {code}");
+        assert!(
+            status == 202 || code == "client_pending_limit",
+            "{status} {code}"
+        );
         status == 202
     })
     .await;
@@ -290,5 +304,8 @@ async fn a_refusal_flood_on_three_serve_replicas_costs_redis_one_call_per_replic
         .metric("admission_redis_refusals_forgotten_total{reason=\"release\"}")
         .await
         .unwrap();
-    assert!(forgotten >= 1, "r3 forgot the agent's refusal on the release");
+    assert!(
+        forgotten >= 1,
+        "r3 forgot the agent's refusal on the release"
+    );
 }

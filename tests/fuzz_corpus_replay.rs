@@ -170,6 +170,12 @@ fn operator_seeds_are_judged_as_their_names_say() {
 
 #[cfg(feature = "redis")]
 #[test]
+fn every_refusal_notices_corpus_file_holds_the_invariants() {
+    assert!(replay("refusal_notices", fuzzing::refusal_notices) >= 5);
+}
+
+#[cfg(feature = "redis")]
+#[test]
 fn redis_reply_seeds_are_judged_as_their_names_say() {
     let (valid, invalid) = judge_seeds("redis_reply", fuzzing::redis_reply_accepted);
     assert!(
@@ -214,7 +220,8 @@ fn every_corpus_directory_has_a_replay() {
                 "redis_reply",
                 "event_cursor",
                 "operator_decision",
-                "operator_list_query"
+                "operator_list_query",
+                "refusal_notices"
             ]
             .contains(&name.to_str().unwrap_or("")),
             "no replay for fuzz/corpus/{name:?}"
@@ -236,7 +243,7 @@ fn every_fuzz_target_has_a_seed_corpus() {
         );
         targets += 1;
     }
-    assert_eq!(targets, 9);
+    assert_eq!(targets, 10);
 }
 
 /// A few thousand pseudo-random op sequences, so a plain `cargo test` explores beyond the corpus.

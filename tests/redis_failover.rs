@@ -65,7 +65,11 @@ async fn replica_restoring(
     let admission = Admission::new(Controller::new(config()), Some(options)).unwrap();
     let restored = admission.restore(restored).await;
     assert!(restored.deferred.is_none(), "{:?}", restored.deferred);
-    let handles = restored.operations.into_iter().map(Result::unwrap).collect();
+    let handles = restored
+        .operations
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
     (admission, handles)
 }
 
@@ -112,7 +116,10 @@ async fn a_failover_keeps_what_was_replicated_and_loses_at_most_the_admissions_n
     let f2 = replica(waiting).await;
     match f2.admit("amy", false, Some("unacknowledged")).await {
         Err(AdmitError::Unavailable(u)) => {
-            assert!(matches!(u.reason, UnavailableReason::Redis(ref m) if m.contains("acknowledged")), "{u}")
+            assert!(
+                matches!(u.reason, UnavailableReason::Redis(ref m) if m.contains("acknowledged")),
+                "{u}"
+            )
         }
         other => panic!("answered without the replica's acknowledgement: {other:?}"),
     }
@@ -145,7 +152,10 @@ async fn a_failover_keeps_what_was_replicated_and_loses_at_most_the_admissions_n
     let again = f3.admit("amy", true, Some("lost")).await.unwrap().commit();
     let extra = f3.admit("dan", false, None).await.unwrap().commit();
     assert!(
-        matches!(f3.admit("dan", false, None).await, Err(AdmitError::Refused(_))),
+        matches!(
+            f3.admit("dan", false, None).await,
+            Err(AdmitError::Refused(_))
+        ),
         "one token over, not more"
     );
     assert_eq!(again.state(), OperationState::Pending);

@@ -267,7 +267,9 @@ async fn assert_everything_back(replicas: &mut [Replica]) {
                     );
                     true
                 }
-                Err(AdmitError::Refused(_)) if replica.admission.stats().refusals_from_memory > 0 => {
+                Err(AdmitError::Refused(_))
+                    if replica.admission.stats().refusals_from_memory > 0 =>
+                {
                     false
                 }
                 other => panic!("the key {} made a second operation: {other:?}", first.key),

@@ -50,12 +50,7 @@ fn config() -> Config {
     overrides.insert(id("amy"), client(100_000, 60, 1, 1));
     overrides.insert(id("cat"), client(100_000, 60, 5, 1));
     overrides.insert(id("dan"), client(1, 3600, 5, 5));
-    Config::new(
-        limits,
-        overrides,
-        ["amy", "bob", "cat", "dan"].map(|n| id(n)),
-    )
-    .unwrap()
+    Config::new(limits, overrides, ["amy", "bob", "cat", "dan"].map(id)).unwrap()
 }
 
 /// Options for replica `name` under `prefix`: no heartbeat during a test (its scripts would be
@@ -111,7 +106,14 @@ async fn a_refusal_flood_on_three_replicas_costs_redis_one_call_per_replica_whil
         .unwrap()
         .commit();
     // Every script loaded once (a first call is an EVALSHA refused, then an EVAL).
-    replicas[1].admit("bob", false, None).await.unwrap().commit().fail().await.unwrap();
+    replicas[1]
+        .admit("bob", false, None)
+        .await
+        .unwrap()
+        .commit()
+        .fail()
+        .await
+        .unwrap();
     let before = redis_support::script_calls(server.port);
     // The flood: 4 tasks per replica, 50 submissions each, with and without approval, each
     // with its own key; bob submits and finishes work on every replica meanwhile.
@@ -139,7 +141,11 @@ async fn a_refusal_flood_on_three_replicas_costs_redis_one_call_per_replica_whil
     for round in 0..10 {
         for admission in &replicas {
             let permit = admission
-                .admit("bob", round % 2 == 0, Some(&format!("bob-{round}-{bob_admitted}")))
+                .admit(
+                    "bob",
+                    round % 2 == 0,
+                    Some(&format!("bob-{round}-{bob_admitted}")),
+                )
                 .await
                 .expect("bob is admitted throughout the flood");
             permit.commit().fail().await.unwrap();
@@ -168,16 +174,17 @@ async fn a_refusal_flood_on_three_replicas_costs_redis_one_call_per_replica_whil
     held.fail().await.unwrap();
     let r1 = &replicas[1];
     let mut admitted = None;
-    assert_eventually("amy is admitted on r1 after her release on r0", async || {
-        match r1.admit("amy", false, None).await {
+    assert_eventually(
+        "amy is admitted on r1 after her release on r0",
+        async || match r1.admit("amy", false, None).await {
             Ok(permit) => {
                 admitted = Some(permit.commit());
                 true
             }
             Err(AdmitError::Refused(_)) => false,
             Err(other) => panic!("{other}"),
-        }
-    })
+        },
+    )
     .await;
     let forgotten = r1.stats().refusals_forgotten;
     assert!(forgotten[2] >= 1, "forgotten by a release: {forgotten:?}");
@@ -201,7 +208,11 @@ async fn a_pending_limit_refusal_answers_work_that_needs_approval_and_not_work_t
     let calls = redis_support::script_calls(server.port);
     let again = r0.admit("cat", true, None).await;
     assert_eq!(code(&again), Some(RefusalCode::ClientPendingLimit));
-    assert_eq!(redis_support::script_calls(server.port), calls, "answered from memory");
+    assert_eq!(
+        redis_support::script_calls(server.port),
+        calls,
+        "answered from memory"
+    );
     assert_eq!(r0.stats().refusals_from_memory, 1);
     // Work that needs no approval meets no pending limit: Redis decides it, and admits it.
     let approved = r0.admit("cat", false, None).await.unwrap().commit();
@@ -254,18 +265,22 @@ async fn a_remembered_rate_refusal_counts_its_retry_after_down_and_a_refund_anyw
     // hour is up.
     permit.refund().await;
     let mut admitted = None;
-    assert_eventually("dan is admitted on r1 after the refund on r0", async || {
-        match replicas[1].admit("dan", false, None).await {
+    assert_eventually(
+        "dan is admitted on r1 after the refund on r0",
+        async || match replicas[1].admit("dan", false, None).await {
             Ok(permit) => {
                 admitted = Some(permit);
                 true
             }
             Err(AdmitError::Refused(_)) => false,
             Err(other) => panic!("{other}"),
-        }
-    })
+        },
+    )
     .await;
-    assert!(replicas[1].stats().refusals_forgotten[1] >= 1, "by a refund");
+    assert!(
+        replicas[1].stats().refusals_forgotten[1] >= 1,
+        "by a refund"
+    );
     admitted.unwrap().refund().await;
 }
 
@@ -392,12 +407,7 @@ fn model_config() -> Config {
             pending: 2,
         },
     );
-    Config::new(
-        limits,
-        overrides,
-        ["amy", "bob", "cat", "dan"].map(|n| id(n)),
-    )
-    .unwrap()
+    Config::new(limits, overrides, ["amy", "bob", "cat", "dan"].map(id)).unwrap()
 }
 
 const CLIENTS: [&str; 4] = ["amy", "bob", "cat", "dan"];

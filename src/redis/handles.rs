@@ -249,7 +249,9 @@ impl RedisOperation {
                 })
                 .await;
             // An approval lowers the pending counts: a release as far as refusals go.
-            self.inner.memory.released_here(cell.identity.as_str(), false);
+            self.inner
+                .memory
+                .released_here(cell.identity.as_str(), false);
         }
         Ok(from)
     }

@@ -60,9 +60,8 @@ pub(crate) enum Forgotten {
     Reload,
 }
 
-const _: () = assert!(
-    Forgotten::ALL.len() == crate::admission::BackendStats::FORGOTTEN_REASONS.len()
-);
+const _: () =
+    assert!(Forgotten::ALL.len() == crate::admission::BackendStats::FORGOTTEN_REASONS.len());
 
 impl Forgotten {
     pub(crate) const ALL: [Forgotten; 7] = [
@@ -204,9 +203,7 @@ impl RefusalMemory {
         } else {
             match entry.scope {
                 Scope::Rate if entry.seen.refunded != memory.refunded => Some(Forgotten::Refund),
-                Scope::Client if entry.seen.released != memory.released => {
-                    Some(Forgotten::Release)
-                }
+                Scope::Client if entry.seen.released != memory.released => Some(Forgotten::Release),
                 Scope::Global if entry.seen.any != any => Some(Forgotten::AnyRelease),
                 _ if now >= entry.until => Some(Forgotten::Expired),
                 _ => None,
@@ -506,7 +503,11 @@ mod tests {
         assert!(memory.recall("amy", false, Instant::now()).is_some());
         assert!(memory.recall("amy", true, Instant::now()).is_none());
         let ticket = memory.ticket("bob").unwrap();
-        memory.remember("bob", ticket, answer(RefusalCode::GlobalOperationLimit, true));
+        memory.remember(
+            "bob",
+            ticket,
+            answer(RefusalCode::GlobalOperationLimit, true),
+        );
         assert!(memory.recall("bob", false, Instant::now()).is_some());
         assert!(memory.recall("bob", true, Instant::now()).is_some());
     }
@@ -521,7 +522,11 @@ mod tests {
             answer(RefusalCode::ClientOperationLimit, false),
         );
         let ticket = memory.ticket("bob").unwrap();
-        memory.remember("bob", ticket, answer(RefusalCode::SubmissionRateLimited, true));
+        memory.remember(
+            "bob",
+            ticket,
+            answer(RefusalCode::SubmissionRateLimited, true),
+        );
         memory.notice(b"r bob");
         assert!(memory.recall("amy", false, Instant::now()).is_some());
         assert!(memory.recall("bob", false, Instant::now()).is_some());
@@ -530,8 +535,16 @@ mod tests {
         memory.notice(b"f bob");
         assert!(memory.recall("bob", true, Instant::now()).is_none());
         let forgotten = memory.forgotten();
-        assert_eq!(forgotten[Forgotten::Release as usize], 2, "both of amy's slots");
-        assert_eq!(forgotten[Forgotten::Refund as usize], 2, "both of bob's slots");
+        assert_eq!(
+            forgotten[Forgotten::Release as usize],
+            2,
+            "both of amy's slots"
+        );
+        assert_eq!(
+            forgotten[Forgotten::Refund as usize],
+            2,
+            "both of bob's slots"
+        );
     }
 
     #[test]
@@ -547,7 +560,11 @@ mod tests {
         assert!(memory.recall("amy", true, Instant::now()).is_none());
         assert_eq!(memory.forgotten()[Forgotten::AnyRelease as usize], 1);
         let ticket = memory.ticket("amy").unwrap();
-        memory.remember("amy", ticket, answer(RefusalCode::SubmissionRateLimited, false));
+        memory.remember(
+            "amy",
+            ticket,
+            answer(RefusalCode::SubmissionRateLimited, false),
+        );
         memory.notice(b"*");
         assert!(memory.recall("amy", false, Instant::now()).is_none());
         assert_eq!(memory.forgotten()[Forgotten::Replaced as usize], 2);
@@ -580,7 +597,11 @@ mod tests {
     fn the_wait_counts_down_from_the_send_and_the_entry_ends_at_its_time() {
         let memory = live();
         let ticket = memory.ticket("amy").unwrap();
-        memory.remember("amy", ticket, answer(RefusalCode::SubmissionRateLimited, false));
+        memory.remember(
+            "amy",
+            ticket,
+            answer(RefusalCode::SubmissionRateLimited, false),
+        );
         let later = ticket.at + Duration::from_secs(3);
         let recalled = memory.recall("amy", false, later).unwrap();
         assert_eq!(recalled.wait_left, Duration::from_secs(2));

@@ -53,6 +53,16 @@
 //!   (`{prefix}:recovery`, one lease long) in which no replica admits until every replica it knew
 //!   of has registered again (`scripts/replace.lua`).
 //!
+//! - **Refusals from memory.** A refusal Redis gave is remembered (`memory`) and answers the
+//!   client's next submissions here, without a call, until it can have changed: its next token,
+//!   its hint, or a release or refund heard on the deployment's notices channel (`notices`: the
+//!   scripts `PUBLISH` whenever they lower a count; one subscriber connection per replica). The
+//!   memory only ever refuses; a lost subscription forgets it all.
+//! - **Bounded calls.** Admission decisions in flight to Redis are bounded per replica and per
+//!   client (semaphores, waited for briefly, then [`UnavailableReason::Busy`]); releases,
+//!   transitions and heartbeats never wait for them. With `wait_replicas`, an admission is
+//!   answered only once `WAIT` says a Redis replica holds it.
+//!
 //! What stays per replica: storage quotas (streams, sealed payloads) and the durable store.
 //!
 //! This file is one piece past the usual size because its parts share one private state
@@ -60,11 +70,12 @@
 //! rules only hold together — registration after a loss reads and rewrites all of them: the
 //! options and errors come first, then the controller, then the calls it makes; its unit tests
 //! (the quota arithmetic, the rate debts) close it.
-//! The handles (`handles`), the reply parser (`reply`) and the circuit (`circuit`) stand alone.
+//! The handles (`handles`), the reply parser (`reply`), the circuit (`circuit`), the refusal
+//! memory (`memory`) and the notice subscriber (`notices`) stand alone.
 
 mod circuit;
 mod handles;
-mod memory;
+pub(crate) mod memory;
 mod notices;
 #[doc(hidden)]
 pub mod reply;
@@ -733,7 +744,8 @@ impl RedisController {
                 capacity,
                 reading,
             } => {
-                let capacity_hint = capacity.then(|| secs_at_least_one(inner.options.capacity_retry));
+                let capacity_hint =
+                    capacity.then(|| secs_at_least_one(inner.options.capacity_retry));
                 let wait_nanos = rate_wait_micros
                     .saturating_mul(1000)
                     .max(capacity_hint.map_or(0, |h| h.as_nanos() as u64));
@@ -979,7 +991,10 @@ impl Inner {
     async fn room(
         &self,
         client: &str,
-    ) -> Option<(tokio::sync::OwnedSemaphorePermit, tokio::sync::OwnedSemaphorePermit)> {
+    ) -> Option<(
+        tokio::sync::OwnedSemaphorePermit,
+        tokio::sync::OwnedSemaphorePermit,
+    )> {
         let share = Arc::clone(
             crate::sync::lock(&self.client_decisions)
                 .entry(client.to_owned())

@@ -46,7 +46,10 @@ impl RedisServer {
     /// Cuts this Redis replica off its primary: it follows a primary that does not exist (a free
     /// port) and keeps what it has, receiving nothing more.
     pub fn cut_off(&self) {
-        cli(self.port, &["REPLICAOF", "127.0.0.1", &free_port().to_string()]);
+        cli(
+            self.port,
+            &["REPLICAOF", "127.0.0.1", &free_port().to_string()],
+        );
     }
 
     /// Promotes this Redis replica to a primary (`REPLICAOF NO ONE`), as a failover does.
