@@ -6,7 +6,7 @@
 //! hold [`EventStreamLimits::per_operator`] at once and the broker
 //! [`EventStreamLimits::total`]; one more is refused before the stream starts (the route answers
 //! 503 `temporarily_unavailable` with Retry-After). A stream's slot is given back by its
-//! [`StreamSlot`]'s `Drop`, when the response body is dropped: the client hung up, or the
+//! `StreamSlot`'s `Drop`, when the response body is dropped: the client hung up, or the
 //! stream ended at shutdown.
 //!
 //! The core holds this registry; the route is `api::events`.

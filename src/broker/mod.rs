@@ -18,7 +18,7 @@
 //!   [`listing`], `waits` (the long poll), `streams`, [`discovery`], `health` (`/healthz`,
 //!   `/readyz` of the agent listener), [`api::operator`] (the operator listener: Operator V1's
 //!   discovery, health, request list, one request and decisions, its envelope and projection,
-//!   `/metrics` and `/admission/v1/drift`; the
+//!   [`events`](api::events) (the event stream, SSE), `/metrics` and `/admission/v1/drift`; the
 //!   on-demand drift reading), [`ratelimit`] (the quota fields on submission answers) and
 //!   [`presentation`] (what an operator reads about each operation).
 //! - the rooms that act on the shared state: `operations` (the one way a live operation's state
@@ -26,7 +26,8 @@
 //!   demo executor; approved work waits for an execution slot, woken by the controller when one
 //!   is given back, not polling), `drift` (compares the controller's counts with the store at
 //!   start-up, on a timer and on demand, and exports the difference as `admission_store_drift`)
-//!   and [`retention`] (the sweep that keeps the store bounded: terminal operations retire after
+//!   `expiry` (pending requests nobody decided end `expired` at `--pending-timeout`, on a timer
+//!   set to the next due one) and [`retention`] (the sweep that keeps the store bounded: terminal operations retire after
 //!   `--retention`, a replay of a retired key is a new submission, streams are reconciled, space
 //!   returns to the filesystem).
 //! - `core`: the state every part shares (`Core`, each live operation, the execution queue) and
@@ -34,7 +35,8 @@
 //! - what the core is made of, each knowing nothing above it: [`store`] (the SQLite file; what is
 //!   on disk is what counts after a restart), `registry` (the registered operations and what a
 //!   submission's operation and arguments must be), `auth` (who a bearer secret names), [`waits`]
-//!   (the open long-poll waits and their bells), `keys` (a growable filter that answers "this key
+//!   (the open long-poll waits and their bells), [`event_streams`] (the open Operator V1 event
+//!   streams, bounded per operator and in total), `keys` (a growable filter that answers "this key
 //!   was never used" without the store, so refusals stay off SQLite however many keys are
 //!   stored).
 //! - beside them, knowing nothing of the broker: [`listener`] (the accept loop, for TCP and Unix

@@ -160,6 +160,7 @@ pub(crate) async fn stream_events(
         after: start,
         first: Some(events),
         more,
+        checked: start,
         shutdown: core.shutdown.clone(),
         core,
         newest,
@@ -186,6 +187,9 @@ struct Stream {
     first: Option<Vec<StoredEvent>>,
     /// Whether more events are stored after `after` than the last page held.
     more: bool,
+    /// The newest sequence the bell had published when a read last found nothing new: waits
+    /// are for a sequence past it, so a read never repeats without a new commit.
+    checked: i64,
     newest: watch::Receiver<i64>,
     shutdown: watch::Receiver<bool>,
     /// Held for as long as the stream lives (the body holds the stream).
@@ -207,15 +211,16 @@ impl Stream {
                 }
                 continue;
             }
-            if self.more || *self.newest.borrow() > self.after {
+            if self.more || *self.newest.borrow() > self.after.max(self.checked) {
+                let published = *self.newest.borrow();
                 match self.core.db.events_after(Some(self.after), PAGE).await {
                     Ok(EventPage::Events { events, more, .. }) => {
                         self.more = more;
                         if let Some(chunk) = self.frames(&events) {
                             return Some((Ok(chunk), self));
                         }
-                        // Published but not yet visible to this reader: wait for the next ring.
-                        self.newest.mark_unchanged();
+                        // Nothing past `after` despite the bell: wait for the next commit.
+                        self.checked = published;
                     }
                     Ok(EventPage::Expired) => {
                         tracing::info!("an event stream fell behind retention; ending it");
@@ -227,20 +232,20 @@ impl Stream {
                     }
                 }
             }
-            let after = self.after;
+            let after = self.after.max(self.checked);
             let Stream {
                 newest, shutdown, ..
             } = &mut self;
-            let idle = tokio::select! {
+            let bell_gone = tokio::select! {
                 _ = shutdown.wait_for(|stop| *stop) => return None,
                 woke = newest.wait_for(|seq| *seq > after) => woke.is_err(),
                 () = tokio::time::sleep(HEARTBEAT) => false,
             };
-            if idle || *self.newest.borrow() <= self.after {
-                // The bell is gone (the store with it), or the heartbeat is due.
-                if idle {
-                    return None;
-                }
+            if bell_gone {
+                return None;
+            }
+            if *self.newest.borrow() <= after {
+                // Silent for a whole heartbeat interval.
                 return Some((Ok(Bytes::from_static(HEARTBEAT_FRAME)), self));
             }
         }

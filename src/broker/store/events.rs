@@ -7,8 +7,8 @@
 //!   Operator V1 status after the change ([`RequestStatus`], by [`request_status`]), when, and
 //!   the use count. [`event_kind`] names the change: a state move `from` → `to`.
 //! - **Who writes it**: every statement that creates a request or changes its state calls
-//!   [`append`] inside its transaction (creation, each state change, recovery's
-//!   `execution_interrupted`), and after the commit [`EventBell::rang`] publishes the newest
+//!   `append` inside its transaction (creation, each state change, recovery's
+//!   `execution_interrupted`), and after the commit `EventBell::rang` publishes the newest
 //!   sequence, so streams wake on a change without polling the store.
 //! - **Reading** ([`Database::events_after`]): strictly after a cursor, in sequence order, one page
 //!   at a time, with the check that the cursor is still within what is retained, all in one read
