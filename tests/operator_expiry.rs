@@ -25,9 +25,7 @@ fn args(files: &Files, timeout: &str) -> Vec<String> {
 }
 
 async fn drift(server: &Server) -> u64 {
-    let reply = server.get("/api/operator/v1/drift", OPERATOR_SECRET).await;
-    assert_eq!(reply.status, 200, "{}", reply.body);
-    reply.body["drift"].as_u64().unwrap()
+    server.operator.drift().await["drift"].as_u64().unwrap()
 }
 
 #[tokio::test]
@@ -68,7 +66,9 @@ async fn a_request_nobody_decides_expires_releases_its_slot_and_leaves_its_event
     assert_eq!(again.status, 202, "{}", again.body);
     assert_eq!(drift(&server).await, 0);
 
-    let mut stream = open(&server.base, OPERATOR_SECRET, "", &[]).await.stream();
+    let mut stream = open(&server.operator.base, OPERATOR_SECRET, "", &[])
+        .await
+        .stream();
     let events = stream.next_events(3).await;
     let first_events: Vec<(&str, u64, &str)> = events
         .iter()
@@ -89,12 +89,7 @@ async fn a_request_nobody_decides_expires_releases_its_slot_and_leaves_its_event
         ]
     );
     // A decision after the expiry finds it no longer pending and changes nothing.
-    let late = server
-        .post(
-            &format!("/api/operator/v1/requests/{id}/approve"),
-            OPERATOR_SECRET,
-        )
-        .await;
+    let late = server.operator.approve(&id).await;
     assert_eq!(late.status, 409, "{}", late.body);
     let after = server
         .get(&format!("/api/agent/v1/operations/{id}"), AGENT_SECRET)

@@ -82,9 +82,13 @@ impl Core {
                 message: "No operator decided on the request within the pending timeout."
                     .to_owned(),
             };
-            core.transition_locked(&op, OperationState::Expired, StateChange::error(Some(error)))
-                .await
-                .map(Some)
+            core.transition_locked(
+                &op,
+                OperationState::Expired,
+                StateChange::error(Some(error)),
+            )
+            .await
+            .map(Some)
         };
         run_to_end(expiry).await.unwrap_or_else(|err| {
             Err(TransitionFailure::Store(StoreError::unfinished(

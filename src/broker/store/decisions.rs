@@ -8,7 +8,6 @@
 //! write, and the state change ([`change_state`], the one place every state change is written)
 //! and the decision's record commit together, or nothing does.
 
-
 use rusqlite::{OptionalExtension, params};
 
 use crate::engine::OperationState;
@@ -123,14 +122,8 @@ impl Database {
                     revoked: decided.revoked,
                 }),
             };
-            let Some((record, seq)) = change_state(
-                &tx,
-                &db,
-                &current.id,
-                current.state,
-                decided.to,
-                &change,
-            )?
+            let Some((record, seq)) =
+                change_state(&tx, &db, &current.id, current.state, decided.to, &change)?
             else {
                 // Read in this transaction and unchanged since: cannot happen; commit nothing.
                 return Ok(DecisionOutcome::NotFound);

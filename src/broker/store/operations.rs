@@ -377,7 +377,9 @@ pub(super) fn change_state(
     }
     let Some(record) = tx
         .prepare_cached(&format!("{SELECT_OPERATION} WHERE id = ?1"))?
-        .query_row(params![id], |row| OperationRecord::from_row(row, &db.broker))
+        .query_row(params![id], |row| {
+            OperationRecord::from_row(row, &db.broker)
+        })
         .optional()?
     else {
         return Ok(None);

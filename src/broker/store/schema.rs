@@ -163,7 +163,6 @@ CREATE TABLE operator_events (
 ALTER TABLE operations ADD COLUMN ended_from TEXT;
 ";
 
-
 /// The steps after schema 3, each with the version it brings a file to, in order.
 const STEPS_AFTER_3: [(i64, &str); 3] = [
     (4, MIGRATE_3_TO_4),
