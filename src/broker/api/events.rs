@@ -62,10 +62,7 @@ impl<S: Send + Sync> FromRequestParts<S> for StreamStart {
     ) -> Result<StreamStart, OperatorError> {
         stream_start(parts.uri.query(), &parts.headers)
             .map(StreamStart)
-            .map_err(|err| {
-                tracing::debug!(reason = err.message(), "event stream refused");
-                OperatorError::invalid()
-            })
+            .map_err(|_| OperatorError::invalid())
     }
 }
 
