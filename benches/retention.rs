@@ -111,6 +111,12 @@ fn terminal(i: usize, old: bool) -> OperationRecord {
         error: None,
         revision: 3,
         broker: "admission".to_owned(),
+        presentation: unyolo_admission::broker::presentation::derive(
+            "demo.run",
+            &json!({"repo": "unyolo/retention"}),
+            &json!({"duration_ms": 0}),
+            "stored before",
+        ),
     }
 }
 

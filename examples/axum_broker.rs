@@ -7,6 +7,11 @@
 //! Each mutating handler only authenticates, validates and reads until it *decides*; from there
 //! the whole change runs in [`run_to_end`], so permits and operation handles never live in a
 //! handler's future (the crate docs' "In an async broker" says what a dropped future does).
+//!
+//! One client cannot take the broker's own capacity either: the routes sit behind the library's
+//! `FairnessLayer` (each client at most 64 units in flight, a submission costing 2; decisions and
+//! metrics exempt, with a reserve of their own), which answers 429 `client_request_limit` past a
+//! client's share.
 
 use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
 use std::sync::{Arc, Mutex, RwLock};
@@ -20,6 +25,7 @@ use rusqlite::{Connection, OptionalExtension, params};
 use serde_json::{Value, json};
 use unyolo_admission::OperationState::{self, Approved, Canceled, Denied, Executing, Pending};
 use unyolo_admission::config::{Identity, Secrets};
+use unyolo_admission::fairness::{Class, Fairness, FairnessConfig, FairnessLayer};
 use unyolo_admission::prometheus_client::{encoding::text::encode, registry::Registry};
 use unyolo_admission::{Admission, AdmitError, CancelOutcome, Config, Controller};
 use unyolo_admission::{OperationHandle, ReplicaOptions, RestoredOperation, Unavailable};
@@ -151,6 +157,8 @@ pub async fn start(settings: Settings) -> (SocketAddr, Arc<App>) {
     let admission = admission.expect("replica options");
     let mut registry = Registry::default();
     admission.register_metrics(&mut registry);
+    let fairness = Fairness::new(FairnessConfig::default()).expect("fairness numbers");
+    fairness.register(&mut registry);
     let listener = tokio::net::TcpListener::bind(settings.listen).await;
     let listener = listener.expect("bind");
     let db = Connection::open(&settings.db_path).expect("store");
@@ -166,10 +174,23 @@ pub async fn start(settings: Settings) -> (SocketAddr, Arc<App>) {
     restore(&app).await;
     tokio::spawn(reload_on_sighup(Arc::clone(&app)));
     let addr = listener.local_addr().expect("address");
+    // Decisions and metrics are exempt; a submission costs its client 2 units. The classifier
+    // looks the client up (constant time) but never answers: the handler still says 401.
+    let classifier = Arc::clone(&app);
+    let fair = FairnessLayer::new(fairness, move |head: &axum::http::request::Parts| {
+        if head.uri.path() != "/operations" {
+            return Class::Exempt;
+        }
+        match classifier.identify(&head.headers) {
+            Some(client) => Class::client(client.as_str(), 2),
+            None => Class::Unkeyed { cost: 2 },
+        }
+    });
     let routes = axum::Router::new()
         .route("/operations", post(submit))
         .route("/operations/{id}/{decision}", post(decide))
         .route("/metrics", get(render_metrics))
+        .layer(fair)
         .with_state(Arc::clone(&app));
     tokio::spawn(async move { axum::serve(listener, routes).await.expect("serve") });
     (addr, app)

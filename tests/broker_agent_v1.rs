@@ -891,3 +891,57 @@ fn the_schema_rejects_what_the_contract_forbids() {
     assert!(violations("error_envelope", &envelope).is_empty());
     assert!(!violations("error_envelope", &json!({"error": {"code": "x"}})).is_empty());
 }
+
+#[tokio::test]
+async fn a_replay_is_the_same_request_up_to_key_order_and_any_deep_change_is_a_conflict() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = start(dir.path(), ROOMY).await;
+    let post = |body: &'static str| {
+        h.send(
+            "POST",
+            "/api/agent/v1/operations",
+            Some(AGENT_SECRET),
+            Some(body.into()),
+        )
+    };
+    let created = post(
+        r#"{"idempotency_key":"deep","operation":"demo.run","reason":"r",
+            "target":{"repo":"u/t","deep":{"a":[1,{"x":1,"y":2}],"b":null}},
+            "arguments":{"duration_ms":0,"list":[1,2]}}"#,
+    )
+    .await;
+    assert_eq!(created.status, 202, "{}", created.body);
+    // The same request with its keys in another order at every depth: a replay.
+    let replay = post(
+        r#"{"arguments":{"list":[1,2],"duration_ms":0},"reason":"r",
+            "target":{"deep":{"b":null,"a":[1,{"y":2,"x":1}]},"repo":"u/t"},
+            "operation":"demo.run","idempotency_key":"deep"}"#,
+    )
+    .await;
+    assert_eq!(replay.status, 200, "{}", replay.body);
+    assert_eq!(replay.id(), created.id());
+    assert_eq!(replay.body["target"], created.body["target"]);
+    // A change deep inside, an array reordered, or a number of another kind: conflicts.
+    for changed in [
+        r#"{"idempotency_key":"deep","operation":"demo.run","reason":"r",
+            "target":{"repo":"u/t","deep":{"a":[1,{"x":1,"y":3}],"b":null}},
+            "arguments":{"duration_ms":0,"list":[1,2]}}"#,
+        r#"{"idempotency_key":"deep","operation":"demo.run","reason":"r",
+            "target":{"repo":"u/t","deep":{"a":[1,{"x":1,"y":2}],"b":null}},
+            "arguments":{"duration_ms":0,"list":[2,1]}}"#,
+        r#"{"idempotency_key":"deep","operation":"demo.run","reason":"r",
+            "target":{"repo":"u/t","deep":{"a":[1.0,{"x":1,"y":2}],"b":null}},
+            "arguments":{"duration_ms":0,"list":[1,2]}}"#,
+    ] {
+        let reply = post(changed).await;
+        assert_eq!(reply.status, 409, "{changed}: {}", reply.body);
+        assert_eq!(reply.code(), "idempotency_conflict");
+    }
+    assert_eq!(h.rows().await, 1);
+    let text = h.metrics().await;
+    assert_eq!(
+        support::metrics::metric(&text, "broker_submissions_total{result=\"replayed\"}"),
+        Some(1),
+        "{text}"
+    );
+}

@@ -195,6 +195,11 @@ async fn bodies_past_the_byte_budget_are_refused_unread_while_another_client_and
             body_min_rate: 0,
             ..Default::default()
         },
+        // A share for every body at once (18 units each): only the byte budget binds.
+        fairness: FairnessConfig {
+            per_client_units: 400,
+            ..FairnessConfig::default()
+        },
         ..settings(dir.path(), ROOMY, StorageCaps::default())
     })
     .await;
@@ -279,5 +284,136 @@ async fn bodies_past_the_byte_budget_are_refused_unread_while_another_client_and
         h.rows().await,
         1,
         "only the other client's submission was created"
+    );
+}
+
+/// A `demo.run` submission whose arguments carry `bytes` of padding (still within the 1 MiB
+/// body limit when `bytes` is below it).
+fn heavy_request(key: &str, bytes: usize) -> serde_json::Value {
+    serde_json::json!({
+        "idempotency_key": key,
+        "operation": "demo.run",
+        "target": {"repo": "unyolo/test"},
+        "arguments": {"duration_ms": 0, "padding": "x".repeat(bytes)},
+        "reason": "heavy row",
+    })
+}
+
+/// Opens `n` submissions of one client that each declare a whole 1 MiB body, send 64 KiB of it
+/// and hold the rest, so their room in the byte budget stays reserved until `release` changes.
+async fn hold_bodies(
+    addr: std::net::SocketAddr,
+    n: usize,
+    release: &tokio::sync::watch::Sender<bool>,
+) -> tokio::task::JoinSet<()> {
+    use tokio::io::AsyncWriteExt;
+    let mut bodies = tokio::task::JoinSet::new();
+    for i in 0..n {
+        let mut released = release.subscribe();
+        bodies.spawn(async move {
+            let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+            let (mut read, mut write) = stream.into_split();
+            let head = format!(
+                "POST /api/agent/v1/operations HTTP/1.1\r\nHost: x\r\n\
+                 Authorization: Bearer {AGENT_SECRET}\r\nContent-Type: application/json\r\n\
+                 Content-Length: {}\r\n\r\n{{\"idempotency_key\": \"held-{i}\", \"reason\": \"",
+                1 << 20
+            );
+            write.write_all(head.as_bytes()).await.unwrap();
+            let _ = write.write_all(&vec![b'x'; 64 << 10]).await;
+            tokio::select! {
+                _ = read_answer(&mut read) => {}
+                _ = released.changed() => {}
+            }
+        });
+    }
+    bodies
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_heavy_answer_reserves_its_rendering_in_the_byte_budget_and_past_it_is_refused_unread() {
+    const HEAVY: usize = 900_000;
+    // Room for one heavy answer (about three times its stored request), not for one beside two
+    // held bodies.
+    let budget = 4 << 20;
+    let dir = tempfile::tempdir().unwrap();
+    let h = start_with(BrokerSettings {
+        buffered_bytes: budget,
+        connections: unyolo_admission::broker::ConnectionSettings {
+            body_min_rate: 0,
+            ..Default::default()
+        },
+        ..settings(dir.path(), ROOMY, StorageCaps::default())
+    })
+    .await;
+    let heavy = h.submit(AGENT_SECRET, &heavy_request("heavy", HEAVY)).await;
+    assert_eq!(heavy.status, 202, "{}", heavy.body);
+    let light = h
+        .submit(AGENT_SECRET, &request("light", "demo.run", 0))
+        .await;
+    assert_eq!(light.status, 202, "{}", light.body);
+    let heavy_path = format!("/api/agent/v1/operations/{}", heavy.id());
+    let light_path = format!("/api/agent/v1/operations/{}", light.id());
+
+    // With room: the whole operation, and its replay, are answered.
+    let got = h.get(&heavy_path, Some(AGENT_SECRET)).await;
+    assert_eq!(got.status, 200, "{}", got.body);
+    assert_eq!(
+        got.body["arguments"]["padding"].as_str().unwrap().len(),
+        HEAVY
+    );
+    let replayed = h.submit(AGENT_SECRET, &heavy_request("heavy", HEAVY)).await;
+    assert_eq!(replayed.status, 200, "{}", replayed.body);
+    assert_eq!(replayed.id(), heavy.id());
+    assert_eventually("the answers' bytes are given back once sent", async || {
+        metric(&h.metrics().await, "broker_buffered_bytes ") == Some(0)
+    })
+    .await;
+
+    // Two held bodies take 2 MiB: a heavy answer no longer fits, and waits, then is refused
+    // before anything is read; light answers and pages still fit.
+    let (release, _) = tokio::sync::watch::channel(false);
+    let mut bodies = hold_bodies(h.broker.local_addr(), 2, &release).await;
+    assert_eventually("the held bodies hold their room", async || {
+        metric(&h.metrics().await, "broker_buffered_bytes ") == Some(2 << 20)
+    })
+    .await;
+    let refused_before = metric(&h.metrics().await, "broker_buffered_bytes_refused_total");
+    let refused = h.get(&heavy_path, Some(AGENT_SECRET)).await;
+    assert_eq!(refused.status, 503, "{}", refused.body);
+    assert_eq!(refused.code(), "response_budget_exhausted");
+    assert_eq!(refused.retry_after(), Some(1));
+    let replay = h.submit(AGENT_SECRET, &heavy_request("heavy", HEAVY)).await;
+    assert_eq!(replay.status, 503, "{}", replay.body);
+    assert_eq!(replay.code(), "response_budget_exhausted");
+    assert_eq!(h.get(&light_path, Some(AGENT_SECRET)).await.status, 200);
+    let page = h
+        .get("/api/agent/v1/operations?limit=50", Some(AGENT_SECRET))
+        .await;
+    assert_eq!(page.status, 200, "{}", page.body);
+    assert_eq!(page.body["operations"].as_array().unwrap().len(), 2);
+    let text = h.metrics().await;
+    assert_eq!(
+        metric(&text, "broker_buffered_bytes_refused_total"),
+        refused_before.map(|n| n + 2),
+        "{text}"
+    );
+    // A conflict is judged by the digest alone: answered at once, whatever the budget.
+    let mut other_request = heavy_request("heavy", HEAVY);
+    other_request["reason"] = serde_json::json!("another reason");
+    let conflict = h.submit(AGENT_SECRET, &other_request).await;
+    assert_eq!(conflict.status, 409, "{}", conflict.body);
+    assert_eq!(conflict.code(), "idempotency_conflict");
+
+    let _ = release.send(true);
+    while bodies.join_next().await.is_some() {}
+    assert_eventually("the heavy operation is answered again", async || {
+        h.get(&heavy_path, Some(AGENT_SECRET)).await.status == 200
+    })
+    .await;
+    assert_eq!(
+        h.rows().await,
+        2,
+        "nothing but the two submissions was created"
     );
 }

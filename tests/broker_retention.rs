@@ -80,6 +80,12 @@ fn old_terminal(i: usize, terminal_at: &str, padding: usize) -> OperationRecord 
         error: None,
         revision: 3,
         broker: "admission".to_owned(),
+        presentation: unyolo_admission::broker::presentation::derive(
+            "demo.run",
+            &json!({"repo": "unyolo/test"}),
+            &json!({"duration_ms": 0}),
+            "stored before",
+        ),
     }
 }
 
@@ -384,6 +390,11 @@ async fn listing_cursors_from_schema_2_point_at_the_same_rows_after_the_upgrade(
             .unwrap()
     };
     let db = Database::open(dir.path()).unwrap();
+    // What schema 4 stores for each row, derived once (as the broker's start-up does).
+    let derived = db
+        .fill_derived(unyolo_admission::broker::presentation::derive)
+        .unwrap();
+    assert_eq!(derived, 8);
     let page = db
         .list_page(
             AGENT,

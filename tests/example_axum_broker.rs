@@ -279,3 +279,30 @@ where
     }
     out
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fairness_layer_counts_each_clients_requests_and_gives_their_units_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let (addr, _app) = example::start(settings(&dir, Duration::ZERO, None)).await;
+    let body = r#"{"idempotency_key":"fair","operation":"demo.run"}"#;
+    assert_eq!(post(addr, "/operations", "bot-secret", body).await.0, 202);
+    // A request without a valid secret still gets the handler's 401, through the layer.
+    assert_eq!(post(addr, "/operations", "wrong", body).await.0, 401);
+    let text = reqwest::Client::new()
+        .get(format!("http://{addr}/metrics"))
+        .bearer_auth("operator-secret")
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for series in [
+        r#"broker_client_requests_in_flight{client="bot"} 0"#,
+        r#"broker_client_units_in_flight{client="bot"} 0"#,
+        // The metrics scrape itself is exempt, and in flight while it renders.
+        "broker_exempt_requests_in_flight 1",
+    ] {
+        assert!(text.contains(series), "{series} not in\n{text}");
+    }
+}

@@ -88,6 +88,15 @@ impl Broker {
         let broker_name = settings.broker_name.clone();
         let (db, recovered, keys, created) = tokio::task::spawn_blocking(move || {
             let db = Database::open_as(&data_dir, &broker_name)?;
+            // Rows an older schema wrote get their presentation and digest once, before
+            // anything reads them.
+            let derived = db.fill_derived(super::presentation::derive)?;
+            if derived > 0 {
+                tracing::info!(
+                    rows = derived,
+                    "stored the presentation and request digest of older operations"
+                );
+            }
             let recovered = db.recover()?;
             let keys = KeyFilter::with_capacity(db.key_count()? as usize);
             db.for_each_key(|client, key| keys.insert(client, key))?;

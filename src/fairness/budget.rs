@@ -12,6 +12,11 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use hyper::body::{Body, Frame, SizeHint};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
@@ -191,6 +196,59 @@ impl BytesReservation {
     }
 }
 
+/// A response body of bytes already rendered, holding their [`BytesReservation`] until the body
+/// has been sent (or dropped): what a server answers so the bytes count against the budget for
+/// as long as they are held, not only while they were being made.
+pub struct HeldBytes {
+    bytes: Option<Bytes>,
+    reservation: Option<BytesReservation>,
+}
+
+impl BytesReservation {
+    /// A body of `bytes` that holds this reservation, shrunk to their length, until it ends.
+    pub fn hold(mut self, bytes: Bytes) -> HeldBytes {
+        self.shrink_to(bytes.len());
+        HeldBytes {
+            bytes: Some(bytes).filter(|b| !b.is_empty()),
+            reservation: Some(self),
+        }
+    }
+}
+
+impl Body for HeldBytes {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        let this = self.get_mut();
+        let frame = this.bytes.take().map(|b| Ok(Frame::data(b)));
+        if frame.is_none() {
+            // Sent: the bytes are the transport's now.
+            this.reservation.take();
+        }
+        Poll::Ready(frame)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.bytes.is_none()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::with_exact(self.bytes.as_ref().map_or(0, |b| b.len() as u64))
+    }
+}
+
+impl fmt::Debug for HeldBytes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HeldBytes")
+            .field("bytes", &self.bytes.as_ref().map_or(0, Bytes::len))
+            .finish()
+    }
+}
+
 impl Drop for BytesReservation {
     fn drop(&mut self) {
         if let Some(permit) = self.permit.take() {
@@ -241,6 +299,28 @@ mod tests {
             budget.try_reserve(101),
             Err(BudgetRefusal::LargerThanBudget { .. })
         ));
+    }
+
+    #[tokio::test]
+    async fn held_bytes_keep_their_room_until_the_body_is_sent() {
+        use http_body_util::BodyExt;
+        let budget = ByteBudget::new(100);
+        let body = budget
+            .try_reserve(80)
+            .unwrap()
+            .hold(Bytes::from_static(b"rendered"));
+        // Shrunk to what was rendered, and held while the body waits to be sent.
+        assert_eq!(budget.reserved(), 8);
+        assert_eq!(body.size_hint().exact(), Some(8));
+        let sent = body.collect().await.unwrap().to_bytes();
+        assert_eq!(&sent[..], b"rendered");
+        assert_eq!(budget.reserved(), 0);
+        let dropped = budget
+            .try_reserve(50)
+            .unwrap()
+            .hold(Bytes::from_static(b"x"));
+        drop(dropped);
+        assert_eq!(budget.reserved(), 0);
     }
 
     #[tokio::test]

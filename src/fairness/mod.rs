@@ -27,7 +27,8 @@
 //! - [`ByteBudget`] bounds what fairness does not: the bytes held buffered for all requests at
 //!   once (bodies being read, rows being rendered). A [`BytesReservation`] holds its bytes until
 //!   it drops; past the budget a new one waits briefly or is refused
-//!   (`broker_buffered_bytes`, `broker_buffered_bytes_refused_total`).
+//!   (`broker_buffered_bytes`, `broker_buffered_bytes_refused_total`). A rendered answer keeps
+//!   its reservation until it has been sent ([`BytesReservation::hold`], a [`HeldBytes`] body).
 //!
 //! # In front of an axum router
 //!
@@ -73,7 +74,7 @@ pub mod share;
 mod budget;
 mod layer;
 
-pub use budget::{BudgetRefusal, ByteBudget, BytesReservation};
+pub use budget::{BudgetRefusal, ByteBudget, BytesReservation, HeldBytes};
 pub use layer::{FairBody, FairnessLayer, FairnessService, REFUSAL_CODE, default_refusal_response};
 pub use share::{
     Class, Fairness, FairnessConfig, FairnessRefusal, FairnessSnapshot, FlowSnapshot,

@@ -193,6 +193,17 @@ async fn a_request_past_its_clients_queue_gets_429_with_retry_after() {
         }
     });
     assert!(eventually(|| fairness.snapshot().client("a").unwrap().queued == 1).await);
+    // One request of a's in flight, one queued behind it: the metrics say so.
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+    assert!(
+        text.contains(r#"broker_client_requests_in_flight{client="a"} 1"#),
+        "{text}"
+    );
+    assert!(
+        text.contains(r#"broker_client_requests_queued{client="a"} 1"#),
+        "{text}"
+    );
 
     let refused = send(&service, "/quick", Some("a")).await;
     assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
@@ -217,6 +228,14 @@ async fn a_request_past_its_clients_queue_gets_429_with_retry_after() {
     );
     assert!(
         text.contains(r#"broker_client_units_in_flight{client="a"} 0"#),
+        "{text}"
+    );
+    assert!(
+        text.contains(r#"broker_client_requests_in_flight{client="a"} 0"#),
+        "{text}"
+    );
+    assert!(
+        text.contains(r#"broker_client_requests_queued{client="a"} 0"#),
         "{text}"
     );
     assert!(text.contains("broker_exempt_requests_total 0"), "{text}");

@@ -55,6 +55,15 @@ impl Files {
     }
 }
 
+/// A process's memory, in bytes.
+#[derive(Clone, Copy, Debug)]
+pub struct Memory {
+    /// Resident now.
+    pub resident: u64,
+    /// The most resident so far.
+    pub peak: u64,
+}
+
 /// A running `admission serve`; killed (SIGKILL) when dropped.
 pub struct Server {
     child: Child,
@@ -194,6 +203,20 @@ impl Server {
 
     pub fn pid(&self) -> u32 {
         self.child.id()
+    }
+
+    /// The server process's resident memory now (`VmRSS`) and at its peak so far (`VmHWM`),
+    /// in bytes, from `/proc/<pid>/status`.
+    pub fn memory(&self) -> Memory {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap();
+        let kib = |field: &str| -> u64 {
+            let line = status.lines().find(|l| l.starts_with(field)).unwrap();
+            line.split_whitespace().nth(1).unwrap().parse().unwrap()
+        };
+        Memory {
+            resident: kib("VmRSS:") * 1024,
+            peak: kib("VmHWM:") * 1024,
+        }
     }
 
     /// Whether the process is still running.

@@ -14,7 +14,10 @@ use serde_json::Value;
 
 use super::detached::detached;
 use super::error::{ApiError, ApiResult, json_response};
-use super::extract::{Client, OperationId, is_idempotency_key, own_record, read_body};
+use super::extract::{
+    Client, OperationId, is_idempotency_key, own_record, own_rendered, read_body, render_operation,
+};
+use super::presentation;
 use super::projection::OperationJson;
 use super::ratelimit;
 use crate::admission::{AdmissionPermit, AdmitError, Refused, Unavailable};
@@ -22,7 +25,9 @@ use crate::broker::core::Core;
 use crate::broker::core::LiveOp;
 use crate::broker::operations::TransitionFailure;
 use crate::broker::registry::{self, NotRunnable};
-use crate::broker::store::{InsertError, OperationRecord, StoreError, now_rfc3339};
+use crate::broker::store::{
+    InsertError, OperationRecord, StoreError, StoredRequest, now_rfc3339, request_digest,
+};
 use crate::config::Identity;
 use crate::engine::OperationState;
 
@@ -103,26 +108,40 @@ pub(crate) fn validate(bytes: &[u8]) -> Result<Validated, ApiError> {
     })
 }
 
-/// Whether `existing` was created by this same request (JSON objects compare by content, so key
-/// order does not matter).
-fn same_request(existing: &OperationRecord, request: &Submission) -> bool {
-    existing.operation == request.operation
-        && existing.target == request.target
-        && existing.arguments == request.arguments
-        && existing.reason == request.reason
+impl Submission {
+    /// The digest of this request ("the same request up to JSON key order").
+    fn digest(&self) -> String {
+        request_digest(&self.operation, &self.target, &self.arguments, &self.reason)
+    }
 }
 
-pub(crate) fn replay(core: &Core, existing: OperationRecord, request: &Submission) -> ApiResult {
-    if !same_request(&existing, request) {
+/// The answer to a submission whose key names `existing`: 409 `idempotency_conflict` when
+/// `existing` was created by another request (judged by the stored digest alone, nothing of it
+/// read or parsed), else the replay, 200 with the operation, rendered within the budget.
+/// `Ok(None)` when the operation was retired between the lookup and the read: the key is free,
+/// and the submission is new work.
+pub(crate) async fn replay(
+    core: &Core,
+    existing: &StoredRequest,
+    request: &Submission,
+) -> Result<Option<axum::response::Response>, ApiError> {
+    if existing.digest != request.digest() {
         return Err(ApiError::new(
             StatusCode::CONFLICT,
             "idempotency_conflict",
             "This idempotency key was used for a different request.",
         ));
     }
+    let Some(response) = render_operation(core, existing, StatusCode::OK).await? else {
+        return Ok(None);
+    };
     core.count_submission("replayed");
-    let response = json_response(StatusCode::OK, existing.to_json());
-    Ok(ratelimit::answer(core, &existing.client_id, response, None))
+    Ok(Some(ratelimit::answer(
+        core,
+        &existing.client_id,
+        response,
+        None,
+    )))
 }
 
 pub(crate) async fn submit(
@@ -150,10 +169,11 @@ pub(crate) async fn submit(
         .may_contain(client.as_str(), &request.idempotency_key)
         && let Some(existing) = core
             .db
-            .find_by_key(client.as_str(), &request.idempotency_key)
+            .request_by_key(client.as_str(), &request.idempotency_key)
             .await?
+        && let Some(answer) = replay(&core, &existing, &request).await?
     {
-        return replay(&core, existing, &request);
+        return Ok(answer);
     }
 
     // The decision, the same call for both backends. In-process it completes at once;
@@ -209,10 +229,11 @@ async fn replayed_elsewhere(
 ) -> ApiResult {
     if let Some(existing) = core
         .db
-        .find_by_key(client.as_str(), &request.idempotency_key)
+        .request_by_key(client.as_str(), &request.idempotency_key)
         .await?
+        && let Some(answer) = replay(core, &existing, request).await?
     {
-        return replay(core, existing, request);
+        return Ok(answer);
     }
     Err(ApiError::new(
         StatusCode::CONFLICT,
@@ -233,6 +254,12 @@ pub(crate) async fn create(
     permit: AdmissionPermit,
 ) -> ApiResult {
     let now = now_rfc3339();
+    let shown = presentation::derive(
+        &request.operation,
+        &request.target,
+        &request.arguments,
+        &request.reason,
+    );
     let record = OperationRecord {
         id: permit.id().to_string(),
         client_id: client.to_string(),
@@ -252,6 +279,7 @@ pub(crate) async fn create(
         error: None,
         revision: 1,
         broker: core.db.broker().to_owned(),
+        presentation: shown,
     };
     let inserted = core.db.insert(record.clone()).await;
     if matches!(inserted, Ok(()) | Err(InsertError::Duplicate)) {
@@ -263,12 +291,15 @@ pub(crate) async fn create(
         Err(InsertError::Duplicate) => {
             // Another process or path created it first: this request is a replay after all.
             permit.refund().await;
+            let vanished = || ApiError::from(StoreError::new("duplicate key vanished"));
             let existing = core
                 .db
-                .find_by_key(client.as_str(), &request.idempotency_key)
+                .request_by_key(client.as_str(), &request.idempotency_key)
                 .await?
-                .ok_or_else(|| ApiError::from(StoreError::new("duplicate key vanished")))?;
-            return replay(&core, existing, &request);
+                .ok_or_else(vanished)?;
+            return replay(&core, &existing, &request)
+                .await?
+                .ok_or_else(vanished);
         }
         Err(InsertError::Store(err)) => {
             permit.refund().await;
@@ -305,8 +336,7 @@ pub(crate) async fn get_own(
     Client(client): Client,
     OperationId(id): OperationId,
 ) -> ApiResult {
-    let record = own_record(&core, &client, &id).await?;
-    Ok(json_response(StatusCode::OK, record.to_json()))
+    own_rendered(&core, &client, &id).await
 }
 
 pub(crate) async fn cancel(

@@ -1,8 +1,10 @@
 //! What a handler takes from a request, checked once here instead of in every handler: the
 //! authenticated client ([`Client`]) and the operator ([`Operator`]) from the bearer token, the
 //! operation id of the path ([`OperationId`]), the query's parameters ([`QueryPairs`] and
-//! [`single_params`]), and the body ([`read_body`], within the buffered-bytes budget); and the caller's own operation
-//! ([`own_record`]).
+//! [`single_params`]), and the body ([`read_body`], within the buffered-bytes budget); the
+//! caller's own operation ([`own_record`], or rendered whole within the budget:
+//! [`own_rendered`]); and the room an answer's rendering holds in the budget
+//! ([`reserve_render`], [`rendered`]).
 //!
 //! Each extractor rejects with an [`ApiError`], so a refused request answers in the error shape
 //! (axum's own rejections are plain text). Axum runs the extractors in the order of the handler's
@@ -14,12 +16,15 @@ use std::sync::Arc;
 use axum::body::Body;
 use axum::extract::{FromRequestParts, Path, Query};
 use axum::http::request::Parts;
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::Response;
 use http_body_util::BodyExt;
+use serde_json::Value;
 
-use super::error::ApiError;
+use super::error::{ApiError, ApiResult};
+use super::projection::OperationJson;
 use crate::broker::core::Core;
-use crate::broker::store::OperationRecord;
+use crate::broker::store::{OperationRecord, StoredRequest};
 use crate::config::Identity;
 use crate::fairness::{ByteBudget, BytesReservation};
 
@@ -211,6 +216,92 @@ pub(crate) fn content_length(headers: &HeaderMap) -> Result<Option<u64>, ApiErro
             .map(Some)
             .ok_or_else(|| ApiError::invalid("Content-Length is not a number.")),
     }
+}
+
+/// Room a listing page reserves per row: a summary's rendered bound (its title and summary are
+/// at most 160 and 500 characters, even escaped well under this) with its parsed form.
+pub(crate) const SUMMARY_ROW_BYTES: usize = 8 << 10;
+
+/// A whole operation's rendering holds about this many times its stored request: the row's text
+/// as read, the values parsed from it, and the rendered answer.
+const RENDER_FACTOR: u64 = 3;
+
+/// Room for the rest of a whole operation (ids, times, presentation, error) and its envelope.
+const RENDER_OVERHEAD: u64 = 16 << 10;
+
+/// The room the whole rendering of an operation whose stored request is `bytes` long holds.
+pub(crate) fn render_room(bytes: u64) -> usize {
+    usize::try_from(bytes.saturating_mul(RENDER_FACTOR) + RENDER_OVERHEAD).unwrap_or(usize::MAX)
+}
+
+/// Reserves `bytes` in the buffered-bytes budget for an answer about to be rendered (read from
+/// the store, parsed, written out), waiting for room as a body does; without room in time it is
+/// refused, 503 `response_budget_exhausted` with Retry-After, before anything is read.
+pub(crate) async fn reserve_render(
+    core: &Core,
+    bytes: usize,
+) -> Result<BytesReservation, ApiError> {
+    core.budget
+        .reserve(bytes, BUDGET_WAIT)
+        .await
+        .map_err(|refusal| {
+            tracing::warn!(bytes, %refusal, "answer refused: buffered-bytes budget");
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "response_budget_exhausted",
+                "The broker holds as many bytes of answers as it may buffer; retry shortly.",
+            )
+            .with_retry_after(1)
+        })
+}
+
+/// `body` as JSON with `status`, rendered now; its bytes keep `reservation` (shrunk to their
+/// length) until they have been sent.
+pub(crate) fn rendered(status: StatusCode, body: Value, reservation: BytesReservation) -> Response {
+    let bytes = serde_json::to_vec(&body).unwrap_or_default();
+    drop(body);
+    let mut response = Response::new(Body::new(reservation.hold(bytes.into())));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    response
+}
+
+/// The stored request of the caller's own operation `id` (its size, not its text), else 404
+/// `not_found` (unknown and another client's alike).
+pub(crate) async fn own_request(
+    core: &Core,
+    client: &Identity,
+    id: &str,
+) -> Result<StoredRequest, ApiError> {
+    match core.db.request_of(id).await? {
+        Some(request) if request.client_id == client.as_str() => Ok(request),
+        _ => Err(ApiError::operation_not_found()),
+    }
+}
+
+/// Operation `request.id` rendered whole with `status`, its room reserved before it is read.
+/// `None` when the row went (retention) between the two reads.
+pub(crate) async fn render_operation(
+    core: &Core,
+    request: &StoredRequest,
+    status: StatusCode,
+) -> Result<Option<Response>, ApiError> {
+    let reservation = reserve_render(core, render_room(request.bytes)).await?;
+    let Some(record) = core.db.get(&request.id).await? else {
+        return Ok(None);
+    };
+    Ok(Some(rendered(status, record.into_json(), reservation)))
+}
+
+/// The caller's own operation `id`, rendered whole within the budget; else 404 `not_found`.
+pub(crate) async fn own_rendered(core: &Core, client: &Identity, id: &str) -> ApiResult {
+    let request = own_request(core, client, id).await?;
+    render_operation(core, &request, StatusCode::OK)
+        .await?
+        .ok_or_else(ApiError::operation_not_found)
 }
 
 /// The caller's own operation `id`, else 404 `not_found` (unknown and another client's alike).

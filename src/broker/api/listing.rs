@@ -6,6 +6,11 @@
 //! sit above every cursor, so a client paging while new work arrives sees each older operation
 //! exactly once, and a page costs one index range scan whatever the table's size.
 //!
+//! A page reads only what a summary shows: the store selects the summary's columns (the
+//! presentation stored at creation), never a row's `target` or `arguments`, and the page's room
+//! in the buffered-bytes budget (a bound per row) is reserved before the page is read and held
+//! until it has been sent.
+//!
 //! A cursor is opaque to clients: base64url of a version byte, the position, and a check value
 //! over the position, the client and the filters. A cursor that does not decode, that was made
 //! for another client or other filters, or that was tampered with is a 400; it carries nothing a
@@ -20,9 +25,11 @@ use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use serde_json::{Value, json};
 
 use super::discovery::API_VERSION;
-use super::error::{ApiError, ApiResult, json_response};
-use super::extract::{Client, QueryPairs, is_idempotency_key, parse_integer, single_params};
-use super::projection::OperationJson;
+use super::error::{ApiError, ApiResult};
+use super::extract::{
+    Client, QueryPairs, SUMMARY_ROW_BYTES, is_idempotency_key, parse_integer, rendered,
+    reserve_render, single_params,
+};
 use crate::broker::core::Core;
 use crate::broker::store::PageQuery;
 use crate::engine::OperationState;
@@ -138,6 +145,8 @@ pub(crate) async fn list_operations(
         Some(cursor) => Some(decode_cursor(cursor, client.as_str(), &query)?),
     };
     // One more than the page: whether it exists says whether there is a next page.
+    let room = (query.limit as usize + 1) * SUMMARY_ROW_BYTES;
+    let reservation = reserve_render(&core, room).await?;
     let mut rows = core
         .db
         .list_page(
@@ -162,13 +171,15 @@ pub(crate) async fn list_operations(
         .iter()
         .map(|(_, record)| record.to_summary_json())
         .collect();
-    Ok(json_response(
+    drop(rows);
+    Ok(rendered(
         StatusCode::OK,
         json!({
             "api_version": API_VERSION,
             "operations": operations,
             "next_cursor": next_cursor,
         }),
+        reservation,
     ))
 }
 

@@ -1,5 +1,6 @@
 //! What an operator reads in the inbox: each operation's `presentation`, derived from what the
-//! operation will do (never stored, so it always matches the registered operations).
+//! operation will do, once, when it is created ([`derive()`]), and stored with it, so a listing
+//! page shows it without reading the request (schema 4 derived it for the rows created before).
 //!
 //! The title says, in one line of at most [`TITLE_MAX`] characters, what `demo.run` or
 //! `demo.request` will do and with which target; the summary carries the agent's reason, cut to
@@ -8,28 +9,37 @@
 use serde_json::{Map, Value, json};
 
 use crate::broker::registry::duration_ms;
-use crate::broker::store::OperationRecord;
+use crate::broker::store::Presentation;
 
 /// The longest title, in characters.
 pub const TITLE_MAX: usize = 160;
 /// The longest summary, in characters.
 pub const SUMMARY_MAX: usize = 500;
 
-/// The `presentation` object of `record`: `title`, and `summary` when the reason is not empty.
-pub(crate) fn presentation(record: &OperationRecord) -> Value {
-    let target = describe_target(&record.target);
-    let ms = duration_ms(&record.arguments).unwrap_or(0);
-    let title = match record.operation.as_str() {
+/// The presentation of a request for `operation` on `target` with `arguments`, because
+/// `reason`: a title, and a summary when the reason is not blank.
+pub fn derive(operation: &str, target: &Value, arguments: &Value, reason: &str) -> Presentation {
+    let target = describe_target(target);
+    let ms = duration_ms(arguments).unwrap_or(0);
+    let title = match operation {
         "demo.run" => format!("Run the demo: wait {ms} ms, then succeed, on {target}"),
         "demo.request" => {
             format!("Approve a demo run: wait {ms} ms, then succeed, on {target}")
         }
         other => format!("Run {other} on {target}"),
     };
-    let mut object = json!({"title": truncate(&title, TITLE_MAX)});
-    let summary = record.reason.trim();
-    if !summary.is_empty() {
-        object["summary"] = Value::from(truncate(summary, SUMMARY_MAX));
+    let summary = reason.trim();
+    Presentation {
+        title: truncate(&title, TITLE_MAX),
+        summary: (!summary.is_empty()).then(|| truncate(summary, SUMMARY_MAX)),
+    }
+}
+
+/// The `presentation` object: `title`, and `summary` when there is one.
+pub(crate) fn presentation_json(shown: &Presentation) -> Value {
+    let mut object = json!({"title": shown.title});
+    if let Some(summary) = &shown.summary {
+        object["summary"] = Value::from(summary.as_str());
     }
     object
 }
@@ -72,36 +82,25 @@ fn truncate(text: &str, max: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::OperationState;
 
-    fn record(operation: &str, target: Value, reason: &str) -> OperationRecord {
-        OperationRecord {
-            id: "op_1".to_owned(),
-            client_id: "agent".to_owned(),
-            idempotency_key: "k".to_owned(),
-            operation: operation.to_owned(),
-            target,
-            arguments: json!({"duration_ms": 250}),
-            reason: reason.to_owned(),
-            state: OperationState::Pending,
-            created_at: "2026-01-01T00:00:00.000Z".to_owned(),
-            updated_at: "2026-01-01T00:00:00.000Z".to_owned(),
-            terminal_at: None,
-            error: None,
-            revision: 1,
-            broker: "admission".to_owned(),
-        }
+    fn presentation(operation: &str, target: Value, reason: &str) -> Value {
+        presentation_json(&derive(
+            operation,
+            &target,
+            &json!({"duration_ms": 250}),
+            reason,
+        ))
     }
 
     #[test]
     fn a_title_says_what_the_operation_does_and_with_which_target() {
-        let run = presentation(&record("demo.run", json!({"repo": "u/t", "n": 2}), "why"));
+        let run = presentation("demo.run", json!({"repo": "u/t", "n": 2}), "why");
         assert_eq!(
             run["title"],
             "Run the demo: wait 250 ms, then succeed, on n=2, repo=u/t"
         );
         assert_eq!(run["summary"], "why");
-        let request = presentation(&record("demo.request", json!({}), "  "));
+        let request = presentation("demo.request", json!({}), "  ");
         assert_eq!(
             request,
             json!({"title": "Approve a demo run: wait 250 ms, then succeed, on no target"})
@@ -111,7 +110,7 @@ mod tests {
     #[test]
     fn long_titles_and_summaries_are_cut_to_their_bounds_on_character_boundaries() {
         let target = json!({"path": "é".repeat(400)});
-        let shown = presentation(&record("demo.run", target, &"ü\n".repeat(600)));
+        let shown = presentation("demo.run", target, &"ü\n".repeat(600));
         let title = shown["title"].as_str().unwrap();
         let summary = shown["summary"].as_str().unwrap();
         assert_eq!(title.chars().count(), TITLE_MAX);

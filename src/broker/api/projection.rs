@@ -8,14 +8,18 @@
 use serde_json::{Value, json};
 
 use super::discovery::API_VERSION;
-use super::presentation::presentation;
-use crate::broker::store::OperationRecord;
+use super::presentation::presentation_json;
+use crate::broker::store::{OperationRecord, OperationSummary};
 
 /// The Agent V1 JSON forms of an operation.
 pub trait OperationJson {
     /// The Agent V1 operation object: every field the contract has, optional ones only when
     /// they have a value (never a `null`).
     fn to_json(&self) -> Value;
+
+    /// [`OperationJson::to_json`], moving the request's values into the object instead of
+    /// copying them (for a heavy operation, one copy of its `target` and `arguments` fewer).
+    fn into_json(self) -> Value;
 
     /// The Agent V1 operation summary: the operation object without `target`, `arguments`,
     /// `reason`, `result`, `error`, `approval_id` and `plan_digest`.
@@ -24,12 +28,16 @@ pub trait OperationJson {
 
 impl OperationJson for OperationRecord {
     fn to_json(&self) -> Value {
+        self.clone().into_json()
+    }
+
+    fn into_json(self) -> Value {
         let mut object = self.to_summary_json();
         let fields = object.as_object_mut().expect("a summary is an object");
-        fields.insert("target".to_owned(), self.target.clone());
-        fields.insert("arguments".to_owned(), self.arguments.clone());
-        fields.insert("reason".to_owned(), Value::from(self.reason.as_str()));
-        if let Some(error) = &self.error {
+        fields.insert("target".to_owned(), self.target);
+        fields.insert("arguments".to_owned(), self.arguments);
+        fields.insert("reason".to_owned(), Value::from(self.reason));
+        if let Some(error) = self.error {
             fields.insert(
                 "error".to_owned(),
                 json!({"code": error.code, "message": error.message}),
@@ -39,6 +47,13 @@ impl OperationJson for OperationRecord {
     }
 
     fn to_summary_json(&self) -> Value {
+        self.summary().to_summary_json()
+    }
+}
+
+impl OperationSummary {
+    /// The Agent V1 operation summary (see [`OperationJson::to_summary_json`]).
+    pub fn to_summary_json(&self) -> Value {
         let mut object = json!({
             "api_version": API_VERSION,
             "id": self.id,
@@ -50,7 +65,7 @@ impl OperationJson for OperationRecord {
             "revision": self.revision,
             "created_at": self.created_at,
             "updated_at": self.updated_at,
-            "presentation": presentation(self),
+            "presentation": presentation_json(&self.presentation),
         });
         if let Some(terminal_at) = &self.terminal_at {
             object["terminal_at"] = Value::from(terminal_at.as_str());
@@ -83,6 +98,10 @@ mod tests {
             error: None,
             revision: 1,
             broker: "admission".to_owned(),
+            presentation: crate::broker::store::Presentation {
+                title: "Run the demo".to_owned(),
+                summary: Some("try it".to_owned()),
+            },
         }
     }
 

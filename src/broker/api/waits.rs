@@ -16,9 +16,10 @@ use std::time::Duration;
 use axum::extract::State;
 use axum::http::StatusCode;
 
-use super::error::{ApiError, ApiResult, json_response};
-use super::extract::{Client, OperationId, QueryPairs, own_record, parse_integer, single_params};
-use super::projection::OperationJson;
+use super::error::{ApiError, ApiResult};
+use super::extract::{
+    Client, OperationId, QueryPairs, own_request, parse_integer, render_operation, single_params,
+};
 use crate::broker::core::Core;
 use crate::broker::waits::{MAX_WAITS_PER_CLIENT, TooManyWaits};
 
@@ -82,12 +83,16 @@ pub(crate) async fn wait_for_change(
         })?;
     let mut shutdown = core.shutdown.clone();
     loop {
-        let record = own_record(&core, client, &id).await?;
-        if record.revision > after_revision
+        // Each wake-up reads the revision only; the operation is read and rendered once, within
+        // the buffered-bytes budget, when it is the answer.
+        let request = own_request(&core, client, &id).await?;
+        if request.revision > after_revision
             || tokio::time::Instant::now() >= deadline
             || *shutdown.borrow()
         {
-            return Ok(json_response(StatusCode::OK, record.to_json()));
+            return render_operation(&core, &request, StatusCode::OK)
+                .await?
+                .ok_or_else(ApiError::operation_not_found);
         }
         tokio::select! {
             _ = slot.rung() => {}

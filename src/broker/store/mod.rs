@@ -19,12 +19,14 @@
 //! - `schema`: the tables, their indexes and the migrations from older files;
 //! - `operations`: the operation rows (insert, lookups, state changes, listing pages, start-up
 //!   recovery);
+//! - `digest`: the canonical digest of a request, stored with its operation for replays;
 //! - `streams`: the stream rows;
 //! - `maintenance`: what keeps the file bounded and checked (retention deletes, returning free
 //!   pages, checkpoints, the counts the drift check compares);
 //! - `error`: what went wrong, as values a caller matches on.
 
 mod database;
+mod digest;
 mod error;
 mod maintenance;
 mod operations;
@@ -32,9 +34,13 @@ mod schema;
 mod streams;
 
 pub use database::{DATABASE_FILE, DEFAULT_BROKER_NAME, Database, LOCK_FILE, READERS, now_rfc3339};
+pub use digest::request_digest;
 pub use error::{InsertError, StoreError};
 pub use maintenance::{Retiring, StoredCounts};
-pub use operations::{OperationError, OperationRecord, PageQuery, Recovered};
+pub use operations::{
+    OperationError, OperationRecord, OperationSummary, PageQuery, Presentation, Recovered,
+    StoredRequest,
+};
 pub use schema::SCHEMA_VERSION;
 pub use streams::StreamRecord;
 
@@ -63,6 +69,10 @@ mod tests {
             error: None,
             revision: 1,
             broker: DEFAULT_BROKER_NAME.to_owned(),
+            presentation: Presentation {
+                title: format!("Run {id}"),
+                summary: None,
+            },
         }
     }
 
@@ -114,6 +124,34 @@ mod tests {
             .unwrap()
             .execute("UPDATE operations SET state = 'mislaid'", [])
             .unwrap();
+        let err = db.get("op_1").await.unwrap_err();
+        assert!(matches!(err, StoreError::CorruptRow(_)), "{err}");
+    }
+
+    #[tokio::test]
+    async fn a_listing_page_reads_no_request_and_a_lookup_no_request_text() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Database::open(dir.path()).unwrap();
+        db.load(&[record("op_1", "k")]).unwrap();
+        // Whatever the stored request holds, a page and a request lookup never parse it.
+        Connection::open(dir.path().join(DATABASE_FILE))
+            .unwrap()
+            .execute(
+                "UPDATE operations SET target = 'not json', arguments = '{broken'",
+                [],
+            )
+            .unwrap();
+        let query = PageQuery {
+            limit: 10,
+            ..PageQuery::default()
+        };
+        let page = db.list_page("bot-7", query).await.unwrap();
+        assert_eq!(page.len(), 1);
+        assert_eq!(page[0].1.presentation.title, "Run op_1");
+        let stored = db.request_by_key("bot-7", "k").await.unwrap().unwrap();
+        assert_eq!((stored.id.as_str(), stored.bytes), ("op_1", 8 + 7));
+        assert_eq!(stored.digest.len(), 64);
+        // The whole operation does parse it.
         let err = db.get("op_1").await.unwrap_err();
         assert!(matches!(err, StoreError::CorruptRow(_)), "{err}");
     }

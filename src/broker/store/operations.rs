@@ -1,7 +1,14 @@
 //! The operation rows: inserting a submission, the lookups a replay, a get and a wait make,
 //! state changes, listing pages, and start-up recovery. Each statement sits beside the one
-//! projection of a row into an [`OperationRecord`], so a reader checks the columns a query
-//! selects against what the record needs in one file (the table itself is in `schema`).
+//! projection of a row into an [`OperationRecord`] (or, for a listing page, an
+//! [`OperationSummary`]), so a reader checks the columns a query selects against what the record
+//! needs in one file (the table itself is in `schema`).
+//!
+//! What reads only what it answers: a listing page selects the summary's columns (the stored
+//! presentation, never `target` or `arguments`); a replay and a get first read a
+//! [`StoredRequest`] (the request's digest and the size of its stored JSON, which SQLite knows
+//! without reading the text), so a conflict is answered from the digest alone and a full
+//! render can reserve its bytes before it reads them.
 
 use std::sync::Arc;
 use std::time::SystemTime;
@@ -12,6 +19,7 @@ use serde_json::Value;
 use crate::engine::OperationState;
 
 use super::database::{Database, now_rfc3339};
+use super::digest::request_digest;
 use super::error::is_unique_violation;
 use super::error::{InsertError, StoreError};
 use super::schema::OPERATION_COLUMNS;
@@ -24,6 +32,16 @@ pub struct OperationError {
     pub code: String,
     /// A sentence for people.
     pub message: String,
+}
+
+/// What an operator reads in the inbox about an operation (the Agent V1 `presentation`): derived
+/// from the request once, at creation, and stored with it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Presentation {
+    /// One line, 1 to 160 characters.
+    pub title: String,
+    /// At most 500 characters; `None` when there is nothing to say.
+    pub summary: Option<String>,
 }
 
 /// One durable operation, as stored (the broker's `projection` shows it as the API does).
@@ -57,10 +75,145 @@ pub struct OperationRecord {
     pub revision: u64,
     /// The name of the broker that holds it (not stored: the broker's configured name).
     pub broker: String,
+    /// Its presentation, as derived at creation.
+    pub presentation: Presentation,
+}
+
+/// An operation without its request (`target`, `arguments`, `reason`) and its outcome: what a
+/// listing page shows.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OperationSummary {
+    /// `op_` and 32 hex digits.
+    pub id: String,
+    /// The client that submitted it.
+    pub client_id: String,
+    /// The client's idempotency key.
+    pub idempotency_key: String,
+    /// The registered operation name.
+    pub operation: String,
+    /// The state.
+    pub state: OperationState,
+    /// RFC 3339, UTC.
+    pub created_at: String,
+    /// RFC 3339, UTC.
+    pub updated_at: String,
+    /// When it reached a terminal state.
+    pub terminal_at: Option<String>,
+    /// 1 at creation, +1 on every change; durable.
+    pub revision: u64,
+    /// The name of the broker that holds it.
+    pub broker: String,
+    /// Its presentation, as derived at creation.
+    pub presentation: Presentation,
+}
+
+/// What a replay, a get and a wait read before the operation itself: whose it is, the digest of
+/// the request that created it, how many bytes its stored request holds, and its revision.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoredRequest {
+    /// The operation's id.
+    pub id: String,
+    /// The client that submitted it.
+    pub client_id: String,
+    /// SHA-256 of the canonical request ([`request_digest`](super::request_digest)).
+    pub digest: String,
+    /// Bytes of its stored `target`, `arguments` and `reason` together.
+    pub bytes: u64,
+    /// The operation's revision now.
+    pub revision: u64,
+}
+
+/// The columns a listing page selects.
+const SUMMARY_COLUMNS: &str = "id, client_id, idempotency_key, operation, state, created_at, \
+    updated_at, terminal_at, revision, title, summary";
+
+/// The columns of a [`StoredRequest`]: `octet_length` takes a value's size from the record
+/// header, without reading the text.
+const REQUEST_COLUMNS: &str = "id, client_id, request_digest, revision, \
+    octet_length(target) + octet_length(arguments) + octet_length(reason) AS bytes";
+
+/// The stored presentation of `row`; a row without one was never derived (start-up derives every
+/// row a migration found before it serves), and reads as corrupt.
+fn presentation_of(row: &Row<'_>) -> rusqlite::Result<Presentation> {
+    let title: Option<String> = row.get("title")?;
+    let title = title.ok_or_else(|| {
+        rusqlite::Error::FromSqlConversionFailure(
+            0,
+            rusqlite::types::Type::Null,
+            "the operation has no stored presentation".into(),
+        )
+    })?;
+    Ok(Presentation {
+        title,
+        summary: row.get("summary")?,
+    })
+}
+
+impl OperationSummary {
+    fn from_row(row: &Row<'_>, broker: &str) -> rusqlite::Result<OperationSummary> {
+        Ok(OperationSummary {
+            id: row.get("id")?,
+            client_id: row.get("client_id")?,
+            idempotency_key: row.get("idempotency_key")?,
+            operation: row.get("operation")?,
+            state: parse_state(row.get("state")?, 0)?,
+            created_at: row.get("created_at")?,
+            updated_at: row.get("updated_at")?,
+            terminal_at: row.get("terminal_at")?,
+            revision: row.get::<_, i64>("revision")?.max(1) as u64,
+            broker: broker.to_owned(),
+            presentation: presentation_of(row)?,
+        })
+    }
+}
+
+impl StoredRequest {
+    fn from_row(row: &Row<'_>) -> rusqlite::Result<StoredRequest> {
+        let digest: Option<String> = row.get("request_digest")?;
+        Ok(StoredRequest {
+            id: row.get("id")?,
+            client_id: row.get("client_id")?,
+            digest: digest.unwrap_or_default(),
+            bytes: row.get::<_, Option<i64>>("bytes")?.unwrap_or(0).max(0) as u64,
+            revision: row.get::<_, i64>("revision")?.max(1) as u64,
+        })
+    }
 }
 
 impl OperationRecord {
+    /// The record as a listing page shows it.
+    pub fn summary(&self) -> OperationSummary {
+        OperationSummary {
+            id: self.id.clone(),
+            client_id: self.client_id.clone(),
+            idempotency_key: self.idempotency_key.clone(),
+            operation: self.operation.clone(),
+            state: self.state,
+            created_at: self.created_at.clone(),
+            updated_at: self.updated_at.clone(),
+            terminal_at: self.terminal_at.clone(),
+            revision: self.revision,
+            broker: self.broker.clone(),
+            presentation: self.presentation.clone(),
+        }
+    }
+
+    /// The digest of the request that created it.
+    pub fn request_digest(&self) -> String {
+        request_digest(&self.operation, &self.target, &self.arguments, &self.reason)
+    }
+
     fn from_row(row: &Row<'_>, broker: &str) -> rusqlite::Result<OperationRecord> {
+        let presentation = presentation_of(row)?;
+        OperationRecord::from_row_presented(row, broker, presentation)
+    }
+
+    /// The row's record with `presentation` (read from the row, or derived from it).
+    fn from_row_presented(
+        row: &Row<'_>,
+        broker: &str,
+        presentation: Presentation,
+    ) -> rusqlite::Result<OperationRecord> {
         let state = parse_state(row.get("state")?, 0)?;
         let json_column = |name: &str| -> rusqlite::Result<Value> {
             let text: String = row.get(name)?;
@@ -88,6 +241,7 @@ impl OperationRecord {
             }),
             revision: row.get::<_, i64>("revision")?.max(1) as u64,
             broker: broker.to_owned(),
+            presentation,
         })
     }
 }
@@ -105,11 +259,7 @@ pub struct Recovered {
 
 const SELECT_OPERATION: &str = "SELECT id, client_id, idempotency_key, operation, target, \
     arguments, reason, state, created_at, updated_at, terminal_at, error_code, error_message, \
-    revision FROM operations";
-
-const FIND_BY_KEY: &str = "SELECT id, client_id, idempotency_key, operation, target, \
-    arguments, reason, state, created_at, updated_at, terminal_at, error_code, error_message, \
-    revision FROM operations WHERE client_id = ?1 AND idempotency_key = ?2";
+    revision, title, summary FROM operations";
 
 /// What a listing page selects: the caller's operations, newest first, after a position.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -127,10 +277,8 @@ pub struct PageQuery {
 /// The SQL of a listing page: the filters present, in a fixed order so each shape is one cached
 /// statement. Each walks an index in `rowid` order and stops after `limit` rows.
 fn page_sql(query: &PageQuery) -> String {
-    let mut sql = format!(
-        "SELECT rowid AS position, {} WHERE client_id = ?1",
-        SELECT_OPERATION.trim_start_matches("SELECT ")
-    );
+    let mut sql =
+        format!("SELECT rowid AS position, {SUMMARY_COLUMNS} FROM operations WHERE client_id = ?1");
     if query.idempotency_key.is_some() {
         sql.push_str(" AND idempotency_key = ?2");
     }
@@ -262,8 +410,9 @@ impl Database {
                 conn.execute(
                     "INSERT INTO operations (id, client_id, idempotency_key, operation, target, \
                      arguments, reason, state, created_at, updated_at, terminal_at, error_code, \
-                     error_message, revision) \
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, NULL, NULL, NULL, 1)",
+                     error_message, revision, title, summary, request_digest) \
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, NULL, NULL, NULL, 1, ?11, \
+                     ?12, ?13)",
                     params![
                         record.id,
                         record.client_id,
@@ -275,6 +424,9 @@ impl Database {
                         record.state.as_str(),
                         record.created_at,
                         record.updated_at,
+                        record.presentation.title,
+                        record.presentation.summary,
+                        record.request_digest(),
                     ],
                 )
             })
@@ -286,21 +438,89 @@ impl Database {
         }
     }
 
-    /// The client's operation with this idempotency key.
-    pub async fn find_by_key(
+    /// The request of the client's operation with this idempotency key: its digest and size,
+    /// not its text.
+    pub async fn request_by_key(
         &self,
         client_id: &str,
         key: &str,
-    ) -> Result<Option<OperationRecord>, StoreError> {
+    ) -> Result<Option<StoredRequest>, StoreError> {
         let (client_id, key) = (client_id.to_owned(), key.to_owned());
-        self.read(move |conn, broker| {
-            conn.prepare_cached(FIND_BY_KEY)?
-                .query_row(params![client_id, key], |row| {
-                    OperationRecord::from_row(row, broker)
-                })
-                .optional()
+        self.read(move |conn, _| {
+            conn.prepare_cached(&format!(
+                "SELECT {REQUEST_COLUMNS} FROM operations \
+                 WHERE client_id = ?1 AND idempotency_key = ?2"
+            ))?
+            .query_row(params![client_id, key], StoredRequest::from_row)
+            .optional()
         })
         .await
+    }
+
+    /// The request of operation `id`: whose it is and its size, not its text.
+    pub async fn request_of(&self, id: &str) -> Result<Option<StoredRequest>, StoreError> {
+        let id = id.to_owned();
+        self.read(move |conn, _| {
+            conn.prepare_cached(&format!(
+                "SELECT {REQUEST_COLUMNS} FROM operations WHERE id = ?1"
+            ))?
+            .query_row(params![id], StoredRequest::from_row)
+            .optional()
+        })
+        .await
+    }
+
+    /// Derives what schema 4 stores for every row that lacks it (blocking; at start-up, before
+    /// anything reads the rows): the `presentation` from the stored request, and the request's
+    /// digest. Those are the rows schema 4's migration found, and any row written into the file
+    /// by another program; the partial index `operations_underived` lists exactly them, so a
+    /// start with none costs one empty index lookup. Returns how many rows it filled.
+    pub fn fill_derived(
+        &self,
+        derive: impl Fn(&str, &Value, &Value, &str) -> Presentation,
+    ) -> Result<u64, StoreError> {
+        /// Rows filled per transaction.
+        const BATCH: i64 = 500;
+        let mut conn = self.writer();
+        let mut filled = 0;
+        loop {
+            let tx = conn.transaction()?;
+            let rows = {
+                let mut stmt = tx.prepare(&format!(
+                    "SELECT seq, {SELECT} INDEXED BY operations_underived \
+                     WHERE request_digest IS NULL ORDER BY seq LIMIT ?1",
+                    SELECT = SELECT_OPERATION.trim_start_matches("SELECT ")
+                ))?;
+                stmt.query_map(params![BATCH], |row| {
+                    let record = OperationRecord::from_row_presented(
+                        row,
+                        &self.broker,
+                        Presentation::default(),
+                    )?;
+                    Ok((row.get::<_, i64>("seq")?, record))
+                })?
+                .collect::<rusqlite::Result<Vec<_>>>()?
+            };
+            for (seq, record) in &rows {
+                let shown = derive(
+                    &record.operation,
+                    &record.target,
+                    &record.arguments,
+                    &record.reason,
+                );
+                tx.execute(
+                    "UPDATE operations SET title = ?2, summary = ?3, request_digest = ?4 \
+                     WHERE seq = ?1",
+                    params![seq, shown.title, shown.summary, record.request_digest()],
+                )?;
+            }
+            let done = (rows.len() as i64) < BATCH;
+            tx.commit()?;
+            filled += rows.len() as u64;
+            if done {
+                return Ok(filled);
+            }
+        }
     }
 
     /// The operation `id`.
@@ -320,7 +540,7 @@ impl Database {
         &self,
         client_id: &str,
         query: PageQuery,
-    ) -> Result<Vec<(i64, OperationRecord)>, StoreError> {
+    ) -> Result<Vec<(i64, OperationSummary)>, StoreError> {
         let client_id = client_id.to_owned();
         self.read(move |conn, broker| {
             let mut stmt = conn.prepare_cached(&page_sql(&query))?;
@@ -343,7 +563,7 @@ impl Database {
             while let Some(row) = rows.next()? {
                 page.push((
                     row.get::<_, i64>("position")?,
-                    OperationRecord::from_row(row, broker)?,
+                    OperationSummary::from_row(row, broker)?,
                 ));
             }
             Ok(page)
@@ -442,7 +662,8 @@ impl Database {
         {
             let mut stmt = tx.prepare(&format!(
                 "INSERT INTO operations ({OPERATION_COLUMNS}) \
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)"
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, \
+                 ?17)"
             ))?;
             for record in records {
                 stmt.execute(params![
@@ -460,6 +681,9 @@ impl Database {
                     record.error.as_ref().map(|e| e.code.as_str()),
                     record.error.as_ref().map(|e| e.message.as_str()),
                     i64::try_from(record.revision).unwrap_or(i64::MAX),
+                    record.presentation.title,
+                    record.presentation.summary,
+                    record.request_digest(),
                 ])?;
             }
         }

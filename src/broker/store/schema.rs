@@ -11,6 +11,18 @@
 //! made `seq` explicit: the migration copies each row's old rowid into it, so a cursor handed out
 //! before the upgrade still points at the same place after it.
 //!
+//! Schema 4 stores at creation what a summary and a replay need, so neither reads the request
+//! whole: `title` and `summary` (the operation's presentation) and `request_digest` (SHA-256 of
+//! the canonical request, see `digest`). Its step adds the three columns; the partial index
+//! `operations_underived` lists the rows without them (those the step found, and any a program
+//! other than the broker writes), and the broker fills those from their stored JSON at start-up
+//! ([`super::Database::fill_derived`]), so the reads never meet a row without them. The index is
+//! empty otherwise, and costs an insert nothing but evaluating its condition.
+//!
+//! Each step brings a file from the version below its number to its number, and a file applies
+//! every step above its version in one transaction. A new file is the version 3 table plus every
+//! later step, so a column added by a step is there on new and old files alike.
+//!
 //! A new file uses incremental auto-vacuum from its first table (see `maintenance`); an older
 //! file is switched over once at start-up with one full `VACUUM`.
 
@@ -21,9 +33,10 @@ use rusqlite::Connection;
 use super::error::StoreError;
 
 /// The schema version this code writes (`PRAGMA user_version`).
-pub const SCHEMA_VERSION: i64 = 3;
+pub const SCHEMA_VERSION: i64 = 4;
 
-/// The operations table, named `{name}`. `seq` is its explicit rowid: listing cursors are `seq`
+/// The operations table as schema 3 made it, named `{name}` (later steps add columns to it).
+/// `seq` is its explicit rowid: listing cursors are `seq`
 /// values, so they survive a `VACUUM` (which may renumber an implicit rowid) and, with
 /// `AUTOINCREMENT`, are never reused even after retention deleted the newest rows.
 const OPERATIONS_TABLE: &str = "
@@ -63,10 +76,15 @@ CREATE TABLE streams (
 );
 ";
 
+/// The columns of an operation row as schema 3 has them, in table order after `seq`.
+const OPERATION_COLUMNS_V3: &str = "id, client_id, idempotency_key, operation, target, \
+    arguments, reason, state, created_at, updated_at, terminal_at, error_code, error_message, \
+    revision";
+
 /// The columns of an operation row, in table order after `seq`.
 pub(super) const OPERATION_COLUMNS: &str = "id, client_id, idempotency_key, operation, target, \
     arguments, reason, state, created_at, updated_at, terminal_at, error_code, error_message, \
-    revision";
+    revision, title, summary, request_digest";
 
 /// From schema version 1: every existing operation starts at revision 1 (it has no recorded
 /// history), and the indexes that listing pages walk.
@@ -81,12 +99,25 @@ CREATE INDEX operations_by_client_state ON operations (client_id, state);
 /// migration still points at the same place.
 fn migrate_2_to_3() -> String {
     format!(
-        "{table} INSERT INTO operations_v3 (seq, {OPERATION_COLUMNS}) \
-         SELECT rowid, {OPERATION_COLUMNS} FROM operations ORDER BY rowid; \
+        "{table} INSERT INTO operations_v3 (seq, {OPERATION_COLUMNS_V3}) \
+         SELECT rowid, {OPERATION_COLUMNS_V3} FROM operations ORDER BY rowid; \
          DROP TABLE operations; ALTER TABLE operations_v3 RENAME TO operations; {OPERATIONS_INDEXES}",
         table = OPERATIONS_TABLE.replace("{name}", "operations_v3"),
     )
 }
+
+/// From schema version 3: the presentation (`title`, `summary`) and the request's digest, stored
+/// at creation so a summary and a replay read only these. Rows already there get them at
+/// start-up: the partial index lists exactly the rows without them.
+const MIGRATE_3_TO_4: &str = "
+ALTER TABLE operations ADD COLUMN title TEXT;
+ALTER TABLE operations ADD COLUMN summary TEXT;
+ALTER TABLE operations ADD COLUMN request_digest TEXT;
+CREATE INDEX operations_underived ON operations (seq) WHERE request_digest IS NULL;
+";
+
+/// The steps after schema 3, each with the version it brings a file to, in order.
+const STEPS_AFTER_3: [(i64, &str); 1] = [(4, MIGRATE_3_TO_4)];
 
 /// `PRAGMA auto_vacuum` value for `INCREMENTAL`: freed pages stay in the file until
 /// `PRAGMA incremental_vacuum` returns them to the filesystem, which the retention sweep does in
@@ -98,19 +129,32 @@ const AUTO_VACUUM_INCREMENTAL: i64 = 2;
 /// incremental vacuum.
 pub(super) fn migrate(writer: &Connection, path: &Path) -> Result<(), StoreError> {
     let version: i64 = writer.pragma_query_value(None, "user_version", |r| r.get(0))?;
+    let later = |from: i64| -> String {
+        STEPS_AFTER_3
+            .iter()
+            .filter(|(to, _)| *to > from)
+            .map(|(_, step)| *step)
+            .collect()
+    };
     match version {
         0 => {
             writer.execute_batch(&format!(
-                "BEGIN; {table} {OPERATIONS_INDEXES} {STREAMS_TABLE} \
+                "BEGIN; {table} {OPERATIONS_INDEXES} {STREAMS_TABLE} {steps} \
                  PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;",
                 table = OPERATIONS_TABLE.replace("{name}", "operations"),
+                steps = later(3),
             ))?;
         }
-        1 | 2 => {
+        1..SCHEMA_VERSION => {
             let first = if version == 1 { MIGRATE_1_TO_2 } else { "" };
-            writer.execute_batch(&format!(
-                "BEGIN; {first} {} PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;",
+            let to_3 = if version < 3 {
                 migrate_2_to_3()
+            } else {
+                String::new()
+            };
+            writer.execute_batch(&format!(
+                "BEGIN; {first} {to_3} {steps} PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;",
+                steps = later(version.max(3)),
             ))?;
         }
         SCHEMA_VERSION => {}
@@ -145,4 +189,97 @@ pub(super) fn ensure_indexes(writer: &Connection) -> Result<(), StoreError> {
          WHERE terminal_at IS NOT NULL;",
     )?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::{Value, json};
+
+    use super::*;
+    use crate::broker::store::{DATABASE_FILE, Database, Presentation, request_digest};
+
+    /// A file as schema 3 left it, with one operation whose target's keys are in some order.
+    fn schema_3_file(dir: &Path) {
+        let conn = Connection::open(dir.join(DATABASE_FILE)).unwrap();
+        conn.execute_batch(&format!(
+            "{} {OPERATIONS_INDEXES} {STREAMS_TABLE} PRAGMA user_version = 3;",
+            OPERATIONS_TABLE.replace("{name}", "operations")
+        ))
+        .unwrap();
+        conn.execute(
+            "INSERT INTO operations (id, client_id, idempotency_key, operation, target, arguments, \
+             reason, state, created_at, updated_at, revision) VALUES ('op_1', 'bot-7', 'k', \
+             'demo.run', '{\"repo\":\"u/t\",\"branch\":\"main\"}', '{\"duration_ms\":5}', 'why', \
+             'pending', '2025-01-01T00:00:00.000Z', '2025-01-01T00:00:00.000Z', 1)",
+            [],
+        )
+        .unwrap();
+    }
+
+    fn shown(operation: &str, target: &Value, _: &Value, reason: &str) -> Presentation {
+        Presentation {
+            title: format!("{operation} on {}", target["repo"].as_str().unwrap_or("-")),
+            summary: Some(reason.to_owned()),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_schema_3_file_gets_each_rows_presentation_and_digest_once() {
+        let dir = tempfile::tempdir().unwrap();
+        schema_3_file(dir.path());
+        let db = Database::open(dir.path()).unwrap();
+        let version: i64 = db
+            .writer()
+            .pragma_query_value(None, "user_version", |r| r.get(0))
+            .unwrap();
+        assert_eq!(version, SCHEMA_VERSION);
+        // Before start-up derived it, the row has no presentation: reading it is an error, not
+        // an empty title.
+        assert!(db.get("op_1").await.is_err());
+
+        assert_eq!(db.fill_derived(shown).unwrap(), 1);
+        let record = db.get("op_1").await.unwrap().unwrap();
+        assert_eq!(
+            record.presentation,
+            Presentation {
+                title: "demo.run on u/t".to_owned(),
+                summary: Some("why".to_owned())
+            }
+        );
+        // The digest is of the canonical request: the same with the keys in another order.
+        let stored = db.request_by_key("bot-7", "k").await.unwrap().unwrap();
+        let target = json!({"branch": "main", "repo": "u/t"});
+        assert_eq!(
+            stored.digest,
+            request_digest("demo.run", &target, &json!({"duration_ms": 5}), "why")
+        );
+        assert_eq!(
+            stored.bytes,
+            (r#"{"repo":"u/t","branch":"main"}"#.len() + 17 + 3) as u64
+        );
+
+        // Once: a second start finds nothing to fill; a row another program writes without them
+        // is filled at the next.
+        assert_eq!(db.fill_derived(|_, _, _, _| unreachable!()).unwrap(), 0);
+        db.writer()
+            .execute(
+                "INSERT INTO operations (id, client_id, idempotency_key, operation, target, \
+                 arguments, reason, state, created_at, updated_at) VALUES ('op_2', 'bot-7', 'k2', \
+                 'demo.run', '{}', '{}', 'by hand', 'succeeded', '2025-01-01T00:00:00.000Z', \
+                 '2025-01-01T00:00:00.000Z')",
+                [],
+            )
+            .unwrap();
+        assert_eq!(db.fill_derived(shown).unwrap(), 1);
+        let plan: String = db
+            .writer()
+            .query_row(
+                "EXPLAIN QUERY PLAN SELECT seq FROM operations INDEXED BY operations_underived \
+                 WHERE request_digest IS NULL ORDER BY seq",
+                [],
+                |r| r.get(3),
+            )
+            .unwrap();
+        assert!(plan.contains("operations_underived"), "{plan}");
+    }
 }
