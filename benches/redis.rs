@@ -57,11 +57,15 @@ fn figures(mut latencies: Vec<Duration>, elapsed: Duration) -> Figures {
     }
 }
 
-async fn admissions(url: &str, replica_count: usize, prefix: &str) -> Figures {
+async fn admissions(url: &str, replica_count: usize, prefix: &str, wait_replicas: u32) -> Figures {
     let mut replicas = Vec::new();
     for r in 0..replica_count {
         let mut options = ReplicaOptions::new(url, format!("bench-r{r}"));
         options.prefix = prefix.to_owned();
+        options.wait_replicas = wait_replicas;
+        // As many of one client's decisions in flight as tasks, as the rate-only baseline has:
+        // this group measures Redis, not the per-client bound (default 1).
+        options.client_decisions_in_flight = TASKS_PER_REPLICA;
         // The pending-grant caps are the engine's (`Admission::new` hands them to Redis too).
         let caps = StorageCaps {
             grant_global: 100_000,
@@ -151,6 +155,290 @@ async fn rate_only(url: &str, replicas: usize) -> Figures {
     figures(all, start.elapsed())
 }
 
+/// `INFO commandstats` as (command, calls, usec) rows, e.g. `("evalsha", 2000, 41000)`.
+async fn commandstats(conn: &mut ConnectionManager) -> Vec<(String, u64, u64)> {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(conn)
+        .await
+        .unwrap();
+    info.lines()
+        .filter_map(|line| {
+            let (name, rest) = line.strip_prefix("cmdstat_")?.split_once(':')?;
+            let field = |key: &str| -> Option<u64> {
+                rest.split(',')
+                    .find_map(|kv| kv.strip_prefix(key)?.strip_prefix('='))?
+                    .parse()
+                    .ok()
+            };
+            Some((name.to_owned(), field("calls")?, field("usec")?))
+        })
+        .collect()
+}
+
+/// Zeroes `INFO commandstats` and the slow log, which from now on logs every call.
+async fn reset_stats(conn: &mut ConnectionManager) {
+    for args in [
+        &["CONFIG", "SET", "slowlog-log-slower-than", "0"][..],
+        &["CONFIG", "SET", "slowlog-max-len", "10000"],
+        &["SLOWLOG", "RESET"],
+        &["CONFIG", "RESETSTAT"],
+    ] {
+        let _: () = redis::cmd(args[0])
+            .arg(&args[1..])
+            .query_async(conn)
+            .await
+            .unwrap();
+    }
+}
+
+/// The script calls' durations (µs) in the slow log: its median and its largest.
+async fn slowlog(conn: &mut ConnectionManager) -> (u64, u64) {
+    let entries: Vec<redis::Value> = redis::cmd("SLOWLOG")
+        .arg("GET")
+        .arg(10000)
+        .query_async(conn)
+        .await
+        .unwrap();
+    let mut micros: Vec<u64> = entries
+        .iter()
+        .filter_map(|entry| match entry {
+            redis::Value::Array(fields) => match (fields.get(2), fields.get(3)) {
+                (Some(redis::Value::Int(us)), Some(redis::Value::Array(args))) => {
+                    let is_script = matches!(args.first(), Some(redis::Value::BulkString(a))
+                        if a.eq_ignore_ascii_case(b"evalsha") || a.eq_ignore_ascii_case(b"eval"));
+                    is_script.then_some(*us as u64)
+                }
+                _ => None,
+            },
+            _ => None,
+        })
+        .collect();
+    micros.sort_unstable();
+    (
+        micros.get(micros.len() / 2).copied().unwrap_or(0),
+        micros.last().copied().unwrap_or(0),
+    )
+}
+
+/// What one kind of script call cost Redis, from `INFO commandstats` after `calls` of them:
+/// µs per script call, and the Redis commands each made.
+struct ScriptCost {
+    usec_per_call: f64,
+    commands_per_call: f64,
+    slowlog_p50: u64,
+    slowlog_max: u64,
+}
+
+async fn cost(conn: &mut ConnectionManager, calls: usize) -> ScriptCost {
+    let stats = commandstats(conn).await;
+    let (script_calls, usec) = stats
+        .iter()
+        .filter(|(name, ..)| name == "evalsha" || name == "eval")
+        .fold((0, 0), |(c, u), (_, calls, usec)| (c + calls, u + usec));
+    let inner: u64 = stats
+        .iter()
+        .filter(|(name, ..)| !matches!(name.as_str(), "evalsha" | "eval" | "info" | "config"))
+        .map(|(_, calls, _)| calls)
+        .sum();
+    assert!(
+        script_calls >= calls as u64,
+        "{script_calls} script calls for {calls}"
+    );
+    let (slowlog_p50, slowlog_max) = slowlog(conn).await;
+    ScriptCost {
+        usec_per_call: usec as f64 / script_calls as f64,
+        commands_per_call: inner as f64 / script_calls as f64,
+        slowlog_p50,
+        slowlog_max,
+    }
+}
+
+/// What each script costs Redis itself (`INFO commandstats`, `usec_per_call`), one kind of call
+/// at a time on one replica: an admission admitted, its release (the transition script), an
+/// admission refused by Redis (memory off: every one reaches Redis), and the rate-only script.
+async fn profile(url: &str) {
+    const CALLS: usize = 2000;
+    let mut options = ReplicaOptions::new(url, "profile-r0");
+    options.prefix = "profile".to_owned();
+    // No beat during a phase: its scripts would be counted with the phase's.
+    options.lease_ttl = Duration::from_secs(120);
+    options.heartbeat = Duration::from_secs(60);
+    let caps = StorageCaps {
+        grant_global: 100_000,
+        grant_client: 1000,
+        ..StorageCaps::default()
+    };
+    let controller = Controller::builder(config()).storage_caps(caps).build();
+    let admission = Admission::new(controller, Some(options)).unwrap();
+    assert!(admission.restore(Vec::new()).await.deferred.is_none());
+    // Slow-log readings are large: a generous reply timeout.
+    let mut conn = ConnectionManager::new_with_config(
+        redis::Client::open(url).unwrap(),
+        redis::aio::ConnectionManagerConfig::new()
+            .set_response_timeout(Some(Duration::from_secs(30))),
+    )
+    .await
+    .unwrap();
+    let mut rows = Vec::new();
+
+    reset_stats(&mut conn).await;
+    let mut live = Vec::new();
+    for n in 0..CALLS {
+        let client = format!("bench-{}", n % CLIENTS);
+        let permit = admission
+            .admit(&client, n.is_multiple_of(2), Some(&format!("p-{n}")))
+            .await
+            .unwrap();
+        live.push(permit.commit());
+    }
+    rows.push(("admit (admitted)", cost(&mut conn, CALLS).await));
+
+    reset_stats(&mut conn).await;
+    for operation in &live {
+        operation.fail().await.unwrap();
+    }
+    rows.push(("transition (release)", cost(&mut conn, CALLS).await));
+
+    // One client at its active limit: every admission is refused by Redis.
+    let tight = Admission::new(
+        Controller::new(tight_config()),
+        Some({
+            let mut options = ReplicaOptions::new(url, "profile-tight");
+            options.prefix = "profile-tight".to_owned();
+            options.lease_ttl = Duration::from_secs(120);
+            options.heartbeat = Duration::from_secs(60);
+            options.refusal_memory = false;
+            options
+        }),
+    )
+    .unwrap();
+    assert!(tight.restore(Vec::new()).await.deferred.is_none());
+    let held = tight.admit("bench-0", false, None).await.unwrap().commit();
+    reset_stats(&mut conn).await;
+    for _ in 0..CALLS {
+        assert!(tight.admit("bench-0", false, None).await.is_err());
+    }
+    rows.push(("admit (refused)", cost(&mut conn, CALLS).await));
+    held.fail().await.unwrap();
+
+    let script = Script::new(RATE_ONLY);
+    reset_stats(&mut conn).await;
+    for n in 0..CALLS {
+        let _: i64 = script
+            .key(format!("{{rate}}:tat:p{}", n % CLIENTS))
+            .arg(1u64)
+            .arg(1_000_000u64)
+            .invoke_async(&mut conn)
+            .await
+            .unwrap();
+    }
+    rows.push(("rate-only", cost(&mut conn, CALLS).await));
+
+    println!(
+        "{:<22} {:>14} {:>18} {:>12} {:>12}",
+        "script", "usec_per_call", "commands_per_call", "slowlog p50", "slowlog max"
+    );
+    for (name, cost) in rows {
+        println!(
+            "{:<22} {:>14.2} {:>18.1} {:>10} µs {:>9} µs",
+            name, cost.usec_per_call, cost.commands_per_call, cost.slowlog_p50, cost.slowlog_max
+        );
+    }
+    admission.shutdown().await;
+    tight.shutdown().await;
+}
+
+/// The bench's clients, each allowed one live operation.
+fn tight_config() -> Config {
+    let identities: Vec<Identity> = (0..CLIENTS)
+        .map(|i| Identity::new(&format!("bench-{i}")).unwrap())
+        .collect();
+    let limits = Limits {
+        requests_per_window: 1_000_000,
+        window_seconds: 1,
+        client_active: 1,
+        client_pending: 1,
+        global_active: 100_000,
+        global_executing: 1000,
+    };
+    Config::new(limits, BTreeMap::new(), identities).unwrap()
+}
+
+/// A refusal flood: one client at its limit, `TASKS_PER_REPLICA` tasks per replica submitting
+/// as fast as they can for `RUN`; refusals per second per replica, and script calls per refusal
+/// (`INFO commandstats`), with the refusal memory on or off.
+async fn refusal_flood(
+    url: &str,
+    replica_count: usize,
+    memory: bool,
+    conn: &mut ConnectionManager,
+) -> (f64, f64) {
+    let mut replicas = Vec::new();
+    for r in 0..replica_count {
+        let mut options = ReplicaOptions::new(url, format!("flood-r{r}"));
+        options.prefix = format!("flood{replica_count}{memory}");
+        options.refusal_memory = memory;
+        // The flood's tasks queue for their client's one decision in flight; on a loaded
+        // machine they may wait long, and this group counts refusals, not waits.
+        options.decision_wait = Duration::from_secs(10);
+        let admission = Admission::new(Controller::new(tight_config()), Some(options)).unwrap();
+        assert!(admission.restore(Vec::new()).await.deferred.is_none());
+        while memory && !admission.stats().notices_live {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        replicas.push(admission);
+    }
+    let held = replicas[0]
+        .admit("bench-0", false, None)
+        .await
+        .unwrap()
+        .commit();
+    let before = script_calls(conn).await;
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for admission in &replicas {
+        for _ in 0..TASKS_PER_REPLICA {
+            let admission = admission.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut refused = 0u64;
+                while start.elapsed() < RUN {
+                    match admission.admit("bench-0", false, None).await {
+                        Err(unyolo_admission::AdmitError::Refused(_)) => refused += 1,
+                        // Redis too slow on a loaded machine: not a refusal, not counted.
+                        Err(unyolo_admission::AdmitError::Unavailable(_)) => {}
+                        other => panic!("{other:?}"),
+                    }
+                }
+                refused
+            }));
+        }
+    }
+    let mut refused = 0;
+    for task in tasks {
+        refused += task.await.unwrap();
+    }
+    let elapsed = start.elapsed();
+    let calls = script_calls(conn).await - before;
+    held.fail().await.unwrap();
+    for admission in &replicas {
+        admission.shutdown().await;
+    }
+    (
+        refused as f64 / elapsed.as_secs_f64() / replica_count as f64,
+        calls as f64 / refused as f64,
+    )
+}
+
+async fn script_calls(conn: &mut ConnectionManager) -> u64 {
+    commandstats(conn)
+        .await
+        .iter()
+        .filter(|(name, ..)| name == "evalsha" || name == "eval")
+        .map(|(_, calls, _)| calls)
+        .sum()
+}
+
 fn main() {
     let Some(server) = support::redis::RedisServer::start() else {
         return;
@@ -161,13 +449,17 @@ fn main() {
         .unwrap();
     runtime.block_on(async {
         let url = server.url();
+        profile(&url).await;
+        if std::env::args().any(|a| a == "--profile-only") {
+            return;
+        }
         println!(
             "{:<10} {:>14} {:>10} {:>10} {:>16} {:>10} {:>10} {:>8}",
             "replicas", "admissions/s", "p50", "p99", "rate-only/s", "p50", "p99", "ratio"
         );
         for replicas in [1, 2, 3, 4] {
             let baseline = rate_only(&url, replicas).await;
-            let admit = admissions(&url, replicas, &format!("bench{replicas}")).await;
+            let admit = admissions(&url, replicas, &format!("bench{replicas}"), 0).await;
             println!(
                 "{:<10} {:>14.0} {:>10.1?} {:>10.1?} {:>16.0} {:>10.1?} {:>10.1?} {:>8.2}",
                 replicas,
@@ -178,6 +470,41 @@ fn main() {
                 baseline.p50,
                 baseline.p99,
                 admit.per_sec / baseline.per_sec
+            );
+        }
+        // The cost of answering only what a Redis replica holds (`wait_replicas`): one replica,
+        // with and without WAIT, against the same primary with one Redis replica attached.
+        let standby = support::redis::RedisServer::start_replica_of(server.port);
+        let plain = admissions(&url, 1, "wait0", 0).await;
+        let waiting = admissions(&url, 1, "wait1", 1).await;
+        println!(
+            "{:<22} {:>14} {:>10} {:>10}",
+            "1 replica, Redis replica", "admissions/s", "p50", "p99"
+        );
+        for (name, f) in [("no WAIT", plain), ("WAIT 1", waiting)] {
+            println!(
+                "{:<22} {:>14.0} {:>10.1?} {:>10.1?}",
+                name, f.per_sec, f.p50, f.p99
+            );
+        }
+        drop(standby);
+        let mut conn = ConnectionManager::new(redis::Client::open(url.as_str()).unwrap())
+            .await
+            .unwrap();
+        println!(
+            "{:<10} {:>22} {:>18} {:>22} {:>18}",
+            "replicas",
+            "refusals/s/replica",
+            "calls/refusal",
+            "memory off: refusals/s",
+            "calls/refusal"
+        );
+        for replicas in [1, 2, 3] {
+            let (on, on_calls) = refusal_flood(&url, replicas, true, &mut conn).await;
+            let (off, off_calls) = refusal_flood(&url, replicas, false, &mut conn).await;
+            println!(
+                "{:<10} {:>22.0} {:>18.5} {:>22.0} {:>18.3}",
+                replicas, on, on_calls, off, off_calls
             );
         }
     });

@@ -66,7 +66,7 @@ pub use broker::{agent_query, agent_query_accepted, submission, submission_accep
 #[cfg(feature = "redis")]
 mod redis;
 #[cfg(feature = "redis")]
-pub use redis::{redis_reply, redis_reply_accepted, redis_reply_value};
+pub use redis::{redis_reply, redis_reply_accepted, redis_reply_value, refusal_notices};
 
 /// Asserts that an error message reads as one line of text.
 fn assert_one_line(message: &str) {

@@ -144,6 +144,24 @@ struct ServeArgs {
         requires = "redis"
     )]
     redis_prefix: String,
+    /// The most admission decisions this replica has in flight to Redis at once; past it a
+    /// submission waits up to 250 ms for room, then gets 503 `admission_unavailable`.
+    /// Releases, cancels and heartbeats never wait for it.
+    #[arg(long, value_name = "N", default_value_t = unyolo_admission::admission::DEFAULT_DECISIONS_IN_FLIGHT, requires = "redis")]
+    redis_decisions: usize,
+    /// The most admission decisions one client has in flight to Redis at once on this replica
+    /// (its next submission waits for its last one's answer, and a refusal then answers it from
+    /// memory).
+    #[arg(long, value_name = "N", default_value_t = unyolo_admission::admission::DEFAULT_CLIENT_DECISIONS_IN_FLIGHT, requires = "redis")]
+    redis_client_decisions: usize,
+    /// Answer an admission only once this many Redis replicas acknowledged it (`WAIT`; 0, the
+    /// default, does not wait): no admission answered is lost to a failover to an acknowledging
+    /// replica, at the cost of a replication round trip per admission.
+    #[arg(long, value_name = "N", default_value_t = 0, requires = "redis")]
+    redis_wait_replicas: u32,
+    /// Turn off answering refused clients from memory (every submission is then a Redis call).
+    #[arg(long, requires = "redis")]
+    no_refusal_memory: bool,
 }
 
 /// A `--broker-name` within its bounds.
@@ -231,6 +249,10 @@ fn serve(args: ServeArgs) -> ExitCode {
                 unyolo_admission::ReplicaOptions::new(url, args.replica.unwrap_or_default());
             options.prefix = args.redis_prefix;
             options.replicas = args.replicas;
+            options.decisions_in_flight = args.redis_decisions;
+            options.client_decisions_in_flight = args.redis_client_decisions;
+            options.wait_replicas = args.redis_wait_replicas;
+            options.refusal_memory = !args.no_refusal_memory;
             options
         }),
         fairness: unyolo_admission::fairness::FairnessConfig {

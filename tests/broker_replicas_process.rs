@@ -183,3 +183,151 @@ async fn a_killed_serve_replicas_holdings_are_freed_once_when_its_lease_lapses_a
         "pending across the inboxes equals the limit: {all:?}"
     );
 }
+
+/// The agent may hold one pending operation, across every replica.
+const ONE_PENDING: &str = r#"{"requests_per_window": 100000, "window_seconds": 60,
+  "client_active": 10, "client_pending": 1, "global_active": 100, "global_executing": 10}"#;
+
+/// The capacity hint `serve` gives (its Retry-After for a capacity refusal).
+const CAPACITY_HINT: Duration = Duration::from_secs(2);
+/// A replica's heartbeat period (a third of its 10 s lease): each beat is two scripts.
+const BEAT: Duration = Duration::from_millis(3333);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusal_flood_on_three_serve_replicas_costs_redis_one_call_per_replica_per_hint_and_a_release_ends_it()
+ {
+    use support::secrets::OTHER_SECRET;
+    let redis = redis_or_skip!();
+    let url = format!("{}0", redis.url());
+    let dir = tempfile::tempdir().unwrap();
+    let files = Files::write(dir.path(), ONE_PENDING);
+    let replicas = [
+        replica(&url, &files, dir.path(), "r1"),
+        replica(&url, &files, dir.path(), "r2"),
+        replica(&url, &files, dir.path(), "r3"),
+    ];
+    // The agent holds its one pending operation (on r1); the other client's work is admitted
+    // and denied on every replica (every script is loaded before counting).
+    let (status, code, held) = submit(&replicas[0], "held").await;
+    assert_eq!(status, 202, "{code}");
+    for (i, server) in replicas.iter().enumerate() {
+        let reply = server
+            .submit(
+                OTHER_SECRET,
+                &request(&format!("warm-{i}"), "demo.request", 0),
+            )
+            .await;
+        assert_eq!(reply.status, 202, "{}", reply.body);
+        deny(server, &reply.id()).await;
+        support::eventually::assert_eventually("the notices are heard", async || {
+            server.metric("admission_redis_notices_live").await == Some(1)
+        })
+        .await;
+    }
+
+    let before = support::redis::script_calls(redis.port);
+    let started = Instant::now();
+    // The flood: two looping clients per replica, at once on every replica, each submission
+    // with a new key; the other client is admitted (and denied) on every replica meanwhile.
+    let mut floods = Vec::new();
+    for (i, server) in replicas.iter().enumerate() {
+        for loop_no in 0..2 {
+            let base = server.base.clone();
+            floods.push(tokio::spawn(async move {
+                let http = reqwest::Client::new();
+                let mut refused = 0u64;
+                for n in 0..40 {
+                    let reply = http
+                        .post(format!("{base}/api/agent/v1/operations"))
+                        .bearer_auth(AGENT_SECRET)
+                        .json(&request(
+                            &format!("flood-{i}-{loop_no}-{n}"),
+                            "demo.request",
+                            0,
+                        ))
+                        .send()
+                        .await
+                        .unwrap();
+                    let status = reply.status().as_u16();
+                    let body: Value = reply.json().await.unwrap();
+                    assert_eq!(
+                        (status, body["error"]["code"].as_str()),
+                        (429, Some("client_pending_limit")),
+                        "{body}"
+                    );
+                    refused += 1;
+                }
+                refused
+            }));
+        }
+    }
+    let mut other_admitted = 0u64;
+    for round in 0..3 {
+        for (i, server) in replicas.iter().enumerate() {
+            let reply = server
+                .submit(
+                    OTHER_SECRET,
+                    &request(&format!("other-{round}-{i}"), "demo.request", 0),
+                )
+                .await;
+            assert_eq!(
+                reply.status, 202,
+                "the other client is admitted: {}",
+                reply.body
+            );
+            deny(server, &reply.id()).await;
+            other_admitted += 1;
+        }
+    }
+    let mut refused = 0;
+    for flood in floods {
+        refused += flood.await.unwrap();
+    }
+    let elapsed = started.elapsed();
+    let calls = support::redis::script_calls(redis.port) - before;
+    // At most one call per replica per capacity hint for the agent, the other client's
+    // admissions and denials (one release notice each), and each replica's heartbeats.
+    let windows = (elapsed.as_secs_f64() / CAPACITY_HINT.as_secs_f64()).ceil() as u64 + 1;
+    let beats = (elapsed.as_secs_f64() / BEAT.as_secs_f64()).ceil() as u64 + 1;
+    let allowed = 3 * windows + 2 * other_admitted + 3 * 2 * beats;
+    assert_eq!(refused, 240);
+    eprintln!("{calls} script calls for {refused} refusals in {elapsed:?} (at most {allowed})");
+    assert!(
+        calls <= allowed,
+        "{calls} script calls for {refused} refusals in {elapsed:?} (at most {allowed})"
+    );
+    let mut from_memory = 0;
+    for server in &replicas {
+        from_memory += server
+            .metric("admission_redis_refusals_from_memory_total")
+            .await
+            .unwrap();
+    }
+    assert!(
+        from_memory >= refused - 3 * windows,
+        "{from_memory} of {refused} refusals answered from memory"
+    );
+
+    // Denying the held operation on r1 ends the memory on r2 and r3: the agent's next
+    // submission there is decided by Redis, and admitted.
+    deny(&replicas[0], &held).await;
+    let mut attempt = 0;
+    support::eventually::assert_eventually("the agent is admitted on r2", async || {
+        attempt += 1;
+        let (status, code, _) = submit(&replicas[1], &format!("after-{attempt}")).await;
+        assert!(
+            status == 202 || code == "client_pending_limit",
+            "{status} {code}"
+        );
+        status == 202
+    })
+    .await;
+    let forgotten = replicas[2]
+        .metric("admission_redis_refusals_forgotten_total{reason=\"release\"}")
+        .await
+        .unwrap();
+    assert!(
+        forgotten >= 1,
+        "r3 forgot the agent's refusal on the release"
+    );
+}

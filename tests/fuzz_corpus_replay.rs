@@ -124,6 +124,12 @@ fn submission_seeds_are_judged_as_their_names_say() {
 
 #[cfg(feature = "redis")]
 #[test]
+fn every_refusal_notices_corpus_file_holds_the_invariants() {
+    assert!(replay("refusal_notices", fuzzing::refusal_notices) >= 5);
+}
+
+#[cfg(feature = "redis")]
+#[test]
 fn redis_reply_seeds_are_judged_as_their_names_say() {
     let (valid, invalid) = judge_seeds("redis_reply", fuzzing::redis_reply_accepted);
     assert!(
@@ -165,7 +171,8 @@ fn every_corpus_directory_has_a_replay() {
                 "secrets_parse",
                 "agent_query",
                 "submission",
-                "redis_reply"
+                "redis_reply",
+                "refusal_notices"
             ]
             .contains(&name.to_str().unwrap_or("")),
             "no replay for fuzz/corpus/{name:?}"
@@ -187,7 +194,7 @@ fn every_fuzz_target_has_a_seed_corpus() {
         );
         targets += 1;
     }
-    assert_eq!(targets, 6);
+    assert_eq!(targets, 7);
 }
 
 /// A few thousand pseudo-random op sequences, so a plain `cargo test` explores beyond the corpus.

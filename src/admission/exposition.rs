@@ -9,7 +9,7 @@ use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::registry::Registry;
 
-use super::Admission;
+use super::{Admission, BackendStats};
 
 pub(super) fn register(registry: &mut Registry, admission: Admission) {
     registry.register_collector(Box::new(BackendCollector(admission)));
@@ -64,10 +64,37 @@ impl Collector for BackendCollector {
                 "Admissions answered 503 admission_unavailable.",
                 stats.unavailable,
             ),
+            (
+                "admission_redis_busy",
+                "Admissions answered 503 admission_unavailable because this replica (or the \
+                 client on it) had as many decisions in flight to Redis as it allows.",
+                stats.busy,
+            ),
+            (
+                "admission_redis_refusals_from_memory",
+                "Submissions refused from this replica's memory of Redis's refusal, without a \
+                 Redis call.",
+                stats.refusals_from_memory,
+            ),
         ];
         for (name, help, value) in counters {
             let metric = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
             ConstCounter::new(value).encode(metric)?;
+        }
+        let mut metric = encoder.encode_descriptor(
+            "admission_redis_refusals_forgotten",
+            "Remembered refusals forgotten, by why: expired (the next token or the capacity \
+             hint came), refund, release (for the client), any_release (a global limit), \
+             replaced (a replica's holdings reaped or registered again), resubscribed (the \
+             notice subscription was lost), reload.",
+            None,
+            MetricType::Counter,
+        )?;
+        for (reason, value) in BackendStats::FORGOTTEN_REASONS
+            .iter()
+            .zip(stats.refusals_forgotten)
+        {
+            ConstCounter::new(value).encode(metric.encode_family(&[("reason", *reason)])?)?;
         }
         let gauges = [
             (
@@ -90,6 +117,12 @@ impl Collector for BackendCollector {
                 "Whether Redis forgot the deployment and its replicas were still registering \
                  again at this replica's last registration (no admissions meanwhile): 1 or 0.",
                 u64::from(stats.recovering),
+            ),
+            (
+                "admission_redis_notices_live",
+                "Whether this replica hears the deployment's release notices now (its refusal \
+                 memory answers only then): 1 or 0.",
+                u64::from(stats.notices_live),
             ),
         ];
         for (name, help, value) in gauges {

@@ -41,7 +41,9 @@ use std::path::Path;
 
 pub use handles::{AdmissionPermit, OperationHandle};
 pub use id::{OperationId, random_id};
-pub use options::ReplicaOptions;
+pub use options::{
+    DEFAULT_CLIENT_DECISIONS_IN_FLIGHT, DEFAULT_DECISIONS_IN_FLIGHT, ReplicaOptions,
+};
 pub use outcome::{
     AdmitError, BackendStats, DeploymentCounts, NotStarted, Refused, RestoredOperation, SetupError,
     Unavailable, UnavailableReason,

@@ -8,6 +8,11 @@ use super::SetupError;
 use crate::config::Identity;
 use crate::engine::{DEFAULT_CAPACITY_RETRY, StorageCaps};
 
+/// The default of [`ReplicaOptions::decisions_in_flight`].
+pub const DEFAULT_DECISIONS_IN_FLIGHT: usize = 32;
+/// The default of [`ReplicaOptions::client_decisions_in_flight`].
+pub const DEFAULT_CLIENT_DECISIONS_IN_FLIGHT: usize = 1;
+
 /// How a replica reaches Redis and shares it.
 #[derive(Clone, Debug)]
 pub struct ReplicaOptions {
@@ -49,6 +54,25 @@ pub struct ReplicaOptions {
     /// The pending-grant caps (the storage caps are per replica and not used here;
     /// [`super::Admission::new`] sets the controller's).
     pub caps: StorageCaps,
+    /// Whether Redis's refusals are remembered and answered here until they can have changed
+    /// (default on; SPEC section 7, "Refusals cost the shared engine nothing after the first").
+    /// The memory only ever refuses; off, every submission is a Redis call.
+    pub refusal_memory: bool,
+    /// The most admission decisions this replica has in flight to Redis at once (default 32).
+    /// Releases, transitions and heartbeats never wait for this limit.
+    pub decisions_in_flight: usize,
+    /// The most admission decisions one client has in flight to Redis at once on this replica
+    /// (default 1: a client's next submission is decided after its last one, so a refusal it
+    /// got answers its flood from memory).
+    pub client_decisions_in_flight: usize,
+    /// How long a submission waits for room under those limits before it is answered
+    /// [`super::Unavailable`] ([`super::UnavailableReason::Busy`]; default 250 ms).
+    pub decision_wait: Duration,
+    /// After each admission, wait until this many Redis replicas acknowledged its write
+    /// (`WAIT`; default 0: do not wait). With 1, a failover to an acknowledging Redis replica
+    /// loses no admission that was answered; an admission whose acknowledgement did not come
+    /// within the call timeout is given back and answered [`super::Unavailable`].
+    pub wait_replicas: u32,
 }
 
 impl ReplicaOptions {
@@ -68,6 +92,11 @@ impl ReplicaOptions {
             capacity_retry: DEFAULT_CAPACITY_RETRY,
             unavailable_retry: Duration::from_secs(2),
             caps: StorageCaps::default(),
+            refusal_memory: true,
+            decisions_in_flight: DEFAULT_DECISIONS_IN_FLIGHT,
+            client_decisions_in_flight: DEFAULT_CLIENT_DECISIONS_IN_FLIGHT,
+            decision_wait: Duration::from_millis(250),
+            wait_replicas: 0,
         }
     }
 
@@ -102,6 +131,11 @@ impl ReplicaOptions {
         {
             return Err(SetupError::Options(
                 "the idempotency key lifetime must be at least one second".to_string(),
+            ));
+        }
+        if self.decisions_in_flight == 0 || self.client_decisions_in_flight == 0 {
+            return Err(SetupError::Options(
+                "decisions in flight (per replica and per client) must be at least 1".to_string(),
             ));
         }
         if self.lease_ttl < Duration::from_millis(100)

@@ -110,6 +110,9 @@ pub enum UnavailableReason {
     /// and the replicas are registering again: no admission until all are back or one lease
     /// period has passed.
     Recovering,
+    /// This replica already has as many decisions in flight to Redis as it allows (in all, or
+    /// for this client) and none finished within the decision wait.
+    Busy,
 }
 
 impl fmt::Display for Unavailable {
@@ -122,6 +125,9 @@ impl fmt::Display for Unavailable {
             UnavailableReason::Reply(m) => m.clone(),
             UnavailableReason::Recovering => {
                 "redis forgot this deployment; its replicas are registering again".to_string()
+            }
+            UnavailableReason::Busy => {
+                "too many admission decisions in flight on this replica".to_string()
             }
         };
         write!(
@@ -241,4 +247,29 @@ pub struct BackendStats {
     /// Whether the replicas were still registering again, after Redis forgot, at this
     /// replica's last registration.
     pub recovering: bool,
+    /// Submissions refused from memory, without a Redis call.
+    pub refusals_from_memory: u64,
+    /// Remembered refusals forgotten, by why: expired, a refund seen, a release for the client
+    /// seen, any release seen (a global limit), a replica's holdings reaped or registered again,
+    /// the notice subscription lost or made again, a reload (in that order; see
+    /// [`BackendStats::FORGOTTEN_REASONS`]).
+    pub refusals_forgotten: [u64; 7],
+    /// Whether this replica hears the deployment's notices now (the refusal memory works only
+    /// then).
+    pub notices_live: bool,
+    /// Submissions answered unavailable because too many decisions were in flight.
+    pub busy: u64,
+}
+
+impl BackendStats {
+    /// The label of each of [`BackendStats::refusals_forgotten`], in order.
+    pub const FORGOTTEN_REASONS: [&'static str; 7] = [
+        "expired",
+        "refund",
+        "release",
+        "any_release",
+        "replaced",
+        "resubscribed",
+        "reload",
+    ];
 }

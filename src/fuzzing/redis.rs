@@ -282,3 +282,76 @@ pub fn redis_reply_accepted(data: &[u8]) -> bool {
         || parse_pair(&value).is_ok()
         || parse_reaped(&value).is_ok()
 }
+
+/// Arbitrary bytes as the notices a replica hears (one per line) while it remembers three
+/// refusals — amy's own capacity, bob's rate, cat's global limit — made afresh before each
+/// notice. Hearing a notice never panics, and it forgets exactly what it may have changed: a
+/// notice not of the form `r <client>` or `f <client>` forgets everything; `r amy` or `f amy`
+/// ends amy's refusal; `f bob` ends bob's (a release `r bob` does not: it gives no token back);
+/// every notice ends cat's; nothing else is forgotten.
+pub fn refusal_notices(data: &[u8]) {
+    use std::time::{Duration, Instant};
+
+    use crate::config::ClientLimits;
+    use crate::redis::memory::{Answer, RefusalMemory};
+
+    let memory = RefusalMemory::default();
+    memory.subscribed();
+    let limits = ClientLimits {
+        requests_per_window: 1,
+        window_seconds: 3600,
+        active: 1,
+        pending: 1,
+    };
+    let remember = |client: &str, code: RefusalCode| {
+        let ticket = memory.ticket(client).expect("the subscription is live");
+        memory.remember(
+            client,
+            ticket,
+            Answer {
+                code,
+                needs_approval: false,
+                rate_wait_micros: 3_600_000_000,
+                wait: Duration::from_secs(3600),
+                capacity_hint: code.is_capacity().then_some(Duration::from_secs(3600)),
+                limits,
+                rate: (3_600_000_000, 3_600_000_000),
+                reading: Reading {
+                    tat_micros: 0,
+                    now_micros: 0,
+                    active: 1,
+                    pending: 0,
+                },
+            },
+        );
+    };
+    for payload in data.split(|&b| b == b'\n').take(64) {
+        remember("amy", RefusalCode::ClientOperationLimit);
+        remember("bob", RefusalCode::SubmissionRateLimited);
+        remember("cat", RefusalCode::GlobalOperationLimit);
+        memory.notice(payload);
+        let now = Instant::now();
+        let kept = |client: &str| memory.recall(client, false, now).is_some();
+        let (kind, client) = match payload {
+            [kind @ (b'r' | b'f'), b' ', client @ ..] => (Some(*kind), client),
+            _ => (None, &[][..]),
+        };
+        let Some(kind) = kind else {
+            assert!(
+                !kept("amy") && !kept("bob") && !kept("cat"),
+                "{payload:?} forgot nothing"
+            );
+            continue;
+        };
+        assert!(
+            !kept("cat"),
+            "{payload:?}: a global refusal outlived a release"
+        );
+        assert_eq!(kept("amy"), client != b"amy", "{payload:?}: amy");
+        assert_eq!(
+            kept("bob"),
+            client != b"bob" || kind == b'r',
+            "{payload:?}: bob"
+        );
+    }
+}

@@ -248,6 +248,10 @@ impl RedisOperation {
                     key: None,
                 })
                 .await;
+            // An approval lowers the pending counts: a release as far as refusals go.
+            self.inner
+                .memory
+                .released_here(cell.identity.as_str(), false);
         }
         Ok(from)
     }
@@ -267,6 +271,11 @@ async fn finish(inner: &Inner, cell: &Held, target: Target, key: Option<String>)
             key,
         })
         .await;
+    // This replica's own memory forgets at once what the release may have changed (the
+    // others hear it from Redis).
+    inner
+        .memory
+        .released_here(cell.identity.as_str(), matches!(target, Target::Refund(..)));
 }
 
 impl Drop for RedisOperation {

@@ -53,6 +53,16 @@
 //!   (`{prefix}:recovery`, one lease long) in which no replica admits until every replica it knew
 //!   of has registered again (`scripts/replace.lua`).
 //!
+//! - **Refusals from memory.** A refusal Redis gave is remembered (`memory`) and answers the
+//!   client's next submissions here, without a call, until it can have changed: its next token,
+//!   its hint, or a release or refund heard on the deployment's notices channel (`notices`: the
+//!   scripts `PUBLISH` whenever they lower a count; one subscriber connection per replica). The
+//!   memory only ever refuses; a lost subscription forgets it all.
+//! - **Bounded calls.** Admission decisions in flight to Redis are bounded per replica and per
+//!   client (semaphores, waited for briefly, then [`UnavailableReason::Busy`]); releases,
+//!   transitions and heartbeats never wait for them. With `wait_replicas`, an admission is
+//!   answered only once `WAIT` says a Redis replica holds it.
+//!
 //! What stays per replica: storage quotas (streams, sealed payloads) and the durable store.
 //!
 //! This file is one piece past the usual size because its parts share one private state
@@ -60,10 +70,13 @@
 //! rules only hold together — registration after a loss reads and rewrites all of them: the
 //! options and errors come first, then the controller, then the calls it makes; its unit tests
 //! (the quota arithmetic, the rate debts) close it.
-//! The handles (`handles`), the reply parser (`reply`) and the circuit (`circuit`) stand alone.
+//! The handles (`handles`), the reply parser (`reply`), the circuit (`circuit`), the refusal
+//! memory (`memory`) and the notice subscriber (`notices`) stand alone.
 
 mod circuit;
 mod handles;
+pub(crate) mod memory;
+mod notices;
 #[doc(hidden)]
 pub mod reply;
 
@@ -84,6 +97,7 @@ pub use crate::admission::{KeyRecord, RecoverySource, SourceFuture};
 pub(crate) use handles::{RedisOperation, RedisPermit};
 
 use self::circuit::{Circuit, Gate};
+use self::memory::{Answer, Forgotten, RefusalMemory};
 use self::reply::{AdmitReply, LeaseReply, Reading, TransitionReply};
 use crate::config::{ClientLimits, Config, Identity};
 use crate::engine::gcra::{self, Rate};
@@ -140,6 +154,8 @@ struct Keys {
     expected: String,
     /// Replica → the epoch it last registered in.
     members: String,
+    /// The channel the scripts publish on when they lower a count (see `memory`).
+    notices: String,
 }
 
 impl Keys {
@@ -153,6 +169,7 @@ impl Keys {
             recovery: format!("{base}:recovery"),
             expected: format!("{base}:expected"),
             members: format!("{base}:members"),
+            notices: format!("{base}:notices"),
             base,
         }
     }
@@ -289,6 +306,17 @@ pub(crate) struct Inner {
     renew_now: std::sync::atomic::AtomicBool,
     /// Whether the last registration found a recovery in progress.
     recovering: std::sync::atomic::AtomicBool,
+    /// Redis's refusals, answered here until they can have changed.
+    memory: Arc<RefusalMemory>,
+    /// Room for admission decisions in flight to Redis: in all, and per client.
+    decisions: Arc<tokio::sync::Semaphore>,
+    client_decisions: Mutex<HashMap<String, Arc<tokio::sync::Semaphore>>>,
+    /// Submissions answered unavailable for want of that room.
+    busy: AtomicU64,
+    /// The task that hears the deployment's notices.
+    notices: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// Where the notice task connects.
+    client: redis::Client,
 }
 
 /// The admission controller shared by broker replicas through Redis. Cheap to clone.
@@ -362,7 +390,7 @@ impl RedisController {
             .set_response_timeout(Some(options.call_timeout))
             .set_number_of_retries(1)
             .set_max_delay(options.call_timeout);
-        let conn = ConnectionManager::new_lazy_with_config(client, manager_config)
+        let conn = ConnectionManager::new_lazy_with_config(client.clone(), manager_config)
             .map_err(|e| SetupError::Redis(e.to_string()))?;
         let mut token_bytes = [0u8; 16];
         fill_random(&mut token_bytes);
@@ -404,6 +432,12 @@ impl RedisController {
             source: std::sync::OnceLock::new(),
             renew_now: std::sync::atomic::AtomicBool::new(false),
             recovering: std::sync::atomic::AtomicBool::new(false),
+            memory: Arc::new(RefusalMemory::default()),
+            decisions: Arc::new(tokio::sync::Semaphore::new(options.decisions_in_flight)),
+            client_decisions: Mutex::new(HashMap::new()),
+            busy: AtomicU64::new(0),
+            notices: Mutex::new(None),
+            client,
             options,
         };
         Ok(RedisController {
@@ -433,6 +467,9 @@ impl RedisController {
             let _alone = self.inner.registration.write().await;
             self.hold_restored(restored)
         };
+        if self.inner.options.refusal_memory {
+            self.start_notices();
+        }
         let deferred = self.inner.register_again().await.err();
         self.start_heartbeat();
         (self.handles(cells), deferred)
@@ -497,14 +534,32 @@ impl RedisController {
         }));
     }
 
+    fn start_notices(&self) {
+        let mut slot = crate::sync::lock(&self.inner.notices);
+        if slot.is_none() {
+            *slot = Some(tokio::spawn(notices::listen(
+                self.inner.client.clone(),
+                self.inner.keys.notices.clone(),
+                Arc::clone(&self.inner.memory),
+                self.inner.options.heartbeat,
+                self.inner.options.call_timeout,
+            )));
+        }
+    }
+
     /// Stops the heartbeat (the lease then lapses unless another process under this name renews
-    /// it). Kept releases are sent first if Redis answers.
+    /// it) and the notices. Kept releases are sent first if Redis answers.
     pub(crate) async fn shutdown(&self) {
         self.inner.drain().await;
         let task = crate::sync::lock(&self.inner.heartbeat).take();
         if let Some(task) = task {
             task.abort();
         }
+        let task = crate::sync::lock(&self.inner.notices).take();
+        if let Some(task) = task {
+            task.abort();
+        }
+        self.inner.memory.unsubscribed();
     }
 
     /// Decides one submission by `identity` for the operation `id` (unique, chosen by the
@@ -533,6 +588,10 @@ impl RedisController {
             }));
         };
         let identity = Identity::new(identity).expect("a configured identity is valid");
+        let (interval, span) = rate_micros(limits.requests_per_window, limits.window_seconds);
+        if let Some(refused) = inner.recall(identity.as_str(), needs_approval) {
+            return Err(AdmitError::Refused(refused));
+        }
         if !valid_op_id(id) {
             return Err(AdmitError::Unavailable(inner.unavailable(
                 UnavailableReason::Reply(format!("operation id {id:?} cannot be recorded")),
@@ -550,12 +609,27 @@ impl RedisController {
                 inner.unavailable(UnavailableReason::LeaseNotHeld),
             ));
         }
+        // Room to decide: this client's share first, then the replica's, each waited for
+        // briefly. Released when this call ends, however it ends.
+        let _room = match inner.room(identity.as_str()).await {
+            Some(room) => room,
+            None => {
+                // Relaxed: a statistic.
+                inner.busy.fetch_add(1, Ordering::Relaxed);
+                return Err(AdmitError::Unavailable(
+                    inner.unavailable(UnavailableReason::Busy),
+                ));
+            }
+        };
+        // A refusal that came back while this call waited answers it too.
+        if let Some(refused) = inner.recall(identity.as_str(), needs_approval) {
+            return Err(AdmitError::Refused(refused));
+        }
         if let Gate::Open(_) = inner.circuit.enter() {
             return Err(AdmitError::Unavailable(
                 inner.unavailable(UnavailableReason::CircuitOpen),
             ));
         }
-        let (interval, span) = rate_micros(limits.requests_per_window, limits.window_seconds);
         let caps = inner.options.caps;
         let global = config.limits();
         let keys = &inner.keys;
@@ -590,7 +664,7 @@ impl RedisController {
             .arg(inner.epoch().unwrap_or_default());
         let cell = Arc::new(Held {
             id: id.to_string(),
-            identity,
+            identity: identity.clone(),
             state: std::sync::atomic::AtomicU8::new(if needs_approval {
                 OperationState::Pending as u8
             } else {
@@ -609,6 +683,7 @@ impl RedisController {
             },
         );
         let _shared = inner.registration.read().await;
+        let ticket = inner.memory.ticket(identity.as_str());
         let value = match inner.call(&invocation).await {
             Ok(value) => value,
             Err(reason) => return Err(AdmitError::Unavailable(inner.unavailable(reason))),
@@ -621,6 +696,13 @@ impl RedisController {
                 ));
             }
         };
+        // Asked to, an admission is answered only once a Redis replica holds it: not
+        // acknowledged in time, it is given back (the armed undo keeps its release).
+        if matches!(reply, AdmitReply::Admitted(_))
+            && let Err(reason) = inner.acknowledged().await
+        {
+            return Err(AdmitError::Unavailable(inner.unavailable(reason)));
+        }
         // A definite answer: the permit below takes the reservation over, or nothing was made.
         undo.disarm();
         match reply {
@@ -662,25 +744,41 @@ impl RedisController {
                 capacity,
                 reading,
             } => {
-                let capacity_wait = if capacity {
-                    secs_at_least_one(inner.options.capacity_retry).as_nanos() as u64
-                } else {
-                    0
-                };
+                let capacity_hint =
+                    capacity.then(|| secs_at_least_one(inner.options.capacity_retry));
+                let wait_nanos = rate_wait_micros
+                    .saturating_mul(1000)
+                    .max(capacity_hint.map_or(0, |h| h.as_nanos() as u64));
+                if let Some(ticket) = ticket {
+                    inner.memory.remember(
+                        identity.as_str(),
+                        ticket,
+                        Answer {
+                            code,
+                            needs_approval,
+                            rate_wait_micros,
+                            wait: Duration::from_nanos(wait_nanos),
+                            capacity_hint,
+                            limits,
+                            rate: (interval, span),
+                            reading,
+                        },
+                    );
+                }
                 Err(AdmitError::Refused(Refused {
-                    refusal: Refusal::after_nanos(
-                        code,
-                        rate_wait_micros.saturating_mul(1000).max(capacity_wait),
-                    ),
+                    refusal: Refusal::after_nanos(code, wait_nanos),
                     quota: Some(quota(limits, &inner.options, (interval, span), &reading)),
                 }))
             }
         }
     }
 
-    /// Swaps in a new, already validated configuration; the next decision uses it.
+    /// Swaps in a new, already validated configuration; the next decision uses it (and no
+    /// refusal remembered under the old limits answers again).
     pub(crate) fn reload(&self, config: Config) {
         self.inner.config.store(Arc::new(config));
+        self.inner.memory.forget_all(Forgotten::Reload);
+        crate::sync::lock(&self.inner.client_decisions).clear();
     }
 
     /// The shared counts now, across every replica.
@@ -810,6 +908,11 @@ impl RedisController {
             circuit_open: inner.circuit.is_open(),
             // Relaxed: a reading for metrics.
             recovering: inner.recovering.load(Ordering::Relaxed),
+            refusals_from_memory: inner.memory.answered(),
+            refusals_forgotten: inner.memory.forgotten(),
+            notices_live: inner.memory.is_live(),
+            // Relaxed: a statistic.
+            busy: inner.busy.load(Ordering::Relaxed),
         }
     }
 }
@@ -834,6 +937,85 @@ fn fill_random(bytes: &mut [u8]) {
 }
 
 impl Inner {
+    /// A remembered refusal answering `client`'s submission now, as the answer gives it: the
+    /// code, Retry-After counted down from the remembered moment, and the quota read from the
+    /// remembered reading advanced by the time that passed.
+    fn recall(&self, client: &str, needs_approval: bool) -> Option<Refused> {
+        let recalled = self.memory.recall(client, needs_approval, Instant::now())?;
+        Some(Refused {
+            refusal: Refusal::after_nanos(
+                recalled.code,
+                u64::try_from(recalled.wait_left.as_nanos()).unwrap_or(u64::MAX),
+            ),
+            quota: Some(quota(
+                recalled.limits,
+                &self.options,
+                recalled.rate,
+                &recalled.reading,
+            )),
+        })
+    }
+
+    /// With [`ReplicaOptions::wait_replicas`], waits (`WAIT`, on the connection the admission
+    /// was written on) until that many Redis replicas hold every write made so far, for half the
+    /// call timeout at most.
+    async fn acknowledged(&self) -> Result<(), UnavailableReason> {
+        let wanted = self.options.wait_replicas;
+        if wanted == 0 {
+            return Ok(());
+        }
+        let mut conn = self.conn.clone();
+        // Redis answers WAIT after half the call timeout at most, well within the connection's
+        // own reply timeout (the call timeout).
+        let millis = ttl_millis(self.options.call_timeout / 2);
+        let acked = tokio::time::timeout(
+            self.options.call_timeout,
+            redis::cmd("WAIT")
+                .arg(wanted)
+                .arg(millis)
+                .query_async::<u64>(&mut conn),
+        )
+        .await;
+        match acked {
+            Ok(Ok(n)) if n >= u64::from(wanted) => Ok(()),
+            Ok(Ok(n)) => Err(UnavailableReason::Redis(format!(
+                "{n} of {wanted} redis replicas acknowledged the admission in time"
+            ))),
+            Ok(Err(e)) => Err(UnavailableReason::Redis(e.to_string())),
+            Err(_) => Err(UnavailableReason::Timeout),
+        }
+    }
+
+    /// Room for one decision in flight: `client`'s share, then the replica's, each waited for at
+    /// most the decision wait (`None`: no room came).
+    async fn room(
+        &self,
+        client: &str,
+    ) -> Option<(
+        tokio::sync::OwnedSemaphorePermit,
+        tokio::sync::OwnedSemaphorePermit,
+    )> {
+        let share = Arc::clone(
+            crate::sync::lock(&self.client_decisions)
+                .entry(client.to_owned())
+                .or_insert_with(|| {
+                    Arc::new(tokio::sync::Semaphore::new(
+                        self.options.client_decisions_in_flight,
+                    ))
+                }),
+        );
+        let deadline = tokio::time::Instant::now() + self.options.decision_wait;
+        let own = tokio::time::timeout_at(deadline, share.acquire_owned())
+            .await
+            .ok()?
+            .ok()?;
+        let all = tokio::time::timeout_at(deadline, Arc::clone(&self.decisions).acquire_owned())
+            .await
+            .ok()?
+            .ok()?;
+        Some((own, all))
+    }
+
     pub(crate) fn lock_held(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Held>>> {
         crate::sync::lock(&self.held)
     }
@@ -1275,13 +1457,10 @@ fn ttl_millis(d: Duration) -> u64 {
 
 impl Drop for Inner {
     fn drop(&mut self) {
-        if let Some(task) = self
-            .heartbeat
-            .get_mut()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()
-        {
-            task.abort();
+        for slot in [&mut self.heartbeat, &mut self.notices] {
+            if let Some(task) = slot.get_mut().unwrap_or_else(|p| p.into_inner()).take() {
+                task.abort();
+            }
         }
     }
 }

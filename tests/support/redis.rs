@@ -24,9 +24,72 @@ impl RedisServer {
     /// Starts a server on `port` (a replica may already be trying it), or `None` if it did not
     /// come up there.
     pub fn start_on(port: u16) -> Option<RedisServer> {
+        RedisServer::start_with(port, &[])
+    }
+
+    /// Starts a Redis replica of the server on `primary` (`--replicaof`), on a free port, and
+    /// waits until it is in sync.
+    pub fn start_replica_of(primary: u16) -> RedisServer {
+        let primary = primary.to_string();
+        let server = on_a_free_port(|port| {
+            RedisServer::start_with(port, &["--replicaof", "127.0.0.1", &primary])
+        })
+        .expect("redis-server runs (the primary did)");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !cli(server.port, &["INFO", "replication"]).contains("master_link_status:up") {
+            assert!(Instant::now() < deadline, "the replica never synced");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        server
+    }
+
+    /// Cuts this Redis replica off its primary: it follows a primary that does not exist (a free
+    /// port) and keeps what it has, receiving nothing more.
+    pub fn cut_off(&self) {
+        cli(
+            self.port,
+            &["REPLICAOF", "127.0.0.1", &free_port().to_string()],
+        );
+    }
+
+    /// Promotes this Redis replica to a primary (`REPLICAOF NO ONE`), as a failover does.
+    pub fn promote(&self) {
+        cli(self.port, &["REPLICAOF", "NO", "ONE"]);
+    }
+
+    /// Waits until every write made so far on this primary is held by `replicas` Redis replicas
+    /// (a write of its own, then `WAIT` on the same connection: the replication stream is in
+    /// order); whether they acknowledged within `timeout`.
+    pub fn replicated(&self, replicas: u32, timeout: Duration) -> bool {
+        let mut child = Command::new("redis-cli")
+            .args(["-p", &self.port.to_string()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("redis-cli runs");
+        let commands = format!(
+            "INCR replication-probe\nWAIT {replicas} {}\n",
+            timeout.as_millis()
+        );
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(commands.as_bytes())
+            .unwrap();
+        let out = child.wait_with_output().expect("redis-cli runs");
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .nth(1)
+            .and_then(|n| n.trim().parse::<u32>().ok())
+            .is_some_and(|n| n >= replicas)
+    }
+
+    fn start_with(port: u16, extra: &[&str]) -> Option<RedisServer> {
         let dir = tempfile::tempdir().expect("a temporary directory");
         let child = Command::new("redis-server")
             .args(server_args(port, dir.path()))
+            .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -91,6 +154,42 @@ impl RedisServer {
             .expect("kill runs");
         assert!(status.success(), "kill {sig} failed");
     }
+}
+
+/// `redis-cli -p port args...`'s output (it must succeed).
+pub fn cli(port: u16, args: &[&str]) -> String {
+    let out = Command::new("redis-cli")
+        .arg("-p")
+        .arg(port.to_string())
+        .args(args)
+        .output()
+        .expect("redis-cli runs");
+    assert!(out.status.success(), "redis-cli {args:?} failed");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Script calls (`EVALSHA` and `EVAL`) the server on `port` has run since it started (or since
+/// `CONFIG RESETSTAT`), from `INFO commandstats`.
+pub fn script_calls(port: u16) -> u64 {
+    cli(port, &["INFO", "commandstats"])
+        .lines()
+        .filter_map(|line| {
+            let rest = line
+                .strip_prefix("cmdstat_evalsha:")
+                .or_else(|| line.strip_prefix("cmdstat_eval:"))?;
+            rest.split(',')
+                .find_map(|kv| kv.strip_prefix("calls="))?
+                .trim()
+                .parse::<u64>()
+                .ok()
+        })
+        .sum()
+}
+
+/// Closes every subscriber connection on the server on `port` (`CLIENT KILL TYPE pubsub`):
+/// each replica's notice subscription is lost.
+pub fn kill_subscribers(port: u16) {
+    cli(port, &["CLIENT", "KILL", "TYPE", "pubsub"]);
 }
 
 /// Waits until the server under `child` answers PING on `port`; false if `child` exits first or

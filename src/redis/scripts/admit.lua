@@ -1,6 +1,7 @@
 -- One admission decision, all or nothing, on Redis server time.
 -- KEYS: 1 counts, 2 operations, 3 the client's rate bucket (see read_tat), 4 the replica's lease,
---       5 the idempotency record (client, key), 6 the replica set, 7 the deployment's epoch,
+--       5 the idempotency record (client, key), 6 the replica set (not written: registration
+--       keeps it), 7 the deployment's epoch,
 --       8 the recovery marker.
 -- ARGV: 1 key base, 2 operation id, 3 replica, 4 lease token, 5 client, 6 needs approval (0/1),
 --       7 emission interval (µs), 8 burst span (µs), 9 client active limit, 10 client pending
@@ -22,17 +23,25 @@ local grant_client, grant_global = tonumber(ARGV[11]), tonumber(ARGV[12])
 local global_active, global_executing = tonumber(ARGV[13]), tonumber(ARGV[14])
 local keyed = ARGV[15] == '1'
 
-if redis.call('GET', KEYS[4]) ~= token or redis.call('GET', KEYS[7]) ~= ARGV[17] then
+-- Every string key the decision reads, in one call: the lease, the epoch, the recovery marker,
+-- the bucket and (if used) the idempotency record.
+local read
+if keyed then
+  read = redis.call('MGET', KEYS[4], KEYS[7], KEYS[8], KEYS[3], KEYS[5])
+else
+  read = redis.call('MGET', KEYS[4], KEYS[7], KEYS[8], KEYS[3])
+end
+if read[1] ~= token or read[2] ~= ARGV[17] then
   return {'lease'}
 end
-if redis.call('EXISTS', KEYS[8]) == 1 then
+if read[3] then
   return {'recovering'}
 end
 if redis.call('HEXISTS', KEYS[2], id) == 1 then
   return {'duplicate'}
 end
 if keyed then
-  local owner = redis.call('GET', KEYS[5])
+  local owner = read[5]
   if owner then
     local owner_id, owner_replica = string.match(owner, '^(%S+) (%S+)$')
     -- The key names this very id only if it was admitted and since released (a lapsed lease):
@@ -44,7 +53,7 @@ if keyed then
 end
 
 local now = now_micros()
-local tat, _, stored_span = read_tat(KEYS[3])
+local tat, _, stored_span = parse_tat(read[4])
 -- A reload changed this client's rate since the TAT was written: rescale the fill level first.
 local rescaled = stored_span ~= nil and stored_span ~= span
 if rescaled then
@@ -53,8 +62,10 @@ end
 local next_tat = math.max(tat, now) + interval
 local rate_wait = math.max(math.max(tat, now) + interval - now - span, 0)
 
-local a, p = count('a:' .. client), count('p:' .. client)
-local ga, gp, ge = count('active'), count('pending'), count('executing')
+-- Every count the decision reads, in one call.
+local known = counts({'active', 'a:' .. client, 'pending', 'p:' .. client, 'executing'})
+local a, p = known['a:' .. client], known['p:' .. client]
+local ga, gp, ge = known['active'], known['pending'], known['executing']
 local pending_cap = math.min(client_pending, grant_client)
 
 local code
@@ -91,8 +102,9 @@ end
 write_tat(KEYS[3], next_tat, interval, span, now)
 local state = 'a'
 if approval then state = 'p' end
-hold(id, state, replica, client, base)
-redis.call('SADD', KEYS[6], replica)
+-- (The replica is in the replica set already: its registration put it there, and a reap that
+-- took it out also ended the lease checked above.)
+hold(id, state, replica, client, base, known)
 if keyed then
   local ttl = tonumber(ARGV[16])
   if ttl > 0 then

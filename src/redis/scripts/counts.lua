@@ -4,21 +4,36 @@
 -- state `p` (pending), `a` (approved) or `e` (executing). Counts never fall below zero, and a
 -- count that reaches zero is removed, so an idle deployment leaves an empty hash.
 
-local function count(field)
-  return tonumber(redis.call('HGET', KEYS[1], field) or '0')
-end
-
-local function lower(field)
-  local v = count(field) - 1
-  if v <= 0 then
-    redis.call('HDEL', KEYS[1], field)
-  else
-    redis.call('HSET', KEYS[1], field, string.format('%.0f', v))
+-- The counts `fields` as numbers (an absent one is 0), in one read.
+local function counts(fields)
+  local read = redis.call('HMGET', KEYS[1], unpack(fields))
+  local values = {}
+  for i, field in ipairs(fields) do
+    values[field] = tonumber(read[i] or '0') or 0
   end
+  return values
 end
 
-local function raise(field)
-  redis.call('HINCRBY', KEYS[1], field, 1)
+-- Adds `delta` to each of `fields` in one read (skipped when `known` has them already) and at
+-- most two writes: a count never falls below zero, and one that reaches zero is removed.
+local function adjust(fields, delta, known)
+  local values = known or counts(fields)
+  local set, gone = {}, {}
+  for _, field in ipairs(fields) do
+    local v = (values[field] or 0) + delta
+    if v <= 0 then
+      gone[#gone + 1] = field
+    else
+      set[#set + 1] = field
+      set[#set + 1] = string.format('%.0f', v)
+    end
+  end
+  if #set > 0 then
+    redis.call('HSET', KEYS[1], unpack(set))
+  end
+  if #gone > 0 then
+    redis.call('HDEL', KEYS[1], unpack(gone))
+  end
 end
 
 local function parse_op(record)
@@ -26,18 +41,20 @@ local function parse_op(record)
   return state, replica, client
 end
 
--- Counts an operation in `state` for `client` (no limit checked: admission checked them, or it is
--- restored work, which counts even above a limit).
-local function hold(id, state, replica, client, base)
-  raise('active')
-  raise('a:' .. client)
+-- The counts an operation in `state` for `client` is part of.
+local function fields_of(state, client)
   if state == 'p' then
-    raise('pending')
-    raise('p:' .. client)
+    return {'active', 'a:' .. client, 'pending', 'p:' .. client}
   elseif state == 'e' then
-    raise('executing')
-    raise('e:' .. client)
+    return {'active', 'a:' .. client, 'executing', 'e:' .. client}
   end
+  return {'active', 'a:' .. client}
+end
+
+-- Counts an operation in `state` for `client` (no limit checked: admission checked them, or it is
+-- restored work, which counts even above a limit). `known`: the counts already read, if any.
+local function hold(id, state, replica, client, base, known)
+  adjust(fields_of(state, client), 1, known)
   redis.call('HSET', KEYS[2], id, state .. ' ' .. replica .. ' ' .. client)
   redis.call('SADD', base .. ':held:' .. replica, id)
 end
@@ -45,15 +62,7 @@ end
 -- Releases everything operation `id` holds, once: its record is removed with its counts.
 local function release(id, record, base)
   local state, replica, client = parse_op(record)
-  if state == 'p' then
-    lower('pending')
-    lower('p:' .. client)
-  elseif state == 'e' then
-    lower('executing')
-    lower('e:' .. client)
-  end
-  lower('active')
-  lower('a:' .. client)
+  adjust(fields_of(state, client), -1)
   redis.call('HDEL', KEYS[2], id)
   redis.call('SREM', base .. ':held:' .. replica, id)
   return client
@@ -66,9 +75,9 @@ end
 
 -- A client's rate bucket: the key holds "<TAT> <interval> <span>" (µs; the rate the TAT was last
 -- written under). A bare number (written before the rate was stored) has no known rate, so it is
--- never rescaled. Reply: tat, interval, span (both nil when unknown).
-local function read_tat(key)
-  local v = redis.call('GET', key)
+-- never rescaled. `parse_tat` reads a value already fetched (false for none), `read_tat` the
+-- key. Reply: tat, interval, span (both nil when unknown).
+local function parse_tat(v)
   if not v then
     return 0, nil, nil
   end
@@ -77,6 +86,10 @@ local function read_tat(key)
     return tonumber(tat), tonumber(interval), tonumber(span)
   end
   return tonumber(v) or 0, nil, nil
+end
+
+local function read_tat(key)
+  return parse_tat(redis.call('GET', key))
 end
 
 local function write_tat(key, tat, interval, span, now)

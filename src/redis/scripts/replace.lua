@@ -11,6 +11,8 @@
 --       7 how many replicas it reports, then their names (the deployment as it knows it), then
 --       how many rate debts, then per client: client, interval, span, debt (µs), then per
 --       operation: id, client, state (`p`, `a` or `e`).
+-- Every registration is published as `*` on the notices channel: what it released, or what
+-- Redis forgot, may turn any replica's remembered refusal into an admission.
 -- Reply: {operations released, operations counted, the epoch, recovering 0/1, restored 0/1}
 --        (restored: Redis lacked this replica's rate buckets and key records for this epoch,
 --        and the rate debts were applied).
@@ -97,6 +99,7 @@ if recovering == 1 and redis.call('SCARD', KEYS[8]) == 0 then
   redis.call('DEL', KEYS[7], KEYS[8])
   recovering = 0
 end
+redis.call('PUBLISH', base .. ':notices', '*')
 local restored_flag = 0
 if restored then restored_flag = 1 end
 return {released, counted, epoch, recovering, restored_flag}

@@ -6,6 +6,9 @@
 -- operation (empty for none: a committed operation keeps its key).
 -- Reply: {'moved', from} | {'same'} | {'absent'} (released already) | {'not_allowed', from} |
 --        {'saturated'} (no execution slot: the operation stays approved).
+-- A move that lowers a count (a release, a refund, an approval) is published on the
+-- deployment's notices channel, `r <client>` or, for a refund, `f <client>`, so every replica's
+-- refusal memory forgets what it may have changed.
 local base, id, to = ARGV[1], ARGV[2], ARGV[3]
 local key_record = ARGV[7]
 if key_record ~= nil and key_record ~= '' and (to == 't' or to == 'r') then
@@ -41,6 +44,9 @@ if to == 't' or to == 'r' then
         redis.call('SET', tat_key, string.format('%.0f', math.max(tat - token, 0)), 'PX', ttl)
       end
     end
+    redis.call('PUBLISH', base .. ':notices', 'f ' .. client)
+  else
+    redis.call('PUBLISH', base .. ':notices', 'r ' .. client)
   end
   return {'moved', state}
 end
@@ -48,14 +54,14 @@ if state == to then
   return {'same'}
 end
 if to == 'a' and state == 'p' then
-  lower('pending')
-  lower('p:' .. client)
+  adjust({'pending', 'p:' .. client}, -1)
+  redis.call('PUBLISH', base .. ':notices', 'r ' .. client)
 elseif to == 'e' and state == 'a' then
-  if count('executing') >= tonumber(ARGV[4]) then
+  local known = counts({'executing', 'e:' .. client})
+  if known['executing'] >= tonumber(ARGV[4]) then
     return {'saturated'}
   end
-  raise('executing')
-  raise('e:' .. client)
+  adjust({'executing', 'e:' .. client}, 1, known)
 else
   return {'not_allowed', state}
 end

@@ -1,0 +1,528 @@
+//! Refusals answered from memory and the bounded Redis calls of a replica (SPEC section 7,
+//! "Refusals cost the shared engine nothing after the first"; issue 21), on a real
+//! `redis-server`: a refusal flood on three replicas costs Redis one script call per replica
+//! while another client is admitted throughout; a release (or a refund) on one replica ends the
+//! memory on the others long before the hint would; what a refusal covers is what it answers;
+//! Retry-After counts down; a lost subscription forgets everything; a replica's decisions in
+//! flight are bounded in all and per client, and releases never wait for that bound. Last, a
+//! model: random sequences on three replicas with the memory on never admit what the
+//! in-process engine refuses, and the counts stay exact.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use proptest::prelude::*;
+use support::eventually::assert_eventually;
+use support::redis::{self as redis_support, RedisServer};
+use unyolo_admission::admission::{
+    Admission, AdmitError, NotStarted, OperationHandle, ReplicaOptions, UnavailableReason,
+};
+use unyolo_admission::config::{ClientLimits, Limits};
+use unyolo_admission::{Config, Controller, Identity, ManualClock, Operation, RefusalCode};
+
+/// The capacity hint of these tests: an hour, so a refusal that ends before it was ended by a
+/// notice, never by its hint.
+const HINT: Duration = Duration::from_secs(3600);
+
+/// amy: one live operation at most; bob: plenty; cat: one pending at most, five live; dan: one
+/// token an hour.
+fn config() -> Config {
+    let limits = Limits {
+        requests_per_window: 100_000,
+        window_seconds: 60,
+        client_active: 100,
+        client_pending: 100,
+        global_active: 1000,
+        global_executing: 100,
+    };
+    let client = |requests_per_window, window_seconds, active, pending| ClientLimits {
+        requests_per_window,
+        window_seconds,
+        active,
+        pending,
+    };
+    let mut overrides = BTreeMap::new();
+    let id = |n: &str| Identity::new(n).unwrap();
+    overrides.insert(id("amy"), client(100_000, 60, 1, 1));
+    overrides.insert(id("cat"), client(100_000, 60, 5, 1));
+    overrides.insert(id("dan"), client(1, 3600, 5, 5));
+    Config::new(limits, overrides, ["amy", "bob", "cat", "dan"].map(id)).unwrap()
+}
+
+/// Options for replica `name` under `prefix`: no heartbeat during a test (its scripts would be
+/// counted with the decisions'), generous calls for a noisy machine.
+fn options(server: &RedisServer, prefix: &str, name: &str) -> ReplicaOptions {
+    let mut options = ReplicaOptions::new(server.url(), name);
+    options.prefix = prefix.to_owned();
+    options.lease_ttl = Duration::from_secs(600);
+    options.heartbeat = Duration::from_secs(300);
+    options.call_timeout = Duration::from_secs(2);
+    options.decision_wait = Duration::from_secs(5);
+    options
+}
+
+/// A registered replica whose notice subscription is live (the memory answers from then on).
+async fn replica_with(config: Config, options: ReplicaOptions) -> Admission {
+    let controller = Controller::builder(config).capacity_retry(HINT).build();
+    let admission = Admission::new(controller, Some(options)).unwrap();
+    assert!(admission.restore(Vec::new()).await.deferred.is_none());
+    assert_eventually("the notice subscription is live", async || {
+        admission.stats().notices_live
+    })
+    .await;
+    admission
+}
+
+async fn replicas(server: &RedisServer, prefix: &str, n: usize) -> Vec<Admission> {
+    let mut all = Vec::new();
+    for r in 0..n {
+        all.push(replica_with(config(), options(server, prefix, &format!("r{r}"))).await);
+    }
+    all
+}
+
+fn code(result: &Result<unyolo_admission::AdmissionPermit, AdmitError>) -> Option<RefusalCode> {
+    match result {
+        Err(AdmitError::Refused(refused)) => Some(refused.refusal.code),
+        _ => None,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusal_flood_on_three_replicas_costs_redis_one_call_per_replica_while_others_are_admitted()
+ {
+    let Some(server) = RedisServer::start() else {
+        return;
+    };
+    let replicas = replicas(&server, "flood", 3).await;
+    // amy holds her one operation (on r0): every replica refuses her from now on.
+    let held = replicas[0]
+        .admit("amy", false, Some("held"))
+        .await
+        .unwrap()
+        .commit();
+    // Every script loaded once (a first call is an EVALSHA refused, then an EVAL).
+    replicas[1]
+        .admit("bob", false, None)
+        .await
+        .unwrap()
+        .commit()
+        .fail()
+        .await
+        .unwrap();
+    let before = redis_support::script_calls(server.port);
+    // The flood: 4 tasks per replica, 50 submissions each, with and without approval, each
+    // with its own key; bob submits and finishes work on every replica meanwhile.
+    let mut tasks = Vec::new();
+    for (r, admission) in replicas.iter().enumerate() {
+        for t in 0..4 {
+            let admission = admission.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut refused = 0;
+                for n in 0..50 {
+                    let key = format!("flood-{r}-{t}-{n}");
+                    let result = admission.admit("amy", n % 2 == 0, Some(&key)).await;
+                    assert_eq!(
+                        code(&result),
+                        Some(RefusalCode::ClientOperationLimit),
+                        "{result:?}"
+                    );
+                    refused += 1;
+                }
+                refused
+            }));
+        }
+    }
+    let mut bob_admitted = 0u64;
+    for round in 0..10 {
+        for admission in &replicas {
+            let permit = admission
+                .admit(
+                    "bob",
+                    round % 2 == 0,
+                    Some(&format!("bob-{round}-{bob_admitted}")),
+                )
+                .await
+                .expect("bob is admitted throughout the flood");
+            permit.commit().fail().await.unwrap();
+            bob_admitted += 1;
+        }
+    }
+    let mut refused = 0;
+    for task in tasks {
+        refused += task.await.unwrap();
+    }
+    let calls = redis_support::script_calls(server.port) - before;
+    assert_eq!(refused, 600);
+    // amy: one call per replica (its refusal); bob: his admissions and their releases.
+    assert!(
+        calls <= 3 + 2 * bob_admitted,
+        "{calls} script calls for {refused} refusals and {bob_admitted} of bob's admissions"
+    );
+    let from_memory: u64 = replicas
+        .iter()
+        .map(|r| r.stats().refusals_from_memory)
+        .sum();
+    assert!(from_memory >= 600 - 3, "{from_memory} answered from memory");
+
+    // A release on r0 ends amy's memory on r1 and r2 at once, an hour before its hint: her
+    // next submission there is decided by Redis and admitted.
+    held.fail().await.unwrap();
+    let r1 = &replicas[1];
+    let mut admitted = None;
+    assert_eventually(
+        "amy is admitted on r1 after her release on r0",
+        async || match r1.admit("amy", false, None).await {
+            Ok(permit) => {
+                admitted = Some(permit.commit());
+                true
+            }
+            Err(AdmitError::Refused(_)) => false,
+            Err(other) => panic!("{other}"),
+        },
+    )
+    .await;
+    let forgotten = r1.stats().refusals_forgotten;
+    assert!(forgotten[2] >= 1, "forgotten by a release: {forgotten:?}");
+    admitted.unwrap().fail().await.unwrap();
+    for admission in &replicas {
+        assert!(admission.flush().await);
+    }
+    assert!(replicas[2].counts().await.unwrap().is_idle());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pending_limit_refusal_answers_work_that_needs_approval_and_not_work_that_does_not() {
+    let Some(server) = RedisServer::start() else {
+        return;
+    };
+    let replicas = replicas(&server, "pending", 1).await;
+    let r0 = &replicas[0];
+    let pending = r0.admit("cat", true, None).await.unwrap().commit();
+    let first = r0.admit("cat", true, None).await;
+    assert_eq!(code(&first), Some(RefusalCode::ClientPendingLimit));
+    let calls = redis_support::script_calls(server.port);
+    let again = r0.admit("cat", true, None).await;
+    assert_eq!(code(&again), Some(RefusalCode::ClientPendingLimit));
+    assert_eq!(
+        redis_support::script_calls(server.port),
+        calls,
+        "answered from memory"
+    );
+    assert_eq!(r0.stats().refusals_from_memory, 1);
+    // Work that needs no approval meets no pending limit: Redis decides it, and admits it.
+    let approved = r0.admit("cat", false, None).await.unwrap().commit();
+    assert_eq!(redis_support::script_calls(server.port), calls + 1);
+    // Approving the pending one lowers cat's pending count: the memory forgets at once.
+    pending.approve().await.unwrap();
+    let third = r0.admit("cat", true, None).await.unwrap().commit();
+    for operation in [pending, approved, third] {
+        operation.fail().await.unwrap();
+    }
+    assert!(r0.flush().await);
+    assert!(r0.counts().await.unwrap().is_idle());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_remembered_rate_refusal_counts_its_retry_after_down_and_a_refund_anywhere_ends_it() {
+    let Some(server) = RedisServer::start() else {
+        return;
+    };
+    let replicas = replicas(&server, "rate", 2).await;
+    // dan's one token, taken on r0; r1 is refused for the rate (about an hour to wait).
+    let permit = replicas[0].admit("dan", false, None).await.unwrap();
+    let first = match replicas[1].admit("dan", true, None).await {
+        Err(AdmitError::Refused(refused)) => refused,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(first.refusal.code, RefusalCode::SubmissionRateLimited);
+    let calls = redis_support::script_calls(server.port);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // From memory, for both kinds of work: the same code, the wait counted down (never a
+    // fresh full one), the quota's next token as near.
+    for approval in [false, true] {
+        let again = match replicas[1].admit("dan", approval, None).await {
+            Err(AdmitError::Refused(refused)) => refused,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(again.refusal.code, RefusalCode::SubmissionRateLimited);
+        assert!(
+            again.refusal.retry_after < first.refusal.retry_after,
+            "{:?} then {:?}",
+            first.refusal.retry_after,
+            again.refusal.retry_after
+        );
+        let (before, now) = (first.quota.unwrap().rate, again.quota.unwrap().rate);
+        assert!(now.next_token_nanos < before.next_token_nanos);
+        assert_eq!(now.remaining, 0);
+    }
+    assert_eq!(redis_support::script_calls(server.port), calls);
+    // The refund on r0 gives the token back: r1 admits dan (decided by Redis) long before the
+    // hour is up.
+    permit.refund().await;
+    let mut admitted = None;
+    assert_eventually(
+        "dan is admitted on r1 after the refund on r0",
+        async || match replicas[1].admit("dan", false, None).await {
+            Ok(permit) => {
+                admitted = Some(permit);
+                true
+            }
+            Err(AdmitError::Refused(_)) => false,
+            Err(other) => panic!("{other}"),
+        },
+    )
+    .await;
+    assert!(
+        replicas[1].stats().refusals_forgotten[1] >= 1,
+        "by a refund"
+    );
+    admitted.unwrap().refund().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_notice_subscription_forgets_every_remembered_refusal() {
+    let Some(server) = RedisServer::start() else {
+        return;
+    };
+    let replicas = replicas(&server, "lost", 1).await;
+    let r0 = &replicas[0];
+    let held = r0.admit("amy", false, None).await.unwrap().commit();
+    assert!(code(&r0.admit("amy", false, None).await).is_some());
+    assert!(code(&r0.admit("amy", false, None).await).is_some());
+    assert_eq!(r0.stats().refusals_from_memory, 1);
+    redis_support::kill_subscribers(server.port);
+    assert_eventually("the loss is noticed", async || {
+        r0.stats().refusals_forgotten[5] >= 1
+    })
+    .await;
+    assert_eventually("the subscription is made again", async || {
+        r0.stats().notices_live
+    })
+    .await;
+    // Forgotten: the next refusal is Redis's again (one call), then remembered again.
+    let calls = redis_support::script_calls(server.port);
+    assert!(code(&r0.admit("amy", false, None).await).is_some());
+    assert_eq!(redis_support::script_calls(server.port), calls + 1);
+    assert!(code(&r0.admit("amy", false, None).await).is_some());
+    assert_eq!(redis_support::script_calls(server.port), calls + 1);
+    held.fail().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_its_decisions_in_flight_a_submission_is_unavailable_and_releases_never_wait() {
+    let Some(server) = RedisServer::start() else {
+        return;
+    };
+    let mut options = options(&server, "busy", "r0");
+    options.decisions_in_flight = 2;
+    options.client_decisions_in_flight = 1;
+    options.decision_wait = Duration::from_millis(100);
+    options.call_timeout = Duration::from_secs(3);
+    let r0 = replica_with(config(), options).await;
+    let live = r0.admit("bob", false, None).await.unwrap().commit();
+    // Redis stops answering: amy's and bob's decisions hang in flight. Each is polled once, so
+    // it holds its room and waits on Redis.
+    server.pause();
+    let mut amy = Box::pin(r0.admit("amy", false, None));
+    let mut bob = Box::pin(r0.admit("bob", false, None));
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    assert!(amy.as_mut().poll(&mut cx).is_pending());
+    assert!(bob.as_mut().poll(&mut cx).is_pending());
+    // amy's second is past her own share; cat's is past the replica's.
+    for client in ["amy", "cat"] {
+        match r0.admit(client, false, None).await {
+            Err(AdmitError::Unavailable(u)) => assert_eq!(u.reason, UnavailableReason::Busy),
+            other => panic!("{client}: {other:?}"),
+        }
+    }
+    assert!(r0.stats().busy >= 2);
+    // A release does not wait for room: kept at once (Redis does not answer), sent later.
+    live.cancel().await.unwrap();
+    server.resume();
+    let _ = amy.await;
+    let _ = bob.await;
+    assert!(r0.flush().await);
+    assert_eventually("everything drains", async || {
+        r0.counts().await.is_ok_and(|c| c.is_idle())
+    })
+    .await;
+}
+
+/// One step of the model: an admission (on a replica, by a client, with or without approval),
+/// an admission refunded at once, or a transition of a live operation.
+#[derive(Clone, Debug)]
+enum Step {
+    Admit(usize, usize, bool),
+    AdmitRefund(usize, usize),
+    Approve(usize),
+    Start(usize),
+    Succeed(usize),
+    Cancel(usize),
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        4 => (0..3usize, 0..4usize, any::<bool>()).prop_map(|(r, c, a)| Step::Admit(r, c, a)),
+        1 => (0..3usize, 0..4usize).prop_map(|(r, c)| Step::AdmitRefund(r, c)),
+        1 => any::<usize>().prop_map(Step::Approve),
+        1 => any::<usize>().prop_map(Step::Start),
+        1 => any::<usize>().prop_map(Step::Succeed),
+        2 => any::<usize>().prop_map(Step::Cancel),
+    ]
+}
+
+/// Small limits so every refusal comes up: amy 2 live (1 pending), bob 3 live, cat 2 pending,
+/// dan 3 tokens an hour; 6 live and 2 executing in all.
+fn model_config() -> Config {
+    let limits = Limits {
+        requests_per_window: 10_000,
+        window_seconds: 3600,
+        client_active: 3,
+        client_pending: 2,
+        global_active: 6,
+        global_executing: 2,
+    };
+    let mut overrides = BTreeMap::new();
+    let id = |n: &str| Identity::new(n).unwrap();
+    overrides.insert(
+        id("amy"),
+        ClientLimits {
+            requests_per_window: 10_000,
+            window_seconds: 3600,
+            active: 2,
+            pending: 1,
+        },
+    );
+    overrides.insert(
+        id("dan"),
+        ClientLimits {
+            requests_per_window: 3,
+            window_seconds: 3600,
+            active: 3,
+            pending: 2,
+        },
+    );
+    Config::new(limits, overrides, ["amy", "bob", "cat", "dan"].map(id)).unwrap()
+}
+
+const CLIENTS: [&str; 4] = ["amy", "bob", "cat", "dan"];
+
+/// Runs `steps` on three replicas (memory on) and on the in-process engine side by side: no
+/// replica admits what the engine refuses; where a replica refuses what the engine admits (a
+/// release not yet heard), the engine gives its permit back to stay in step; after every step
+/// the deployment's counts are the engine's.
+async fn model(server: &RedisServer, prefix: &str, steps: &[Step]) -> u64 {
+    let mut replicas = Vec::new();
+    for r in 0..3 {
+        let mut options = options(server, prefix, &format!("m{r}"));
+        options.call_timeout = Duration::from_secs(3);
+        replicas.push(replica_with(model_config(), options).await);
+    }
+    let engine = Controller::builder(model_config())
+        .clock(ManualClock::new())
+        .capacity_retry(HINT)
+        .build();
+    let mut live: Vec<(Operation, OperationHandle)> = Vec::new();
+    for (n, step) in steps.iter().enumerate() {
+        let context = format!("step {n}: {step:?}");
+        let admission = match *step {
+            Step::Admit(r, c, approval) => Some((r, c, approval, false)),
+            Step::AdmitRefund(r, c) => Some((r, c, false, true)),
+            _ => None,
+        };
+        match *step {
+            _ if admission.is_some() => {
+                let (r, c, approval, refund) = admission.unwrap();
+                let client = CLIENTS[c];
+                let expected = engine.admit(client, approval);
+                match (expected, replicas[r].admit(client, approval, None).await) {
+                    (Ok(local), Ok(shared)) => {
+                        if refund {
+                            local.refund();
+                            shared.refund().await;
+                        } else {
+                            live.push((local.commit(), shared.commit()));
+                        }
+                    }
+                    (Ok(local), Err(AdmitError::Refused(_))) => local.refund(),
+                    (Err(_), Err(AdmitError::Refused(_))) => {}
+                    (Err(expected), Ok(got)) => {
+                        panic!("{context}: admitted {got:?} that the engine refused: {expected:?}")
+                    }
+                    (_, Err(other)) => panic!("{context}: {other}"),
+                }
+            }
+            _ if live.is_empty() => {}
+            Step::Approve(i) => {
+                let (op, shared) = &live[i % live.len()];
+                assert_eq!(op.approve(), shared.approve().await, "{context}");
+            }
+            Step::Start(i) => {
+                let (op, shared) = &live[i % live.len()];
+                match (op.try_start(), shared.try_start().await) {
+                    (Ok(()), Ok(())) => {}
+                    (Err(_), Err(NotStarted::Saturated(_) | NotStarted::NotApproved(_))) => {}
+                    (expected, got) => panic!("{context}: {expected:?} vs {got:?}"),
+                }
+            }
+            Step::Succeed(i) => {
+                let (op, shared) = &live[i % live.len()];
+                assert_eq!(op.succeed(), shared.succeed().await, "{context}");
+            }
+            Step::Cancel(i) => {
+                let (op, shared) = &live[i % live.len()];
+                assert_eq!(op.cancel(), shared.cancel().await, "{context}");
+            }
+            _ => {}
+        }
+        live.retain(|(op, _)| !op.state().is_terminal());
+        let counts = replicas[n % 3].counts().await.unwrap();
+        let snapshot = engine.snapshot();
+        assert_eq!(
+            (counts.active, counts.pending, counts.executing),
+            (snapshot.active, snapshot.pending, snapshot.executing),
+            "{context}"
+        );
+    }
+    for (op, shared) in live.drain(..) {
+        let _ = op.fail();
+        let _ = shared.fail().await;
+    }
+    let mut answered = 0;
+    for admission in &replicas {
+        assert!(admission.flush().await);
+        answered += admission.stats().refusals_from_memory;
+        admission.shutdown().await;
+    }
+    assert!(replicas[0].counts().await.unwrap().is_idle());
+    answered
+}
+
+#[test]
+fn random_sequences_on_three_replicas_with_the_memory_on_never_admit_what_the_engine_refuses() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let Some(server) = runtime.block_on(async { RedisServer::start() }) else {
+        return;
+    };
+    static CASE: AtomicUsize = AtomicUsize::new(0);
+    let answered = std::sync::atomic::AtomicU64::new(0);
+    proptest!(ProptestConfig { cases: 12, ..ProptestConfig::default() },
+        |(steps in proptest::collection::vec(step(), 40..120))| {
+        let prefix = format!("model-{}", CASE.fetch_add(1, Ordering::Relaxed));
+        let n = runtime.block_on(model(&server, &prefix, &steps));
+        answered.fetch_add(n, Ordering::Relaxed);
+    });
+    assert!(
+        answered.load(Ordering::Relaxed) > 0,
+        "no sequence had a refusal answered from memory"
+    );
+}
