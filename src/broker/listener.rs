@@ -24,7 +24,7 @@
 //!   still reading the body: nothing was decided yet). Only when every connection has a request
 //!   in progress that is not stuck on its body does the newcomer wait for one to end. This part is
 //!   ours: hyper and tower offer no eviction.
-//! - **Listen backlog** ([`bind`]): the kernel's queue of connections not yet accepted is 4096
+//! - **Listen backlog** (`bind`): the kernel's queue of connections not yet accepted is 4096
 //!   deep (or `net.core.somaxconn`, if lower), not the 128 of `std` and tokio. At the cap the
 //!   accept loop takes one connection at a time, as eviction makes room, so a flood holds about
 //!   `cap + backlog` connections; past the backlog the kernel drops new connections' SYNs and
