@@ -49,9 +49,11 @@ fn grow(conn: &mut rusqlite::Connection, from: u64, to: u64) {
         let mut insert = tx
             .prepare(
                 "INSERT INTO operations (id, client_id, idempotency_key, operation, target, \
-                 arguments, reason, state, created_at, updated_at, terminal_at, revision) \
+                 arguments, reason, state, created_at, updated_at, terminal_at, revision, \
+                 title, summary, request_digest) \
                  VALUES (?1, ?2, ?3, 'demo.run', '{\"repo\":\"unyolo/bench\"}', '{}', \
-                 'list bench', ?4, ?5, ?5, ?6, ?7)",
+                 'list bench', ?4, ?5, ?5, ?6, ?7, 'Run the demo on repo=unyolo/bench', \
+                 'list bench', ?8)",
             )
             .unwrap();
         for i in from..to {
@@ -66,6 +68,7 @@ fn grow(conn: &mut rusqlite::Connection, from: u64, to: u64) {
                     created,
                     (!pending).then_some(&created),
                     if pending { 1 } else { 4 },
+                    format!("{i:064x}"),
                 ])
                 .unwrap();
         }
