@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use support::broker::{ROOMY, settings, start_with};
 use support::eventually::assert_eventually;
-use support::http::request;
+use support::http::{read_answer, request};
 use support::metrics::metric;
 use support::secrets::{AGENT, AGENT_SECRET, OTHER_SECRET};
 use unyolo_admission::StorageCaps;
@@ -163,21 +163,6 @@ fn resident_bytes() -> u64 {
     let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
     let kib: u64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
     kib * 1024
-}
-
-/// Reads one answer from `read`: its head and as much body as arrives before the server closes
-/// the connection or the JSON ends.
-async fn read_answer(read: &mut tokio::net::tcp::OwnedReadHalf) -> String {
-    use tokio::io::AsyncReadExt;
-    let mut received = Vec::new();
-    let mut chunk = [0u8; 4096];
-    while !(received.windows(4).any(|w| w == b"\r\n\r\n") && received.ends_with(b"}")) {
-        match read.read(&mut chunk).await {
-            Ok(0) | Err(_) => break,
-            Ok(n) => received.extend_from_slice(&chunk[..n]),
-        }
-    }
-    String::from_utf8_lossy(&received).into_owned()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -11,10 +11,10 @@ mod support;
 
 use serde_json::{Value, json};
 use support::eventually::{PATIENCE, assert_eventually};
-use support::http::request;
+use support::http::{read_answer, request};
 use support::secrets::{AGENT_SECRET, OPERATOR_SECRET, OTHER_SECRET};
 use support::serve::{Files, Server};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
@@ -47,20 +47,6 @@ fn heavy_request(key: &str, padding: usize) -> Value {
         "arguments": {"duration_ms": 0, "padding": "x".repeat(padding)},
         "reason": "a heavy row",
     })
-}
-
-/// Reads one answer: its head and as much body as arrives before the server closes the
-/// connection or the JSON ends.
-async fn read_answer(read: &mut tokio::net::tcp::OwnedReadHalf) -> String {
-    let mut received = Vec::new();
-    let mut chunk = [0u8; 4096];
-    while !(received.windows(4).any(|w| w == b"\r\n\r\n") && received.ends_with(b"}")) {
-        match read.read(&mut chunk).await {
-            Ok(0) | Err(_) => break,
-            Ok(n) => received.extend_from_slice(&chunk[..n]),
-        }
-    }
-    String::from_utf8_lossy(&received).into_owned()
 }
 
 /// Submits `count` heavy operations for the agent, keys `{prefix}-0..`, each answered 202.

@@ -56,3 +56,18 @@ impl Reply {
         self.header("retry-after").and_then(|v| v.parse().ok())
     }
 }
+
+/// Reads one answer from `read`: its head and as much body as arrives before the server closes
+/// the connection or the JSON ends.
+pub async fn read_answer(read: &mut tokio::net::tcp::OwnedReadHalf) -> String {
+    use tokio::io::AsyncReadExt;
+    let mut received = Vec::new();
+    let mut chunk = [0u8; 4096];
+    while !(received.windows(4).any(|w| w == b"\r\n\r\n") && received.ends_with(b"}")) {
+        match read.read(&mut chunk).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => received.extend_from_slice(&chunk[..n]),
+        }
+    }
+    String::from_utf8_lossy(&received).into_owned()
+}
