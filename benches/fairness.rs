@@ -45,7 +45,6 @@ use tokio::task::JoinSet;
 
 const AGENT_SECRET: &str = "bench-agent-secret-0123";
 const OTHER_SECRET: &str = "bench-other-secret-4567";
-const OPERATOR_SECRET: &str = "bench-operator-secret-89ab-0123456789abcdef";
 
 /// Nothing binds but what an attack makes bind (10 pending, for the refusal flood).
 const LIMITS: &str = r#"{"requests_per_window": 1000000, "window_seconds": 60,
@@ -74,10 +73,13 @@ struct Build {
 
 fn builds() -> (Build, Build, String) {
     let this = PathBuf::from(env!("CARGO_BIN_EXE_admission"));
+    // This build's operator listener on a port of its own (the default is a fixed one); the
+    // operators' secrets file is the one `serve` creates (no request here is an operator's).
+    let own_operator_port = || vec!["--operator-listen".to_owned(), "127.0.0.1:0".to_owned()];
     let fair = Build {
         label: "fair",
         binary: this.clone(),
-        flags: vec![],
+        flags: own_operator_port(),
     };
     let (before, which) = match std::env::var_os("ADMISSION_BEFORE_BIN") {
         Some(path) => (
@@ -104,6 +106,8 @@ fn builds() -> (Build, Build, String) {
                     "0",
                     "--body-deadline",
                     "1h",
+                    "--operator-listen",
+                    "127.0.0.1:0",
                 ]
                 .map(str::to_owned)
                 .to_vec(),
@@ -138,7 +142,6 @@ impl Server {
             format!("agent = {AGENT_SECRET}\nother = {OTHER_SECRET}\n"),
         )
         .unwrap();
-        std::fs::write(path("operator"), format!("{OPERATOR_SECRET}\n")).unwrap();
         std::fs::write(path("limits.json"), LIMITS).unwrap();
         let arg = |p: PathBuf| p.to_str().unwrap().to_owned();
         let mut child = Command::new(&build.binary)
@@ -151,7 +154,6 @@ impl Server {
             ])
             .args(["--data".to_owned(), arg(path("data"))])
             .args(["--secrets".to_owned(), arg(path("secrets"))])
-            .args(["--operator-secret".to_owned(), arg(path("operator"))])
             .args(["--admission-config".to_owned(), arg(path("limits.json"))])
             .args(&build.flags)
             .env("RUST_LOG", "error")

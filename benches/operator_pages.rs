@@ -61,9 +61,10 @@ fn grow(conn: &mut rusqlite::Connection, from: u64, to: u64) {
         let mut insert = tx
             .prepare(
                 "INSERT INTO operations (id, client_id, idempotency_key, operation, target, \
-                 arguments, reason, state, created_at, updated_at, terminal_at, revision) \
+                 arguments, reason, state, created_at, updated_at, terminal_at, revision, \
+                 ended_from, title, summary, request_digest) \
                  VALUES (?1, ?2, ?3, 'demo.request', ?4, '{}', 'operator bench', ?5, ?6, ?6, \
-                 ?7, ?8)",
+                 ?7, ?8, ?9, 'Ask for approval on the bench repo', 'operator bench', ?10)",
             )
             .unwrap();
         for i in from..to {
@@ -79,6 +80,8 @@ fn grow(conn: &mut rusqlite::Connection, from: u64, to: u64) {
                     created,
                     (!pending).then_some(&created),
                     if pending { 1 } else { 2 },
+                    (!pending).then_some("pending"),
+                    format!("{i:064x}"),
                 ])
                 .unwrap();
         }

@@ -12,7 +12,7 @@ mod support;
 use serde_json::{Value, json};
 use support::eventually::{PATIENCE, assert_eventually};
 use support::http::{read_answer, request};
-use support::secrets::{AGENT_SECRET, OPERATOR_SECRET, OTHER_SECRET};
+use support::secrets::{AGENT_SECRET, OTHER_SECRET};
 use support::serve::{Files, Server};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
@@ -350,7 +350,6 @@ async fn a_stream_trickled_below_the_minimum_rate_is_cut_off_408_and_leaves_noth
             .await,
         Some(1)
     );
-    let drift = server.get("/api/operator/v1/drift", OPERATOR_SECRET).await;
-    assert_eq!(drift.status, 200, "{}", drift.body);
-    assert_eq!(drift.body["drift"], 0, "{}", drift.body);
+    let drift = server.operator.drift().await;
+    assert_eq!(drift["drift"], 0, "{drift}");
 }

@@ -29,7 +29,10 @@
 //! revision change of a request, its `seq` the event's sequence (`AUTOINCREMENT`: never reused,
 //! so a cursor never names two events), and `operations.ended_from`, the state a terminal
 //! operation left (what tells a request revoked from approved from one canceled while pending,
-//! and a failure after running from one before it).
+//! and a failure after running from one before it). A migrated file's rows get it from what
+//! they recorded: a success, or a failure with an `execution_` error, ended `executing`; a
+//! cancel that took back an approval (`revoked`) ended `approved`; for every other row the
+//! status does not depend on it.
 //!
 //! Each step brings a file from the version below its number to its number, and a file applies
 //! every step above its version in one transaction. A new file is the version 3 table plus every
@@ -161,6 +164,9 @@ CREATE TABLE operator_events (
     used_count  INTEGER NOT NULL
 );
 ALTER TABLE operations ADD COLUMN ended_from TEXT;
+UPDATE operations SET ended_from = 'executing'
+    WHERE state = 'succeeded' OR (state = 'failed' AND error_code LIKE 'execution!_%' ESCAPE '!');
+UPDATE operations SET ended_from = 'approved' WHERE state = 'canceled' AND revoked = 1;
 ";
 
 /// The steps after schema 3, each with the version it brings a file to, in order.
@@ -230,14 +236,19 @@ pub(super) fn migrate(writer: &Connection, path: &Path) -> Result<(), StoreError
 }
 
 /// Creates the indexes no schema version owns. The start-up rate replay reads operations by
-/// creation time, and the retention sweep terminal ones by when they ended. Created at every
-/// open, not by a schema version: an index changes no row, and an older file gains it on its next
-/// start.
+/// creation time, the retention sweep terminal ones by when they ended, and the operators'
+/// request pages an operation's rows newest first (all of them, or those in one state). Created
+/// at every open, not by a schema version: an index changes no row, and an older file gains it
+/// on its next start.
 pub(super) fn ensure_indexes(writer: &Connection) -> Result<(), StoreError> {
     writer.execute_batch(
         "CREATE INDEX IF NOT EXISTS operations_by_created_at ON operations (created_at); \
          CREATE INDEX IF NOT EXISTS operations_retiring ON operations (terminal_at) \
-         WHERE terminal_at IS NOT NULL;",
+         WHERE terminal_at IS NOT NULL; \
+         CREATE INDEX IF NOT EXISTS operations_requests \
+         ON operations (operation, created_at, id); \
+         CREATE INDEX IF NOT EXISTS operations_requests_by_state \
+         ON operations (operation, state, created_at, id);",
     )?;
     Ok(())
 }
@@ -272,6 +283,46 @@ mod tests {
             title: format!("{operation} on {}", target["repo"].as_str().unwrap_or("-")),
             summary: Some(reason.to_owned()),
         }
+    }
+
+    #[test]
+    fn an_older_files_ended_rows_learn_the_state_they_left_from_what_they_recorded() {
+        let dir = tempfile::tempdir().unwrap();
+        schema_3_file(dir.path());
+        {
+            let conn = Connection::open(dir.path().join(DATABASE_FILE)).unwrap();
+            for (id, state, code) in [
+                ("op_ok", "succeeded", None),
+                ("op_ran", "failed", Some("execution_interrupted")),
+                ("op_never", "failed", Some("store_unavailable")),
+                ("op_like", "failed", Some("executionXinterrupted")),
+                ("op_gone", "canceled", None),
+            ] {
+                conn.execute(
+                    "INSERT INTO operations (id, client_id, idempotency_key, operation, target,                      arguments, reason, state, created_at, updated_at, error_code, revision)                      VALUES (?1, 'bot-7', ?1, 'demo.request', '{}', '{}', 'why', ?2,                      '2025-01-01T00:00:00.000Z', '2025-01-01T00:00:00.000Z', ?3, 2)",
+                    rusqlite::params![id, state, code],
+                )
+                .unwrap();
+            }
+        }
+        let db = Database::open(dir.path()).unwrap();
+        let ended = |id: &str| -> Option<String> {
+            db.writer()
+                .query_row(
+                    "SELECT ended_from FROM operations WHERE id = ?1",
+                    [id],
+                    |r| r.get(0),
+                )
+                .unwrap()
+        };
+        assert_eq!(ended("op_ok").as_deref(), Some("executing"));
+        assert_eq!(ended("op_ran").as_deref(), Some("executing"));
+        // `_` in the pattern is escaped: only the literal prefix `execution_` counts.
+        assert_eq!(ended("op_never"), None);
+        assert_eq!(ended("op_like"), None);
+        // Schema 3 recorded no revocation: a cancel shows `canceled`.
+        assert_eq!(ended("op_gone"), None);
+        assert_eq!(ended("op_1"), None);
     }
 
     #[tokio::test]

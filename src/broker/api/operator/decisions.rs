@@ -23,6 +23,7 @@
 //! conflict, not a replay.
 
 use std::sync::Arc;
+use std::time::{Duration, SystemTime};
 
 use axum::body::Body;
 use axum::extract::{FromRequestParts, Path, State};
@@ -35,7 +36,7 @@ use sha2::{Digest, Sha256};
 
 use super::OperatorName;
 use super::error::{ErrorCode, OperatorError, OperatorResult};
-use super::projection::{APPROVAL_SECONDS, broker_request};
+use super::projection::{APPROVAL_SECONDS, broker_request, past_due};
 use super::requests::valid_id;
 use crate::broker::api::error::json_response;
 use crate::broker::api::extract::read_body;
@@ -288,6 +289,7 @@ fn judge(
     action: Action,
     record: &OperationRecord,
     live: Option<OperationState>,
+    pending_timeout: Duration,
 ) -> Result<DecidedMove, Refusal> {
     if !registry::needs_approval(&record.operation) {
         return Err(Refusal::NotARequest);
@@ -304,6 +306,10 @@ fn judge(
         Action::Revoke => (OperationState::Approved, OperationState::Canceled, true),
     };
     if record.state != from || live != Some(from) {
+        return Err(Refusal::Transition);
+    }
+    // Past its pending time a request is expired, whether or not its expiry is written yet.
+    if from == OperationState::Pending && past_due(record, pending_timeout, SystemTime::now()) {
         return Err(Refusal::Transition);
     }
     if let Some(constraints) = &body.constraints {
@@ -392,11 +398,14 @@ pub(crate) async fn decide(
         on_behalf_of: decision.on_behalf_of.clone(),
     };
     let timeout = core.pending_timeout;
+    // A request whose time ran out is expired before it is judged, as upstream applies due
+    // lifecycle changes first; `judge` refuses one the sweeper has not reached yet.
+    core.settle_expiries().await;
     // Decided: from here the decision runs to its end, whether or not the operator waits.
     let outcome = core
         .decide_to_end(
             command,
-            move |record, live| judge(&decision, action, record, live),
+            move |record, live| judge(&decision, action, record, live, timeout),
             move |record| broker_request(record, timeout).to_string(),
         )
         .await
@@ -457,9 +466,57 @@ pub(crate) async fn decide(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::broker::api::operator::projection::tests::record;
 
     fn parse(action: Action, body: &str) -> Result<DecisionBody, OperatorError> {
         parse_decision(action, body.as_bytes())
+    }
+
+    #[test]
+    fn a_pending_request_past_its_time_is_not_decided_even_before_its_expiry_is_written() {
+        let body = parse(
+            Action::Approve,
+            r#"{"expected_revision":1,"idempotency_key":"k"}"#,
+        )
+        .unwrap();
+        let pending = record(OperationState::Pending);
+        // Created 2026-01-01: a year's timeout has not run out yet, five minutes have.
+        let year = Duration::from_secs(2 * 365 * 24 * 3600);
+        let judged = judge(
+            &body,
+            Action::Approve,
+            &pending,
+            Some(OperationState::Pending),
+            year,
+        );
+        assert!(matches!(
+            judged,
+            Ok(DecidedMove {
+                to: OperationState::Approved,
+                revoked: false
+            })
+        ));
+        let five_minutes = Duration::from_secs(300);
+        for action in [Action::Approve, Action::Deny] {
+            let judged = judge(
+                &body,
+                action,
+                &pending,
+                Some(OperationState::Pending),
+                five_minutes,
+            );
+            assert!(matches!(judged, Err(Refusal::Transition)), "{action:?}");
+        }
+        // An approved request is revoked whatever its age: the pending time bounds a wait only.
+        let approved = record(OperationState::Approved);
+        let judged = judge(
+            &body,
+            Action::Revoke,
+            &approved,
+            Some(OperationState::Approved),
+            five_minutes,
+        );
+        assert!(matches!(judged, Ok(DecidedMove { revoked: true, .. })));
     }
 
     #[test]

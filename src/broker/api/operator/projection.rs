@@ -16,12 +16,12 @@
 //! (`requested_max_uses` and `granted_max_uses` 1); its approval is good for
 //! [`APPROVAL_SECONDS`].
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use serde_json::{Value, json};
 
 use crate::broker::api::presentation::{describe_target, presentation_json, truncate};
-use crate::broker::store::OperationRecord;
+use crate::broker::store::{OperationRecord, request_status};
 use crate::engine::OperationState;
 
 /// `requested_duration_seconds` of every request, and the bound an approval's
@@ -31,27 +31,10 @@ pub const APPROVAL_SECONDS: u64 = 300;
 /// The longest `presentation.target`, in characters.
 const TARGET_MAX: usize = 500;
 
-/// The request's status as Operator V1 names it.
+/// The request's status as Operator V1 names it: the event log's own rule
+/// ([`request_status`]), so a request and its events never disagree.
 pub(crate) fn status(record: &OperationRecord) -> &'static str {
-    match record.state {
-        OperationState::Pending => "pending",
-        OperationState::Approved | OperationState::Executing => "active",
-        OperationState::Succeeded => "consumed",
-        OperationState::Failed if ran(record) => "consumed",
-        OperationState::Failed => "failed",
-        OperationState::Denied => "denied",
-        OperationState::Canceled if record.decided.as_ref().is_some_and(|d| d.revoked) => "revoked",
-        OperationState::Canceled => "canceled",
-        OperationState::Expired => "expired",
-    }
-}
-
-/// Whether a failed operation had started running (its error is the executor's).
-fn ran(record: &OperationRecord) -> bool {
-    record
-        .error
-        .as_ref()
-        .is_some_and(|e| e.code.starts_with("execution_"))
+    request_status(record.state, record.ended_from).as_str()
 }
 
 /// The actions an operator may take now.
@@ -67,6 +50,16 @@ pub(crate) fn allowed_actions(record: &OperationRecord) -> &'static [&'static st
 pub(crate) fn pending_expires_at(created_at: &str, pending_timeout: Duration) -> Option<String> {
     let created = humantime::parse_rfc3339(created_at).ok()?;
     Some(humantime::format_rfc3339_millis(created + pending_timeout).to_string())
+}
+
+/// Whether a request created as `record` says has waited its whole pending time at `now`.
+pub(crate) fn past_due(
+    record: &OperationRecord,
+    pending_timeout: Duration,
+    now: SystemTime,
+) -> bool {
+    humantime::parse_rfc3339(&record.created_at)
+        .is_ok_and(|created| created + pending_timeout <= now)
 }
 
 /// `record` as a `BrokerRequest`.
@@ -117,11 +110,12 @@ pub(crate) fn broker_request(record: &OperationRecord, pending_timeout: Duration
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
-    use crate::broker::store::{Decided, OperationError};
+    use crate::broker::store::Decided;
 
-    fn record(state: OperationState) -> OperationRecord {
+    /// A request of client `agent`, created 2026-01-01T00:00:00Z, in `state`, at revision 1.
+    pub(crate) fn record(state: OperationState) -> OperationRecord {
         OperationRecord {
             id: "op_1".to_owned(),
             client_id: "agent".to_owned(),
@@ -144,6 +138,16 @@ mod tests {
     }
 
     #[test]
+    fn a_request_is_past_due_from_the_instant_its_pending_time_ends() {
+        let created = humantime::parse_rfc3339("2026-01-01T00:00:00Z").unwrap();
+        let timeout = Duration::from_secs(300);
+        let pending = record(OperationState::Pending);
+        let just_before = created + timeout - Duration::from_millis(1);
+        assert!(!past_due(&pending, timeout, just_before));
+        assert!(past_due(&pending, timeout, created + timeout));
+    }
+
+    #[test]
     fn a_pending_request_shows_its_bounds_and_when_it_expires() {
         let shown = broker_request(&record(OperationState::Pending), Duration::from_secs(300));
         assert_eq!(shown["status"], "pending");
@@ -159,21 +163,18 @@ mod tests {
 
     #[test]
     fn each_state_projects_to_the_specs_status_and_use_count() {
-        let failed = |code: &str| OperationRecord {
-            error: Some(OperationError {
-                code: code.to_owned(),
-                message: "m".to_owned(),
-            }),
-            ..record(OperationState::Failed)
+        let ended = |state, from| OperationRecord {
+            ended_from: Some(from),
+            ..record(state)
         };
-        let canceled = |revoked| OperationRecord {
+        let canceled = |from| OperationRecord {
             decided: Some(Decided {
                 at: "2026-01-01T00:00:01.000Z".to_owned(),
                 by: "agent".to_owned(),
                 on_behalf_of: None,
-                revoked,
+                revoked: from == OperationState::Approved,
             }),
-            ..record(OperationState::Canceled)
+            ..ended(OperationState::Canceled, from)
         };
         for (record, status, used, actions) in [
             (
@@ -183,13 +184,38 @@ mod tests {
                 json!(["revoke"]),
             ),
             (record(OperationState::Executing), "active", 0, json!([])),
-            (record(OperationState::Succeeded), "consumed", 1, json!([])),
-            (failed("execution_interrupted"), "consumed", 1, json!([])),
-            (failed("store_unavailable"), "failed", 0, json!([])),
-            (record(OperationState::Denied), "denied", 0, json!([])),
-            (canceled(false), "canceled", 0, json!([])),
-            (canceled(true), "revoked", 0, json!([])),
-            (record(OperationState::Expired), "expired", 0, json!([])),
+            (
+                ended(OperationState::Succeeded, OperationState::Executing),
+                "consumed",
+                1,
+                json!([]),
+            ),
+            (
+                ended(OperationState::Failed, OperationState::Executing),
+                "consumed",
+                1,
+                json!([]),
+            ),
+            (
+                ended(OperationState::Failed, OperationState::Approved),
+                "failed",
+                0,
+                json!([]),
+            ),
+            (
+                ended(OperationState::Denied, OperationState::Pending),
+                "denied",
+                0,
+                json!([]),
+            ),
+            (canceled(OperationState::Pending), "canceled", 0, json!([])),
+            (canceled(OperationState::Approved), "revoked", 0, json!([])),
+            (
+                ended(OperationState::Expired, OperationState::Pending),
+                "expired",
+                0,
+                json!([]),
+            ),
         ] {
             let shown = broker_request(&record, Duration::from_secs(300));
             assert_eq!(shown["status"], status, "{record:?}");
@@ -197,7 +223,10 @@ mod tests {
             assert_eq!(shown["allowed_actions"], actions, "{record:?}");
             assert!(shown.get("approval_bounds").is_none(), "{record:?}");
         }
-        let revoked = broker_request(&canceled(true), Duration::from_secs(300));
+        let revoked = broker_request(
+            &canceled(OperationState::Approved),
+            Duration::from_secs(300),
+        );
         assert_eq!(revoked["decided_by"], "agent");
     }
 }

@@ -253,6 +253,7 @@ pub(crate) async fn list(
     ListParams(query): ListParams,
     _operator: OperatorName,
 ) -> OperatorResult {
+    core.settle_expiries().await;
     let mut rows = core
         .db
         .request_page(store_query(&query, query.limit + 1))
@@ -312,6 +313,7 @@ pub(crate) async fn get_one(
     RequestId(id): RequestId,
     _operator: OperatorName,
 ) -> OperatorResult {
+    core.settle_expiries().await;
     let record = find_request(&core, &id).await?;
     Ok(json_response(
         StatusCode::OK,
