@@ -10,13 +10,12 @@ use serde_json::{Value, json};
 const SCHEMA: &str = include_str!("../contract/agent_v1.schema.json");
 
 /// The kinds of body the contract defines (the schema's `$defs` entries).
-pub const KINDS: [&str; 8] = [
+pub const KINDS: [&str; 7] = [
     "descriptor",
     "operation",
     "summary",
     "page",
     "error_envelope",
-    "operator_requests",
     "stream",
     "stream_deleted",
 ];
