@@ -15,7 +15,6 @@ use crate::broker::api::operator::error::{
 };
 use crate::broker::api::operator::requests::{ListQuery, MAX_LIMIT, StatusGroup, parse_list_query};
 use crate::broker::store::OperationRecord;
-use crate::engine::OperationState;
 
 /// The fields a `Decision` may have.
 const DECISION_FIELDS: [&str; 5] = [
@@ -180,25 +179,7 @@ pub fn operator_list_query(data: &[u8]) {
 
 /// A cursor made for `query` continues it, and not the query with another limit.
 fn continues_only_itself(pairs: &[(String, String)], query: &ListQuery) {
-    let record = OperationRecord {
-        id: "op_fuzz".to_owned(),
-        client_id: "agent".to_owned(),
-        idempotency_key: "k".to_owned(),
-        operation: "demo.request".to_owned(),
-        target: serde_json::json!({}),
-        arguments: serde_json::json!({}),
-        reason: String::new(),
-        state: OperationState::Pending,
-        created_at: "2026-01-01T00:00:00.000Z".to_owned(),
-        updated_at: "2026-01-01T00:00:00.000Z".to_owned(),
-        terminal_at: None,
-        error: None,
-        revision: 1,
-        decided: None,
-        broker: "admission".to_owned(),
-        presentation: crate::broker::store::Presentation::default(),
-        ended_from: None,
-    };
+    let record = OperationRecord::example("op_fuzz");
     let cursor = query.cursor_after(&record);
     let with = |limit: Option<String>| -> Vec<(String, String)> {
         let mut next: Vec<(String, String)> = pairs

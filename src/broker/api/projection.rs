@@ -90,26 +90,16 @@ mod tests {
 
     fn record() -> OperationRecord {
         OperationRecord {
-            id: "op_1".to_owned(),
             client_id: "bot-7".to_owned(),
-            idempotency_key: "k".to_owned(),
             operation: "demo.run".to_owned(),
             target: json!({"repo": "unyolo/test"}),
             arguments: json!({"duration_ms": 0}),
             reason: "try it".to_owned(),
-            state: OperationState::Pending,
-            created_at: "2026-01-01T00:00:00.000Z".to_owned(),
-            updated_at: "2026-01-01T00:00:00.000Z".to_owned(),
-            terminal_at: None,
-            error: None,
-            revision: 1,
-            decided: None,
-            ended_from: None,
-            broker: "admission".to_owned(),
             presentation: crate::broker::store::Presentation {
                 title: "Run the demo".to_owned(),
                 summary: Some("try it".to_owned()),
             },
+            ..OperationRecord::example("op_1")
         }
     }
 

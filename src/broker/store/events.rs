@@ -510,26 +510,17 @@ mod tests {
     fn request(i: usize, operation: &str) -> OperationRecord {
         let now = now_rfc3339();
         OperationRecord {
-            id: format!("op_{i:032}"),
             client_id: "bot-7".to_owned(),
             idempotency_key: format!("k{i}"),
             operation: operation.to_owned(),
-            target: serde_json::json!({}),
-            arguments: serde_json::json!({}),
             reason: "r".to_owned(),
-            state: OperationState::Pending,
             created_at: now.clone(),
             updated_at: now,
-            terminal_at: None,
-            error: None,
-            revision: 1,
-            ended_from: None,
-            decided: None,
-            broker: "admission".to_owned(),
             presentation: crate::broker::store::Presentation {
                 title: format!("Request {i}"),
                 summary: None,
             },
+            ..OperationRecord::example(&format!("op_{i:032}"))
         }
     }
 

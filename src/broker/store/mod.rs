@@ -58,34 +58,22 @@ pub use streams::StreamRecord;
 #[cfg(test)]
 mod tests {
     use rusqlite::Connection;
-    use serde_json::json;
 
     use super::*;
-    use crate::engine::OperationState;
 
     fn record(id: &str, key: &str) -> OperationRecord {
         let now = now_rfc3339();
         OperationRecord {
-            id: id.to_owned(),
             client_id: "bot-7".to_owned(),
             idempotency_key: key.to_owned(),
             operation: "demo.run".to_owned(),
-            target: json!({}),
-            arguments: json!({}),
-            reason: String::new(),
-            state: OperationState::Pending,
             created_at: now.clone(),
             updated_at: now,
-            terminal_at: None,
-            error: None,
-            revision: 1,
-            decided: None,
-            ended_from: None,
-            broker: DEFAULT_BROKER_NAME.to_owned(),
             presentation: Presentation {
                 title: format!("Run {id}"),
                 summary: None,
             },
+            ..OperationRecord::example(id)
         }
     }
 

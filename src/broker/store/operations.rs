@@ -233,6 +233,33 @@ impl StoredRequest {
 }
 
 impl OperationRecord {
+    /// A pending `demo.request` of client `agent` (key `k`), created 2026-01-01T00:00:00Z, at
+    /// revision 1, with nothing decided: what a test or a fuzz target starts from and changes
+    /// with struct-update syntax.
+    #[cfg(any(test, feature = "fuzzing"))]
+    #[doc(hidden)]
+    pub fn example(id: &str) -> OperationRecord {
+        OperationRecord {
+            id: id.to_owned(),
+            client_id: "agent".to_owned(),
+            idempotency_key: "k".to_owned(),
+            operation: "demo.request".to_owned(),
+            target: Value::Object(serde_json::Map::new()),
+            arguments: Value::Object(serde_json::Map::new()),
+            reason: String::new(),
+            state: OperationState::Pending,
+            created_at: "2026-01-01T00:00:00.000Z".to_owned(),
+            updated_at: "2026-01-01T00:00:00.000Z".to_owned(),
+            terminal_at: None,
+            error: None,
+            revision: 1,
+            decided: None,
+            ended_from: None,
+            broker: super::DEFAULT_BROKER_NAME.to_owned(),
+            presentation: Presentation::default(),
+        }
+    }
+
     /// The record as a listing page shows it.
     pub fn summary(&self) -> OperationSummary {
         OperationSummary {

@@ -117,23 +117,10 @@ pub(crate) mod tests {
     /// A request of client `agent`, created 2026-01-01T00:00:00Z, in `state`, at revision 1.
     pub(crate) fn record(state: OperationState) -> OperationRecord {
         OperationRecord {
-            id: "op_1".to_owned(),
-            client_id: "agent".to_owned(),
-            idempotency_key: "k".to_owned(),
-            operation: "demo.request".to_owned(),
             target: json!({"repo": "demo"}),
-            arguments: json!({}),
             reason: "why".to_owned(),
             state,
-            created_at: "2026-01-01T00:00:00.000Z".to_owned(),
-            updated_at: "2026-01-01T00:00:00.000Z".to_owned(),
-            terminal_at: None,
-            error: None,
-            revision: 1,
-            decided: None,
-            broker: "admission".to_owned(),
-            presentation: crate::broker::store::Presentation::default(),
-            ended_from: None,
+            ..OperationRecord::example("op_1")
         }
     }
 

@@ -364,25 +364,7 @@ mod tests {
     #[test]
     fn a_cursor_is_bound_to_the_query_that_made_it() {
         let query = parse(&[("status", "pending"), ("limit", "2")]).unwrap();
-        let record = OperationRecord {
-            id: "op_2".to_owned(),
-            client_id: "agent".to_owned(),
-            idempotency_key: "k".to_owned(),
-            operation: "demo.request".to_owned(),
-            target: json!({}),
-            arguments: json!({}),
-            reason: String::new(),
-            state: OperationState::Pending,
-            created_at: "2026-01-01T00:00:00.000Z".to_owned(),
-            updated_at: "2026-01-01T00:00:00.000Z".to_owned(),
-            terminal_at: None,
-            error: None,
-            revision: 1,
-            decided: None,
-            broker: "admission".to_owned(),
-            presentation: crate::broker::store::Presentation::default(),
-            ended_from: None,
-        };
+        let record = OperationRecord::example("op_2");
         let cursor = query.cursor_after(&record);
         let next = parse(&[("status", "pending"), ("limit", "2"), ("cursor", &cursor)]).unwrap();
         assert_eq!(
