@@ -113,14 +113,16 @@ use crate::engine::{OperationState, QuotaStatus, Refusal, RefusalCode};
 /// helpers all scripts share. Public, hidden, for the tests that call it directly.
 #[doc(hidden)]
 pub const BATCH: &str = concat!(
-    include_str!("scripts/counts.lua"),
+    include_str!("scripts/shared.lua"),
     include_str!("scripts/batch.lua")
 );
 const REPLACE: &str = concat!(
+    include_str!("scripts/shared.lua"),
     include_str!("scripts/counts.lua"),
     include_str!("scripts/replace.lua")
 );
 const REAP: &str = concat!(
+    include_str!("scripts/shared.lua"),
     include_str!("scripts/counts.lua"),
     include_str!("scripts/reap.lua")
 );

@@ -6,6 +6,10 @@
 -- the operations changed, one SADD / SREM per replica set, one PUBLISH of every notice. A batch
 -- of one is the single decision. Every key lives under the deployment's hash tag (KEYS[1]'s):
 -- the per-operation keys (buckets, key records) are built from ARGV[1], as all scripts do.
+-- Written for Redis's cost model (each `redis.call`, and each table or closure a call makes,
+-- costs microseconds): no helper closures, no table per decision, duplicates in the reads
+-- allowed rather than deduplicated. The counts follow counts.lua's rules (never below zero; a
+-- count that reaches zero is removed).
 -- KEYS: 1 counts, 2 operations, 3 the replica's lease, 4 the deployment's epoch, 5 the recovery
 --       marker.
 -- ARGV: 1 key base, 2 replica, 3 lease token, 4 the epoch this replica registered in, then each
@@ -34,398 +38,424 @@
 -- every replica's refusal memory forgets what it may have changed.
 local base, replica, token, epoch = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 
-local decisions = {}
-local i = 5
-while i <= #ARGV do
+-- Where each decision starts in ARGV, and what the batch must read.
+local at, ids = {}, {}
+local admits, refunds = 0, 0
+local i, last = 5, #ARGV
+while i <= last do
   local kind = ARGV[i]
+  at[#at + 1] = i
+  ids[#ids + 1] = ARGV[i + 1]
   if kind == 'A' then
-    decisions[#decisions + 1] = {
-      admit = true, id = ARGV[i + 1], client = ARGV[i + 2], approval = ARGV[i + 3] == '1',
-      interval = tonumber(ARGV[i + 4]), span = tonumber(ARGV[i + 5]),
-      client_active = tonumber(ARGV[i + 6]), client_pending = tonumber(ARGV[i + 7]),
-      grant_client = tonumber(ARGV[i + 8]), grant_global = tonumber(ARGV[i + 9]),
-      global_active = tonumber(ARGV[i + 10]), global_executing = tonumber(ARGV[i + 11]),
-      key = ARGV[i + 12], ttl = tonumber(ARGV[i + 13]),
-    }
+    admits = admits + 1
     i = i + 14
   elseif kind == 'T' then
-    decisions[#decisions + 1] = {
-      admit = false, id = ARGV[i + 1], to = ARGV[i + 2], limit = tonumber(ARGV[i + 3]),
-      interval = tonumber(ARGV[i + 4]), span = tonumber(ARGV[i + 5]), key = ARGV[i + 6],
-    }
+    if ARGV[i + 2] == 'r' then refunds = refunds + 1 end
     i = i + 7
   else
     return redis.error_reply('batch: unknown decision kind at ARGV[' .. i .. ']')
   end
 end
 
--- The operations' records (id -> record, or false), read once.
-local ids, seen_id = {}, {}
-for _, d in ipairs(decisions) do
-  if not seen_id[d.id] then
-    seen_id[d.id] = true
-    ids[#ids + 1] = d.id
-  end
-end
-local records, records_before = {}, {}
-local read = redis.call('HMGET', KEYS[2], unpack(ids))
-for n, id in ipairs(ids) do
-  records[id] = read[n]
-  records_before[id] = read[n]
+-- The operations' records (id -> record, or false), read once; `before[n]` as read for ids[n].
+local records = {}
+local before = redis.call('HMGET', KEYS[2], unpack(ids))
+for n = 1, #ids do
+  records[ids[n]] = before[n]
 end
 
--- Whose operation each id is: its record's client, or the admission that names it.
-local client_of = {}
-for _, d in ipairs(decisions) do
-  if client_of[d.id] == nil then
-    local record = records[d.id]
-    if record then
-      local _, _, client = parse_op(record)
-      client_of[d.id] = client or false
-    elseif d.admit then
-      client_of[d.id] = d.client
-    end
+-- The clients the batch touches: the admissions', and those of the operations it moves.
+local clients, client_list = {}, {}
+for n = 1, #at do
+  local j = at[n]
+  local client
+  if ARGV[j] == 'A' then
+    client = ARGV[j + 2]
+  elseif records[ARGV[j + 1]] then
+    client = string.match(records[ARGV[j + 1]], '^%a %S+ (%S+)$')
+  end
+  if client and not clients[client] then
+    clients[client] = true
+    client_list[#client_list + 1] = client
   end
 end
 
--- Every string key the batch reads, in one call.
-local names, strings, wanted = {}, {}, {}
-local function want(key)
-  if key and key ~= '' and not wanted[key] then
-    wanted[key] = true
-    names[#names + 1] = key
+-- Every string key the batch reads, in one call: the lease, epoch and recovery marker (for
+-- admissions), the buckets of the admitting (and, with a refund, every touched) client, and the
+-- key records named.
+local names, strings = {}, nil
+if admits > 0 then
+  names[1], names[2], names[3] = KEYS[3], KEYS[4], KEYS[5]
+end
+if refunds > 0 then
+  for n = 1, #client_list do
+    names[#names + 1] = base .. ':tat:' .. client_list[n]
   end
 end
-local admitting = false
-for _, d in ipairs(decisions) do
-  if d.admit then
-    admitting = true
-    want(base .. ':tat:' .. d.client)
-    want(d.key)
-  elseif d.to == 't' or d.to == 'r' then
-    want(d.key)
-    if d.to == 'r' and client_of[d.id] then
-      want(base .. ':tat:' .. client_of[d.id])
-    end
+for n = 1, #at do
+  local j = at[n]
+  if ARGV[j] == 'A' then
+    if refunds == 0 then names[#names + 1] = base .. ':tat:' .. ARGV[j + 2] end
+    if ARGV[j + 12] ~= '' then names[#names + 1] = ARGV[j + 12] end
+  elseif ARGV[j + 6] ~= '' then
+    names[#names + 1] = ARGV[j + 6]
   end
 end
-if admitting then
-  want(KEYS[3])
-  want(KEYS[4])
-  want(KEYS[5])
-end
+-- (Tables are made only when a decision needs them: each one costs Redis time.)
+local tat_keys, tat_value, tat_px
+local key_names, key_value, key_ttl
 if #names > 0 then
+  strings = {}
   local values = redis.call('MGET', unpack(names))
-  for n, key in ipairs(names) do
-    strings[key] = values[n]
+  for n = 1, #names do
+    strings[names[n]] = values[n]
   end
+  key_names, key_value, key_ttl = {}, {}, {}
+end
+if admits > 0 or refunds > 0 then
+  tat_keys, tat_value, tat_px = {}, {}, {}
 end
 
--- Every count the batch touches, in one call.
-local fields, counted = {'active', 'pending', 'executing'}, {}
-for _, client in pairs(client_of) do
-  if client and not counted[client] then
-    counted[client] = true
-    fields[#fields + 1] = 'a:' .. client
-    fields[#fields + 1] = 'p:' .. client
-    fields[#fields + 1] = 'e:' .. client
-  end
+-- Every count the batch touches, in one call; `was` as read.
+local fields = {'active', 'pending', 'executing'}
+for n = 1, #client_list do
+  local c = client_list[n]
+  fields[#fields + 1] = 'a:' .. c
+  fields[#fields + 1] = 'p:' .. c
+  fields[#fields + 1] = 'e:' .. c
 end
-local known = counts(fields)
-local known_before = {}
-for field, v in pairs(known) do
-  known_before[field] = v
-end
-
--- Redis time, read once and only if a decision needs it.
-local now_read
-local function now()
-  if not now_read then
-    now_read = now_micros()
-  end
-  return now_read
+local known = {}
+local was = redis.call('HMGET', KEYS[1], unpack(fields))
+for n = 1, #fields do
+  local v = tonumber(was[n] or '0') or 0
+  known[fields[n]] = v
+  was[n] = v
 end
 
--- What the batch writes, applied once at the end.
-local tat_writes, tat_order = {}, {}
-local key_writes, key_order = {}, {}
-local held_writes, held_order = {}, {}
+-- Redis time, read once, and only if a decision needs it.
+local now
+if admits > 0 or refunds > 0 then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+
+-- What the batch writes, applied once at the end: buckets (value, lifetime), key records
+-- (value or false, lifetime), this replica's held-set changes (id -> present) and other
+-- replicas' removals, notices.
+local held, elsewhere = {}, nil
 local notices = {}
-
-local function add(changed, delta)
-  for _, field in ipairs(changed) do
-    known[field] = math.max((known[field] or 0) + delta, 0)
-  end
-end
-
-local function set_tat(key, value, px)
-  strings[key] = value
-  if not tat_writes[key] then
-    tat_order[#tat_order + 1] = key
-  end
-  tat_writes[key] = {value, px}
-end
-
-local function put_tat(key, tat, interval, span)
-  set_tat(key, string.format('%.0f %.0f %.0f', tat, interval, span),
-    math.floor(math.max(tat - now(), 0) / 1000) + 1)
-end
-
-local function set_key(key, value, ttl)
-  strings[key] = value
-  if key_writes[key] == nil then
-    key_order[#key_order + 1] = key
-  end
-  key_writes[key] = value and {value, ttl} or false
-end
-
-local function set_held(owner, id, present)
-  if not held_writes[owner] then
-    held_writes[owner] = {}
-    held_order[#held_order + 1] = owner
-  end
-  held_writes[owner][id] = present
-end
-
-local function decide_admission(d)
-  if strings[KEYS[3]] ~= token or strings[KEYS[4]] ~= epoch then
-    return {'lease'}
-  end
-  if strings[KEYS[5]] then
-    return {'recovering'}
-  end
-  local id, client = d.id, d.client
-  if records[id] then
-    return {'duplicate'}
-  end
-  local keyed = d.key ~= ''
-  if keyed then
-    local owner = strings[d.key]
-    if owner then
-      local owner_id, owner_replica = string.match(owner, '^(%S+) (%S+)$')
-      -- The key names this very id only if it was admitted and since released (a lapsed
-      -- lease): then it is decided afresh below, as a restored operation would be counted again.
-      if owner_id ~= id then
-        return {'replay', owner_id, owner_replica}
-      end
-    end
-  end
-
-  local t = now()
-  local interval, span = d.interval, d.span
-  local tat_key = base .. ':tat:' .. client
-  local tat, _, stored_span = parse_tat(strings[tat_key])
-  -- A reload changed this client's rate since the TAT was written: rescale the fill level first.
-  local rescaled = stored_span ~= nil and stored_span ~= span
-  if rescaled then
-    tat = rescale(tat, t, stored_span, span)
-  end
-  local next_tat = math.max(tat, t) + interval
-  local rate_wait = math.max(math.max(tat, t) + interval - t - span, 0)
-
-  local a, p = known['a:' .. client], known['p:' .. client]
-  local ga, gp, ge = known['active'], known['pending'], known['executing']
-  local pending_cap = math.min(d.client_pending, d.grant_client)
-  local approval = d.approval
-
-  local code
-  if next_tat - t > span then
-    code = 'submission_rate_limited'
-  elseif a >= d.client_active then
-    code = 'client_operation_limit'
-  elseif approval and p >= pending_cap then
-    if p >= d.client_pending then
-      code = 'client_pending_limit'
-    else
-      code = 'pending_grant_limit'
-    end
-  elseif approval and gp >= d.grant_global then
-    code = 'pending_grant_limit'
-  elseif ga >= d.global_active then
-    code = 'global_operation_limit'
-  elseif ge >= d.global_executing then
-    code = 'global_execution_limit'
-  end
-
-  if code then
-    local capacity = 0
-    if code ~= 'submission_rate_limited'
-      or a >= d.client_active
-      or (approval and (p >= pending_cap or gp >= d.grant_global))
-      or ga >= d.global_active
-      or ge >= d.global_executing then
-      capacity = 1
-    end
-    if rescaled and tat > t then
-      put_tat(tat_key, tat, interval, span)
-    end
-    return {'refused', code, string.format('%.0f', rate_wait), capacity,
-      {string.format('%.0f', tat), string.format('%.0f', t), a, p}}
-  end
-
-  put_tat(tat_key, next_tat, interval, span)
-  local state = 'a'
-  if approval then state = 'p' end
-  -- (The replica is in the replica set already: its registration put it there, and a reap that
-  -- took it out also ended the lease checked above.)
-  add(fields_of(state, client), 1)
-  records[id] = state .. ' ' .. replica .. ' ' .. client
-  set_held(replica, id, true)
-  if keyed then
-    set_key(d.key, id .. ' ' .. replica, d.ttl)
-  end
-  if approval then p = p + 1 end
-  return {'admitted', {string.format('%.0f', next_tat), string.format('%.0f', t), a + 1, p}}
-end
-
-local function decide_transition(d)
-  local id, to = d.id, d.to
-  if d.key ~= '' and (to == 't' or to == 'r') then
-    -- An admission never committed: its key is free again, whether or not it still holds slots
-    -- (a lost reply's release may come after a lapsed lease released them).
-    local owner = strings[d.key]
-    if owner and string.match(owner, '^(%S+) ') == id then
-      set_key(d.key, false)
-    end
-  end
-  local record = records[id]
-  if not record then
-    return {'absent'}
-  end
-  local state, owner, client = parse_op(record)
-  if to == 't' or to == 'r' then
-    -- Release everything it holds, once: its record goes with its counts.
-    add(fields_of(state, client), -1)
-    records[id] = false
-    set_held(owner, id, false)
-    if to == 'r' then
-      local tat_key = base .. ':tat:' .. client
-      local tat, stored_interval, stored_span = parse_tat(strings[tat_key])
-      local given, given_span = d.interval, d.span
-      local t = now()
-      if stored_span ~= nil and tat > t then
-        -- The token is measured in the rate the bucket has now (a reload may have rescaled it),
-        -- rounded down, as the in-process engine's `Rate::token_in` does.
-        if stored_span ~= given_span then
-          given = math.floor(given * stored_span / math.max(given_span, 1))
-        end
-        put_tat(tat_key, math.max(tat - given, 0), stored_interval, stored_span)
-      elseif tat > t then
-        -- A bare TAT (no rate stored) keeps its lifetime.
-        local ttl = redis.call('PTTL', tat_key)
-        if ttl > 0 then
-          set_tat(tat_key, string.format('%.0f', math.max(tat - given, 0)), ttl)
-        end
-      end
-      notices[#notices + 1] = 'f ' .. client
-    else
-      notices[#notices + 1] = 'r ' .. client
-    end
-    return {'moved', state}
-  end
-  if state == to then
-    return {'same'}
-  end
-  if to == 'a' and state == 'p' then
-    add({'pending', 'p:' .. client}, -1)
-    notices[#notices + 1] = 'r ' .. client
-  elseif to == 'e' and state == 'a' then
-    if known['executing'] >= d.limit then
-      return {'saturated'}
-    end
-    add({'executing', 'e:' .. client}, 1)
-  else
-    return {'not_allowed', state}
-  end
-  records[id] = to .. ' ' .. owner .. ' ' .. client
-  return {'moved', state}
-end
-
 local replies = {}
-for n, d in ipairs(decisions) do
-  if d.admit then
-    replies[n] = decide_admission(d)
+
+for n = 1, #at do
+  local j = at[n]
+  local id = ARGV[j + 1]
+  if ARGV[j] == 'A' then
+    -- An admission.
+    local client, approval = ARGV[j + 2], ARGV[j + 3] == '1'
+    local key = ARGV[j + 12]
+    repeat
+      if strings[KEYS[3]] ~= token or strings[KEYS[4]] ~= epoch then
+        replies[n] = {'lease'}
+        break
+      end
+      if strings[KEYS[5]] then
+        replies[n] = {'recovering'}
+        break
+      end
+      if records[id] then
+        replies[n] = {'duplicate'}
+        break
+      end
+      if key ~= '' and strings[key] then
+        local owner_id, owner_replica = string.match(strings[key], '^(%S+) (%S+)$')
+        -- The key names this very id only if it was admitted and since released (a lapsed
+        -- lease): then it is decided afresh below, as a restored operation would be counted
+        -- again.
+        if owner_id ~= id then
+          replies[n] = {'replay', owner_id, owner_replica}
+          break
+        end
+      end
+      local interval, span = tonumber(ARGV[j + 4]), tonumber(ARGV[j + 5])
+      local client_active, client_pending = tonumber(ARGV[j + 6]), tonumber(ARGV[j + 7])
+      local grant_client, grant_global = tonumber(ARGV[j + 8]), tonumber(ARGV[j + 9])
+      local global_active, global_executing = tonumber(ARGV[j + 10]), tonumber(ARGV[j + 11])
+      local tat_key = base .. ':tat:' .. client
+      local tat, _, stored_span = parse_tat(strings[tat_key])
+      -- A reload changed this client's rate since the TAT was written: rescale it first.
+      local rescaled = stored_span ~= nil and stored_span ~= span
+      if rescaled then
+        tat = rescale(tat, now, stored_span, span)
+      end
+      local next_tat = math.max(tat, now) + interval
+      local rate_wait = math.max(math.max(tat, now) + interval - now - span, 0)
+      local a, p = known['a:' .. client], known['p:' .. client]
+      local ga, gp, ge = known['active'], known['pending'], known['executing']
+      local pending_cap = math.min(client_pending, grant_client)
+
+      local code
+      if next_tat - now > span then
+        code = 'submission_rate_limited'
+      elseif a >= client_active then
+        code = 'client_operation_limit'
+      elseif approval and p >= pending_cap then
+        if p >= client_pending then
+          code = 'client_pending_limit'
+        else
+          code = 'pending_grant_limit'
+        end
+      elseif approval and gp >= grant_global then
+        code = 'pending_grant_limit'
+      elseif ga >= global_active then
+        code = 'global_operation_limit'
+      elseif ge >= global_executing then
+        code = 'global_execution_limit'
+      end
+
+      if code then
+        local capacity = 0
+        if code ~= 'submission_rate_limited'
+          or a >= client_active
+          or (approval and (p >= pending_cap or gp >= grant_global))
+          or ga >= global_active
+          or ge >= global_executing then
+          capacity = 1
+        end
+        if rescaled and tat > now then
+          local v = string.format('%.0f %.0f %.0f', tat, interval, span)
+          strings[tat_key] = v
+          if not tat_value[tat_key] then tat_keys[#tat_keys + 1] = tat_key end
+          tat_value[tat_key] = v
+          tat_px[tat_key] = math.floor(math.max(tat - now, 0) / 1000) + 1
+        end
+        replies[n] = {'refused', code, string.format('%.0f', rate_wait), capacity,
+          {string.format('%.0f', tat), string.format('%.0f', now), a, p}}
+        break
+      end
+
+      local v = string.format('%.0f %.0f %.0f', next_tat, interval, span)
+      strings[tat_key] = v
+      if not tat_value[tat_key] then tat_keys[#tat_keys + 1] = tat_key end
+      tat_value[tat_key] = v
+      tat_px[tat_key] = math.floor(math.max(next_tat - now, 0) / 1000) + 1
+      -- (The replica is in the replica set already: its registration put it there, and a reap
+      -- that took it out also ended the lease checked above.)
+      local state = 'a'
+      known['active'] = ga + 1
+      known['a:' .. client] = a + 1
+      if approval then
+        state = 'p'
+        known['pending'] = gp + 1
+        p = p + 1
+        known['p:' .. client] = p
+      end
+      records[id] = state .. ' ' .. replica .. ' ' .. client
+      held[id] = true
+      if key ~= '' then
+        local owner = id .. ' ' .. replica
+        strings[key] = owner
+        if key_value[key] == nil then key_names[#key_names + 1] = key end
+        key_value[key] = owner
+        key_ttl[key] = tonumber(ARGV[j + 13])
+      end
+      replies[n] = {'admitted',
+        {string.format('%.0f', next_tat), string.format('%.0f', now), a + 1, p}}
+    until true
   else
-    replies[n] = decide_transition(d)
+    -- A transition.
+    local to, key = ARGV[j + 2], ARGV[j + 6]
+    repeat
+      if key ~= '' and (to == 't' or to == 'r') then
+        -- An admission never committed: its key is free again, whether or not it still holds
+        -- slots (a lost reply's release may come after a lapsed lease released them).
+        local owner = strings[key]
+        if owner and string.match(owner, '^(%S+) ') == id then
+          strings[key] = false
+          if key_value[key] == nil then key_names[#key_names + 1] = key end
+          key_value[key] = false
+        end
+      end
+      local record = records[id]
+      if not record then
+        replies[n] = {'absent'}
+        break
+      end
+      local state, owner, client = parse_op(record)
+      if to == 't' or to == 'r' then
+        -- Release everything it holds, once: its record goes with its counts.
+        local less = {'active', 'a:' .. client}
+        if state == 'p' then
+          less[3], less[4] = 'pending', 'p:' .. client
+        elseif state == 'e' then
+          less[3], less[4] = 'executing', 'e:' .. client
+        end
+        for k = 1, #less do
+          local v = known[less[k]] - 1
+          if v < 0 then v = 0 end
+          known[less[k]] = v
+        end
+        records[id] = false
+        if owner == replica then
+          held[id] = false
+        else
+          -- Held by another replica's record (rare: one list for it).
+          elsewhere = elsewhere or {}
+          elsewhere[#elsewhere + 1] = owner
+          elsewhere[#elsewhere + 1] = id
+        end
+        if to == 'r' then
+          local tat_key = base .. ':tat:' .. client
+          local tat, stored_interval, stored_span = parse_tat(strings[tat_key])
+          local given, given_span = tonumber(ARGV[j + 4]), tonumber(ARGV[j + 5])
+          local v, px
+          if stored_span ~= nil and tat > now then
+            -- The token is measured in the rate the bucket has now (a reload may have rescaled
+            -- it), rounded down, as the in-process engine's `Rate::token_in` does.
+            if stored_span ~= given_span then
+              given = math.floor(given * stored_span / math.max(given_span, 1))
+            end
+            local back = math.max(tat - given, 0)
+            v = string.format('%.0f %.0f %.0f', back, stored_interval, stored_span)
+            px = math.floor(math.max(back - now, 0) / 1000) + 1
+          elseif tat > now then
+            -- A bare TAT (no rate stored) keeps its lifetime.
+            local ttl = redis.call('PTTL', tat_key)
+            if ttl > 0 then
+              v, px = string.format('%.0f', math.max(tat - given, 0)), ttl
+            end
+          end
+          if v then
+            strings[tat_key] = v
+            if not tat_value[tat_key] then tat_keys[#tat_keys + 1] = tat_key end
+            tat_value[tat_key], tat_px[tat_key] = v, px
+          end
+          notices[#notices + 1] = 'f ' .. client
+        else
+          notices[#notices + 1] = 'r ' .. client
+        end
+        replies[n] = {'moved', state}
+        break
+      end
+      if state == to then
+        replies[n] = {'same'}
+        break
+      end
+      if to == 'a' and state == 'p' then
+        local pc = 'p:' .. client
+        known['pending'] = math.max(known['pending'] - 1, 0)
+        known[pc] = math.max(known[pc] - 1, 0)
+        notices[#notices + 1] = 'r ' .. client
+      elseif to == 'e' and state == 'a' then
+        if known['executing'] >= tonumber(ARGV[j + 3]) then
+          replies[n] = {'saturated'}
+          break
+        end
+        local ec = 'e:' .. client
+        known['executing'] = known['executing'] + 1
+        known[ec] = known[ec] + 1
+      else
+        replies[n] = {'not_allowed', state}
+        break
+      end
+      records[id] = to .. ' ' .. owner .. ' ' .. client
+      replies[n] = {'moved', state}
+    until true
   end
 end
 
--- The writes, once each: counts that changed (a count that reaches zero is removed), records,
--- the replicas' sets, buckets, key records, notices.
-local set, gone = {}, {}
-for _, field in ipairs(fields) do
-  local v = known[field]
-  if v ~= known_before[field] then
+-- The writes, once each: the counts that changed (one that reaches zero is removed), the
+-- records, the held sets, buckets, key records, notices.
+local set, gone
+for n = 1, #fields do
+  local v = known[fields[n]]
+  if v ~= was[n] then
     if v > 0 then
-      set[#set + 1] = field
+      set = set or {}
+      set[#set + 1] = fields[n]
       set[#set + 1] = string.format('%.0f', v)
     else
-      gone[#gone + 1] = field
+      gone = gone or {}
+      gone[#gone + 1] = fields[n]
     end
   end
 end
-if #set > 0 then
+if set then
   redis.call('HSET', KEYS[1], unpack(set))
 end
-if #gone > 0 then
+if gone then
   redis.call('HDEL', KEYS[1], unpack(gone))
 end
 
-local written, removed = {}, {}
-for _, id in ipairs(ids) do
-  local now_record, before = records[id], records_before[id]
-  if now_record ~= before then
-    if now_record then
+-- (An id named twice is written twice, to the same value: harmless.)
+local written, removed, added, taken
+for n = 1, #ids do
+  local id = ids[n]
+  local record = records[id]
+  if record ~= before[n] then
+    if record then
+      written = written or {}
       written[#written + 1] = id
-      written[#written + 1] = now_record
-    elseif before then
+      written[#written + 1] = record
+    elseif before[n] then
+      removed = removed or {}
       removed[#removed + 1] = id
     end
   end
+  if held[id] then
+    added = added or {}
+    added[#added + 1] = id
+  elseif held[id] == false then
+    taken = taken or {}
+    taken[#taken + 1] = id
+  end
 end
-if #written > 0 then
+if written then
   redis.call('HSET', KEYS[2], unpack(written))
 end
-if #removed > 0 then
+if removed then
   redis.call('HDEL', KEYS[2], unpack(removed))
 end
-
-for _, owner in ipairs(held_order) do
-  local added, taken = {}, {}
-  for id, present in pairs(held_writes[owner]) do
-    if present then added[#added + 1] = id else taken[#taken + 1] = id end
-  end
-  local held_key = base .. ':held:' .. owner
-  if #added > 0 then
-    redis.call('SADD', held_key, unpack(added))
-  end
-  if #taken > 0 then
-    redis.call('SREM', held_key, unpack(taken))
+if added then
+  redis.call('SADD', base .. ':held:' .. replica, unpack(added))
+end
+if taken then
+  redis.call('SREM', base .. ':held:' .. replica, unpack(taken))
+end
+if elsewhere then
+  for n = 1, #elsewhere, 2 do
+    redis.call('SREM', base .. ':held:' .. elsewhere[n], elsewhere[n + 1])
   end
 end
 
-for _, key in ipairs(tat_order) do
-  local w = tat_writes[key]
-  redis.call('SET', key, w[1], 'PX', w[2])
-end
-
-local lasting, freed = {}, {}
-for _, key in ipairs(key_order) do
-  local w = key_writes[key]
-  if not w then
-    freed[#freed + 1] = key
-  elseif w[2] > 0 then
-    redis.call('SET', key, w[1], 'PX', w[2])
-  else
-    lasting[#lasting + 1] = key
-    lasting[#lasting + 1] = w[1]
+if tat_keys then
+  for n = 1, #tat_keys do
+    local key = tat_keys[n]
+    redis.call('SET', key, tat_value[key], 'PX', tat_px[key])
   end
 end
-if #lasting > 0 then
-  redis.call('MSET', unpack(lasting))
-end
-if #freed > 0 then
-  redis.call('DEL', unpack(freed))
+
+if key_names and #key_names > 0 then
+  local lasting, freed
+  for n = 1, #key_names do
+    local key = key_names[n]
+    local v = key_value[key]
+    if not v then
+      freed = freed or {}
+      freed[#freed + 1] = key
+    elseif key_ttl[key] > 0 then
+      redis.call('SET', key, v, 'PX', key_ttl[key])
+    else
+      lasting = lasting or {}
+      lasting[#lasting + 1] = key
+      lasting[#lasting + 1] = v
+    end
+  end
+  if lasting then
+    redis.call('MSET', unpack(lasting))
+  end
+  if freed then
+    redis.call('DEL', unpack(freed))
+  end
 end
 
 if #notices > 0 then
