@@ -2,6 +2,10 @@
 //! gets the replies and leaves the counts that one call each would; many tasks on several
 //! replicas (whose decisions go in batches) never take a count above its limit or below zero and
 //! drain to zero; callers that hang up while their decision waits in a batch leave no count wrong.
+//!
+//! One file past the usual size because the script-level tests share one small harness (the
+//! decisions as the script takes them, a run in calls of any size, the deployment's state as
+//! text) that the replica-level tests beside them do not need split off.
 
 mod support;
 
