@@ -3,11 +3,13 @@
 //! beside a baseline in the same run — a rate-only GCRA script on connections of its own, the
 //! least any Redis decision costs.
 //!
-//! One decision is one `Admission::admit`, as a broker replica makes it: one script (rate, client
-//! and global counts, pending grants, the idempotency record), then the replica's own engine;
-//! each admitted operation is then released (a second script, not timed as a decision), so the
-//! counts stay level. Not run in CI: `cargo bench --bench
-//! redis`.
+//! One decision is one `Admission::admit`, as a broker replica makes it: one decision of the
+//! batch script (rate, client and global counts, pending grants, the idempotency record), then
+//! the replica's own engine; each admitted operation is then released (a second decision, not
+//! timed), so the counts stay level. A replica's decisions waiting at once go to Redis in one
+//! script call (its group commit), so the profile also measures a batched lifecycle: what an
+//! admission and its release cost Redis when four tasks share a replica. Not run in CI: `cargo
+//! bench --bench redis` (`-- --profile-only` for the profile alone).
 
 #[path = "../tests/support/mod.rs"]
 mod support;
@@ -242,7 +244,7 @@ async fn cost(conn: &mut ConnectionManager, calls: usize) -> ScriptCost {
         .map(|(_, calls, _)| calls)
         .sum();
     assert!(
-        script_calls >= calls as u64,
+        script_calls >= calls as u64 && script_calls > 0,
         "{script_calls} script calls for {calls}"
     );
     let (slowlog_p50, slowlog_max) = slowlog(conn).await;
@@ -255,8 +257,9 @@ async fn cost(conn: &mut ConnectionManager, calls: usize) -> ScriptCost {
 }
 
 /// What each script costs Redis itself (`INFO commandstats`, `usec_per_call`), one kind of call
-/// at a time on one replica: an admission admitted, its release (the transition script), an
-/// admission refused by Redis (memory off: every one reaches Redis), and the rate-only script.
+/// at a time on one replica (each a batch of one): an admission admitted, its release (a
+/// transition), an admission refused by Redis (memory off: every one reaches Redis), and the
+/// rate-only script; then lifecycles from four tasks at once, batched by the group commit.
 async fn profile(url: &str) {
     const CALLS: usize = 2000;
     let mut options = ReplicaOptions::new(url, "profile-r0");
@@ -264,6 +267,8 @@ async fn profile(url: &str) {
     // No beat during a phase: its scripts would be counted with the phase's.
     options.lease_ttl = Duration::from_secs(120);
     options.heartbeat = Duration::from_secs(60);
+    // The batched phase's tasks may each have a decision in flight, as in the throughput group.
+    options.client_decisions_in_flight = TASKS_PER_REPLICA;
     let caps = StorageCaps {
         grant_global: 100_000,
         grant_client: 1000,
@@ -299,6 +304,30 @@ async fn profile(url: &str) {
         operation.fail().await.unwrap();
     }
     rows.push(("transition (release)", cost(&mut conn, CALLS).await));
+
+    // The lifecycle as the throughput group runs it (4 tasks, each admitting and releasing), so
+    // the replica's group commit batches what is waiting: the cost per script call, and per
+    // lifecycle (an admission and its release).
+    reset_stats(&mut conn).await;
+    let mut tasks = Vec::new();
+    for t in 0..TASKS_PER_REPLICA {
+        let admission = admission.clone();
+        tasks.push(tokio::spawn(async move {
+            for n in 0..CALLS / TASKS_PER_REPLICA {
+                let client = format!("bench-{}", (t + n) % CLIENTS);
+                let permit = admission
+                    .admit(&client, n.is_multiple_of(2), Some(&format!("b-{t}-{n}")))
+                    .await
+                    .unwrap();
+                permit.commit().fail().await.unwrap();
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let batched = cost(&mut conn, 0).await;
+    let batched_calls = script_calls(&mut conn).await;
 
     // One client at its active limit: every admission is refused by Redis.
     let tight = Admission::new(
@@ -339,12 +368,24 @@ async fn profile(url: &str) {
         "{:<22} {:>14} {:>18} {:>12} {:>12}",
         "script", "usec_per_call", "commands_per_call", "slowlog p50", "slowlog max"
     );
+    let rate_only_usec = rows.last().map_or(0.0, |(_, c)| c.usec_per_call);
     for (name, cost) in rows {
         println!(
             "{:<22} {:>14.2} {:>18.1} {:>10} µs {:>9} µs",
             name, cost.usec_per_call, cost.commands_per_call, cost.slowlog_p50, cost.slowlog_max
         );
     }
+    // Two decisions per lifecycle (its admission and its release).
+    let per_call = 2.0 * CALLS as f64 / batched_calls as f64;
+    let lifecycle_usec = batched.usec_per_call * batched_calls as f64 / CALLS as f64;
+    println!(
+        "batched lifecycle, {TASKS_PER_REPLICA} tasks: {batched_calls} script calls for {CALLS} \
+         lifecycles ({per_call:.2} decisions/call), {:.2} µs and {:.1} commands per call, \
+         {lifecycle_usec:.2} µs per lifecycle = {:.2}x the rate-only call's cost",
+        batched.usec_per_call,
+        batched.commands_per_call,
+        rate_only_usec / lifecycle_usec
+    );
     admission.shutdown().await;
     tight.shutdown().await;
 }

@@ -5,8 +5,8 @@ use ::redis::Value;
 
 use crate::engine::RefusalCode;
 use crate::redis::reply::{
-    AdmitReply, LeaseReply, Reading, TransitionReply, parse_admit, parse_lease, parse_pair,
-    parse_reaped, parse_transition,
+    AdmitReply, Asked, Decided, LeaseReply, Reading, TransitionReply, parse_admit, parse_batch,
+    parse_lease, parse_pair, parse_reaped, parse_transition,
 };
 
 /// Deepest nesting a decoded reply has (the scripts return at most one level of arrays).
@@ -113,7 +113,8 @@ fn state_text(state: u8) -> &'static str {
     }
 }
 
-/// How the admission script writes a reading: the times as decimal text, the counts as integers.
+/// How the batch script writes an admission's reading: the times as decimal text, the counts as
+/// integers.
 fn encode_reading(reading: &Reading) -> Value {
     Value::Array(vec![
         bulk(&reading.tat_micros.to_string()),
@@ -123,7 +124,7 @@ fn encode_reading(reading: &Reading) -> Value {
     ])
 }
 
-/// How the admission script writes a decision.
+/// How the batch script writes an admission decision.
 fn encode_admit(reply: &AdmitReply) -> Value {
     Value::Array(match reply {
         AdmitReply::Admitted(reading) => vec![bulk("admitted"), encode_reading(reading)],
@@ -185,7 +186,9 @@ fn assert_error_message(err: &impl std::fmt::Display) {
 /// an admission's reading counts at least the operation it admitted; a replay names a non-empty
 /// id and replica; a moved or refused transition names a state `p`, `a` or `e`; a reaped replica
 /// is named. Each accepted reply, written back the way the script
-/// writes it, parses to the same value; a rejected one has a bounded error naming it. The
+/// writes it, parses to the same value; a rejected one has a bounded error naming it. Read as
+/// the batch script's reply (one reply per decision, their kinds taken from the bytes), an array
+/// parses only with one kind per element, each element exactly as its kind's parser reads it. The
 /// admission, transition and heartbeat replies have disjoint shapes, so at most one of them
 /// accepts any reply.
 pub fn redis_reply(data: &[u8]) {
@@ -247,6 +250,8 @@ pub fn redis_reply(data: &[u8]) {
         Err(err) => assert_error_message(&err),
     }
 
+    batch(data, &value);
+
     match parse_reaped(&value) {
         Ok(reaped) => {
             let Value::Array(items) = &value else {
@@ -264,6 +269,60 @@ pub fn redis_reply(data: &[u8]) {
             assert_eq!(again, Ok(reaped));
         }
         Err(err) => assert_error_message(&err),
+    }
+}
+
+/// The batch script's reply, asked as the bytes say (bit 0 of byte `i`: decision `i` is a
+/// transition, else an admission): it parses only as an array of exactly one reply per decision,
+/// each decision's reply exactly as that kind's own parser reads it, and what parses, written
+/// back, parses the same.
+fn batch(data: &[u8], value: &Value) {
+    let Value::Array(items) = value else {
+        assert!(parse_batch(value, &[Asked::Admit]).is_err());
+        return;
+    };
+    let asked: Vec<Asked> = (0..items.len())
+        .map(|i| match data.get(i) {
+            Some(b) if b & 1 == 1 => Asked::Transition,
+            _ => Asked::Admit,
+        })
+        .collect();
+    let mut longer = asked.clone();
+    longer.push(Asked::Admit);
+    assert!(parse_batch(value, &longer).is_err());
+    match parse_batch(value, &asked) {
+        Ok(answers) => {
+            assert_eq!(answers.len(), items.len());
+            let mut encoded = Vec::new();
+            for ((item, asked), answer) in items.iter().zip(&asked).zip(&answers) {
+                match (asked, answer) {
+                    (Asked::Admit, Ok(Decided::Admit(reply))) => {
+                        assert_eq!(parse_admit(item).as_ref(), Ok(reply));
+                        encoded.push(encode_admit(reply));
+                    }
+                    (Asked::Transition, Ok(Decided::Transition(reply))) => {
+                        assert_eq!(parse_transition(item), Ok(*reply));
+                        encoded.push(encode_transition(*reply));
+                    }
+                    (Asked::Admit, Err(err)) => {
+                        assert!(parse_admit(item).is_err());
+                        assert_error_message(err);
+                        encoded.push(item.clone());
+                    }
+                    (Asked::Transition, Err(err)) => {
+                        assert!(parse_transition(item).is_err());
+                        assert_error_message(err);
+                        encoded.push(item.clone());
+                    }
+                    (asked, answer) => panic!("{asked:?} answered as {answer:?}"),
+                }
+            }
+            assert_eq!(parse_batch(&Value::Array(encoded), &asked), Ok(answers));
+        }
+        Err(err) => {
+            assert!(items.is_empty(), "{value:?} refused whole: {err}");
+            assert_error_message(&err);
+        }
     }
 }
 

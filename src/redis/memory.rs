@@ -309,9 +309,17 @@ impl RefusalMemory {
         }
     }
 
-    /// A notice from the deployment's channel: `r <client>`, `f <client>` or `*`. Anything else
-    /// is treated as `*` (a notice not understood may have changed anything).
+    /// A message from the deployment's channel: one notice a line (a batch of decisions
+    /// publishes all of its notices in one message), each heard as [`RefusalMemory::notice_one`].
     pub(crate) fn notice(&self, payload: &[u8]) {
+        for line in payload.split(|&b| b == b'\n') {
+            self.notice_one(line);
+        }
+    }
+
+    /// One notice: `r <client>`, `f <client>` or `*`. Anything else is treated as `*` (a notice
+    /// not understood may have changed anything).
+    fn notice_one(&self, payload: &[u8]) {
         let mut state = self.lock();
         state.any += 1;
         let (kind, client) = match payload {
@@ -545,6 +553,30 @@ mod tests {
             2,
             "both of bob's slots"
         );
+    }
+
+    #[test]
+    fn a_batchs_notices_in_one_message_are_each_heard() {
+        let memory = live();
+        let ticket = memory.ticket("amy").unwrap();
+        memory.remember(
+            "amy",
+            ticket,
+            answer(RefusalCode::ClientOperationLimit, false),
+        );
+        let ticket = memory.ticket("bob").unwrap();
+        memory.remember(
+            "bob",
+            ticket,
+            answer(RefusalCode::SubmissionRateLimited, true),
+        );
+        let ticket = memory.ticket("cat").unwrap();
+        memory.remember("cat", ticket, answer(RefusalCode::ClientPendingLimit, true));
+        // One batch released one of amy's and refunded one of bob's; cat was not named.
+        memory.notice(b"r amy\nf bob");
+        assert!(memory.recall("amy", false, Instant::now()).is_none());
+        assert!(memory.recall("bob", true, Instant::now()).is_none());
+        assert!(memory.recall("cat", true, Instant::now()).is_some());
     }
 
     #[test]

@@ -12,10 +12,14 @@
 //! differs is where the counts live: in one Redis, shared by every replica, so a client's limits
 //! and the global limits hold across all of them.
 //!
-//! - **One script per decision.** Each admission is one atomic Lua script (`scripts/admit.lua`,
-//!   run by `EVALSHA`, loaded again on `NOSCRIPT`) on Redis server time, so replicas' clocks never
-//!   matter: GCRA, client and global counts, the pending-grant caps, all or nothing. The scripts
-//!   are files beside this one, built in with `include_str!`.
+//! - **One script per decision.** Each admission is decided by one atomic Lua script
+//!   (`scripts/batch.lua`, run by `EVALSHA`, loaded again on `NOSCRIPT`) on Redis server time,
+//!   so replicas' clocks never matter: GCRA, client and global counts, the pending-grant caps,
+//!   all or nothing. The scripts are files beside this one, built in with `include_str!`.
+//! - **A group commit per replica** (`commit`). Admissions and transitions go to Redis through
+//!   one writer task per replica; what is waiting when it sends goes in the same script call,
+//!   decided there in order, each exactly as alone. A lone call goes at once; each caller still
+//!   waits for Redis to have decided its own.
 //! - **Reloads rescale the buckets.** A client's bucket key holds its TAT with the rate (emission
 //!   interval, burst span) it was written under; a decision under a different rate (a reload, on
 //!   whichever replica) first rescales the used part of the span to the new span, rounded up, as
@@ -40,9 +44,9 @@
 //!   [`Unavailable`] (503 `admission_unavailable`), never admitted unchecked; a circuit stops
 //!   calling a dead Redis for a while; releases that cannot be sent are kept and retried, in
 //!   order, until Redis answers.
-//! - **One operation per key.** The admission script records (client, idempotency key) →
-//!   (operation id, replica) with the reservation, so the same key sent to two replicas admits
-//!   once; the second is told which operation and replica hold it. The record lives as long as its
+//! - **One operation per key.** An admission records (client, idempotency key) → (operation
+//!   id, replica) with the reservation, so the same key sent to two replicas admits once; the
+//!   second is told which operation and replica hold it. The record lives as long as its
 //!   operation: freed by a refund, a drop or an unanswered admission (the release names it), and
 //!   by [`crate::Admission::retire_keys`] when the store retires the operation.
 //! - **Redis forgets.** The deployment has an epoch (`{prefix}:epoch`), written by the first
@@ -71,9 +75,11 @@
 //! options and errors come first, then the controller, then the calls it makes; its unit tests
 //! (the quota arithmetic, the rate debts) close it.
 //! The handles (`handles`), the reply parser (`reply`), the circuit (`circuit`), the refusal
-//! memory (`memory`) and the notice subscriber (`notices`) stand alone.
+//! memory (`memory`), the notice subscriber (`notices`) and the group commit's writer (`commit`)
+//! stand alone.
 
 mod circuit;
+mod commit;
 mod handles;
 pub(crate) mod memory;
 mod notices;
@@ -98,25 +104,25 @@ pub(crate) use handles::{RedisOperation, RedisPermit};
 
 use self::circuit::{Circuit, Gate};
 use self::memory::{Answer, Forgotten, RefusalMemory};
-use self::reply::{AdmitReply, LeaseReply, Reading, TransitionReply};
+use self::reply::{AdmitReply, Decided, LeaseReply, Reading, TransitionReply};
 use crate::config::{ClientLimits, Config, Identity};
 use crate::engine::gcra::{self, Rate};
 use crate::engine::{OperationState, QuotaStatus, Refusal, RefusalCode};
 
-/// The script every decision runs, with the helpers all scripts share.
-const ADMIT: &str = concat!(
-    include_str!("scripts/counts.lua"),
-    include_str!("scripts/admit.lua")
-);
-const TRANSITION: &str = concat!(
-    include_str!("scripts/counts.lua"),
-    include_str!("scripts/transition.lua")
+/// The script every admission and transition runs (a batch of them, in order), with the
+/// helpers all scripts share. Public, hidden, for the tests that call it directly.
+#[doc(hidden)]
+pub const BATCH: &str = concat!(
+    include_str!("scripts/shared.lua"),
+    include_str!("scripts/batch.lua")
 );
 const REPLACE: &str = concat!(
+    include_str!("scripts/shared.lua"),
     include_str!("scripts/counts.lua"),
     include_str!("scripts/replace.lua")
 );
 const REAP: &str = concat!(
+    include_str!("scripts/shared.lua"),
     include_str!("scripts/counts.lua"),
     include_str!("scripts/reap.lua")
 );
@@ -173,9 +179,6 @@ impl Keys {
             base,
         }
     }
-    fn tat(&self, client: &str) -> String {
-        format!("{}:tat:{client}", self.base)
-    }
     fn lease(&self, replica: &str) -> String {
         format!("{}:lease:{replica}", self.base)
     }
@@ -188,8 +191,7 @@ impl Keys {
 }
 
 struct Scripts {
-    admit: Script,
-    transition: Script,
+    batch: Script,
     replace: Script,
     reap: Script,
     heartbeat: Script,
@@ -197,7 +199,7 @@ struct Scripts {
     retire_keys: Script,
 }
 
-/// A release kept until Redis answers: the operation and the transition script's target.
+/// A release kept until Redis answers: the operation and the transition's target.
 #[derive(Clone, Debug)]
 pub(crate) struct Kept {
     pub(crate) id: String,
@@ -317,6 +319,8 @@ pub(crate) struct Inner {
     notices: Mutex<Option<tokio::task::JoinHandle<()>>>,
     /// Where the notice task connects.
     client: redis::Client,
+    /// The replica's decisions on their way to Redis (see `commit`).
+    queue: commit::Queue,
 }
 
 /// The admission controller shared by broker replicas through Redis. Cheap to clone.
@@ -335,7 +339,7 @@ fn valid_op_id(id: &str) -> bool {
     !id.is_empty() && id.len() <= 128 && id.bytes().all(|b| b.is_ascii_graphic())
 }
 
-/// The client's quota from what the admission script read (its bucket in µs of Redis time and
+/// The client's quota from what the admission decision read (its bucket in µs of Redis time and
 /// its counts on every replica), built as the in-process engine builds its own
 /// ([`QuotaStatus::of`], with the engine's bucket arithmetic, [`gcra::level`]), so the quota
 /// fields say the same thing whichever backend decided.
@@ -395,14 +399,15 @@ impl RedisController {
         let mut token_bytes = [0u8; 16];
         fill_random(&mut token_bytes);
         let token: String = token_bytes.iter().map(|b| format!("{b:02x}")).collect();
+        let (queue, jobs) = commit::queue();
         let inner = Inner {
+            queue,
             conn,
             keys: Keys::new(&options.prefix),
             circuit: Circuit::new(options.circuit_threshold, options.circuit_cool_down),
             token,
             scripts: Scripts {
-                admit: Script::new(ADMIT),
-                transition: Script::new(TRANSITION),
+                batch: Script::new(BATCH),
                 replace: Script::new(REPLACE),
                 reap: Script::new(REAP),
                 heartbeat: Script::new(HEARTBEAT),
@@ -440,9 +445,10 @@ impl RedisController {
             client,
             options,
         };
-        Ok(RedisController {
-            inner: Arc::new(inner),
-        })
+        let inner = Arc::new(inner);
+        // The writer holds the replica only while a batch is in flight, and ends with it.
+        tokio::spawn(commit::write(Arc::downgrade(&inner), jobs));
+        Ok(RedisController { inner })
     }
 
     /// This replica's name.
@@ -632,36 +638,21 @@ impl RedisController {
         }
         let caps = inner.options.caps;
         let global = config.limits();
-        let keys = &inner.keys;
-        let replica = &inner.options.replica;
-        let idem_key = idempotency_key.map(|k| keys.idempotency(identity.as_str(), k));
-        let mut invocation = inner.scripts.admit.prepare_invoke();
-        invocation
-            .key(&keys.counts)
-            .key(&keys.ops)
-            .key(keys.tat(identity.as_str()))
-            .key(keys.lease(replica))
-            .key(idem_key.as_deref().unwrap_or(&keys.counts))
-            .key(&keys.replicas)
-            .key(&keys.epoch)
-            .key(&keys.recovery)
-            .arg(&keys.base)
-            .arg(id)
-            .arg(replica)
-            .arg(&inner.token)
-            .arg(identity.as_str())
-            .arg(u8::from(needs_approval))
-            .arg(interval)
-            .arg(span)
-            .arg(limits.active)
-            .arg(limits.pending)
-            .arg(caps.grant_client)
-            .arg(caps.grant_global)
-            .arg(global.global_active)
-            .arg(global.global_executing)
-            .arg(u8::from(idem_key.is_some()))
-            .arg(inner.options.idempotency_ttl.map_or(0, ttl_millis))
-            .arg(inner.epoch().unwrap_or_default());
+        let idem_key = idempotency_key.map(|k| inner.keys.idempotency(identity.as_str(), k));
+        let decision = commit::Decision::Admit {
+            id: id.to_string(),
+            client: identity.as_str().to_string(),
+            needs_approval,
+            rate: (interval, span),
+            client_active: limits.active,
+            client_pending: limits.pending,
+            grant_client: caps.grant_client,
+            grant_global: caps.grant_global,
+            global_active: global.global_active,
+            global_executing: global.global_executing,
+            key: idem_key.clone(),
+            key_ttl_millis: inner.options.idempotency_ttl.map_or(0, ttl_millis),
+        };
         let cell = Arc::new(Held {
             id: id.to_string(),
             identity: identity.clone(),
@@ -684,17 +675,14 @@ impl RedisController {
         );
         let _shared = inner.registration.read().await;
         let ticket = inner.memory.ticket(identity.as_str());
-        let value = match inner.call(&invocation).await {
-            Ok(value) => value,
-            Err(reason) => return Err(AdmitError::Unavailable(inner.unavailable(reason))),
-        };
-        let reply = match reply::parse_admit(&value) {
-            Ok(reply) => reply,
-            Err(e) => {
-                return Err(AdmitError::Unavailable(
-                    inner.unavailable(UnavailableReason::Reply(e.to_string())),
-                ));
+        let reply = match inner.decide(decision).await {
+            Ok(Decided::Admit(reply)) => reply,
+            Ok(Decided::Transition(_)) => {
+                return Err(AdmitError::Unavailable(inner.unavailable(
+                    UnavailableReason::Reply("a transition's reply to an admission".into()),
+                )));
             }
+            Err(reason) => return Err(AdmitError::Unavailable(inner.unavailable(reason))),
         };
         // Asked to, an admission is answered only once a Redis replica holds it: not
         // acknowledged in time, it is given back (the armed undo keeps its release).
@@ -1084,31 +1072,25 @@ impl Inner {
         self.wake.notify_one();
     }
 
-    /// Runs the transition script for `id`.
+    /// Moves `id` in the shared counts (in the replica's next batch, see `commit`).
     pub(crate) async fn transition(
         &self,
         id: &str,
         target: Target,
         key: Option<&str>,
     ) -> Result<TransitionReply, UnavailableReason> {
-        let limit = self.config.load().limits().global_executing;
-        let (interval, span) = match target {
-            Target::Refund(interval, span) => (interval, span),
-            _ => (0, 0),
+        let decision = commit::Decision::Move {
+            id: id.to_string(),
+            target,
+            global_executing: self.config.load().limits().global_executing,
+            key: key.map(str::to_string),
         };
-        let mut invocation = self.scripts.transition.prepare_invoke();
-        invocation
-            .key(&self.keys.counts)
-            .key(&self.keys.ops)
-            .arg(&self.keys.base)
-            .arg(id)
-            .arg(target.arg())
-            .arg(limit)
-            .arg(interval)
-            .arg(span)
-            .arg(key.unwrap_or(""));
-        let value = self.call(&invocation).await?;
-        reply::parse_transition(&value).map_err(|e| UnavailableReason::Reply(e.to_string()))
+        match self.decide(decision).await? {
+            Decided::Transition(reply) => Ok(reply),
+            Decided::Admit(_) => Err(UnavailableReason::Reply(
+                "an admission's reply to a transition".into(),
+            )),
+        }
     }
 
     /// Sends a release now, or keeps it for later if Redis does not answer (or earlier releases
@@ -1352,6 +1334,8 @@ impl Inner {
         // Kept releases before this point are for operations no longer held here (each left
         // `held` before it was kept): once Redis holds exactly `held` for this replica they are
         // moot, unless they free an idempotency key. Those kept while the script runs are not.
+        // A decision whose caller hung up may still be queued for Redis: it goes first.
+        self.settled().await;
         let kept_before = crate::sync::lock(&self.outbox).len();
         for cell in self.lock_held().values() {
             let state = match cell.state() {

@@ -1,6 +1,7 @@
-//! The deployment's notices, heard on one subscriber connection per replica: the transition,
-//! reap and replace scripts `PUBLISH` on `{prefix}:notices` whenever they lower a count, and each
-//! replica's refusal memory (`memory`) forgets what a notice may have changed.
+//! The deployment's notices, heard on one subscriber connection per replica: the batch, reap
+//! and replace scripts `PUBLISH` on `{prefix}:notices` whenever they lower a count (a batch all
+//! of its notices in one message, one a line), and each replica's refusal memory (`memory`)
+//! forgets what a notice may have changed.
 //!
 //! The subscription is the memory's licence: while it is live the memory remembers and answers;
 //! the moment it is lost (the connection failed, or a ping went unanswered) everything is

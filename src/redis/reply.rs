@@ -22,7 +22,7 @@ pub struct Reading {
     pub pending: u64,
 }
 
-/// What the admission script decided.
+/// What the batch script decided for an admission.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum AdmitReply {
     /// Admitted: the reservation is recorded under the operation's id (the reading counts it).
@@ -54,7 +54,7 @@ pub enum AdmitReply {
     },
 }
 
-/// What the transition script did.
+/// What the batch script did for a transition.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TransitionReply {
     /// Moved, from the state it was recorded in (`p`, `a` or `e`).
@@ -176,7 +176,7 @@ fn reading(value: &Value) -> Option<Reading> {
     }
 }
 
-/// Parses the admission script's reply.
+/// Parses an admission's reply (one element of the batch script's).
 pub fn parse_admit(value: &Value) -> Result<AdmitReply, ReplyError> {
     let items = array(value).ok_or_else(|| bad("admit", value))?;
     let head = items.first().and_then(text);
@@ -226,7 +226,7 @@ pub fn parse_admit(value: &Value) -> Result<AdmitReply, ReplyError> {
     Ok(reply)
 }
 
-/// Parses the transition script's reply.
+/// Parses a transition's reply (one element of the batch script's).
 pub fn parse_transition(value: &Value) -> Result<TransitionReply, ReplyError> {
     let items = array(value).ok_or_else(|| bad("transition", value))?;
     let reply = match (items.first().and_then(text), items.len()) {
@@ -242,6 +242,44 @@ pub fn parse_transition(value: &Value) -> Result<TransitionReply, ReplyError> {
         _ => return Err(bad("transition", value)),
     };
     Ok(reply)
+}
+
+/// What a decision in a batch is, so its reply is parsed as that kind's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Asked {
+    /// An admission: its reply is an admission reply ([`parse_admit`]).
+    Admit,
+    /// A transition: its reply is a transition reply ([`parse_transition`]).
+    Transition,
+}
+
+/// The batch script's answer to one decision.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Decided {
+    /// An admission's.
+    Admit(AdmitReply),
+    /// A transition's.
+    Transition(TransitionReply),
+}
+
+/// Parses the batch script's reply: one reply per decision asked, in order, each as strictly as
+/// alone. A reply that is not an array of exactly that many is an error for all of them; one
+/// decision's unreadable reply is an error for that decision only.
+pub fn parse_batch(
+    value: &Value,
+    asked: &[Asked],
+) -> Result<Vec<Result<Decided, ReplyError>>, ReplyError> {
+    match array(value) {
+        Some(items) if items.len() == asked.len() && !items.is_empty() => Ok(items
+            .iter()
+            .zip(asked)
+            .map(|(item, asked)| match asked {
+                Asked::Admit => parse_admit(item).map(Decided::Admit),
+                Asked::Transition => parse_transition(item).map(Decided::Transition),
+            })
+            .collect()),
+        _ => Err(bad("batch", value)),
+    }
 }
 
 /// Parses the heartbeat script's reply.

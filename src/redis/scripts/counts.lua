@@ -1,8 +1,8 @@
--- Shared by every script (prepended at build time). The counts live in one hash, KEYS[1]:
--- `active`, `pending`, `executing` (global) and `a:<client>`, `p:<client>`, `e:<client>`.
--- An operation is a field of the hash KEYS[2]: its id -> "<state> <replica> <client>", with the
--- state `p` (pending), `a` (approved) or `e` (executing). Counts never fall below zero, and a
--- count that reaches zero is removed, so an idle deployment leaves an empty hash.
+-- Shared by the registration and reap scripts (prepended at build time, after shared.lua). The
+-- counts live in one hash, KEYS[1]: `active`, `pending`, `executing` (global) and `a:<client>`,
+-- `p:<client>`, `e:<client>`; operations are fields of KEYS[2] (see shared.lua). Counts never
+-- fall below zero, and a count that reaches zero is removed, so an idle deployment leaves an
+-- empty hash. (The batch script keeps the same rules on its own reads and writes.)
 
 -- The counts `fields` as numbers (an absent one is 0), in one read.
 local function counts(fields)
@@ -34,11 +34,6 @@ local function adjust(fields, delta, known)
   if #gone > 0 then
     redis.call('HDEL', KEYS[1], unpack(gone))
   end
-end
-
-local function parse_op(record)
-  local state, replica, client = string.match(record, '^(%a) (%S+) (%S+)$')
-  return state, replica, client
 end
 
 -- The counts an operation in `state` for `client` is part of.
@@ -73,21 +68,6 @@ local function now_micros()
   return tonumber(t[1]) * 1000000 + tonumber(t[2])
 end
 
--- A client's rate bucket: the key holds "<TAT> <interval> <span>" (µs; the rate the TAT was last
--- written under). A bare number (written before the rate was stored) has no known rate, so it is
--- never rescaled. `parse_tat` reads a value already fetched (false for none), `read_tat` the
--- key. Reply: tat, interval, span (both nil when unknown).
-local function parse_tat(v)
-  if not v then
-    return 0, nil, nil
-  end
-  local tat, interval, span = string.match(v, '^(%d+) (%d+) (%d+)$')
-  if tat then
-    return tonumber(tat), tonumber(interval), tonumber(span)
-  end
-  return tonumber(v) or 0, nil, nil
-end
-
 local function read_tat(key)
   return parse_tat(redis.call('GET', key))
 end
@@ -95,13 +75,4 @@ end
 local function write_tat(key, tat, interval, span, now)
   redis.call('SET', key, string.format('%.0f %.0f %.0f', tat, interval, span),
     'PX', math.floor(math.max(tat - now, 0) / 1000) + 1)
-end
-
--- The TAT rescaled from a span `old` to `new` at `now`, as the in-process engine's
--- `Bucket::rescale` does: the used part of the span (at most all of it) keeps its fraction,
--- rounded up, so a reload never hands out a fresh burst. Exact while old × new spans stay below
--- 2^53 µs² (windows up to ~95 s); beyond that within a microsecond.
-local function rescale(tat, now, old, new)
-  local used = math.min(math.max(tat - now, 0), old)
-  return now + math.ceil(used * new / math.max(old, 1))
 end

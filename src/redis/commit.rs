@@ -1,0 +1,234 @@
+//! The group commit: every admission decision and transition a replica sends to Redis goes
+//! through one writer task, which sends what is waiting in one call of the batch script
+//! (`scripts/batch.lua`), decided there in order, each exactly as it would be alone.
+//!
+//! Why: on Redis a script call has a large fixed cost (entering Lua, and every `redis.call`), so
+//! a replica with several decisions waiting pays it once for all of them, and what they share
+//! (the time, the lease, the counts, the operations hash) is read and written once. A batch forms
+//! only from what is already waiting — no timer: a lone call goes at once, as it always did;
+//! while one batch is in flight the next calls queue and go together as the next ("Nagle without
+//! the timer"), at most [`MOST_PER_BATCH`] at a time. One writer per replica keeps the calls in
+//! the order they were made, so a release kept after a timed-out admission always follows it.
+//!
+//! Every caller still waits for Redis's answer to its own decision. A caller that stops waiting
+//! (its future dropped, or its wait timed out) does not take its decision back: it is decided
+//! anyway, and the caller's own undo (a kept release, see `KeepOnDrop`) follows it to Redis.
+
+use std::sync::Weak;
+
+use redis::ScriptInvocation;
+use tokio::sync::{mpsc, oneshot};
+
+use super::reply::{self, Asked, Decided};
+use super::{Inner, Target, UnavailableReason};
+
+/// The most decisions one script call carries.
+pub(crate) const MOST_PER_BATCH: usize = 64;
+
+/// One decision for the batch script, with every argument it is decided on.
+pub(crate) enum Decision {
+    /// An admission (the fields of `scripts/batch.lua`'s `A` record, in order).
+    Admit {
+        id: String,
+        client: String,
+        needs_approval: bool,
+        rate: (u64, u64),
+        client_active: u32,
+        client_pending: u32,
+        grant_client: u64,
+        grant_global: u64,
+        global_active: u32,
+        global_executing: u32,
+        /// The idempotency record's key, if the submission has one.
+        key: Option<String>,
+        key_ttl_millis: u64,
+    },
+    /// A transition by operation id (the `T` record).
+    Move {
+        id: String,
+        target: Target,
+        global_executing: u32,
+        /// The idempotency record to free if it still names this operation.
+        key: Option<String>,
+    },
+}
+
+impl Decision {
+    fn asked(&self) -> Asked {
+        match self {
+            Decision::Admit { .. } => Asked::Admit,
+            Decision::Move { .. } => Asked::Transition,
+        }
+    }
+
+    fn write(&self, invocation: &mut ScriptInvocation<'_>) {
+        match self {
+            Decision::Admit {
+                id,
+                client,
+                needs_approval,
+                rate: (interval, span),
+                client_active,
+                client_pending,
+                grant_client,
+                grant_global,
+                global_active,
+                global_executing,
+                key,
+                key_ttl_millis,
+            } => {
+                invocation
+                    .arg("A")
+                    .arg(id)
+                    .arg(client)
+                    .arg(u8::from(*needs_approval))
+                    .arg(interval)
+                    .arg(span)
+                    .arg(client_active)
+                    .arg(client_pending)
+                    .arg(grant_client)
+                    .arg(grant_global)
+                    .arg(global_active)
+                    .arg(global_executing)
+                    .arg(key.as_deref().unwrap_or(""))
+                    .arg(key_ttl_millis);
+            }
+            Decision::Move {
+                id,
+                target,
+                global_executing,
+                key,
+            } => {
+                let (interval, span) = match target {
+                    Target::Refund(interval, span) => (*interval, *span),
+                    _ => (0, 0),
+                };
+                invocation
+                    .arg("T")
+                    .arg(id)
+                    .arg(target.arg())
+                    .arg(global_executing)
+                    .arg(interval)
+                    .arg(span)
+                    .arg(key.as_deref().unwrap_or(""));
+            }
+        }
+    }
+}
+
+/// What waits for the writer.
+pub(crate) enum Job {
+    /// A decision, and where its answer goes.
+    Decide {
+        decision: Decision,
+        answer: oneshot::Sender<Result<Decided, UnavailableReason>>,
+    },
+    /// Told once every decision queued before it has been decided (or has failed).
+    Settle(oneshot::Sender<()>),
+}
+
+/// The writer's end of a replica's queue: what the replica's calls send their decisions to.
+pub(crate) type Queue = mpsc::UnboundedSender<Job>;
+
+/// A new queue and the end the writer reads.
+pub(crate) fn queue() -> (Queue, mpsc::UnboundedReceiver<Job>) {
+    mpsc::unbounded_channel()
+}
+
+/// The writer: takes whatever is waiting (at least one, at most [`MOST_PER_BATCH`]), sends it as
+/// one call, answers each caller, and again, until the replica is gone. It holds the replica
+/// only while a batch is in flight.
+pub(crate) async fn write(inner: Weak<Inner>, mut jobs: mpsc::UnboundedReceiver<Job>) {
+    let mut batch = Vec::with_capacity(MOST_PER_BATCH);
+    while jobs.recv_many(&mut batch, MOST_PER_BATCH).await > 0 {
+        let Some(inner) = inner.upgrade() else { return };
+        let decisions = batch.iter().filter_map(|job| match job {
+            Job::Decide { decision, .. } => Some(decision),
+            Job::Settle(_) => None,
+        });
+        let mut answers = if decisions.clone().next().is_some() {
+            inner.commit(decisions).await.into_iter()
+        } else {
+            Vec::new().into_iter()
+        };
+        for job in batch.drain(..) {
+            match job {
+                Job::Decide { answer, .. } => {
+                    let decided = answers.next().unwrap_or(Err(UnavailableReason::Reply(
+                        "the batch answered fewer decisions than it was sent".into(),
+                    )));
+                    // A caller that stopped waiting has its own undo under way.
+                    let _ = answer.send(decided);
+                }
+                Job::Settle(settled) => {
+                    let _ = settled.send(());
+                }
+            }
+        }
+    }
+}
+
+impl Inner {
+    /// Sends `decision` to Redis in the replica's next batch and waits for its answer (at most
+    /// twice the call timeout: the batch in flight, then its own).
+    pub(crate) async fn decide(&self, decision: Decision) -> Result<Decided, UnavailableReason> {
+        let (answer, answered) = oneshot::channel();
+        if self.queue.send(Job::Decide { decision, answer }).is_err() {
+            return Err(UnavailableReason::Redis(
+                "the replica's writer has stopped".into(),
+            ));
+        }
+        match tokio::time::timeout(self.options.call_timeout * 2, answered).await {
+            Ok(Ok(answer)) => answer,
+            Ok(Err(_)) => Err(UnavailableReason::Redis(
+                "the replica's writer dropped the decision".into(),
+            )),
+            Err(_) => Err(UnavailableReason::Timeout),
+        }
+    }
+
+    /// Waits (at most twice the call timeout) until every decision queued so far has been
+    /// decided: registration does, so that a decision whose caller hung up (its undo kept, then
+    /// made moot by the registration) never reaches Redis after the registration's replace.
+    pub(crate) async fn settled(&self) {
+        let (settled, done) = oneshot::channel();
+        if self.queue.send(Job::Settle(settled)).is_ok() {
+            let _ = tokio::time::timeout(self.options.call_timeout * 2, done).await;
+        }
+    }
+
+    /// One call of the batch script for `decisions`, in order: an answer for each.
+    async fn commit<'a>(
+        &self,
+        decisions: impl Iterator<Item = &'a Decision>,
+    ) -> Vec<Result<Decided, UnavailableReason>> {
+        let replica = &self.options.replica;
+        let mut invocation = self.scripts.batch.prepare_invoke();
+        invocation
+            .key(&self.keys.counts)
+            .key(&self.keys.ops)
+            .key(self.keys.lease(replica))
+            .key(&self.keys.epoch)
+            .key(&self.keys.recovery)
+            .arg(&self.keys.base)
+            .arg(replica)
+            .arg(&self.token)
+            .arg(self.epoch().unwrap_or_default());
+        let mut asked = Vec::with_capacity(MOST_PER_BATCH);
+        for decision in decisions {
+            decision.write(&mut invocation);
+            asked.push(decision.asked());
+        }
+        let value = match self.call(&invocation).await {
+            Ok(value) => value,
+            Err(reason) => return vec![Err(reason); asked.len()],
+        };
+        match reply::parse_batch(&value, &asked) {
+            Ok(answers) => answers
+                .into_iter()
+                .map(|a| a.map_err(|e| UnavailableReason::Reply(e.to_string())))
+                .collect(),
+            Err(e) => vec![Err(UnavailableReason::Reply(e.to_string())); asked.len()],
+        }
+    }
+}

@@ -1,0 +1,464 @@
+-- A replica's decisions in one call (a group commit): admissions and transitions, decided in
+-- the order given, each exactly as it would be decided alone — the same checks, codes and
+-- replies, exactly once by operation id — with what they share read once and written once:
+-- one TIME, one HMGET of the operations, one MGET of the lease, epoch, recovery marker, buckets
+-- and key records, one HMGET of every count, then one HSET / HDEL of the counts changed and of
+-- the operations changed, one SADD / SREM per replica set, one PUBLISH of every notice. A batch
+-- of one is the single decision. Every key lives under the deployment's hash tag (KEYS[1]'s):
+-- the per-operation keys (buckets, key records) are built from ARGV[1], as all scripts do.
+-- Written for Redis's cost model (each `redis.call`, and each table or closure a call makes,
+-- costs microseconds): no helper closures, no table per decision, duplicates in the reads
+-- allowed rather than deduplicated. The counts follow counts.lua's rules (never below zero; a
+-- count that reaches zero is removed).
+-- KEYS: 1 counts, 2 operations, 3 the replica's lease, 4 the deployment's epoch, 5 the recovery
+--       marker.
+-- ARGV: 1 key base, 2 replica, 3 lease token, 4 the epoch this replica registered in, then each
+--       decision in order, one of:
+--   an admission, 14 fields: `A`, operation id, client, needs approval (0/1), emission interval
+--     (µs), burst span (µs), client active limit, client pending limit, per-client grant cap,
+--     global grant cap, global active limit, global executing limit, the idempotency record's
+--     key (empty for none), its lifetime (ms; 0 for none: it lives until its operation is
+--     retired);
+--   a transition, 7 fields: `T`, operation id, target (`a` approved, `e` executing, `t`
+--     terminal: release everything, `r` refund: release and give the rate token back), global
+--     executing limit, the emission interval and burst span the token was taken under (µs, for
+--     `r`), the idempotency record to free if it still names this operation (empty for none: a
+--     committed operation keeps its key).
+-- Reply: one reply per decision, in order.
+--   An admission: {'admitted', reading} | {'duplicate'} (this id was admitted before: a retry) |
+--     {'replay', id, replica} | {'lease'} (this replica does not hold its lease, or not in the
+--     deployment's epoch) | {'recovering'} (Redis forgot the deployment and the replicas are
+--     registering again) | {'refused', code, rate wait µs, capacity exhausted 0/1, reading},
+--     where reading is {TAT µs, now µs, client active, client pending}: the client's bucket and
+--     counts just after the decision, for the client's quota as the deployment sees it.
+--   A transition: {'moved', from} | {'same'} | {'absent'} (released already) |
+--     {'not_allowed', from} | {'saturated'} (no execution slot: the operation stays approved).
+-- A move that lowers a count (a release, a refund, an approval) is published on the
+-- deployment's notices channel, `r <client>` or, for a refund, `f <client>`, one a line, so
+-- every replica's refusal memory forgets what it may have changed.
+local base, replica, token, epoch = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+
+-- Where each decision starts in ARGV, and what the batch must read.
+local at, ids = {}, {}
+local admits, refunds = 0, 0
+local i, last = 5, #ARGV
+while i <= last do
+  local kind = ARGV[i]
+  at[#at + 1] = i
+  ids[#ids + 1] = ARGV[i + 1]
+  if kind == 'A' then
+    admits = admits + 1
+    i = i + 14
+  elseif kind == 'T' then
+    if ARGV[i + 2] == 'r' then refunds = refunds + 1 end
+    i = i + 7
+  else
+    return redis.error_reply('batch: unknown decision kind at ARGV[' .. i .. ']')
+  end
+end
+
+-- The operations' records (id -> record, or false), read once; `before[n]` as read for ids[n].
+local records = {}
+local before = redis.call('HMGET', KEYS[2], unpack(ids))
+for n = 1, #ids do
+  records[ids[n]] = before[n]
+end
+
+-- The clients the batch touches: the admissions', and those of the operations it moves.
+local clients, client_list = {}, {}
+for n = 1, #at do
+  local j = at[n]
+  local client
+  if ARGV[j] == 'A' then
+    client = ARGV[j + 2]
+  elseif records[ARGV[j + 1]] then
+    client = string.match(records[ARGV[j + 1]], '^%a %S+ (%S+)$')
+  end
+  if client and not clients[client] then
+    clients[client] = true
+    client_list[#client_list + 1] = client
+  end
+end
+
+-- Every string key the batch reads, in one call: the lease, epoch and recovery marker (for
+-- admissions), the buckets of the admitting (and, with a refund, every touched) client, and the
+-- key records named.
+local names, strings = {}, nil
+if admits > 0 then
+  names[1], names[2], names[3] = KEYS[3], KEYS[4], KEYS[5]
+end
+if refunds > 0 then
+  for n = 1, #client_list do
+    names[#names + 1] = base .. ':tat:' .. client_list[n]
+  end
+end
+for n = 1, #at do
+  local j = at[n]
+  if ARGV[j] == 'A' then
+    if refunds == 0 then names[#names + 1] = base .. ':tat:' .. ARGV[j + 2] end
+    if ARGV[j + 12] ~= '' then names[#names + 1] = ARGV[j + 12] end
+  elseif ARGV[j + 6] ~= '' then
+    names[#names + 1] = ARGV[j + 6]
+  end
+end
+-- (Tables are made only when a decision needs them: each one costs Redis time.)
+local tat_keys, tat_value, tat_px
+local key_names, key_value, key_ttl
+if #names > 0 then
+  strings = {}
+  local values = redis.call('MGET', unpack(names))
+  for n = 1, #names do
+    strings[names[n]] = values[n]
+  end
+  key_names, key_value, key_ttl = {}, {}, {}
+end
+if admits > 0 or refunds > 0 then
+  tat_keys, tat_value, tat_px = {}, {}, {}
+end
+
+-- Every count the batch touches, in one call; `was` as read.
+local fields = {'active', 'pending', 'executing'}
+for n = 1, #client_list do
+  local c = client_list[n]
+  fields[#fields + 1] = 'a:' .. c
+  fields[#fields + 1] = 'p:' .. c
+  fields[#fields + 1] = 'e:' .. c
+end
+local known = {}
+local was = redis.call('HMGET', KEYS[1], unpack(fields))
+for n = 1, #fields do
+  local v = tonumber(was[n] or '0') or 0
+  known[fields[n]] = v
+  was[n] = v
+end
+
+-- Redis time, read once, and only if a decision needs it.
+local now
+if admits > 0 or refunds > 0 then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+
+-- What the batch writes, applied once at the end: buckets (value, lifetime), key records
+-- (value or false, lifetime), this replica's held-set changes (id -> present) and other
+-- replicas' removals, notices.
+local held, elsewhere = {}, nil
+local notices = {}
+local replies = {}
+
+for n = 1, #at do
+  local j = at[n]
+  local id = ARGV[j + 1]
+  if ARGV[j] == 'A' then
+    -- An admission.
+    local client, approval = ARGV[j + 2], ARGV[j + 3] == '1'
+    local key = ARGV[j + 12]
+    repeat
+      if strings[KEYS[3]] ~= token or strings[KEYS[4]] ~= epoch then
+        replies[n] = {'lease'}
+        break
+      end
+      if strings[KEYS[5]] then
+        replies[n] = {'recovering'}
+        break
+      end
+      if records[id] then
+        replies[n] = {'duplicate'}
+        break
+      end
+      if key ~= '' and strings[key] then
+        local owner_id, owner_replica = string.match(strings[key], '^(%S+) (%S+)$')
+        -- The key names this very id only if it was admitted and since released (a lapsed
+        -- lease): then it is decided afresh below, as a restored operation would be counted
+        -- again.
+        if owner_id ~= id then
+          replies[n] = {'replay', owner_id, owner_replica}
+          break
+        end
+      end
+      local interval, span = tonumber(ARGV[j + 4]), tonumber(ARGV[j + 5])
+      local client_active, client_pending = tonumber(ARGV[j + 6]), tonumber(ARGV[j + 7])
+      local grant_client, grant_global = tonumber(ARGV[j + 8]), tonumber(ARGV[j + 9])
+      local global_active, global_executing = tonumber(ARGV[j + 10]), tonumber(ARGV[j + 11])
+      local tat_key = base .. ':tat:' .. client
+      local tat, _, stored_span = parse_tat(strings[tat_key])
+      -- A reload changed this client's rate since the TAT was written: rescale it first.
+      local rescaled = stored_span ~= nil and stored_span ~= span
+      if rescaled then
+        tat = rescale(tat, now, stored_span, span)
+      end
+      local next_tat = math.max(tat, now) + interval
+      local rate_wait = math.max(math.max(tat, now) + interval - now - span, 0)
+      local a, p = known['a:' .. client], known['p:' .. client]
+      local ga, gp, ge = known['active'], known['pending'], known['executing']
+      local pending_cap = math.min(client_pending, grant_client)
+
+      local code
+      if next_tat - now > span then
+        code = 'submission_rate_limited'
+      elseif a >= client_active then
+        code = 'client_operation_limit'
+      elseif approval and p >= pending_cap then
+        if p >= client_pending then
+          code = 'client_pending_limit'
+        else
+          code = 'pending_grant_limit'
+        end
+      elseif approval and gp >= grant_global then
+        code = 'pending_grant_limit'
+      elseif ga >= global_active then
+        code = 'global_operation_limit'
+      elseif ge >= global_executing then
+        code = 'global_execution_limit'
+      end
+
+      if code then
+        local capacity = 0
+        if code ~= 'submission_rate_limited'
+          or a >= client_active
+          or (approval and (p >= pending_cap or gp >= grant_global))
+          or ga >= global_active
+          or ge >= global_executing then
+          capacity = 1
+        end
+        if rescaled and tat > now then
+          local v = string.format('%.0f %.0f %.0f', tat, interval, span)
+          strings[tat_key] = v
+          if not tat_value[tat_key] then tat_keys[#tat_keys + 1] = tat_key end
+          tat_value[tat_key] = v
+          tat_px[tat_key] = math.floor(math.max(tat - now, 0) / 1000) + 1
+        end
+        replies[n] = {'refused', code, string.format('%.0f', rate_wait), capacity,
+          {string.format('%.0f', tat), string.format('%.0f', now), a, p}}
+        break
+      end
+
+      local v = string.format('%.0f %.0f %.0f', next_tat, interval, span)
+      strings[tat_key] = v
+      if not tat_value[tat_key] then tat_keys[#tat_keys + 1] = tat_key end
+      tat_value[tat_key] = v
+      tat_px[tat_key] = math.floor(math.max(next_tat - now, 0) / 1000) + 1
+      -- (The replica is in the replica set already: its registration put it there, and a reap
+      -- that took it out also ended the lease checked above.)
+      local state = 'a'
+      known['active'] = ga + 1
+      known['a:' .. client] = a + 1
+      if approval then
+        state = 'p'
+        known['pending'] = gp + 1
+        p = p + 1
+        known['p:' .. client] = p
+      end
+      records[id] = state .. ' ' .. replica .. ' ' .. client
+      held[id] = true
+      if key ~= '' then
+        local owner = id .. ' ' .. replica
+        strings[key] = owner
+        if key_value[key] == nil then key_names[#key_names + 1] = key end
+        key_value[key] = owner
+        key_ttl[key] = tonumber(ARGV[j + 13])
+      end
+      replies[n] = {'admitted',
+        {string.format('%.0f', next_tat), string.format('%.0f', now), a + 1, p}}
+    until true
+  else
+    -- A transition.
+    local to, key = ARGV[j + 2], ARGV[j + 6]
+    repeat
+      if key ~= '' and (to == 't' or to == 'r') then
+        -- An admission never committed: its key is free again, whether or not it still holds
+        -- slots (a lost reply's release may come after a lapsed lease released them).
+        local owner = strings[key]
+        if owner and string.match(owner, '^(%S+) ') == id then
+          strings[key] = false
+          if key_value[key] == nil then key_names[#key_names + 1] = key end
+          key_value[key] = false
+        end
+      end
+      local record = records[id]
+      if not record then
+        replies[n] = {'absent'}
+        break
+      end
+      local state, owner, client = parse_op(record)
+      if to == 't' or to == 'r' then
+        -- Release everything it holds, once: its record goes with its counts.
+        local less = {'active', 'a:' .. client}
+        if state == 'p' then
+          less[3], less[4] = 'pending', 'p:' .. client
+        elseif state == 'e' then
+          less[3], less[4] = 'executing', 'e:' .. client
+        end
+        for k = 1, #less do
+          local v = known[less[k]] - 1
+          if v < 0 then v = 0 end
+          known[less[k]] = v
+        end
+        records[id] = false
+        if owner == replica then
+          held[id] = false
+        else
+          -- Held by another replica's record (rare: one list for it).
+          elsewhere = elsewhere or {}
+          elsewhere[#elsewhere + 1] = owner
+          elsewhere[#elsewhere + 1] = id
+        end
+        if to == 'r' then
+          local tat_key = base .. ':tat:' .. client
+          local tat, stored_interval, stored_span = parse_tat(strings[tat_key])
+          local given, given_span = tonumber(ARGV[j + 4]), tonumber(ARGV[j + 5])
+          local v, px
+          if stored_span ~= nil and tat > now then
+            -- The token is measured in the rate the bucket has now (a reload may have rescaled
+            -- it), rounded down, as the in-process engine's `Rate::token_in` does.
+            if stored_span ~= given_span then
+              given = math.floor(given * stored_span / math.max(given_span, 1))
+            end
+            local back = math.max(tat - given, 0)
+            v = string.format('%.0f %.0f %.0f', back, stored_interval, stored_span)
+            px = math.floor(math.max(back - now, 0) / 1000) + 1
+          elseif tat > now then
+            -- A bare TAT (no rate stored) keeps its lifetime.
+            local ttl = redis.call('PTTL', tat_key)
+            if ttl > 0 then
+              v, px = string.format('%.0f', math.max(tat - given, 0)), ttl
+            end
+          end
+          if v then
+            strings[tat_key] = v
+            if not tat_value[tat_key] then tat_keys[#tat_keys + 1] = tat_key end
+            tat_value[tat_key], tat_px[tat_key] = v, px
+          end
+          notices[#notices + 1] = 'f ' .. client
+        else
+          notices[#notices + 1] = 'r ' .. client
+        end
+        replies[n] = {'moved', state}
+        break
+      end
+      if state == to then
+        replies[n] = {'same'}
+        break
+      end
+      if to == 'a' and state == 'p' then
+        local pc = 'p:' .. client
+        known['pending'] = math.max(known['pending'] - 1, 0)
+        known[pc] = math.max(known[pc] - 1, 0)
+        notices[#notices + 1] = 'r ' .. client
+      elseif to == 'e' and state == 'a' then
+        if known['executing'] >= tonumber(ARGV[j + 3]) then
+          replies[n] = {'saturated'}
+          break
+        end
+        local ec = 'e:' .. client
+        known['executing'] = known['executing'] + 1
+        known[ec] = known[ec] + 1
+      else
+        replies[n] = {'not_allowed', state}
+        break
+      end
+      records[id] = to .. ' ' .. owner .. ' ' .. client
+      replies[n] = {'moved', state}
+    until true
+  end
+end
+
+-- The writes, once each: the counts that changed (one that reaches zero is removed), the
+-- records, the held sets, buckets, key records, notices.
+local set, gone
+for n = 1, #fields do
+  local v = known[fields[n]]
+  if v ~= was[n] then
+    if v > 0 then
+      set = set or {}
+      set[#set + 1] = fields[n]
+      set[#set + 1] = string.format('%.0f', v)
+    else
+      gone = gone or {}
+      gone[#gone + 1] = fields[n]
+    end
+  end
+end
+if set then
+  redis.call('HSET', KEYS[1], unpack(set))
+end
+if gone then
+  redis.call('HDEL', KEYS[1], unpack(gone))
+end
+
+-- (An id named twice is written twice, to the same value: harmless.)
+local written, removed, added, taken
+for n = 1, #ids do
+  local id = ids[n]
+  local record = records[id]
+  if record ~= before[n] then
+    if record then
+      written = written or {}
+      written[#written + 1] = id
+      written[#written + 1] = record
+    elseif before[n] then
+      removed = removed or {}
+      removed[#removed + 1] = id
+    end
+  end
+  if held[id] then
+    added = added or {}
+    added[#added + 1] = id
+  elseif held[id] == false then
+    taken = taken or {}
+    taken[#taken + 1] = id
+  end
+end
+if written then
+  redis.call('HSET', KEYS[2], unpack(written))
+end
+if removed then
+  redis.call('HDEL', KEYS[2], unpack(removed))
+end
+if added then
+  redis.call('SADD', base .. ':held:' .. replica, unpack(added))
+end
+if taken then
+  redis.call('SREM', base .. ':held:' .. replica, unpack(taken))
+end
+if elsewhere then
+  for n = 1, #elsewhere, 2 do
+    redis.call('SREM', base .. ':held:' .. elsewhere[n], elsewhere[n + 1])
+  end
+end
+
+if tat_keys then
+  for n = 1, #tat_keys do
+    local key = tat_keys[n]
+    redis.call('SET', key, tat_value[key], 'PX', tat_px[key])
+  end
+end
+
+if key_names and #key_names > 0 then
+  local lasting, freed
+  for n = 1, #key_names do
+    local key = key_names[n]
+    local v = key_value[key]
+    if not v then
+      freed = freed or {}
+      freed[#freed + 1] = key
+    elseif key_ttl[key] > 0 then
+      redis.call('SET', key, v, 'PX', key_ttl[key])
+    else
+      lasting = lasting or {}
+      lasting[#lasting + 1] = key
+      lasting[#lasting + 1] = v
+    end
+  end
+  if lasting then
+    redis.call('MSET', unpack(lasting))
+  end
+  if freed then
+    redis.call('DEL', unpack(freed))
+  end
+end
+
+if #notices > 0 then
+  redis.call('PUBLISH', base .. ':notices', table.concat(notices, '\n'))
+end
+return replies
