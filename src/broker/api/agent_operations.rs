@@ -15,7 +15,8 @@ use serde_json::Value;
 use super::detached::detached;
 use super::error::{ApiError, ApiResult, json_response};
 use super::extract::{
-    Client, OperationId, is_idempotency_key, own_record, own_rendered, read_body, render_operation,
+    Client, OperationId, is_idempotency_key, is_json_object, own_record, own_rendered, read_body,
+    render_operation,
 };
 use super::presentation;
 use super::projection::OperationJson;
@@ -65,6 +66,11 @@ pub(crate) fn validate(bytes: &[u8]) -> Result<Validated, ApiError> {
     let request: Submission = serde_json::from_slice(bytes).map_err(|e| {
         ApiError::invalid(format!("The request body is not a valid submission: {e}"))
     })?;
+    if !is_json_object(bytes) {
+        return Err(ApiError::invalid(
+            "The request body is not a valid submission: a submission is a JSON object.",
+        ));
+    }
     if !is_idempotency_key(&request.idempotency_key) {
         return Err(ApiError::invalid(
             "idempotency_key must match ^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$.",
@@ -425,5 +431,19 @@ mod tests {
         assert_eq!(err.code(), "invalid_request");
         assert_eq!(err.message(), "reason must be 1 to 2000 characters.");
         assert!(validate(&body("")).is_err());
+    }
+
+    #[test]
+    fn a_submission_is_an_object_never_an_array_of_its_fields_in_order() {
+        let fields = br#"["k1","demo.run",{"repo":"a/b"},{"duration_ms":1},"why"]"#;
+        for bytes in [&fields[..], b" \n\t[\"k1\",\"demo.run\",{},{},\"why\"]"] {
+            let err = validate(bytes).err().expect("refused");
+            assert_eq!(err.code(), "invalid_request");
+            assert_eq!(
+                err.message(),
+                "The request body is not a valid submission: a submission is a JSON object."
+            );
+        }
+        assert!(validate(&body("why")).is_ok());
     }
 }

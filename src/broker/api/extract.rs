@@ -122,6 +122,17 @@ pub(crate) fn single_params(
     Ok(params)
 }
 
+/// Whether JSON text is an object (its first byte past JSON whitespace is `{`). A body the
+/// contract defines as an object is judged by this before serde reads it into a struct: serde
+/// reads a struct from an array too, field by field in order, which would let `[1,"k"]` pass
+/// for `{"expected_revision":1,"idempotency_key":"k"}`.
+pub(crate) fn is_json_object(bytes: &[u8]) -> bool {
+    bytes
+        .iter()
+        .find(|b| !matches!(b, b' ' | b'\t' | b'\n' | b'\r'))
+        .is_some_and(|&b| b == b'{')
+}
+
 /// A decimal integer of plain ASCII digits (no sign, no spaces), within `u64`.
 pub(crate) fn parse_integer(text: &str) -> Option<u64> {
     if text.is_empty() || text.len() > 20 || !text.bytes().all(|b| b.is_ascii_digit()) {

@@ -39,7 +39,7 @@ use super::error::{ErrorCode, OperatorError, OperatorResult};
 use super::projection::{APPROVAL_SECONDS, broker_request, past_due};
 use super::requests::valid_id;
 use crate::broker::api::error::json_response;
-use crate::broker::api::extract::read_body;
+use crate::broker::api::extract::{is_json_object, read_body};
 use crate::broker::core::Core;
 use crate::broker::registry;
 use crate::broker::store::{
@@ -160,6 +160,16 @@ fn specified<'de, D: Deserializer<'de>, T: Deserialize<'de>>(
     Option::<T>::deserialize(d).map(Some)
 }
 
+/// Whether `constraints` and `notification`, where given, are JSON objects (the body already
+/// parsed as a decision, so it is valid JSON).
+fn nested_are_objects(bytes: &[u8]) -> bool {
+    serde_json::from_slice::<Value>(bytes).is_ok_and(|body| {
+        ["constraints", "notification"]
+            .iter()
+            .all(|field| body.get(field).is_none_or(Value::is_object))
+    })
+}
+
 fn is_digest(text: &str) -> bool {
     text.strip_prefix("sha256:").is_some_and(|hex| {
         hex.len() == 64 && hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
@@ -193,6 +203,11 @@ impl WireNotification {
 pub fn parse_decision(action: Action, bytes: &[u8]) -> Result<DecisionBody, OperatorError> {
     let wire: WireDecision =
         serde_json::from_slice(bytes).map_err(|_| OperatorError::invalid_body())?;
+    // serde reads a struct from an array too: the body and its two nested objects must be
+    // objects in the text (a decision is rare; reading it twice costs nothing that matters).
+    if !is_json_object(bytes) || !nested_are_objects(bytes) {
+        return Err(OperatorError::invalid_body());
+    }
     let constraints_valid = wire.constraints.as_ref().is_none_or(|c| {
         c.duration_seconds
             .is_none_or(|d| (1..=MAX_SAFE_INTEGER).contains(&d))
@@ -517,6 +532,26 @@ mod tests {
             five_minutes,
         );
         assert!(matches!(judged, Ok(DecidedMove { revoked: true, .. })));
+    }
+
+    #[test]
+    fn a_decision_and_its_nested_objects_are_objects_never_arrays_of_their_fields() {
+        // Found by the operator_decision fuzz target: serde read `[1,"i"]` as a decision.
+        for body in [
+            r#"[1,"i"]"#,
+            r#"  [1, "k", "telegram:42"]"#,
+            r#"{"expected_revision":1,"idempotency_key":"k","constraints":[60]}"#,
+            r#"{"expected_revision":1,"idempotency_key":"k","constraints":[60,1]}"#,
+            r#"{"expected_revision":1,"idempotency_key":"k","notification":["telegram"]}"#,
+        ] {
+            let Err(err) = parse(Action::Approve, body) else {
+                panic!("accepted {body}");
+            };
+            assert_eq!(err.status(), StatusCode::BAD_REQUEST, "{body}");
+            assert_eq!(err.message(), "decision body is invalid", "{body}");
+        }
+        let with_constraints = r#" {"expected_revision":1,"idempotency_key":"k","constraints":{"duration_seconds":60}}"#;
+        assert!(parse(Action::Approve, with_constraints).is_ok());
     }
 
     #[test]
