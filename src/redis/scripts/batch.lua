@@ -8,7 +8,8 @@
 -- the per-operation keys (buckets, key records) are built from ARGV[1], as all scripts do.
 -- Written for Redis's cost model (each `redis.call`, and each table or closure a call makes,
 -- costs microseconds): no helper closures, no table per decision, duplicates in the reads
--- allowed rather than deduplicated. The counts follow counts.lua's rules (never below zero; a
+-- allowed rather than deduplicated; counts are written as Lua numbers (small integers, which
+-- Redis writes as their digits). The counts follow counts.lua's rules (never below zero; a
 -- count that reaches zero is removed).
 -- KEYS: 1 counts, 2 operations, 3 the replica's lease, 4 the deployment's epoch, 5 the recovery
 --       marker.
@@ -30,7 +31,9 @@
 --     deployment's epoch) | {'recovering'} (Redis forgot the deployment and the replicas are
 --     registering again) | {'refused', code, rate wait µs, capacity exhausted 0/1, reading},
 --     where reading is {TAT µs, now µs, client active, client pending}: the client's bucket and
---     counts just after the decision, for the client's quota as the deployment sees it.
+--     counts just after the decision, for the client's quota as the deployment sees it. Numbers
+--     in a reply are Lua numbers (Redis answers them as integers: exact below 2^53, and a TAT
+--     in µs is ~2^51), not formatted strings: a `string.format` costs about a microsecond.
 --   A transition: {'moved', from} | {'same'} | {'absent'} (released already) |
 --     {'not_allowed', from} | {'saturated'} (no execution slot: the operation stays approved).
 -- A move that lowers a count (a release, a refund, an approval) is published on the
@@ -228,8 +231,7 @@ for n = 1, #at do
           tat_value[tat_key] = v
           tat_px[tat_key] = math.floor(math.max(tat - now, 0) / 1000) + 1
         end
-        replies[n] = {'refused', code, string.format('%.0f', rate_wait), capacity,
-          {string.format('%.0f', tat), string.format('%.0f', now), a, p}}
+        replies[n] = {'refused', code, rate_wait, capacity, {tat, now, a, p}}
         break
       end
 
@@ -258,8 +260,7 @@ for n = 1, #at do
         key_value[key] = owner
         key_ttl[key] = tonumber(ARGV[j + 13])
       end
-      replies[n] = {'admitted',
-        {string.format('%.0f', next_tat), string.format('%.0f', now), a + 1, p}}
+      replies[n] = {'admitted', {next_tat, now, a + 1, p}}
     until true
   else
     -- A transition.
@@ -372,7 +373,7 @@ for n = 1, #fields do
     if v > 0 then
       set = set or {}
       set[#set + 1] = fields[n]
-      set[#set + 1] = string.format('%.0f', v)
+      set[#set + 1] = v
     else
       gone = gone or {}
       gone[#gone + 1] = fields[n]
