@@ -8,8 +8,9 @@
 //! the replica's own engine; each admitted operation is then released (a second decision, not
 //! timed), so the counts stay level. A replica's decisions waiting at once go to Redis in one
 //! script call (its group commit), so the profile also measures a batched lifecycle: what an
-//! admission and its release cost Redis when four tasks share a replica. Not run in CI: `cargo
-//! bench --bench redis` (`-- --profile-only` for the profile alone).
+//! admission and its release cost Redis when 4 or 16 tasks share a replica; and the throughput
+//! group runs at 4 and at 16 tasks per replica, the baseline at the same concurrency. Not run
+//! in CI: `cargo bench --bench redis` (`-- --profile-only` for the profile alone).
 
 #[path = "../tests/support/mod.rs"]
 mod support;
@@ -59,7 +60,13 @@ fn figures(mut latencies: Vec<Duration>, elapsed: Duration) -> Figures {
     }
 }
 
-async fn admissions(url: &str, replica_count: usize, prefix: &str, wait_replicas: u32) -> Figures {
+async fn admissions(
+    url: &str,
+    replica_count: usize,
+    tasks: usize,
+    prefix: &str,
+    wait_replicas: u32,
+) -> Figures {
     let mut replicas = Vec::new();
     for r in 0..replica_count {
         let mut options = ReplicaOptions::new(url, format!("bench-r{r}"));
@@ -67,7 +74,7 @@ async fn admissions(url: &str, replica_count: usize, prefix: &str, wait_replicas
         options.wait_replicas = wait_replicas;
         // As many of one client's decisions in flight as tasks, as the rate-only baseline has:
         // this group measures Redis, not the per-client bound (default 1).
-        options.client_decisions_in_flight = TASKS_PER_REPLICA;
+        options.client_decisions_in_flight = tasks;
         // The pending-grant caps are the engine's (`Admission::new` hands them to Redis too).
         let caps = StorageCaps {
             grant_global: 100_000,
@@ -80,15 +87,15 @@ async fn admissions(url: &str, replica_count: usize, prefix: &str, wait_replicas
         replicas.push(admission);
     }
     let start = Instant::now();
-    let mut tasks = Vec::new();
+    let mut running = Vec::new();
     for (r, admission) in replicas.iter().enumerate() {
-        for t in 0..TASKS_PER_REPLICA {
+        for t in 0..tasks {
             let admission = admission.clone();
-            tasks.push(tokio::spawn(async move {
+            running.push(tokio::spawn(async move {
                 let mut latencies = Vec::new();
                 let mut n = 0usize;
                 while start.elapsed() < RUN {
-                    let client = format!("bench-{}", (r * TASKS_PER_REPLICA + t + n) % CLIENTS);
+                    let client = format!("bench-{}", (r * tasks + t + n) % CLIENTS);
                     let key = format!("k-{r}-{t}-{n}");
                     let began = Instant::now();
                     let permit = admission
@@ -104,7 +111,7 @@ async fn admissions(url: &str, replica_count: usize, prefix: &str, wait_replicas
         }
     }
     let mut all = Vec::new();
-    for task in tasks {
+    for task in running {
         all.extend(task.await.unwrap());
     }
     let elapsed = start.elapsed();
@@ -116,7 +123,7 @@ async fn admissions(url: &str, replica_count: usize, prefix: &str, wait_replicas
     figures(all, elapsed)
 }
 
-async fn rate_only(url: &str, replicas: usize) -> Figures {
+async fn rate_only(url: &str, replicas: usize, tasks: usize) -> Figures {
     let script = Arc::new(Script::new(RATE_ONLY));
     let mut conns = Vec::new();
     for _ in 0..replicas {
@@ -124,16 +131,16 @@ async fn rate_only(url: &str, replicas: usize) -> Figures {
         conns.push(ConnectionManager::new(client).await.unwrap());
     }
     let start = Instant::now();
-    let mut tasks = Vec::new();
+    let mut running = Vec::new();
     for (r, conn) in conns.iter().enumerate() {
-        for t in 0..TASKS_PER_REPLICA {
+        for t in 0..tasks {
             let mut conn = conn.clone();
             let script = Arc::clone(&script);
-            tasks.push(tokio::spawn(async move {
+            running.push(tokio::spawn(async move {
                 let mut latencies = Vec::new();
                 let mut n = 0usize;
                 while start.elapsed() < RUN {
-                    let key = format!("{{rate}}:tat:{}", (r * TASKS_PER_REPLICA + t + n) % CLIENTS);
+                    let key = format!("{{rate}}:tat:{}", (r * tasks + t + n) % CLIENTS);
                     let began = Instant::now();
                     let taken: i64 = script
                         .key(key)
@@ -151,7 +158,7 @@ async fn rate_only(url: &str, replicas: usize) -> Figures {
         }
     }
     let mut all = Vec::new();
-    for task in tasks {
+    for task in running {
         all.extend(task.await.unwrap());
     }
     figures(all, start.elapsed())
@@ -178,7 +185,8 @@ async fn commandstats(conn: &mut ConnectionManager) -> Vec<(String, u64, u64)> {
         .collect()
 }
 
-/// Zeroes `INFO commandstats` and the slow log, which from now on logs every call.
+/// Zeroes `INFO commandstats` and the slow log, which from now on logs every call (until
+/// [`cost`] reads it).
 async fn reset_stats(conn: &mut ConnectionManager) {
     for args in [
         &["CONFIG", "SET", "slowlog-log-slower-than", "0"][..],
@@ -248,6 +256,18 @@ async fn cost(conn: &mut ConnectionManager, calls: usize) -> ScriptCost {
         "{script_calls} script calls for {calls}"
     );
     let (slowlog_p50, slowlog_max) = slowlog(conn).await;
+    // Logging every call costs Redis time of its own (an entry copied, another freed, per
+    // call): off again, at its default, before anything else is measured.
+    for args in [
+        &["CONFIG", "SET", "slowlog-log-slower-than", "10000"][..],
+        &["SLOWLOG", "RESET"],
+    ] {
+        let _: () = redis::cmd(args[0])
+            .arg(&args[1..])
+            .query_async(conn)
+            .await
+            .unwrap();
+    }
     ScriptCost {
         usec_per_call: usec as f64 / script_calls as f64,
         commands_per_call: inner as f64 / script_calls as f64,
@@ -268,7 +288,7 @@ async fn profile(url: &str) {
     options.lease_ttl = Duration::from_secs(120);
     options.heartbeat = Duration::from_secs(60);
     // The batched phase's tasks may each have a decision in flight, as in the throughput group.
-    options.client_decisions_in_flight = TASKS_PER_REPLICA;
+    options.client_decisions_in_flight = 4 * TASKS_PER_REPLICA;
     let caps = StorageCaps {
         grant_global: 100_000,
         grant_client: 1000,
@@ -305,29 +325,36 @@ async fn profile(url: &str) {
     }
     rows.push(("transition (release)", cost(&mut conn, CALLS).await));
 
-    // The lifecycle as the throughput group runs it (4 tasks, each admitting and releasing), so
-    // the replica's group commit batches what is waiting: the cost per script call, and per
-    // lifecycle (an admission and its release).
-    reset_stats(&mut conn).await;
-    let mut tasks = Vec::new();
-    for t in 0..TASKS_PER_REPLICA {
-        let admission = admission.clone();
-        tasks.push(tokio::spawn(async move {
-            for n in 0..CALLS / TASKS_PER_REPLICA {
-                let client = format!("bench-{}", (t + n) % CLIENTS);
-                let permit = admission
-                    .admit(&client, n.is_multiple_of(2), Some(&format!("b-{t}-{n}")))
-                    .await
-                    .unwrap();
-                permit.commit().fail().await.unwrap();
-            }
-        }));
+    // The lifecycle as the throughput group runs it (4 tasks, then 16, each admitting and
+    // releasing), so the replica's group commit batches what is waiting: the cost per script
+    // call, and per lifecycle (an admission and its release).
+    let mut batched = Vec::new();
+    for tasks in [TASKS_PER_REPLICA, 4 * TASKS_PER_REPLICA] {
+        reset_stats(&mut conn).await;
+        let mut running = Vec::new();
+        for t in 0..tasks {
+            let admission = admission.clone();
+            running.push(tokio::spawn(async move {
+                for n in 0..CALLS / tasks {
+                    let client = format!("bench-{}", (t + n) % CLIENTS);
+                    let permit = admission
+                        .admit(
+                            &client,
+                            n.is_multiple_of(2),
+                            Some(&format!("b{tasks}-{t}-{n}")),
+                        )
+                        .await
+                        .unwrap();
+                    permit.commit().fail().await.unwrap();
+                }
+            }));
+        }
+        for task in running {
+            task.await.unwrap();
+        }
+        let cost = cost(&mut conn, 0).await;
+        batched.push((tasks, script_calls(&mut conn).await, cost));
     }
-    for task in tasks {
-        task.await.unwrap();
-    }
-    let batched = cost(&mut conn, 0).await;
-    let batched_calls = script_calls(&mut conn).await;
 
     // One client at its active limit: every admission is refused by Redis.
     let tight = Admission::new(
@@ -376,16 +403,18 @@ async fn profile(url: &str) {
         );
     }
     // Two decisions per lifecycle (its admission and its release).
-    let per_call = 2.0 * CALLS as f64 / batched_calls as f64;
-    let lifecycle_usec = batched.usec_per_call * batched_calls as f64 / CALLS as f64;
-    println!(
-        "batched lifecycle, {TASKS_PER_REPLICA} tasks: {batched_calls} script calls for {CALLS} \
-         lifecycles ({per_call:.2} decisions/call), {:.2} µs and {:.1} commands per call, \
-         {lifecycle_usec:.2} µs per lifecycle = {:.2}x the rate-only call's cost",
-        batched.usec_per_call,
-        batched.commands_per_call,
-        rate_only_usec / lifecycle_usec
-    );
+    for (tasks, calls, cost) in batched {
+        let per_call = 2.0 * CALLS as f64 / calls as f64;
+        let lifecycle_usec = cost.usec_per_call * calls as f64 / CALLS as f64;
+        println!(
+            "batched lifecycle, {tasks} tasks: {calls} script calls for {CALLS} lifecycles \
+             ({per_call:.2} decisions/call), {:.2} µs and {:.1} commands per call, \
+             {lifecycle_usec:.2} µs per lifecycle = {:.2}x the rate-only call's cost",
+            cost.usec_per_call,
+            cost.commands_per_call,
+            rate_only_usec / lifecycle_usec
+        );
+    }
     admission.shutdown().await;
     tight.shutdown().await;
 }
@@ -494,30 +523,42 @@ fn main() {
         if std::env::args().any(|a| a == "--profile-only") {
             return;
         }
-        println!(
-            "{:<10} {:>14} {:>10} {:>10} {:>16} {:>10} {:>10} {:>8}",
-            "replicas", "admissions/s", "p50", "p99", "rate-only/s", "p50", "p99", "ratio"
-        );
-        for replicas in [1, 2, 3, 4] {
-            let baseline = rate_only(&url, replicas).await;
-            let admit = admissions(&url, replicas, &format!("bench{replicas}"), 0).await;
+        // Each at the same concurrency as its baseline: 4 tasks per replica, then 16 (where a
+        // replica's group commit has more waiting to batch).
+        for tasks in [TASKS_PER_REPLICA, 4 * TASKS_PER_REPLICA] {
             println!(
-                "{:<10} {:>14.0} {:>10.1?} {:>10.1?} {:>16.0} {:>10.1?} {:>10.1?} {:>8.2}",
-                replicas,
-                admit.per_sec,
-                admit.p50,
-                admit.p99,
-                baseline.per_sec,
-                baseline.p50,
-                baseline.p99,
-                admit.per_sec / baseline.per_sec
+                "{:<13} {:>14} {:>10} {:>10} {:>16} {:>10} {:>10} {:>8}",
+                format!("replicas×{tasks}"),
+                "admissions/s",
+                "p50",
+                "p99",
+                "rate-only/s",
+                "p50",
+                "p99",
+                "ratio"
             );
+            for replicas in [1, 2, 3, 4] {
+                let baseline = rate_only(&url, replicas, tasks).await;
+                let prefix = format!("bench{replicas}x{tasks}");
+                let admit = admissions(&url, replicas, tasks, &prefix, 0).await;
+                println!(
+                    "{:<13} {:>14.0} {:>10.1?} {:>10.1?} {:>16.0} {:>10.1?} {:>10.1?} {:>8.2}",
+                    replicas,
+                    admit.per_sec,
+                    admit.p50,
+                    admit.p99,
+                    baseline.per_sec,
+                    baseline.p50,
+                    baseline.p99,
+                    admit.per_sec / baseline.per_sec
+                );
+            }
         }
         // The cost of answering only what a Redis replica holds (`wait_replicas`): one replica,
         // with and without WAIT, against the same primary with one Redis replica attached.
         let standby = support::redis::RedisServer::start_replica_of(server.port);
-        let plain = admissions(&url, 1, "wait0", 0).await;
-        let waiting = admissions(&url, 1, "wait1", 1).await;
+        let plain = admissions(&url, 1, TASKS_PER_REPLICA, "wait0", 0).await;
+        let waiting = admissions(&url, 1, TASKS_PER_REPLICA, "wait1", 1).await;
         println!(
             "{:<22} {:>14} {:>10} {:>10}",
             "1 replica, Redis replica", "admissions/s", "p50", "p99"
