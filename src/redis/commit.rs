@@ -6,32 +6,24 @@
 //! a replica with several decisions waiting pays it once for all of them, and what they share
 //! (the time, the lease, the counts, the operations hash) is read and written once. A batch forms
 //! only from what is already waiting — no timer: a lone call goes at once, as it always did;
-//! while batches are in flight the next calls queue and go together as the next ("Nagle without
-//! the timer"), at most [`MOST_PER_BATCH`] at a time, at most [`MOST_IN_FLIGHT`] batches at
-//! once (the second fills the first's round trip). The writer keeps each operation's decisions
-//! in the order they were made — never two of its batches in flight at once — so a release kept
-//! after a timed-out admission always follows it.
+//! while one batch is in flight the next calls queue and go together as the next ("Nagle without
+//! the timer"), at most [`MOST_PER_BATCH`] at a time. One writer per replica keeps the calls in
+//! the order they were made, so a release kept after a timed-out admission always follows it.
 //!
 //! Every caller still waits for Redis's answer to its own decision. A caller that stops waiting
 //! (its future dropped, or its wait timed out) does not take its decision back: it is decided
 //! anyway, and the caller's own undo (a kept release, see `KeepOnDrop`) follows it to Redis.
 
-use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Weak;
 
 use redis::ScriptInvocation;
 use tokio::sync::{mpsc, oneshot};
-use tokio::task::JoinSet;
 
 use super::reply::{self, Asked, Decided};
 use super::{Inner, Target, UnavailableReason};
 
 /// The most decisions one script call carries.
 pub(crate) const MOST_PER_BATCH: usize = 64;
-
-/// The most batches a replica has in flight at once: a second fills the round trip of the
-/// first (Redis decides one while the replica reads the other's answer).
-pub(crate) const MOST_IN_FLIGHT: usize = 2;
 
 /// One decision for the batch script, with every argument it is decided on.
 pub(crate) enum Decision {
@@ -62,13 +54,6 @@ pub(crate) enum Decision {
 }
 
 impl Decision {
-    /// The operation decided.
-    fn id(&self) -> &str {
-        match self {
-            Decision::Admit { id, .. } | Decision::Move { id, .. } => id,
-        }
-    }
-
     fn asked(&self) -> Asked {
         match self {
             Decision::Admit { .. } => Asked::Admit,
@@ -131,13 +116,13 @@ impl Decision {
     }
 }
 
-/// Where a decision's answer goes.
-pub(crate) type Answer = oneshot::Sender<Result<Decided, UnavailableReason>>;
-
 /// What waits for the writer.
 pub(crate) enum Job {
     /// A decision, and where its answer goes.
-    Decide { decision: Decision, answer: Answer },
+    Decide {
+        decision: Decision,
+        answer: oneshot::Sender<Result<Decided, UnavailableReason>>,
+    },
     /// Told once every decision queued before it has been decided (or has failed).
     Settle(oneshot::Sender<()>),
 }
@@ -150,92 +135,37 @@ pub(crate) fn queue() -> (Queue, mpsc::UnboundedReceiver<Job>) {
     mpsc::unbounded_channel()
 }
 
-/// The writer: forms batches from whatever is waiting (at least one decision, at most
-/// [`MOST_PER_BATCH`]), keeps up to [`MOST_IN_FLIGHT`] of them in flight at once, and again,
-/// until the replica is gone. Each batch runs on a task of its own, which answers its callers.
-///
-/// Order: two batches in flight at once may be decided by Redis in either order (a `NOSCRIPT`
-/// retry resends one after the other), so no operation has decisions in two of them at once —
-/// a decision for an operation already in flight waits, and everything queued after it waits
-/// behind it, until that batch is answered; a [`Job::Settle`] is answered only once every
-/// batch before it is. What an operation's decisions see is therefore always their order here.
-/// The writer holds the replica only while a batch is in flight.
+/// The writer: takes whatever is waiting (at least one, at most [`MOST_PER_BATCH`]), sends it as
+/// one call, answers each caller, and again, until the replica is gone. It holds the replica
+/// only while a batch is in flight.
 pub(crate) async fn write(inner: Weak<Inner>, mut jobs: mpsc::UnboundedReceiver<Job>) {
-    let mut waiting: VecDeque<Job> = VecDeque::new();
-    let mut flying: JoinSet<()> = JoinSet::new();
-    // The operations each batch in flight decides, by its task; and all of them.
-    let mut carried: HashMap<tokio::task::Id, Vec<String>> = HashMap::new();
-    let mut busy: HashSet<String> = HashSet::new();
-    let mut received = Vec::with_capacity(MOST_PER_BATCH);
-    let mut open = true;
-    loop {
-        while flying.len() < MOST_IN_FLIGHT {
-            let batch = take(&mut waiting, &busy, flying.is_empty());
-            if batch.is_empty() {
-                break;
-            }
-            let Some(inner) = inner.upgrade() else { return };
-            let ids: Vec<String> = batch.iter().map(|(d, _)| d.id().to_owned()).collect();
-            busy.extend(ids.iter().cloned());
-            let task = flying.spawn(async move { inner.send(batch).await });
-            carried.insert(task.id(), ids);
-        }
-        // Read the queue only with room to send and nothing held back (a held-back job waits
-        // for a batch to land, and everything after it waits behind it).
-        let reading = open && waiting.is_empty() && flying.len() < MOST_IN_FLIGHT;
-        tokio::select! {
-            landed = flying.join_next_with_id(), if !flying.is_empty() => {
-                let task = match landed {
-                    Some(Ok((task, ()))) => task,
-                    Some(Err(e)) => e.id(),
-                    None => continue,
-                };
-                for id in carried.remove(&task).unwrap_or_default() {
-                    busy.remove(&id);
+    let mut batch = Vec::with_capacity(MOST_PER_BATCH);
+    while jobs.recv_many(&mut batch, MOST_PER_BATCH).await > 0 {
+        let Some(inner) = inner.upgrade() else { return };
+        let decisions = batch.iter().filter_map(|job| match job {
+            Job::Decide { decision, .. } => Some(decision),
+            Job::Settle(_) => None,
+        });
+        let mut answers = if decisions.clone().next().is_some() {
+            inner.commit(decisions).await.into_iter()
+        } else {
+            Vec::new().into_iter()
+        };
+        for job in batch.drain(..) {
+            match job {
+                Job::Decide { answer, .. } => {
+                    let decided = answers.next().unwrap_or(Err(UnavailableReason::Reply(
+                        "the batch answered fewer decisions than it was sent".into(),
+                    )));
+                    // A caller that stopped waiting has its own undo under way.
+                    let _ = answer.send(decided);
                 }
-            }
-            n = jobs.recv_many(&mut received, MOST_PER_BATCH), if reading => {
-                if n == 0 {
-                    open = false;
-                }
-                waiting.extend(received.drain(..));
-            }
-            else => {
-                // Closed, nothing waiting to be sent, nothing in flight.
-                if waiting.is_empty() {
-                    return;
-                }
-            }
-        }
-    }
-}
-
-/// The next batch from the front of `waiting`, in order: up to [`MOST_PER_BATCH`] decisions,
-/// stopping before a decision for an operation in flight (`busy`) and before a settle that has
-/// batches ahead of it (`idle`: none in flight). A settle with nothing ahead of it is answered
-/// here.
-fn take(
-    waiting: &mut VecDeque<Job>,
-    busy: &HashSet<String>,
-    idle: bool,
-) -> Vec<(Decision, Answer)> {
-    let mut batch = Vec::new();
-    while batch.len() < MOST_PER_BATCH {
-        match waiting.front() {
-            Some(Job::Settle(_)) if idle && batch.is_empty() => {
-                if let Some(Job::Settle(settled)) = waiting.pop_front() {
+                Job::Settle(settled) => {
                     let _ = settled.send(());
                 }
             }
-            Some(Job::Decide { decision, .. }) if !busy.contains(decision.id()) => {
-                if let Some(Job::Decide { decision, answer }) = waiting.pop_front() {
-                    batch.push((decision, answer));
-                }
-            }
-            _ => break,
         }
     }
-    batch
 }
 
 impl Inner {
@@ -264,18 +194,6 @@ impl Inner {
         let (settled, done) = oneshot::channel();
         if self.queue.send(Job::Settle(settled)).is_ok() {
             let _ = tokio::time::timeout(self.options.call_timeout * 2, done).await;
-        }
-    }
-
-    /// Sends one batch and answers each of its callers.
-    async fn send(&self, batch: Vec<(Decision, Answer)>) {
-        let mut answers = self.commit(batch.iter().map(|(d, _)| d)).await.into_iter();
-        for (_, answer) in batch {
-            let decided = answers.next().unwrap_or(Err(UnavailableReason::Reply(
-                "the batch answered fewer decisions than it was sent".into(),
-            )));
-            // A caller that stopped waiting has its own undo under way.
-            let _ = answer.send(decided);
         }
     }
 
@@ -312,87 +230,5 @@ impl Inner {
                 .collect(),
             Err(e) => vec![Err(UnavailableReason::Reply(e.to_string())); asked.len()],
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn release(id: &str) -> (Job, oneshot::Receiver<Result<Decided, UnavailableReason>>) {
-        let (answer, answered) = oneshot::channel();
-        let decision = Decision::Move {
-            id: id.to_owned(),
-            target: Target::Terminal,
-            global_executing: 1,
-            key: None,
-        };
-        (Job::Decide { decision, answer }, answered)
-    }
-
-    fn ids(batch: &[(Decision, Answer)]) -> Vec<&str> {
-        batch.iter().map(|(d, _)| d.id()).collect()
-    }
-
-    fn front(waiting: &VecDeque<Job>) -> Option<&str> {
-        match waiting.front()? {
-            Job::Decide { decision, .. } => Some(decision.id()),
-            Job::Settle(_) => Some("settle"),
-        }
-    }
-
-    #[test]
-    fn an_operation_in_flight_holds_back_its_decision_and_everything_after_it() {
-        let mut waiting: VecDeque<Job> = ["a", "b", "c"].map(|id| release(id).0).into();
-        let busy: HashSet<String> = ["b".to_owned()].into();
-        let batch = take(&mut waiting, &busy, false);
-        assert_eq!(ids(&batch), ["a"]);
-        // `c` is free, but it was queued after `b`: it waits behind it.
-        assert_eq!(waiting.len(), 2);
-        assert_eq!(front(&waiting), Some("b"));
-        assert!(take(&mut waiting, &busy, false).is_empty());
-        // Once `b`'s batch lands, both go, in order.
-        let batch = take(&mut waiting, &HashSet::new(), true);
-        assert_eq!(ids(&batch), ["b", "c"]);
-        assert!(waiting.is_empty());
-    }
-
-    #[test]
-    fn one_batch_may_carry_an_operation_twice_in_order() {
-        let mut waiting: VecDeque<Job> = ["a", "a"].map(|id| release(id).0).into();
-        let batch = take(&mut waiting, &HashSet::new(), true);
-        assert_eq!(ids(&batch), ["a", "a"]);
-    }
-
-    #[test]
-    fn a_settle_is_answered_only_once_nothing_is_ahead_of_it() {
-        let (settled, mut done) = oneshot::channel();
-        let mut waiting: VecDeque<Job> = VecDeque::new();
-        waiting.push_back(release("a").0);
-        waiting.push_back(Job::Settle(settled));
-        waiting.push_back(release("b").0);
-        // `a` goes; the settle stops the batch, and `b` waits behind it.
-        let batch = take(&mut waiting, &HashSet::new(), true);
-        assert_eq!(ids(&batch), ["a"]);
-        assert_eq!(front(&waiting), Some("settle"));
-        // `a`'s batch in flight: the settle still waits.
-        assert!(take(&mut waiting, &HashSet::new(), false).is_empty());
-        assert!(done.try_recv().is_err());
-        // Landed: the settle is answered, then `b` goes.
-        let batch = take(&mut waiting, &HashSet::new(), true);
-        assert!(done.try_recv().is_ok());
-        assert_eq!(ids(&batch), ["b"]);
-    }
-
-    #[test]
-    fn a_batch_carries_at_most_its_share() {
-        let mut waiting: VecDeque<Job> = (0..MOST_PER_BATCH + 3)
-            .map(|n| release(&format!("op-{n}")).0)
-            .collect();
-        assert_eq!(
-            take(&mut waiting, &HashSet::new(), true).len(),
-            MOST_PER_BATCH
-        );
-        assert_eq!(take(&mut waiting, &HashSet::new(), false).len(), 3);
     }
 }
