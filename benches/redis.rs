@@ -391,6 +391,34 @@ async fn profile(url: &str) {
     }
     rows.push(("rate-only", cost(&mut conn, CALLS).await));
 
+    // The rate-only script at the batched phases' concurrency (one connection, as the replica
+    // has): Redis runs calls that arrive together back to back, warmer than one at a time, so
+    // this is the like-for-like baseline for a batched lifecycle.
+    let mut concurrent = Vec::new();
+    for tasks in [TASKS_PER_REPLICA, 4 * TASKS_PER_REPLICA] {
+        reset_stats(&mut conn).await;
+        let mut running = Vec::new();
+        for t in 0..tasks {
+            let mut conn = conn.clone();
+            running.push(tokio::spawn(async move {
+                let script = Script::new(RATE_ONLY);
+                for n in 0..CALLS / tasks {
+                    let _: i64 = script
+                        .key(format!("{{rate}}:tat:q{}", (t + n) % CLIENTS))
+                        .arg(1u64)
+                        .arg(1_000_000u64)
+                        .invoke_async(&mut conn)
+                        .await
+                        .unwrap();
+                }
+            }));
+        }
+        for task in running {
+            task.await.unwrap();
+        }
+        concurrent.push(cost(&mut conn, CALLS).await.usec_per_call);
+    }
+
     println!(
         "{:<22} {:>14} {:>18} {:>12} {:>12}",
         "script", "usec_per_call", "commands_per_call", "slowlog p50", "slowlog max"
@@ -403,16 +431,18 @@ async fn profile(url: &str) {
         );
     }
     // Two decisions per lifecycle (its admission and its release).
-    for (tasks, calls, cost) in batched {
+    for ((tasks, calls, cost), rate_only_together) in batched.into_iter().zip(concurrent) {
         let per_call = 2.0 * CALLS as f64 / calls as f64;
         let lifecycle_usec = cost.usec_per_call * calls as f64 / CALLS as f64;
         println!(
             "batched lifecycle, {tasks} tasks: {calls} script calls for {CALLS} lifecycles \
              ({per_call:.2} decisions/call), {:.2} µs and {:.1} commands per call, \
-             {lifecycle_usec:.2} µs per lifecycle = {:.2}x the rate-only call's cost",
+             {lifecycle_usec:.2} µs per lifecycle = {:.2}x the lone rate-only call's cost, \
+             {:.2}x its cost at {tasks} tasks ({rate_only_together:.2} µs)",
             cost.usec_per_call,
             cost.commands_per_call,
-            rate_only_usec / lifecycle_usec
+            rate_only_usec / lifecycle_usec,
+            rate_only_together / lifecycle_usec
         );
     }
     admission.shutdown().await;
