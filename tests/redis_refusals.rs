@@ -227,6 +227,64 @@ async fn a_pending_limit_refusal_answers_work_that_needs_approval_and_not_work_t
     assert!(r0.counts().await.unwrap().is_idle());
 }
 
+/// `PUBLISH` calls Redis has run (`INFO commandstats`).
+fn publishes(port: u16) -> u64 {
+    redis_support::cli(port, &["INFO", "commandstats"])
+        .lines()
+        .find_map(|line| {
+            line.strip_prefix("cmdstat_publish:")?
+                .split(',')
+                .find_map(|kv| kv.strip_prefix("calls="))?
+                .trim()
+                .parse()
+                .ok()
+        })
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_joining_with_nothing_held_ends_no_remembered_refusal() {
+    let Some(server) = RedisServer::start() else {
+        return;
+    };
+    // The first registration opens the deployment's epoch on a Redis that held none: what Redis
+    // forgot may have changed any refusal, so it is published.
+    let r0 = replica_with(config(), options(&server, "join", "r0")).await;
+    assert_eq!(publishes(server.port), 1, "the new epoch is published");
+    let pending = r0.admit("cat", true, None).await.unwrap().commit();
+    assert_eq!(
+        code(&r0.admit("cat", true, None).await),
+        Some(RefusalCode::ClientPendingLimit)
+    );
+    // A second replica joins with nothing held before and nothing restored: it lowers no count,
+    // so nothing is published, and r0 still answers cat from memory.
+    let r1 = replica_with(config(), options(&server, "join", "r1")).await;
+    assert_eq!(
+        publishes(server.port),
+        1,
+        "a join that lowers nothing is not published"
+    );
+    let calls = redis_support::script_calls(server.port);
+    assert_eq!(
+        code(&r0.admit("cat", true, None).await),
+        Some(RefusalCode::ClientPendingLimit)
+    );
+    assert_eq!(
+        redis_support::script_calls(server.port),
+        calls,
+        "answered from memory"
+    );
+    assert_eq!(r0.stats().refusals_from_memory, 1);
+    // Released, cat's pending slot is free on every replica.
+    pending.fail().await.unwrap();
+    let again = r1.admit("cat", true, None).await.unwrap().commit();
+    again.fail().await.unwrap();
+    for admission in [&r0, &r1] {
+        assert!(admission.flush().await);
+    }
+    assert!(r0.counts().await.unwrap().is_idle());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_remembered_rate_refusal_counts_its_retry_after_down_and_a_refund_anywhere_ends_it() {
     let Some(server) = RedisServer::start() else {

@@ -11,7 +11,8 @@
 //!   replace scripts `PUBLISH` on the deployment's channel (`{prefix}:notices`) whenever they
 //!   lower a count — `r <client>` (a release, or an approval, which lowers the pending counts),
 //!   `f <client>` (a refund: a release and the rate token back), `*` (a replica's holdings were
-//!   reaped or registered again: anything may have changed). A rate refusal ends with a refund
+//!   reaped, or registered again in a way that may have lowered a count — something released,
+//!   or Redis forgot: anything may have changed). A rate refusal ends with a refund
 //!   for that client; a refusal for the client's own capacity with a release for that client; a
 //!   refusal for a global limit (or the pending grants) with any release;
 //! - **this replica**: a reload (its limits are what the script is sent), and a lost

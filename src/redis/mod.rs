@@ -473,10 +473,13 @@ impl RedisController {
             let _alone = self.inner.registration.write().await;
             self.hold_restored(restored)
         };
+        let deferred = self.inner.register_again().await.err();
+        // Heard only after this replica's own registration: its `*` could only end refusals
+        // remembered before (there are none yet), and heard late, it would keep this replica's
+        // first refusals from being remembered.
         if self.inner.options.refusal_memory {
             self.start_notices();
         }
-        let deferred = self.inner.register_again().await.err();
         self.start_heartbeat();
         (self.handles(cells), deferred)
     }

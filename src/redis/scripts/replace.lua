@@ -11,8 +11,11 @@
 --       7 how many replicas it reports, then their names (the deployment as it knows it), then
 --       how many rate debts, then per client: client, interval, span, debt (µs), then per
 --       operation: id, client, state (`p`, `a` or `e`).
--- Every registration is published as `*` on the notices channel: what it released, or what
--- Redis forgot, may turn any replica's remembered refusal into an admission.
+-- A registration that may have lowered a count is published as `*` on the notices channel: what
+-- it released (or counted again in another state), or what Redis forgot, may turn any replica's
+-- remembered refusal into an admission. One that lowered nothing (a replica joining a running
+-- deployment with nothing held before, whose rate debts can only make buckets emptier) is not:
+-- a notice then could only end remembered refusals that are still Redis's answer.
 -- Reply: {operations released, operations counted, the epoch, recovering 0/1, restored 0/1}
 --        (restored: Redis lacked this replica's rate buckets and key records for this epoch,
 --        and the rate debts were applied).
@@ -79,12 +82,13 @@ for _, id in ipairs(redis.call('SMEMBERS', KEYS[3])) do
   end
 end
 redis.call('DEL', KEYS[3])
-local counted = 0
+local counted, recounted = 0, 0
 for k = i, #ARGV, 3 do
   local id, client, state = ARGV[k], ARGV[k + 1], ARGV[k + 2]
   local record = redis.call('HGET', KEYS[2], id)
   if record then
     release(id, record, base)
+    recounted = recounted + 1
   end
   hold(id, state, replica, client, base)
   counted = counted + 1
@@ -99,7 +103,9 @@ if recovering == 1 and redis.call('SCARD', KEYS[8]) == 0 then
   redis.call('DEL', KEYS[7], KEYS[8])
   recovering = 0
 end
-redis.call('PUBLISH', base .. ':notices', '*')
+if released > 0 or recounted > 0 or fresh_epoch or (known ~= '' and known ~= epoch) then
+  redis.call('PUBLISH', base .. ':notices', '*')
+end
 local restored_flag = 0
 if restored then restored_flag = 1 end
 return {released, counted, epoch, recovering, restored_flag}
