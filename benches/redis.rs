@@ -188,12 +188,21 @@ async fn commandstats(conn: &mut ConnectionManager) -> Vec<(String, u64, u64)> {
 /// Zeroes `INFO commandstats` and the slow log, which from now on logs every call (until
 /// [`cost`] reads it).
 async fn reset_stats(conn: &mut ConnectionManager) {
-    for args in [
-        &["CONFIG", "SET", "slowlog-log-slower-than", "0"][..],
-        &["CONFIG", "SET", "slowlog-max-len", "10000"],
-        &["SLOWLOG", "RESET"],
-        &["CONFIG", "RESETSTAT"],
-    ] {
+    commands(
+        conn,
+        &[
+            &["CONFIG", "SET", "slowlog-log-slower-than", "0"],
+            &["CONFIG", "SET", "slowlog-max-len", "10000"],
+            &["SLOWLOG", "RESET"],
+            &["CONFIG", "RESETSTAT"],
+        ],
+    )
+    .await;
+}
+
+/// Runs each command in turn (each must succeed).
+async fn commands(conn: &mut ConnectionManager, all: &[&[&str]]) {
+    for args in all {
         let _: () = redis::cmd(args[0])
             .arg(&args[1..])
             .query_async(conn)
@@ -258,16 +267,14 @@ async fn cost(conn: &mut ConnectionManager, calls: usize) -> ScriptCost {
     let (slowlog_p50, slowlog_max) = slowlog(conn).await;
     // Logging every call costs Redis time of its own (an entry copied, another freed, per
     // call): off again, at its default, before anything else is measured.
-    for args in [
-        &["CONFIG", "SET", "slowlog-log-slower-than", "10000"][..],
-        &["SLOWLOG", "RESET"],
-    ] {
-        let _: () = redis::cmd(args[0])
-            .arg(&args[1..])
-            .query_async(conn)
-            .await
-            .unwrap();
-    }
+    commands(
+        conn,
+        &[
+            &["CONFIG", "SET", "slowlog-log-slower-than", "10000"],
+            &["SLOWLOG", "RESET"],
+        ],
+    )
+    .await;
     ScriptCost {
         usec_per_call: usec as f64 / script_calls as f64,
         commands_per_call: inner as f64 / script_calls as f64,
