@@ -52,11 +52,10 @@ fn write_step(prefix: &str, step: &Step, args: &mut Vec<String>) {
     match *step {
         Step::Admit(client, id, approval, (requests, window), active, pending, k) => {
             let interval = window * 1_000_000 / requests;
+            // Each admission's own limits record: the script must decide the same with one
+            // `L` per admission as with one per batch (the replica's writer sends one per run).
             args.extend([
-                "A".to_string(),
-                id.to_string(),
-                client.to_string(),
-                u8::from(approval).to_string(),
+                "L".to_string(),
                 interval.to_string(),
                 (interval * requests).to_string(),
                 active.to_string(),
@@ -65,20 +64,21 @@ fn write_step(prefix: &str, step: &Step, args: &mut Vec<String>) {
                 "512".to_string(),
                 GLOBAL_ACTIVE.to_string(),
                 GLOBAL_EXECUTING.to_string(),
+                "A".to_string(),
+                id.to_string(),
+                client.to_string(),
+                u8::from(approval).to_string(),
                 key(k),
                 "0".to_string(),
             ]);
         }
         Step::Move(id, to, limit, k) => {
-            args.extend([
-                "T".to_string(),
-                id.to_string(),
-                to.to_string(),
-                limit.to_string(),
-                "3600000000".to_string(),
-                "3600000000".to_string(),
-                key(k),
-            ]);
+            args.extend(["T".to_string(), id.to_string(), to.to_string(), key(k)]);
+            match to {
+                "e" => args.push(limit.to_string()),
+                "r" => args.extend(["3600000000".to_string(), "3600000000".to_string()]),
+                _ => {}
+            }
         }
     }
 }

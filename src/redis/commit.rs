@@ -25,20 +25,45 @@ use super::{Inner, Target, UnavailableReason};
 /// The most decisions one script call carries.
 pub(crate) const MOST_PER_BATCH: usize = 64;
 
+/// What an admission is decided on (the fields of `scripts/batch.lua`'s `L` record, in order):
+/// sent once for every run of admissions in a batch that share it, not once per admission.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) struct AdmitLimits {
+    /// The emission interval and burst span (µs).
+    pub(crate) rate: (u64, u64),
+    pub(crate) client_active: u32,
+    pub(crate) client_pending: u32,
+    pub(crate) grant_client: u64,
+    pub(crate) grant_global: u64,
+    pub(crate) global_active: u32,
+    pub(crate) global_executing: u32,
+}
+
+impl AdmitLimits {
+    fn write(&self, invocation: &mut ScriptInvocation<'_>) {
+        let (interval, span) = self.rate;
+        invocation
+            .arg("L")
+            .arg(interval)
+            .arg(span)
+            .arg(self.client_active)
+            .arg(self.client_pending)
+            .arg(self.grant_client)
+            .arg(self.grant_global)
+            .arg(self.global_active)
+            .arg(self.global_executing);
+    }
+}
+
 /// One decision for the batch script, with every argument it is decided on.
 pub(crate) enum Decision {
-    /// An admission (the fields of `scripts/batch.lua`'s `A` record, in order).
+    /// An admission (the fields of `scripts/batch.lua`'s `A` record, in order, after the `L`
+    /// record of its limits).
     Admit {
         id: String,
         client: String,
         needs_approval: bool,
-        rate: (u64, u64),
-        client_active: u32,
-        client_pending: u32,
-        grant_client: u64,
-        grant_global: u64,
-        global_active: u32,
-        global_executing: u32,
+        limits: AdmitLimits,
         /// The idempotency record's key, if the submission has one.
         key: Option<String>,
         key_ttl_millis: u64,
@@ -61,35 +86,27 @@ impl Decision {
         }
     }
 
-    fn write(&self, invocation: &mut ScriptInvocation<'_>) {
+    /// Writes the decision's record, preceded by an `L` record when its limits are not the
+    /// `last` ones written in this call (`last` is then updated).
+    fn write(&self, invocation: &mut ScriptInvocation<'_>, last: &mut Option<AdmitLimits>) {
         match self {
             Decision::Admit {
                 id,
                 client,
                 needs_approval,
-                rate: (interval, span),
-                client_active,
-                client_pending,
-                grant_client,
-                grant_global,
-                global_active,
-                global_executing,
+                limits,
                 key,
                 key_ttl_millis,
             } => {
+                if last.as_ref() != Some(limits) {
+                    limits.write(invocation);
+                    *last = Some(*limits);
+                }
                 invocation
                     .arg("A")
                     .arg(id)
                     .arg(client)
                     .arg(u8::from(*needs_approval))
-                    .arg(interval)
-                    .arg(span)
-                    .arg(client_active)
-                    .arg(client_pending)
-                    .arg(grant_client)
-                    .arg(grant_global)
-                    .arg(global_active)
-                    .arg(global_executing)
                     .arg(key.as_deref().unwrap_or(""))
                     .arg(key_ttl_millis);
             }
@@ -99,18 +116,20 @@ impl Decision {
                 global_executing,
                 key,
             } => {
-                let (interval, span) = match target {
-                    Target::Refund(interval, span) => (*interval, *span),
-                    _ => (0, 0),
-                };
                 invocation
                     .arg("T")
                     .arg(id)
                     .arg(target.arg())
-                    .arg(global_executing)
-                    .arg(interval)
-                    .arg(span)
                     .arg(key.as_deref().unwrap_or(""));
+                match target {
+                    Target::Executing => {
+                        invocation.arg(global_executing);
+                    }
+                    Target::Refund(interval, span) => {
+                        invocation.arg(interval).arg(span);
+                    }
+                    Target::Approved | Target::Terminal => {}
+                }
             }
         }
     }
@@ -215,8 +234,9 @@ impl Inner {
             .arg(&self.token)
             .arg(self.epoch().unwrap_or_default());
         let mut asked = Vec::with_capacity(MOST_PER_BATCH);
+        let mut last = None;
         for decision in decisions {
-            decision.write(&mut invocation);
+            decision.write(&mut invocation, &mut last);
             asked.push(decision.asked());
         }
         let value = match self.call(&invocation).await {

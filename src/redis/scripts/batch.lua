@@ -6,25 +6,31 @@
 -- the operations changed, one SADD / SREM per replica set, one PUBLISH of every notice. A batch
 -- of one is the single decision. Every key lives under the deployment's hash tag (KEYS[1]'s):
 -- the per-operation keys (buckets, key records) are built from ARGV[1], as all scripts do.
--- Written for Redis's cost model (each `redis.call`, and each table or closure a call makes,
--- costs microseconds): no helper closures, no table per decision, duplicates in the reads
--- allowed rather than deduplicated; counts are written as Lua numbers (small integers, which
--- Redis writes as their digits). The counts follow counts.lua's rules (never below zero; a
--- count that reaches zero is removed).
+-- Written for Redis's cost model, where every step is dear (on the reference VM a `redis.call`
+-- costs 1–3 µs, a `tonumber` ~0.3 µs, a table ~0.3 µs, a float `string.format` ~1 µs): the
+-- limits go once per batch, not once per admission, and are read as numbers once; a bucket
+-- whose rate is unchanged is parsed and written with its rate as the text it came as; integers
+-- are formatted with `%d` (exact: Lua's `%d` is a 64-bit long here), never `%.0f`; no helper
+-- closures, no table per decision, duplicates in the reads allowed rather than deduplicated;
+-- a client's executing count is read only when a transition may need it. The counts follow
+-- counts.lua's rules (never below zero; a count that reaches zero is removed).
 -- KEYS: 1 counts, 2 operations, 3 the replica's lease, 4 the deployment's epoch, 5 the recovery
 --       marker.
--- ARGV: 1 key base, 2 replica, 3 lease token, 4 the epoch this replica registered in, then each
---       decision in order, one of:
---   an admission, 14 fields: `A`, operation id, client, needs approval (0/1), emission interval
---     (µs), burst span (µs), client active limit, client pending limit, per-client grant cap,
---     global grant cap, global active limit, global executing limit, the idempotency record's
---     key (empty for none), its lifetime (ms; 0 for none: it lives until its operation is
---     retired);
---   a transition, 7 fields: `T`, operation id, target (`a` approved, `e` executing, `t`
---     terminal: release everything, `r` refund: release and give the rate token back), global
---     executing limit, the emission interval and burst span the token was taken under (µs, for
---     `r`), the idempotency record to free if it still names this operation (empty for none: a
---     committed operation keeps its key).
+-- ARGV: 1 key base, 2 replica, 3 lease token, 4 the epoch this replica registered in, then
+--       records in order, each one of:
+--   limits, 9 fields: `L`, emission interval (µs), burst span (µs), client active limit, client
+--     pending limit, per-client grant cap, global grant cap, global active limit, global
+--     executing limit: what every admission after it is decided on, until the next `L` (an
+--     admission before any `L` is an error, and the batch does nothing);
+--   an admission, 6 fields: `A`, operation id, client, needs approval (0/1), the idempotency
+--     record's key (empty for none), its lifetime (ms; 0 for none: it lives until its operation
+--     is retired);
+--   a transition, 4 to 6 fields: `T`, operation id, target (`a` approved, `e` executing, `t`
+--     terminal: release everything, `r` refund: release and give the rate token back), the
+--     idempotency record to free if it still names this operation (empty for none: a committed
+--     operation keeps its key); then for `e` the global executing limit, for `r` the emission
+--     interval and burst span the token was taken under (µs).
+--   The decisions are the admissions and transitions; an `L` is not one.
 -- Reply: one reply per decision, in order.
 --   An admission: {'admitted', reading} | {'duplicate'} (this id was admitted before: a retry) |
 --     {'replay', id, replica} | {'lease'} (this replica does not hold its lease, or not in the
@@ -33,31 +39,63 @@
 --     where reading is {TAT µs, now µs, client active, client pending}: the client's bucket and
 --     counts just after the decision, for the client's quota as the deployment sees it. Numbers
 --     in a reply are Lua numbers (Redis answers them as integers: exact below 2^53, and a TAT
---     in µs is ~2^51), not formatted strings: a `string.format` costs about a microsecond.
+--     in µs is ~2^51), not formatted strings.
 --   A transition: {'moved', from} | {'same'} | {'absent'} (released already) |
 --     {'not_allowed', from} | {'saturated'} (no execution slot: the operation stays approved).
 -- A move that lowers a count (a release, a refund, an approval) is published on the
 -- deployment's notices channel, `r <client>` or, for a refund, `f <client>`, one a line, so
 -- every replica's refusal memory forgets what it may have changed.
 local base, replica, token, epoch = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local tonumber, format, match = tonumber, string.format, string.match
+local max, min, floor = math.max, math.min, math.floor
 
--- Where each decision starts in ARGV, and what the batch must read.
-local at, ids = {}, {}
+-- Where each decision starts in ARGV, the limits each admission is decided on ({interval, span,
+-- client active, client pending, grant client, grant global, global active, global executing,
+-- and the rate as a bucket stores it}), the ids transitions name, and what the batch must read.
+local at, ids, limits, moved = {}, {}, {}, {}
 local admits, refunds = 0, 0
+local current
 local i, last = 5, #ARGV
 while i <= last do
   local kind = ARGV[i]
-  at[#at + 1] = i
-  ids[#ids + 1] = ARGV[i + 1]
-  if kind == 'A' then
-    admits = admits + 1
-    i = i + 14
-  elseif kind == 'T' then
-    if ARGV[i + 2] == 'r' then refunds = refunds + 1 end
-    i = i + 7
+  if kind == 'L' then
+    current = {
+      tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3]), tonumber(ARGV[i + 4]),
+      tonumber(ARGV[i + 5]), tonumber(ARGV[i + 6]), tonumber(ARGV[i + 7]), tonumber(ARGV[i + 8]),
+      ARGV[i + 1] .. ' ' .. ARGV[i + 2],
+    }
+    i = i + 9
   else
-    return redis.error_reply('batch: unknown decision kind at ARGV[' .. i .. ']')
+    local n = #at + 1
+    at[n], ids[n] = i, ARGV[i + 1]
+    if kind == 'A' then
+      if not current then
+        return redis.error_reply('batch: an admission before any limits, at ARGV[' .. i .. ']')
+      end
+      limits[n] = current
+      admits = admits + 1
+      i = i + 6
+    elseif kind == 'T' then
+      moved[ARGV[i + 1]] = true
+      local to = ARGV[i + 2]
+      if to == 'e' then
+        i = i + 5
+      elseif to == 'r' then
+        refunds = refunds + 1
+        i = i + 6
+      else
+        i = i + 4
+      end
+    else
+      return redis.error_reply('batch: unknown record kind at ARGV[' .. i .. ']')
+    end
   end
+end
+if i ~= last + 1 then
+  return redis.error_reply('batch: the last record is cut short')
+end
+if #at == 0 then
+  return redis.error_reply('batch: no decision')
 end
 
 -- The operations' records (id -> record, or false), read once; `before[n]` as read for ids[n].
@@ -67,26 +105,33 @@ for n = 1, #ids do
   records[ids[n]] = before[n]
 end
 
--- The clients the batch touches: the admissions', and those of the operations it moves.
+-- The clients the batch touches: the admissions', and those of the operations it moves; a
+-- client maps to whether a transition may move its executing count (it is the client of an
+-- operation a transition names, read or admitted in this batch).
 local clients, client_list = {}, {}
 for n = 1, #at do
   local j = at[n]
-  local client
+  local client, moves
   if ARGV[j] == 'A' then
-    client = ARGV[j + 2]
+    client, moves = ARGV[j + 2], moved[ARGV[j + 1]] == true
   elseif records[ARGV[j + 1]] then
-    client = string.match(records[ARGV[j + 1]], '^%a %S+ (%S+)$')
+    client, moves = match(records[ARGV[j + 1]], '^%a %S+ (%S+)$'), true
   end
-  if client and not clients[client] then
-    clients[client] = true
-    client_list[#client_list + 1] = client
+  if client then
+    local seen = clients[client]
+    if seen == nil then
+      client_list[#client_list + 1] = client
+      clients[client] = moves
+    elseif moves then
+      clients[client] = true
+    end
   end
 end
 
 -- Every string key the batch reads, in one call: the lease, epoch and recovery marker (for
 -- admissions), the buckets of the admitting (and, with a refund, every touched) client, and the
 -- key records named.
-local names, strings = {}, nil
+local names, strings = {}, {}
 if admits > 0 then
   names[1], names[2], names[3] = KEYS[3], KEYS[4], KEYS[5]
 end
@@ -99,22 +144,20 @@ for n = 1, #at do
   local j = at[n]
   if ARGV[j] == 'A' then
     if refunds == 0 then names[#names + 1] = base .. ':tat:' .. ARGV[j + 2] end
-    if ARGV[j + 12] ~= '' then names[#names + 1] = ARGV[j + 12] end
-  elseif ARGV[j + 6] ~= '' then
-    names[#names + 1] = ARGV[j + 6]
+    if ARGV[j + 4] ~= '' then names[#names + 1] = ARGV[j + 4] end
+  elseif ARGV[j + 3] ~= '' then
+    names[#names + 1] = ARGV[j + 3]
+  end
+end
+if #names > 0 then
+  local values = redis.call('MGET', unpack(names))
+  for n = 1, #names do
+    strings[names[n]] = values[n]
   end
 end
 -- (Tables are made only when a decision needs them: each one costs Redis time.)
 local tat_keys, tat_value, tat_px
 local key_names, key_value, key_ttl
-if #names > 0 then
-  strings = {}
-  local values = redis.call('MGET', unpack(names))
-  for n = 1, #names do
-    strings[names[n]] = values[n]
-  end
-  key_names, key_value, key_ttl = {}, {}, {}
-end
 if admits > 0 or refunds > 0 then
   tat_keys, tat_value, tat_px = {}, {}, {}
 end
@@ -125,12 +168,13 @@ for n = 1, #client_list do
   local c = client_list[n]
   fields[#fields + 1] = 'a:' .. c
   fields[#fields + 1] = 'p:' .. c
-  fields[#fields + 1] = 'e:' .. c
+  if clients[c] then fields[#fields + 1] = 'e:' .. c end
 end
 local known = {}
 local was = redis.call('HMGET', KEYS[1], unpack(fields))
 for n = 1, #fields do
-  local v = tonumber(was[n] or '0') or 0
+  local v = was[n]
+  if v then v = tonumber(v) or 0 else v = 0 end
   known[fields[n]] = v
   was[n] = v
 end
@@ -155,7 +199,7 @@ for n = 1, #at do
   if ARGV[j] == 'A' then
     -- An admission.
     local client, approval = ARGV[j + 2], ARGV[j + 3] == '1'
-    local key = ARGV[j + 12]
+    local key = ARGV[j + 4]
     repeat
       if strings[KEYS[3]] ~= token or strings[KEYS[4]] ~= epoch then
         replies[n] = {'lease'}
@@ -170,7 +214,7 @@ for n = 1, #at do
         break
       end
       if key ~= '' and strings[key] then
-        local owner_id, owner_replica = string.match(strings[key], '^(%S+) (%S+)$')
+        local owner_id, owner_replica = match(strings[key], '^(%S+) (%S+)$')
         -- The key names this very id only if it was admitted and since released (a lapsed
         -- lease): then it is decided afresh below, as a restored operation would be counted
         -- again.
@@ -179,22 +223,35 @@ for n = 1, #at do
           break
         end
       end
-      local interval, span = tonumber(ARGV[j + 4]), tonumber(ARGV[j + 5])
-      local client_active, client_pending = tonumber(ARGV[j + 6]), tonumber(ARGV[j + 7])
-      local grant_client, grant_global = tonumber(ARGV[j + 8]), tonumber(ARGV[j + 9])
-      local global_active, global_executing = tonumber(ARGV[j + 10]), tonumber(ARGV[j + 11])
+      local lim = limits[n]
+      local interval, span = lim[1], lim[2]
       local tat_key = base .. ':tat:' .. client
-      local tat, _, stored_span = parse_tat(strings[tat_key])
-      -- A reload changed this client's rate since the TAT was written: rescale it first.
-      local rescaled = stored_span ~= nil and stored_span ~= span
-      if rescaled then
-        tat = rescale(tat, now, stored_span, span)
+      -- The bucket: "<TAT> <interval> <span>". Stored in the rate it is decided on now (the
+      -- usual case), only its TAT is a number to read; otherwise shared.lua's parse, and a
+      -- reload changed this client's rate since the TAT was written: rescale it first.
+      local tat, rescaled = 0, false
+      local stored = strings[tat_key]
+      if stored then
+        local tat_text, rate = match(stored, '^(%d+) (.+)$')
+        if rate == lim[9] then
+          tat = tonumber(tat_text)
+        else
+          local parsed, _, stored_span = parse_tat(stored)
+          tat = parsed
+          rescaled = stored_span ~= nil and stored_span ~= span
+          if rescaled then
+            tat = rescale(tat, now, stored_span, span)
+          end
+        end
       end
-      local next_tat = math.max(tat, now) + interval
-      local rate_wait = math.max(math.max(tat, now) + interval - now - span, 0)
+      local start = max(tat, now)
+      local next_tat = start + interval
+      local rate_wait = max(start + interval - now - span, 0)
       local a, p = known['a:' .. client], known['p:' .. client]
       local ga, gp, ge = known['active'], known['pending'], known['executing']
-      local pending_cap = math.min(client_pending, grant_client)
+      local client_active, client_pending = lim[3], lim[4]
+      local grant_global, global_active, global_executing = lim[6], lim[7], lim[8]
+      local pending_cap = min(client_pending, lim[5])
 
       local code
       if next_tat - now > span then
@@ -225,21 +282,21 @@ for n = 1, #at do
           capacity = 1
         end
         if rescaled and tat > now then
-          local v = string.format('%.0f %.0f %.0f', tat, interval, span)
+          local v = format('%d ', tat) .. lim[9]
           strings[tat_key] = v
           if not tat_value[tat_key] then tat_keys[#tat_keys + 1] = tat_key end
           tat_value[tat_key] = v
-          tat_px[tat_key] = math.floor(math.max(tat - now, 0) / 1000) + 1
+          tat_px[tat_key] = floor((tat - now) / 1000) + 1
         end
         replies[n] = {'refused', code, rate_wait, capacity, {tat, now, a, p}}
         break
       end
 
-      local v = string.format('%.0f %.0f %.0f', next_tat, interval, span)
+      local v = format('%d ', next_tat) .. lim[9]
       strings[tat_key] = v
       if not tat_value[tat_key] then tat_keys[#tat_keys + 1] = tat_key end
       tat_value[tat_key] = v
-      tat_px[tat_key] = math.floor(math.max(next_tat - now, 0) / 1000) + 1
+      tat_px[tat_key] = floor((next_tat - now) / 1000) + 1
       -- (The replica is in the replica set already: its registration put it there, and a reap
       -- that took it out also ended the lease checked above.)
       local state = 'a'
@@ -256,22 +313,24 @@ for n = 1, #at do
       if key ~= '' then
         local owner = id .. ' ' .. replica
         strings[key] = owner
+        if not key_names then key_names, key_value, key_ttl = {}, {}, {} end
         if key_value[key] == nil then key_names[#key_names + 1] = key end
         key_value[key] = owner
-        key_ttl[key] = tonumber(ARGV[j + 13])
+        key_ttl[key] = tonumber(ARGV[j + 5])
       end
       replies[n] = {'admitted', {next_tat, now, a + 1, p}}
     until true
   else
     -- A transition.
-    local to, key = ARGV[j + 2], ARGV[j + 6]
+    local to, key = ARGV[j + 2], ARGV[j + 3]
     repeat
       if key ~= '' and (to == 't' or to == 'r') then
         -- An admission never committed: its key is free again, whether or not it still holds
         -- slots (a lost reply's release may come after a lapsed lease released them).
         local owner = strings[key]
-        if owner and string.match(owner, '^(%S+) ') == id then
+        if owner and match(owner, '^(%S+) ') == id then
           strings[key] = false
+          if not key_names then key_names, key_value, key_ttl = {}, {}, {} end
           if key_value[key] == nil then key_names[#key_names + 1] = key end
           key_value[key] = false
         end
@@ -284,16 +343,17 @@ for n = 1, #at do
       local state, owner, client = parse_op(record)
       if to == 't' or to == 'r' then
         -- Release everything it holds, once: its record goes with its counts.
-        local less = {'active', 'a:' .. client}
+        local ac = 'a:' .. client
+        known['active'] = max(known['active'] - 1, 0)
+        known[ac] = max(known[ac] - 1, 0)
         if state == 'p' then
-          less[3], less[4] = 'pending', 'p:' .. client
+          local pc = 'p:' .. client
+          known['pending'] = max(known['pending'] - 1, 0)
+          known[pc] = max(known[pc] - 1, 0)
         elseif state == 'e' then
-          less[3], less[4] = 'executing', 'e:' .. client
-        end
-        for k = 1, #less do
-          local v = known[less[k]] - 1
-          if v < 0 then v = 0 end
-          known[less[k]] = v
+          local ec = 'e:' .. client
+          known['executing'] = max(known['executing'] - 1, 0)
+          known[ec] = max(known[ec] - 1, 0)
         end
         records[id] = false
         if owner == replica then
@@ -313,16 +373,16 @@ for n = 1, #at do
             -- The token is measured in the rate the bucket has now (a reload may have rescaled
             -- it), rounded down, as the in-process engine's `Rate::token_in` does.
             if stored_span ~= given_span then
-              given = math.floor(given * stored_span / math.max(given_span, 1))
+              given = floor(given * stored_span / max(given_span, 1))
             end
-            local back = math.max(tat - given, 0)
-            v = string.format('%.0f %.0f %.0f', back, stored_interval, stored_span)
-            px = math.floor(math.max(back - now, 0) / 1000) + 1
+            local back = max(tat - given, 0)
+            v = format('%d %d %d', back, stored_interval, stored_span)
+            px = floor(max(back - now, 0) / 1000) + 1
           elseif tat > now then
             -- A bare TAT (no rate stored) keeps its lifetime.
             local ttl = redis.call('PTTL', tat_key)
             if ttl > 0 then
-              v, px = string.format('%.0f', math.max(tat - given, 0)), ttl
+              v, px = format('%d', max(tat - given, 0)), ttl
             end
           end
           if v then
@@ -343,11 +403,11 @@ for n = 1, #at do
       end
       if to == 'a' and state == 'p' then
         local pc = 'p:' .. client
-        known['pending'] = math.max(known['pending'] - 1, 0)
-        known[pc] = math.max(known[pc] - 1, 0)
+        known['pending'] = max(known['pending'] - 1, 0)
+        known[pc] = max(known[pc] - 1, 0)
         notices[#notices + 1] = 'r ' .. client
       elseif to == 'e' and state == 'a' then
-        if known['executing'] >= tonumber(ARGV[j + 3]) then
+        if known['executing'] >= tonumber(ARGV[j + 4]) then
           replies[n] = {'saturated'}
           break
         end
@@ -363,7 +423,6 @@ for n = 1, #at do
     until true
   end
 end
-
 -- The writes, once each: the counts that changed (one that reaches zero is removed), the
 -- records, the held sets, buckets, key records, notices.
 local set, gone
