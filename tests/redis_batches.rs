@@ -400,6 +400,76 @@ fn options(server: &redis_support::RedisServer, replica: &str, prefix: &str) -> 
     options
 }
 
+/// A record list the script cannot read whole (an admission before any limits, a record cut
+/// short, an unknown kind, no decision at all) is refused with an error that names what is
+/// wrong, and nothing is decided: no count, operation, bucket or key record is written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_list_the_script_cannot_read_whole_decides_nothing() {
+    let server = redis_or_skip!();
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    // The lease and epoch in place, so a readable admission would be admitted.
+    run(&mut conn, "bad", &[], 1).await;
+    let before = state(&mut conn, "bad").await;
+    let limits: Vec<String> = ["L", "1000", "3600000000", "3", "2", "10", "512", "7", "2"]
+        .map(String::from)
+        .to_vec();
+    let admit = |id: &str| -> Vec<String> {
+        ["A", id, "amy", "0", "{bad}:key:amy:k1", "0"]
+            .map(String::from)
+            .to_vec()
+    };
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (admit("op1"), "an admission before any limits, at ARGV[5]"),
+        (
+            [limits.clone(), admit("op1"), limits[..4].to_vec()].concat(),
+            "the last record is cut short",
+        ),
+        (
+            [limits.clone(), admit("op1")[..4].to_vec()].concat(),
+            "the last record is cut short",
+        ),
+        (
+            [
+                limits.clone(),
+                admit("op1"),
+                vec!["X".to_string(), "op2".to_string()],
+            ]
+            .concat(),
+            "unknown record kind at ARGV[20]",
+        ),
+        (limits.clone(), "no decision"),
+    ];
+    let script = redis::Script::new(unyolo_admission::redis::BATCH);
+    for (args, expected) in cases {
+        let mut invocation = script.prepare_invoke();
+        invocation
+            .key("{bad}:counts")
+            .key("{bad}:ops")
+            .key("{bad}:lease:r1")
+            .key("{bad}:epoch")
+            .key("{bad}:recovery")
+            .arg("{bad}")
+            .arg("r1")
+            .arg("token")
+            .arg("e1");
+        for arg in &args {
+            invocation.arg(arg);
+        }
+        let err = invocation
+            .invoke_async::<Value>(&mut conn)
+            .await
+            .expect_err(expected);
+        // (The client shows the error's first word, `batch:`, as its code.)
+        let text = err.to_string();
+        assert!(
+            text.contains("batch:") && text.contains(expected),
+            "{args:?}: {text}"
+        );
+        assert_eq!(state(&mut conn, "bad").await, before, "{args:?}");
+    }
+}
+
 async fn replica(config: Config, options: ReplicaOptions) -> Admission {
     let admission = Admission::new(Controller::new(config), Some(options)).unwrap();
     assert!(admission.restore(Vec::new()).await.deferred.is_none());
