@@ -64,6 +64,7 @@ fn write_step(prefix: &str, step: &Step, args: &mut Vec<String>) {
                 "512".to_string(),
                 GLOBAL_ACTIVE.to_string(),
                 GLOBAL_EXECUTING.to_string(),
+                "3000".to_string(),
                 "A".to_string(),
                 id.to_string(),
                 client.to_string(),
@@ -411,9 +412,20 @@ async fn a_record_list_the_script_cannot_read_whole_decides_nothing() {
     // The lease and epoch in place, so a readable admission would be admitted.
     run(&mut conn, "bad", &[], 1).await;
     let before = state(&mut conn, "bad").await;
-    let limits: Vec<String> = ["L", "1000", "3600000000", "3", "2", "10", "512", "7", "2"]
-        .map(String::from)
-        .to_vec();
+    let limits: Vec<String> = [
+        "L",
+        "1000",
+        "3600000000",
+        "3",
+        "2",
+        "10",
+        "512",
+        "7",
+        "2",
+        "3000",
+    ]
+    .map(String::from)
+    .to_vec();
     let admit = |id: &str| -> Vec<String> {
         ["A", id, "amy", "0", "{bad}:key:amy:k1", "0"]
             .map(String::from)
@@ -422,7 +434,7 @@ async fn a_record_list_the_script_cannot_read_whole_decides_nothing() {
     let cases: Vec<(Vec<String>, &str)> = vec![
         (admit("op1"), "an admission before any limits, at ARGV[5]"),
         (
-            [limits.clone(), admit("op1"), limits[..4].to_vec()].concat(),
+            [limits.clone(), admit("op1"), limits[..5].to_vec()].concat(),
             "the last record is cut short",
         ),
         (
@@ -436,7 +448,7 @@ async fn a_record_list_the_script_cannot_read_whole_decides_nothing() {
                 vec!["X".to_string(), "op2".to_string()],
             ]
             .concat(),
-            "unknown record kind at ARGV[20]",
+            "unknown record kind at ARGV[21]",
         ),
         (limits.clone(), "no decision"),
     ];

@@ -285,6 +285,105 @@ async fn a_replica_joining_with_nothing_held_ends_no_remembered_refusal() {
     assert!(r0.counts().await.unwrap().is_idle());
 }
 
+/// The refusal marker's value and lifetime (ms) under `prefix`, if it exists.
+fn marker(port: u16, prefix: &str) -> Option<(String, i64)> {
+    let key = format!("{{{prefix}}}:refused");
+    let value = redis_support::cli(port, &["GET", &key]);
+    let value = value.trim();
+    if value.is_empty() {
+        return None;
+    }
+    let ttl = redis_support::cli(port, &["PTTL", &key])
+        .trim()
+        .parse()
+        .unwrap();
+    Some((value.to_owned(), ttl))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn releases_are_published_only_while_some_replica_may_remember_a_refusal() {
+    let Some(server) = RedisServer::start() else {
+        return;
+    };
+    let replicas = replicas(&server, "quiet", 2).await;
+    let (r0, r1) = (&replicas[0], &replicas[1]);
+    let registered = publishes(server.port);
+    // No refusal yet: releases, approvals and refunds end nothing any replica remembers, so
+    // none is published.
+    for admission in [r0, r1] {
+        let a = admission.admit("bob", true, None).await.unwrap().commit();
+        a.approve().await.unwrap();
+        a.fail().await.unwrap();
+        let b = admission.admit("bob", false, None).await.unwrap();
+        drop(b);
+        assert!(admission.flush().await);
+    }
+    assert_eq!(
+        publishes(server.port),
+        registered,
+        "nothing to end: nothing published"
+    );
+    assert_eq!(marker(server.port, "quiet"), None);
+    // A refusal r1 may remember sets the marker for longer than the memory can last (the hint,
+    // an hour here)...
+    let held = r1.admit("amy", false, None).await.unwrap().commit();
+    assert_eq!(
+        code(&r1.admit("amy", false, None).await),
+        Some(RefusalCode::ClientOperationLimit)
+    );
+    let (_, ttl) = marker(server.port, "quiet").expect("a refusal sets the marker");
+    assert!(ttl > HINT.as_millis() as i64, "{ttl} ms");
+    // ...so from then on every release is published: one on r0 for another client...
+    let other = r0.admit("bob", false, None).await.unwrap().commit();
+    other.fail().await.unwrap();
+    assert_eq!(publishes(server.port), registered + 1);
+    // ...and amy's own, which ends r1's memory of her refusal at once.
+    held.fail().await.unwrap();
+    assert_eq!(publishes(server.port), registered + 2);
+    let calls = redis_support::script_calls(server.port);
+    let again = r1.admit("amy", false, None).await.unwrap().commit();
+    assert!(
+        redis_support::script_calls(server.port) > calls,
+        "decided by Redis, not the memory"
+    );
+    again.fail().await.unwrap();
+    // A refusal with a shorter reach never shortens the marker: dan's rate refusal (a wait of
+    // under an hour, plus the slack) leaves it as it was.
+    let (before, _) = marker(server.port, "quiet").unwrap();
+    let token = r0.admit("dan", false, None).await.unwrap().commit();
+    assert_eq!(
+        code(&r0.admit("dan", false, None).await),
+        Some(RefusalCode::SubmissionRateLimited)
+    );
+    let (after, _) = marker(server.port, "quiet").unwrap();
+    assert!(
+        after.parse::<u64>().unwrap() >= before.parse::<u64>().unwrap(),
+        "{before} -> {after}"
+    );
+    token.fail().await.unwrap();
+    for admission in [r0, r1] {
+        assert!(admission.flush().await);
+    }
+    assert!(r0.counts().await.unwrap().is_idle());
+
+    // A replica that remembers no refusal sets no marker: its releases stay unpublished.
+    let mut forgetful = options(&server, "off", "r0");
+    forgetful.refusal_memory = false;
+    let controller = Controller::builder(config()).capacity_retry(HINT).build();
+    let off = Admission::new(controller, Some(forgetful)).unwrap();
+    assert!(off.restore(Vec::new()).await.deferred.is_none());
+    let start = publishes(server.port);
+    let held = off.admit("amy", false, None).await.unwrap().commit();
+    assert_eq!(
+        code(&off.admit("amy", false, None).await),
+        Some(RefusalCode::ClientOperationLimit)
+    );
+    held.fail().await.unwrap();
+    assert!(off.flush().await);
+    assert_eq!(marker(server.port, "off"), None);
+    assert_eq!(publishes(server.port), start);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_remembered_rate_refusal_counts_its_retry_after_down_and_a_refund_anywhere_ends_it() {
     let Some(server) = RedisServer::start() else {

@@ -37,6 +37,10 @@ pub(crate) struct AdmitLimits {
     pub(crate) grant_global: u64,
     pub(crate) global_active: u32,
     pub(crate) global_executing: u32,
+    /// How long past its rate wait the replica may remember a refusal (ms; 0 when it remembers
+    /// none): how long the script keeps the refusal marker that makes every later release
+    /// publish its notice.
+    pub(crate) remembered_millis: u64,
 }
 
 impl AdmitLimits {
@@ -51,7 +55,8 @@ impl AdmitLimits {
             .arg(self.grant_client)
             .arg(self.grant_global)
             .arg(self.global_active)
-            .arg(self.global_executing);
+            .arg(self.global_executing)
+            .arg(self.remembered_millis);
     }
 }
 

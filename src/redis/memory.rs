@@ -12,7 +12,11 @@
 //!   lower a count — `r <client>` (a release, or an approval, which lowers the pending counts),
 //!   `f <client>` (a refund: a release and the rate token back), `*` (a replica's holdings were
 //!   reaped, or registered again in a way that may have lowered a count — something released,
-//!   or Redis forgot: anything may have changed). A rate refusal ends with a refund
+//!   or Redis forgot: anything may have changed). The batch script publishes its `r` and `f`
+//!   notices only while the refusal marker lives: the call that gives a refusal (from a replica
+//!   whose memory is on) keeps it alive past the longest that refusal can be remembered
+//!   (`Inner::remembered_millis`), so no remembered refusal misses a notice that ends it, and a
+//!   deployment that refuses nothing publishes nothing. A rate refusal ends with a refund
 //!   for that client; a refusal for the client's own capacity with a release for that client; a
 //!   refusal for a global limit (or the pending grants) with any release;
 //! - **this replica**: a reload (its limits are what the script is sent), and a lost

@@ -654,6 +654,7 @@ impl RedisController {
                 grant_global: caps.grant_global,
                 global_active: global.global_active,
                 global_executing: global.global_executing,
+                remembered_millis: inner.remembered_millis(),
             },
             key: idem_key.clone(),
             key_ttl_millis: inner.options.idempotency_ttl.map_or(0, ttl_millis),
@@ -929,7 +930,24 @@ fn fill_random(bytes: &mut [u8]) {
     }
 }
 
+/// How much longer than a remembered refusal can last Redis keeps the refusal marker (see
+/// `scripts/batch.lua`): room for the reply's trip back and a replica clock that runs slow
+/// against Redis's. A marker that ends early only lets a release go unheard, so a refusal lasts
+/// to its own wait or hint, as Redis would have answered.
+const MARKER_SLACK: Duration = Duration::from_secs(2);
+
 impl Inner {
+    /// How long past its rate wait this replica may remember a refusal, in ms (0 when it
+    /// remembers none): a capacity refusal is remembered for its hint, a rate refusal for its
+    /// wait (`memory`), and the slack on top.
+    fn remembered_millis(&self) -> u64 {
+        if !self.options.refusal_memory {
+            return 0;
+        }
+        let longest = secs_at_least_one(self.options.capacity_retry) + MARKER_SLACK;
+        u64::try_from(longest.as_millis()).unwrap_or(u64::MAX)
+    }
+
     /// A remembered refusal answering `client`'s submission now, as the answer gives it: the
     /// code, Retry-After counted down from the remembered moment, and the quota read from the
     /// remembered reading advanced by the time that passed.

@@ -1,6 +1,7 @@
 //! The deployment's notices, heard on one subscriber connection per replica: the batch, reap
-//! and replace scripts `PUBLISH` on `{prefix}:notices` whenever they lower a count (a batch all
-//! of its notices in one message, one a line), and each replica's refusal memory (`memory`)
+//! and replace scripts `PUBLISH` on `{prefix}:notices` when they lower a count (a batch all of
+//! its notices in one message, one a line, and only while some replica may remember a refusal:
+//! see `memory`), and each replica's refusal memory (`memory`)
 //! forgets what a notice may have changed.
 //!
 //! The subscription is the memory's licence: while it is live the memory remembers and answers;

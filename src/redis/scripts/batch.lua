@@ -18,10 +18,11 @@
 --       marker.
 -- ARGV: 1 key base, 2 replica, 3 lease token, 4 the epoch this replica registered in, then
 --       records in order, each one of:
---   limits, 9 fields: `L`, emission interval (µs), burst span (µs), client active limit, client
+--   limits, 10 fields: `L`, emission interval (µs), burst span (µs), client active limit, client
 --     pending limit, per-client grant cap, global grant cap, global active limit, global
---     executing limit: what every admission after it is decided on, until the next `L` (an
---     admission before any `L` is an error, and the batch does nothing);
+--     executing limit, and how long past its rate wait the sending replica may remember a
+--     refusal (ms; 0: it remembers none): what every admission after it is decided on, until
+--     the next `L` (an admission before any `L` is an error, and the batch does nothing);
 --   an admission, 6 fields: `A`, operation id, client, needs approval (0/1), the idempotency
 --     record's key (empty for none), its lifetime (ms; 0 for none: it lives until its operation
 --     is retired);
@@ -44,14 +45,20 @@
 --     {'not_allowed', from} | {'saturated'} (no execution slot: the operation stays approved).
 -- A move that lowers a count (a release, a refund, an approval) is published on the
 -- deployment's notices channel, `r <client>` or, for a refund, `f <client>`, one a line, so
--- every replica's refusal memory forgets what it may have changed.
+-- every replica's refusal memory forgets what it may have changed — but only while some replica
+-- may remember a refusal: a refusal that may be remembered keeps the marker `<base>:refused`
+-- (its value the Redis time, µs, until which it must last; never shortened) alive past the
+-- longest the refusal can be remembered, in the same call, so every move after it sees the
+-- marker and publishes. With no marker no replica remembers anything a notice could end, and
+-- the notice is not sent.
 local base, replica, token, epoch = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local tonumber, format, match = tonumber, string.format, string.match
 local max, min, floor = math.max, math.min, math.floor
 
 -- Where each decision starts in ARGV, the limits each admission is decided on ({interval, span,
 -- client active, client pending, grant client, grant global, global active, global executing,
--- and the rate as a bucket stores it}), the ids transitions name, and what the batch must read.
+-- the rate as a bucket stores it, how long past its wait a refusal may be remembered (ms)}), the
+-- ids transitions name, and what the batch must read.
 local at, ids, limits, moved = {}, {}, {}, {}
 local admits, refunds = 0, 0
 local current
@@ -62,9 +69,9 @@ while i <= last do
     current = {
       tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3]), tonumber(ARGV[i + 4]),
       tonumber(ARGV[i + 5]), tonumber(ARGV[i + 6]), tonumber(ARGV[i + 7]), tonumber(ARGV[i + 8]),
-      ARGV[i + 1] .. ' ' .. ARGV[i + 2],
+      ARGV[i + 1] .. ' ' .. ARGV[i + 2], tonumber(ARGV[i + 9]),
     }
-    i = i + 9
+    i = i + 10
   else
     local n = #at + 1
     at[n], ids[n] = i, ARGV[i + 1]
@@ -128,12 +135,13 @@ for n = 1, #at do
   end
 end
 
--- Every string key the batch reads, in one call: the lease, epoch and recovery marker (for
--- admissions), the buckets of the admitting (and, with a refund, every touched) client, and the
--- key records named.
-local names, strings = {}, {}
+-- Every string key the batch reads, in one call: the refusal marker, the lease, epoch and
+-- recovery marker (for admissions), the buckets of the admitting (and, with a refund, every
+-- touched) client, and the key records named.
+local marker = base .. ':refused'
+local names, strings = {marker}, {}
 if admits > 0 then
-  names[1], names[2], names[3] = KEYS[3], KEYS[4], KEYS[5]
+  names[2], names[3], names[4] = KEYS[3], KEYS[4], KEYS[5]
 end
 if refunds > 0 then
   for n = 1, #client_list do
@@ -149,11 +157,9 @@ for n = 1, #at do
     names[#names + 1] = ARGV[j + 3]
   end
 end
-if #names > 0 then
-  local values = redis.call('MGET', unpack(names))
-  for n = 1, #names do
-    strings[names[n]] = values[n]
-  end
+local values = redis.call('MGET', unpack(names))
+for n = 1, #names do
+  strings[names[n]] = values[n]
 end
 -- (Tables are made only when a decision needs them: each one costs Redis time.)
 local tat_keys, tat_value, tat_px
@@ -192,6 +198,8 @@ end
 local held, elsewhere = {}, nil
 local notices = {}
 local replies = {}
+-- Until when (Redis time, µs) a refusal this batch gave may be remembered, if any may be.
+local refused_until
 
 for n = 1, #at do
   local j = at[n]
@@ -287,6 +295,10 @@ for n = 1, #at do
           if not tat_value[tat_key] then tat_keys[#tat_keys + 1] = tat_key end
           tat_value[tat_key] = v
           tat_px[tat_key] = floor((tat - now) / 1000) + 1
+        end
+        if lim[10] > 0 then
+          local until_ = now + rate_wait + lim[10] * 1000
+          if not refused_until or until_ > refused_until then refused_until = until_ end
         end
         replies[n] = {'refused', code, rate_wait, capacity, {tat, now, a, p}}
         break
@@ -518,7 +530,14 @@ if key_names and #key_names > 0 then
   end
 end
 
-if #notices > 0 then
+if refused_until then
+  local stored = strings[marker] and tonumber(strings[marker])
+  if not stored or refused_until > stored then
+    redis.call('SET', marker, format('%d', refused_until), 'PX',
+      floor((refused_until - now) / 1000) + 1)
+  end
+end
+if #notices > 0 and (strings[marker] or refused_until) then
   redis.call('PUBLISH', base .. ':notices', table.concat(notices, '\n'))
 end
 return replies
