@@ -1,9 +1,10 @@
 -- A replica's decisions in one call (a group commit): admissions and transitions, decided in
 -- the order given, each exactly as it would be decided alone — the same checks, codes and
 -- replies, exactly once by operation id — with what they share read once and written once:
--- one TIME, one HMGET of the operations, one MGET of the lease, epoch, recovery marker, buckets
--- and key records, one HMGET of every count, then one HSET / HDEL of the counts changed and of
--- the operations changed, one SADD / SREM per replica set, one PUBLISH of every notice. A batch
+-- one TIME, one HMGET of the operations, one MGET of the refusal marker, lease, epoch, recovery
+-- marker, buckets and key records, one HMGET of every count, then one HSET / HDEL of the counts
+-- changed and of the operations changed, one SADD / SREM per replica set, one PUBLISH of every
+-- notice (while a refusal may be remembered; see the end of this header). A batch
 -- of one is the single decision. Every key lives under the deployment's hash tag (KEYS[1]'s):
 -- the per-operation keys (buckets, key records) are built from ARGV[1], as all scripts do.
 -- Written for Redis's cost model, where every step is dear (on the reference VM a `redis.call`
@@ -435,6 +436,7 @@ for n = 1, #at do
     until true
   end
 end
+
 -- The writes, once each: the counts that changed (one that reaches zero is removed), the
 -- records, the held sets, buckets, key records, notices.
 local set, gone
