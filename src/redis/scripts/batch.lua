@@ -2,11 +2,16 @@
 -- the order given, each exactly as it would be decided alone — the same checks, codes and
 -- replies, exactly once by operation id — with what they share read once and written once:
 -- one TIME, one HMGET of the operations, one MGET of the refusal marker, lease, epoch, recovery
--- marker, buckets and key records, one HMGET of every count, then one HSET / HDEL of the counts
--- changed and of the operations changed, one SADD / SREM per replica set, one PUBLISH of every
--- notice (while a refusal may be remembered; see the end of this header). A batch
--- of one is the single decision. Every key lives under the deployment's hash tag (KEYS[1]'s):
--- the per-operation keys (buckets, key records) are built from ARGV[1], as all scripts do.
+-- marker and key records, one HMGET of the buckets, one HMGET of every count, then one HSET /
+-- HDEL of the counts changed and of the operations changed, one HSET of the buckets changed,
+-- one SADD / SREM per replica set, one PUBLISH of every notice (while a refusal may be
+-- remembered; see the end of this header). A batch of one is the single decision. Every key
+-- lives under the deployment's hash tag (KEYS[1]'s): the keys not in KEYS (the buckets hash,
+-- held sets, key records) are built from ARGV[1], as all scripts do.
+-- The rate buckets are fields of one hash, `<base>:buckets` (client -> "<TAT> <interval>
+-- <span>", see shared.lua): one read and one write per batch rather than a key per client (a
+-- `SET ... PX` each). A field never expires; a TAT in the past is as good as none, and the hash
+-- holds at most one field per client ever admitted.
 -- Written for Redis's cost model, where every step is dear (on the reference VM a `redis.call`
 -- costs 1–3 µs, a `tonumber` ~0.3 µs, a table ~0.3 µs, a float `string.format` ~1 µs): the
 -- limits go once per batch, not once per admission, and are read as numbers once; a bucket
@@ -137,22 +142,23 @@ for n = 1, #at do
 end
 
 -- Every string key the batch reads, in one call: the refusal marker, the lease, epoch and
--- recovery marker (for admissions), the buckets of the admitting (and, with a refund, every
--- touched) client, and the key records named.
+-- recovery marker (for admissions) and the key records named; and, in one read of the buckets
+-- hash, the buckets of the admitting (and, with a refund, every touched) client.
 local marker = base .. ':refused'
 local names, strings = {marker}, {}
+local bucket_names, buckets = {}, {}
 if admits > 0 then
   names[2], names[3], names[4] = KEYS[3], KEYS[4], KEYS[5]
 end
 if refunds > 0 then
   for n = 1, #client_list do
-    names[#names + 1] = base .. ':tat:' .. client_list[n]
+    bucket_names[n] = client_list[n]
   end
 end
 for n = 1, #at do
   local j = at[n]
   if ARGV[j] == 'A' then
-    if refunds == 0 then names[#names + 1] = base .. ':tat:' .. ARGV[j + 2] end
+    if refunds == 0 then bucket_names[#bucket_names + 1] = ARGV[j + 2] end
     if ARGV[j + 4] ~= '' then names[#names + 1] = ARGV[j + 4] end
   elseif ARGV[j + 3] ~= '' then
     names[#names + 1] = ARGV[j + 3]
@@ -162,28 +168,41 @@ local values = redis.call('MGET', unpack(names))
 for n = 1, #names do
   strings[names[n]] = values[n]
 end
+local buckets_key = base .. ':buckets'
+if #bucket_names > 0 then
+  local read = redis.call('HMGET', buckets_key, unpack(bucket_names))
+  for n = 1, #bucket_names do
+    buckets[bucket_names[n]] = read[n]
+  end
+end
 -- (Tables are made only when a decision needs them: each one costs Redis time.)
-local tat_keys, tat_value, tat_px
+local bucket_list, bucket_value
 local key_names, key_value, key_ttl
 if admits > 0 or refunds > 0 then
-  tat_keys, tat_value, tat_px = {}, {}, {}
+  bucket_list, bucket_value = {}, {}
 end
 
--- Every count the batch touches, in one call; `was` as read.
-local fields = {'active', 'pending', 'executing'}
+-- Every count the batch touches, in one call: `was` as read, `cur` as the decisions change it,
+-- both by position: the global active, pending and executing counts first, then each client's
+-- active and pending from `slot[client]` on, and its executing count at `eslot[client]` if a
+-- transition may move it (none else: a move of an unread count is an error, never another's).
+local fields, slot, eslot = {'active', 'pending', 'executing'}, {}, {}
 for n = 1, #client_list do
   local c = client_list[n]
-  fields[#fields + 1] = 'a:' .. c
-  fields[#fields + 1] = 'p:' .. c
-  if clients[c] then fields[#fields + 1] = 'e:' .. c end
+  local k = #fields + 1
+  slot[c] = k
+  fields[k], fields[k + 1] = 'a:' .. c, 'p:' .. c
+  if clients[c] then
+    fields[k + 2] = 'e:' .. c
+    eslot[c] = k + 2
+  end
 end
-local known = {}
 local was = redis.call('HMGET', KEYS[1], unpack(fields))
+local cur = {}
 for n = 1, #fields do
   local v = was[n]
   if v then v = tonumber(v) or 0 else v = 0 end
-  known[fields[n]] = v
-  was[n] = v
+  was[n], cur[n] = v, v
 end
 
 -- Redis time, read once, and only if a decision needs it.
@@ -234,12 +253,11 @@ for n = 1, #at do
       end
       local lim = limits[n]
       local interval, span = lim[1], lim[2]
-      local tat_key = base .. ':tat:' .. client
       -- The bucket: "<TAT> <interval> <span>". Stored in the rate it is decided on now (the
       -- usual case), only its TAT is a number to read; otherwise shared.lua's parse, and a
       -- reload changed this client's rate since the TAT was written: rescale it first.
       local tat, rescaled = 0, false
-      local stored = strings[tat_key]
+      local stored = buckets[client]
       if stored then
         local tat_text, rate = match(stored, '^(%d+) (.+)$')
         if rate == lim[9] then
@@ -256,8 +274,9 @@ for n = 1, #at do
       local start = max(tat, now)
       local next_tat = start + interval
       local rate_wait = max(start + interval - now - span, 0)
-      local a, p = known['a:' .. client], known['p:' .. client]
-      local ga, gp, ge = known['active'], known['pending'], known['executing']
+      local k = slot[client]
+      local a, p = cur[k], cur[k + 1]
+      local ga, gp, ge = cur[1], cur[2], cur[3]
       local client_active, client_pending = lim[3], lim[4]
       local grant_global, global_active, global_executing = lim[6], lim[7], lim[8]
       local pending_cap = min(client_pending, lim[5])
@@ -292,10 +311,9 @@ for n = 1, #at do
         end
         if rescaled and tat > now then
           local v = format('%d ', tat) .. lim[9]
-          strings[tat_key] = v
-          if not tat_value[tat_key] then tat_keys[#tat_keys + 1] = tat_key end
-          tat_value[tat_key] = v
-          tat_px[tat_key] = floor((tat - now) / 1000) + 1
+          buckets[client] = v
+          if not bucket_value[client] then bucket_list[#bucket_list + 1] = client end
+          bucket_value[client] = v
         end
         if lim[10] > 0 then
           local until_ = now + rate_wait + lim[10] * 1000
@@ -306,20 +324,17 @@ for n = 1, #at do
       end
 
       local v = format('%d ', next_tat) .. lim[9]
-      strings[tat_key] = v
-      if not tat_value[tat_key] then tat_keys[#tat_keys + 1] = tat_key end
-      tat_value[tat_key] = v
-      tat_px[tat_key] = floor((next_tat - now) / 1000) + 1
+      buckets[client] = v
+      if not bucket_value[client] then bucket_list[#bucket_list + 1] = client end
+      bucket_value[client] = v
       -- (The replica is in the replica set already: its registration put it there, and a reap
       -- that took it out also ended the lease checked above.)
       local state = 'a'
-      known['active'] = ga + 1
-      known['a:' .. client] = a + 1
+      cur[1], cur[k] = ga + 1, a + 1
       if approval then
         state = 'p'
-        known['pending'] = gp + 1
         p = p + 1
-        known['p:' .. client] = p
+        cur[2], cur[k + 1] = gp + 1, p
       end
       records[id] = state .. ' ' .. replica .. ' ' .. client
       held[id] = true
@@ -356,17 +371,13 @@ for n = 1, #at do
       local state, owner, client = parse_op(record)
       if to == 't' or to == 'r' then
         -- Release everything it holds, once: its record goes with its counts.
-        local ac = 'a:' .. client
-        known['active'] = max(known['active'] - 1, 0)
-        known[ac] = max(known[ac] - 1, 0)
+        local k = slot[client]
+        cur[1], cur[k] = max(cur[1] - 1, 0), max(cur[k] - 1, 0)
         if state == 'p' then
-          local pc = 'p:' .. client
-          known['pending'] = max(known['pending'] - 1, 0)
-          known[pc] = max(known[pc] - 1, 0)
+          cur[2], cur[k + 1] = max(cur[2] - 1, 0), max(cur[k + 1] - 1, 0)
         elseif state == 'e' then
-          local ec = 'e:' .. client
-          known['executing'] = max(known['executing'] - 1, 0)
-          known[ec] = max(known[ec] - 1, 0)
+          local e = eslot[client]
+          cur[3], cur[e] = max(cur[3] - 1, 0), max(cur[e] - 1, 0)
         end
         records[id] = false
         if owner == replica then
@@ -378,30 +389,24 @@ for n = 1, #at do
           elsewhere[#elsewhere + 1] = id
         end
         if to == 'r' then
-          local tat_key = base .. ':tat:' .. client
-          local tat, stored_interval, stored_span = parse_tat(strings[tat_key])
+          local tat, stored_interval, stored_span = parse_tat(buckets[client])
           local given, given_span = tonumber(ARGV[j + 4]), tonumber(ARGV[j + 5])
-          local v, px
-          if stored_span ~= nil and tat > now then
+          if tat > now then
             -- The token is measured in the rate the bucket has now (a reload may have rescaled
-            -- it), rounded down, as the in-process engine's `Rate::token_in` does.
-            if stored_span ~= given_span then
-              given = floor(given * stored_span / max(given_span, 1))
+            -- it), rounded down, as the in-process engine's `Rate::token_in` does. (A bare TAT,
+            -- with no rate stored, gives back the token as given.)
+            local v
+            if stored_span ~= nil then
+              if stored_span ~= given_span then
+                given = floor(given * stored_span / max(given_span, 1))
+              end
+              v = format('%d %d %d', max(tat - given, 0), stored_interval, stored_span)
+            else
+              v = format('%d', max(tat - given, 0))
             end
-            local back = max(tat - given, 0)
-            v = format('%d %d %d', back, stored_interval, stored_span)
-            px = floor(max(back - now, 0) / 1000) + 1
-          elseif tat > now then
-            -- A bare TAT (no rate stored) keeps its lifetime.
-            local ttl = redis.call('PTTL', tat_key)
-            if ttl > 0 then
-              v, px = format('%d', max(tat - given, 0)), ttl
-            end
-          end
-          if v then
-            strings[tat_key] = v
-            if not tat_value[tat_key] then tat_keys[#tat_keys + 1] = tat_key end
-            tat_value[tat_key], tat_px[tat_key] = v, px
+            buckets[client] = v
+            if not bucket_value[client] then bucket_list[#bucket_list + 1] = client end
+            bucket_value[client] = v
           end
           notices[#notices + 1] = 'f ' .. client
         else
@@ -415,18 +420,16 @@ for n = 1, #at do
         break
       end
       if to == 'a' and state == 'p' then
-        local pc = 'p:' .. client
-        known['pending'] = max(known['pending'] - 1, 0)
-        known[pc] = max(known[pc] - 1, 0)
+        local k = slot[client]
+        cur[2], cur[k + 1] = max(cur[2] - 1, 0), max(cur[k + 1] - 1, 0)
         notices[#notices + 1] = 'r ' .. client
       elseif to == 'e' and state == 'a' then
-        if known['executing'] >= tonumber(ARGV[j + 4]) then
+        if cur[3] >= tonumber(ARGV[j + 4]) then
           replies[n] = {'saturated'}
           break
         end
-        local ec = 'e:' .. client
-        known['executing'] = known['executing'] + 1
-        known[ec] = known[ec] + 1
+        local e = eslot[client]
+        cur[3], cur[e] = cur[3] + 1, cur[e] + 1
       else
         replies[n] = {'not_allowed', state}
         break
@@ -441,7 +444,7 @@ end
 -- records, the held sets, buckets, key records, notices.
 local set, gone
 for n = 1, #fields do
-  local v = known[fields[n]]
+  local v = cur[n]
   if v ~= was[n] then
     if v > 0 then
       set = set or {}
@@ -501,11 +504,13 @@ if elsewhere then
   end
 end
 
-if tat_keys then
-  for n = 1, #tat_keys do
-    local key = tat_keys[n]
-    redis.call('SET', key, tat_value[key], 'PX', tat_px[key])
+if bucket_list and #bucket_list > 0 then
+  local set_buckets = {}
+  for n = 1, #bucket_list do
+    local client = bucket_list[n]
+    set_buckets[2 * n - 1], set_buckets[2 * n] = client, bucket_value[client]
   end
+  redis.call('HSET', buckets_key, unpack(set_buckets))
 end
 
 if key_names and #key_names > 0 then

@@ -68,11 +68,11 @@ local function now_micros()
   return tonumber(t[1]) * 1000000 + tonumber(t[2])
 end
 
-local function read_tat(key)
-  return parse_tat(redis.call('GET', key))
+-- `client`'s rate bucket in the deployment `base` (see shared.lua), read and written.
+local function read_tat(base, client)
+  return parse_tat(redis.call('HGET', base .. ':buckets', client))
 end
 
-local function write_tat(key, tat, interval, span, now)
-  redis.call('SET', key, string.format('%.0f %.0f %.0f', tat, interval, span),
-    'PX', math.floor(math.max(tat - now, 0) / 1000) + 1)
+local function write_tat(base, client, tat, interval, span)
+  redis.call('HSET', base .. ':buckets', client, string.format('%d %d %d', tat, interval, span))
 end

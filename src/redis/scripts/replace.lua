@@ -63,11 +63,10 @@ if restored then
     local client, interval, span, debt = ARGV[k], tonumber(ARGV[k + 1]), tonumber(ARGV[k + 2]),
       tonumber(ARGV[k + 3])
     if debt > 0 then
-      local tat_key = base .. ':tat:' .. client
-      local tat = read_tat(tat_key)
+      local tat = read_tat(base, client)
       local next_tat = math.min(math.max(tat, now) + debt, now + span)
       if next_tat > tat then
-        write_tat(tat_key, next_tat, interval, span, now)
+        write_tat(base, client, next_tat, interval, span)
       end
     end
   end

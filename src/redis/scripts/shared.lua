@@ -7,10 +7,10 @@ local function parse_op(record)
   return state, replica, client
 end
 
--- A client's rate bucket: the key holds "<TAT> <interval> <span>" (µs; the rate the TAT was last
--- written under). A bare number (written before the rate was stored) has no known rate, so it is
--- never rescaled. `parse_tat` reads a value already fetched (false for none; `read_tat`, in
--- counts.lua, reads the key). Reply: tat, interval, span (both nil when unknown).
+-- A client's rate bucket: its field of the hash `<base>:buckets` holds "<TAT> <interval> <span>"
+-- (µs; the rate the TAT was last written under). A bare number has no known rate, so it is never
+-- rescaled. `parse_tat` reads a value already fetched (false for none; `read_tat`, in counts.lua,
+-- reads the field). Reply: tat, interval, span (both nil when unknown).
 local function parse_tat(v)
   if not v then
     return 0, nil, nil
