@@ -121,13 +121,32 @@ async fn run(
             invocation.arg(arg);
         }
         match invocation.invoke_async::<Value>(conn).await.unwrap() {
-            Value::Array(items) => {
-                assert_eq!(items.len(), chunk.len());
-                replies.extend(items);
-            }
+            Value::Array(items) => replies.extend(split(&items, chunk)),
             other => panic!("not an array: {other:?}"),
         }
     }
+    replies
+}
+
+/// The batch script's flat reply to `steps`, one array per decision (its word and fields).
+fn split(items: &[Value], steps: &[Step]) -> Vec<Value> {
+    use unyolo_admission::redis::reply::Asked;
+    let mut at = 0;
+    let mut replies = Vec::new();
+    for step in steps {
+        let kind = match step {
+            Step::Admit(..) => Asked::Admit,
+            Step::Move(..) => Asked::Transition,
+        };
+        let len = match &items[at] {
+            Value::BulkString(word) => kind.reply_len(std::str::from_utf8(word).unwrap()),
+            _ => None,
+        }
+        .unwrap_or_else(|| panic!("no {kind:?} reply at {at}: {items:?}"));
+        replies.push(Value::Array(items[at..at + len].to_vec()));
+        at += len;
+    }
+    assert_eq!(at, items.len(), "elements left over: {items:?}");
     replies
 }
 
@@ -141,25 +160,22 @@ fn timeless(value: &Value) -> Value {
                 _ => None,
             });
             let mut items: Vec<Value> = items.clone();
+            // A reading is a reply's last four elements: TAT, time, active, pending.
             match head {
-                Some(b"admitted") => items[1] = without_times(&items[1]),
+                Some(b"admitted") => {
+                    items.drain(1..3);
+                }
                 Some(b"refused") => {
-                    let waits = !matches!(&items[2], Value::BulkString(b) if b == b"0");
+                    let waits = !matches!(&items[2], Value::Int(0))
+                        && !matches!(&items[2], Value::BulkString(b) if b == b"0");
                     items[2] = Value::Int(i64::from(waits));
-                    items[4] = without_times(&items[4]);
+                    items.drain(4..6);
                 }
                 _ => {}
             }
             Value::Array(items)
         }
         other => other.clone(),
-    }
-}
-
-fn without_times(reading: &Value) -> Value {
-    match reading {
-        Value::Array(items) if items.len() == 4 => Value::Array(items[2..].to_vec()),
-        other => panic!("not a reading: {other:?}"),
     }
 }
 

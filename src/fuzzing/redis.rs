@@ -9,13 +9,14 @@ use crate::redis::reply::{
     parse_lease, parse_pair, parse_reaped, parse_transition,
 };
 
-/// Deepest nesting a decoded reply has (the scripts return at most one level of arrays).
+/// Deepest nesting a decoded reply has (the batch script returns one flat array).
 const MAX_DEPTH: usize = 4;
 /// Most values one decoded reply holds.
 const MAX_NODES: usize = 64;
 
 /// Decodes fuzz bytes into a reply, one tagged value at a time (text-friendly, so seeds are
-/// readable): `*` then a count byte (`% 8`) and that many values is an array; `$` and `+` take the
+/// readable): `*` then a count byte (`% 16`: a digit is its value, `:` to `?` are 10 to 15) and
+/// that many values is an array; `$` and `+` take the
 /// bytes up to the next newline as a bulk string / simple string; `:` takes them as an integer
 /// (decimal when it parses, else the bytes little-endian); `_` is nil, `O` OK, `#` a boolean (next
 /// byte odd), `,` a double, `%` a map of a count byte's pairs, `~` a set; any other byte is nil.
@@ -44,7 +45,7 @@ impl Decoder<'_> {
     }
 
     fn children(&mut self, depth: usize) -> Vec<Value> {
-        let count = self.byte().map_or(0, |b| usize::from(b % 8));
+        let count = self.byte().map_or(0, |b| usize::from(b % 16));
         (0..count)
             .map_while(|_| (!self.data.is_empty()).then(|| self.value(depth + 1)))
             .collect()
@@ -113,21 +114,25 @@ fn state_text(state: u8) -> &'static str {
     }
 }
 
-/// How the batch script writes an admission's reading: the times as decimal text, the counts as
-/// integers.
-fn encode_reading(reading: &Reading) -> Value {
-    Value::Array(vec![
+/// An admission's reading as a reply's last four elements: the times as decimal text, the counts
+/// as integers (the reply parser reads either).
+fn encode_reading(reading: &Reading) -> [Value; 4] {
+    [
         bulk(&reading.tat_micros.to_string()),
         bulk(&reading.now_micros.to_string()),
         int_or_text(reading.active),
         int_or_text(reading.pending),
-    ])
+    ]
 }
 
-/// How the batch script writes an admission decision.
-fn encode_admit(reply: &AdmitReply) -> Value {
-    Value::Array(match reply {
-        AdmitReply::Admitted(reading) => vec![bulk("admitted"), encode_reading(reading)],
+/// How the batch script writes an admission decision: its elements in the flat reply.
+fn encode_admit(reply: &AdmitReply) -> Vec<Value> {
+    match reply {
+        AdmitReply::Admitted(reading) => {
+            let mut items = vec![bulk("admitted")];
+            items.extend(encode_reading(reading));
+            items
+        }
         AdmitReply::Duplicate => vec![bulk("duplicate")],
         AdmitReply::Lease => vec![bulk("lease")],
         AdmitReply::Recovering => vec![bulk("recovering")],
@@ -137,24 +142,45 @@ fn encode_admit(reply: &AdmitReply) -> Value {
             rate_wait_micros,
             capacity,
             reading,
-        } => vec![
-            bulk("refused"),
-            bulk(code.as_str()),
-            int(*rate_wait_micros),
-            Value::Int(i64::from(*capacity)),
-            encode_reading(reading),
-        ],
-    })
+        } => {
+            let mut items = vec![
+                bulk("refused"),
+                bulk(code.as_str()),
+                int(*rate_wait_micros),
+                Value::Int(i64::from(*capacity)),
+            ];
+            items.extend(encode_reading(reading));
+            items
+        }
+    }
 }
 
-fn encode_transition(reply: TransitionReply) -> Value {
-    Value::Array(match reply {
+/// How the batch script writes a transition's reply: its elements in the flat reply.
+fn encode_transition(reply: TransitionReply) -> Vec<Value> {
+    match reply {
         TransitionReply::Moved(from) => vec![bulk("moved"), bulk(state_text(from))],
         TransitionReply::NotAllowed(at) => vec![bulk("not_allowed"), bulk(state_text(at))],
         TransitionReply::Same => vec![bulk("same")],
         TransitionReply::Absent => vec![bulk("absent")],
         TransitionReply::Saturated => vec![bulk("saturated")],
-    })
+    }
+}
+
+/// A reply's elements as one decision's reply in a batch: an array's items, or the value alone.
+fn items(value: &Value) -> &[Value] {
+    match value {
+        Value::Array(items) => items,
+        other => std::slice::from_ref(other),
+    }
+}
+
+/// A reply element's text, as the parsers read a reply's word.
+fn word(value: &Value) -> Option<&str> {
+    match value {
+        Value::BulkString(bytes) => std::str::from_utf8(bytes).ok(),
+        Value::SimpleString(s) => Some(s),
+        _ => None,
+    }
 }
 
 fn encode_lease(reply: LeaseReply) -> Value {
@@ -187,15 +213,16 @@ fn assert_error_message(err: &impl std::fmt::Display) {
 /// id and replica; a moved or refused transition names a state `p`, `a` or `e`; a reaped replica
 /// is named. Each accepted reply, written back the way the script
 /// writes it, parses to the same value; a rejected one has a bounded error naming it. Read as
-/// the batch script's reply (one reply per decision, their kinds taken from the bytes), an array
-/// parses only with one kind per element, each element exactly as its kind's parser reads it. The
-/// admission, transition and heartbeat replies have disjoint shapes, so at most one of them
-/// accepts any reply.
+/// the batch script's flat reply (their kinds taken from the bytes), an array parses only when it
+/// splits into one reply per decision, each part exactly as its kind's parser reads it. An array
+/// is read as one decision's elements by the admission and transition parsers. The admission,
+/// transition and heartbeat replies have disjoint shapes, so at most one of them accepts any
+/// reply.
 pub fn redis_reply(data: &[u8]) {
     let value = redis_reply_value(data);
     let mut accepted_by = 0;
 
-    match parse_admit(&value) {
+    match parse_admit(items(&value)) {
         Ok(reply) => {
             accepted_by += 1;
             match &reply {
@@ -215,7 +242,7 @@ pub fn redis_reply(data: &[u8]) {
         Err(err) => assert_error_message(&err),
     }
 
-    match parse_transition(&value) {
+    match parse_transition(items(&value)) {
         Ok(reply) => {
             accepted_by += 1;
             // `encode_transition` panics on a state other than p, a or e.
@@ -273,54 +300,70 @@ pub fn redis_reply(data: &[u8]) {
 }
 
 /// The batch script's reply, asked as the bytes say (bit 0 of byte `i`: decision `i` is a
-/// transition, else an admission): it parses only as an array of exactly one reply per decision,
-/// each decision's reply exactly as that kind's own parser reads it, and what parses, written
-/// back, parses the same.
+/// transition, else an admission): a flat array that parses only when it splits into exactly one
+/// reply per decision asked (each its kind's word and that reply's fields), each part exactly as
+/// its kind's parser reads it alone; one decision more or fewer does not parse; and what parses,
+/// written back, parses the same.
 fn batch(data: &[u8], value: &Value) {
     let Value::Array(items) = value else {
         assert!(parse_batch(value, &[Asked::Admit]).is_err());
         return;
     };
-    let asked: Vec<Asked> = (0..items.len())
-        .map(|i| match data.get(i) {
+    let mut parts = Vec::new();
+    let mut at = 0;
+    for i in 0..items.len() {
+        let kind = match data.get(i) {
             Some(b) if b & 1 == 1 => Asked::Transition,
             _ => Asked::Admit,
-        })
-        .collect();
-    let mut longer = asked.clone();
-    longer.push(Asked::Admit);
-    assert!(parse_batch(value, &longer).is_err());
+        };
+        let len = items.get(at).and_then(word).and_then(|w| kind.reply_len(w));
+        let Some(part) = len.and_then(|len| items.get(at..at + len)) else {
+            break;
+        };
+        parts.push((kind, part));
+        at += part.len();
+        if at == items.len() {
+            break;
+        }
+    }
+    let splits = at == items.len() && !parts.is_empty();
+    let asked: Vec<Asked> = parts.iter().map(|(kind, _)| *kind).collect();
     match parse_batch(value, &asked) {
         Ok(answers) => {
-            assert_eq!(answers.len(), items.len());
+            assert!(splits, "{value:?} parsed as {asked:?} without splitting");
+            assert_eq!(answers.len(), parts.len());
             let mut encoded = Vec::new();
-            for ((item, asked), answer) in items.iter().zip(&asked).zip(&answers) {
-                match (asked, answer) {
+            for ((kind, part), answer) in parts.iter().zip(&answers) {
+                match (kind, answer) {
                     (Asked::Admit, Ok(Decided::Admit(reply))) => {
-                        assert_eq!(parse_admit(item).as_ref(), Ok(reply));
-                        encoded.push(encode_admit(reply));
+                        assert_eq!(parse_admit(part).as_ref(), Ok(reply));
+                        encoded.extend(encode_admit(reply));
                     }
                     (Asked::Transition, Ok(Decided::Transition(reply))) => {
-                        assert_eq!(parse_transition(item), Ok(*reply));
-                        encoded.push(encode_transition(*reply));
+                        assert_eq!(parse_transition(part), Ok(*reply));
+                        encoded.extend(encode_transition(*reply));
                     }
                     (Asked::Admit, Err(err)) => {
-                        assert!(parse_admit(item).is_err());
+                        assert!(parse_admit(part).is_err());
                         assert_error_message(err);
-                        encoded.push(item.clone());
+                        encoded.extend(part.iter().cloned());
                     }
                     (Asked::Transition, Err(err)) => {
-                        assert!(parse_transition(item).is_err());
+                        assert!(parse_transition(part).is_err());
                         assert_error_message(err);
-                        encoded.push(item.clone());
+                        encoded.extend(part.iter().cloned());
                     }
                     (asked, answer) => panic!("{asked:?} answered as {answer:?}"),
                 }
             }
             assert_eq!(parse_batch(&Value::Array(encoded), &asked), Ok(answers));
+            let mut longer = asked.clone();
+            longer.push(Asked::Admit);
+            assert!(parse_batch(value, &longer).is_err());
+            assert!(parse_batch(value, &asked[..asked.len() - 1]).is_err());
         }
         Err(err) => {
-            assert!(items.is_empty(), "{value:?} refused whole: {err}");
+            assert!(!splits, "{value:?} refused whole as {asked:?}: {err}");
             assert_error_message(&err);
         }
     }
@@ -335,8 +378,8 @@ fn int_or_text(n: u64) -> Value {
 /// Whether any parser accepts the reply these bytes decode to (the seed corpus names say which).
 pub fn redis_reply_accepted(data: &[u8]) -> bool {
     let value = redis_reply_value(data);
-    parse_admit(&value).is_ok()
-        || parse_transition(&value).is_ok()
+    parse_admit(items(&value)).is_ok()
+        || parse_transition(items(&value)).is_ok()
         || parse_lease(&value).is_ok()
         || parse_pair(&value).is_ok()
         || parse_reaped(&value).is_ok()

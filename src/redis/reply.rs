@@ -163,9 +163,9 @@ fn refusal_code(name: &str) -> Option<RefusalCode> {
         .find(|code| code.as_str() == name && *code != RefusalCode::ClientUnconfigured)
 }
 
-/// A reading: `{tat, now, active, pending}`, four counts.
-fn reading(value: &Value) -> Option<Reading> {
-    match array(value)? {
+/// A reading: `tat, now, active, pending`, four counts.
+fn reading(items: &[Value]) -> Option<Reading> {
+    match items {
         [tat, now, active, pending] => Some(Reading {
             tat_micros: int(tat)?,
             now_micros: int(now)?,
@@ -176,29 +176,57 @@ fn reading(value: &Value) -> Option<Reading> {
     }
 }
 
-/// Parses an admission's reply (one element of the batch script's).
-pub fn parse_admit(value: &Value) -> Result<AdmitReply, ReplyError> {
-    let items = array(value).ok_or_else(|| bad("admit", value))?;
+fn bad_items(what: &str, items: &[Value]) -> ReplyError {
+    bad(what, &Value::Array(items.to_vec()))
+}
+
+/// How many elements an admission's reply that starts with `head` has in the batch's flat
+/// reply (none: no admission reply starts so).
+fn admit_len(head: &str) -> Option<usize> {
+    match head {
+        "admitted" => Some(5),
+        "refused" => Some(8),
+        "replay" => Some(3),
+        "duplicate" | "lease" | "recovering" => Some(1),
+        _ => None,
+    }
+}
+
+/// How many elements a transition's reply that starts with `head` has in the batch's flat reply.
+fn transition_len(head: &str) -> Option<usize> {
+    match head {
+        "moved" | "not_allowed" => Some(2),
+        "same" | "absent" | "saturated" => Some(1),
+        _ => None,
+    }
+}
+
+/// Parses an admission's reply: its elements in the batch script's flat reply, e.g.
+/// `admitted, tat, now, active, pending`.
+pub fn parse_admit(items: &[Value]) -> Result<AdmitReply, ReplyError> {
     let head = items.first().and_then(text);
-    let reply = match (head, items.len()) {
+    if head.and_then(admit_len) != Some(items.len()) {
+        return Err(bad_items("admit", items));
+    }
+    let reply = match head {
         // An admission counts itself: at least one live operation.
-        (Some("admitted"), 2) => match reading(&items[1]) {
+        Some("admitted") => match reading(&items[1..]) {
             Some(reading) if reading.active >= 1 => AdmitReply::Admitted(reading),
-            _ => return Err(bad("admit reading", value)),
+            _ => return Err(bad_items("admit reading", items)),
         },
-        (Some("duplicate"), 1) => AdmitReply::Duplicate,
-        (Some("lease"), 1) => AdmitReply::Lease,
-        (Some("recovering"), 1) => AdmitReply::Recovering,
-        (Some("replay"), 3) => match (text(&items[1]), text(&items[2])) {
+        Some("duplicate") => AdmitReply::Duplicate,
+        Some("lease") => AdmitReply::Lease,
+        Some("recovering") => AdmitReply::Recovering,
+        Some("replay") => match (text(&items[1]), text(&items[2])) {
             (Some(id), Some(replica)) if !id.is_empty() && !replica.is_empty() => {
                 AdmitReply::Replay {
                     id: id.to_string(),
                     replica: replica.to_string(),
                 }
             }
-            _ => return Err(bad("admit replay", value)),
+            _ => return Err(bad_items("admit replay", items)),
         },
-        (Some("refused"), 5) => {
+        Some("refused") => {
             let code = text(&items[1]).and_then(refusal_code);
             let wait = int(&items[2]);
             let capacity = match int(&items[3]) {
@@ -206,7 +234,7 @@ pub fn parse_admit(value: &Value) -> Result<AdmitReply, ReplyError> {
                 Some(1) => Some(true),
                 _ => None,
             };
-            match (code, wait, capacity, reading(&items[4])) {
+            match (code, wait, capacity, reading(&items[4..])) {
                 // A capacity code always means a capacity dimension is exhausted.
                 (Some(code), Some(rate_wait_micros), Some(capacity), Some(reading))
                     if capacity || !code.is_capacity() =>
@@ -218,30 +246,30 @@ pub fn parse_admit(value: &Value) -> Result<AdmitReply, ReplyError> {
                         reading,
                     }
                 }
-                _ => return Err(bad("admit refusal", value)),
+                _ => return Err(bad_items("admit refusal", items)),
             }
         }
-        _ => return Err(bad("admit", value)),
+        _ => return Err(bad_items("admit", items)),
     };
     Ok(reply)
 }
 
-/// Parses a transition's reply (one element of the batch script's).
-pub fn parse_transition(value: &Value) -> Result<TransitionReply, ReplyError> {
-    let items = array(value).ok_or_else(|| bad("transition", value))?;
-    let reply = match (items.first().and_then(text), items.len()) {
-        (Some("moved"), 2) => {
-            TransitionReply::Moved(state(&items[1]).ok_or_else(|| bad("transition", value))?)
-        }
-        (Some("not_allowed"), 2) => {
-            TransitionReply::NotAllowed(state(&items[1]).ok_or_else(|| bad("transition", value))?)
-        }
-        (Some("same"), 1) => TransitionReply::Same,
-        (Some("absent"), 1) => TransitionReply::Absent,
-        (Some("saturated"), 1) => TransitionReply::Saturated,
-        _ => return Err(bad("transition", value)),
-    };
-    Ok(reply)
+/// Parses a transition's reply: its elements in the batch script's flat reply, e.g.
+/// `moved, p`.
+pub fn parse_transition(items: &[Value]) -> Result<TransitionReply, ReplyError> {
+    let head = items.first().and_then(text);
+    if head.and_then(transition_len) != Some(items.len()) {
+        return Err(bad_items("transition", items));
+    }
+    let from = || state(&items[1]).ok_or_else(|| bad_items("transition", items));
+    Ok(match head {
+        Some("moved") => TransitionReply::Moved(from()?),
+        Some("not_allowed") => TransitionReply::NotAllowed(from()?),
+        Some("same") => TransitionReply::Same,
+        Some("absent") => TransitionReply::Absent,
+        Some("saturated") => TransitionReply::Saturated,
+        _ => return Err(bad_items("transition", items)),
+    })
 }
 
 /// What a decision in a batch is, so its reply is parsed as that kind's.
@@ -253,6 +281,17 @@ pub enum Asked {
     Transition,
 }
 
+impl Asked {
+    /// How many elements this kind's reply starting with `head` has (none: no reply of this
+    /// kind starts so).
+    pub fn reply_len(self, head: &str) -> Option<usize> {
+        match self {
+            Asked::Admit => admit_len(head),
+            Asked::Transition => transition_len(head),
+        }
+    }
+}
+
 /// The batch script's answer to one decision.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Decided {
@@ -262,24 +301,40 @@ pub enum Decided {
     Transition(TransitionReply),
 }
 
-/// Parses the batch script's reply: one reply per decision asked, in order, each as strictly as
-/// alone. A reply that is not an array of exactly that many is an error for all of them; one
-/// decision's unreadable reply is an error for that decision only.
+/// Parses the batch script's reply: one flat array, each decision's reply in order (its kind's
+/// word, then that reply's fields), each as strictly as alone. A reply that does not split
+/// into exactly one reply per decision asked (not an array, a word no reply of the decision's
+/// kind starts with, a reply cut short, elements left over) is an error for all of them; a
+/// decision's reply that splits but does not read (a bad count, an unknown code) is an error for
+/// that decision only.
 pub fn parse_batch(
     value: &Value,
     asked: &[Asked],
 ) -> Result<Vec<Result<Decided, ReplyError>>, ReplyError> {
-    match array(value) {
-        Some(items) if items.len() == asked.len() && !items.is_empty() => Ok(items
-            .iter()
-            .zip(asked)
-            .map(|(item, asked)| match asked {
-                Asked::Admit => parse_admit(item).map(Decided::Admit),
-                Asked::Transition => parse_transition(item).map(Decided::Transition),
-            })
-            .collect()),
-        _ => Err(bad("batch", value)),
+    let items = array(value).ok_or_else(|| bad("batch", value))?;
+    if asked.is_empty() {
+        return Err(bad("batch", value));
     }
+    let mut answers = Vec::with_capacity(asked.len());
+    let mut at = 0;
+    for &kind in asked {
+        let len = items
+            .get(at)
+            .and_then(text)
+            .and_then(|head| kind.reply_len(head));
+        let Some(part) = len.and_then(|len| items.get(at..at + len)) else {
+            return Err(bad("batch", value));
+        };
+        answers.push(match kind {
+            Asked::Admit => parse_admit(part).map(Decided::Admit),
+            Asked::Transition => parse_transition(part).map(Decided::Transition),
+        });
+        at += part.len();
+    }
+    if at != items.len() {
+        return Err(bad("batch", value));
+    }
+    Ok(answers)
 }
 
 /// Parses the heartbeat script's reply.
@@ -387,11 +442,16 @@ mod tests {
     proptest! {
         #[test]
         fn no_reply_makes_a_parser_panic_and_what_parses_is_well_formed(v in value()) {
-            if let Ok(AdmitReply::Refused { code, capacity, .. }) = parse_admit(&v) {
+            let items = match &v {
+                Value::Array(items) => items.as_slice(),
+                other => std::slice::from_ref(other),
+            };
+            if let Ok(AdmitReply::Refused { code, capacity, .. }) = parse_admit(items) {
                 prop_assert!(capacity || !code.is_capacity());
                 prop_assert!(code != RefusalCode::ClientUnconfigured);
             }
-            let _ = parse_transition(&v);
+            let _ = parse_transition(items);
+            let _ = parse_batch(&v, &[Asked::Admit, Asked::Transition]);
             let _ = parse_lease(&v);
             let _ = parse_pair(&v);
             let _ = parse_replace(&v);
@@ -407,9 +467,13 @@ mod tests {
 
     #[test]
     fn every_admit_shape_parses_and_nothing_else_does() {
-        let ok = |items: Vec<Value>| parse_admit(&Value::Array(items));
+        let ok = |items: Vec<Value>| parse_admit(&items);
+        let with = |mut head: Vec<Value>, reading: [Value; 4]| {
+            head.extend(reading);
+            head
+        };
         let at = |tat: &str, now: &str, a: i64, p: i64| {
-            Value::Array(vec![bulk(tat), bulk(now), Value::Int(a), Value::Int(p)])
+            [bulk(tat), bulk(now), Value::Int(a), Value::Int(p)]
         };
         let read = Reading {
             tat_micros: 1_700_000_020_000_000,
@@ -418,10 +482,10 @@ mod tests {
             pending: 1,
         };
         assert_eq!(
-            ok(vec![
-                bulk("admitted"),
+            ok(with(
+                vec![bulk("admitted")],
                 at("1700000020000000", "1700000000000000", 2, 1)
-            ]),
+            )),
             Ok(AdmitReply::Admitted(read))
         );
         assert_eq!(ok(vec![bulk("duplicate")]), Ok(AdmitReply::Duplicate));
@@ -434,13 +498,15 @@ mod tests {
             })
         );
         assert_eq!(
-            ok(vec![
-                bulk("refused"),
-                bulk("client_pending_limit"),
-                bulk("0"),
-                Value::Int(1),
+            ok(with(
+                vec![
+                    bulk("refused"),
+                    bulk("client_pending_limit"),
+                    bulk("0"),
+                    Value::Int(1),
+                ],
                 at("1700000020000000", "1700000000000000", 2, 1)
-            ]),
+            )),
             Ok(AdmitReply::Refused {
                 code: RefusalCode::ClientPendingLimit,
                 rate_wait_micros: 0,
@@ -448,77 +514,65 @@ mod tests {
                 reading: read,
             })
         );
+        let refused = |code: &str, wait: &str, capacity: i64| {
+            vec![
+                bulk("refused"),
+                bulk(code),
+                bulk(wait),
+                Value::Int(capacity),
+            ]
+        };
         for bad_reply in [
             vec![],
             vec![bulk("admitted")],
             vec![bulk("admitted"), bulk("x")],
-            vec![bulk("admitted"), at("1", "1", 0, 0)],
-            vec![bulk("admitted"), at("1", "-1", 1, 0)],
-            vec![bulk("admitted"), at("1", "1", 1, -1)],
-            vec![bulk("admitted"), at("1.5", "1", 1, 0)],
-            vec![
-                bulk("admitted"),
-                Value::Array(vec![bulk("1"), bulk("1"), Value::Int(1)]),
-            ],
-            vec![
-                bulk("refused"),
-                bulk("client_pending_limit"),
-                bulk("0"),
-                Value::Int(1),
-            ],
-            vec![
-                bulk("refused"),
-                bulk("client_pending_limit"),
-                bulk("0"),
-                Value::Int(1),
-                bulk("1 1 1 1"),
-            ],
+            with(vec![bulk("admitted")], at("1", "1", 0, 0)),
+            with(vec![bulk("admitted")], at("1", "-1", 1, 0)),
+            with(vec![bulk("admitted")], at("1", "1", 1, -1)),
+            with(vec![bulk("admitted")], at("1.5", "1", 1, 0)),
+            // The old nested reading, and a reading cut short or too long.
+            vec![bulk("admitted"), Value::Array(at("1", "1", 1, 0).to_vec())],
+            vec![bulk("admitted"), bulk("1"), bulk("1"), Value::Int(1)],
+            with(vec![bulk("admitted")], at("1", "1", 1, 0))
+                .into_iter()
+                .chain([Value::Int(0)])
+                .collect(),
+            refused("client_pending_limit", "0", 1),
+            with(
+                refused("client_pending_limit", "0", 1),
+                [bulk("1"), bulk("1"), bulk("1"), bulk("x")],
+            ),
             vec![bulk("replay"), bulk(""), bulk("r")],
-            vec![
-                bulk("refused"),
-                bulk("client_unconfigured"),
-                bulk("0"),
-                Value::Int(0),
+            vec![bulk("replay"), bulk("op-1")],
+            vec![bulk("duplicate"), bulk("op-1")],
+            with(refused("client_unconfigured", "0", 0), at("1", "1", 0, 0)),
+            with(
+                refused("client_operation_limit", "0", 0),
                 at("1", "1", 0, 0),
-            ],
-            vec![
-                bulk("refused"),
-                bulk("client_operation_limit"),
-                bulk("0"),
-                Value::Int(0),
+            ),
+            with(
+                refused("submission_rate_limited", "-1", 0),
                 at("1", "1", 0, 0),
-            ],
-            vec![
-                bulk("refused"),
-                bulk("submission_rate_limited"),
-                bulk("-1"),
-                Value::Int(0),
+            ),
+            with(
+                refused("submission_rate_limited", "1e9", 0),
                 at("1", "1", 0, 0),
-            ],
-            vec![
-                bulk("refused"),
-                bulk("submission_rate_limited"),
-                bulk("1e9"),
-                Value::Int(0),
+            ),
+            with(
+                refused("submission_rate_limited", "5", 2),
                 at("1", "1", 0, 0),
-            ],
-            vec![
-                bulk("refused"),
-                bulk("submission_rate_limited"),
-                bulk("5"),
-                Value::Int(2),
-                at("1", "1", 0, 0),
-            ],
+            ),
             vec![bulk("admit")],
+            vec![bulk("moved"), bulk("p")],
         ] {
             assert!(ok(bad_reply.clone()).is_err(), "{bad_reply:?}");
         }
-        assert!(parse_admit(&bulk("admitted")).is_err());
+        assert!(parse_admit(&[Value::Array(vec![bulk("admitted")])]).is_err());
     }
 
     #[test]
     fn transition_lease_and_count_replies_are_strict() {
-        let t = |items: Vec<Value>| parse_transition(&Value::Array(items));
+        let t = |items: Vec<Value>| parse_transition(&items);
         assert_eq!(
             t(vec![bulk("moved"), bulk("p")]),
             Ok(TransitionReply::Moved(b'p'))
@@ -530,6 +584,8 @@ mod tests {
         );
         assert!(t(vec![bulk("moved"), bulk("x")]).is_err());
         assert!(t(vec![bulk("moved")]).is_err());
+        assert!(t(vec![bulk("same"), bulk("p")]).is_err());
+        assert!(t(vec![bulk("duplicate")]).is_err());
         assert_eq!(parse_lease(&bulk("ok")), Ok(LeaseReply::Renewed));
         assert!(parse_lease(&bulk("OK")).is_err());
         assert_eq!(
@@ -542,5 +598,73 @@ mod tests {
             Ok(vec![("r1".to_string(), 4)])
         );
         assert!(parse_reaped(&Value::Array(vec![bulk("r1")])).is_err());
+    }
+
+    #[test]
+    fn a_batch_reply_splits_into_one_reply_per_decision_or_is_refused_whole() {
+        use Asked::{Admit, Transition};
+        let admitted = [
+            bulk("admitted"),
+            Value::Int(20),
+            Value::Int(10),
+            Value::Int(1),
+            Value::Int(0),
+        ];
+        let reading = Reading {
+            tat_micros: 20,
+            now_micros: 10,
+            active: 1,
+            pending: 0,
+        };
+        let flat = |parts: &[&[Value]]| Value::Array(parts.concat());
+        let moved = [bulk("moved"), bulk("a")];
+        let value = flat(&[&admitted, &moved, &[bulk("duplicate")], &[bulk("absent")]]);
+        assert_eq!(
+            parse_batch(&value, &[Admit, Transition, Admit, Transition]),
+            Ok(vec![
+                Ok(Decided::Admit(AdmitReply::Admitted(reading))),
+                Ok(Decided::Transition(TransitionReply::Moved(b'a'))),
+                Ok(Decided::Admit(AdmitReply::Duplicate)),
+                Ok(Decided::Transition(TransitionReply::Absent)),
+            ])
+        );
+        // A reply that splits but does not read is that decision's error alone.
+        let zero_active = [
+            bulk("admitted"),
+            Value::Int(20),
+            Value::Int(10),
+            Value::Int(0),
+            Value::Int(0),
+        ];
+        let answers = parse_batch(&flat(&[&zero_active, &moved]), &[Admit, Transition]).unwrap();
+        assert!(answers[0].is_err());
+        assert_eq!(
+            answers[1],
+            Ok(Decided::Transition(TransitionReply::Moved(b'a')))
+        );
+        // What does not split is refused whole: too few or too many decisions asked, a word of
+        // the other kind, a reply cut short, elements left over, nothing asked, not an array.
+        for (value, asked) in [
+            (flat(&[&admitted, &moved]), vec![Admit]),
+            (
+                flat(&[&admitted, &moved]),
+                vec![Admit, Transition, Transition],
+            ),
+            (flat(&[&admitted, &moved]), vec![Transition, Admit]),
+            (flat(&[&admitted[..4]]), vec![Admit]),
+            (flat(&[&admitted, &[Value::Int(1)]]), vec![Admit]),
+            (flat(&[]), vec![]),
+            (flat(&[]), vec![Admit]),
+            (
+                Value::Array(vec![Value::Array(admitted.to_vec())]),
+                vec![Admit],
+            ),
+            (bulk("admitted"), vec![Admit]),
+        ] {
+            assert!(
+                parse_batch(&value, &asked).is_err(),
+                "{value:?} as {asked:?}"
+            );
+        }
     }
 }

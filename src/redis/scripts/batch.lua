@@ -38,17 +38,18 @@
 --     operation keeps its key); then for `e` the global executing limit, for `r` the emission
 --     interval and burst span the token was taken under (µs).
 --   The decisions are the admissions and transitions; an `L` is not one.
--- Reply: one reply per decision, in order.
---   An admission: {'admitted', reading} | {'duplicate'} (this id was admitted before: a retry) |
---     {'replay', id, replica} | {'lease'} (this replica does not hold its lease, or not in the
---     deployment's epoch) | {'recovering'} (Redis forgot the deployment and the replicas are
---     registering again) | {'refused', code, rate wait µs, capacity exhausted 0/1, reading},
---     where reading is {TAT µs, now µs, client active, client pending}: the client's bucket and
+-- Reply: one flat array, each decision's reply in order: its word, then that reply's fields
+-- (one table for the whole batch: Redis converts every table of a reply at a cost).
+--   An admission: `admitted, reading` | `duplicate` (this id was admitted before: a retry) |
+--     `replay, id, replica` | `lease` (this replica does not hold its lease, or not in the
+--     deployment's epoch) | `recovering` (Redis forgot the deployment and the replicas are
+--     registering again) | `refused, code, rate wait µs, capacity exhausted 0/1, reading`,
+--     where reading is `TAT µs, now µs, client active, client pending`: the client's bucket and
 --     counts just after the decision, for the client's quota as the deployment sees it. Numbers
 --     in a reply are Lua numbers (Redis answers them as integers: exact below 2^53, and a TAT
 --     in µs is ~2^51), not formatted strings.
---   A transition: {'moved', from} | {'same'} | {'absent'} (released already) |
---     {'not_allowed', from} | {'saturated'} (no execution slot: the operation stays approved).
+--   A transition: `moved, from` | `same` | `absent` (released already) | `not_allowed, from` |
+--     `saturated` (no execution slot: the operation stays approved).
 -- A move that lowers a count (a release, a refund, an approval) is published on the
 -- deployment's notices channel, `r <client>` or, for a refund, `f <client>`, one a line, so
 -- every replica's refusal memory forgets what it may have changed — but only while some replica
@@ -217,7 +218,8 @@ end
 -- replicas' removals, notices.
 local held, elsewhere = {}, nil
 local notices = {}
-local replies = {}
+-- The replies, flat: each decision's word, then its fields (see the header); `o` the last.
+local out, o = {}, 0
 -- Until when (Redis time, µs) a refusal this batch gave may be remembered, if any may be.
 local refused_until
 
@@ -230,15 +232,18 @@ for n = 1, #at do
     local key = ARGV[j + 4]
     repeat
       if strings[KEYS[3]] ~= token or strings[KEYS[4]] ~= epoch then
-        replies[n] = {'lease'}
+        o = o + 1
+        out[o] = 'lease'
         break
       end
       if strings[KEYS[5]] then
-        replies[n] = {'recovering'}
+        o = o + 1
+        out[o] = 'recovering'
         break
       end
       if records[id] then
-        replies[n] = {'duplicate'}
+        o = o + 1
+        out[o] = 'duplicate'
         break
       end
       if key ~= '' and strings[key] then
@@ -247,7 +252,8 @@ for n = 1, #at do
         -- lease): then it is decided afresh below, as a restored operation would be counted
         -- again.
         if owner_id ~= id then
-          replies[n] = {'replay', owner_id, owner_replica}
+          out[o + 1], out[o + 2], out[o + 3] = 'replay', owner_id, owner_replica
+          o = o + 3
           break
         end
       end
@@ -319,7 +325,9 @@ for n = 1, #at do
           local until_ = now + rate_wait + lim[10] * 1000
           if not refused_until or until_ > refused_until then refused_until = until_ end
         end
-        replies[n] = {'refused', code, rate_wait, capacity, {tat, now, a, p}}
+        out[o + 1], out[o + 2], out[o + 3], out[o + 4] = 'refused', code, rate_wait, capacity
+        out[o + 5], out[o + 6], out[o + 7], out[o + 8] = tat, now, a, p
+        o = o + 8
         break
       end
 
@@ -346,7 +354,9 @@ for n = 1, #at do
         key_value[key] = owner
         key_ttl[key] = tonumber(ARGV[j + 5])
       end
-      replies[n] = {'admitted', {next_tat, now, a + 1, p}}
+      out[o + 1], out[o + 2], out[o + 3] = 'admitted', next_tat, now
+      out[o + 4], out[o + 5] = a + 1, p
+      o = o + 5
     until true
   else
     -- A transition.
@@ -365,7 +375,8 @@ for n = 1, #at do
       end
       local record = records[id]
       if not record then
-        replies[n] = {'absent'}
+        o = o + 1
+        out[o] = 'absent'
         break
       end
       local state, owner, client = parse_op(record)
@@ -412,11 +423,13 @@ for n = 1, #at do
         else
           notices[#notices + 1] = 'r ' .. client
         end
-        replies[n] = {'moved', state}
+        out[o + 1], out[o + 2] = 'moved', state
+        o = o + 2
         break
       end
       if state == to then
-        replies[n] = {'same'}
+        o = o + 1
+        out[o] = 'same'
         break
       end
       if to == 'a' and state == 'p' then
@@ -425,17 +438,20 @@ for n = 1, #at do
         notices[#notices + 1] = 'r ' .. client
       elseif to == 'e' and state == 'a' then
         if cur[3] >= tonumber(ARGV[j + 4]) then
-          replies[n] = {'saturated'}
+          o = o + 1
+          out[o] = 'saturated'
           break
         end
         local e = eslot[client]
         cur[3], cur[e] = cur[3] + 1, cur[e] + 1
       else
-        replies[n] = {'not_allowed', state}
+        out[o + 1], out[o + 2] = 'not_allowed', state
+        o = o + 2
         break
       end
       records[id] = to .. ' ' .. owner .. ' ' .. client
-      replies[n] = {'moved', state}
+      out[o + 1], out[o + 2] = 'moved', state
+      o = o + 2
     until true
   end
 end
@@ -547,4 +563,4 @@ end
 if #notices > 0 and (strings[marker] or refused_until) then
   redis.call('PUBLISH', base .. ':notices', table.concat(notices, '\n'))
 end
-return replies
+return out
