@@ -20,8 +20,8 @@
 //!   one writer task per replica; what is waiting when it sends goes in the same script call,
 //!   decided there in order, each exactly as alone. A lone call goes at once; each caller still
 //!   waits for Redis to have decided its own.
-//! - **Reloads rescale the buckets.** A client's bucket key holds its TAT with the rate (emission
-//!   interval, burst span) it was written under; a decision under a different rate (a reload, on
+//! - **Reloads rescale the buckets.** A client's bucket (its field of the hash `{prefix}:buckets`)
+//!   holds its TAT with the rate (emission interval, burst span) it was written under; a decision under a different rate (a reload, on
 //!   whichever replica) first rescales the used part of the span to the new span, rounded up, as
 //!   the in-process engine's `Bucket::rescale` does, so a reload never hands out a fresh burst nor
 //!   confiscates one. A refunded token is measured in the bucket's rate at refund time.
