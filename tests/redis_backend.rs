@@ -879,6 +879,50 @@ async fn a_replica_set_up_before_redis_runs_is_unavailable_then_registers_its_re
     assert_eq!(counts.operations, 2);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restore_dropped_mid_registration_leaves_the_registration_to_the_heartbeat() {
+    let server = redis_or_skip!();
+    let mut opts = options(&server, "r1");
+    opts.heartbeat = Duration::from_millis(100);
+    opts.lease_ttl = Duration::from_secs(2);
+    let admission = Admission::new(Controller::new(roomy_config(&["amy"])), Some(opts)).unwrap();
+    // The caller gives up while the registration waits on a paused Redis: the restore is dropped
+    // mid-way, before it has registered anything or started anything.
+    server.pause();
+    let gave_up =
+        tokio::time::timeout(Duration::from_millis(100), admission.restore(Vec::new())).await;
+    assert!(
+        gave_up.is_err(),
+        "the registration finished on a paused Redis"
+    );
+    match admission.admit("amy", false, None).await {
+        Err(AdmitError::Unavailable(u)) => assert_eq!(u.http_status(), 503),
+        other => panic!("admitted without a registration: {other:?}"),
+    }
+    server.resume();
+    // The heartbeat (started as the restore was dropped) registers the replica; only then does
+    // it admit.
+    let admitted = std::sync::Mutex::new(Vec::new());
+    eventually("the heartbeat registers the replica and it admits", || {
+        let (admission, admitted) = (&admission, &admitted);
+        async move {
+            match admission.admit("amy", false, None).await {
+                Ok(permit) => {
+                    admitted.lock().unwrap().push(permit.commit());
+                    true
+                }
+                Err(AdmitError::Unavailable(_)) => false,
+                Err(other) => panic!("{other:?}"),
+            }
+        }
+    })
+    .await;
+    let op = admitted.lock().unwrap().pop().unwrap();
+    op.fail().await.unwrap();
+    assert!(admission.counts().await.unwrap().is_idle());
+    assert!(admission.stats().lease_held);
+}
+
 /// Two replicas of one deployment with one client, `amy`.
 async fn two_replicas(server: &redis_support::RedisServer) -> (Admission, Admission) {
     let config = roomy_config(&["amy"]);

@@ -199,6 +199,20 @@ struct Scripts {
     retire_keys: Script,
 }
 
+/// Starts a replica's notices and heartbeat when dropped: at the end of its registration,
+/// whether the registration finished or its caller dropped it mid-way.
+struct StartOnDrop<'a>(&'a RedisController);
+
+impl Drop for StartOnDrop<'_> {
+    fn drop(&mut self) {
+        // Both are spawned tasks: outside a runtime (one shutting down) there is nothing to run
+        // them, and spawning would panic.
+        if tokio::runtime::Handle::try_current().is_ok() {
+            self.0.start_background();
+        }
+    }
+}
+
 /// A release kept until Redis answers: the operation and the transition's target.
 #[derive(Clone, Debug)]
 pub(crate) struct Kept {
@@ -473,7 +487,17 @@ impl RedisController {
             let _alone = self.inner.registration.write().await;
             self.hold_restored(restored)
         };
+        // The notices and the heartbeat start once the registration below has ended — or been
+        // dropped mid-way (the caller gave up): then the heartbeat registers this replica, as
+        // when Redis does not answer now.
+        let start = StartOnDrop(self);
         let deferred = self.inner.register_again().await.err();
+        drop(start);
+        (self.handles(cells), deferred)
+    }
+
+    /// The notices (with the refusal memory on) and the heartbeat, if not running.
+    fn start_background(&self) {
         // Heard only after this replica's own registration: its `*` could only end refusals
         // remembered before (there are none yet), and heard late, it would keep this replica's
         // first refusals from being remembered.
@@ -481,7 +505,6 @@ impl RedisController {
             self.start_notices();
         }
         self.start_heartbeat();
-        (self.handles(cells), deferred)
     }
 
     fn handles(&self, cells: Vec<Arc<Held>>) -> Vec<RedisOperation> {
