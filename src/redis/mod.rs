@@ -21,10 +21,11 @@
 //!   decided there in order, each exactly as alone. A lone call goes at once; each caller still
 //!   waits for Redis to have decided its own.
 //! - **Reloads rescale the buckets.** A client's bucket (its field of the hash `{prefix}:buckets`)
-//!   holds its TAT with the rate (emission interval, burst span) it was written under; a decision under a different rate (a reload, on
-//!   whichever replica) first rescales the used part of the span to the new span, rounded up, as
-//!   the in-process engine's `Bucket::rescale` does, so a reload never hands out a fresh burst nor
-//!   confiscates one. A refunded token is measured in the bucket's rate at refund time.
+//!   holds its TAT with the rate (emission interval, burst span) it was written under; a decision
+//!   under a different rate (a reload, on whichever replica) first rescales the used part of the
+//!   span to the new span, rounded up, as the in-process engine's `Bucket::rescale` does, so a
+//!   reload never hands out a fresh burst nor confiscates one. A refunded token is measured in the
+//!   bucket's rate at refund time.
 //! - **One hash tag.** Every key of a deployment starts with `{prefix}`, so all of them live in one
 //!   Redis Cluster slot, and two deployments can share a Redis under two prefixes.
 //! - **Exactly once, by operation id.** A reservation is recorded under its operation's id; every
