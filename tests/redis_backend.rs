@@ -858,21 +858,7 @@ async fn a_replica_set_up_before_redis_runs_is_unavailable_then_registers_its_re
     restored[1].fail().await.unwrap();
 
     let _server = redis_support::RedisServer::start_on(port).expect("redis-server on the port");
-    let admitted = std::sync::Mutex::new(Vec::new());
-    eventually("the replica registers and admits", || {
-        let (early, admitted) = (&early, &admitted);
-        async move {
-            match early.admit("amy", false, None).await {
-                Ok(permit) => {
-                    admitted.lock().unwrap().push(permit.commit());
-                    true
-                }
-                Err(AdmitError::Unavailable(_)) => false,
-                Err(other) => panic!("{other:?}"),
-            }
-        }
-    })
-    .await;
+    let _new = admitted_once_registered(&early, "the replica registers and admits").await;
     let counts = early.counts().await.unwrap();
     // The restored pending operation and the new one; the ended one is not counted.
     assert_eq!(global(&counts), (2, 1, 0), "{counts:?}");
@@ -902,13 +888,26 @@ async fn a_restore_dropped_mid_registration_leaves_the_registration_to_the_heart
     server.resume();
     // The heartbeat (started as the restore was dropped) registers the replica; only then does
     // it admit.
-    let admitted = std::sync::Mutex::new(Vec::new());
-    eventually("the heartbeat registers the replica and it admits", || {
-        let (admission, admitted) = (&admission, &admitted);
+    let op = admitted_once_registered(
+        &admission,
+        "the heartbeat registers the replica and it admits",
+    )
+    .await;
+    op.fail().await.unwrap();
+    assert!(admission.counts().await.unwrap().is_idle());
+    assert!(admission.stats().lease_held);
+}
+
+/// Admits `amy` on `admission` as soon as it is registered (until then it answers unavailable),
+/// committed; `what` names the wait.
+async fn admitted_once_registered(admission: &Admission, what: &str) -> OperationHandle {
+    let admitted = std::sync::Mutex::new(None);
+    eventually(what, || {
+        let admitted = &admitted;
         async move {
             match admission.admit("amy", false, None).await {
                 Ok(permit) => {
-                    admitted.lock().unwrap().push(permit.commit());
+                    *admitted.lock().unwrap() = Some(permit.commit());
                     true
                 }
                 Err(AdmitError::Unavailable(_)) => false,
@@ -917,10 +916,7 @@ async fn a_restore_dropped_mid_registration_leaves_the_registration_to_the_heart
         }
     })
     .await;
-    let op = admitted.lock().unwrap().pop().unwrap();
-    op.fail().await.unwrap();
-    assert!(admission.counts().await.unwrap().is_idle());
-    assert!(admission.stats().lease_held);
+    admitted.into_inner().unwrap().expect("admitted")
 }
 
 /// Two replicas of one deployment with one client, `amy`.
