@@ -179,8 +179,8 @@ fn timeless(value: &Value) -> Value {
     }
 }
 
-/// Everything the deployment `prefix` holds, as comparable text: its counts, operations, the
-/// replica's held set, and each key record; bucket keys only by name.
+/// Everything the deployment `prefix` holds, as comparable text: its counts, operations (each
+/// naming its replica), and each key record; bucket keys only by name.
 async fn state(conn: &mut redis::aio::MultiplexedConnection, prefix: &str) -> Vec<String> {
     let base = format!("{{{prefix}}}");
     let counts: BTreeMap<String, String> = redis::cmd("HGETALL")
@@ -193,12 +193,6 @@ async fn state(conn: &mut redis::aio::MultiplexedConnection, prefix: &str) -> Ve
         .query_async(conn)
         .await
         .unwrap();
-    let mut held: Vec<String> = redis::cmd("SMEMBERS")
-        .arg(format!("{base}:held:r1"))
-        .query_async(conn)
-        .await
-        .unwrap();
-    held.sort();
     let mut keys: Vec<String> = redis::cmd("KEYS")
         .arg(format!("{base}:*"))
         .query_async(conn)
@@ -206,7 +200,6 @@ async fn state(conn: &mut redis::aio::MultiplexedConnection, prefix: &str) -> Ve
         .unwrap();
     keys.sort();
     let mut out = vec![format!("counts {counts:?}"), format!("ops {ops:?}")];
-    out.push(format!("held {held:?}"));
     for key in keys {
         let name = key.replacen(&base, "", 1);
         if name.starts_with(":key:") {

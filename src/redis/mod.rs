@@ -183,6 +183,8 @@ impl Keys {
     fn lease(&self, replica: &str) -> String {
         format!("{}:lease:{replica}", self.base)
     }
+    /// The set of operation ids an older build kept per replica beside the records (the records
+    /// name their replica now): registration deletes it.
     fn held(&self, replica: &str) -> String {
         format!("{}:held:{replica}", self.base)
     }
@@ -866,48 +868,52 @@ impl RedisController {
         self.inner.retire_keys(records).await
     }
 
-    /// What Redis holds under this replica's name now: operation id → state.
+    /// What Redis holds under this replica's name now: operation id → state — the operations
+    /// whose records name this replica, read a page at a time (`HSCAN`: the operations hash holds
+    /// only live operations, and no read here holds Redis up for long).
     pub async fn holdings(
         &self,
     ) -> Result<std::collections::BTreeMap<String, OperationState>, Unavailable> {
         let inner = &self.inner;
         let mut conn = inner.conn.clone();
-        let held_key = inner.keys.held(&inner.options.replica);
-        let ids: Vec<String> = match tokio::time::timeout(
-            inner.options.call_timeout,
-            redis::cmd("SMEMBERS").arg(&held_key).query_async(&mut conn),
-        )
-        .await
-        {
-            Ok(Ok(ids)) => ids,
-            Ok(Err(e)) => return Err(inner.failed(UnavailableReason::Redis(e.to_string()))),
-            Err(_) => return Err(inner.failed(UnavailableReason::Timeout)),
-        };
         let mut holdings = std::collections::BTreeMap::new();
-        for chunk in ids.chunks(KEY_RECORDS_PER_CALL) {
-            let records: Vec<Option<String>> = match tokio::time::timeout(
+        let mut cursor = 0u64;
+        loop {
+            let (next, page): (u64, Vec<(String, String)>) = match tokio::time::timeout(
                 inner.options.call_timeout,
-                redis::cmd("HMGET")
+                redis::cmd("HSCAN")
                     .arg(&inner.keys.ops)
-                    .arg(chunk)
+                    .arg(cursor)
+                    .arg("COUNT")
+                    .arg(KEY_RECORDS_PER_CALL)
                     .query_async(&mut conn),
             )
             .await
             {
-                Ok(Ok(records)) => records,
+                Ok(Ok(page)) => page,
                 Ok(Err(e)) => return Err(inner.failed(UnavailableReason::Redis(e.to_string()))),
                 Err(_) => return Err(inner.failed(UnavailableReason::Timeout)),
             };
-            for (id, record) in chunk.iter().zip(records) {
-                let state = match record.as_deref().and_then(|r| r.split(' ').next()) {
+            for (id, record) in page {
+                let mut fields = record.split(' ');
+                let (state, owner) = (fields.next(), fields.next());
+                if owner != Some(inner.options.replica.as_str()) {
+                    continue;
+                }
+                let state = match state {
                     Some("p") => OperationState::Pending,
                     Some("a") => OperationState::Approved,
                     Some("e") => OperationState::Executing,
-                    // Listed but not recorded: counted nowhere; the drift shows it as missing.
+                    // Not a record this build writes: counted as nothing; the drift shows it.
                     _ => continue,
                 };
-                holdings.insert(id.clone(), state);
+                // (HSCAN may return a field twice across pages: the map keeps one.)
+                holdings.insert(id, state);
             }
+            if next == 0 {
+                break;
+            }
+            cursor = next;
         }
         Ok(holdings)
     }

@@ -4,10 +4,11 @@
 -- one TIME, one HMGET of the operations, one MGET of the refusal marker, lease, epoch, recovery
 -- marker and key records, one HMGET of the buckets, one HMGET of every count, then one HSET /
 -- HDEL of the counts changed and of the operations changed, one HSET of the buckets changed,
--- one SADD / SREM per replica set, one PUBLISH of every notice (while a refusal may be
--- remembered; see the end of this header). A batch of one is the single decision. Every key
+-- one PUBLISH of every notice (while a refusal may be remembered; see the end of this header).
+-- An operation's record names the replica holding it, which is how registration and reap find
+-- a replica's holdings: there is no set per replica to keep beside it. A batch of one is the single decision. Every key
 -- lives under the deployment's hash tag (KEYS[1]'s): the keys not in KEYS (the buckets hash,
--- held sets, key records) are built from ARGV[1], as all scripts do.
+-- key records) are built from ARGV[1], as all scripts do.
 -- The rate buckets are fields of one hash, `<base>:buckets` (client -> "<TAT> <interval>
 -- <span>", see shared.lua): one read and one write per batch rather than a key per client (a
 -- `SET ... PX` each). A field never expires; a TAT in the past is as good as none, and the hash
@@ -214,9 +215,7 @@ if admits > 0 or refunds > 0 then
 end
 
 -- What the batch writes, applied once at the end: buckets (value, lifetime), key records
--- (value or false, lifetime), this replica's held-set changes (id -> present) and other
--- replicas' removals, notices.
-local held, elsewhere = {}, nil
+-- (value or false, lifetime), notices.
 local notices = {}
 -- The replies, flat: each decision's word, then its fields (see the header); `o` the last.
 local out, o = {}, 0
@@ -345,7 +344,6 @@ for n = 1, #at do
         cur[2], cur[k + 1] = gp + 1, p
       end
       records[id] = state .. ' ' .. replica .. ' ' .. client
-      held[id] = true
       if key ~= '' then
         local owner = id .. ' ' .. replica
         strings[key] = owner
@@ -391,14 +389,6 @@ for n = 1, #at do
           cur[3], cur[e] = max(cur[3] - 1, 0), max(cur[e] - 1, 0)
         end
         records[id] = false
-        if owner == replica then
-          held[id] = false
-        else
-          -- Held by another replica's record (rare: one list for it).
-          elsewhere = elsewhere or {}
-          elsewhere[#elsewhere + 1] = owner
-          elsewhere[#elsewhere + 1] = id
-        end
         if to == 'r' then
           local tat, stored_interval, stored_span = parse_tat(buckets[client])
           local given, given_span = tonumber(ARGV[j + 4]), tonumber(ARGV[j + 5])
@@ -457,7 +447,7 @@ for n = 1, #at do
 end
 
 -- The writes, once each: the counts that changed (one that reaches zero is removed), the
--- records, the held sets, buckets, key records, notices.
+-- records, buckets, key records, notices.
 local set, gone
 for n = 1, #fields do
   local v = cur[n]
@@ -480,7 +470,7 @@ if gone then
 end
 
 -- (An id named twice is written twice, to the same value: harmless.)
-local written, removed, added, taken
+local written, removed
 for n = 1, #ids do
   local id = ids[n]
   local record = records[id]
@@ -494,30 +484,12 @@ for n = 1, #ids do
       removed[#removed + 1] = id
     end
   end
-  if held[id] then
-    added = added or {}
-    added[#added + 1] = id
-  elseif held[id] == false then
-    taken = taken or {}
-    taken[#taken + 1] = id
-  end
 end
 if written then
   redis.call('HSET', KEYS[2], unpack(written))
 end
 if removed then
   redis.call('HDEL', KEYS[2], unpack(removed))
-end
-if added then
-  redis.call('SADD', base .. ':held:' .. replica, unpack(added))
-end
-if taken then
-  redis.call('SREM', base .. ':held:' .. replica, unpack(taken))
-end
-if elsewhere then
-  for n = 1, #elsewhere, 2 do
-    redis.call('SREM', base .. ':held:' .. elsewhere[n], elsewhere[n + 1])
-  end
 end
 
 if bucket_list and #bucket_list > 0 then

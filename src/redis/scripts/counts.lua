@@ -46,21 +46,41 @@ local function fields_of(state, client)
   return {'active', 'a:' .. client}
 end
 
--- Counts an operation in `state` for `client` (no limit checked: admission checked them, or it is
--- restored work, which counts even above a limit). `known`: the counts already read, if any.
-local function hold(id, state, replica, client, base, known)
+-- Counts an operation in `state` for `client`, held by `replica` (no limit checked: admission
+-- checked them, or it is restored work, which counts even above a limit). `known`: the counts
+-- already read, if any.
+local function hold(id, state, replica, client, known)
   adjust(fields_of(state, client), 1, known)
   redis.call('HSET', KEYS[2], id, state .. ' ' .. replica .. ' ' .. client)
-  redis.call('SADD', base .. ':held:' .. replica, id)
 end
 
 -- Releases everything operation `id` holds, once: its record is removed with its counts.
-local function release(id, record, base)
-  local state, replica, client = parse_op(record)
+local function release(id, record)
+  local state, _, client = parse_op(record)
   adjust(fields_of(state, client), -1)
   redis.call('HDEL', KEYS[2], id)
-  redis.call('SREM', base .. ':held:' .. replica, id)
   return client
+end
+
+-- The operations each of `replicas` (a set: name -> true) holds, as their records name them:
+-- name -> {id, record, id, record, ...}, from one read of the operations hash (which holds only
+-- live operations, so it is bounded by the global active limit and restored work).
+local function held_by(replicas)
+  local by = {}
+  local all = redis.call('HGETALL', KEYS[2])
+  for n = 1, #all, 2 do
+    local _, owner = parse_op(all[n + 1])
+    if owner and replicas[owner] then
+      local list = by[owner]
+      if not list then
+        list = {}
+        by[owner] = list
+      end
+      list[#list + 1] = all[n]
+      list[#list + 1] = all[n + 1]
+    end
+  end
+  return by
 end
 
 local function now_micros()

@@ -1,11 +1,12 @@
--- A replica (re)registers: everything it held is released and what its store restores is counted
--- instead (even above a limit), and its lease is taken, in one step. It also notices whether
--- Redis has forgotten the deployment (a restart without persistence, a flush, a failover to a
--- Redis without the state) and, if so, opens a recovery window in which no replica admits
--- until every replica expected has registered again, or one lease period has passed.
--- KEYS: 1 counts, 2 operations, 3 the replica's held set, 4 its lease, 5 the replica set,
---       6 the deployment's epoch, 7 the recovery marker, 8 the replicas expected back,
---       9 the members hash (replica -> the epoch it last registered in).
+-- A replica (re)registers: everything it held (the operations whose records name it) is released
+-- and what its store restores is counted instead (even above a limit), and its lease is taken, in
+-- one step. It also notices whether Redis has forgotten the deployment (a restart without
+-- persistence, a flush, a failover to a Redis without the state) and, if so, opens a recovery
+-- window in which no replica admits until every replica expected has registered again, or one
+-- lease period has passed.
+-- KEYS: 1 counts, 2 operations, 3 the held set an older build kept (deleted), 4 its lease,
+--       5 the replica set, 6 the deployment's epoch, 7 the recovery marker, 8 the replicas
+--       expected back, 9 the members hash (replica -> the epoch it last registered in).
 -- ARGV: 1 key base, 2 replica, 3 lease token, 4 lease time (ms), 5 the epoch this replica last
 --       registered in ('' if none: a new process), 6 a fresh epoch to use if there is none,
 --       7 how many replicas it reports, then their names (the deployment as it knows it), then
@@ -73,23 +74,22 @@ if restored then
 end
 i = i + 1 + debts * 4
 local released = 0
-for _, id in ipairs(redis.call('SMEMBERS', KEYS[3])) do
-  local record = redis.call('HGET', KEYS[2], id)
-  if record then
-    release(id, record, base)
-    released = released + 1
-  end
+local mine = held_by({[replica] = true})[replica] or {}
+for n = 1, #mine, 2 do
+  release(mine[n], mine[n + 1])
+  released = released + 1
 end
+-- The held set an older build kept beside the records (nothing reads it now).
 redis.call('DEL', KEYS[3])
 local counted, recounted = 0, 0
 for k = i, #ARGV, 3 do
   local id, client, state = ARGV[k], ARGV[k + 1], ARGV[k + 2]
   local record = redis.call('HGET', KEYS[2], id)
   if record then
-    release(id, record, base)
+    release(id, record)
     recounted = recounted + 1
   end
-  hold(id, state, replica, client, base)
+  hold(id, state, replica, client)
   counted = counted + 1
 end
 redis.call('SET', KEYS[4], ARGV[3], 'PX', lease_ms)
