@@ -464,6 +464,16 @@ async fn a_lapsed_lease_is_released_by_a_survivor_exactly_once() {
         std::mem::forget(op);
     }
     assert_eq!(survivor.counts().await.unwrap().active, 4);
+    // A set of ids as an older build kept it, naming one it never recorded: reap goes by the
+    // records, and deletes the set.
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let _: () = redis::cmd("SADD")
+        .arg("{admission}:held:doomed")
+        .arg("never-recorded")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
     doomed.shutdown().await;
     drop(doomed);
     let freed = Arc::new(AtomicU64::new(0));
@@ -477,6 +487,7 @@ async fn a_lapsed_lease_is_released_by_a_survivor_exactly_once() {
     })
     .await;
     assert_eq!(freed.load(Ordering::Relaxed), 3);
+    assert!(held_sets(&mut conn).await.is_empty());
     assert_eq!(survivor.reap().await.unwrap(), 0, "reaped once only");
     assert_eq!(survivor.stats().reaped, 3);
     let counts = survivor.counts().await.unwrap();
@@ -523,6 +534,71 @@ async fn a_replica_restarting_under_its_name_replaces_its_holdings_with_what_it_
     for op in &restored {
         op.fail().await.unwrap();
     }
+    assert!(restarted.counts().await.unwrap().is_idle());
+}
+
+/// The `{admission}:held:*` keys in `conn`'s Redis.
+async fn held_sets(conn: &mut redis::aio::MultiplexedConnection) -> Vec<String> {
+    redis::cmd("KEYS")
+        .arg("{admission}:held:*")
+        .query_async(conn)
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replicas_work_is_found_by_its_records_and_an_older_builds_held_set_is_deleted() {
+    let server = redis_or_skip!();
+    let config = roomy_config(&["amy", "bob"]);
+    let first = replica(config.clone(), options(&server, "r1")).await;
+    let other = replica(config.clone(), options(&server, "r2")).await;
+    let theirs = admit_op(&other, "bob", false).await;
+    let mut mine = Vec::new();
+    for i in 0..3 {
+        let op = admit_op(&first, "amy", i == 0).await;
+        mine.push(op.id().to_string());
+        std::mem::forget(op);
+    }
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    assert!(held_sets(&mut conn).await.is_empty(), "no set per replica");
+    // A set as an older build kept it, listing one of r1's operations and one of r2's: the
+    // records decide whose an operation is, not the set.
+    let _: () = redis::cmd("SADD")
+        .arg("{admission}:held:r1")
+        .arg(&mine[0])
+        .arg(theirs.id().to_string())
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let holdings = first.shared_holdings().await.unwrap().unwrap();
+    let expected: BTreeMap<String, OperationState> = [
+        (mine[0].clone(), OperationState::Pending),
+        (mine[1].clone(), OperationState::Approved),
+        (mine[2].clone(), OperationState::Approved),
+    ]
+    .into_iter()
+    .collect();
+    assert_eq!(holdings, expected);
+    first.shutdown().await;
+    drop(first);
+    // r1 comes back with nothing to restore: its three are released, r2's stays counted, and the
+    // old set is gone.
+    let restarted = replica(config, options(&server, "r1")).await;
+    let counts = restarted.counts().await.unwrap();
+    assert_eq!(global(&counts), (1, 0, 0), "{counts:?}");
+    assert_eq!(counts.operations, 1);
+    assert_eq!(counts.clients.get("bob"), Some(&(1, 0, 0)));
+    assert!(held_sets(&mut conn).await.is_empty());
+    assert!(
+        restarted
+            .shared_holdings()
+            .await
+            .unwrap()
+            .unwrap()
+            .is_empty()
+    );
+    theirs.fail().await.unwrap();
     assert!(restarted.counts().await.unwrap().is_idle());
 }
 
