@@ -133,6 +133,8 @@ const RETIRE_KEYS: &str = include_str!("scripts/retire_keys.lua");
 
 /// Idempotency records sent to Redis in one script call, when restoring or retiring them.
 const KEY_RECORDS_PER_CALL: usize = 500;
+/// Operation records asked for in one `HSCAN` page, when reading a replica's holdings.
+const OPERATIONS_PER_PAGE: usize = 500;
 /// The benchmark's baseline: a rate token and nothing else.
 #[doc(hidden)]
 pub const RATE_ONLY: &str = include_str!("scripts/rate_only.lua");
@@ -885,7 +887,7 @@ impl RedisController {
                     .arg(&inner.keys.ops)
                     .arg(cursor)
                     .arg("COUNT")
-                    .arg(KEY_RECORDS_PER_CALL)
+                    .arg(OPERATIONS_PER_PAGE)
                     .query_async(&mut conn),
             )
             .await

@@ -6,9 +6,9 @@
 -- HDEL of the counts changed and of the operations changed, one HSET of the buckets changed,
 -- one PUBLISH of every notice (while a refusal may be remembered; see the end of this header).
 -- An operation's record names the replica holding it, which is how registration and reap find
--- a replica's holdings: there is no set per replica to keep beside it. A batch of one is the single decision. Every key
--- lives under the deployment's hash tag (KEYS[1]'s): the keys not in KEYS (the buckets hash,
--- key records) are built from ARGV[1], as all scripts do.
+-- a replica's holdings: there is no set per replica to keep beside it. A batch of one is the
+-- single decision. Every key lives under the deployment's hash tag (KEYS[1]'s): the keys not in
+-- KEYS (the buckets hash, key records) are built from ARGV[1], as all scripts do.
 -- The rate buckets are fields of one hash, `<base>:buckets` (client -> "<TAT> <interval>
 -- <span>", see shared.lua): one read and one write per batch rather than a key per client (a
 -- `SET ... PX` each). A field never expires; a TAT in the past is as good as none, and the hash
