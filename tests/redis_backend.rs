@@ -603,6 +603,50 @@ async fn a_replicas_work_is_found_by_its_records_and_an_older_builds_held_set_is
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replicas_holdings_are_read_page_by_page_whatever_their_number() {
+    let server = redis_or_skip!();
+    // More live operations than one page holds, spread over two replicas.
+    let limits = Limits {
+        requests_per_window: 100_000,
+        window_seconds: 1,
+        client_active: 2000,
+        client_pending: 2000,
+        global_active: 2000,
+        global_executing: 4,
+    };
+    let config = Config::new(limits, BTreeMap::new(), ids(&["amy"])).unwrap();
+    let caps = StorageCaps {
+        grant_global: 2000,
+        grant_client: 2000,
+        ..StorageCaps::default()
+    };
+    let on = |name: &str| {
+        let controller = Controller::builder(config.clone())
+            .storage_caps(caps)
+            .build();
+        replica_on(controller, options(&server, name))
+    };
+    let (mine, theirs) = (on("r1").await, on("r2").await);
+    let mut expected = BTreeMap::new();
+    let mut live = Vec::new();
+    for i in 0..1200 {
+        let on_mine = i % 3 != 0;
+        let op = admit_op(if on_mine { &mine } else { &theirs }, "amy", i % 2 == 0).await;
+        if on_mine {
+            expected.insert(op.id().to_string(), op.state());
+        }
+        live.push(op);
+    }
+    assert_eq!(expected.len(), 800);
+    assert_eq!(mine.shared_holdings().await.unwrap().unwrap(), expected);
+    for op in &live {
+        op.fail().await.unwrap();
+    }
+    assert!(mine.shared_holdings().await.unwrap().unwrap().is_empty());
+    assert!(mine.counts().await.unwrap().is_idle());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cut_off_replica_stops_admitting_and_counts_its_work_again_on_return() {
     let server = redis_or_skip!();
     let config = roomy_config(&["amy"]);
