@@ -11,8 +11,10 @@
 //! admission and its release cost Redis when 4 or 16 tasks share a replica; and the throughput
 //! group runs at 4 and at 16 tasks per replica, the baseline at the same concurrency, each row
 //! as three alternated one-second rounds of both, their medians compared (the last column is
-//! the lowest and highest ratio of one round's pair). Not run in CI: `cargo bench --bench redis`
-//! (`-- --profile-only` for the profile alone).
+//! the lowest and highest ratio of one round's pair). The figures come from
+//! `cargo bench --bench redis` (`-- --profile-only` for the profile alone); `cargo test
+//! --all-targets`, and so CI, runs it once more in a debug build, as a smoke test whose figures
+//! mean nothing.
 
 #[path = "../tests/support/mod.rs"]
 mod support;
