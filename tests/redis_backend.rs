@@ -1018,6 +1018,68 @@ async fn a_restore_dropped_mid_registration_leaves_the_registration_to_the_heart
     assert!(admission.stats().lease_held);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restore_dropped_mid_registration_counts_none_of_its_operations_anywhere() {
+    let server = redis_or_skip!();
+    let mut opts = options(&server, "r1");
+    opts.heartbeat = Duration::from_millis(100);
+    opts.lease_ttl = Duration::from_secs(2);
+    let admission = Admission::new(Controller::new(roomy_config(&["amy"])), Some(opts)).unwrap();
+    let amy = Identity::new("amy").unwrap();
+    let stored = [
+        RestoredOperation {
+            id: "waiting".into(),
+            identity: amy.clone(),
+            state: OperationState::Pending,
+        },
+        RestoredOperation {
+            id: "queued".into(),
+            identity: amy,
+            state: OperationState::Approved,
+        },
+    ];
+    // The caller gives up while the registration (sent with both operations) waits on a paused
+    // Redis: no handle is ever returned, so nothing could release them later.
+    server.pause();
+    let gave_up = tokio::time::timeout(
+        Duration::from_millis(100),
+        admission.restore(stored.clone()),
+    )
+    .await;
+    assert!(
+        gave_up.is_err(),
+        "the registration finished on a paused Redis"
+    );
+    // The in-process engine let go of them with the dropped handles.
+    assert_eq!(admission.snapshot().active, 0);
+    // Redis then runs the registration the dropped restore sent, and the heartbeat registers
+    // the replica again: with what it holds now, which is neither of them.
+    server.resume();
+    let op = admitted_once_registered(&admission, "the heartbeat registers the replica").await;
+    eventually("the dropped restore's registration is replaced", || async {
+        let counts = admission.counts().await.unwrap();
+        global(&counts) == (1, 0, 0) && counts.operations == 1
+    })
+    .await;
+    assert_eq!(admission.snapshot().active, 1);
+    op.fail().await.unwrap();
+    assert!(admission.counts().await.unwrap().is_idle());
+    assert_eq!(admission.snapshot().active, 0);
+    // A restore tried again under the same ids counts them once each, in both engines, and
+    // nothing the dropped one left behind releases them.
+    let again = admission.restore(stored).await;
+    assert!(again.deferred.is_none());
+    let handles: Vec<OperationHandle> = again.operations.into_iter().map(Result::unwrap).collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let counts = admission.counts().await.unwrap();
+    assert_eq!(global(&counts), (2, 1, 0), "{counts:?}");
+    assert_eq!(admission.snapshot().active, 2);
+    for handle in &handles {
+        handle.fail().await.unwrap();
+    }
+    assert!(admission.counts().await.unwrap().is_idle());
+}
+
 /// Admits `amy` on `admission` as soon as it is registered (until then it answers unavailable),
 /// committed; `what` names the wait.
 async fn admitted_once_registered(admission: &Admission, what: &str) -> OperationHandle {

@@ -252,8 +252,10 @@ impl Admission {
     /// these, in one atomic step, and its lease is taken (or, if Redis does not answer, deferred:
     /// see [`Restored::deferred`]).
     ///
-    /// Await it to its end before serving: dropped mid-way, the shared registration is left to
-    /// the heartbeat.
+    /// Await it to its end before serving. Dropped mid-way, it returns no handle, so none of its
+    /// operations stays counted: the in-process engine lets go of them with the dropped local
+    /// handles, and the heartbeat registers this replica without them (whether or not the
+    /// dropped registration reached Redis). A restore tried again counts them once each.
     pub async fn restore(
         &self,
         operations: impl IntoIterator<Item = RestoredOperation>,

@@ -218,6 +218,36 @@ impl Drop for StartOnDrop<'_> {
     }
 }
 
+/// Armed while a restore registers: dropped with it (the caller gave up before the restored
+/// operations had handles), it takes them out of what this replica holds, as the dropped local
+/// handles release them from the in-process engine. Nothing else could ever release them. The
+/// local epoch is forgotten too, so the heartbeat registers this replica again (replacing its
+/// holdings, whether or not the dropped registration reached Redis) rather than renewing.
+/// No release by id is sent: a restore tried again under the same ids must not be undone.
+struct AbandonOnDrop<'a> {
+    inner: &'a Inner,
+    /// What the restore holds; emptied once its registration has ended.
+    cells: Vec<Arc<Held>>,
+}
+
+impl Drop for AbandonOnDrop<'_> {
+    fn drop(&mut self) {
+        if self.cells.is_empty() {
+            // Ended (or nothing restored, so nothing to take back).
+            return;
+        }
+        {
+            let mut held = self.inner.lock_held();
+            for cell in &self.cells {
+                if held.get(&cell.id).is_some_and(|h| Arc::ptr_eq(h, cell)) {
+                    held.remove(&cell.id);
+                }
+            }
+        }
+        *crate::sync::lock(&self.inner.epoch) = None;
+    }
+}
+
 /// A release kept until Redis answers: the operation and the transition's target.
 #[derive(Clone, Debug)]
 pub(crate) struct Kept {
@@ -494,9 +524,16 @@ impl RedisController {
         };
         // The notices and the heartbeat start once the registration below has ended — or been
         // dropped mid-way (the caller gave up): then the heartbeat registers this replica, as
-        // when Redis does not answer now.
+        // when Redis does not answer now, without what the dropped restore held (see
+        // `AbandonOnDrop`).
         let start = StartOnDrop(self);
+        let mut abandon = AbandonOnDrop {
+            inner: &self.inner,
+            cells: cells.clone(),
+        };
         let deferred = self.inner.register_again().await.err();
+        abandon.cells.clear();
+        drop(abandon);
         drop(start);
         (self.handles(cells), deferred)
     }
