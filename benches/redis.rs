@@ -10,8 +10,13 @@
 //! script call (its group commit), so the profile also measures a batched lifecycle: what an
 //! admission and its release cost Redis when 4 or 16 tasks share a replica; and the throughput
 //! group runs at 4 and at 16 tasks per replica, the baseline at the same concurrency, each row
-//! as three alternated one-second rounds of both, their medians compared (the last column is
-//! the lowest and highest ratio of one round's pair). The figures come from
+//! as three alternated one-second rounds of both, their medians compared (`rounds` is the
+//! lowest and highest ratio of one round's pair). The last three columns say what bounds a row,
+//! from Redis's own accounting over the median rounds (`INFO cpu`, `INFO commandstats`): the
+//! share of a core Redis used and its CPU time per lifecycle and per rate-only call, then
+//! lifecycles per script call. A Redis near a whole core is the bound (the ratio is then the
+//! inverse of its CPU times' ratio); one well below it leaves the round trips as the bound.
+//! The figures come from
 //! `cargo bench --bench redis` (`-- --profile-only` for the profile alone); `cargo test
 //! --all-targets`, and so CI, runs it once more in a debug build, as a smoke test whose figures
 //! mean nothing.
@@ -57,6 +62,38 @@ struct Figures {
     per_sec: f64,
     p50: Duration,
     p99: Duration,
+    /// Redis's own CPU time over the run (its `INFO cpu`, user and system, every thread), per
+    /// decision timed: per lifecycle, or per rate-only call.
+    redis_micros: f64,
+    /// The share of one core Redis used over the run.
+    redis_busy: f64,
+    /// Decisions timed per script call Redis ran over the run (lifecycles per call of the batch
+    /// script; 1 for the rate-only script), heartbeats and registrations included.
+    per_call: f64,
+}
+
+/// What Redis has done so far: its CPU time (s) and its script calls.
+struct Reading {
+    cpu: f64,
+    calls: u64,
+}
+
+async fn reading(conn: &mut ConnectionManager) -> Reading {
+    let info: String = redis::cmd("INFO")
+        .arg("cpu")
+        .query_async(conn)
+        .await
+        .unwrap();
+    let field = |key: &str| -> f64 {
+        info.lines()
+            .find_map(|line| line.strip_prefix(key)?.strip_prefix(':'))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("INFO cpu has no {key}: {info}"))
+    };
+    Reading {
+        cpu: field("used_cpu_user") + field("used_cpu_sys"),
+        calls: script_calls(conn).await,
+    }
 }
 
 /// The round with the median throughput (its latencies with it).
@@ -65,13 +102,23 @@ fn median(mut rounds: Vec<Figures>) -> Figures {
     rounds.swap_remove(rounds.len() / 2)
 }
 
-fn figures(mut latencies: Vec<Duration>, elapsed: Duration) -> Figures {
+fn figures(
+    mut latencies: Vec<Duration>,
+    elapsed: Duration,
+    before: Reading,
+    after: Reading,
+) -> Figures {
     latencies.sort_unstable();
     let at = |q: f64| latencies[((latencies.len() as f64 - 1.0) * q) as usize];
+    let decisions = latencies.len() as f64;
+    let cpu = after.cpu - before.cpu;
     Figures {
-        per_sec: latencies.len() as f64 / elapsed.as_secs_f64(),
+        per_sec: decisions / elapsed.as_secs_f64(),
         p50: at(0.50),
         p99: at(0.99),
+        redis_micros: cpu * 1e6 / decisions,
+        redis_busy: cpu / elapsed.as_secs_f64(),
+        per_call: decisions / (after.calls - before.calls).max(1) as f64,
     }
 }
 
@@ -102,6 +149,10 @@ async fn admissions(
         assert!(admission.restore(Vec::new()).await.deferred.is_none());
         replicas.push(admission);
     }
+    let mut stats = ConnectionManager::new(redis::Client::open(url).unwrap())
+        .await
+        .unwrap();
+    let before = reading(&mut stats).await;
     let start = Instant::now();
     let mut running = Vec::new();
     for (r, admission) in replicas.iter().enumerate() {
@@ -131,12 +182,13 @@ async fn admissions(
         all.extend(task.await.unwrap());
     }
     let elapsed = start.elapsed();
+    let after = reading(&mut stats).await;
     for admission in &replicas {
         assert!(admission.flush().await);
         assert_eq!(admission.snapshot().dropped_permits, 0);
     }
     assert!(replicas[0].counts().await.unwrap().is_idle());
-    figures(all, elapsed)
+    figures(all, elapsed, before, after)
 }
 
 async fn rate_only(url: &str, replicas: usize, tasks: usize, run: Duration) -> Figures {
@@ -146,6 +198,10 @@ async fn rate_only(url: &str, replicas: usize, tasks: usize, run: Duration) -> F
         let client = redis::Client::open(url).unwrap();
         conns.push(ConnectionManager::new(client).await.unwrap());
     }
+    let mut stats = ConnectionManager::new(redis::Client::open(url).unwrap())
+        .await
+        .unwrap();
+    let before = reading(&mut stats).await;
     let start = Instant::now();
     let mut running = Vec::new();
     for (r, conn) in conns.iter().enumerate() {
@@ -177,7 +233,9 @@ async fn rate_only(url: &str, replicas: usize, tasks: usize, run: Duration) -> F
     for task in running {
         all.extend(task.await.unwrap());
     }
-    figures(all, start.elapsed())
+    let elapsed = start.elapsed();
+    let after = reading(&mut stats).await;
+    figures(all, elapsed, before, after)
 }
 
 /// `INFO commandstats` as (command, calls, usec) rows, e.g. `("evalsha", 2000, 41000)`.
@@ -580,7 +638,7 @@ fn main() {
         // replica's group commit has more waiting to batch).
         for tasks in [TASKS_PER_REPLICA, 4 * TASKS_PER_REPLICA] {
             println!(
-                "{:<13} {:>14} {:>10} {:>10} {:>16} {:>10} {:>10} {:>8} {:>10}",
+                "{:<13} {:>14} {:>10} {:>10} {:>16} {:>10} {:>10} {:>8} {:>10} {:>12} {:>16} {:>9}",
                 format!("replicas×{tasks}"),
                 "admissions/s",
                 "p50",
@@ -589,7 +647,10 @@ fn main() {
                 "p50",
                 "p99",
                 "ratio",
-                "rounds"
+                "rounds",
+                "Redis busy",
+                "Redis µs each",
+                "per call"
             );
             for replicas in [1, 2, 3, 4] {
                 let (mut baselines, mut admits) = (Vec::new(), Vec::new());
@@ -612,7 +673,7 @@ fn main() {
                 let admit = median(admits);
                 let baseline = median(baselines);
                 println!(
-                    "{:<13} {:>14.0} {:>10.1?} {:>10.1?} {:>16.0} {:>10.1?} {:>10.1?} {:>8.2} {:>5.2}-{:.2}",
+                    "{:<13} {:>14.0} {:>10.1?} {:>10.1?} {:>16.0} {:>10.1?} {:>10.1?} {:>8.2} {:>5.2}-{:.2} {:>12} {:>16} {:>9.1}",
                     replicas,
                     admit.per_sec,
                     admit.p50,
@@ -622,7 +683,14 @@ fn main() {
                     baseline.p99,
                     admit.per_sec / baseline.per_sec,
                     low,
-                    high
+                    high,
+                    format!(
+                        "{:.0}% / {:.0}%",
+                        admit.redis_busy * 100.0,
+                        baseline.redis_busy * 100.0
+                    ),
+                    format!("{:.1} / {:.1}", admit.redis_micros, baseline.redis_micros),
+                    admit.per_call
                 );
             }
         }
