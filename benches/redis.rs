@@ -118,7 +118,7 @@ fn figures(
         p99: at(0.99),
         redis_micros: cpu * 1e6 / decisions,
         redis_busy: cpu / elapsed.as_secs_f64(),
-        per_call: decisions / (after.calls - before.calls).max(1) as f64,
+        per_call: decisions / after.calls.saturating_sub(before.calls).max(1) as f64,
     }
 }
 
