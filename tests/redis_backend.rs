@@ -1347,3 +1347,48 @@ async fn a_dropped_live_handle_releases_its_slots_on_every_replica_and_is_counte
     }
     assert_eq!(r2.snapshot().dropped_operations, 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_quota_read_now_is_the_deployments_and_what_the_next_decision_sees() {
+    let server = redis_or_skip!();
+    let before = rate_config((10, 3600), (10, 3600));
+    let r1 = replica(before.clone(), options(&server, "r1")).await;
+    let r2 = replica(before.clone(), options(&server, "r2")).await;
+    let mut kept = Vec::new();
+    for r in [&r1, &r1, &r2] {
+        kept.push(admit_op(r, "amy", false).await);
+    }
+    let pending = r2.admit("amy", true, None).await.unwrap();
+    let decided = pending
+        .quota()
+        .expect("a replicated permit carries the shared quota");
+    let seen =
+        |q: &unyolo_admission::QuotaStatus| (q.rate.remaining, q.active.used, q.pending.used);
+    assert_eq!(seen(&decided), (6, 4, 1));
+    for r in [&r1, &r2] {
+        let now = r.quota_now("amy").await.expect("amy has a quota");
+        assert_eq!(seen(&now), seen(&decided), "{}", r.replica().unwrap_or("?"));
+        // This replica's own engine counts only what it admitted.
+        assert_ne!(seen(&r.quota("amy").unwrap()), seen(&decided));
+    }
+    assert_eq!(seen(&r1.quota_now("bob").await.unwrap()), (10, 0, 0));
+    assert!(r1.quota_now("nobody").await.is_none());
+    // Reading changes nothing: the next decision takes the next token.
+    let next = r1.admit("amy", false, None).await.unwrap();
+    assert_eq!(seen(&next.quota().unwrap()), (5, 5, 1));
+    next.refund().await;
+
+    // A reload rescales the bucket, and the reading says so before any decision wrote it: 4 of
+    // 10 used over twice the window is 8 of 20.
+    let after = rate_config((20, 7200), (10, 3600));
+    r1.reload(after.clone());
+    r2.reload(after);
+    assert_eq!(seen(&r2.quota_now("amy").await.unwrap()), (12, 4, 1));
+    let next = r2.admit("amy", false, None).await.unwrap();
+    assert_eq!(seen(&next.quota().unwrap()), (11, 5, 1));
+    next.refund().await;
+    // A token taken under the old rate comes back as the same share of the new one: a tenth of
+    // the bucket, two of its twenty tokens (as the in-process engine's refund does).
+    pending.refund().await;
+    assert_eq!(seen(&r1.quota_now("amy").await.unwrap()), (14, 3, 0));
+}

@@ -92,6 +92,9 @@ mod absent {
         pub(crate) async fn counts(&self) -> Result<DeploymentCounts, Unavailable> {
             match *self {}
         }
+        pub(crate) async fn quota_now(&self, _: &str) -> Result<Option<QuotaStatus>, Unavailable> {
+            match *self {}
+        }
         pub(crate) async fn flush(&self) -> bool {
             match *self {}
         }

@@ -241,9 +241,26 @@ impl Admission {
 
     /// The client's quota as this process's engine sees it now (`None` for an identity that has
     /// none): in-process, the quota an answer carries; replicated, use the decision's
-    /// ([`AdmissionPermit::quota`], [`Refused::quota`]), which counts every replica.
+    /// ([`AdmissionPermit::quota`], [`Refused::quota`]), or for an answer that decided nothing
+    /// [`Admission::quota_now`], which count every replica.
     pub fn quota(&self, identity: &str) -> Option<crate::engine::QuotaStatus> {
         self.local.quota(identity)
+    }
+
+    /// The client's quota as the deciding backend sees it now, for an answer that decided
+    /// nothing (a replay): in-process, this engine's ([`Admission::quota`]); replicated, its
+    /// bucket and its counts on every replica, read from the shared store (one read, no script,
+    /// nothing written) — or, when the shared store does not answer within the call timeout,
+    /// this engine's, as the best there is. `None` for an identity with no quota. Read-only;
+    /// safe to drop.
+    pub async fn quota_now(&self, identity: &str) -> Option<crate::engine::QuotaStatus> {
+        match &self.shared {
+            Some(shared) => match shared.quota_now(identity).await {
+                Ok(quota) => quota,
+                Err(_) => self.local.quota(identity),
+            },
+            None => self.local.quota(identity),
+        }
     }
 
     /// Puts what the durable store holds back under admission at start-up: each live operation

@@ -111,10 +111,7 @@ impl Bucket {
         let _ = self
             .tat
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |tat| {
-                let used = tat.saturating_sub(now).min(old.span);
-                let scaled =
-                    (u128::from(used) * u128::from(new.span)).div_ceil(u128::from(old.span.max(1)));
-                Some(now.saturating_add(u64::try_from(scaled).unwrap_or(u64::MAX)))
+                Some(rescaled(tat, now, old.span, new.span))
             });
     }
 
@@ -152,6 +149,15 @@ impl Bucket {
             .min(rate.span);
         (rate.span - used) / rate.interval
     }
+}
+
+/// The TAT `tat`, written under a burst span `old`, in a span `new` at `now`: the used part of the
+/// old span (at most all of it) keeps its fraction, rounded up (see [`Bucket::rescale`]; the Redis
+/// scripts do the same on their buckets, in microseconds).
+pub(crate) fn rescaled(tat: u64, now: u64, old: u64, new: u64) -> u64 {
+    let used = tat.saturating_sub(now).min(old);
+    let scaled = (u128::from(used) * u128::from(new)).div_ceil(u128::from(old.max(1)));
+    now.saturating_add(u64::try_from(scaled).unwrap_or(u64::MAX))
 }
 
 /// Tokens a bucket whose TAT is `tat` holds at `now`, and the time until one more will be there

@@ -5,8 +5,8 @@ use ::redis::Value;
 
 use crate::engine::RefusalCode;
 use crate::redis::reply::{
-    AdmitReply, Asked, Decided, LeaseReply, Reading, TransitionReply, parse_admit, parse_batch,
-    parse_lease, parse_pair, parse_reaped, parse_transition,
+    AdmitReply, Asked, ClientReading, Decided, LeaseReply, Reading, TransitionReply, parse_admit,
+    parse_batch, parse_client_reading, parse_lease, parse_pair, parse_reaped, parse_transition,
 };
 
 /// Deepest nesting a decoded reply has (the batch script returns one flat array).
@@ -297,6 +297,39 @@ pub fn redis_reply(data: &[u8]) {
         }
         Err(err) => assert_error_message(&err),
     }
+
+    match parse_client_reading(&value) {
+        Ok(reading) => {
+            assert_eq!(
+                parse_client_reading(&encode_client_reading(&reading)),
+                Ok(reading)
+            );
+        }
+        Err(err) => assert_error_message(&err),
+    }
+}
+
+/// A client reading as Redis sends it: `TIME`'s two texts, the bucket's field, the two counts.
+fn encode_client_reading(reading: &ClientReading) -> Value {
+    let now = reading.now_micros;
+    let bucket = match reading.bucket {
+        None => Value::Nil,
+        Some(b) => match b.span_micros {
+            None => bulk(&b.tat_micros.to_string()),
+            Some(span) => bulk(&format!("{} 1 {span}", b.tat_micros)),
+        },
+    };
+    Value::Array(vec![
+        Value::Array(vec![
+            bulk(&(now / 1_000_000).to_string()),
+            bulk(&(now % 1_000_000).to_string()),
+        ]),
+        bucket,
+        Value::Array(vec![
+            int_or_text(reading.active),
+            int_or_text(reading.pending),
+        ]),
+    ])
 }
 
 /// The batch script's reply, asked as the bytes say (bit 0 of byte `i`: decision `i` is a
@@ -383,6 +416,7 @@ pub fn redis_reply_accepted(data: &[u8]) -> bool {
         || parse_lease(&value).is_ok()
         || parse_pair(&value).is_ok()
         || parse_reaped(&value).is_ok()
+        || parse_client_reading(&value).is_ok()
 }
 
 /// Arbitrary bytes as the notices a replica hears (one per line) while it remembers three

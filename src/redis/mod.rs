@@ -880,6 +880,62 @@ impl RedisController {
         Ok(counts)
     }
 
+    /// The client's quota as the deployment sees it now (its bucket, and its counts on every
+    /// replica), for an answer that decided nothing, such as a replay: one `MULTI` of plain
+    /// reads on Redis time, no script, nothing written. A bucket written under another rate is
+    /// read in the rate in force, as the next decision would rescale it. `Ok(None)` for an
+    /// identity with no quota (not configured). While the circuit is open it answers at once,
+    /// unavailable, without asking Redis.
+    pub(crate) async fn quota_now(
+        &self,
+        identity: &str,
+    ) -> Result<Option<QuotaStatus>, Unavailable> {
+        let inner = &self.inner;
+        let Some(limits) = inner.config.load().effective(identity) else {
+            return Ok(None);
+        };
+        if inner.circuit.is_open() {
+            return Err(inner.unavailable(UnavailableReason::CircuitOpen));
+        }
+        let (interval, span) = rate_micros(limits.requests_per_window, limits.window_seconds);
+        let mut pipe = redis::pipe();
+        pipe.atomic()
+            .cmd("TIME")
+            .hget(format!("{}:buckets", inner.keys.base), identity)
+            .cmd("HMGET")
+            .arg(&inner.keys.counts)
+            .arg(format!("a:{identity}"))
+            .arg(format!("p:{identity}"));
+        let mut conn = inner.conn.clone();
+        let value: Value =
+            match tokio::time::timeout(inner.options.call_timeout, pipe.query_async(&mut conn))
+                .await
+            {
+                Ok(Ok(v)) => v,
+                Ok(Err(e)) => return Err(inner.failed(UnavailableReason::Redis(e.to_string()))),
+                Err(_) => return Err(inner.failed(UnavailableReason::Timeout)),
+            };
+        let read = reply::parse_client_reading(&value)
+            .map_err(|e| inner.unavailable(UnavailableReason::Reply(e.to_string())))?;
+        let now = read.now_micros;
+        let tat = read.bucket.map_or(0, |bucket| match bucket.span_micros {
+            Some(old) if old != span => gcra::rescaled(bucket.tat_micros, now, old, span),
+            _ => bucket.tat_micros,
+        });
+        let reading = Reading {
+            tat_micros: tat,
+            now_micros: now,
+            active: read.active,
+            pending: read.pending,
+        };
+        Ok(Some(quota(
+            limits,
+            &inner.options,
+            (interval, span),
+            &reading,
+        )))
+    }
+
     /// Releases, exactly once, what every replica whose lease has lapsed held; returns how many
     /// operations were released. The heartbeat does this on every beat.
     pub(crate) async fn reap(&self) -> Result<u64, Unavailable> {

@@ -138,14 +138,15 @@ fn array(value: &Value) -> Option<&[Value]> {
 fn int(value: &Value) -> Option<u64> {
     match value {
         Value::Int(n) => u64::try_from(*n).ok(),
-        Value::BulkString(_) | Value::SimpleString(_) => {
-            let s = text(value)?;
-            // Digits only: no sign, no exponent, no fraction.
-            (!s.is_empty() && s.len() <= 19 && s.bytes().all(|b| b.is_ascii_digit()))
-                .then(|| s.parse().ok())?
-        }
+        Value::BulkString(_) | Value::SimpleString(_) => digits(text(value)?),
         _ => None,
     }
+}
+
+/// A count written as text: digits only (no sign, no exponent, no fraction), at most 19.
+fn digits(s: &str) -> Option<u64> {
+    (!s.is_empty() && s.len() <= 19 && s.bytes().all(|b| b.is_ascii_digit()))
+        .then(|| s.parse().ok())?
 }
 
 fn state(value: &Value) -> Option<u8> {
@@ -413,6 +414,81 @@ pub fn parse_reaped(value: &Value) -> Result<Vec<(String, u64)>, ReplyError> {
         .collect()
 }
 
+/// A client's rate bucket as its field of the buckets hash holds it: `"<TAT> <interval> <span>"`
+/// (µs), or a bare TAT from an older build, whose rate is unknown.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StoredBucket {
+    /// The theoretical arrival time (µs of Redis time).
+    pub tat_micros: u64,
+    /// The burst span the TAT was written under (µs), when the field says.
+    pub span_micros: Option<u64>,
+}
+
+/// A client's bucket and counts read outside any decision (for the quota of an answer that
+/// decided nothing, such as a replay): the `EXEC` reply of `TIME`, `HGET` of its bucket (nil:
+/// none) and `HMGET` of its active and pending counts (nil: zero).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ClientReading {
+    /// Redis's time at the reading (µs).
+    pub now_micros: u64,
+    /// The client's bucket, if Redis holds one.
+    pub bucket: Option<StoredBucket>,
+    /// The client's live operations, on every replica.
+    pub active: u64,
+    /// The client's operations awaiting approval, on every replica.
+    pub pending: u64,
+}
+
+fn stored_bucket(value: &Value) -> Option<Option<StoredBucket>> {
+    if let Value::Nil = value {
+        return Some(None);
+    }
+    let words: Vec<&str> = text(value)?.split(' ').collect();
+    let (tat, span_micros) = match words[..] {
+        [tat] => (tat, None),
+        [tat, interval, span] => {
+            digits(interval)?;
+            (tat, Some(digits(span)?))
+        }
+        _ => return None,
+    };
+    Some(Some(StoredBucket {
+        tat_micros: digits(tat)?,
+        span_micros,
+    }))
+}
+
+fn count_or_zero(value: &Value) -> Option<u64> {
+    match value {
+        Value::Nil => Some(0),
+        other => int(other),
+    }
+}
+
+/// Parses a client's reading (see [`ClientReading`]): `{{seconds, microseconds}, bucket or nil,
+/// {active or nil, pending or nil}}`.
+pub fn parse_client_reading(value: &Value) -> Result<ClientReading, ReplyError> {
+    let parsed = match array(value) {
+        Some([time, bucket, counts]) => match (array(time), array(counts)) {
+            (Some([secs, micros]), Some([active, pending])) => (|| {
+                let (secs, micros) = (int(secs)?, int(micros)?);
+                if micros >= 1_000_000 {
+                    return None;
+                }
+                Some(ClientReading {
+                    now_micros: secs.checked_mul(1_000_000)?.checked_add(micros)?,
+                    bucket: stored_bucket(bucket)?,
+                    active: count_or_zero(active)?,
+                    pending: count_or_zero(pending)?,
+                })
+            })(),
+            _ => None,
+        },
+        _ => None,
+    };
+    parsed.ok_or_else(|| bad("client reading", value))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -598,6 +674,79 @@ mod tests {
             Ok(vec![("r1".to_string(), 4)])
         );
         assert!(parse_reaped(&Value::Array(vec![bulk("r1")])).is_err());
+    }
+
+    #[test]
+    fn a_client_reading_is_time_bucket_and_counts_or_refused_whole() {
+        let time = |s: &str, us: &str| Value::Array(vec![bulk(s), bulk(us)]);
+        let counts = |a: Value, p: Value| Value::Array(vec![a, p]);
+        let reading =
+            |t: Value, b: Value, c: Value| parse_client_reading(&Value::Array(vec![t, b, c]));
+        assert_eq!(
+            reading(
+                time("1700000000", "250"),
+                bulk("1700000001000000 1000000 60000000"),
+                counts(bulk("3"), Value::Nil)
+            ),
+            Ok(ClientReading {
+                now_micros: 1_700_000_000_000_250,
+                bucket: Some(StoredBucket {
+                    tat_micros: 1_700_000_001_000_000,
+                    span_micros: Some(60_000_000),
+                }),
+                active: 3,
+                pending: 0,
+            })
+        );
+        // A bare TAT (an older build's) has no known rate; no bucket and no counts read as none.
+        assert_eq!(
+            reading(time("5", "0"), bulk("7"), counts(Value::Nil, Value::Nil)),
+            Ok(ClientReading {
+                now_micros: 5_000_000,
+                bucket: Some(StoredBucket {
+                    tat_micros: 7,
+                    span_micros: None,
+                }),
+                active: 0,
+                pending: 0,
+            })
+        );
+        assert_eq!(
+            reading(time("5", "0"), Value::Nil, counts(Value::Int(1), bulk("1"))).map(|r| r.bucket),
+            Ok(None)
+        );
+        for (t, b, c) in [
+            (
+                time("5", "1000000"),
+                Value::Nil,
+                counts(Value::Nil, Value::Nil),
+            ),
+            (time("5", "-1"), Value::Nil, counts(Value::Nil, Value::Nil)),
+            (time("5", "0"), bulk("7 1"), counts(Value::Nil, Value::Nil)),
+            (
+                time("5", "0"),
+                bulk("7  1 2"),
+                counts(Value::Nil, Value::Nil),
+            ),
+            (time("5", "0"), bulk("7.5"), counts(Value::Nil, Value::Nil)),
+            (time("5", "0"), bulk(""), counts(Value::Nil, Value::Nil)),
+            (time("5", "0"), Value::Nil, counts(bulk("x"), Value::Nil)),
+            (time("5", "0"), Value::Nil, Value::Array(vec![Value::Nil])),
+            (Value::Nil, Value::Nil, counts(Value::Nil, Value::Nil)),
+            (
+                time("99999999999999999", "0"),
+                Value::Nil,
+                counts(Value::Nil, Value::Nil),
+            ),
+        ] {
+            let err = reading(t.clone(), b.clone(), c.clone()).unwrap_err();
+            assert!(
+                err.to_string()
+                    .starts_with("unexpected script reply: client reading: "),
+                "{err}"
+            );
+        }
+        assert!(parse_client_reading(&Value::Array(vec![time("5", "0"), Value::Nil])).is_err());
     }
 
     #[test]
