@@ -10,6 +10,7 @@ use support::broker::{Harness, settings, start_shared, start_with};
 use support::eventually::eventually;
 use support::http::request;
 use support::metrics::metric;
+use support::quota::Quota;
 use support::secrets::AGENT_SECRET;
 use unyolo_admission::StorageCaps;
 use unyolo_admission::redis::RedisOptions;
@@ -116,6 +117,13 @@ async fn a_paused_redis_refuses_new_work_with_503_and_cancels_still_work() {
         canceled.body
     );
     assert_eq!(r1.rows().await, 1, "nothing created while Redis was paused");
+    // A replay needs nothing from Redis: answered, with this replica's own quota as the best
+    // there is while the shared one cannot be read.
+    let replayed = r1
+        .submit(AGENT_SECRET, &request("before", "demo.request", 0))
+        .await;
+    assert_eq!(replayed.status, 200, "{:?}", replayed.body);
+    assert!(replayed.header("ratelimit").is_some());
     let metrics = r1.metrics().await;
     assert!(
         metrics.contains("admission_backend{backend=\"redis\"} 1"),
@@ -550,6 +558,65 @@ async fn each_replicas_operator_listener_shows_and_decides_its_own_requests_only
     );
     assert_eq!(r1.operator.drift().await["drift"], 0);
     assert_eq!(r2.operator.drift().await["drift"], 0);
+    r1.broker.shutdown().await;
+    r2.broker.shutdown().await;
+}
+
+/// One token back every 12 minutes: nothing refills while the test runs.
+const FIVE_AN_HOUR: &str = r#"{"requests_per_window": 5, "window_seconds": 3600,
+  "client_active": 25, "client_pending": 10, "global_active": 100, "global_executing": 10}"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_carries_the_deployments_quota_not_the_replicas_own() {
+    let server = redis_or_skip!();
+    let (d1, d2) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let start = |dir: std::path::PathBuf, name: &'static str| {
+        let server = &server;
+        async move {
+            let mut settings = settings(&dir, FIVE_AN_HOUR, StorageCaps::default());
+            settings.broker_name = name.to_owned();
+            start_shared(settings, RedisOptions::new(server.url(), name)).await
+        }
+    };
+    let r1 = start(d1.path().to_owned(), "r1").await;
+    let r2 = start(d2.path().to_owned(), "r2").await;
+    let first = request("k-0", "demo.request", 0);
+    assert_eq!(r1.submit(AGENT_SECRET, &first).await.status, 202);
+    // Two more on the other replica: the deployment has taken 3 of 5 tokens and holds 3 pending.
+    let mut last = None;
+    for key in ["k-1", "k-2"] {
+        let created = r2
+            .submit(AGENT_SECRET, &request(key, "demo.request", 0))
+            .await;
+        assert_eq!(created.status, 202, "{:?}", created.body);
+        last = Some(Quota::of(&created));
+    }
+    let decided = last.unwrap();
+    assert_eq!(
+        (
+            decided.limit("rate", "r"),
+            decided.limit("active", "r"),
+            decided.limit("pending", "r")
+        ),
+        (Some(2), Some(22), Some(7))
+    );
+    // r1 itself took one token and holds one operation; its replay still says what the
+    // deployment holds, as the 202 on r2 did — and consumes nothing.
+    for _ in 0..2 {
+        let replayed = r1.submit(AGENT_SECRET, &first).await;
+        assert_eq!(replayed.status, 200, "{:?}", replayed.body);
+        let q = Quota::of(&replayed);
+        for (name, param) in [("rate", "r"), ("active", "r"), ("pending", "r")] {
+            assert_eq!(q.limit(name, param), decided.limit(name, param), "{name}");
+        }
+        let reset = q.limit("rate", "t").unwrap();
+        assert!((1..=720).contains(&reset), "rate reset {reset}");
+    }
+    let replayed = r2
+        .submit(AGENT_SECRET, &request("k-1", "demo.request", 0))
+        .await;
+    assert_eq!(replayed.status, 200);
+    assert_eq!(Quota::of(&replayed).limit("rate", "r"), Some(2));
     r1.broker.shutdown().await;
     r2.broker.shutdown().await;
 }

@@ -13,6 +13,7 @@
 //! - [`broker`]: a broker started in-process on loopback, and the harness that talks to it.
 //! - [`faults`]: clients that hang up, a store held locked, and the ending every fault test shares.
 //! - [`serve`]: the `admission serve` binary as a process, and the files it reads.
+//! - [`quota`]: the quota fields of a submission answer, parsed back.
 //! - [`redis`]: a real `redis-server` on loopback (restarted empty or flushed on demand).
 //! - [`rng`]: the deterministic generator of the model tests.
 //! - [`semantics`]: one face for the in-process and the Redis admission backends.
@@ -36,6 +37,8 @@ pub mod metrics;
 #[cfg(feature = "broker")]
 pub mod operator;
 pub mod operator_contract;
+#[cfg(feature = "broker")]
+pub mod quota;
 pub mod redis;
 pub mod rng;
 pub mod secrets;

@@ -143,12 +143,14 @@ pub(crate) async fn replay(
         return Ok(None);
     };
     core.count_submission("replayed");
-    Ok(Some(ratelimit::answer(
-        core,
-        &existing.client_id,
-        response,
-        None,
-    )))
+    // The quota as the deciding backend sees it now: replicated, every replica's counts and the
+    // shared bucket (a replay decides nothing, so there is no decision's reading to carry).
+    Ok(Some(
+        match core.admission.quota_now(&existing.client_id).await {
+            Some(quota) => ratelimit::with_status(response, &quota, None),
+            None => response,
+        },
+    ))
 }
 
 pub(crate) async fn submit(
