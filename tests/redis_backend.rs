@@ -1392,3 +1392,36 @@ async fn the_quota_read_now_is_the_deployments_and_what_the_next_decision_sees()
     pending.refund().await;
     assert_eq!(seen(&r1.quota_now("amy").await.unwrap()), (14, 3, 0));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn releases_kept_more_often_than_the_heartbeat_never_hold_the_lease_renewal_back() {
+    let server = redis_or_skip!();
+    let config = roomy_config(&["amy"]);
+    let fast = |name: &str| {
+        let mut o = options(&server, name);
+        o.lease_ttl = Duration::from_millis(600);
+        o.heartbeat = Duration::from_millis(150);
+        o
+    };
+    let r1 = replica(config.clone(), fast("r1")).await;
+    let r2 = replica(config, fast("r2")).await;
+    // A permit dropped unanswered is released in the background: kept, and the heartbeat woken
+    // to send it. Four times a heartbeat period, for five lease lifetimes.
+    let changes = r1.stats().lease_changes;
+    let began = Instant::now();
+    let mut admitted = 0;
+    while began.elapsed() < Duration::from_secs(3) {
+        match r1.admit("amy", false, None).await {
+            Ok(permit) => {
+                admitted += 1;
+                drop(permit);
+            }
+            Err(other) => panic!("after {admitted} admissions: {other:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(35)).await;
+    }
+    assert_eq!(r2.reap().await.unwrap(), 0, "r1's lease never lapsed");
+    assert_eq!(r1.stats().lease_changes, changes);
+    assert!(r1.flush().await);
+    assert!(r1.counts().await.unwrap().is_idle());
+}

@@ -592,17 +592,25 @@ impl RedisController {
         let wake = Arc::clone(&self.inner.wake);
         let period = self.inner.options.heartbeat;
         *slot = Some(tokio::spawn(async move {
+            // The next beat is a deadline, not a sleep started afresh on every wake: kept
+            // releases may wake this task more often than the period, and the lease must still
+            // be renewed every period.
+            let mut beat = tokio::time::Instant::now() + period;
             loop {
                 let woken = tokio::select! {
                     _ = wake.notified() => true,
-                    _ = tokio::time::sleep(period) => false,
+                    _ = tokio::time::sleep_until(beat) => false,
                 };
                 let Some(inner) = weak.upgrade() else { return };
                 // Relaxed: a hint; a missed one waits for the next beat.
-                if woken && !inner.renew_now.swap(false, Ordering::Relaxed) {
-                    inner.drain().await;
-                } else {
+                let due = !woken
+                    || inner.renew_now.swap(false, Ordering::Relaxed)
+                    || tokio::time::Instant::now() >= beat;
+                if due {
+                    beat = tokio::time::Instant::now() + period;
                     inner.tick().await;
+                } else {
+                    inner.drain().await;
                 }
             }
         }));
