@@ -11,7 +11,7 @@ use support::eventually::eventually;
 use support::http::request;
 use support::metrics::metric;
 use support::quota::Quota;
-use support::secrets::AGENT_SECRET;
+use support::secrets::{AGENT, AGENT_SECRET};
 use unyolo_admission::StorageCaps;
 use unyolo_admission::redis::RedisOptions;
 
@@ -617,6 +617,62 @@ async fn a_replay_carries_the_deployments_quota_not_the_replicas_own() {
         .await;
     assert_eq!(replayed.status, 200);
     assert_eq!(Quota::of(&replayed).limit("rate", "r"), Some(2));
+    r1.broker.shutdown().await;
+    r2.broker.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_bound_by_a_replica_that_stopped_before_its_row_is_new_work_when_it_returns() {
+    use unyolo_admission::{Admission, Config, Controller, Identity};
+    let server = redis_or_skip!();
+    let (d1, d2) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    // r1's first life: the shared admission binds the key, and the process stops before the row
+    // is written, releasing nothing (as a kill -9 there would).
+    let config = Config::defaults([Identity::new(AGENT).unwrap()]);
+    let first = Admission::new(
+        Controller::new(config),
+        Some(RedisOptions::new(server.url(), "r1")),
+    )
+    .unwrap();
+    assert!(first.restore(Vec::new()).await.deferred.is_none());
+    let permit = first.admit(AGENT, true, Some("k-lost")).await.unwrap();
+    let lost = permit.id().to_string();
+    std::mem::forget(permit);
+    first.shutdown().await;
+    drop(first);
+
+    // Another replica says where the key's operation lives: that is r1's to answer.
+    let r2 = replica(&server, d2.path(), "r2").await;
+    let body = request("k-lost", "demo.request", 0);
+    let elsewhere = r2.submit(AGENT_SECRET, &body).await;
+    assert_eq!(elsewhere.status, 409, "{:?}", elsewhere.body);
+    assert_eq!(elsewhere.code(), "idempotency_key_elsewhere");
+    assert!(
+        elsewhere.body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains(&lost)
+    );
+
+    // r1 returns under its name with a store that never held the operation: nothing will ever
+    // answer for it, so the key is new work there, and bound to the new operation everywhere.
+    let r1 = replica(&server, d1.path(), "r1").await;
+    let created = r1.submit(AGENT_SECRET, &body).await;
+    assert_eq!(created.status, 202, "{:?}", created.body);
+    assert_ne!(created.id(), lost);
+    let replayed = r1.submit(AGENT_SECRET, &body).await;
+    assert_eq!((replayed.status, replayed.id()), (200, created.id()));
+    let elsewhere = r2.submit(AGENT_SECRET, &body).await;
+    assert_eq!(elsewhere.status, 409);
+    assert!(
+        elsewhere.body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains(&created.id())
+    );
+    // The lost operation counts nowhere (r1's registration let it go): one pending in all.
+    let counts = r1.broker.admission().counts().await.unwrap();
+    assert_eq!((counts.active, counts.pending), (1, 1));
     r1.broker.shutdown().await;
     r2.broker.shutdown().await;
 }

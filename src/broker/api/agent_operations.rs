@@ -21,7 +21,7 @@ use super::extract::{
 use super::presentation;
 use super::projection::OperationJson;
 use super::ratelimit;
-use crate::admission::{AdmissionPermit, AdmitError, Refused, Unavailable};
+use crate::admission::{AdmissionPermit, AdmitError, KeyRecord, Refused, Unavailable};
 use crate::broker::core::Core;
 use crate::broker::core::LiveOp;
 use crate::broker::operations::TransitionFailure;
@@ -190,32 +190,36 @@ pub(crate) async fn submit(
     // admission releases whatever the script reserved, key binding included). From the permit on
     // there is no `.await` until the creation is detached, so a permit is never dropped by a
     // hangup.
-    let quiet = core.hold_counts().await;
-    let admitted = core
-        .admission
-        .admit(
-            client.as_str(),
-            needs_approval,
-            Some(&request.idempotency_key),
-        )
-        .await;
-    let permit = match admitted {
-        Ok(permit) => permit,
-        Err(AdmitError::Refused(refusal)) => return Ok(refused(&core, &client, refusal)),
-        Err(AdmitError::Replay { operation, replica }) => {
-            drop(quiet);
-            return replayed_elsewhere(&core, &client, &request, &operation, &replica).await;
-        }
-        Err(AdmitError::Unavailable(unavailable)) => {
-            core.count_submission("rejected");
-            tracing::warn!(client = %client, error = %unavailable, "admission unavailable");
-            return Err(ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                Unavailable::CODE,
-                "Admission cannot be decided right now (the shared quota store does not \
-                 answer); retry later.",
+    let mut unbound = false;
+    let (permit, quiet) = loop {
+        let quiet = core.hold_counts().await;
+        let admitted = core
+            .admission
+            .admit(
+                client.as_str(),
+                needs_approval,
+                Some(&request.idempotency_key),
             )
-            .with_retry_after(unavailable.retry_after_secs()));
+            .await;
+        match admitted {
+            Ok(permit) => break (permit, quiet),
+            Err(AdmitError::Refused(refusal)) => return Ok(refused(&core, &client, refusal)),
+            Err(AdmitError::Replay { operation, replica }) => {
+                drop(quiet);
+                match replayed_elsewhere(&core, &client, &request, &operation, &replica).await? {
+                    Elsewhere::Answer(answer) => return answer,
+                    // Unbound once, the key is decided afresh; a second time it is another
+                    // request's doing (a key bound anew meanwhile), and answered as it stands.
+                    Elsewhere::Stale if !unbound => {
+                        unbound = true;
+                        unbind(&core, &client, &request, &operation).await?;
+                    }
+                    Elsewhere::Stale => return Err(elsewhere(&operation, &replica)),
+                }
+            }
+            Err(AdmitError::Unavailable(unavailable)) => {
+                return Err(admission_unavailable(&core, &client, &unavailable));
+            }
         }
     };
     let creation = create(Arc::clone(&core), client, request, permit);
@@ -227,31 +231,90 @@ pub(crate) async fn submit(
     .await
 }
 
-/// The key names an operation another replica admitted: a replay if this replica's store has
-/// it (the same client and key), else where it lives.
+/// 503 `admission_unavailable`: the shared quota store cannot decide now.
+fn admission_unavailable(core: &Core, client: &Identity, unavailable: &Unavailable) -> ApiError {
+    core.count_submission("rejected");
+    tracing::warn!(client = %client, error = %unavailable, "admission unavailable");
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        Unavailable::CODE,
+        "Admission cannot be decided right now (the shared quota store does not answer); retry \
+         later.",
+    )
+    .with_retry_after(unavailable.retry_after_secs())
+}
+
+/// What a key bound to another admission's operation comes to.
+enum Elsewhere {
+    /// The answer: this replica's store holds the operation (a replay, or 409
+    /// `idempotency_conflict`), or another replica does (409 `idempotency_key_elsewhere`).
+    Answer(ApiResult),
+    /// The key names an operation of this very replica that its store does not hold and that
+    /// is not live here: it stopped between the shared admission and the row (a crash, a
+    /// shutdown with the release still kept), or the admission's answer was lost and its release
+    /// is still kept. Nothing will ever answer for it; the key is free to unbind.
+    Stale,
+}
+
+/// The key names an operation another admission made: a replay if this replica's store has it
+/// (the same client and key), else where it lives — or, when that is this replica and nothing
+/// here holds it, a stale binding.
 async fn replayed_elsewhere(
     core: &Core,
     client: &Identity,
     request: &Submission,
     operation: &str,
     replica: &str,
-) -> ApiResult {
+) -> Result<Elsewhere, ApiError> {
     if let Some(existing) = core
         .db
         .request_by_key(client.as_str(), &request.idempotency_key)
         .await?
         && let Some(answer) = replay(core, &existing, request).await?
     {
-        return Ok(answer);
+        return Ok(Elsewhere::Answer(Ok(answer)));
     }
-    Err(ApiError::new(
+    // Under the key's lock no creation for this key is under way here, so an operation of this
+    // replica that is neither stored nor live never will be.
+    if core.admission.replica() == Some(replica) && core.live_op(operation).is_none() {
+        return Ok(Elsewhere::Stale);
+    }
+    Ok(Elsewhere::Answer(Err(elsewhere(operation, replica))))
+}
+
+fn elsewhere(operation: &str, replica: &str) -> ApiError {
+    ApiError::new(
         StatusCode::CONFLICT,
         "idempotency_key_elsewhere",
         format!(
             "This idempotency key names operation {operation}, held by broker replica \
              {replica}; its reads, waits and cancels are answered there."
         ),
-    ))
+    )
+}
+
+/// Unbinds `request`'s key from `operation` on every replica (only if it still names it: a key
+/// bound since to new work is left alone), so the submission is decided afresh.
+async fn unbind(
+    core: &Core,
+    client: &Identity,
+    request: &Submission,
+    operation: &str,
+) -> Result<(), ApiError> {
+    tracing::warn!(
+        client = %client,
+        operation,
+        "idempotency key bound to an operation this replica never stored: unbound"
+    );
+    let record = KeyRecord {
+        client: client.clone(),
+        key: request.idempotency_key.clone(),
+        operation: operation.to_owned(),
+    };
+    core.admission
+        .retire_keys(&[record])
+        .await
+        .map_err(|unavailable| admission_unavailable(core, client, &unavailable))
 }
 
 /// The creation of an admitted operation: durable row, replay filter, permit commit (or refund),
