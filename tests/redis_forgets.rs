@@ -493,3 +493,68 @@ async fn random_sequences_with_redis_forgetting_at_random_points_never_admit_wha
     }
     assert!(flushes > 0, "no sequence made Redis forget");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_replica_starts_work_until_every_replica_has_counted_its_executing_work_again() {
+    let Some(server) = RedisServer::start() else {
+        return;
+    };
+    // One execution slot in all; r2 beats rarely, so it registers again only when told to.
+    let limits = Limits {
+        requests_per_window: 1_000,
+        window_seconds: 60,
+        client_active: 20,
+        client_pending: 10,
+        global_active: 40,
+        global_executing: 1,
+    };
+    let amy = Identity::new("amy").unwrap();
+    let config = Config::new(limits, BTreeMap::new(), [amy]).unwrap();
+    let replica = |name: &str, heartbeat: Duration| {
+        let mut options = ReplicaOptions::new(server.url(), name);
+        options.replicas = vec!["r1".to_string(), "r2".to_string()];
+        options.lease_ttl = Duration::from_secs(30);
+        options.heartbeat = heartbeat;
+        options.call_timeout = Duration::from_secs(2);
+        Admission::new(Controller::new(config.clone()), Some(options)).unwrap()
+    };
+    let r1 = replica("r1", Duration::from_millis(200));
+    let r2 = replica("r2", Duration::from_secs(20));
+    assert!(r1.restore(Vec::new()).await.deferred.is_none());
+    assert!(r2.restore(Vec::new()).await.deferred.is_none());
+    // (Admitted before the slot is taken: a full pool refuses new work too.)
+    let queued = r1.admit("amy", false, None).await.unwrap().commit();
+    let running = r2.admit("amy", false, None).await.unwrap().commit();
+    running.try_start().await.unwrap();
+    assert!(matches!(
+        queued.try_start().await,
+        Err(NotStarted::Saturated(_))
+    ));
+
+    // Redis forgets. r1 registers again at its next beat; r2, holding the one slot, has not yet.
+    server.flush_all();
+    assert_eventually("r1 registers again", async || {
+        r1.stats().lease_changes >= 2 && r1.renew().await.is_ok()
+    })
+    .await;
+    // In the window the executing count is r1's alone (none): a start would overfill the pool
+    // the moment r2 counts its running work again. It waits instead.
+    for _ in 0..5 {
+        match queued.try_start().await {
+            Err(NotStarted::Unavailable(u)) => {
+                assert_eq!(u.reason, UnavailableReason::Recovering, "{u}")
+            }
+            other => panic!("started while the deployment was recounting: {other:?}"),
+        }
+    }
+    r2.renew().await.unwrap();
+    let counts = r1.counts().await.unwrap();
+    assert_eq!(counts.executing, 1, "r2's running work, and only it");
+    assert!(matches!(
+        queued.try_start().await,
+        Err(NotStarted::Saturated(_))
+    ));
+    running.succeed().await.unwrap();
+    queued.try_start().await.unwrap();
+    assert_eq!(r1.counts().await.unwrap().executing, 1);
+}

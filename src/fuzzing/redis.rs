@@ -163,6 +163,7 @@ fn encode_transition(reply: TransitionReply) -> Vec<Value> {
         TransitionReply::Same => vec![bulk("same")],
         TransitionReply::Absent => vec![bulk("absent")],
         TransitionReply::Saturated => vec![bulk("saturated")],
+        TransitionReply::Recounting => vec![bulk("recounting")],
     }
 }
 

@@ -167,8 +167,9 @@ impl RedisOperation {
         self.transition(OperationState::Succeeded).await.map(|_| ())
     }
 
-    /// Takes a shared execution slot and moves `approved` → `executing`. A saturated pool, or a
-    /// Redis that does not answer, leaves it `approved` (queued) to retry.
+    /// Takes a shared execution slot and moves `approved` → `executing`. A saturated pool, a
+    /// Redis that does not answer, or one whose replicas are registering again after it forgot
+    /// the deployment, leaves it `approved` (queued) to retry.
     pub(crate) async fn try_start(&self) -> Result<(), RedisStartError> {
         let inner = &self.inner;
         let current = self.state();
@@ -188,6 +189,11 @@ impl RedisOperation {
                     RefusalCode::GlobalExecutionLimit,
                     hint,
                 )));
+            }
+            TransitionReply::Recounting => {
+                return Err(RedisStartError::Unavailable(
+                    inner.unavailable(UnavailableReason::Recovering),
+                ));
             }
             TransitionReply::NotAllowed(_) | TransitionReply::Absent => {
                 // Redis does not hold it approved: released by a lapsed lease (the next

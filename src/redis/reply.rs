@@ -67,6 +67,10 @@ pub enum TransitionReply {
     NotAllowed(u8),
     /// No execution slot free.
     Saturated,
+    /// Redis forgot the deployment and the replicas are registering again: until all have, the
+    /// executing count is not the deployment's, so no slot is taken (the operation stays
+    /// approved).
+    Recounting,
 }
 
 /// What the heartbeat script found.
@@ -197,7 +201,7 @@ fn admit_len(head: &str) -> Option<usize> {
 fn transition_len(head: &str) -> Option<usize> {
     match head {
         "moved" | "not_allowed" => Some(2),
-        "same" | "absent" | "saturated" => Some(1),
+        "same" | "absent" | "saturated" | "recounting" => Some(1),
         _ => None,
     }
 }
@@ -269,6 +273,7 @@ pub fn parse_transition(items: &[Value]) -> Result<TransitionReply, ReplyError> 
         Some("same") => TransitionReply::Same,
         Some("absent") => TransitionReply::Absent,
         Some("saturated") => TransitionReply::Saturated,
+        Some("recounting") => TransitionReply::Recounting,
         _ => return Err(bad_items("transition", items)),
     })
 }
@@ -654,6 +659,9 @@ mod tests {
             Ok(TransitionReply::Moved(b'p'))
         );
         assert_eq!(t(vec![bulk("absent")]), Ok(TransitionReply::Absent));
+        assert_eq!(t(vec![bulk("recounting")]), Ok(TransitionReply::Recounting));
+        assert!(t(vec![bulk("recounting"), bulk("e")]).is_err());
+        assert!(t(vec![bulk("recovering")]).is_err());
         assert_eq!(
             t(vec![bulk("not_allowed"), bulk("e")]),
             Ok(TransitionReply::NotAllowed(b'e'))

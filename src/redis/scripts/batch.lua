@@ -50,7 +50,10 @@
 --     in a reply are Lua numbers (Redis answers them as integers: exact below 2^53, and a TAT
 --     in µs is ~2^51), not formatted strings.
 --   A transition: `moved, from` | `same` | `absent` (released already) | `not_allowed, from` |
---     `saturated` (no execution slot: the operation stays approved).
+--     `saturated` (no execution slot: the operation stays approved) | `recounting` (a start
+--     while the recovery marker stands: Redis forgot the deployment, and until every replica
+--     has registered again the executing count is not the deployment's, so no slot is taken;
+--     the operation stays approved).
 -- A move that lowers a count (a release, a refund, an approval) is published on the
 -- deployment's notices channel, `r <client>` or, for a refund, `f <client>`, one a line, so
 -- every replica's refusal memory forgets what it may have changed — but only while some replica
@@ -68,7 +71,7 @@ local max, min, floor = math.max, math.min, math.floor
 -- the rate as a bucket stores it, how long past its wait a refusal may be remembered (ms)}), the
 -- ids transitions name, and what the batch must read.
 local at, ids, limits, moved = {}, {}, {}, {}
-local admits, refunds = 0, 0
+local admits, refunds, starts = 0, 0, 0
 local current
 local i, last = 5, #ARGV
 while i <= last do
@@ -94,6 +97,7 @@ while i <= last do
       moved[ARGV[i + 1]] = true
       local to = ARGV[i + 2]
       if to == 'e' then
+        starts = starts + 1
         i = i + 5
       elseif to == 'r' then
         refunds = refunds + 1
@@ -144,13 +148,16 @@ for n = 1, #at do
 end
 
 -- Every string key the batch reads, in one call: the refusal marker, the lease, epoch and
--- recovery marker (for admissions) and the key records named; and, in one read of the buckets
--- hash, the buckets of the admitting (and, with a refund, every touched) client.
+-- recovery marker (for admissions; the recovery marker for starts too) and the key records
+-- named; and, in one read of the buckets hash, the buckets of the admitting (and, with a
+-- refund, every touched) client.
 local marker = base .. ':refused'
 local names, strings = {marker}, {}
 local bucket_names, buckets = {}, {}
 if admits > 0 then
   names[2], names[3], names[4] = KEYS[3], KEYS[4], KEYS[5]
+elseif starts > 0 then
+  names[2] = KEYS[5]
 end
 if refunds > 0 then
   for n = 1, #client_list do
@@ -427,6 +434,11 @@ for n = 1, #at do
         cur[2], cur[k + 1] = max(cur[2] - 1, 0), max(cur[k + 1] - 1, 0)
         notices[#notices + 1] = 'r ' .. client
       elseif to == 'e' and state == 'a' then
+        if strings[KEYS[5]] then
+          o = o + 1
+          out[o] = 'recounting'
+          break
+        end
         if cur[3] >= tonumber(ARGV[j + 4]) then
           o = o + 1
           out[o] = 'saturated'
