@@ -558,3 +558,74 @@ async fn no_replica_starts_work_until_every_replica_has_counted_its_executing_wo
     queued.try_start().await.unwrap();
     assert_eq!(r1.counts().await.unwrap().executing, 1);
 }
+
+/// A store whose recent admissions are read only after Redis forgot the deployment once more
+/// (flushed as they are read, the first time): what the replica restored before is gone.
+struct ForgettingStore {
+    keys: Vec<KeyRecord>,
+    port_url: String,
+    armed: std::sync::atomic::AtomicBool,
+}
+
+impl RecoverySource for ForgettingStore {
+    fn key_records(&self) -> SourceFuture<'_, Vec<KeyRecord>> {
+        let keys = self.keys.clone();
+        Box::pin(async move { Ok(keys) })
+    }
+
+    fn recent_admissions(&self) -> SourceFuture<'_, Vec<(Identity, Duration)>> {
+        Box::pin(async move {
+            if self.armed.swap(false, std::sync::atomic::Ordering::SeqCst) {
+                let client = redis::Client::open(self.port_url.as_str()).unwrap();
+                let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+                let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await.unwrap();
+            }
+            Ok(Vec::new())
+        })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registration_after_which_redis_forgets_again_restores_the_key_records_again() {
+    let Some(server) = RedisServer::start() else {
+        return;
+    };
+    let options = |name: &str| {
+        let mut options = ReplicaOptions::new(server.url(), name);
+        options.call_timeout = Duration::from_secs(2);
+        options
+    };
+    let r2 = Admission::new(Controller::new(config()), Some(options("r2"))).unwrap();
+    assert!(r2.restore(Vec::new()).await.deferred.is_none());
+    // r1 starts with a store that holds amy's operation under key "kept" (retained, not live):
+    // its key record goes back to Redis, and then Redis forgets everything once more before r1
+    // has registered.
+    let r1 = Admission::new(Controller::new(config()), Some(options("r1"))).unwrap();
+    let kept = "op_0123456789abcdef0123456789abcdef";
+    r1.set_recovery_source(Arc::new(ForgettingStore {
+        keys: vec![KeyRecord {
+            client: Identity::new("amy").unwrap(),
+            key: "kept".to_string(),
+            operation: kept.to_string(),
+        }],
+        port_url: server.url(),
+        armed: std::sync::atomic::AtomicBool::new(true),
+    }));
+    assert!(r1.restore(Vec::new()).await.deferred.is_none());
+    // r2 registers again after the loss (its store holds nothing).
+    r2.renew().await.unwrap();
+    // The key still names r1's operation: not new work on r2.
+    assert_eventually("the deployment admits again", async || {
+        !matches!(
+            r2.admit("amy", false, Some("other")).await,
+            Err(AdmitError::Unavailable(_))
+        )
+    })
+    .await;
+    match r2.admit("amy", false, Some("kept")).await {
+        Err(AdmitError::Replay { operation, replica }) => {
+            assert_eq!((operation.as_str(), replica.as_str()), (kept, "r1"));
+        }
+        other => panic!("the key of r1's stored operation was lost: {other:?}"),
+    }
+}

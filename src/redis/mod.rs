@@ -54,9 +54,11 @@
 //!   registration on a Redis that holds none; every admission and heartbeat checks it. A replica
 //!   that finds it gone or changed registers again (`register_again`): its key records go back
 //!   first (`scripts/restore_keys.lua`, from the embedder's [`RecoverySource`]), then, in the one
-//!   atomic replace, its holdings and its clients' rate debts. A new epoch opens a recovery window
-//!   (`{prefix}:recovery`, one lease long) in which no replica admits until every replica it knew
-//!   of has registered again (`scripts/replace.lua`).
+//!   atomic replace, its holdings and its clients' rate debts. The replace checks that the key
+//!   records are still there (the restore's marker, `{prefix}:keyed:<replica>`): a Redis that
+//!   forgot again meanwhile gets them restored again before anything is registered. A new epoch
+//!   opens a recovery window (`{prefix}:recovery`, one lease long) in which no replica admits or
+//!   starts work until every replica it knew of has registered again (`scripts/replace.lua`).
 //!
 //! - **Refusals from memory.** A refusal Redis gave is remembered (`memory`) and answers the
 //!   client's next submissions here, without a call, until it can have changed: its next token,
@@ -105,7 +107,7 @@ pub(crate) use handles::{RedisOperation, RedisPermit};
 
 use self::circuit::{Circuit, Gate};
 use self::memory::{Answer, Forgotten, RefusalMemory};
-use self::reply::{AdmitReply, Decided, LeaseReply, Reading, TransitionReply};
+use self::reply::{AdmitReply, Decided, LeaseReply, Reading, Replaced, TransitionReply};
 use crate::config::{ClientLimits, Config, Identity};
 use crate::engine::gcra::{self, Rate};
 use crate::engine::{OperationState, QuotaStatus, Refusal, RefusalCode};
@@ -133,6 +135,10 @@ const RETIRE_KEYS: &str = include_str!("scripts/retire_keys.lua");
 
 /// Idempotency records sent to Redis in one script call, when restoring or retiring them.
 const KEY_RECORDS_PER_CALL: usize = 500;
+
+/// Registrations tried in one go when Redis keeps forgetting what they restore; after these the
+/// heartbeat tries again.
+const REGISTRATION_TRIES: usize = 3;
 /// Operation records asked for in one `HSCAN` page, when reading a replica's holdings.
 const OPERATIONS_PER_PAGE: usize = 500;
 /// The benchmark's baseline: a rate token and nothing else.
@@ -1357,27 +1363,42 @@ impl Inner {
     /// Redis lacks this replica's part of the current epoch, its key records go back first (from
     /// the recovery source, outside the registration lock, so releases are never held up by the
     /// store), then its holdings and rate debts are counted in one atomic step.
+    ///
+    /// Redis may forget again at any point of this (it crash-loops, say): the registration then
+    /// finds the key records it restored gone, or never restored, does nothing, and they are
+    /// restored again, a few times before the heartbeat takes over.
     async fn register_again(&self) -> Result<(), Unavailable> {
         let source = self.source.get().cloned();
-        let mut debts = Vec::new();
-        if let Some(source) = &source {
-            if self.lacks_this_replica().await? {
-                let records = source.key_records().await.map_err(|e| {
+        for _ in 0..REGISTRATION_TRIES {
+            let mut debts = Vec::new();
+            // '-': nothing to restore; '': Redis held this replica's part when checked.
+            let mut keyed = String::from("-");
+            if let Some(source) = &source {
+                keyed.clear();
+                if self.lacks_this_replica().await? {
+                    let records = source.key_records().await.map_err(|e| {
+                        self.unavailable(UnavailableReason::Reply(format!(
+                            "the store's key records could not be read: {e}"
+                        )))
+                    })?;
+                    match self.restore_keys(&records).await? {
+                        Some(nonce) => keyed = nonce,
+                        None => continue,
+                    }
+                }
+                let admissions = source.recent_admissions().await.map_err(|e| {
                     self.unavailable(UnavailableReason::Reply(format!(
-                        "the store's key records could not be read: {e}"
+                        "the store's recent admissions could not be read: {e}"
                     )))
                 })?;
-                self.restore_keys(&records).await?;
+                debts = rate_debts(&self.config.load(), &admissions);
             }
-            let admissions = source.recent_admissions().await.map_err(|e| {
-                self.unavailable(UnavailableReason::Reply(format!(
-                    "the store's recent admissions could not be read: {e}"
-                )))
-            })?;
-            debts = rate_debts(&self.config.load(), &admissions);
+            let _alone = self.registration.write().await;
+            if self.replace_locked(&debts, &keyed).await? {
+                return Ok(());
+            }
         }
-        let _alone = self.registration.write().await;
-        self.replace_locked(&debts).await
+        Err(self.unavailable(UnavailableReason::Recovering))
     }
 
     /// Whether Redis lacks what this replica contributed to the deployment's current epoch (no
@@ -1401,16 +1422,41 @@ impl Inner {
     }
 
     /// Writes `records` back as idempotency records bound to this replica (where the key is not
-    /// bound already), in calls of [`KEY_RECORDS_PER_CALL`].
-    async fn restore_keys(&self, records: &[KeyRecord]) -> Result<(), Unavailable> {
+    /// bound already), in calls of [`KEY_RECORDS_PER_CALL`] (one at least, so Redis holds the
+    /// restore's marker even with no record). The restore's nonce, for the registration to check
+    /// that Redis still holds them; `None` if Redis forgot them before the last call.
+    async fn restore_keys(&self, records: &[KeyRecord]) -> Result<Option<String>, Unavailable> {
         let ttl = self.options.idempotency_ttl.map_or(0, ttl_millis);
-        self.send_key_records(&self.scripts.restore_keys, records, |invocation| {
+        let mut nonce = [0u8; 16];
+        fill_random(&mut nonce);
+        let nonce: String = nonce.iter().map(|b| format!("{b:02x}")).collect();
+        let mut chunks: Vec<&[KeyRecord]> = records.chunks(KEY_RECORDS_PER_CALL).collect();
+        if chunks.is_empty() {
+            chunks.push(&[]);
+        }
+        for (n, chunk) in chunks.into_iter().enumerate() {
+            let mut invocation = self.scripts.restore_keys.prepare_invoke();
             invocation
                 .arg(&self.keys.base)
                 .arg(&self.options.replica)
-                .arg(ttl);
-        })
-        .await
+                .arg(ttl)
+                .arg(&nonce)
+                .arg(u8::from(n == 0));
+            for record in chunk {
+                invocation
+                    .arg(record.client.as_str())
+                    .arg(&record.key)
+                    .arg(&record.operation);
+            }
+            let value = self
+                .call(&invocation)
+                .await
+                .map_err(|r| self.unavailable(r))?;
+            if value == Value::Int(-1) {
+                return Ok(None);
+            }
+        }
+        Ok(Some(nonce))
     }
 
     /// Unbinds each key from its operation (if it still names it), in calls of
@@ -1448,7 +1494,7 @@ impl Inner {
 
     /// The replace script with what `held` says now and `debts` (applied only if Redis lacks this
     /// replica's admissions for its epoch). The caller holds `registration` alone.
-    async fn replace_locked(&self, debts: &[RateDebt]) -> Result<(), Unavailable> {
+    async fn replace_locked(&self, debts: &[RateDebt], keyed: &str) -> Result<bool, Unavailable> {
         let sent = Instant::now();
         let replica = &self.options.replica;
         let mut fresh = [0u8; 16];
@@ -1475,6 +1521,7 @@ impl Inner {
             .arg(ttl_millis(self.options.lease_ttl))
             .arg(self.epoch().unwrap_or_default())
             .arg(&fresh)
+            .arg(keyed)
             .arg(known.len());
         for name in &known {
             invocation.arg(name);
@@ -1509,8 +1556,11 @@ impl Inner {
             .call(&invocation)
             .await
             .map_err(|r| self.unavailable(r))?;
-        let reply = reply::parse_replace(&value)
-            .map_err(|e| self.unavailable(UnavailableReason::Reply(e.to_string())))?;
+        let reply = match reply::parse_replace(&value) {
+            Ok(Replaced::Registered(reply)) => reply,
+            Ok(Replaced::Lacking) => return Ok(false),
+            Err(e) => return Err(self.unavailable(UnavailableReason::Reply(e.to_string()))),
+        };
         {
             let mut outbox = crate::sync::lock(&self.outbox);
             let mut index = 0;
@@ -1525,7 +1575,7 @@ impl Inner {
         *crate::sync::lock(&self.lease_until) = Some(sent + self.options.lease_ttl);
         // Relaxed: a statistic.
         self.lease_changes.fetch_add(1, Ordering::Relaxed);
-        Ok(())
+        Ok(true)
     }
 
     async fn reap(&self) -> Result<u64, Unavailable> {

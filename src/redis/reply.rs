@@ -373,8 +373,22 @@ fn flag(value: &Value) -> Option<bool> {
     }
 }
 
-/// Parses the replace script's reply: `{released, counted, epoch, recovering, restored}`.
-pub fn parse_replace(value: &Value) -> Result<ReplaceReply, ReplyError> {
+/// What the replace script did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Replaced {
+    /// The replica is registered.
+    Registered(ReplaceReply),
+    /// Nothing: Redis lacks this replica's key records (it forgot the deployment after the
+    /// replica checked, or during or after their restore); restore them and register again.
+    Lacking,
+}
+
+/// Parses the replace script's reply: `{released, counted, epoch, recovering, restored}`, or
+/// `lacking`.
+pub fn parse_replace(value: &Value) -> Result<Replaced, ReplyError> {
+    if text(value) == Some("lacking") {
+        return Ok(Replaced::Lacking);
+    }
     match array(value) {
         Some([released, counted, epoch, recovering, restored]) => {
             match (
@@ -389,13 +403,13 @@ pub fn parse_replace(value: &Value) -> Result<ReplaceReply, ReplyError> {
                         && epoch.len() <= 64
                         && epoch.bytes().all(|b| b.is_ascii_hexdigit()) =>
                 {
-                    Ok(ReplaceReply {
+                    Ok(Replaced::Registered(ReplaceReply {
                         released,
                         counted,
                         epoch: epoch.to_string(),
                         recovering,
                         restored,
-                    })
+                    }))
                 }
                 _ => Err(bad("replace", value)),
             }
@@ -682,6 +696,25 @@ mod tests {
             Ok(vec![("r1".to_string(), 4)])
         );
         assert!(parse_reaped(&Value::Array(vec![bulk("r1")])).is_err());
+        assert_eq!(parse_replace(&bulk("lacking")), Ok(Replaced::Lacking));
+        assert_eq!(
+            parse_replace(&Value::Array(vec![
+                Value::Int(1),
+                Value::Int(2),
+                bulk("0a"),
+                Value::Int(0),
+                Value::Int(1)
+            ])),
+            Ok(Replaced::Registered(ReplaceReply {
+                released: 1,
+                counted: 2,
+                epoch: "0a".to_string(),
+                recovering: false,
+                restored: true,
+            }))
+        );
+        assert!(parse_replace(&bulk("Lacking")).is_err());
+        assert!(parse_replace(&Value::Array(vec![bulk("lacking")])).is_err());
     }
 
     #[test]

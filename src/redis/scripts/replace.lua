@@ -9,7 +9,9 @@
 --       expected back, 9 the members hash (replica -> the epoch it last registered in).
 -- ARGV: 1 key base, 2 replica, 3 lease token, 4 lease time (ms), 5 the epoch this replica last
 --       registered in ('' if none: a new process), 6 a fresh epoch to use if there is none,
---       7 how many replicas it reports, then their names (the deployment as it knows it), then
+--       7 the nonce of the key records it restored just before (`restore_keys.lua`), '' for
+--       none, or '-' if it has none to restore (no recovery source), 8 how many replicas it
+--       reports, then their names (the deployment as it knows it), then
 --       how many rate debts, then per client: client, interval, span, debt (µs), then per
 --       operation: id, client, state (`p`, `a` or `e`).
 -- A registration that may have lowered a count is published as `*` on the notices channel: what
@@ -19,10 +21,20 @@
 -- a notice then could only end remembered refusals that are still Redis's answer.
 -- Reply: {operations released, operations counted, the epoch, recovering 0/1, restored 0/1}
 --        (restored: Redis lacked this replica's rate buckets and key records for this epoch,
---        and the rate debts were applied).
-local base, replica, known = ARGV[1], ARGV[2], ARGV[5]
+--        and the rate debts were applied) | 'lacking' (nothing done: Redis lacks this replica's
+--        key records — it forgot the deployment after the replica checked, or during or after
+--        their restore — so they must be restored, and the registration sent, again).
+local base, replica, known, keyed = ARGV[1], ARGV[2], ARGV[5], ARGV[7]
 local lease_ms = tonumber(ARGV[4])
 local epoch = redis.call('GET', KEYS[6])
+local marker = base .. ':keyed:' .. replica
+-- Whether Redis lacks this replica's part of the epoch (none at all, or this replica not
+-- registered in it), and if so whether the key records it restored are still here.
+if keyed ~= '-' and (not epoch or redis.call('HGET', KEYS[9], replica) ~= epoch)
+  and (keyed == '' or redis.call('GET', marker) ~= keyed) then
+  return 'lacking'
+end
+redis.call('DEL', marker)
 local fresh_epoch = false
 if not epoch then
   -- Nothing of this deployment is left in Redis (or it never ran): a new epoch, and a recovery
@@ -31,7 +43,7 @@ if not epoch then
   redis.call('SET', KEYS[6], epoch)
   fresh_epoch = true
 end
-local i = 7
+local i = 8
 local reported = tonumber(ARGV[i])
 local names = {}
 for j = 1, reported do
