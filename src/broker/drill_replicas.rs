@@ -237,11 +237,22 @@ async fn walk(dir: &Path, url: &str, replicas: usize) -> Vec<Step> {
             && pending == 2,
     ));
 
-    // 2. Free one slot, then send one key to every replica at once.
+    // 2. Free one slot, then send one key to every replica at once — once each replica has
+    //    heard of the release: until then it answers the client its remembered refusal (at
+    //    most for the refusal's hint), as it is meant to.
+    let forgotten =
+        |broker: &Broker| -> u64 { broker.admission().stats().refusals_forgotten.iter().sum() };
+    let before: Vec<u64> = brokers.iter().map(forgotten).collect();
     let freed = match created.pop() {
         Some((at, id)) => cancel(&http, &brokers[at], &id).await,
         None => 0,
     };
+    let heard = tokio::time::Instant::now() + Duration::from_secs(3);
+    while tokio::time::Instant::now() < heard
+        && brokers.iter().zip(&before).any(|(b, n)| forgotten(b) <= *n)
+    {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     let attempts = brokers.iter().map(|b| submit(&http, b, "same-key"));
     let answers = futures_join(attempts).await;
     let made = answers.iter().filter(|(s, _)| *s == 202).count();
@@ -249,10 +260,15 @@ async fn walk(dir: &Path, url: &str, replicas: usize) -> Vec<Step> {
         .iter()
         .filter(|(s, b)| *s == 409 && code(b) == "idempotency_key_elsewhere")
         .count();
+    let others: Vec<String> = answers
+        .iter()
+        .filter(|(s, b)| *s != 202 && !(*s == 409 && code(b) == "idempotency_key_elsewhere"))
+        .map(|(s, b)| format!("{s} {}", code(b)))
+        .collect();
     steps.push(step(
         "one idempotency key sent to every replica at once",
         "one 202, every other replica 409 idempotency_key_elsewhere",
-        format!("cancel {freed}; {made} created, {elsewhere} pointed elsewhere"),
+        format!("cancel {freed}; {made} created, {elsewhere} pointed elsewhere, others {others:?}"),
         freed == 200 && made == 1 && elsewhere == replicas - 1,
     ));
     for (i, (status, body)) in answers.iter().enumerate() {
