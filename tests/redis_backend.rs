@@ -701,6 +701,18 @@ async fn a_paused_redis_answers_unavailable_never_over_admits_and_releases_catch
     }
     assert_eq!(unavailable, 5);
     assert!(shared.stats().circuit_open);
+    // Reads that a broker takes while exempt paths may wait on it do not ask a Redis known
+    // not to answer: no wait, no call.
+    let errors = shared.stats().errors;
+    match shared.shared_holdings().await {
+        Err(u) => assert_eq!(u.reason, UnavailableReason::CircuitOpen),
+        Ok(held) => panic!("holdings read from a paused Redis: {held:?}"),
+    }
+    assert!(
+        shared.quota_now("amy").await.is_some(),
+        "this engine's quota"
+    );
+    assert_eq!(shared.stats().errors, errors, "no call was made");
     // Exempt paths keep working: the cancel answers now, its release is kept.
     assert_eq!(
         held.cancel().await,

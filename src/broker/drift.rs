@@ -25,7 +25,9 @@
 //! under this replica's name (operation id → state) with the store's live rows, and exports the
 //! operations on which they disagree as `admission_fleet_drift` (0 when the promise of SPEC
 //! section 7 holds; always 0 in-process). A Redis that does not answer skips that half of the
-//! reading (the gauge keeps its last value) rather than hold the gate past one call's timeout.
+//! reading (the gauge keeps its last value) rather than hold the gate past one call's timeout
+//! (the whole scan, every page, gets one), and one known not to answer (the circuit open) is
+//! not asked at all.
 
 use std::collections::BTreeMap;
 use std::fmt;

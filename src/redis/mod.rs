@@ -984,12 +984,18 @@ impl RedisController {
         &self,
     ) -> Result<std::collections::BTreeMap<String, OperationState>, Unavailable> {
         let inner = &self.inner;
+        // Its caller may hold what exempt paths wait for (the broker's counts gate): a Redis
+        // known not to answer is not asked, and the whole scan, every page, gets one call's time.
+        if inner.circuit.is_open() {
+            return Err(inner.unavailable(UnavailableReason::CircuitOpen));
+        }
+        let deadline = tokio::time::Instant::now() + inner.options.call_timeout;
         let mut conn = inner.conn.clone();
         let mut holdings = std::collections::BTreeMap::new();
         let mut cursor = 0u64;
         loop {
-            let (next, page): (u64, Vec<(String, String)>) = match tokio::time::timeout(
-                inner.options.call_timeout,
+            let (next, page): (u64, Vec<(String, String)>) = match tokio::time::timeout_at(
+                deadline,
                 redis::cmd("HSCAN")
                     .arg(&inner.keys.ops)
                     .arg(cursor)
