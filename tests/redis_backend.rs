@@ -1411,14 +1411,14 @@ async fn releases_kept_more_often_than_the_heartbeat_never_hold_the_lease_renewa
     let config = roomy_config(&["amy"]);
     let fast = |name: &str| {
         let mut o = options(&server, name);
-        o.lease_ttl = Duration::from_millis(600);
-        o.heartbeat = Duration::from_millis(150);
+        o.lease_ttl = Duration::from_millis(1200);
+        o.heartbeat = Duration::from_millis(200);
         o
     };
     let r1 = replica(config.clone(), fast("r1")).await;
     let r2 = replica(config, fast("r2")).await;
     // A permit dropped unanswered is released in the background: kept, and the heartbeat woken
-    // to send it. Four times a heartbeat period, for five lease lifetimes.
+    // to send it. Five times a heartbeat period, for two and a half lease lifetimes.
     let changes = r1.stats().lease_changes;
     let began = Instant::now();
     let mut admitted = 0;
@@ -1430,7 +1430,7 @@ async fn releases_kept_more_often_than_the_heartbeat_never_hold_the_lease_renewa
             }
             Err(other) => panic!("after {admitted} admissions: {other:?}"),
         }
-        tokio::time::sleep(Duration::from_millis(35)).await;
+        tokio::time::sleep(Duration::from_millis(40)).await;
     }
     assert_eq!(r2.reap().await.unwrap(), 0, "r1's lease never lapsed");
     assert_eq!(r1.stats().lease_changes, changes);
