@@ -580,21 +580,29 @@ async fn a_client_that_hangs_up_mid_wait_gives_its_wait_slots_back() {
     let max = unyolo_admission::broker::waits::MAX_WAITS_PER_CLIENT;
     // A separate client, so dropping it closes every connection the waits use.
     let impatient = reqwest::Client::new();
-    let waiters: Vec<_> = (0..max)
-        .map(|_| {
-            let request = impatient
-                .get(format!("{}{}", h.base, events(&id, 1, 30)))
-                .bearer_auth(AGENT_SECRET)
-                .send();
-            tokio::spawn(request)
-        })
-        .collect();
+    let wait = || {
+        let request = impatient
+            .get(format!("{}{}", h.base, events(&id, 1, 30)))
+            .bearer_auth(AGENT_SECRET)
+            .send();
+        tokio::spawn(request)
+    };
+    let mut waiters: Vec<_> = (0..max).map(|_| wait()).collect();
     let probe = events(&id, 1, 0);
     let deadline = Instant::now() + Duration::from_secs(120);
+    let mut replaced = 0;
     loop {
         let reply = h.get(&probe, Some(AGENT_SECRET)).await;
         if reply.status == 429 {
             break;
+        }
+        // A wait that arrived while a probe held a slot was refused (429) and has ended: send
+        // another in its place (a 30 s wait ends no sooner otherwise).
+        for waiter in waiters.iter_mut() {
+            if waiter.is_finished() && replaced < max {
+                replaced += 1;
+                *waiter = wait();
+            }
         }
         if Instant::now() >= deadline {
             // Say what was seen: the last probe, and how the waits that already ended ended.
