@@ -8,13 +8,9 @@ use std::time::Duration;
 
 use support::broker::start;
 use support::http::request;
-use support::quota::{Param, Quota};
+use support::quota::{FIVE_AN_HOUR, Param, Quota};
 use support::secrets::{AGENT, AGENT_SECRET, OTHER_SECRET};
 use unyolo_admission::{Config, Controller, Identity, ManualClock, RefusalCode};
-
-/// One token back every 12 minutes: nothing refills while a test runs.
-const FIVE_AN_HOUR: &str = r#"{"requests_per_window": 5, "window_seconds": 3600,
-  "client_active": 25, "client_pending": 10, "global_active": 100, "global_executing": 10}"#;
 
 #[tokio::test]
 async fn every_submission_outcome_carries_both_fields_exact_from_the_engine() {

@@ -10,7 +10,7 @@ use support::broker::{Harness, settings, start_shared, start_with};
 use support::eventually::eventually;
 use support::http::request;
 use support::metrics::metric;
-use support::quota::Quota;
+use support::quota::{FIVE_AN_HOUR, Quota};
 use support::secrets::{AGENT, AGENT_SECRET};
 use unyolo_admission::StorageCaps;
 use unyolo_admission::redis::RedisOptions;
@@ -561,10 +561,6 @@ async fn each_replicas_operator_listener_shows_and_decides_its_own_requests_only
     r1.broker.shutdown().await;
     r2.broker.shutdown().await;
 }
-
-/// One token back every 12 minutes: nothing refills while the test runs.
-const FIVE_AN_HOUR: &str = r#"{"requests_per_window": 5, "window_seconds": 3600,
-  "client_active": 25, "client_pending": 10, "global_active": 100, "global_executing": 10}"#;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replay_carries_the_deployments_quota_not_the_replicas_own() {

@@ -1056,6 +1056,13 @@ impl RedisController {
     }
 }
 
+/// 16 bytes of [`fill_random`] as 32 hex digits (an epoch, a restore's nonce).
+fn random_hex() -> String {
+    let mut bytes = [0u8; 16];
+    fill_random(&mut bytes);
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
 fn fill_random(bytes: &mut [u8]) {
     // Unique enough to tell two processes under one replica name apart: time, process, address.
     use std::hash::{BuildHasher, Hasher};
@@ -1433,21 +1440,61 @@ impl Inner {
     /// that Redis still holds them; `None` if Redis forgot them before the last call.
     async fn restore_keys(&self, records: &[KeyRecord]) -> Result<Option<String>, Unavailable> {
         let ttl = self.options.idempotency_ttl.map_or(0, ttl_millis);
-        let mut nonce = [0u8; 16];
-        fill_random(&mut nonce);
-        let nonce: String = nonce.iter().map(|b| format!("{b:02x}")).collect();
+        let nonce = random_hex();
+        let whole = self
+            .send_key_records(
+                &self.scripts.restore_keys,
+                records,
+                true,
+                |invocation, n| {
+                    invocation
+                        .arg(&self.keys.base)
+                        .arg(&self.options.replica)
+                        .arg(ttl)
+                        .arg(&nonce)
+                        .arg(u8::from(n == 0));
+                },
+            )
+            .await?;
+        if !whole {
+            return Ok(None);
+        }
+        Ok(Some(nonce))
+    }
+
+    /// Unbinds each key from its operation (if it still names it), in calls of
+    /// [`KEY_RECORDS_PER_CALL`]: the operations were retired, and a retired key is new work.
+    pub(crate) async fn retire_keys(&self, records: &[KeyRecord]) -> Result<(), Unavailable> {
+        self.send_key_records(
+            &self.scripts.retire_keys,
+            records,
+            false,
+            |invocation, _| {
+                invocation.arg(&self.keys.base);
+            },
+        )
+        .await
+        .map(|_| ())
+    }
+
+    /// Runs `script` over `records` in calls of [`KEY_RECORDS_PER_CALL`] (one at least, if
+    /// `at_least_once`, even with no record): `head` writes the script's leading arguments for
+    /// the `n`th call, then each record's client, key and operation follow. Whether every call
+    /// ran through: a call answering -1 (a restore whose marker Redis lost) ends the run.
+    async fn send_key_records(
+        &self,
+        script: &Script,
+        records: &[KeyRecord],
+        at_least_once: bool,
+        head: impl Fn(&mut redis::ScriptInvocation<'_>, usize),
+    ) -> Result<bool, Unavailable> {
         let mut chunks: Vec<&[KeyRecord]> = records.chunks(KEY_RECORDS_PER_CALL).collect();
-        if chunks.is_empty() {
+        if chunks.is_empty() && at_least_once {
             chunks.push(&[]);
         }
         for (n, chunk) in chunks.into_iter().enumerate() {
-            let mut invocation = self.scripts.restore_keys.prepare_invoke();
-            invocation
-                .arg(&self.keys.base)
-                .arg(&self.options.replica)
-                .arg(ttl)
-                .arg(&nonce)
-                .arg(u8::from(n == 0));
+            let mut invocation = script.prepare_invoke();
+            head(&mut invocation, n);
             for record in chunk {
                 invocation
                     .arg(record.client.as_str())
@@ -1459,43 +1506,10 @@ impl Inner {
                 .await
                 .map_err(|r| self.unavailable(r))?;
             if value == Value::Int(-1) {
-                return Ok(None);
+                return Ok(false);
             }
         }
-        Ok(Some(nonce))
-    }
-
-    /// Unbinds each key from its operation (if it still names it), in calls of
-    /// [`KEY_RECORDS_PER_CALL`]: the operations were retired, and a retired key is new work.
-    pub(crate) async fn retire_keys(&self, records: &[KeyRecord]) -> Result<(), Unavailable> {
-        self.send_key_records(&self.scripts.retire_keys, records, |invocation| {
-            invocation.arg(&self.keys.base);
-        })
-        .await
-    }
-
-    /// Runs `script` over `records` in calls of [`KEY_RECORDS_PER_CALL`]: `head` writes the
-    /// script's leading arguments, then each record's client, key and operation follow.
-    async fn send_key_records(
-        &self,
-        script: &Script,
-        records: &[KeyRecord],
-        head: impl Fn(&mut redis::ScriptInvocation<'_>),
-    ) -> Result<(), Unavailable> {
-        for chunk in records.chunks(KEY_RECORDS_PER_CALL) {
-            let mut invocation = script.prepare_invoke();
-            head(&mut invocation);
-            for record in chunk {
-                invocation
-                    .arg(record.client.as_str())
-                    .arg(&record.key)
-                    .arg(&record.operation);
-            }
-            self.call(&invocation)
-                .await
-                .map_err(|r| self.unavailable(r))?;
-        }
-        Ok(())
+        Ok(true)
     }
 
     /// The replace script with what `held` says now and `debts` (applied only if Redis lacks this
@@ -1503,9 +1517,7 @@ impl Inner {
     async fn replace_locked(&self, debts: &[RateDebt], keyed: &str) -> Result<bool, Unavailable> {
         let sent = Instant::now();
         let replica = &self.options.replica;
-        let mut fresh = [0u8; 16];
-        fill_random(&mut fresh);
-        let fresh: String = fresh.iter().map(|b| format!("{b:02x}")).collect();
+        let fresh = random_hex();
         let known: Vec<String> = crate::sync::lock(&self.known_replicas)
             .iter()
             .cloned()

@@ -7,6 +7,11 @@ use sfv::{BareItem, List, ListEntry, Parser};
 
 use super::http::Reply;
 
+/// Five tokens an hour (one back every 12 minutes: nothing refills while a test runs), roomy
+/// capacity.
+pub const FIVE_AN_HOUR: &str = r#"{"requests_per_window": 5, "window_seconds": 3600,
+  "client_active": 25, "client_pending": 10, "global_active": 100, "global_executing": 10}"#;
+
 /// One field: policy name → its parameters, as integers or strings.
 pub type Field = HashMap<String, HashMap<String, Param>>;
 
