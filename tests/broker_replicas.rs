@@ -7,6 +7,7 @@ mod support;
 use std::time::Duration;
 
 use support::broker::{Harness, settings, start_shared, start_with};
+use support::contract::assert_conforms;
 use support::eventually::eventually;
 use support::http::request;
 use support::metrics::metric;
@@ -601,6 +602,7 @@ async fn a_replay_carries_the_deployments_quota_not_the_replicas_own() {
     for _ in 0..2 {
         let replayed = r1.submit(AGENT_SECRET, &first).await;
         assert_eq!(replayed.status, 200, "{:?}", replayed.body);
+        assert_conforms("operation", &replayed.body, "a replay on another replica");
         let q = Quota::of(&replayed);
         for (name, param) in [("rate", "r"), ("active", "r"), ("pending", "r")] {
             assert_eq!(q.limit(name, param), decided.limit(name, param), "{name}");
@@ -642,6 +644,7 @@ async fn a_key_bound_by_a_replica_that_stopped_before_its_row_is_new_work_when_i
     let body = request("k-lost", "demo.request", 0);
     let elsewhere = r2.submit(AGENT_SECRET, &body).await;
     assert_eq!(elsewhere.status, 409, "{:?}", elsewhere.body);
+    assert_conforms("error_envelope", &elsewhere.body, "the key held elsewhere");
     assert_eq!(elsewhere.code(), "idempotency_key_elsewhere");
     assert!(
         elsewhere.body["error"]["message"]
@@ -655,6 +658,7 @@ async fn a_key_bound_by_a_replica_that_stopped_before_its_row_is_new_work_when_i
     let r1 = replica(&server, d1.path(), "r1").await;
     let created = r1.submit(AGENT_SECRET, &body).await;
     assert_eq!(created.status, 202, "{:?}", created.body);
+    assert_conforms("operation", &created.body, "a stale key decided afresh");
     assert_ne!(created.id(), lost);
     let replayed = r1.submit(AGENT_SECRET, &body).await;
     assert_eq!((replayed.status, replayed.id()), (200, created.id()));
