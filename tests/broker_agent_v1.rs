@@ -493,6 +493,41 @@ async fn missing_operations_and_unknown_routes_are_not_found() {
     assert_eq!((reply.status, reply.code()), (404, "not_found"));
 }
 
+/// Probes with `probe` (a zero-second wait) until the client's wait slots are full, and returns
+/// the refusal. The waits in `waiters` open in their own time on a busy machine, and one that
+/// arrives while a probe holds a slot is refused 429 and ends at once (a 30 s wait ends no sooner
+/// otherwise): each such one is sent again with `wait`, at most once per slot.
+async fn fill_wait_slots<T: std::fmt::Debug + Send + 'static>(
+    h: &support::broker::Harness,
+    probe: &str,
+    waiters: &mut [tokio::task::JoinHandle<T>],
+    wait: &impl Fn() -> tokio::task::JoinHandle<T>,
+) -> support::http::Reply {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let (slots, mut replaced) = (waiters.len(), Vec::new());
+    loop {
+        let reply = h.get(probe, Some(AGENT_SECRET)).await;
+        if reply.status == 429 {
+            return reply;
+        }
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        for waiter in waiters.iter_mut() {
+            if waiter.is_finished() && replaced.len() < slots {
+                let ended = std::mem::replace(waiter, wait());
+                replaced.push(format!("{:?}", ended.await));
+            }
+        }
+        if Instant::now() >= deadline {
+            panic!(
+                "the waits never filled the client's slots: the last probe got {} {}; \
+                 the waits sent again had ended with {replaced:?}",
+                reply.status, reply.body
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 #[tokio::test]
 async fn waits_are_bounded_per_client_never_block_others_and_end_at_shutdown() {
     let dir = tempfile::tempdir().unwrap();
@@ -512,36 +547,25 @@ async fn waits_are_bounded_per_client_never_block_others_and_end_at_shutdown() {
         .await
         .id();
     let max = unyolo_admission::broker::waits::MAX_WAITS_PER_CLIENT;
-    let waiters: Vec<_> = (0..max)
-        .map(|_| {
-            let (http, url) = (h.http.clone(), format!("{}{}", h.base, events(&id, 1, 30)));
-            tokio::spawn(async move {
-                let reply = http
-                    .get(url)
-                    .bearer_auth(AGENT_SECRET)
-                    .send()
-                    .await
-                    .unwrap();
-                (
-                    reply.status().as_u16(),
-                    reply.json::<Value>().await.unwrap(),
-                )
-            })
+    let wait = || {
+        let (http, url) = (h.http.clone(), format!("{}{}", h.base, events(&id, 1, 30)));
+        tokio::spawn(async move {
+            let reply = http
+                .get(url)
+                .bearer_auth(AGENT_SECRET)
+                .send()
+                .await
+                .unwrap();
+            (
+                reply.status().as_u16(),
+                reply.json::<Value>().await.unwrap(),
+            )
         })
-        .collect();
+    };
+    let mut waiters: Vec<_> = (0..max).map(|_| wait()).collect();
     // Once all are open, one more is refused (a zero-second probe, so a probe let in ends at once).
     let probe = events(&id, 1, 0);
-    // Probed until full: the 32 waits open in their own time on a busy machine.
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let refused = loop {
-        let reply = h.get(&probe, Some(AGENT_SECRET)).await;
-        if reply.status == 429 || Instant::now() > deadline {
-            break reply;
-        }
-        assert_eq!(reply.status, 200, "{}", reply.body);
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
-    assert_eq!(refused.status, 429, "{}", refused.body);
+    let refused = fill_wait_slots(&h, &probe, &mut waiters, &wait).await;
     assert_eq!(refused.code(), "too_many_waits");
     assert!(refused.retry_after().is_some_and(|s| s >= 1));
     // Nothing else of this client waits behind them, nor does any other client.
@@ -589,43 +613,7 @@ async fn a_client_that_hangs_up_mid_wait_gives_its_wait_slots_back() {
     };
     let mut waiters: Vec<_> = (0..max).map(|_| wait()).collect();
     let probe = events(&id, 1, 0);
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let mut replaced = 0;
-    loop {
-        let reply = h.get(&probe, Some(AGENT_SECRET)).await;
-        if reply.status == 429 {
-            break;
-        }
-        // A wait that arrived while a probe held a slot was refused (429) and has ended: send
-        // another in its place (a 30 s wait ends no sooner otherwise).
-        for waiter in waiters.iter_mut() {
-            if waiter.is_finished() && replaced < max {
-                replaced += 1;
-                *waiter = wait();
-            }
-        }
-        if Instant::now() >= deadline {
-            // Say what was seen: the last probe, and how the waits that already ended ended.
-            let mut ended = Vec::new();
-            for waiter in waiters {
-                if waiter.is_finished() {
-                    ended.push(match waiter.await {
-                        Ok(Ok(response)) => response.status().to_string(),
-                        Ok(Err(err)) => err.to_string(),
-                        Err(err) => err.to_string(),
-                    });
-                }
-            }
-            panic!(
-                "the waits never filled the client's slots: the last probe got {} {}; \
-                 {} of {max} waits had ended: {ended:?}",
-                reply.status,
-                reply.body,
-                ended.len()
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    fill_wait_slots(&h, &probe, &mut waiters, &wait).await;
     for waiter in &waiters {
         waiter.abort();
     }
