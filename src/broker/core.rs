@@ -187,11 +187,13 @@ impl LiveOp {
     }
 }
 
-/// The pending requests in the order they expire, and the bell rung when one is queued. The
-/// timeout is one for all, so creation order is expiry order and a FIFO suffices: a new request
-/// always expires after every one queued before it (restored ones are queued oldest first). An
-/// entry whose request was decided meanwhile is skipped when its time comes (it is held weakly,
-/// so a finished operation is not kept alive by the queue).
+/// The pending requests in the order they expire, and the bell rung when one is queued first.
+/// The timeout is one for all, so a new request nearly always expires after every one queued
+/// before it and goes at the back (restored ones are queued oldest first); two creations that
+/// finish out of order, or an expiry the store could not take (queued again, due a second
+/// later), go before whatever is due after them. An entry whose request was decided meanwhile is
+/// skipped when its time comes (it is held weakly, so a finished operation is not kept alive by
+/// the queue).
 #[derive(Default)]
 pub(crate) struct PendingExpiries {
     queue: Mutex<VecDeque<(SystemTime, Weak<LiveOp>)>>,
@@ -203,10 +205,20 @@ impl PendingExpiries {
         crate::sync::lock(&self.queue)
     }
 
-    /// Queues a pending request expiring at `at`.
+    /// Queues a pending request expiring at `at`, in order; rings the bell when it is the first
+    /// due, so a sweeper asleep until a later one wakes for it.
     pub(crate) fn push(&self, at: SystemTime, op: Weak<LiveOp>) {
-        self.queue().push_back((at, op));
-        self.bell.notify_one();
+        let mut queue = self.queue();
+        // Searched from the back, where a new request nearly always goes.
+        let place = queue
+            .iter()
+            .rposition(|(queued, _)| *queued <= at)
+            .map_or(0, |before| before + 1);
+        queue.insert(place, (at, op));
+        drop(queue);
+        if place == 0 {
+            self.bell.notify_one();
+        }
     }
 
     /// When the first queued request expires, if any is queued.
@@ -228,7 +240,8 @@ impl PendingExpiries {
         due
     }
 
-    /// Returns once a request is queued; a ring while nobody waits is kept for the next call.
+    /// Returns once a request is queued first; a ring while nobody waits is kept for the next
+    /// call.
     pub(crate) async fn rung(&self) {
         self.bell.notified().await;
     }
@@ -288,4 +301,49 @@ pub(crate) fn run_to_end<T: Send + 'static>(
 /// A fresh random id: `prefix`, `_`, 32 hex digits.
 pub(crate) fn new_id(prefix: &str) -> String {
     crate::admission::random_id(prefix)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(seconds: u64) -> SystemTime {
+        SystemTime::UNIX_EPOCH + Duration::from_secs(seconds)
+    }
+
+    #[test]
+    fn an_expiry_queued_again_after_a_store_fault_is_due_before_later_requests() {
+        let expiries = PendingExpiries::default();
+        expiries.push(at(10), Weak::new());
+        expiries.push(at(20), Weak::new());
+        assert!(expiries.take_due(at(10)).is_empty(), "held weakly: gone");
+        assert_eq!(expiries.next(), Some(at(20)));
+        // The first one's expiry failed: it is retried a second later, not after the second.
+        expiries.push(at(11), Weak::new());
+        assert_eq!(expiries.next(), Some(at(11)));
+        // Two creations finished out of order: the earlier one is still due first.
+        expiries.push(at(30), Weak::new());
+        expiries.push(at(25), Weak::new());
+        let order: Vec<SystemTime> = expiries.queue().iter().map(|(at, _)| *at).collect();
+        assert_eq!(order, [at(11), at(20), at(25), at(30)]);
+    }
+
+    #[tokio::test]
+    async fn the_bell_rings_only_for_a_request_queued_first() {
+        // Whether a ring is waiting: `rung` is ready at its first poll only then.
+        async fn rang(expiries: &PendingExpiries) -> bool {
+            tokio::select! {
+                biased;
+                () = expiries.rung() => true,
+                () = std::future::ready(()) => false,
+            }
+        }
+        let expiries = PendingExpiries::default();
+        expiries.push(at(20), Weak::new());
+        assert!(rang(&expiries).await, "the first request rings");
+        expiries.push(at(30), Weak::new());
+        assert!(!rang(&expiries).await, "a request due after the first rang");
+        expiries.push(at(10), Weak::new());
+        assert!(rang(&expiries).await, "a request due first rings");
+    }
 }

@@ -4,8 +4,9 @@
 //! the operation's lock), and its Agent V1 waiters woken.
 //!
 //! **A timer, not a poll.** The pending requests wait in the core's `PendingExpiries` in the order
-//! they expire (one timeout for all: creation order). The sweeper sleeps until the first one is
-//! due, or until a request is queued while none was; it never reads the store to find work.
+//! they expire (one timeout for all: creation order, but for an expiry retried after a store
+//! fault). The sweeper sleeps until the first one is due, or until a request is queued before
+//! it; it never reads the store to find work.
 //! [`Core::expire_due`] is also what a read that must see due expiries first calls (the
 //! operator's request list and decisions, as upstream applies due lifecycle changes before them).
 //!
@@ -24,7 +25,7 @@ const RETRY: Duration = Duration::from_secs(1);
 impl Core {
     /// Expires every pending request whose time has come (by the wall clock), oldest first, each
     /// run to its end; returns how many expired. A request whose expiry the store could not take
-    /// is queued again, due at once.
+    /// is queued again, due [`RETRY`] later (before any request due after that).
     pub(crate) async fn expire_due(self: &Arc<Self>) -> usize {
         let mut expired = 0;
         for op in self.expiries.take_due(SystemTime::now()) {
@@ -70,8 +71,11 @@ pub(crate) async fn run(core: Arc<Core>) {
                 let wait = at
                     .duration_since(SystemTime::now())
                     .unwrap_or(Duration::ZERO);
+                // Woken early by a request queued before that one (an expiry retried after a
+                // store fault by a decision's `settle_expiries`, say).
                 tokio::select! {
                     _ = tokio::time::sleep(wait) => {}
+                    _ = core.expiries.rung() => {}
                     _ = shutdown.wait_for(|stop| *stop) => return,
                 }
             }
