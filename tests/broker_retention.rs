@@ -276,6 +276,72 @@ async fn the_database_file_shrinks_after_a_large_sweep() {
     h.broker.shutdown().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sweeps_racing_uploads_never_take_a_stored_stream() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = TestClock::default();
+    // Room for every stream the test keeps (320).
+    let stream = unyolo_admission::StoreCaps {
+        global_files: 1_000,
+        client_files: 1_000,
+        ..StorageCaps::default().stream
+    };
+    let h = Arc::new(
+        start_with(BrokerSettings {
+            storage_caps: StorageCaps {
+                stream,
+                ..StorageCaps::default()
+            },
+            ..retaining(dir.path(), Keep::For(DAY), &clock)
+        })
+        .await,
+    );
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sweeping = {
+        let (h, stop) = (Arc::clone(&h), Arc::clone(&stop));
+        tokio::spawn(async move {
+            let (mut sweeps, mut rows, mut files) = (0, 0, 0);
+            while !stop.load(Ordering::Relaxed) {
+                let report = h.broker.sweep_now().await.unwrap();
+                (sweeps, rows, files) = (
+                    sweeps + 1,
+                    rows + report.stream_rows_removed,
+                    files + report.stream_files_removed,
+                );
+            }
+            (sweeps, rows, files)
+        })
+    };
+    // Uploads eight at a time, each answered 201 only once stored.
+    let mut stored = Vec::new();
+    for _ in 0..40 {
+        let batch: Vec<_> = (0..8)
+            .map(|_| {
+                let h = Arc::clone(&h);
+                tokio::spawn(async move { upload(&h, 512).await })
+            })
+            .collect();
+        for upload in batch {
+            stored.push(upload.await.unwrap());
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    let (sweeps, rows, files) = sweeping.await.unwrap();
+    assert!(sweeps > 0);
+    // Nothing was out of place, so nothing was removed: not a row, not a file.
+    assert_eq!((rows, files), (0, 0), "over {sweeps} sweeps");
+    let streams = dir.path().join("streams");
+    for id in &stored {
+        assert!(streams.join(id).exists(), "{id}: its file is gone");
+        assert!(
+            h.broker.database().get_stream(id).await.unwrap().is_some(),
+            "{id}: its row is gone"
+        );
+    }
+    assert_eq!(h.broker.check_drift().await.unwrap().total(), 0);
+    Arc::into_inner(h).unwrap().broker.shutdown().await;
+}
+
 #[tokio::test]
 async fn stream_rows_without_files_and_files_without_rows_are_reconciled() {
     let dir = tempfile::tempdir().unwrap();

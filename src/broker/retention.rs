@@ -389,16 +389,22 @@ pub(crate) async fn sweep(
     Ok(report)
 }
 
-/// Stream rows whose file is gone, and files with neither a row nor an upload in progress, under
-/// the counts gate: uploads record themselves and insert their row under it, so what is seen here
-/// is never half an upload. Returns (rows removed, files removed).
+/// Stream rows whose file is gone, and files with neither a row nor an upload in progress.
+/// Returns (rows removed, files removed).
+///
+/// Uploads run beside this (the counts gate is held shared by both), so what is read is read in
+/// the order an upload moves: an upload is recorded before its file exists and stays recorded
+/// until its row is in (or its file gone). Hence the files are listed first, then the uploads
+/// in progress, then the rows: a listed file whose upload had ended has its row among those
+/// read after. A row read with no listed file may be a stream stored since the listing: its file
+/// is looked for again before the row goes.
 async fn reconcile_streams(core: &Arc<Core>) -> Result<(u64, u64), StoreError> {
     let _quiet = core.hold_counts().await;
-    let rows = core.db.stream_ids().await?;
     let dir = core.db.streams_dir();
+    let listed = dir.clone();
     let files = tokio::task::spawn_blocking(move || {
         let mut names = std::collections::HashSet::new();
-        if let Ok(entries) = std::fs::read_dir(&dir) {
+        if let Ok(entries) = std::fs::read_dir(&listed) {
             for entry in entries.flatten() {
                 names.insert(entry.file_name().to_string_lossy().into_owned());
             }
@@ -408,9 +414,10 @@ async fn reconcile_streams(core: &Arc<Core>) -> Result<(u64, u64), StoreError> {
     .await
     .map_err(|e| StoreError::unfinished("the stream file listing", e))?;
     let uploading: std::collections::HashSet<String> = core.uploads().keys().cloned().collect();
+    let rows = core.db.stream_ids().await?;
     let mut rows_removed = 0;
     for (id, client) in &rows {
-        if files.contains(id) {
+        if files.contains(id) || tokio::fs::try_exists(dir.join(id)).await.unwrap_or(true) {
             continue;
         }
         if core.db.delete_stream(id).await? {
@@ -428,10 +435,7 @@ async fn reconcile_streams(core: &Arc<Core>) -> Result<(u64, u64), StoreError> {
         if with_rows.contains(name.as_str()) || uploading.contains(name) {
             continue;
         }
-        if tokio::fs::remove_file(core.db.streams_dir().join(name))
-            .await
-            .is_ok()
-        {
+        if tokio::fs::remove_file(dir.join(name)).await.is_ok() {
             files_removed += 1;
             tracing::warn!(stream = %name, "stream file without a row removed");
         }

@@ -16,7 +16,7 @@ use super::extract::{Client, OperationId, content_length};
 use crate::broker::core::{Core, new_id};
 use crate::broker::store::{StoreError, StreamRecord};
 use crate::config::Identity;
-use crate::engine::Store;
+use crate::engine::{StorageReservation, Store};
 
 pub(crate) async fn upload_stream(
     State(core): State<Arc<Core>>,
@@ -64,9 +64,25 @@ async fn store_stream(core: Arc<Core>, client: Identity, declared: u64, body: Bo
     let path = dir.join(&id);
     let written = write_stream(&dir, &path, body, declared).await;
 
-    // The body is complete (or never will be): settle or undo, under the gate.
+    // The body is complete (or never will be): settle or undo, under the gate. The upload stays
+    // recorded until its row is in or its file gone, so the retention sweep (which looks for a
+    // file's row only once the file has no upload) never takes a stored stream's file.
     let _quiet = core.hold_counts().await;
+    let answer = settle(&core, &client, &id, &path, written, reservation).await;
     core.uploads().remove(&id);
+    answer
+}
+
+/// Settles upload `id` whose body was `written` to `path`: the row in, the room kept, 201; or
+/// the file removed and the room released.
+async fn settle(
+    core: &Core,
+    client: &Identity,
+    id: &str,
+    path: &std::path::Path,
+    written: Result<u64, ApiError>,
+    reservation: StorageReservation,
+) -> ApiResult {
     // Undoing: the file goes; dropping the reservation or the stored object releases its room.
     async fn undo(path: &std::path::Path, err: ApiError) -> ApiResult {
         let _ = tokio::fs::remove_file(path).await;
@@ -76,23 +92,23 @@ async fn store_stream(core: Arc<Core>, client: Identity, declared: u64, body: Bo
         Ok(size) => size,
         Err(err) => {
             drop(reservation);
-            return undo(&path, err).await;
+            return undo(path, err).await;
         }
     };
     let stored = match reservation.settle(size) {
         Ok(stored) => stored,
-        Err(refusal) => return undo(&path, ApiError::refused(refusal)).await,
+        Err(refusal) => return undo(path, ApiError::refused(refusal)).await,
     };
     let row = StreamRecord {
-        id: id.clone(),
+        id: id.to_owned(),
         client_id: client.to_string(),
         size,
     };
     if let Err(err) = core.db.insert_stream(row).await {
         drop(stored);
-        return undo(&path, err.into()).await;
+        return undo(path, err.into()).await;
     }
-    core.stored_streams().insert(id.clone(), stored);
+    core.stored_streams().insert(id.to_owned(), stored);
     tracing::info!(stream = %id, client = %client, size, "stream stored");
     let mut response = json_response(StatusCode::CREATED, json!({"id": id, "size": size}));
     if let Ok(location) = HeaderValue::from_str(&format!("/api/agent/v1/streams/{id}")) {
