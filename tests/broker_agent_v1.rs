@@ -493,6 +493,55 @@ async fn missing_operations_and_unknown_routes_are_not_found() {
     assert_eq!((reply.status, reply.code()), (404, "not_found"));
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operation_read_while_it_is_being_created_is_canceled_or_decided_at_once() {
+    // A client whose submission's answer is slow finds its operation by key and cancels it; an
+    // operator approves a request as soon as it can be read. The row is readable a moment before
+    // the broker holds the operation live; a cancel in that moment must still cancel (not answer
+    // the pending operation unchanged), an approval must still approve (not 409).
+    let dir = tempfile::tempdir().unwrap();
+    let h = std::sync::Arc::new(start(dir.path(), ROOMY).await);
+    let (mut created, rounds) = (0, 400);
+    for i in 0..rounds {
+        let key = format!("race-{i}");
+        let submitting = {
+            let (h, body) = (std::sync::Arc::clone(&h), request(&key, "demo.request", 0));
+            tokio::spawn(async move { h.submit(AGENT_SECRET, &body).await })
+        };
+        let list = format!("/api/agent/v1/operations?idempotency_key={key}&limit=1");
+        let id = loop {
+            let found = h.get(&list, Some(AGENT_SECRET)).await;
+            assert_eq!(found.status, 200, "{}", found.body);
+            if let Some(op) = found.body["operations"].as_array().unwrap().first() {
+                break op["id"].as_str().unwrap().to_owned();
+            }
+        };
+        if i % 2 == 0 {
+            let canceled = h
+                .post(&format!("{}/cancel", op_path(&id)), Some(AGENT_SECRET))
+                .await;
+            assert_eq!(
+                (canceled.status, canceled.state()),
+                (200, "canceled"),
+                "{key}: {}",
+                canceled.body
+            );
+        } else {
+            let approved = h.operator.approve(&id).await;
+            assert_eq!(approved.status, 200, "{key}: {}", approved.body);
+        }
+        let answer = submitting.await.unwrap();
+        assert_eq!(answer.status, 202, "{}", answer.body);
+        created += 1;
+    }
+    assert_eq!(created, rounds);
+    std::sync::Arc::into_inner(h)
+        .unwrap()
+        .broker
+        .shutdown()
+        .await;
+}
+
 /// Probes with `probe` (a zero-second wait) until the client's wait slots are full, and returns
 /// the refusal. The waits in `waiters` open in their own time on a busy machine, and one that
 /// arrives while a probe holds a slot is refused 429 and ends at once (a 30 s wait ends no sooner

@@ -32,6 +32,27 @@ impl Core {
         self.live_ops().get(id).cloned()
     }
 
+    /// The live operation of `record` (read from the store), once its creation here has ended. A
+    /// new operation's row is committed (readable, its `request.created` event sent) a moment
+    /// before its creating task puts it in the live map, and that task holds the operation's key
+    /// lock throughout: a row read not terminal whose operation is not live is waited out on that
+    /// lock, so a cancel or a decision in that moment finds the operation live rather than
+    /// answering as if it had ended. Never call it holding the counts gate: a creation holding
+    /// the key's lock may be waiting for the gate.
+    pub(crate) async fn live_once_created(&self, record: &OperationRecord) -> Option<Arc<LiveOp>> {
+        if let Some(op) = self.live_op(&record.id) {
+            return Some(op);
+        }
+        if !record.state.is_terminal() {
+            drop(
+                self.key_lock(&record.client_id, &record.idempotency_key)
+                    .lock()
+                    .await,
+            );
+        }
+        self.live_op(&record.id)
+    }
+
     /// Moves `op` to `to` (not `executing`; see the executor): store first, then the handle,
     /// holding the counts gate and the operation's lock throughout. Owns what it needs, so it can
     /// run detached ([`run_to_end`]): once started, it ends whether or not anyone waits.
@@ -145,8 +166,14 @@ impl Core {
     ) -> Result<DecisionOutcome<R>, StoreError> {
         let core = Arc::clone(self);
         let work = async move {
+            let id = &command.scope.request_id;
+            if core.live_op(id).is_none()
+                && let Some(record) = core.db.get(id).await?
+            {
+                core.live_once_created(&record).await;
+            }
             let _quiet = core.hold_counts().await;
-            let op = core.live_op(&command.scope.request_id);
+            let op = core.live_op(id);
             let _guard = match &op {
                 Some(op) => Some(op.lock.lock().await),
                 None => None,

@@ -419,8 +419,8 @@ pub(crate) async fn cancel(
     OperationId(id): OperationId,
 ) -> ApiResult {
     let client = &client;
-    own_record(&core, client, &id).await?;
-    let Some(op) = core.live_op(&id) else {
+    let record = own_record(&core, client, &id).await?;
+    let Some(op) = core.live_once_created(&record).await else {
         // Terminal: canceling changes nothing. Read again, after the live lookup, so the answer
         // is not older than the terminal transition.
         let record = own_record(&core, client, &id).await?;
