@@ -647,3 +647,98 @@ fn refusals_counted_on_many_threads_at_once_sum_exactly() {
     );
     drop(held);
 }
+
+/// `bot`, 60 submissions a window of `window_seconds`, among `others` idle identities (whose
+/// buckets a reload rescales too, so the reload takes a while).
+fn windowed(window_seconds: u32, others: u32) -> Config {
+    let mut overrides: BTreeMap<Identity, ClientLimits> = (0..others)
+        .map(|k| {
+            (
+                id(&format!("idle{k}")),
+                ClientLimits {
+                    requests_per_window: 60,
+                    window_seconds,
+                    active: 1,
+                    pending: 1,
+                },
+            )
+        })
+        .collect();
+    overrides.insert(
+        id("bot"),
+        ClientLimits {
+            requests_per_window: 60,
+            window_seconds,
+            active: 60,
+            pending: 1,
+        },
+    );
+    let names: Vec<Identity> = overrides.keys().cloned().collect();
+    Config::new(
+        Limits {
+            requests_per_window: 60,
+            window_seconds: 60,
+            client_active: 60,
+            client_pending: 1,
+            global_active: 64,
+            global_executing: 64,
+        },
+        overrides,
+        names,
+    )
+    .unwrap()
+}
+
+#[test]
+fn admissions_racing_reloads_that_change_a_rate_never_find_a_token_in_an_empty_bucket() {
+    // Time stands still and `bot` has spent its whole burst. A reload keeps a bucket's fill
+    // level (here: empty) whatever the window becomes, so nothing may be admitted however the
+    // reloads between a 60 s and a 6 s window meet the admissions. One that read the old window
+    // against a bucket already rescaled to the new one would find tokens (6 s used of 60).
+    const RELOADS: usize = 150;
+    let configs = [windowed(60, 1_000), windowed(6, 1_000)];
+    let c = Controller::builder(configs[0].clone())
+        .clock(ManualClock::new())
+        .build();
+    for _ in 0..60 {
+        drop(c.admit("bot", false).expect("within the burst"));
+    }
+    assert!(c.admit("bot", false).is_err(), "the burst is spent");
+    let done = AtomicBool::new(false);
+    let (admitted, tried) = (
+        std::sync::atomic::AtomicU64::new(0),
+        std::sync::atomic::AtomicU64::new(0),
+    );
+    std::thread::scope(|s| {
+        for _ in 0..2 {
+            let (c, done, admitted, tried) = (&c, &done, &admitted, &tried);
+            s.spawn(move || {
+                while !done.load(Ordering::Relaxed) {
+                    tried.fetch_add(1, Ordering::Relaxed);
+                    if let Ok(permit) = c.admit("bot", false) {
+                        admitted.fetch_add(1, Ordering::Relaxed);
+                        drop(permit);
+                    }
+                }
+            });
+        }
+        for i in 0..RELOADS {
+            c.reload(configs[(i + 1) % 2].clone());
+        }
+        done.store(true, Ordering::Relaxed);
+    });
+    assert!(tried.load(Ordering::Relaxed) > 0);
+    assert_eq!(
+        admitted.load(Ordering::Relaxed),
+        0,
+        "admitted from an empty bucket during reloads ({} tried)",
+        tried.load(Ordering::Relaxed)
+    );
+    // Back on the 60 s window, the bucket is still exactly empty: a token is due in a second.
+    let refusal = c.admit("bot", false).expect_err("still empty");
+    assert_eq!(
+        refusal.code,
+        unyolo_admission::RefusalCode::SubmissionRateLimited
+    );
+    assert_eq!(refusal.retry_after, std::time::Duration::from_secs(1));
+}

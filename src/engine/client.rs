@@ -115,6 +115,9 @@ pub(crate) struct ClientSettings {
     pub(crate) active: u32,
     pub(crate) pending: u32,
     pub(crate) configured: bool,
+    /// A reload is rescaling this client's bucket to another rate: a decision on it (or a reading
+    /// of its bucket) waits for the settings that follow, which carry the new rate.
+    pub(crate) rescaling: bool,
 }
 
 /// Everything the controller knows about one client.

@@ -155,6 +155,7 @@ fn client_settings(limits: ClientLimits, configured: bool) -> ClientSettings {
         active: limits.active,
         pending: limits.pending,
         configured,
+        rescaling: false,
     }
 }
 
@@ -212,6 +213,10 @@ impl Controller {
         let limits = *client.settings(&settings);
         if !limits.configured {
             return Err(self.refuse_unconfigured());
+        }
+        if limits.rescaling {
+            drop(settings);
+            return self.admit_once_rescaled(identity, needs_approval);
         }
         let now = shared.clock.now();
         let global = &*shared.global;
@@ -280,6 +285,34 @@ impl Controller {
         client.bucket.give_back(limits.rate);
         let rate_wait = client.bucket.wait(now, limits.rate);
         Err(refuse(&client, &settings, code, rate_wait, needs_approval))
+    }
+
+    /// [`Controller::admit`] for a client whose bucket a reload is rescaling: waits for the
+    /// settings that follow, then decides.
+    #[cold]
+    fn admit_once_rescaled(&self, identity: &str, needs_approval: bool) -> Result<Permit, Refusal> {
+        self.wait_for_rescale(identity);
+        self.admit_str(identity, needs_approval)
+    }
+
+    /// Returns once no reload is rescaling `identity`'s bucket. A reload marks the clients whose
+    /// rate it changes, waits for the decisions already reading the settings before the mark,
+    /// rescales those buckets and puts the new settings in force: a few microseconds a client,
+    /// during which this yields the thread. (A decision reading unmarked settings holds them
+    /// through its take, so the rescale waits for it instead.)
+    pub(crate) fn wait_for_rescale(&self, identity: &str) {
+        loop {
+            let settings = self.inner.shared.settings.load();
+            let rescaling = settings
+                .table
+                .get(identity)
+                .is_some_and(|ClientKey(state)| state.settings(&settings).rescaling);
+            drop(settings);
+            if !rescaling {
+                return;
+            }
+            std::thread::yield_now();
+        }
     }
 
     fn refuse_unconfigured(&self) -> Refusal {
@@ -357,11 +390,17 @@ impl Controller {
         let Some(client) = self.client(identity.as_ref()) else {
             return;
         };
+        self.wait_for_rescale(identity.as_ref());
         let shared = &*self.inner.shared;
         let settings = shared.settings.load();
         let limits = *client.settings(&settings);
         if !limits.configured {
             return;
+        }
+        if limits.rescaling {
+            // A reload began meanwhile: replay in the rate it puts in force.
+            drop(settings);
+            return self.restore_rate(identity, admitted_ago);
         }
         let now = shared.clock.now();
         client.bucket.replay(
@@ -539,6 +578,7 @@ impl Controller {
         for state in tracked.iter() {
             slots[state.slot] = Some(ClientSettings {
                 configured: false,
+                rescaling: false,
                 ..current.clients[state.slot]
             });
         }
@@ -560,6 +600,22 @@ impl Controller {
         let mut new_states = Vec::new();
         // Until the new settings are in force, no refund reads a rate its bucket is not scaled to.
         let rescaling = lock(&shared.rescaling);
+        // Nor does a decision: the clients whose rate changes are marked first, and their buckets
+        // rescaled only once no decision reads the settings from before the mark.
+        let changing: Vec<usize> = tracked
+            .iter()
+            .filter(|state| {
+                config
+                    .effective(state.identity.as_str())
+                    .is_some_and(|limits| {
+                        client_settings(limits, true).rate != current.clients[state.slot].rate
+                    })
+            })
+            .map(|state| state.slot)
+            .collect();
+        if !changing.is_empty() {
+            self.mark_rescaling(&mut current, &changing);
+        }
         for identity in config.identities() {
             let limits = client_settings(
                 config
@@ -655,6 +711,27 @@ impl Controller {
             is_named(config, extra, &state.identity) || Arc::strong_count(state) > 1
         });
         states
+    }
+
+    /// Puts in force the settings `current` with the clients in `slots` marked `rescaling`, and
+    /// returns once no decision reads the settings that were in force before: from then until
+    /// the next swap nothing takes from those clients' buckets (see
+    /// [`Controller::wait_for_rescale`]), so they can be rescaled.
+    fn mark_rescaling(&self, current: &mut Arc<Settings>, slots: &[usize]) {
+        let mut marked = current.with_table(
+            current
+                .table
+                .iter()
+                .map(|key| ClientKey(Arc::clone(&key.0)))
+                .collect(),
+        );
+        for &slot in slots {
+            marked.clients[slot].rescaling = true;
+        }
+        let marked = Arc::new(marked);
+        let old = self.inner.shared.settings.swap(Arc::clone(&marked));
+        *current = marked;
+        free_when_unread(old);
     }
 
     /// What every handle shares: limits, global counts, time.

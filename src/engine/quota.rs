@@ -74,6 +74,11 @@ impl Controller {
         if !limits.configured {
             return None;
         }
+        if limits.rescaling {
+            drop(settings);
+            self.wait_for_rescale(identity);
+            return self.quota(identity);
+        }
         let configured = settings.config.effective(identity)?;
         Some(QuotaStatus::of(
             configured,
