@@ -247,14 +247,26 @@ fn rejecting_cases() -> Vec<(&'static str, String, &'static str, Rule)> {
             Rule::NotAnInteger,
         ),
         (
-            "minus zero",
+            "minus zero (an integer literal: zero)",
             top_with("client_active", "-0"),
             "client_active",
-            Rule::NotAnInteger,
+            Rule::Zero,
         ),
         (
-            "integer beyond 64 bits",
+            "integer beyond 64 bits (above the maximum)",
             top_with("global_active", "123456789012345678901234567890"),
+            "global_active",
+            Rule::AboveMaximum,
+        ),
+        (
+            "negative integer beyond 64 bits",
+            top_with("global_active", "-99999999999999999999"),
+            "global_active",
+            Rule::Negative,
+        ),
+        (
+            "exponent beyond a double",
+            top_with("global_active", "1e400"),
             "global_active",
             Rule::NotAnInteger,
         ),
@@ -630,6 +642,14 @@ fn arbitrary_bytes_never_panic() {
     }
     let deep = "[".repeat(60_000);
     assert!(Config::from_bytes(deep.as_bytes(), []).is_err());
+    // Well formed, but nested past any quota file: refused by depth, the stack untouched.
+    let balanced = format!("{{\"x\": {}{}}}", "[".repeat(30_000), "]".repeat(30_000));
+    let err = Config::from_bytes(balanced.as_bytes(), []).expect_err("too deep");
+    assert!(
+        err.to_string()
+            .ends_with("nested more than 64 deep; a quota file nests three deep"),
+        "{err}"
+    );
 }
 
 proptest::proptest! {
@@ -651,4 +671,49 @@ proptest::proptest! {
             proptest::prop_assert_eq!(again, config);
         }
     }
+}
+
+#[test]
+fn a_number_is_quoted_as_written_wherever_it_is() {
+    let cases = [
+        (
+            top_with("global_active", "6e1"),
+            "global_active: 6e1 is not an integer literal; write a whole number without a \
+             fraction or exponent, at most 1000000",
+        ),
+        (
+            top_with("global_active", "123456789012345678901234567890"),
+            "global_active: 123456789012345678901234567890 is above the maximum 1000000",
+        ),
+        (
+            top_with("client_active", "-0"),
+            "client_active: -0 is not allowed; limits are positive integers",
+        ),
+        (
+            bot_with(
+                r#""requests_per_window": 60, "window_seconds": 60, "active": 8, "pending": 1e400"#,
+            ),
+            "clients.bot-7.pending: 1e400 is not an integer literal; write a whole number \
+             without a fraction or exponent, at most 1000000",
+        ),
+        (
+            bot_with(
+                r#""requests_per_window": 60, "window_seconds": 90000, "active": 8, "pending": 4"#,
+            ),
+            "clients.bot-7.window_seconds: 90000 is above the maximum 86400",
+        ),
+    ];
+    for (input, want) in cases {
+        let err = Config::from_bytes(input.as_bytes(), identities()).expect_err(want);
+        assert_eq!(err.to_string(), want);
+    }
+    // A string's bad escape deep in the file is named by its path, with no position that would
+    // be the value's rather than the file's.
+    let input = bot_with(r#""requests_per_window": "\ud800", "window_seconds": 60"#);
+    let err = Config::from_bytes(input.as_bytes(), identities()).expect_err("a lone surrogate");
+    assert_eq!(
+        err.to_string(),
+        "clients.bot-7.requests_per_window: not valid JSON: unexpected end of hex escape"
+    );
+    assert_eq!(err.rule(), Rule::Syntax);
 }

@@ -12,7 +12,8 @@ use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::fmt;
 
 use serde::Serialize;
-use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
+use serde::de::{Deserialize, Deserializer, MapAccess, Visitor};
+use serde_json::value::RawValue;
 
 use super::error::{ConfigError, Rule, join_path, nearest};
 use super::validate::{check_limit, check_override_key};
@@ -40,17 +41,17 @@ pub(crate) const OVERRIDE_FIELDS: [&str; 4] =
 enum Node {
     Null,
     Bool,
-    /// A non-negative integer literal that fits in 64 bits.
-    Unsigned(u64),
-    /// A negative integer literal that fits in 64 bits.
-    Negative(i64),
-    /// Anything serde_json reads as a float: a fraction, an exponent, `-0`, or an integer literal
-    /// too large for 64 bits.
-    Float(f64),
+    /// A number, as its literal is written (`60`, `-0`, `6e1`, `1e400`, thirty digits): JSON's
+    /// grammar, already checked, and nothing converted, so a message can quote it and no value
+    /// is too large to be told apart.
+    Number(String),
     String(String),
     Array(Vec<Node>),
     Object(Vec<(String, Node)>),
 }
+
+/// How deep objects and arrays may nest (a quota file nests three deep).
+const MAX_DEPTH: usize = 64;
 
 impl Node {
     /// What this value is, for messages ("found an array").
@@ -58,77 +59,87 @@ impl Node {
         match self {
             Node::Null => "null",
             Node::Bool => "a boolean",
-            Node::Unsigned(_) | Node::Negative(_) => "an integer",
-            Node::Float(_) => "a number that is not an integer literal",
+            Node::Number(_) => "a number",
             Node::String(_) => "a string",
             Node::Array(_) => "an array",
             Node::Object(_) => "an object",
         }
     }
+
+    /// The tree of `raw`, a value whose syntax serde_json has checked. Objects and arrays are
+    /// read one level at a time, their members kept as raw text and read in turn, so a number is
+    /// never converted (serde_json would turn `1e400` into an error with no path, and thirty
+    /// digits into a float). `path` names the value in errors.
+    fn from_raw(raw: &RawValue, path: &str, depth: usize) -> Result<Node, ConfigError> {
+        let text = raw.get();
+        // The file's syntax is checked; what fails here is a string's content (a lone surrogate
+        // escape), and a position within this value would not be the file's: the path says where.
+        let unreadable = |e: serde_json::Error| {
+            let message = e.to_string();
+            let position = format!(" at line {} column {}", e.line(), e.column());
+            let message = message.strip_suffix(&position).unwrap_or(&message);
+            ConfigError::invalid(path, Rule::Syntax, format!("not valid JSON: {message}"))
+        };
+        match text.as_bytes().first() {
+            Some(b'-' | b'0'..=b'9') => Ok(Node::Number(text.to_owned())),
+            Some(b'n') => Ok(Node::Null),
+            Some(b't' | b'f') => Ok(Node::Bool),
+            Some(b'"') => serde_json::from_str(text)
+                .map(Node::String)
+                .map_err(unreadable),
+            Some(b'[' | b'{') if depth >= MAX_DEPTH => Err(ConfigError::invalid(
+                path,
+                Rule::Syntax,
+                format!("nested more than {MAX_DEPTH} deep; a quota file nests three deep"),
+            )),
+            Some(b'[') => {
+                let items: Vec<&RawValue> = serde_json::from_str(text).map_err(unreadable)?;
+                let items = items
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, item)| Node::from_raw(item, &format!("{path}[{i}]"), depth + 1))
+                    .collect::<Result<_, _>>()?;
+                Ok(Node::Array(items))
+            }
+            _ => {
+                let RawEntries(entries) = serde_json::from_str(text).map_err(unreadable)?;
+                let entries = entries
+                    .into_iter()
+                    .map(|(key, value)| {
+                        let child = Node::from_raw(value, &join_path(path, &key), depth + 1)?;
+                        Ok((key, child))
+                    })
+                    .collect::<Result<_, ConfigError>>()?;
+                Ok(Node::Object(entries))
+            }
+        }
+    }
 }
 
-impl<'de> Deserialize<'de> for Node {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Node, D::Error> {
-        deserializer.deserialize_any(NodeVisitor)
-    }
-}
+/// An object's members in document order, duplicates kept, each value as its raw text.
+struct RawEntries<'a>(Vec<(String, &'a RawValue)>);
 
-struct NodeVisitor;
+impl<'de: 'a, 'a> Deserialize<'de> for RawEntries<'a> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct EntriesVisitor;
 
-impl<'de> Visitor<'de> for NodeVisitor {
-    type Value = Node;
+        impl<'de> Visitor<'de> for EntriesVisitor {
+            type Value = RawEntries<'de>;
 
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a JSON value")
-    }
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a JSON object")
+            }
 
-    fn visit_unit<E: de::Error>(self) -> Result<Node, E> {
-        Ok(Node::Null)
-    }
-
-    fn visit_bool<E: de::Error>(self, _: bool) -> Result<Node, E> {
-        Ok(Node::Bool)
-    }
-
-    fn visit_u64<E: de::Error>(self, v: u64) -> Result<Node, E> {
-        Ok(Node::Unsigned(v))
-    }
-
-    fn visit_i64<E: de::Error>(self, v: i64) -> Result<Node, E> {
-        Ok(if v < 0 {
-            Node::Negative(v)
-        } else {
-            Node::Unsigned(v.unsigned_abs())
-        })
-    }
-
-    fn visit_f64<E: de::Error>(self, v: f64) -> Result<Node, E> {
-        Ok(Node::Float(v))
-    }
-
-    fn visit_str<E: de::Error>(self, v: &str) -> Result<Node, E> {
-        Ok(Node::String(v.to_owned()))
-    }
-
-    fn visit_string<E: de::Error>(self, v: String) -> Result<Node, E> {
-        Ok(Node::String(v))
-    }
-
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Node, A::Error> {
-        let mut items = Vec::new();
-        while let Some(item) = seq.next_element::<Node>()? {
-            items.push(item);
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawEntries<'de>, A::Error> {
+                let mut entries = Vec::new();
+                while let Some(key) = map.next_key::<String>()? {
+                    entries.push((key, map.next_value::<&RawValue>()?));
+                }
+                Ok(RawEntries(entries))
+            }
         }
-        Ok(Node::Array(items))
-    }
 
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Node, A::Error> {
-        let mut entries = Vec::new();
-        while let Some(key) = map.next_key::<String>()? {
-            let value = map.next_value::<Node>()?;
-            entries.push((key, value));
-        }
-        Ok(Node::Object(entries))
+        deserializer.deserialize_map(EntriesVisitor)
     }
 }
 
@@ -159,8 +170,10 @@ fn read_tree(bytes: &[u8]) -> Result<Node, ConfigError> {
             "the file is empty; a quota file is a JSON object",
         ));
     }
+    // The syntax of the whole file is checked here (every position in an error is the file's);
+    // the tree is then read from the raw text.
     let mut deserializer = serde_json::Deserializer::from_slice(bytes);
-    let root = Node::deserialize(&mut deserializer)
+    let root = <&RawValue>::deserialize(&mut deserializer)
         .map_err(|e| ConfigError::invalid("", Rule::Syntax, format!("not valid JSON: {e}")))?;
     deserializer.end().map_err(|e| {
         ConfigError::invalid(
@@ -169,7 +182,7 @@ fn read_tree(bytes: &[u8]) -> Result<Node, ConfigError> {
             format!("content after the JSON object: {e}"),
         )
     })?;
-    Ok(root)
+    Node::from_raw(root, "", 0)
 }
 
 /// Finds the first key that appears twice in one object, at any depth, in document order.
@@ -318,20 +331,7 @@ fn read_override(node: &Node, path: &str) -> Result<ClientLimits, ConfigError> {
 /// Reads one limit: a positive JSON integer literal within the field's bound.
 fn read_limit(node: &Node, path: &str, field: &str) -> Result<u32, ConfigError> {
     match node {
-        Node::Unsigned(v) => check_limit(*v, path, field),
-        Node::Negative(v) => Err(ConfigError::invalid(
-            path,
-            Rule::Negative,
-            format!("{v} is negative; limits are positive integers"),
-        )),
-        Node::Float(v) => Err(ConfigError::invalid(
-            path,
-            Rule::NotAnInteger,
-            format!(
-                "{v:?} is not an integer literal; write a whole number without a fraction or exponent, at most {}",
-                super::validate::maximum_for(field)
-            ),
-        )),
+        Node::Number(literal) => read_integer(literal, path, field),
         Node::String(s) => Err(ConfigError::invalid(
             path,
             Rule::NotAnInteger,
@@ -346,6 +346,47 @@ fn read_limit(node: &Node, path: &str, field: &str) -> Result<u32, ConfigError> 
             path,
             Rule::NotAnInteger,
             format!("expected a positive integer, found {}", other.kind()),
+        )),
+    }
+}
+
+/// Reads a number literal as a limit: an integer literal (`-0` is zero; one of any length above
+/// the maximum is above it), else not an integer (`60.0`, `6e1`), quoted as written.
+fn read_integer(literal: &str, path: &str, field: &str) -> Result<u32, ConfigError> {
+    let maximum = super::validate::maximum_for(field);
+    let (negative, digits) = match literal.strip_prefix('-') {
+        Some(digits) => (true, digits),
+        None => (false, literal),
+    };
+    if !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(ConfigError::invalid(
+            path,
+            Rule::NotAnInteger,
+            format!(
+                "{literal} is not an integer literal; write a whole number without a fraction or exponent, at most {maximum}"
+            ),
+        ));
+    }
+    if digits.bytes().all(|b| b == b'0') {
+        return Err(ConfigError::invalid(
+            path,
+            Rule::Zero,
+            format!("{literal} is not allowed; limits are positive integers"),
+        ));
+    }
+    if negative {
+        return Err(ConfigError::invalid(
+            path,
+            Rule::Negative,
+            format!("{literal} is negative; limits are positive integers"),
+        ));
+    }
+    match digits.parse::<u64>() {
+        Ok(value) => check_limit(value, path, field),
+        Err(_) => Err(ConfigError::invalid(
+            path,
+            Rule::AboveMaximum,
+            format!("{literal} is above the maximum {maximum}"),
         )),
     }
 }
