@@ -45,13 +45,7 @@ pub(crate) fn classify(core: &Core, head: &Parts) -> Class {
     if exempt {
         return Class::Exempt;
     }
-    let cost = match (&head.method, segments.as_slice()) {
-        (&Method::POST, ["api", "agent", "v1", "operations" | "streams"]) => {
-            BODY_COST + size_cost(head)
-        }
-        (&Method::GET, ["api", "agent", "v1", "operations"]) => 1 + page_limit(head) / 10,
-        _ => 1,
-    };
+    let cost = cost(head, &segments);
     let client = head
         .headers
         .get(header::AUTHORIZATION)
@@ -63,13 +57,31 @@ pub(crate) fn classify(core: &Core, head: &Parts) -> Class {
     }
 }
 
-/// The units a body's declared size adds (none when it declares none, or a bad one: the handler
-/// answers that).
+/// The units the request with head `head` (its path split into `segments`) costs.
+fn cost(head: &Parts, segments: &[&str]) -> u32 {
+    match (&head.method, segments) {
+        (&Method::POST, ["api", "agent", "v1", "operations" | "streams"]) => {
+            BODY_COST + size_cost(head)
+        }
+        // A `HEAD` is answered by the `GET` handler: it reads and renders the same page.
+        (&Method::GET | &Method::HEAD, ["api", "agent", "v1", "operations"]) => {
+            1 + page_limit(head) / 10
+        }
+        _ => 1,
+    }
+}
+
+/// The units a body's declared size adds: a body that declares no length (chunked) may be a
+/// whole submission, and the handler holds room for one while it reads it, so it costs that; a
+/// bad length adds none (the handler answers it at once).
 fn size_cost(head: &Parts) -> u32 {
-    let declared = head
-        .headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|value| value.to_str().ok()?.parse::<u64>().ok())
+    let Some(length) = head.headers.get(header::CONTENT_LENGTH) else {
+        return MAX_SIZE_COST;
+    };
+    let declared = length
+        .to_str()
+        .ok()
+        .and_then(|value| value.parse::<u64>().ok())
         .unwrap_or(0);
     u32::try_from(declared / BODY_UNIT_BYTES).map_or(MAX_SIZE_COST, |n| n.min(MAX_SIZE_COST))
 }
@@ -102,12 +114,38 @@ mod tests {
 
     #[test]
     fn a_body_costs_one_more_unit_per_64_kib_it_declares_up_to_a_whole_submission() {
-        assert_eq!(size_cost(&head(None)), 0);
+        // Chunked, it may be a whole submission: the handler holds room for one.
+        assert_eq!(size_cost(&head(None)), MAX_SIZE_COST);
+        assert_eq!(size_cost(&head(Some("0"))), 0);
         assert_eq!(size_cost(&head(Some("300"))), 0);
         assert_eq!(size_cost(&head(Some("65536"))), 1);
         assert_eq!(size_cost(&head(Some("1048576"))), 16);
         assert_eq!(size_cost(&head(Some("536870912"))), MAX_SIZE_COST);
         assert_eq!(size_cost(&head(Some("99999999999999999999999"))), 0);
         assert_eq!(size_cost(&head(Some("ten"))), 0);
+    }
+
+    #[test]
+    fn a_page_costs_the_same_asked_with_head_and_a_chunked_submission_a_whole_one() {
+        let of = |method: Method, uri: &str, length: Option<&str>| {
+            let mut request = Request::builder().method(method).uri(uri);
+            if let Some(length) = length {
+                request = request.header(header::CONTENT_LENGTH, length);
+            }
+            let head = request.body(()).unwrap().into_parts().0;
+            let segments: Vec<&str> = head.uri.path().trim_matches('/').split('/').collect();
+            cost(&head, &segments)
+        };
+        let page = "/api/agent/v1/operations?limit=50";
+        assert_eq!(of(Method::GET, page, None), 6);
+        assert_eq!(of(Method::HEAD, page, None), 6);
+        let submit = "/api/agent/v1/operations";
+        assert_eq!(of(Method::POST, submit, Some("300")), BODY_COST);
+        assert_eq!(of(Method::POST, submit, None), BODY_COST + MAX_SIZE_COST);
+        assert_eq!(
+            of(Method::POST, submit, Some("1048576")),
+            BODY_COST + MAX_SIZE_COST
+        );
+        assert_eq!(of(Method::GET, "/api/agent/v1/operations/op_1", None), 1);
     }
 }
