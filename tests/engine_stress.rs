@@ -742,3 +742,75 @@ fn admissions_racing_reloads_that_change_a_rate_never_find_a_token_in_an_empty_b
     );
     assert_eq!(refusal.retry_after, std::time::Duration::from_secs(1));
 }
+
+#[test]
+fn snapshots_racing_reloads_that_change_a_rate_show_no_phantom_tokens() {
+    // As above, `bot`'s bucket is empty and time stands still; a snapshot read while a reload
+    // rescales it must not read the bucket in the rate it is leaving (59 tokens of 60).
+    const RELOADS: usize = 150;
+    let configs = [windowed(60, 1_000), windowed(1, 1_000)];
+    let c = Controller::builder(configs[0].clone())
+        .clock(ManualClock::new())
+        .build();
+    for _ in 0..60 {
+        drop(c.admit("bot", false).expect("within the burst"));
+    }
+    let done = AtomicBool::new(false);
+    let read = std::sync::atomic::AtomicU64::new(0);
+    std::thread::scope(|s| {
+        let (c, done, read) = (&c, &done, &read);
+        s.spawn(move || {
+            while !done.load(Ordering::Relaxed) {
+                let snapshot = c.snapshot();
+                let bot = snapshot.client("bot").expect("configured");
+                assert_eq!(bot.tokens, 0, "a snapshot during a reload");
+                read.fetch_add(1, Ordering::Relaxed);
+            }
+        });
+        for i in 0..RELOADS {
+            c.reload(configs[(i + 1) % 2].clone());
+        }
+        done.store(true, Ordering::Relaxed);
+    });
+    assert!(read.load(Ordering::Relaxed) > 0);
+}
+
+#[test]
+fn a_restore_racing_a_reload_never_puts_the_old_configuration_back() {
+    // Restoring work of an identity no longer configured applies the configuration in force
+    // (to track it): read before the reload and applied after, it would undo the reload.
+    const ROUNDS: u64 = 300;
+    let limits = |global_active: u32| {
+        Config::new(
+            Limits {
+                requests_per_window: 1_000,
+                window_seconds: 60,
+                client_active: 4,
+                client_pending: 2,
+                global_active,
+                global_executing: 2,
+            },
+            BTreeMap::new(),
+            [id("a")],
+        )
+        .unwrap()
+    };
+    let c = Controller::builder(limits(8))
+        .clock(ManualClock::new())
+        .build();
+    let mut restored = Vec::new();
+    for round in 0..ROUNDS {
+        let wanted = limits(if round % 2 == 0 { 7 } else { 8 });
+        let op = std::thread::scope(|s| {
+            let restoring = s.spawn(|| c.restore(format!("gone{round}"), OperationState::Pending));
+            c.reload(wanted.clone());
+            restoring.join().unwrap()
+        });
+        restored.push(op.expect("restored"));
+        assert_eq!(c.config(), wanted, "round {round}: the reload was undone");
+    }
+    for op in restored {
+        op.cancel().expect("live until now");
+    }
+    assert!(c.snapshot().is_idle());
+}

@@ -97,6 +97,9 @@ use crate::metrics::Snapshot;
 pub struct Admission {
     local: Controller,
     shared: Option<SharedController>,
+    /// One reload at a time: each applies its configuration here and then hands the one in
+    /// force to the shared store, so two racing reloads cannot leave the two on different ones.
+    reloading: std::sync::Arc<std::sync::Mutex<()>>,
 }
 
 impl std::fmt::Debug for Admission {
@@ -127,6 +130,7 @@ impl Admission {
         Admission {
             local: controller,
             shared: None,
+            reloading: std::sync::Arc::default(),
         }
     }
 
@@ -149,6 +153,7 @@ impl Admission {
         Ok(Admission {
             local: controller,
             shared: Some(shared),
+            reloading: std::sync::Arc::default(),
         })
     }
 
@@ -318,6 +323,7 @@ impl Admission {
     /// Swaps in a new, already validated configuration for the next decisions (every replica
     /// applies its own reloads).
     pub fn reload(&self, config: Config) {
+        let _one = crate::sync::lock(&self.reloading);
         self.local.reload(config);
         self.follow_reload();
     }
@@ -325,6 +331,7 @@ impl Admission {
     /// Re-reads the quota file at `path` for the identities in force; an invalid file leaves
     /// the old configuration in force and is counted.
     pub fn reload_from_path(&self, path: &Path) -> Result<(), ConfigError> {
+        let _one = crate::sync::lock(&self.reloading);
         self.local.reload_from_path(path)?;
         self.follow_reload();
         Ok(())
@@ -337,6 +344,7 @@ impl Admission {
         path: Option<&Path>,
         identities: I,
     ) -> Result<(), ConfigError> {
+        let _one = crate::sync::lock(&self.reloading);
         self.local.reload_from_optional_path(path, identities)?;
         self.follow_reload();
         Ok(())

@@ -144,7 +144,7 @@ impl ControllerBuilder {
                 reloads_failed: StdAtomicU64::new(0),
             }),
         };
-        controller.apply(self.config, None);
+        controller.apply(Some(self.config), None);
         controller
     }
 }
@@ -449,8 +449,9 @@ impl Controller {
         if let Some(client) = self.client(identity.as_str()) {
             return client;
         }
-        let config = self.inner.shared.settings.load().config.clone();
-        self.apply(config, Some(identity));
+        // The configuration in force when it is applied (not read here: a reload in between
+        // would be undone).
+        self.apply(None, Some(identity));
         self.client(identity.as_str())
             .expect("apply tracks the extra identity")
     }
@@ -477,7 +478,7 @@ impl Controller {
     /// operations still release correctly. A limit lowered below current usage refuses new work
     /// until usage drains.
     pub fn reload(&self, config: Config) {
-        self.apply(config, None);
+        self.apply(Some(config), None);
         // Relaxed: a statistic.
         self.inner.reloads_ok.fetch_add(1, Ordering::Relaxed);
     }
@@ -545,12 +546,13 @@ impl Controller {
         self.inner.reloads_failed.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Installs `config` (and tracks `extra`, an unconfigured identity met while restoring).
+    /// Installs `config`, or the configuration in force for `None` (and tracks `extra`, an
+    /// unconfigured identity met while restoring).
     ///
     /// A decision finds a client and its slot's limits in the same settings, so it never reads a
     /// slot that is not its own as long as a slot is reused only once nothing can reach the state
     /// that had it: `forget_unheld` sees to that. Admissions take none of the locks used here.
-    fn apply(&self, config: Config, extra: Option<&Identity>) {
+    fn apply(&self, config: Option<Config>, extra: Option<&Identity>) {
         let mut guard = lock(&self.inner.reloading);
         let Reloading { retired } = &mut *guard;
         let shared = &self.inner.shared;
@@ -560,6 +562,7 @@ impl Controller {
             free_when_unread(old);
         }
         let mut current = shared.settings.load_full();
+        let config = config.unwrap_or_else(|| current.config.clone());
         // The same configuration again (a SIGHUP with an unchanged file), with no identity to add
         // and none draining to forget: nothing to swap.
         let nothing_new = extra.is_none_or(|identity| current.table.contains(identity.as_str()));
@@ -616,6 +619,9 @@ impl Controller {
         if !changing.is_empty() {
             self.mark_rescaling(&mut current, &changing);
         }
+        // Read again: decisions spent tokens while this waited (for the readers, the refunds,
+        // the marked decisions), and a rescale measures the use up to the instant it scales.
+        let now = shared.clock.now();
         for identity in config.identities() {
             let limits = client_settings(
                 config
@@ -757,8 +763,16 @@ impl Controller {
     /// A lock-free reading of every count, for metrics and tests.
     pub fn snapshot(&self) -> Snapshot {
         let shared = &self.inner.shared;
-        // The states and their slots' limits from the same settings, as `admit` reads them.
-        let settings = shared.settings.load();
+        // The states and their slots' limits from the same settings, as `admit` reads them; none
+        // marked as being rescaled (a bucket read in the rate it is leaving shows phantom tokens).
+        let settings = loop {
+            let settings = shared.settings.load();
+            if !settings.clients.iter().any(|limits| limits.rescaling) {
+                break settings;
+            }
+            drop(settings);
+            std::thread::yield_now();
+        };
         let states = settings.table.iter().map(|key| &*key.0);
         let now = shared.clock.now();
         let mut clients: Vec<ClientSnapshot> = states
@@ -1064,6 +1078,46 @@ mod tests {
 
     fn controller() -> Controller {
         Controller::new(Config::defaults([Identity::new("a").expect("valid")]))
+    }
+
+    /// `a` alone, `requests` a window of `window_seconds`.
+    fn rate_of_a(requests: u32, window_seconds: u32) -> Config {
+        let json = format!(
+            r#"{{"requests_per_window": {requests}, "window_seconds": {window_seconds},
+                "client_active": 10, "client_pending": 1, "global_active": 10,
+                "global_executing": 10}}"#
+        );
+        Config::from_bytes(json.as_bytes(), [Identity::new("a").expect("valid")]).expect("valid")
+    }
+
+    #[test]
+    fn a_rescale_measures_the_tokens_spent_while_the_reload_waited() {
+        // The reload waits for a refund in progress (here: the test holding the lock) while the
+        // client spends its whole burst; the rescale must count all of it, or the shorter window
+        // hands out the part spent during the wait.
+        let clock = crate::ManualClock::new();
+        let c = Controller::builder(rate_of_a(1000, 60))
+            .clock(clock.clone())
+            .build();
+        let refund_in_progress = lock(&c.inner.shared.rescaling);
+        std::thread::scope(|s| {
+            let reload = s.spawn(|| c.reload(rate_of_a(1000, 1)));
+            // The reload has read the time and waits for the lock (nothing else it does waits).
+            while c.inner.reloading.try_lock().is_ok() {
+                std::thread::yield_now();
+            }
+            std::thread::sleep(Duration::from_millis(20));
+            clock.advance(Duration::from_millis(50));
+            let mut spent = 0;
+            while c.admit("a", false).is_ok() {
+                spent += 1;
+            }
+            assert_eq!(spent, 1000, "the whole burst, in the old window");
+            drop(refund_in_progress);
+            reload.join().expect("the reload ends");
+        });
+        let quota = c.quota("a").expect("configured");
+        assert_eq!(quota.rate.remaining, 0, "{quota:?}");
     }
 
     #[test]
