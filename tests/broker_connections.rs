@@ -84,6 +84,45 @@ fn flood(addr: SocketAddr, prefix: Vec<u8>, stop: watch::Receiver<bool>) -> Join
     tasks
 }
 
+/// `FLOOD` keep-alive connections, each asking `/healthz` again 300 ms after each answer (so none
+/// is ever idle for long), reconnecting when the server closes it, until `stop`.
+fn cycling_flood(addr: SocketAddr, stop: watch::Receiver<bool>) -> JoinSet<()> {
+    let mut tasks = JoinSet::new();
+    for _ in 0..FLOOD {
+        let mut stop = stop.clone();
+        tasks.spawn(async move {
+            while !*stop.borrow() {
+                let Ok(mut stream) = TcpStream::connect(addr).await else {
+                    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                    continue;
+                };
+                'asking: loop {
+                    let ask = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n";
+                    if stream.write_all(ask).await.is_err() {
+                        break;
+                    }
+                    let mut answer = Vec::new();
+                    let mut chunk = [0u8; 1024];
+                    while !answer.ends_with(b"{\"ok\":true}") {
+                        tokio::select! {
+                            read = stream.read(&mut chunk) => match read {
+                                Ok(0) | Err(_) => break 'asking,
+                                Ok(n) => answer.extend_from_slice(&chunk[..n]),
+                            },
+                            _ = stop.changed() => return,
+                        }
+                    }
+                    tokio::select! {
+                        () = tokio::time::sleep(std::time::Duration::from_millis(300)) => {}
+                        _ = stop.changed() => return,
+                    }
+                }
+            }
+        });
+    }
+    tasks
+}
+
 /// Two operations awaiting the operator, submitted before a flood: one to cancel, one to
 /// approve.
 async fn two_pending(server: &Server) -> (String, String) {
@@ -283,13 +322,24 @@ fn stalled_submission() -> String {
 /// `prefix` and stall, and shows `/healthz`, a cancel and an approval answered meanwhile, the
 /// broker alive and its operations intact afterwards.
 async fn flood_leaves_health_cancel_and_approve_reachable(flags: &[&str], prefix: &[u8]) {
+    flooded_leaves_health_cancel_and_approve_reachable(flags, |addr, stopped| {
+        flood(addr, prefix.to_vec(), stopped)
+    })
+    .await;
+}
+
+/// As [`flood_leaves_health_cancel_and_approve_reachable`], with the flood `flood` starts.
+async fn flooded_leaves_health_cancel_and_approve_reachable(
+    flags: &[&str],
+    flood: impl FnOnce(SocketAddr, watch::Receiver<bool>) -> JoinSet<()>,
+) {
     let dir = tempfile::tempdir().unwrap();
     let files = Files::write(dir.path(), LIMITS);
     let mut server = Server::spawn(Some(FILE_LIMIT), &serve_args(&files, flags));
     let (cancel, approve) = two_pending(&server).await;
 
     let (stop, stopped) = watch::channel(false);
-    let mut floods = flood(server.addr, prefix.to_vec(), stopped);
+    let mut floods = flood(server.addr, stopped);
     // Wait until the flood holds every connection the broker will take.
     assert!(
         eventually(async || server.logged().contains("connection limit reached")).await,
@@ -338,6 +388,14 @@ async fn a_flood_of_stalled_bodies_at_the_file_limit_leaves_health_cancel_and_ap
         stalled_submission().as_bytes(),
     )
     .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_busy_keep_alive_connections_leaves_health_cancel_and_approve_reachable() {
+    // Every connection asks again well within the grace a newcomer's head gets, so none is ever
+    // idle for long: a kept-alive connection between requests makes room all the same.
+    flooded_leaves_health_cancel_and_approve_reachable(&["--header-timeout", "1h"], cycling_flood)
+        .await;
 }
 
 #[test]

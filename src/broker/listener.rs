@@ -20,7 +20,9 @@
 //!   connection that has been idle longest (no request in progress, a request being in progress
 //!   until its response body is sent, so an open event stream is never idle: silent, half a head, or kept
 //!   alive), so a flood of half-open connections cannot queue `/healthz` or an operator decision
-//!   behind itself. When none is idle, a connection stuck on a body that breaks the deadline or
+//!   behind itself. A new connection gets a moment's grace for its head to arrive; one kept alive
+//!   after an answer gets none, so connections that each ask again every few hundred
+//!   milliseconds cannot hold every place either. When none is idle, a connection stuck on a body that breaks the deadline or
 //!   the minimum rate makes room instead, closed as if its client had hung up (its handler was
 //!   still reading the body: nothing was decided yet). Only when every connection has a request
 //!   in progress that is not stuck on its body does the newcomer wait for one to end. This part is
@@ -542,10 +544,12 @@ impl OpenConnections {
         self.lock().remove(&id);
     }
 
-    /// Asks the connection idle longest to close, if one has been idle for [`EVICTION_GRACE`];
-    /// else the one stuck longest on a body that breaks `limits`; none if every one has a
-    /// request in progress that is not stuck, or has only just become idle (a newcomer whose
-    /// head is still on its way).
+    /// Asks the connection idle longest to close, if one is idle between requests (kept alive
+    /// after an answer) or has been idle for [`EVICTION_GRACE`]; else the one stuck longest on a
+    /// body that breaks `limits`; none if every one has a request in progress that is not stuck,
+    /// or is new and has only just become idle (a newcomer whose head is still on its way). A
+    /// kept-alive connection makes room however briefly it has idled: connections that each ask
+    /// again within the grace would otherwise hold every place.
     fn evict_one(&self, limits: &BodyLimits) {
         let open = self.lock();
         let longest = open
@@ -553,7 +557,9 @@ impl OpenConnections {
             // Relaxed: a hint; the connection's task checks again before it closes.
             .filter(|state| state.requests.load(Ordering::Relaxed) == 0)
             .map(|state| (*crate::sync::lock(&state.idle_since), state))
-            .filter(|(since, _)| since.elapsed() >= EVICTION_GRACE)
+            .filter(|(since, state)| {
+                state.bodies.load(Ordering::Relaxed) > 0 || since.elapsed() >= EVICTION_GRACE
+            })
             .min_by_key(|(since, _)| *since);
         let now = Instant::now();
         let chosen = longest.map(|(_, state)| state).or_else(|| {
