@@ -64,9 +64,11 @@ use tower_http::timeout::RequestBodyTimeout;
 mod body;
 #[cfg(test)]
 mod slow_bodies;
+mod write_deadline;
 
 pub use body::{BodyCutOff, BodyMetrics, CutOffReason, body_cut_off};
 use body::{BodyLimits, BodyProgress, LimitedBody};
+use write_deadline::WriteDeadline;
 
 /// The default [`ConnectionSettings::header_timeout`].
 pub const DEFAULT_HEADER_TIMEOUT: Duration = Duration::from_secs(10);
@@ -113,7 +115,8 @@ pub struct ConnectionSettings {
     /// waiting for it (connection open, or the previous response sent). Also the keep-alive idle
     /// timeout. Default 10 s.
     pub header_timeout: Duration,
-    /// The longest wait for the next part of a request body. Default 30 s.
+    /// The longest wait for the next part of a request body, and for a client to take the next
+    /// bytes of its answer (a write timeout: the connection is then closed). Default 30 s.
     pub body_timeout: Duration,
     /// The longest a whole request body may take, from when the handler starts reading it.
     /// Default 300 s.
@@ -457,6 +460,9 @@ pub(crate) async fn serve_counted<A: Acceptor>(
                 })
             }
         });
+        // A client that takes none of its answer for a body timeout is gone as far as this
+        // connection is concerned, as one that sends none of its body is.
+        let stream = WriteDeadline::new(stream, settings.body_timeout);
         let connection = graceful.watch(http.serve_connection(TokioIo::new(stream), service));
         let open = Arc::clone(&open);
         let metrics = metrics.clone();

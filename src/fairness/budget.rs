@@ -199,6 +199,11 @@ impl BytesReservation {
 /// A response body of bytes already rendered, holding their [`BytesReservation`] until the body
 /// has been sent (or dropped): what a server answers so the bytes count against the budget for
 /// as long as they are held, not only while they were being made.
+///
+/// The bytes go out in frames of at most [`HELD_FRAME_BYTES`]: a server (hyper) asks for the next
+/// frame only once it has room to write it, so a client that stops reading keeps the body, and its
+/// reservation, unfinished, instead of the whole answer leaving the budget for the server's write
+/// queue at the first poll.
 pub struct HeldBytes {
     bytes: Option<Bytes>,
     reservation: Option<BytesReservation>,
@@ -215,6 +220,9 @@ impl BytesReservation {
     }
 }
 
+/// The most bytes one frame of a [`HeldBytes`] carries.
+pub const HELD_FRAME_BYTES: usize = 16 << 10;
+
 impl Body for HeldBytes {
     type Data = Bytes;
     type Error = std::convert::Infallible;
@@ -224,12 +232,15 @@ impl Body for HeldBytes {
         _cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         let this = self.get_mut();
-        let frame = this.bytes.take().map(|b| Ok(Frame::data(b)));
+        let frame = match &mut this.bytes {
+            Some(rest) if rest.len() > HELD_FRAME_BYTES => Some(rest.split_to(HELD_FRAME_BYTES)),
+            rest => rest.take(),
+        };
         if frame.is_none() {
-            // Sent: the bytes are the transport's now.
+            // Sent: the last frame was taken, the bytes are the transport's now.
             this.reservation.take();
         }
-        Poll::Ready(frame)
+        Poll::Ready(frame.map(|b| Ok(Frame::data(b))))
     }
 
     fn is_end_stream(&self) -> bool {
@@ -320,6 +331,32 @@ mod tests {
             .unwrap()
             .hold(Bytes::from_static(b"x"));
         drop(dropped);
+        assert_eq!(budget.reserved(), 0);
+    }
+
+    #[tokio::test]
+    async fn held_bytes_go_out_in_frames_and_keep_their_room_until_the_last() {
+        use http_body_util::BodyExt;
+        let size = 2 * HELD_FRAME_BYTES + 100;
+        let budget = ByteBudget::new(1 << 20);
+        let rendered = Bytes::from(vec![7u8; size]);
+        let mut body = budget.try_reserve(size).unwrap().hold(rendered.clone());
+        let mut sent = Vec::new();
+        while let Some(frame) = body.frame().await {
+            let data = frame.unwrap().into_data().unwrap();
+            assert!(data.len() <= HELD_FRAME_BYTES);
+            sent.push(data);
+            // A frame taken is not yet a body sent: the room stays until the last is.
+            if sent.iter().map(Bytes::len).sum::<usize>() < size {
+                assert_eq!(budget.reserved(), size);
+                assert_eq!(
+                    body.size_hint().exact(),
+                    Some((size - sent.iter().map(Bytes::len).sum::<usize>()) as u64)
+                );
+            }
+        }
+        assert_eq!(sent.len(), 3);
+        assert_eq!(sent.concat(), rendered);
         assert_eq!(budget.reserved(), 0);
     }
 

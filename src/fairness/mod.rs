@@ -74,7 +74,7 @@ pub mod share;
 mod budget;
 mod layer;
 
-pub use budget::{BudgetRefusal, ByteBudget, BytesReservation, HeldBytes};
+pub use budget::{BudgetRefusal, ByteBudget, BytesReservation, HELD_FRAME_BYTES, HeldBytes};
 pub use layer::{FairBody, FairnessLayer, FairnessService, REFUSAL_CODE, default_refusal_response};
 pub use share::{
     Class, Fairness, FairnessConfig, FairnessRefusal, FairnessSnapshot, FlowSnapshot,
