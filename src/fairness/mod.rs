@@ -8,7 +8,8 @@
 //! out within a client, round-robin across clients — and otherwise gets `429` with `Retry-After`.
 //! Exempt requests (health, readiness, cancellation, operator decisions, metrics) never wait and
 //! are never refused, and part of the total ([`FairnessConfig::exempt_reserved_units`]) is theirs
-//! alone: no client's load can take it.
+//! alone: no client's load can take it. A client's own exempt requests ([`Class::ExemptClient`],
+//! its cancels) are exempt up to its share of them in flight, so they cannot take the pool either.
 //!
 //! Units are held until the response body has ended or been dropped, not merely until the handler
 //! returns: a long-poll or a streamed download counts for as long as it lives.

@@ -95,9 +95,17 @@ impl FairnessConfig {
 /// What a request is to the fairness layer, as the embedder's classifier says.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Class {
-    /// Health, readiness, cancellation, operator decisions, metrics: never waits behind clients,
-    /// never refused; counts one unit against the total.
+    /// Health, readiness, operator decisions, metrics: never waits behind clients, never
+    /// refused; counts one unit against the total.
     Exempt,
+    /// An exempt request of the authenticated client `key` (its cancel): exempt while the client
+    /// has fewer than [`FairnessConfig::per_client_units`] exempt requests in flight; past that,
+    /// one of its own requests costing one unit (in its queue, refused at its share), so one
+    /// client's flood of them cannot take the pool the other clients share.
+    ExemptClient {
+        /// The client, as authenticated.
+        key: Arc<str>,
+    },
     /// A request of the authenticated client `key`, costing `cost` units (clamped to
     /// `1..=per_client_units`). Keys must come from a bounded set (the configured identities):
     /// each key keeps a small entry and its own metric labels for the life of the layer.
@@ -263,6 +271,8 @@ impl Flow {
 struct FlowState {
     units: u32,
     requests: u32,
+    /// Its exempt requests in flight ([`Class::ExemptClient`]).
+    exempt: u32,
     queue: VecDeque<Waiter>,
     gauges: FlowGauges,
 }
@@ -405,19 +415,29 @@ impl Fairness {
 
     fn start(&self, class: Class) -> Start {
         let shared = &self.shared;
+        let exempt = |state: &mut State, flow: Option<Flow>| {
+            state.exempt_in_flight += 1;
+            shared.metrics.exempt.inc();
+            shared
+                .metrics
+                .exempt_in_flight
+                .set(i64::from(state.exempt_in_flight));
+            Start::Now(UnitsPermit {
+                shared: Arc::clone(shared),
+                hold: Hold::Exempt(flow),
+            })
+        };
         let (flow, cost) = match class {
-            Class::Exempt => {
+            Class::Exempt => return exempt(&mut shared.lock(), None),
+            Class::ExemptClient { key } => {
+                let flow = Flow::Client(key);
                 let mut state = shared.lock();
-                state.exempt_in_flight += 1;
-                shared.metrics.exempt.inc();
-                shared
-                    .metrics
-                    .exempt_in_flight
-                    .set(i64::from(state.exempt_in_flight));
-                return Start::Now(UnitsPermit {
-                    shared: Arc::clone(shared),
-                    hold: Hold::Exempt,
-                });
+                let f = shared.flow(&mut state.flows, &flow);
+                if f.exempt < shared.config.per_client_units {
+                    f.exempt += 1;
+                    return exempt(&mut state, Some(flow));
+                }
+                (flow, 1)
             }
             Class::Client { key, cost } => (Flow::Client(key), cost),
             Class::Unkeyed { cost } => (Flow::Unkeyed, cost),
@@ -495,6 +515,7 @@ impl Shared {
             FlowState {
                 units: 0,
                 requests: 0,
+                exempt: 0,
                 queue: VecDeque::new(),
                 gauges: FlowGauges {
                     requests: self.metrics.requests.get_or_create(&label).clone(),
@@ -572,11 +593,14 @@ impl Shared {
         let mut guard = self.lock();
         let state = &mut *guard;
         match hold {
-            Hold::Exempt => {
+            Hold::Exempt(flow) => {
                 state.exempt_in_flight -= 1;
                 self.metrics
                     .exempt_in_flight
                     .set(i64::from(state.exempt_in_flight));
+                if let Some(f) = flow.as_ref().and_then(|flow| state.flows.get_mut(flow)) {
+                    f.exempt -= 1;
+                }
             }
             Hold::Client { flow, cost } => {
                 state.client_units -= cost;
@@ -616,15 +640,19 @@ impl std::fmt::Debug for UnitsPermit {
 
 #[derive(Debug)]
 enum Hold {
-    Exempt,
-    Client { flow: Flow, cost: u32 },
+    /// An exempt request; its client's, for [`Class::ExemptClient`].
+    Exempt(Option<Flow>),
+    Client {
+        flow: Flow,
+        cost: u32,
+    },
 }
 
 impl UnitsPermit {
     /// The units held: 1 for an exempt request, else the request's clamped cost.
     pub fn units(&self) -> u32 {
         match &self.hold {
-            Hold::Exempt => 1,
+            Hold::Exempt(_) => 1,
             Hold::Client { cost, .. } => *cost,
         }
     }

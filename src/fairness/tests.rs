@@ -460,3 +460,41 @@ async fn under_a_crowd_no_client_passes_its_units_and_all_come_back() {
     assert!(most_total.load(Ordering::Relaxed) <= 10);
     assert!(fairness.snapshot().is_idle(), "{:?}", fairness.snapshot());
 }
+
+#[tokio::test]
+async fn a_clients_exempt_requests_are_exempt_up_to_its_share_then_its_own_requests() {
+    let fairness = Fairness::new(FairnessConfig {
+        queue_wait: Duration::from_millis(10),
+        ..config(4, 8, 64, 4)
+    })
+    .unwrap();
+    let cancel = |client: &str| Class::ExemptClient { key: client.into() };
+    // Four of a's cancels are exempt: they take nothing from the clients' pool.
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        held.push(fairness.acquire(cancel("a")).await.unwrap());
+    }
+    let snapshot = fairness.snapshot();
+    assert_eq!((snapshot.exempt_in_flight, snapshot.client_units), (4, 0));
+    // The fifth is one of a's own requests: a unit of its share.
+    held.push(fairness.acquire(cancel("a")).await.unwrap());
+    let snapshot = fairness.snapshot();
+    assert_eq!((snapshot.exempt_in_flight, snapshot.client_units), (4, 1));
+    // With a's share full, a's next cancel waits behind a's own, then is refused; b's are exempt.
+    held.push(fairness.acquire(Class::client("a", 3)).await.unwrap());
+    assert!(fairness.acquire(cancel("a")).await.is_err());
+    let b = fairness.acquire(cancel("b")).await.unwrap();
+    assert_eq!(fairness.snapshot().exempt_in_flight, 5);
+    drop((held, b));
+    assert!(fairness.snapshot().is_idle());
+    // Given back, a's cancels are exempt again.
+    let again: Vec<_> =
+        futures_util::future::join_all((0..4).map(|_| fairness.acquire(cancel("a"))))
+            .await
+            .into_iter()
+            .map(Result::unwrap)
+            .collect();
+    assert_eq!(fairness.snapshot().exempt_in_flight, 4);
+    drop(again);
+    assert!(fairness.snapshot().is_idle());
+}

@@ -1,8 +1,8 @@
-//! What each request is to the fairness layer (`crate::fairness`): exempt, a client's (and what
-//! it costs), or unkeyed. The router puts the library's `FairnessLayer` in front of every route
-//! with [`classify`]; a refused request gets the layer's default refusal, which already speaks
-//! the broker's envelope: `429 client_request_limit` with `Retry-After` and
-//! `Cache-Control: no-store`.
+//! What each request is to the fairness layer (`crate::fairness`): exempt (a client's own, for
+//! its cancels), a client's (and what it costs), or unkeyed. The router puts the library's
+//! `FairnessLayer` in front of every route with [`classify`]; a refused request gets the layer's
+//! default refusal, which already speaks the broker's envelope: `429 client_request_limit` with
+//! `Retry-After` and `Cache-Control: no-store`.
 //!
 //! The bearer token is looked up here (the same constant-time lookup the `Client` extractor
 //! makes) but never answered: a missing or bad token is [`Class::Unkeyed`], and the handler then
@@ -31,20 +31,20 @@ const BODY_UNIT_BYTES: u64 = 64 << 10;
 const MAX_SIZE_COST: u32 = 16;
 
 /// What the request with head `head` is (on the agent listener; the operator listener has no
-/// fairness layer, its requests take nothing from the clients' shares): health, readiness and
-/// cancellation are exempt; a request whose bearer token names a client is that client's; any
-/// other is unkeyed.
+/// fairness layer, its requests take nothing from the clients' shares): health and readiness are
+/// exempt; a client's cancel is exempt for that client (up to its share of them in flight); any
+/// other request whose bearer token names a client is that client's; any other is unkeyed.
 pub(crate) fn classify(core: &Core, head: &Parts) -> Class {
     let path = head.uri.path();
     let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
-    let exempt = match segments.as_slice() {
-        ["healthz" | "readyz"] => true,
-        ["api", "agent", "v1", "operations", _, "cancel"] => head.method == Method::POST,
-        _ => false,
-    };
-    if exempt {
+    if matches!(segments.as_slice(), ["healthz" | "readyz"]) {
         return Class::Exempt;
     }
+    let cancel = head.method == Method::POST
+        && matches!(
+            segments.as_slice(),
+            ["api", "agent", "v1", "operations", _, "cancel"]
+        );
     let cost = cost(head, &segments);
     let client = head
         .headers
@@ -52,6 +52,9 @@ pub(crate) fn classify(core: &Core, head: &Parts) -> Class {
         .and_then(|value| value.as_bytes().strip_prefix(b"Bearer "))
         .and_then(|token| core.auth.client(token));
     match client {
+        Some(identity) if cancel => Class::ExemptClient {
+            key: identity.as_str().into(),
+        },
         Some(identity) => Class::client(identity.as_str(), cost),
         None => Class::Unkeyed { cost },
     }
