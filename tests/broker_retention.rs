@@ -156,6 +156,48 @@ async fn terminal_operations_older_than_the_retention_retire_and_live_ones_stay(
 }
 
 #[tokio::test]
+async fn a_retention_shorter_than_a_rate_window_keeps_the_rows_a_restart_rebuilds_the_rate_from() {
+    // Two submissions a day, kept one second: the rows stay for the day, so a restart still
+    // knows the client spent both.
+    const TWO_A_DAY: &str = r#"{"requests_per_window": 2, "window_seconds": 86400,
+      "client_active": 5, "client_pending": 2, "global_active": 10, "global_executing": 5}"#;
+    let dir = tempfile::tempdir().unwrap();
+    let clock = TestClock::default();
+    let kept_a_second = || BrokerSettings {
+        retention: RetentionSettings {
+            keep: Keep::For(Duration::from_secs(1)),
+            sweep_interval: Duration::ZERO,
+            clock: clock.wall(),
+        },
+        ..settings(dir.path(), TWO_A_DAY, StorageCaps::default())
+    };
+    let h = start_with(kept_a_second()).await;
+    for key in ["one", "two"] {
+        let reply = h.submit(AGENT_SECRET, &request(key, "demo.run", 0)).await;
+        assert_eq!(reply.status, 202, "{}", reply.body);
+        wait_state(&h, &reply.id(), "succeeded").await;
+    }
+    clock.advance(Duration::from_secs(10));
+    assert_eq!(h.broker.sweep_now().await.unwrap().retired, 0);
+    h.broker.shutdown().await;
+
+    let h = start_with(kept_a_second()).await;
+    let third = h
+        .submit(AGENT_SECRET, &request("three", "demo.run", 0))
+        .await;
+    assert_eq!(
+        (third.status, third.code()),
+        (429, "submission_rate_limited"),
+        "{}",
+        third.body
+    );
+    // A window on, they retire.
+    clock.advance(DAY);
+    assert_eq!(h.broker.sweep_now().await.unwrap().retired, 2);
+    h.broker.shutdown().await;
+}
+
+#[tokio::test]
 async fn a_retention_of_forever_keeps_every_terminal_operation() {
     let dir = tempfile::tempdir().unwrap();
     let clock = TestClock::default();

@@ -124,7 +124,8 @@ impl std::fmt::Debug for WallClock {
 /// How long terminal operations are kept, and how the sweep runs.
 #[derive(Clone, Debug)]
 pub struct RetentionSettings {
-    /// How long terminal operations are kept ([`DEFAULT_RETENTION`] by default).
+    /// How long terminal operations are kept ([`DEFAULT_RETENTION`] by default); never less than
+    /// the longest rate window in force, whose buckets a restart rebuilds from the rows.
     pub keep: Keep,
     /// How often a sweep runs ([`DEFAULT_SWEEP_INTERVAL`]); zero for only on demand.
     pub sweep_interval: Duration,
@@ -273,6 +274,18 @@ pub(crate) async fn watch(core: Arc<Core>, retention: Arc<Retention>, interval: 
     }
 }
 
+/// The longest rate window of `config`, its defaults' or any override's.
+fn longest_window(config: &crate::Config) -> Duration {
+    let longest = config
+        .overrides()
+        .values()
+        .map(|limits| limits.window_seconds)
+        .chain([config.limits().window_seconds])
+        .max()
+        .unwrap_or(0);
+    Duration::from_secs(u64::from(longest))
+}
+
 /// One sweep (see the module doc).
 pub(crate) async fn sweep(
     core: &Arc<Core>,
@@ -283,8 +296,11 @@ pub(crate) async fn sweep(
     let now = retention.settings.clock.now();
     let mut report = SweepReport::default();
 
+    // A row is kept at least as long as the longest rate window in force: a restart rebuilds the
+    // rate buckets from the creation times of the rows still stored, so a row retired sooner
+    // would hand its client that token again (a restart never resets a quota).
     if let Keep::For(keep) = retention.settings.keep
-        && let Some(cutoff) = now.checked_sub(keep)
+        && let Some(cutoff) = now.checked_sub(keep.max(longest_window(&core.controller().config())))
     {
         let cutoff = humantime::format_rfc3339_millis(cutoff).to_string();
         loop {
