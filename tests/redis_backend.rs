@@ -1437,3 +1437,28 @@ async fn releases_kept_more_often_than_the_heartbeat_never_hold_the_lease_renewa
     assert!(r1.flush().await);
     assert!(r1.counts().await.unwrap().is_idle());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_counts_the_refusals_it_answers_whoever_decided_them() {
+    let server = redis_or_skip!();
+    let admission = replica(small_config(), options(&server, "r1")).await;
+    let _held = admit_op(&admission, "eve", true).await;
+    // Refused by the shared engine, then from memory: both answered here, both counted here.
+    for _ in 0..2 {
+        match admission.admit("eve", true, None).await {
+            Err(AdmitError::Refused(refused)) => {
+                assert_eq!(refused.refusal.code, RefusalCode::ClientPendingLimit);
+            }
+            other => panic!("eve admitted past her pending limit: {other:?}"),
+        }
+    }
+    assert!(matches!(
+        admission.admit("zed", false, None).await,
+        Err(AdmitError::Refused(_))
+    ));
+    let snapshot = admission.snapshot();
+    let eve = snapshot.client("eve").expect("configured");
+    assert_eq!(eve.rejected[RefusalCode::ClientPendingLimit as usize], 2);
+    assert_eq!(snapshot.rejected(RefusalCode::ClientPendingLimit), 2);
+    assert_eq!(snapshot.rejected(RefusalCode::ClientUnconfigured), 1);
+}

@@ -214,6 +214,9 @@ impl Admission {
         let shared = match decided {
             Ok(permit) => permit,
             Err(AdmitError::Refused(Refused { refusal, quota })) => {
+                // Counted here too, so this replica's statistics and `admission_requests_total`
+                // count the refusals it answered, not only its admissions.
+                self.local.count_refusal(identity, refusal.code);
                 return Err(AdmitError::Refused(Refused {
                     refusal,
                     quota: quota.or_else(|| self.local.quota(identity)),

@@ -315,6 +315,18 @@ impl Controller {
         }
     }
 
+    /// Counts a refusal of `identity` with `code` decided elsewhere (by the replicas' shared
+    /// engine, or from its refusal memory), as if this engine had made it: the statistics and
+    /// metrics of one replica then count every answer it gave.
+    pub(crate) fn count_refusal(&self, identity: &str, code: RefusalCode) {
+        match (code, self.client(identity)) {
+            (RefusalCode::ClientUnconfigured, _) | (_, None) => {
+                self.inner.unconfigured_refusals.bump(0);
+            }
+            (code, Some(client)) => client.rejected.bump(code.index() - 1),
+        }
+    }
+
     fn refuse_unconfigured(&self) -> Refusal {
         self.inner.unconfigured_refusals.bump(0);
         Refusal {
