@@ -13,8 +13,9 @@ pub const DEFAULT_DECISIONS_IN_FLIGHT: usize = 32;
 /// The default of [`ReplicaOptions::client_decisions_in_flight`].
 pub const DEFAULT_CLIENT_DECISIONS_IN_FLIGHT: usize = 1;
 
-/// How a replica reaches Redis and shares it.
-#[derive(Clone, Debug)]
+/// How a replica reaches Redis and shares it. Its `Debug` output shows the URL with any password
+/// in it replaced ([`ReplicaOptions::url_redacted`]).
+#[derive(Clone)]
 pub struct ReplicaOptions {
     /// `redis://host:port/db`.
     pub url: String,
@@ -75,7 +76,41 @@ pub struct ReplicaOptions {
     pub wait_replicas: u32,
 }
 
+impl std::fmt::Debug for ReplicaOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReplicaOptions")
+            .field("url", &self.url_redacted())
+            .field("prefix", &self.prefix)
+            .field("replica", &self.replica)
+            .field("lease_ttl", &self.lease_ttl)
+            .field("heartbeat", &self.heartbeat)
+            .field("call_timeout", &self.call_timeout)
+            .field("idempotency_ttl", &self.idempotency_ttl)
+            .field("replicas", &self.replicas)
+            .field("circuit_threshold", &self.circuit_threshold)
+            .field("circuit_cool_down", &self.circuit_cool_down)
+            .field("capacity_retry", &self.capacity_retry)
+            .field("unavailable_retry", &self.unavailable_retry)
+            .field("caps", &self.caps)
+            .field("refusal_memory", &self.refusal_memory)
+            .field("decisions_in_flight", &self.decisions_in_flight)
+            .field(
+                "client_decisions_in_flight",
+                &self.client_decisions_in_flight,
+            )
+            .field("decision_wait", &self.decision_wait)
+            .field("wait_replicas", &self.wait_replicas)
+            .finish()
+    }
+}
+
 impl ReplicaOptions {
+    /// The URL fit to print or log: a password in it (`redis://user:secret@host`, or the whole
+    /// user part when it has no `:`, or a `pass`/`password` query parameter) is `***`.
+    pub fn url_redacted(&self) -> String {
+        redact_url(&self.url)
+    }
+
     /// Options with the defaults for `url` and `replica`.
     pub fn new(url: impl Into<String>, replica: impl Into<String>) -> ReplicaOptions {
         ReplicaOptions {
@@ -150,5 +185,65 @@ impl ReplicaOptions {
             ));
         }
         Ok(())
+    }
+}
+
+/// `url` with its password, if any, replaced by `***` (see [`ReplicaOptions::url_redacted`]).
+fn redact_url(url: &str) -> String {
+    let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
+    let split = rest.find(['/', '?']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(split);
+    let authority = match authority.rsplit_once('@') {
+        Some((user, host)) => match user.split_once(':') {
+            Some((name, _)) => format!("{name}:***@{host}"),
+            None => format!("***@{host}"),
+        },
+        None => authority.to_owned(),
+    };
+    let tail = match tail.split_once('?') {
+        Some((path, query)) => {
+            let query: Vec<String> = query
+                .split('&')
+                .map(|pair| match pair.split_once('=') {
+                    Some((key, _)) if key == "pass" || key == "password" => format!("{key}=***"),
+                    _ => pair.to_owned(),
+                })
+                .collect();
+            format!("{path}?{}", query.join("&"))
+        }
+        None => tail.to_owned(),
+    };
+    if scheme.is_empty() && !url.contains("://") {
+        format!("{authority}{tail}")
+    } else {
+        format!("{scheme}://{authority}{tail}")
+    }
+}
+
+#[cfg(test)]
+mod redaction {
+    use super::*;
+
+    #[test]
+    fn a_password_in_the_url_is_never_shown() {
+        for (url, shown) in [
+            ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
+            ("redis://:hunter2@host:6379/0", "redis://:***@host:6379/0"),
+            ("redis://ops:hunter2@host:6379", "redis://ops:***@host:6379"),
+            ("rediss://hunter2@host", "rediss://***@host"),
+            ("redis://:p@ss@host/1", "redis://:***@host/1"),
+            (
+                "redis+unix:///run/redis.sock?db=1&pass=hunter2",
+                "redis+unix:///run/redis.sock?db=1&pass=***",
+            ),
+            (
+                "redis://host/0?password=hunter2",
+                "redis://host/0?password=***",
+            ),
+        ] {
+            let options = ReplicaOptions::new(url, "r1");
+            assert_eq!(options.url_redacted(), shown, "{url}");
+            assert!(!format!("{options:?}").contains("hunter2"), "{url}");
+        }
     }
 }

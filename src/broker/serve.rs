@@ -204,7 +204,8 @@ async fn serve(settings: BrokerSettings, admission_config: Option<PathBuf>) -> R
     if let Some(options) = &settings.replicas {
         println!(
             "replica: {} (admission shared through {})",
-            options.replica, options.url
+            options.replica,
+            options.url_redacted()
         );
     }
     let (broker, restored) = Broker::start(settings).await.map_err(|e| e.to_string())?;
