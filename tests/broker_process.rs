@@ -416,7 +416,7 @@ fn an_invalid_secrets_file_stops_serve_with_its_line_and_problem_and_shows_no_se
         (
             "bad name",
             "# clients\nbad name! = s3cret-three\n",
-            "line 2: \"bad name!\" is not a valid identity",
+            "line 2: the name before '=' is not a valid identity: it holds ' ', '!'",
         ),
         (
             "empty secret",

@@ -96,6 +96,26 @@ fn errors_and_debug_output_never_show_a_secret() {
     assert!(!err.to_string().contains("hunter"), "{err}");
     let err = Secrets::parse("hunter2\n").unwrap_err();
     assert!(!err.to_string().contains("hunter"), "{err}");
+    // A bare base64 secret where a `name = secret` line belongs: what precedes its padding is
+    // no name, and is not shown.
+    let err = Secrets::parse("Zm9v+aHVudGVy/YmF6==\n").unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "line 1: the name before '=' is not a valid identity: it holds '+', '/' (1 to 64 \
+         characters from A-Z a-z 0-9 . _ @ -, starting with a letter or digit; the name is not \
+         shown, in case the line is a secret)"
+    );
+    for (line, problem) in [
+        ("-bot = s", "it does not start with a letter or digit"),
+        (
+            &format!("{} = s", "a".repeat(65)),
+            "it is 65 characters long",
+        ),
+        ("= s", "it is empty"),
+    ] {
+        let err = Secrets::parse(line).unwrap_err().to_string();
+        assert!(err.contains(problem), "{line}: {err}");
+    }
     let secrets = Secrets::parse("bot-7 = hunter2\n").unwrap();
     assert!(!format!("{secrets:?}").contains("hunter"));
 }

@@ -60,7 +60,9 @@ pub enum SecretsError {
 pub enum LineProblem {
     /// The line has no `=`.
     MissingEquals,
-    /// The name is not a valid identity (the name is safe to show).
+    /// The name is not a valid identity: the text before the `=`. Its `Display` says what is
+    /// wrong with it without showing it: a line that is a bare secret (no name, and `=` padding)
+    /// would show most of the secret.
     BadName(String),
     /// Nothing after the `=`.
     EmptySecret,
@@ -99,7 +101,10 @@ impl fmt::Display for LineProblem {
             LineProblem::MissingEquals => f.write_str("expected `name = secret`, found no '='"),
             LineProblem::BadName(name) => write!(
                 f,
-                "{name:?} is not a valid identity (1 to 64 characters from A-Z a-z 0-9 . _ @ -, starting with a letter or digit)"
+                "the name before '=' is not a valid identity: {} (1 to 64 characters from A-Z a-z \
+                 0-9 . _ @ -, starting with a letter or digit; the name is not shown, in case the \
+                 line is a secret)",
+                name_problem(name)
             ),
             LineProblem::EmptySecret => f.write_str("the secret is empty"),
             LineProblem::DuplicateName { name, first_line } => {
@@ -169,6 +174,29 @@ impl fmt::Display for SecretsError {
 }
 
 impl std::error::Error for SecretsError {}
+
+/// What is wrong with `name` as an identity, in words that do not repeat it.
+fn name_problem(name: &str) -> String {
+    let length = name.chars().count();
+    if length == 0 {
+        return "it is empty".to_owned();
+    }
+    if length > 64 {
+        return format!("it is {length} characters long");
+    }
+    let allowed = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '@' | '-');
+    let mut wrong: Vec<String> = Vec::new();
+    for c in name.chars().filter(|&c| !allowed(c)) {
+        let shown = format!("{c:?}");
+        if !wrong.contains(&shown) {
+            wrong.push(shown);
+        }
+    }
+    if !wrong.is_empty() {
+        return format!("it holds {}", wrong.join(", "));
+    }
+    "it does not start with a letter or digit".to_owned()
+}
 
 impl Secrets {
     /// Parses the text of a secrets file.
