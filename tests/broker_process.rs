@@ -268,6 +268,13 @@ async fn serve_without_secrets_generates_private_files_and_prints_only_their_pat
         .to_owned();
     assert!(operator_secret.len() >= 32, "{operator_secret}");
     assert!(!server.stdout.contains(&client) && !server.stdout.contains(&operator_secret));
+    // Written under a temporary name and linked into place: nothing of that is left.
+    let leftovers: Vec<String> = std::fs::read_dir(&data)
+        .unwrap()
+        .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|name| name.starts_with('.'))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
     let Reply {
         status, body: _, ..
     } = server
@@ -293,6 +300,29 @@ async fn serve_without_secrets_generates_private_files_and_prints_only_their_pat
     let Reply { status, body, .. } = server.get("/api/agent/v1/operations", &client).await;
     assert_eq!(status, 200);
     assert_eq!(body["operations"].as_array().unwrap().len(), 1);
+}
+
+#[test]
+fn serve_refuses_a_client_secrets_file_with_no_client() {
+    // An empty file (left by a crash, say) is not read as a broker no client can use.
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    let secrets = data.join("client-secrets");
+    for text in ["", "# nobody yet\n\n"] {
+        std::fs::write(&secrets, text).unwrap();
+        let out = support::serve::run_to_end(&["--data".to_owned(), data.display().to_string()]);
+        assert_eq!(out.code, Some(1), "{}", out.stderr);
+        assert!(
+            out.stderr.contains(&format!(
+                "secrets file {}: no client; give at least one `name = secret` line",
+                secrets.display()
+            )),
+            "{}",
+            out.stderr
+        );
+        assert!(!out.stdout.contains("listening on"), "{}", out.stdout);
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -147,6 +147,12 @@ pub fn run(options: ServeOptions) -> Result<(), String> {
         }
     };
     let secrets = Secrets::from_path(&secrets_path).map_err(|e| format!("secrets file {e}"))?;
+    if secrets.is_empty() {
+        return Err(format!(
+            "secrets file {}: no client; give at least one `name = secret` line",
+            secrets_path.display()
+        ));
+    }
     let (operators, operator_path) = operators(&options)?;
     if let Some((line, client)) = operators.sharing_with(&secrets) {
         return Err(format!(
@@ -198,8 +204,11 @@ pub fn run(options: ServeOptions) -> Result<(), String> {
 
 async fn serve(settings: BrokerSettings, admission_config: Option<PathBuf>) -> Result<(), String> {
     use tokio::signal::unix::{SignalKind, signal};
+    // Each listened to from before the broker starts until it stops, so none is missed while
+    // the broker starts or a reload runs.
     let mut hangup = signal(SignalKind::hangup()).map_err(|e| e.to_string())?;
     let mut terminate = signal(SignalKind::terminate()).map_err(|e| e.to_string())?;
+    let mut interrupt = signal(SignalKind::interrupt()).map_err(|e| e.to_string())?;
     let data_dir = settings.data_dir.clone();
     if let Some(options) = &settings.replicas {
         println!(
@@ -235,7 +244,7 @@ async fn serve(settings: BrokerSettings, admission_config: Option<PathBuf>) -> R
                 None => tracing::warn!("SIGHUP: no --admission-config to reload"),
             },
             _ = terminate.recv() => break,
-            _ = tokio::signal::ctrl_c() => break,
+            _ = interrupt.recv() => break,
         }
     }
     tracing::info!("shutting down");
@@ -292,20 +301,39 @@ fn init_tracing() {
         .try_init();
 }
 
-/// Creates `path` (mode 0600) holding `contents(new secret)` unless it exists.
+/// Creates `path` (mode 0600) holding `contents(new secret)` unless it exists. The file appears
+/// whole or not at all: written and synced under a temporary name, then linked into place (a
+/// link never replaces a file another `serve` made meanwhile), so no crash or full disk leaves an
+/// empty secrets file behind to be read as one with no secret.
 fn ensure_secret_file(path: &Path, contents: impl FnOnce(&str) -> String) -> Result<(), String> {
     use std::os::unix::fs::OpenOptionsExt;
     if path.exists() {
         return Ok(());
     }
-    let mut file = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(path)
-        .map_err(|e| format!("cannot create {}: {e}", path.display()))?;
-    let secret = super::core::new_id("sk");
-    file.write_all(contents(&secret).as_bytes())
-        .and_then(|()| file.sync_all())
-        .map_err(|e| format!("cannot write {}: {e}", path.display()))
+    let name = path.file_name().map_or_else(
+        || "secrets".into(),
+        |name| name.to_string_lossy().into_owned(),
+    );
+    let temporary = path.with_file_name(format!(".{name}.{}", super::core::new_id("new")));
+    let written = (|| {
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&temporary)?;
+        file.write_all(contents(&super::core::new_id("sk")).as_bytes())?;
+        file.sync_all()?;
+        match std::fs::hard_link(&temporary, path) {
+            Err(err) if err.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+            linked => linked,
+        }
+    })();
+    let _ = std::fs::remove_file(&temporary);
+    written.map_err(|e| format!("cannot create {}: {e}", path.display()))?;
+    if let Some(dir) = path.parent()
+        && let Ok(dir) = std::fs::File::open(dir)
+    {
+        let _ = dir.sync_all();
+    }
+    Ok(())
 }
