@@ -1462,3 +1462,57 @@ async fn a_replica_counts_the_refusals_it_answers_whoever_decided_them() {
     assert_eq!(snapshot.rejected(RefusalCode::ClientPendingLimit), 2);
     assert_eq!(snapshot.rejected(RefusalCode::ClientUnconfigured), 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_redis_stalls_past_every_lease_no_replica_reaps_the_others_live_work() {
+    // Redis freezes for longer than a lease: every lease lapses at once, though every replica
+    // lives. The first to renew must not release the others' work, nor admit into its room.
+    let server = redis_or_skip!();
+    let limits = Limits {
+        requests_per_window: 100_000,
+        window_seconds: 1,
+        client_active: 2,
+        client_pending: 1,
+        global_active: 2,
+        global_executing: 2,
+    };
+    let config = Config::new(limits, BTreeMap::new(), ids(&["amy", "bob"])).unwrap();
+    // r1 beats often, r2 seldom: r1 is back well before r2 after the stall.
+    let short_lease = |name: &str, beat: u64| {
+        let mut options = options(&server, name);
+        options.lease_ttl = Duration::from_secs(1);
+        options.heartbeat = Duration::from_millis(beat);
+        options
+    };
+    let r1 = replica(config.clone(), short_lease("r1", 100)).await;
+    let r2 = replica(config, short_lease("r2", 600)).await;
+    let _amy = admit_op(&r1, "amy", false).await;
+    let _bob = admit_op(&r2, "bob", false).await;
+    server.pause();
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    server.resume();
+    // Each heartbeat finds its lease lapsed and registers again; none releases the other's work
+    // (it would, the moment it found the other not yet back).
+    eventually("both replicas hold their leases again", || {
+        let (r1, r2) = (r1.clone(), r2.clone());
+        async move { r1.stats().lease_held && r2.stats().lease_held }
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        (r1.stats().reaped, r2.stats().reaped),
+        (0, 0),
+        "a live replica's work was released"
+    );
+    let counts = r1.counts().await.unwrap();
+    assert_eq!(counts.active, 2, "{counts:?}");
+    for (replica, client) in [(&r1, "amy"), (&r2, "bob")] {
+        assert!(
+            matches!(
+                replica.admit(client, false, None).await,
+                Err(AdmitError::Refused(_))
+            ),
+            "admitted into a full deployment"
+        );
+    }
+}

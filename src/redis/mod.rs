@@ -344,6 +344,11 @@ pub(crate) struct Inner {
     registration: tokio::sync::RwLock<()>,
     /// Until when the lease is surely held (the send time of the last renewal plus the TTL).
     lease_until: Mutex<Option<Instant>>,
+    /// Since when every renewal has gone through (none failed, none found the lease lapsed):
+    /// lapsed leases are reaped only once this is a whole lease old. After Redis stalled (or
+    /// this replica was cut off) for a lease, every lease has lapsed, and the first replica to
+    /// renew would otherwise release live work the others are about to renew.
+    renewing_since: Mutex<Option<Instant>>,
     circuit: Circuit,
     outbox: Mutex<Vec<Kept>>,
     wake: Arc<tokio::sync::Notify>,
@@ -473,6 +478,7 @@ impl RedisController {
             held: Mutex::new(HashMap::new()),
             registration: tokio::sync::RwLock::new(()),
             lease_until: Mutex::new(None),
+            renewing_since: Mutex::new(None),
             outbox: Mutex::new(Vec::new()),
             wake: Arc::new(tokio::sync::Notify::new()),
             errors: AtomicU64::new(0),
@@ -614,9 +620,11 @@ impl RedisController {
                     || tokio::time::Instant::now() >= beat;
                 if due {
                     beat = tokio::time::Instant::now() + period;
-                    inner.tick().await;
+                    inner.tick(beat.into_std()).await;
                 } else {
-                    inner.drain().await;
+                    // Never past the next beat: however many releases wait, the lease is
+                    // renewed on time.
+                    inner.drain_until(Some(beat.into_std())).await;
                 }
             }
         }));
@@ -1284,8 +1292,16 @@ impl Inner {
 
     /// Sends kept releases in order until one fails; returns whether none is left.
     async fn drain(&self) -> bool {
+        self.drain_until(None).await
+    }
+
+    /// [`Inner::drain`], stopping at `deadline` if one is given (the rest go on the next call).
+    async fn drain_until(&self, deadline: Option<Instant>) -> bool {
         let _shared = self.registration.read().await;
         loop {
+            if deadline.is_some_and(|deadline| Instant::now() >= deadline) {
+                return crate::sync::lock(&self.outbox).is_empty();
+            }
             let next = crate::sync::lock(&self.outbox).first().cloned();
             let Some(kept) = next else { return true };
             if self
@@ -1302,10 +1318,15 @@ impl Inner {
         }
     }
 
-    /// One heartbeat: kept releases, the lease, then lapsed replicas.
-    async fn tick(&self) {
-        self.drain().await;
-        if self.renew().await.is_ok() {
+    /// One heartbeat: the lease, kept releases (until `next_beat`), then lapsed replicas, once
+    /// this replica has renewed without a break for a whole lease. The lease goes first: kept
+    /// releases could otherwise keep a live replica from renewing for as long as they come.
+    async fn tick(&self, next_beat: Instant) {
+        let renewed = self.renew().await.is_ok();
+        self.drain_until(Some(next_beat)).await;
+        let steady = crate::sync::lock(&self.renewing_since)
+            .is_some_and(|since| since.elapsed() >= self.options.lease_ttl);
+        if renewed && steady {
             let _ = self.reap().await;
         }
     }
@@ -1321,8 +1342,20 @@ impl Inner {
             .arg(self.epoch().unwrap_or_default());
         let value = match self.call(&invocation).await {
             Ok(v) => v,
-            Err(reason) => return Err(self.unavailable(reason)),
+            Err(reason) => {
+                *crate::sync::lock(&self.renewing_since) = None;
+                return Err(self.unavailable(reason));
+            }
         };
+        let renewed = matches!(reply::parse_lease(&value), Ok(LeaseReply::Renewed));
+        {
+            let mut since = crate::sync::lock(&self.renewing_since);
+            match (renewed, *since) {
+                (true, None) => *since = Some(sent),
+                (false, _) => *since = None,
+                (true, Some(_)) => {}
+            }
+        }
         match reply::parse_lease(&value) {
             Ok(LeaseReply::Renewed) => {
                 *crate::sync::lock(&self.lease_until) = Some(sent + self.options.lease_ttl);
