@@ -683,3 +683,29 @@ fn random_sequences_on_three_replicas_with_the_memory_on_never_admit_what_the_en
         "no sequence had a refusal answered from memory"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quiet_notice_subscription_stays_live_and_keeps_what_it_remembers() {
+    // No notice for several quiet periods: the pings that check the subscription are answered,
+    // so nothing is forgotten and the refusal is still answered from memory.
+    let Some(server) = RedisServer::start() else {
+        return;
+    };
+    let mut options = options(&server, "quiet", "r0");
+    options.heartbeat = Duration::from_millis(200);
+    options.lease_ttl = Duration::from_secs(60);
+    let replica = replica_with(config(), options).await;
+    let _held = replica.admit("amy", false, None).await.unwrap().commit();
+    assert_eq!(
+        code(&replica.admit("amy", false, None).await),
+        Some(RefusalCode::ClientOperationLimit)
+    );
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let stats = replica.stats();
+    let resubscribed = unyolo_admission::admission::BackendStats::FORGOTTEN_REASONS
+        .iter()
+        .position(|r| *r == "resubscribed")
+        .unwrap();
+    assert!(stats.notices_live, "{stats:?}");
+    assert_eq!(stats.refusals_forgotten[resubscribed], 0, "{stats:?}");
+}

@@ -42,7 +42,9 @@ pub(super) async fn listen(
                             None => break,
                         },
                         _ = tokio::time::sleep(quiet) => {
-                            let pong = tokio::time::timeout(timeout, sink.ping::<String>()).await;
+                            // Any answer will do: on RESP2 a subscribed connection answers `["pong", ""]`, which
+                            // is no string (read as one, every quiet period looked like a lost connection).
+                            let pong = tokio::time::timeout(timeout, sink.ping::<redis::Value>()).await;
                             if !matches!(pong, Ok(Ok(_))) {
                                 break;
                             }
