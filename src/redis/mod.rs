@@ -673,15 +673,25 @@ impl RedisController {
         idempotency_key: Option<&str>,
     ) -> Result<RedisPermit, AdmitError> {
         let inner = &self.inner;
-        let config = inner.config.load();
-        let Some(limits) = config.effective(identity) else {
-            return Err(AdmitError::Refused(Refused {
+        let unconfigured = || {
+            Err(AdmitError::Refused(Refused {
                 refusal: Refusal {
                     code: RefusalCode::ClientUnconfigured,
                     retry_after: Duration::ZERO,
                 },
                 quota: None,
-            }));
+            }))
+        };
+        if inner.config.load().effective(identity).is_none() {
+            return unconfigured();
+        }
+        // Before the limits are read: a reload (or a notice) from here on keeps the answer from
+        // being remembered, so a refusal under limits no longer in force is never answered again.
+        // (Only for a configured identity: the memory holds one entry per client it is given.)
+        let ticket = inner.memory.ticket(identity);
+        let config = inner.config.load();
+        let Some(limits) = config.effective(identity) else {
+            return unconfigured();
         };
         let identity = Identity::new(identity).expect("a configured identity is valid");
         let (interval, span) = rate_micros(limits.requests_per_window, limits.window_seconds);
@@ -767,7 +777,6 @@ impl RedisController {
             },
         );
         let _shared = inner.registration.read().await;
-        let ticket = inner.memory.ticket(identity.as_str());
         let reply = match inner.decide(decision).await {
             Ok(Decided::Admit(reply)) => reply,
             Ok(Decided::Transition(_)) => {
