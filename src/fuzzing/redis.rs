@@ -449,7 +449,6 @@ pub fn refusal_notices(data: &[u8]) {
                 code,
                 needs_approval: false,
                 rate_wait_micros: 3_600_000_000,
-                wait: Duration::from_secs(3600),
                 capacity_hint: code.is_capacity().then_some(Duration::from_secs(3600)),
                 limits,
                 rate: (3_600_000_000, 3_600_000_000),

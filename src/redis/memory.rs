@@ -111,8 +111,11 @@ struct Entry {
     seen: Ticket,
     /// Until when it answers (the next token, or the capacity hint).
     until: Instant,
-    /// The refusal's exact wait from `seen.at` (its Retry-After counts down from it).
-    wait: Duration,
+    /// Until the next token, from `seen.at` (counts down).
+    rate_wait: Duration,
+    /// The capacity hint, if a capacity dimension was exhausted (does not count down: a
+    /// capacity refusal's Retry-After is the hint, as Redis's would be).
+    capacity_hint: Option<Duration>,
     limits: ClientLimits,
     rate: (u64, u64),
     reading: Reading,
@@ -135,8 +138,6 @@ pub(crate) struct Answer {
     pub(crate) needs_approval: bool,
     /// Until the next token (µs after the decision).
     pub(crate) rate_wait_micros: u64,
-    /// The refusal's whole wait (the largest hint): what Retry-After counts down from.
-    pub(crate) wait: Duration,
     /// The capacity hint, if a capacity dimension is exhausted.
     pub(crate) capacity_hint: Option<Duration>,
     pub(crate) limits: ClientLimits,
@@ -230,7 +231,12 @@ impl RefusalMemory {
             .saturating_add(u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX));
         Some(Recalled {
             code: entry.code,
-            wait_left: entry.wait.saturating_sub(elapsed),
+            // As Redis would answer now: the time to the next token, or the capacity hint if
+            // that is longer (the largest hint wins).
+            wait_left: entry
+                .rate_wait
+                .saturating_sub(elapsed)
+                .max(entry.capacity_hint.unwrap_or(Duration::ZERO)),
             limits: entry.limits,
             rate: entry.rate,
             reading,
@@ -302,7 +308,8 @@ impl RefusalMemory {
             scope,
             seen: ticket,
             until,
-            wait: answer.wait,
+            rate_wait: Duration::from_micros(answer.rate_wait_micros),
+            capacity_hint: answer.capacity_hint,
             limits: answer.limits,
             rate: answer.rate,
             reading: answer.reading,
@@ -456,7 +463,6 @@ mod tests {
             } else {
                 0
             },
-            wait: Duration::from_secs(5),
             capacity_hint: code.is_capacity().then_some(Duration::from_secs(2)),
             limits: limits(),
             rate: (6_000_000, 60_000_000),
@@ -657,6 +663,12 @@ mod tests {
             ticket,
             answer(RefusalCode::ClientOperationLimit, false),
         );
+        // Its Retry-After is the hint throughout, as Redis would answer it (it does not count
+        // down as a token's wait does).
+        let recalled = memory
+            .recall("amy", false, ticket.at + Duration::from_millis(1200))
+            .unwrap();
+        assert_eq!(recalled.wait_left, Duration::from_secs(2));
         assert!(
             memory
                 .recall("amy", false, ticket.at + Duration::from_millis(1999))

@@ -847,7 +847,6 @@ impl RedisController {
                             code,
                             needs_approval,
                             rate_wait_micros,
-                            wait: Duration::from_nanos(wait_nanos),
                             capacity_hint,
                             limits,
                             rate: (interval, span),
