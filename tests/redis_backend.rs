@@ -1516,3 +1516,30 @@ async fn after_redis_stalls_past_every_lease_no_replica_reaps_the_others_live_wo
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_keeps_a_clients_decisions_in_flight_bounded() {
+    // One decision at a time for amy: the one in flight holds her room across a reload, so the
+    // next waits for it (and is answered Busy), not sent beside it.
+    let server = redis_or_skip!();
+    let mut options = options(&server, "r1");
+    options.client_decisions_in_flight = 1;
+    options.call_timeout = Duration::from_secs(3);
+    options.decision_wait = Duration::from_millis(200);
+    let config = roomy_config(&["amy"]);
+    let shared = replica(config.clone(), options).await;
+    server.pause();
+    let first = {
+        let shared = shared.clone();
+        tokio::spawn(async move { shared.admit("amy", false, None).await.map(drop) })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    shared.reload(config);
+    let second = shared.admit("amy", false, None).await;
+    server.resume();
+    match second {
+        Err(AdmitError::Unavailable(u)) => assert_eq!(u.reason, UnavailableReason::Busy),
+        other => panic!("a second decision beside the first: {other:?}"),
+    }
+    let _ = first.await.unwrap();
+}

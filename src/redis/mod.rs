@@ -865,9 +865,12 @@ impl RedisController {
     /// Swaps in a new, already validated configuration; the next decision uses it (and no
     /// refusal remembered under the old limits answers again).
     pub(crate) fn reload(&self, config: Config) {
+        // A removed client's room goes; a kept one's stays, with the decisions in flight on it
+        // (made anew, it would let that many more in beside them).
+        crate::sync::lock(&self.inner.client_decisions)
+            .retain(|client, _| config.effective(client).is_some());
         self.inner.config.store(Arc::new(config));
         self.inner.memory.forget_all(Forgotten::Reload);
-        crate::sync::lock(&self.inner.client_decisions).clear();
     }
 
     /// The shared counts now, across every replica.
