@@ -319,11 +319,14 @@ impl Controller {
     /// engine, or from its refusal memory), as if this engine had made it: the statistics and
     /// metrics of one replica then count every answer it gave.
     pub(crate) fn count_refusal(&self, identity: &str, code: RefusalCode) {
-        match (code, self.client(identity)) {
+        // Borrowed from the settings, as `admit` reads it: a counted refusal clones no `Arc`
+        // (no shared reference count written under a refusal flood).
+        let settings = self.inner.shared.settings.load();
+        match (code, settings.table.get(identity)) {
             (RefusalCode::ClientUnconfigured, _) | (_, None) => {
                 self.inner.unconfigured_refusals.bump(0);
             }
-            (code, Some(client)) => client.rejected.bump(code.index() - 1),
+            (code, Some(ClientKey(client))) => client.rejected.bump(code.index() - 1),
         }
     }
 
