@@ -234,14 +234,24 @@ fn secrets_identify_exactly_the_matching_bearer_token() {
 }
 
 #[test]
-fn a_missing_optional_quota_file_means_the_defaults_but_a_bad_path_does_not() {
+fn no_quota_path_means_the_defaults_but_a_path_without_a_file_is_an_error() {
     let none = Config::from_optional_path(None, [bot()]).unwrap();
     assert_eq!(none, Config::defaults([bot()]));
     let missing = std::env::temp_dir().join("unyolo-no-such-quota-file.json");
-    assert_eq!(
-        Config::from_optional_path(Some(&missing), [bot()]).unwrap(),
-        Config::defaults([bot()])
+    let err = Config::from_optional_path(Some(&missing), [bot()]).unwrap_err();
+    assert_eq!(err.rule(), Rule::FileNotFound);
+    assert!(
+        err.to_string().contains("unyolo-no-such-quota-file.json"),
+        "{err}"
     );
+    // A reload from a file that went away keeps the limits in force and counts the failure.
+    let c = controller(10, 5, 5);
+    assert!(
+        c.reload_from_optional_path(Some(&missing), [bot()])
+            .is_err()
+    );
+    let s = c.snapshot();
+    assert_eq!((s.reloads_applied, s.reloads_rejected), (0, 1));
     let relative = Config::from_optional_path(Some("quota.json".as_ref()), [bot()]).unwrap_err();
     assert_eq!(relative.rule(), Rule::PathNotAbsolute);
 }

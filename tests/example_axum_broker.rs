@@ -53,7 +53,7 @@ fn settings(dir: &tempfile::TempDir, store_delay: Duration, replicas: Backend) -
         listen: "127.0.0.1:0".parse().unwrap(),
         db_path: dir.path().join("store.sqlite"),
         secrets_path,
-        quota_path: Some(dir.path().join("no-quota-file.json")),
+        quota_path: None,
         store_delay,
         replicas,
     }

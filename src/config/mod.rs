@@ -156,33 +156,29 @@ impl Config {
         Config::from_bytes(&bytes, identities).map_err(|e| e.in_file(path))
     }
 
-    /// Reads the quota file at `path` if there is one: `None`, or a path where no file exists,
-    /// means [`Config::defaults`] ("no file means defaults"). Every other problem is an error as
-    /// with [`Config::from_path`]: a path that is not absolute and normalized, a directory, an
-    /// unreadable or invalid file.
+    /// Reads the quota file at `path` if one is configured: `None` (no flag, no variable) means
+    /// [`Config::defaults`]. A path that is given is loaded as with [`Config::from_path`], so a
+    /// missing file is an error like any other (section 3: a quota file that was meant but is not
+    /// there must not quietly become the defaults), as are a path that is not absolute and
+    /// normalized, a directory, an unreadable or invalid file.
     ///
     /// ```
-    /// use unyolo_admission::config::{Config, Identity};
+    /// use unyolo_admission::config::{Config, Identity, Rule};
     ///
     /// let bot = Identity::new("bot-7").unwrap();
-    /// let config = Config::from_optional_path(Some("/no/such/quota.json".as_ref()), [bot.clone()]);
+    /// let config = Config::from_optional_path(None, [bot.clone()]);
     /// assert_eq!(config.unwrap(), Config::defaults([bot.clone()]));
+    /// let missing = Config::from_optional_path(Some("/no/such/quota.json".as_ref()), [bot.clone()]);
+    /// assert_eq!(missing.unwrap_err().rule(), Rule::FileNotFound);
     /// assert!(Config::from_optional_path(Some("quota.json".as_ref()), [bot]).is_err());
     /// ```
     pub fn from_optional_path<I: IntoIterator<Item = Identity>>(
         path: Option<&Path>,
         identities: I,
     ) -> Result<Config, ConfigError> {
-        let identities: Vec<Identity> = identities.into_iter().collect();
-        let Some(path) = path else {
-            return Ok(Config::defaults(identities));
-        };
-        match Config::from_path(path, identities.iter().cloned()) {
-            Err(ConfigError::Path {
-                rule: Rule::FileNotFound,
-                ..
-            }) => Ok(Config::defaults(identities)),
-            other => other,
+        match path {
+            None => Ok(Config::defaults(identities)),
+            Some(path) => Config::from_path(path, identities),
         }
     }
 

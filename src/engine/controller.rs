@@ -523,9 +523,10 @@ impl Controller {
     }
 
     /// Reads, validates and applies the quota file at `path` for `identities` — which may add
-    /// clients (new secrets) or remove some (their live work still drains correctly). A missing
-    /// file means the defaults, as at start-up with [`Config::from_optional_path`]. On any error
-    /// the old configuration stays, and the failure is counted.
+    /// clients (new secrets) or remove some (their live work still drains correctly). `None`
+    /// means the defaults, as at start-up with [`Config::from_optional_path`]; a path whose file
+    /// is missing is an error. On any error the old configuration stays, and the failure is
+    /// counted.
     ///
     /// ```
     /// use unyolo_admission::{Config, Controller, Identity};
@@ -534,9 +535,13 @@ impl Controller {
     /// let c = Controller::new(Config::defaults([a.clone()]));
     /// assert!(c.admit("bot-b", false).is_err());
     /// let b = Identity::new("bot-b").unwrap();
-    /// c.reload_from_optional_path(Some("/no/such/quota.json".as_ref()), [a, b]).unwrap();
+    /// let gone = Some("/no/such/quota.json".as_ref());
+    /// assert!(c.reload_from_optional_path(gone, [a.clone(), b.clone()]).is_err());
+    /// assert!(c.admit("bot-b", false).is_err());
+    /// c.reload_from_optional_path(None, [a, b]).unwrap();
     /// assert!(c.admit("bot-b", false).is_ok());
-    /// assert_eq!(c.snapshot().reloads_applied, 1);
+    /// let s = c.snapshot();
+    /// assert_eq!((s.reloads_applied, s.reloads_rejected), (1, 1));
     /// ```
     pub fn reload_from_optional_path<I: IntoIterator<Item = Identity>>(
         &self,
