@@ -48,6 +48,7 @@ semantic_tests! {
     unknown_identity_is_refused_as_unconfigured_with_403,
     rate_is_checked_before_client_active,
     client_active_limit_refuses_with_the_capacity_hint,
+    every_answer_carries_the_quota_the_deciding_backend_left,
     pending_limit_only_applies_to_work_needing_approval,
     pending_grant_store_cap_binds_before_a_larger_client_pending,
     global_pending_grant_cap_is_shared_by_all_clients,
@@ -174,6 +175,52 @@ async fn client_active_limit_refuses_with_the_capacity_hint(kind: Kind) {
     assert!(
         b.admit("other", false).await.is_ok(),
         "one client's limit is its own"
+    );
+}
+
+/// The quota fields of an answer (`RateLimit`, the JSON quota) come with the decision on either
+/// backend, so an embedder writes `answer_429(refused.refusal, refused.quota)` once.
+async fn every_answer_carries_the_quota_the_deciding_backend_left(kind: Kind) {
+    let Some(b) = one_client(kind, 3, HOUR, 2, 2).await else {
+        return;
+    };
+    let first = b
+        .admission
+        .admit("bot", true, None)
+        .await
+        .expect("admitted");
+    let q = first.quota().expect("a permit carries the quota");
+    assert_eq!((q.rate.quota, q.rate.window_seconds), (3, HOUR));
+    assert_eq!(q.rate.remaining, 2);
+    assert_eq!((q.active.used, q.active.limit), (1, 2));
+    assert_eq!((q.pending.used, q.pending.limit), (1, 2));
+    let _first = first.commit();
+    let second = b
+        .admission
+        .admit("bot", false, None)
+        .await
+        .expect("admitted");
+    let q = second.quota().expect("a permit carries the quota");
+    assert_eq!(q.rate.remaining, 1);
+    assert_eq!((q.active.used, q.pending.used), (2, 1));
+    let _second = second.commit();
+    let Err(unyolo_admission::AdmitError::Refused(refused)) =
+        b.admission.admit("bot", false, None).await
+    else {
+        panic!("the third is over the active limit")
+    };
+    assert_eq!(refused.refusal.code, RefusalCode::ClientOperationLimit);
+    let q = refused.quota.expect("a refusal carries the quota");
+    assert_eq!(q.rate.remaining, 1, "a refusal spends no token");
+    assert_eq!((q.active.used, q.active.limit), (2, 2));
+    let Err(unyolo_admission::AdmitError::Refused(stranger)) =
+        b.admission.admit("stranger", false, None).await
+    else {
+        panic!("a stranger is refused")
+    };
+    assert_eq!(
+        stranger.quota, None,
+        "no quota for an identity that has none"
     );
 }
 

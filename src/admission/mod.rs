@@ -191,18 +191,18 @@ impl Admission {
     ) -> Result<AdmissionPermit, AdmitError> {
         let identity = identity.as_ref();
         let Some(shared) = &self.shared else {
-            // In-process: the engine alone, at the first poll, with nothing else to read (the
-            // engine's quota is read when the answer is written: `Admission::quota`).
+            // In-process: the engine alone, at the first poll; the quota an answer carries is
+            // the engine's, read just after its decision (as the shared backend's is Redis's).
             return match self.local.admit(identity, needs_approval) {
                 Ok(local) => Ok(AdmissionPermit {
                     id: OperationId::new(),
-                    quota: None,
+                    quota: self.local.quota(identity),
                     local,
                     shared: None,
                 }),
                 Err(refusal) => Err(AdmitError::Refused(Refused {
                     refusal,
-                    quota: None,
+                    quota: self.local.quota(identity),
                 })),
             };
         };
