@@ -49,6 +49,11 @@
 //! let admission = Admission::new(controller, None).expect("in-process needs no options");
 //! let mut store: HashMap<String, OperationState> = HashMap::new();
 //!
+//! // 0. Restore what the store holds (here nothing), once, before serving. A replica takes its
+//! //    lease by registering it, and admits nothing before (`UnavailableReason::NotRestored`).
+//! let restored = admission.restore(Vec::new()).await;
+//! assert!(restored.operations.is_empty() && restored.deferred.is_none());
+//!
 //! // 1. Authenticate (the token names `bot-7`), 2. validate, 3. replay: no quota involved.
 //! let (client, key, needs_approval) = ("bot-7", "deploy-42", true);
 //!

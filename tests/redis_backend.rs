@@ -646,6 +646,34 @@ async fn a_replicas_holdings_are_read_page_by_page_whatever_their_number() {
     assert!(mine.counts().await.unwrap().is_idle());
 }
 
+/// A replica takes its lease by registering what its store restored; until the embedder calls
+/// `restore` (even with nothing), its refusals say so instead of a bare "lease not held".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_admits_nothing_before_restore_and_says_restore_is_missing() {
+    let server = redis_or_skip!();
+    let config = roomy_config(&["amy"]);
+    let admission = Admission::new(Controller::new(config), Some(options(&server, "fresh")))
+        .expect("valid replica options");
+    match admission.admit("amy", false, None).await {
+        Err(AdmitError::Unavailable(u)) => {
+            assert_eq!(u.reason, UnavailableReason::NotRestored);
+            assert!(u.to_string().contains("Admission::restore"), "{u}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(
+        admission.counts().await.unwrap().is_idle(),
+        "nothing reserved"
+    );
+    let restored = admission.restore(Vec::new()).await;
+    assert!(restored.deferred.is_none(), "the replica registers");
+    admit_op(&admission, "amy", false)
+        .await
+        .fail()
+        .await
+        .unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cut_off_replica_stops_admitting_and_counts_its_work_again_on_return() {
     let server = redis_or_skip!();

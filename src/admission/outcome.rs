@@ -104,6 +104,10 @@ pub enum UnavailableReason {
     /// This replica does not hold its lease (not registered, lapsed, or taken by another process
     /// under the same name).
     LeaseNotHeld,
+    /// This replica has not begun [`Admission::restore`](super::Admission::restore): it takes
+    /// its lease only by registering what its store holds, so it admits nothing until the
+    /// embedder calls `restore` once at start-up (with nothing, if the store holds nothing).
+    NotRestored,
     /// A script replied with something no script returns, or the store's recovery source failed.
     Reply(String),
     /// Redis forgot the deployment's state (a restart without persistence, a flush, a failover)
@@ -122,6 +126,10 @@ impl fmt::Display for Unavailable {
             UnavailableReason::Redis(m) => format!("redis error: {m}"),
             UnavailableReason::CircuitOpen => "redis is failing; calls paused".to_string(),
             UnavailableReason::LeaseNotHeld => "this replica does not hold its lease".to_string(),
+            UnavailableReason::NotRestored => {
+                "this replica has not registered: call Admission::restore once at start-up"
+                    .to_string()
+            }
             UnavailableReason::Reply(m) => m.clone(),
             UnavailableReason::Recovering => {
                 "redis forgot this deployment; its replicas are registering again".to_string()

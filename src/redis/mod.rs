@@ -90,7 +90,7 @@ mod notices;
 pub mod reply;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -344,6 +344,9 @@ pub(crate) struct Inner {
     registration: tokio::sync::RwLock<()>,
     /// Until when the lease is surely held (the send time of the last renewal plus the TTL).
     lease_until: Mutex<Option<Instant>>,
+    /// Set when the first registration (`restore`) begins: before it, an admission is
+    /// [`UnavailableReason::NotRestored`], which names the embedder's missing call.
+    restore_begun: AtomicBool,
     /// Since when every renewal has gone through (none failed, none found the lease lapsed):
     /// lapsed leases are reaped only once this is a whole lease old. After Redis stalled (or
     /// this replica was cut off) for a lease, every lease has lapsed, and the first replica to
@@ -365,9 +368,9 @@ pub(crate) struct Inner {
     /// Where re-registration after Redis forgot gets the key records and the rate history.
     source: std::sync::OnceLock<Arc<dyn RecoverySource>>,
     /// The heartbeat should renew (and register again) at once, not only drain kept releases.
-    renew_now: std::sync::atomic::AtomicBool,
+    renew_now: AtomicBool,
     /// Whether the last registration found a recovery in progress.
-    recovering: std::sync::atomic::AtomicBool,
+    recovering: AtomicBool,
     /// Redis's refusals, answered here until they can have changed.
     memory: Arc<RefusalMemory>,
     /// Room for admission decisions in flight to Redis: in all, and per client.
@@ -478,6 +481,7 @@ impl RedisController {
             held: Mutex::new(HashMap::new()),
             registration: tokio::sync::RwLock::new(()),
             lease_until: Mutex::new(None),
+            restore_begun: AtomicBool::new(false),
             renewing_since: Mutex::new(None),
             outbox: Mutex::new(Vec::new()),
             wake: Arc::new(tokio::sync::Notify::new()),
@@ -496,8 +500,8 @@ impl RedisController {
                     .collect(),
             ),
             source: std::sync::OnceLock::new(),
-            renew_now: std::sync::atomic::AtomicBool::new(false),
-            recovering: std::sync::atomic::AtomicBool::new(false),
+            renew_now: AtomicBool::new(false),
+            recovering: AtomicBool::new(false),
             memory: Arc::new(RefusalMemory::default()),
             decisions: Arc::new(tokio::sync::Semaphore::new(options.decisions_in_flight)),
             client_decisions: Mutex::new(HashMap::new()),
@@ -530,6 +534,8 @@ impl RedisController {
         &self,
         restored: impl IntoIterator<Item = RestoredOperation>,
     ) -> (Vec<RedisOperation>, Option<Unavailable>) {
+        // Relaxed: only ever set, and read for which reason an admission names.
+        self.inner.restore_begun.store(true, Ordering::Relaxed);
         let cells = {
             let _alone = self.inner.registration.write().await;
             self.hold_restored(restored)
@@ -711,9 +717,13 @@ impl RedisController {
             )));
         }
         if !inner.lease_held() {
-            return Err(AdmitError::Unavailable(
-                inner.unavailable(UnavailableReason::LeaseNotHeld),
-            ));
+            // Relaxed: see `restore_begun`.
+            let reason = if inner.restore_begun.load(Ordering::Relaxed) {
+                UnavailableReason::LeaseNotHeld
+            } else {
+                UnavailableReason::NotRestored
+            };
+            return Err(AdmitError::Unavailable(inner.unavailable(reason)));
         }
         // Room to decide: this client's share first, then the replica's, each waited for
         // briefly. Released when this call ends, however it ends.
