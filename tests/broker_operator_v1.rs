@@ -13,6 +13,7 @@ use std::time::Duration;
 use base64::Engine;
 use serde_json::{Value, json};
 use support::broker::{Harness, ROOMY, assert_unchanged, settings, start, start_with};
+use support::events::open;
 use support::eventually::eventually;
 use support::faults::lock_store;
 use support::http::{Reply, request};
@@ -21,6 +22,7 @@ use support::secrets::{
     OTHER_SECRET,
 };
 use unyolo_admission::StorageCaps;
+use unyolo_admission::broker::store::events::decode_cursor;
 
 const REQUESTS: &str = "/api/operator/v1/requests";
 
@@ -915,4 +917,84 @@ async fn a_unix_socket_operator_listener_is_private_and_gone_after_shutdown() {
     );
     h.broker.shutdown().await;
     assert!(!socket.exists(), "the socket outlived its broker");
+}
+
+/// The list's `event_cursor` is a promise: "list, then stream from there" misses nothing. Pages
+/// run newest first, so every request created at or below the cursor and newer than the page's
+/// oldest entry is on the page; checked on pages listed while an agent submits as fast as it
+/// can. The cursor was once read after the page, and a request created in between was on
+/// neither the page nor the stream that followed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_request_created_at_or_below_the_lists_event_cursor_is_on_the_page() {
+    const ROOM: &str = r#"{"requests_per_window": 100000, "window_seconds": 60,
+      "client_active": 5000, "client_pending": 5000, "global_active": 5000,
+      "global_executing": 1}"#;
+    let dir = tempfile::tempdir().unwrap();
+    let caps = StorageCaps {
+        grant_client: 5000,
+        grant_global: 5000,
+        ..StorageCaps::default()
+    };
+    let h = std::sync::Arc::new(start_with(settings(dir.path(), ROOM, caps)).await);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let churn = {
+        let (h, stop) = (std::sync::Arc::clone(&h), std::sync::Arc::clone(&stop));
+        tokio::spawn(async move {
+            let mut n = 0usize;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) && n < 3000 {
+                n += 1;
+                pending_request(&h, &format!("churn-{n}")).await;
+            }
+            n
+        })
+    };
+    let mut pages = Vec::new();
+    for _ in 0..300 {
+        let page = h
+            .operator
+            .get(&format!("{REQUESTS}?status=pending&limit=100"))
+            .await;
+        assert_eq!(page.status, 200, "{}", page.body);
+        if let Some(cursor) = page.body["event_cursor"].as_str() {
+            let cursor = decode_cursor(cursor).unwrap();
+            pages.push((cursor, ids(&page)));
+        }
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let submitted = churn.await.unwrap();
+    // Each request's `request.created`, in the log's order.
+    let mut stream = open(&h.operator.base, OPERATOR_SECRET, "", &[])
+        .await
+        .stream();
+    let created: Vec<(i64, String)> = stream
+        .next_events(submitted)
+        .await
+        .iter()
+        .map(|e| {
+            assert_eq!(e["kind"], "request.created");
+            let cursor = decode_cursor(e["cursor"].as_str().unwrap()).unwrap();
+            (cursor, e["request_id"].as_str().unwrap().to_owned())
+        })
+        .collect();
+    let mut checked = 0;
+    for (cursor, listed) in &pages {
+        let oldest_listed = listed
+            .last()
+            .and_then(|id| created.iter().find(|(_, c)| c == id))
+            .map_or(0, |(seq, _)| *seq);
+        for (seq, id) in created.iter().filter(|(s, _)| s <= cursor) {
+            if listed.len() < 100 || *seq > oldest_listed {
+                checked += 1;
+                assert!(
+                    listed.contains(id),
+                    "{id} (event {seq}) is at or below the page's event cursor {cursor} but \
+                     not on it"
+                );
+            }
+        }
+    }
+    assert!(
+        submitted > 10 && checked > 0,
+        "{submitted} submitted, {checked} checked"
+    );
 }

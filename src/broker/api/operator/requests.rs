@@ -254,6 +254,14 @@ pub(crate) async fn list(
     _operator: OperatorName,
 ) -> OperatorResult {
     core.settle_expiries().await;
+    // The event cursor is read before the page: every event at or below it was committed before
+    // the page's read began, so the page shows what it says and a consumer streaming from it
+    // misses nothing. Read after, a change committed in between would be in neither.
+    let event_cursor = query
+        .after
+        .is_none()
+        .then(|| core.newest_event_cursor())
+        .flatten();
     let mut rows = core
         .db
         .request_page(store_query(&query, query.limit + 1))
@@ -268,9 +276,7 @@ pub(crate) async fn list(
     if more && let Some(last) = rows.last() {
         page["next_cursor"] = Value::from(query.cursor_after(last));
     }
-    if query.after.is_none()
-        && let Some(cursor) = core.newest_event_cursor()
-    {
+    if let Some(cursor) = event_cursor {
         page["event_cursor"] = Value::from(cursor);
     }
     Ok(json_response(StatusCode::OK, page))
