@@ -629,3 +629,60 @@ async fn a_registration_after_which_redis_forgets_again_restores_the_key_records
         other => panic!("the key of r1's stored operation was lost: {other:?}"),
     }
 }
+
+/// A permit admitted, and not yet committed, when Redis forgets has no row in its replica's
+/// store yet: its key record and its rate token come back from the replica itself, so another
+/// replica answers the key as a replay (not new work) and the token stays spent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_permit_not_yet_committed_when_redis_forgets_keeps_its_key_and_its_token() {
+    let Some(server) = RedisServer::start() else {
+        return;
+    };
+    let mut r1 = Replica::start(&server, "r1").await;
+    let r2 = Replica::start(&server, "r2").await;
+    let _r3 = Replica::start(&server, "r3").await;
+    // bob: four of his five tokens spent and committed, the fifth admitted under "in-flight"
+    // but not yet in r1's store.
+    for n in 0..4 {
+        r1.submit("bob", false, &format!("bob-{n}")).await.unwrap();
+    }
+    let permit = r1
+        .admission
+        .admit("bob", false, Some("in-flight"))
+        .await
+        .expect("bob's fifth token");
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await.unwrap();
+    for replica in [&r1, &r2, &_r3] {
+        replica.admission.renew().await.unwrap();
+    }
+    assert_eventually("the deployment admits again", async || {
+        !matches!(
+            r2.admission.admit("amy", false, None).await,
+            Err(AdmitError::Unavailable(_))
+        )
+    })
+    .await;
+    // Now the row is written and the permit committed, as the broker does after the store.
+    let id = permit.id().to_string();
+    r1.store.keys.lock().unwrap().push(KeyRecord {
+        client: Identity::new("bob").unwrap(),
+        key: "in-flight".to_string(),
+        operation: id.clone(),
+    });
+    let _op = permit.commit();
+    match r2.admission.admit("bob", false, Some("in-flight")).await {
+        Err(AdmitError::Replay { operation, replica }) => {
+            assert_eq!((operation.as_str(), replica.as_str()), (id.as_str(), "r1"));
+        }
+        other => panic!("the key of r1's uncommitted permit was lost: {other:?}"),
+    }
+    // And bob has no token left: five were spent, whatever Redis forgot.
+    match r2.admission.admit("bob", false, Some("sixth")).await {
+        Err(AdmitError::Refused(refused)) => {
+            assert_eq!(refused.refusal.code, RefusalCode::SubmissionRateLimited);
+        }
+        other => panic!("bob got a sixth token: {other:?}"),
+    }
+}

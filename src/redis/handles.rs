@@ -66,6 +66,8 @@ impl RedisPermit {
     /// under its id, in its first state).
     pub(crate) fn commit(mut self) -> RedisOperation {
         let cell = self.cell.take().expect("a live permit holds its cell");
+        // Its row is in the store now: a recovery reads its key and admission from there.
+        crate::sync::lock(&cell.uncommitted).take();
         RedisOperation::new(Arc::clone(&self.inner), cell)
     }
 

@@ -321,6 +321,17 @@ pub(crate) struct Held {
     pub(crate) id: String,
     pub(crate) identity: Identity,
     pub(crate) state: std::sync::atomic::AtomicU8,
+    /// Admitted here and not yet committed (its row may not be in the store yet): since when,
+    /// and its idempotency key. Cleared by the commit. When Redis forgets, the recovery takes
+    /// these from here, as it takes committed operations' keys and admissions from the store.
+    pub(crate) uncommitted: Mutex<Option<Uncommitted>>,
+}
+
+/// What Redis must have again for a permit not yet committed, if it forgets meanwhile.
+#[derive(Clone)]
+pub(crate) struct Uncommitted {
+    pub(crate) at: Instant,
+    pub(crate) key: Option<String>,
 }
 
 impl Held {
@@ -589,6 +600,7 @@ impl RedisController {
                 id: op.id,
                 identity: op.identity,
                 state: std::sync::atomic::AtomicU8::new(op.state as u8),
+                uncommitted: Mutex::new(None),
             }));
         }
         let mut held = self.inner.lock_held();
@@ -774,6 +786,10 @@ impl RedisController {
             } else {
                 OperationState::Approved as u8
             }),
+            uncommitted: Mutex::new(Some(Uncommitted {
+                at: Instant::now(),
+                key: idempotency_key.map(str::to_owned),
+            })),
         });
         // From here on the script may run: if this future is dropped, or the reply is lost or
         // unreadable, release by id (a no-op if it never ran), key binding included, so a
@@ -1426,6 +1442,20 @@ impl Inner {
         }
     }
 
+    /// The permits this replica admitted and has not committed: (id, client, what Redis needs
+    /// again). Read once the admissions in flight have answered (they hold the registration
+    /// lock shared), so none is missed.
+    async fn uncommitted(&self) -> Vec<(String, Identity, Uncommitted)> {
+        let _alone = self.registration.write().await;
+        self.lock_held()
+            .values()
+            .filter_map(|cell| {
+                let u = crate::sync::lock(&cell.uncommitted).clone()?;
+                Some((cell.id.clone(), cell.identity.clone(), u))
+            })
+            .collect()
+    }
+
     /// Registers this replica again (at start-up, after a lapsed lease, after Redis forgot): if
     /// Redis lacks this replica's part of the current epoch, its key records go back first (from
     /// the recovery source, outside the registration lock, so releases are never held up by the
@@ -1442,22 +1472,42 @@ impl Inner {
             let mut keyed = String::from("-");
             if let Some(source) = &source {
                 keyed.clear();
+                // Permits admitted here but not yet committed have no row in the store yet:
+                // their keys and admissions come from here. Read first (once the admissions in
+                // flight have their cells), then the store, so a permit committed in between is
+                // in one or both (a token counted twice can only refuse, never admit).
+                let uncommitted = self.uncommitted().await;
                 if self.lacks_this_replica().await? {
-                    let records = source.key_records().await.map_err(|e| {
+                    let mut records = source.key_records().await.map_err(|e| {
                         self.unavailable(UnavailableReason::Reply(format!(
                             "the store's key records could not be read: {e}"
                         )))
                     })?;
+                    let stored: std::collections::HashSet<String> =
+                        records.iter().map(|r| r.operation.clone()).collect();
+                    records.extend(uncommitted.iter().filter_map(|(id, client, u)| {
+                        let key = u.key.clone()?;
+                        (!stored.contains(id)).then(|| crate::admission::KeyRecord {
+                            client: client.clone(),
+                            key,
+                            operation: id.clone(),
+                        })
+                    }));
                     match self.restore_keys(&records).await? {
                         Some(nonce) => keyed = nonce,
                         None => continue,
                     }
                 }
-                let admissions = source.recent_admissions().await.map_err(|e| {
+                let mut admissions = source.recent_admissions().await.map_err(|e| {
                     self.unavailable(UnavailableReason::Reply(format!(
                         "the store's recent admissions could not be read: {e}"
                     )))
                 })?;
+                admissions.extend(
+                    uncommitted
+                        .iter()
+                        .map(|(_, client, u)| (client.clone(), u.at.elapsed())),
+                );
                 debts = rate_debts(&self.config.load(), &admissions);
             }
             let _alone = self.registration.write().await;
