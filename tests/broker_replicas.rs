@@ -357,6 +357,63 @@ async fn a_retention_sweep_racing_replays_on_two_replicas_makes_every_later_subm
     }
 }
 
+/// A key's lifetime in Redis (`PTTL`, in ms; negative when it has none or is gone).
+fn key_pttl(server: &support::redis::RedisServer, key: &str) -> i64 {
+    let name = format!("{{admission}}:key:{AGENT}:{key}");
+    let out = std::process::Command::new("redis-cli")
+        .args(["-p", &server.port.to_string(), "PTTL", &name])
+        .output()
+        .expect("redis-cli runs");
+    String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
+}
+
+/// A key's lifetime starts at its admission (the retention plus a day, here a second plus a
+/// day); a live operation older than 12 hours has it renewed at each sweep, so the key outlives
+/// an operation that lives longer than that lifetime. A finished operation's key is not renewed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_keys_of_long_lived_operations_are_renewed_so_they_outlive_them() {
+    let server = redis_or_skip!();
+    let ahead = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let dir = tempfile::tempdir().unwrap();
+    let r1 = retiring_replica(&server, dir.path(), "r1", ahead.clone()).await;
+    let live = r1
+        .submit(AGENT_SECRET, &request("long-lived", "demo.request", 0))
+        .await;
+    assert_eq!(live.status, 202, "{}", live.body);
+    let done = r1
+        .submit(AGENT_SECRET, &request("done", "demo.run", 0))
+        .await;
+    assert_eq!(done.status, 202, "{}", done.body);
+    assert!(eventually(async || r1.snapshot().executing == 0 && r1.snapshot().active == 1).await);
+    let day = 86_400_000;
+    assert!(key_pttl(&server, "long-lived") > day - 60_000);
+    // Young: nothing to renew.
+    assert_eq!(r1.broker.sweep_now().await.unwrap().keys_renewed, 0);
+    // A day and a half later (the key's lifetime nearly run out), the live one is renewed.
+    redis_cmd(
+        &server,
+        &["PEXPIRE", "{admission}:key:agent:long-lived", "5000"],
+    );
+    redis_cmd(&server, &["PEXPIRE", "{admission}:key:agent:done", "5000"]);
+    ahead.store(36 * 3600, std::sync::atomic::Ordering::Relaxed);
+    let swept = r1.broker.sweep_now().await.unwrap();
+    assert_eq!(swept.keys_renewed, 1, "{swept:?}");
+    assert!(key_pttl(&server, "long-lived") > day - 60_000);
+    // The finished one is retired (its row past the retention), its key unbound.
+    assert!(key_pttl(&server, "done") < 0);
+    r1.broker.shutdown().await;
+}
+
+fn redis_cmd(server: &support::redis::RedisServer, args: &[&str]) {
+    let out = std::process::Command::new("redis-cli")
+        .arg("-p")
+        .arg(server.port.to_string())
+        .args(args)
+        .output()
+        .expect("redis-cli runs");
+    assert!(out.status.success(), "{out:?}");
+}
+
 /// The idempotency records Redis holds for the deployment under the default prefix.
 fn key_records_in_redis(server: &support::redis::RedisServer) -> usize {
     let out = std::process::Command::new("redis-cli")

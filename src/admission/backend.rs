@@ -119,6 +119,12 @@ mod absent {
         ) -> Result<(), Unavailable> {
             match *self {}
         }
+        pub(crate) async fn renew_keys(
+            &self,
+            _: &[super::super::KeyRecord],
+        ) -> Result<u64, Unavailable> {
+            match *self {}
+        }
         pub(crate) async fn holdings(
             &self,
         ) -> Result<std::collections::BTreeMap<String, crate::engine::OperationState>, Unavailable>

@@ -395,6 +395,19 @@ impl Admission {
         }
     }
 
+    /// The operations in `records` are still live: replicated, with a key lifetime
+    /// ([`ReplicaOptions::idempotency_ttl`]), each key that still names its operation gets that
+    /// whole lifetime again, from now. The lifetime starts at the admission, so an operation
+    /// that may live longer than it needs its key renewed now and then (the reference broker
+    /// renews, every minute, the keys of live operations older than 12 hours). How many were
+    /// renewed; nothing in-process or without a lifetime. Safe to drop and to repeat.
+    pub async fn renew_keys(&self, records: &[KeyRecord]) -> Result<u64, Unavailable> {
+        match &self.shared {
+            Some(shared) => shared.renew_keys(records).await,
+            None => Ok(0),
+        }
+    }
+
     /// What the shared store holds under this replica's name (operation id → state), to compare
     /// with the store's live rows (fleet drift); `None` in-process. Read-only; safe to drop.
     pub async fn shared_holdings(

@@ -164,6 +164,8 @@ impl Core {
 pub(crate) struct LiveOp {
     pub(crate) id: String,
     pub(crate) client_id: String,
+    /// Its idempotency key (renewed in the shared store while it lives long: see retention).
+    pub(crate) key: String,
     pub(crate) duration: Duration,
     /// Its lifecycle handle (in-process, or mirrored to the replicas' shared counts).
     pub(crate) handle: OperationHandle,
@@ -178,6 +180,7 @@ impl LiveOp {
         LiveOp {
             id: record.id.clone(),
             client_id: record.client_id.clone(),
+            key: record.idempotency_key.clone(),
             duration: Duration::from_millis(duration_ms(&record.arguments).unwrap_or(0)),
             handle,
             lock: tokio::sync::Mutex::new(()),

@@ -51,6 +51,10 @@ pub const BATCH: u32 = 100;
 /// Free pages returned to the filesystem per write transaction.
 pub const VACUUM_STEP: u32 = 500;
 
+/// A live operation older than this has its key's lifetime renewed at every sweep (the lifetime
+/// is the retention plus a day, so it never runs out while the operation lives).
+pub const RENEW_KEYS_AFTER: Duration = Duration::from_secs(12 * 3600);
+
 /// The default retention: seven days.
 pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 60 * 60);
 
@@ -159,6 +163,9 @@ pub struct SweepReport {
     pub filter_rebuilt: bool,
     /// Operator V1 events deleted (past the newest [`MAX_EVENTS`] or older than the retention).
     pub events_trimmed: u64,
+    /// Live operations older than [`RENEW_KEYS_AFTER`] whose keys got their whole lifetime in
+    /// the shared store again (replicated, with a key lifetime).
+    pub keys_renewed: u64,
 }
 
 type StateLabels = [(&'static str, &'static str); 1];
@@ -338,6 +345,32 @@ pub(crate) async fn sweep(
             }
             // Let waiting writers (submissions, decisions) in between batches.
             tokio::task::yield_now().await;
+        }
+    }
+    // A key's lifetime in the shared store (a net under the unbinding above) starts at its
+    // admission; an operation that lives long (pending for days, queued, executing) has its
+    // key's lifetime renewed, so the key outlives it by the retention. Nothing in-process.
+    if core.admission.is_replicated() {
+        let old = now.checked_sub(RENEW_KEYS_AFTER);
+        let records: Vec<KeyRecord> = core
+            .live_ops()
+            .values()
+            .filter(|op| old.is_some_and(|old| op.created_at <= old))
+            .filter_map(|op| {
+                Some(KeyRecord {
+                    client: Identity::new(&op.client_id).ok()?,
+                    key: op.key.clone(),
+                    operation: op.id.clone(),
+                })
+            })
+            .collect();
+        if !records.is_empty() {
+            match core.admission.renew_keys(&records).await {
+                Ok(renewed) => report.keys_renewed = renewed,
+                Err(err) => {
+                    tracing::warn!(error = %err, "cannot renew live operations' keys in redis; trying again at the next sweep");
+                }
+            }
         }
     }
     let event_cutoff = match retention.settings.keep {

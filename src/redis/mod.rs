@@ -132,6 +132,7 @@ const REAP: &str = concat!(
 const HEARTBEAT: &str = include_str!("scripts/heartbeat.lua");
 const RESTORE_KEYS: &str = include_str!("scripts/restore_keys.lua");
 const RETIRE_KEYS: &str = include_str!("scripts/retire_keys.lua");
+const RENEW_KEYS: &str = include_str!("scripts/renew_keys.lua");
 
 /// Idempotency records sent to Redis in one script call, when restoring or retiring them.
 const KEY_RECORDS_PER_CALL: usize = 500;
@@ -208,6 +209,7 @@ struct Scripts {
     heartbeat: Script,
     restore_keys: Script,
     retire_keys: Script,
+    renew_keys: Script,
 }
 
 /// Starts a replica's notices and heartbeat when dropped: at the end of its registration,
@@ -487,6 +489,7 @@ impl RedisController {
                 heartbeat: Script::new(HEARTBEAT),
                 restore_keys: Script::new(RESTORE_KEYS),
                 retire_keys: Script::new(RETIRE_KEYS),
+                renew_keys: Script::new(RENEW_KEYS),
             },
             config: ArcSwap::from_pointee(config),
             held: Mutex::new(HashMap::new()),
@@ -1020,6 +1023,12 @@ impl RedisController {
     /// Unbinds retired operations' keys (see [`crate::Admission::retire_keys`]).
     pub async fn retire_keys(&self, records: &[KeyRecord]) -> Result<(), Unavailable> {
         self.inner.retire_keys(records).await
+    }
+
+    /// Gives live operations' keys their whole lifetime again (see
+    /// [`crate::Admission::renew_keys`]); how many were renewed.
+    pub async fn renew_keys(&self, records: &[KeyRecord]) -> Result<u64, Unavailable> {
+        self.inner.renew_keys(records).await
     }
 
     /// What Redis holds under this replica's name now: operation id → state — the operations
@@ -1579,6 +1588,36 @@ impl Inner {
         )
         .await
         .map(|_| ())
+    }
+
+    pub(crate) async fn renew_keys(&self, records: &[KeyRecord]) -> Result<u64, Unavailable> {
+        let Some(ttl) = self.options.idempotency_ttl else {
+            return Ok(0);
+        };
+        let mut renewed = 0;
+        for chunk in records.chunks(KEY_RECORDS_PER_CALL) {
+            let mut invocation = self.scripts.renew_keys.prepare_invoke();
+            invocation.arg(&self.keys.base).arg(ttl_millis(ttl));
+            for record in chunk {
+                invocation
+                    .arg(record.client.as_str())
+                    .arg(&record.key)
+                    .arg(&record.operation);
+            }
+            let value = self
+                .call(&invocation)
+                .await
+                .map_err(|r| self.unavailable(r))?;
+            match value {
+                Value::Int(n) => renewed += u64::try_from(n).unwrap_or(0),
+                other => {
+                    return Err(self.unavailable(UnavailableReason::Reply(format!(
+                        "renew_keys answered {other:?}"
+                    ))));
+                }
+            }
+        }
+        Ok(renewed)
     }
 
     /// Runs `script` over `records` in calls of [`KEY_RECORDS_PER_CALL`] (one at least, if
