@@ -168,6 +168,25 @@ impl ReplicaOptions {
                 "the idempotency key lifetime must be at least one second".to_string(),
             ));
         }
+        let durations = [
+            ("lease_ttl", Some(self.lease_ttl)),
+            ("heartbeat", Some(self.heartbeat)),
+            ("call_timeout", Some(self.call_timeout)),
+            ("idempotency_ttl", self.idempotency_ttl),
+            ("circuit_cool_down", Some(self.circuit_cool_down)),
+            ("capacity_retry", Some(self.capacity_retry)),
+            ("unavailable_retry", Some(self.unavailable_retry)),
+            ("decision_wait", Some(self.decision_wait)),
+        ];
+        if let Some((name, _)) = durations
+            .iter()
+            .find(|(_, d)| d.is_some_and(|d| d > MAX_DURATION))
+        {
+            return Err(SetupError::Options(format!(
+                "{name} must be at most {} days (a longer one overflows the clock or Redis)",
+                MAX_DURATION.as_secs() / 86_400
+            )));
+        }
         if self.decisions_in_flight == 0 || self.client_decisions_in_flight == 0 {
             return Err(SetupError::Options(
                 "decisions in flight (per replica and per client) must be at least 1".to_string(),
@@ -187,6 +206,10 @@ impl ReplicaOptions {
         Ok(())
     }
 }
+
+/// The longest any duration option may be: a year. Longer ones would overflow a deadline
+/// (`Instant` plus the duration) or a Redis expiry in milliseconds.
+const MAX_DURATION: Duration = Duration::from_secs(366 * 86_400);
 
 /// `url` with its password, if any, replaced by `***` (see [`ReplicaOptions::url_redacted`]).
 fn redact_url(url: &str) -> String {
@@ -244,6 +267,40 @@ mod redaction {
             let options = ReplicaOptions::new(url, "r1");
             assert_eq!(options.url_redacted(), shown, "{url}");
             assert!(!format!("{options:?}").contains("hunter2"), "{url}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_duration_past_a_year_is_refused_by_name_and_a_year_is_not() {
+        let ok = ReplicaOptions::new("redis://127.0.0.1:6379", "r1");
+        assert!(ok.check().is_ok());
+        type Set = fn(&mut ReplicaOptions, Duration);
+        let setters: [(&str, Set); 8] = [
+            ("lease_ttl", |o, d| o.lease_ttl = d),
+            ("heartbeat", |o, d| {
+                o.lease_ttl = MAX_DURATION;
+                o.heartbeat = d;
+            }),
+            ("call_timeout", |o, d| o.call_timeout = d),
+            ("idempotency_ttl", |o, d| o.idempotency_ttl = Some(d)),
+            ("circuit_cool_down", |o, d| o.circuit_cool_down = d),
+            ("capacity_retry", |o, d| o.capacity_retry = d),
+            ("unavailable_retry", |o, d| o.unavailable_retry = d),
+            ("decision_wait", |o, d| o.decision_wait = d),
+        ];
+        for (name, set) in setters {
+            let mut huge = ok.clone();
+            set(&mut huge, Duration::MAX / 4);
+            let err = huge.check().expect_err(name).to_string();
+            assert!(err.contains(name) && err.contains("366 days"), "{err}");
+            let mut year = ok.clone();
+            set(&mut year, Duration::from_secs(300 * 86_400));
+            assert!(year.check().is_ok(), "{name}: {:?}", year.check());
         }
     }
 }
