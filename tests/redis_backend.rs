@@ -646,6 +646,47 @@ async fn a_replicas_holdings_are_read_page_by_page_whatever_their_number() {
     assert!(mine.counts().await.unwrap().is_idle());
 }
 
+/// An operation whose id Redis cannot record (a space, say) is not restored on a replica at all:
+/// counted only here, the other replicas would admit past it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restored_id_the_shared_store_cannot_hold_is_refused_and_counted_nowhere() {
+    let server = redis_or_skip!();
+    let config = roomy_config(&["amy"]);
+    let admission = Admission::new(Controller::new(config), Some(options(&server, "r1")))
+        .expect("valid replica options");
+    let amy = Identity::new("amy").unwrap();
+    let restored = admission
+        .restore(vec![
+            RestoredOperation {
+                id: "op 1".to_string(),
+                identity: amy.clone(),
+                state: OperationState::Pending,
+            },
+            RestoredOperation {
+                id: "op_2".to_string(),
+                identity: amy,
+                state: OperationState::Pending,
+            },
+        ])
+        .await;
+    assert!(restored.deferred.is_none());
+    let mut results = restored.operations.into_iter();
+    match results.next().unwrap() {
+        Err(err) => {
+            assert_eq!(err, unyolo_admission::engine::RestoreError::UnshareableId);
+            assert!(err.to_string().contains("shared store"), "{err}");
+        }
+        Ok(handle) => panic!("restored {handle:?}"),
+    }
+    let _kept = results.next().unwrap().expect("a shareable id is restored");
+    assert_eq!(admission.snapshot().pending, 1, "only op_2 here");
+    assert_eq!(
+        admission.counts().await.unwrap().pending,
+        1,
+        "only op_2 shared"
+    );
+}
+
 /// A replica takes its lease by registering what its store restored; until the embedder calls
 /// `restore` (even with nothing), its refusals say so instead of a bare "lease not held".
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -57,6 +57,12 @@ impl fmt::Debug for OperationId {
     }
 }
 
+/// Whether `id` can name an operation in the shared store: 1 to 128 visible ASCII characters
+/// (no space: Redis records hold it beside other words). Every id [`OperationId`] makes can.
+pub(crate) fn shareable(id: &str) -> bool {
+    !id.is_empty() && id.len() <= 128 && id.bytes().all(|b| b.is_ascii_graphic())
+}
+
 /// A fresh random id: `prefix`, `_`, 32 lowercase hex digits (128 bits from the operating
 /// system's random source), for things other than operations (streams).
 pub fn random_id(prefix: &str) -> String {

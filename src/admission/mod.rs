@@ -32,7 +32,7 @@
 mod backend;
 mod exposition;
 mod handles;
-mod id;
+pub(crate) mod id;
 mod options;
 mod outcome;
 mod recovery;
@@ -288,6 +288,12 @@ impl Admission {
         let mut restored = Vec::new();
         let mut to_share = Vec::new();
         for op in operations {
+            // Replicated, an id the shared store cannot hold would be counted here only: the
+            // other replicas would admit past it. Refused before anything is restored.
+            if self.shared.is_some() && !id::shareable(&op.id) {
+                restored.push((op, Err(RestoreError::UnshareableId)));
+                continue;
+            }
             let local = self.local.restore(&op.identity, op.state);
             if local.is_ok() {
                 to_share.push(op.clone());

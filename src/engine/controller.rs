@@ -1044,6 +1044,9 @@ pub enum RestoreError {
     Terminal(OperationState),
     /// The client name is not a valid identity (so no configuration could ever name it).
     InvalidIdentity,
+    /// Replicated: the operation id cannot be recorded in the shared store (1 to 128 visible
+    /// ASCII characters), so the other replicas could never count it; nothing is restored.
+    UnshareableId,
 }
 
 impl std::fmt::Display for RestoreError {
@@ -1053,6 +1056,10 @@ impl std::fmt::Display for RestoreError {
                 write!(f, "a {state} operation is terminal and holds no slots")
             }
             RestoreError::InvalidIdentity => f.write_str("the client name is not a valid identity"),
+            RestoreError::UnshareableId => f.write_str(
+                "the operation id cannot be recorded in the shared store (1 to 128 visible ASCII \
+                 characters)",
+            ),
         }
     }
 }

@@ -411,9 +411,7 @@ pub(crate) struct RedisController {
 }
 
 /// An operation id the scripts can record: 1 to 128 visible ASCII characters.
-fn valid_op_id(id: &str) -> bool {
-    !id.is_empty() && id.len() <= 128 && id.bytes().all(|b| b.is_ascii_graphic())
-}
+use crate::admission::id::shareable as valid_op_id;
 
 /// The client's quota from what the admission decision read (its bucket in µs of Redis time and
 /// its counts on every replica), built as the in-process engine builds its own
