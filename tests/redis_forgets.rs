@@ -686,3 +686,36 @@ async fn a_permit_not_yet_committed_when_redis_forgets_keeps_its_key_and_its_tok
         other => panic!("bob got a sixth token: {other:?}"),
     }
 }
+
+/// `admission_redis_recovering` (the stats' `recovering`) is 1 while the replicas register again
+/// after Redis forgot and 0 again once they all have: it was set by the registration and
+/// cleared by nothing, so the first replica back reported a recovery for as long as it ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_recovering_flag_is_cleared_once_every_replica_has_registered_again() {
+    let Some(server) = RedisServer::start() else {
+        return;
+    };
+    let replicas = three_replicas(&server).await;
+    // A new deployment listing its replicas waits for all of them too: the first two registered
+    // while it did, and their next renewal sees it over.
+    for replica in &replicas {
+        replica.admission.renew().await.unwrap();
+        assert!(!replica.admission.stats().recovering);
+    }
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await.unwrap();
+    replicas[0].admission.renew().await.unwrap();
+    assert!(
+        replicas[0].admission.stats().recovering,
+        "the first back waits for the others"
+    );
+    for replica in &replicas[1..] {
+        replica.admission.renew().await.unwrap();
+    }
+    // The next renewal of each sees the window closed.
+    for replica in &replicas {
+        replica.admission.renew().await.unwrap();
+        assert!(!replica.admission.stats().recovering);
+    }
+}

@@ -188,6 +188,7 @@ fn encode_lease(reply: LeaseReply) -> Value {
     Value::SimpleString(
         match reply {
             LeaseReply::Renewed => "ok",
+            LeaseReply::RenewedRecovering => "recovering",
             LeaseReply::Lapsed => "lapsed",
             LeaseReply::Taken => "taken",
             LeaseReply::Lost => "lost",
@@ -259,6 +260,7 @@ pub fn redis_reply(data: &[u8]) {
             assert_eq!(
                 parse_lease(&bulk(match reply {
                     LeaseReply::Renewed => "ok",
+                    LeaseReply::RenewedRecovering => "recovering",
                     LeaseReply::Lapsed => "lapsed",
                     LeaseReply::Taken => "taken",
                     LeaseReply::Lost => "lost",

@@ -1381,6 +1381,7 @@ impl Inner {
         invocation
             .key(self.keys.lease(&self.options.replica))
             .key(&self.keys.epoch)
+            .key(&self.keys.recovery)
             .arg(&self.token)
             .arg(ttl_millis(self.options.lease_ttl))
             .arg(self.epoch().unwrap_or_default());
@@ -1391,7 +1392,10 @@ impl Inner {
                 return Err(self.unavailable(reason));
             }
         };
-        let renewed = matches!(reply::parse_lease(&value), Ok(LeaseReply::Renewed));
+        let renewed = matches!(
+            reply::parse_lease(&value),
+            Ok(LeaseReply::Renewed | LeaseReply::RenewedRecovering)
+        );
         {
             let mut since = crate::sync::lock(&self.renewing_since);
             match (renewed, *since) {
@@ -1401,7 +1405,11 @@ impl Inner {
             }
         }
         match reply::parse_lease(&value) {
-            Ok(LeaseReply::Renewed) => {
+            Ok(reply @ (LeaseReply::Renewed | LeaseReply::RenewedRecovering)) => {
+                // Relaxed: a statistic (`admission_redis_recovering`), set at registration and
+                // cleared here once the recovery window has closed.
+                self.recovering
+                    .store(reply == LeaseReply::RenewedRecovering, Ordering::Relaxed);
                 *crate::sync::lock(&self.lease_until) = Some(sent + self.options.lease_ttl);
                 self.learn_replicas().await;
                 Ok(())

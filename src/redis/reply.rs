@@ -78,6 +78,8 @@ pub enum TransitionReply {
 pub enum LeaseReply {
     /// Renewed.
     Renewed,
+    /// Renewed, while the replicas still register again after Redis forgot the deployment.
+    RenewedRecovering,
     /// Nobody holds it.
     Lapsed,
     /// Another process under this replica's name holds it.
@@ -347,6 +349,7 @@ pub fn parse_batch(
 pub fn parse_lease(value: &Value) -> Result<LeaseReply, ReplyError> {
     match text(value) {
         Some("ok") => Ok(LeaseReply::Renewed),
+        Some("recovering") => Ok(LeaseReply::RenewedRecovering),
         Some("lapsed") => Ok(LeaseReply::Lapsed),
         Some("taken") => Ok(LeaseReply::Taken),
         Some("lost") => Ok(LeaseReply::Lost),
