@@ -188,7 +188,7 @@ fn encode_lease(reply: LeaseReply) -> Value {
     Value::SimpleString(
         match reply {
             LeaseReply::Renewed => "ok",
-            LeaseReply::RenewedRecovering => "recovering",
+            LeaseReply::RenewedRecovering => "ok-recovering",
             LeaseReply::Lapsed => "lapsed",
             LeaseReply::Taken => "taken",
             LeaseReply::Lost => "lost",
@@ -260,7 +260,7 @@ pub fn redis_reply(data: &[u8]) {
             assert_eq!(
                 parse_lease(&bulk(match reply {
                     LeaseReply::Renewed => "ok",
-                    LeaseReply::RenewedRecovering => "recovering",
+                    LeaseReply::RenewedRecovering => "ok-recovering",
                     LeaseReply::Lapsed => "lapsed",
                     LeaseReply::Taken => "taken",
                     LeaseReply::Lost => "lost",

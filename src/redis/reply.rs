@@ -349,7 +349,7 @@ pub fn parse_batch(
 pub fn parse_lease(value: &Value) -> Result<LeaseReply, ReplyError> {
     match text(value) {
         Some("ok") => Ok(LeaseReply::Renewed),
-        Some("recovering") => Ok(LeaseReply::RenewedRecovering),
+        Some("ok-recovering") => Ok(LeaseReply::RenewedRecovering),
         Some("lapsed") => Ok(LeaseReply::Lapsed),
         Some("taken") => Ok(LeaseReply::Taken),
         Some("lost") => Ok(LeaseReply::Lost),
@@ -688,6 +688,12 @@ mod tests {
         assert!(t(vec![bulk("same"), bulk("p")]).is_err());
         assert!(t(vec![bulk("duplicate")]).is_err());
         assert_eq!(parse_lease(&bulk("ok")), Ok(LeaseReply::Renewed));
+        assert_eq!(
+            parse_lease(&bulk("ok-recovering")),
+            Ok(LeaseReply::RenewedRecovering)
+        );
+        // The admission's word for a recovery is not a renewal.
+        assert!(parse_lease(&bulk("recovering")).is_err());
         assert!(parse_lease(&bulk("OK")).is_err());
         assert_eq!(
             parse_pair(&Value::Array(vec![Value::Int(2), Value::Int(3)])),
