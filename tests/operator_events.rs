@@ -573,6 +573,34 @@ async fn a_cursor_older_than_the_retained_log_is_410_and_an_empty_one_replays_wh
         expect(&ids[0], "request.denied", 2, "denied", 0)
     );
     assert_eq!(from_start.next_event().await.unwrap(), next);
-    drop((from_newest, from_start));
+    // With every one of the operator's 16 streams open, an expired cursor is still 410 (the
+    // consumer re-syncs on it), and a retained one is 503 (no room).
+    let mut open_streams = vec![from_newest, from_start];
+    while open_streams.len() < 16 {
+        open_streams.push(
+            open(&h.operator.base, OPERATOR_SECRET, "", &[])
+                .await
+                .stream(),
+        );
+    }
+    let expired = open(
+        &h.operator.base,
+        OPERATOR_SECRET,
+        &format!("cursor={}", cursor(&events[0])),
+        &[],
+    )
+    .await
+    .refused();
+    assert_eq!((expired.status, expired.code()), (410, "cursor_expired"));
+    let full = open(
+        &h.operator.base,
+        OPERATOR_SECRET,
+        &format!("cursor={newest}"),
+        &[],
+    )
+    .await
+    .refused();
+    assert_eq!((full.status, full.code()), (503, "temporarily_unavailable"));
+    drop(open_streams);
     h.broker.shutdown().await;
 }

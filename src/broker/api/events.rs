@@ -123,6 +123,14 @@ fn query_pairs(query: &str) -> Result<Vec<(String, String)>, ApiError> {
         .map_err(|rejection| ApiError::invalid(rejection.body_text()))
 }
 
+fn cursor_expired() -> OperatorError {
+    OperatorError::new(
+        StatusCode::GONE,
+        ErrorCode::CursorExpired,
+        "cursor is no longer retained",
+    )
+}
+
 /// `GET /api/operator/v1/events`.
 pub(crate) async fn stream_events(
     State(core): State<Arc<Core>>,
@@ -133,20 +141,22 @@ pub(crate) async fn stream_events(
         Some(cursor) => Some(decode_cursor(cursor).map_err(|_| OperatorError::invalid())?),
         None => None,
     };
-    let slot = core
-        .event_streams
-        .enter(&operator)
-        .map_err(|_| OperatorError::unavailable(ErrorCode::TemporarilyUnavailable))?;
+    let Ok(slot) = core.event_streams.enter(&operator) else {
+        // No room for one more stream; but a cursor the log no longer holds is 410 whatever
+        // the room (a consumer re-syncs on `cursor_expired` and only backs off on a 503).
+        if after.is_some()
+            && let EventPage::Expired = core.db.events_after(after, 1).await?
+        {
+            return Err(cursor_expired());
+        }
+        return Err(OperatorError::unavailable(
+            ErrorCode::TemporarilyUnavailable,
+        ));
+    };
     // Subscribed before the first read: a commit after the read rings this receiver.
     let newest = core.db.event_bell().subscribe();
     let (start, events, more) = match core.db.events_after(after, PAGE).await? {
-        EventPage::Expired => {
-            return Err(OperatorError::new(
-                StatusCode::GONE,
-                ErrorCode::CursorExpired,
-                "cursor is no longer retained",
-            ));
-        }
+        EventPage::Expired => return Err(cursor_expired()),
         EventPage::Events {
             after,
             events,
