@@ -431,6 +431,13 @@ async fn every_bad_listing_or_wait_parameter_is_a_400_invalid_request() {
         format!("{list}?cursor={filtered_cursor}"),
         format!("{list}?state=approved&cursor={cursor}"),
         format!("{list}?page=2"),
+        // Empty values are bad values, not absent ones (an empty key once listed everything).
+        format!("{list}?idempotency_key="),
+        format!("{list}?cursor="),
+        format!("{list}?limit="),
+        format!("{list}?state="),
+        format!("{wait}?after_revision="),
+        format!("{wait}?wait_seconds="),
         format!("{wait}?wait_seconds=31"),
         format!("{wait}?after_revision=1&wait_seconds=31"),
         format!("{wait}?after_revision=-1"),

@@ -142,13 +142,24 @@ async fn malformed_and_mistyped_bodies_are_invalid_requests_that_create_nothing(
 async fn an_unknown_operation_is_not_registered() {
     let dir = tempfile::tempdir().unwrap();
     let h = start(dir.path(), ROOMY).await;
-    for operation in ["demo.delete", "Demo.run", "", "demo.run "] {
+    for operation in ["demo.delete", "Demo.run", "demo.run ", &"x".repeat(128)] {
         refused_without_trace(
             &h,
             Some(AGENT_SECRET),
             with("operation", json!(operation)),
             400,
             "operation_not_registered",
+        )
+        .await;
+    }
+    // Out of the contract's 1-128 characters: a bad request, not an unknown operation.
+    for operation in ["".to_owned(), "x".repeat(129), "é".repeat(129)] {
+        refused_without_trace(
+            &h,
+            Some(AGENT_SECRET),
+            with("operation", json!(operation)),
+            400,
+            "invalid_request",
         )
         .await;
     }

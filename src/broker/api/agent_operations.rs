@@ -42,6 +42,9 @@ pub const MAX_TARGET_PROPERTIES: usize = 32;
 /// Most properties a submission's `arguments` may have.
 pub const MAX_ARGUMENT_PROPERTIES: usize = 128;
 
+/// Longest submission `operation` name, in characters.
+pub const MAX_OPERATION_CHARS: usize = 128;
+
 /// Longest submission `reason`, in characters.
 pub const MAX_REASON_CHARS: usize = 2000;
 
@@ -76,7 +79,11 @@ pub(crate) fn validate(bytes: &[u8]) -> Result<Validated, ApiError> {
             "idempotency_key must match ^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$.",
         ));
     }
-    // Characters, as the contract's JSON Schema counts a string's length.
+    // Characters, as the contract's JSON Schema counts a string's length. A name out of these
+    // bounds is a bad request, not an unregistered operation (section 5: `operation` 1-128).
+    if !(1..=MAX_OPERATION_CHARS).contains(&request.operation.chars().count()) {
+        return Err(ApiError::invalid("operation must be 1 to 128 characters."));
+    }
     if !(1..=MAX_REASON_CHARS).contains(&request.reason.chars().count()) {
         return Err(ApiError::invalid("reason must be 1 to 2000 characters."));
     }

@@ -97,8 +97,9 @@ impl<S: Send + Sync> FromRequestParts<S> for QueryPairs {
     }
 }
 
-/// The query's parameters, each at most once, each one of `known`; an empty value counts as
-/// absent (a client may send `cursor=` on its first page).
+/// The query's parameters, each at most once, each one of `known`, none empty: every parameter
+/// the contract defines has at least one character (an empty `idempotency_key=` once counted as
+/// absent and listed every operation), so an empty one is a 400 like any bad value.
 pub(crate) fn single_params(
     pairs: Vec<(String, String)>,
     known: &[&str],
@@ -116,9 +117,13 @@ pub(crate) fn single_params(
                 "The query parameter {name:?} is given twice."
             )));
         }
+        if value.is_empty() {
+            return Err(ApiError::invalid(format!(
+                "The query parameter {name:?} is empty; leave it out instead."
+            )));
+        }
         params.insert(name, value);
     }
-    params.retain(|_, value| !value.is_empty());
     Ok(params)
 }
 
