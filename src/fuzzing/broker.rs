@@ -46,13 +46,14 @@ fn given<'a>(pairs: &'a [(String, String)], name: &str) -> Option<&'a str> {
         .iter()
         .find(|(n, _)| n == name)
         .map(|(_, v)| v.as_str())
-        .filter(|v| !v.is_empty())
 }
 
-/// Every name known, none twice.
+/// Every name known, none twice, no value empty.
 fn names_ok(pairs: &[(String, String)], known: &[&str]) -> bool {
-    pairs.iter().enumerate().all(|(i, (name, _))| {
-        known.contains(&name.as_str()) && pairs[..i].iter().all(|(earlier, _)| earlier != name)
+    pairs.iter().enumerate().all(|(i, (name, value))| {
+        known.contains(&name.as_str())
+            && !value.is_empty()
+            && pairs[..i].iter().all(|(earlier, _)| earlier != name)
     })
 }
 
@@ -310,6 +311,9 @@ fn submission_model(data: &[u8]) -> Result<(&'static str, bool), &'static str> {
         return Err("idempotency_key");
     }
     let operation = text("operation")?;
+    if !(1..=128).contains(&operation.chars().count()) {
+        return Err("operation");
+    }
     let reason = text("reason")?;
     if !(1..=2000).contains(&reason.chars().count()) {
         return Err("reason");
@@ -321,7 +325,7 @@ fn submission_model(data: &[u8]) -> Result<(&'static str, bool), &'static str> {
     if properties("arguments").is_none_or(|n| n > MAX_ARGUMENT_PROPERTIES) {
         return Err("arguments");
     }
-    // Every registered name is 1–128 characters, so membership is the whole rule.
+    // Within those bounds, a name is registered or not.
     let Some(&(name, needs_approval)) = OPERATIONS.iter().find(|(n, _)| *n == operation) else {
         return Err("operation not registered");
     };
