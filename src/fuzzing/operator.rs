@@ -66,6 +66,10 @@ pub fn operator_decision(data: &[u8]) {
             assert_eq!(key.trim(), decision.idempotency_key);
             assert!(!decision.idempotency_key.is_empty());
             assert!(!decision.idempotency_key.contains(char::is_control));
+            if let Some(who) = &decision.on_behalf_of {
+                assert_eq!(who.trim(), who, "on_behalf_of is trimmed");
+                assert!(!who.is_empty() && who.len() <= 200, "{who:?}");
+            }
             assert!(action == Action::Approve || decision.constraints.is_none());
             assert!(action != Action::Revoke || decision.notification.is_none());
             let again = parse_decision(action, render(&decision).to_string().as_bytes())

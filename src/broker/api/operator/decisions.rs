@@ -228,15 +228,25 @@ pub fn parse_decision(action: Action, bytes: &[u8]) -> Result<DecisionBody, Oper
     if !body_valid {
         return Err(OperatorError::invalid_body());
     }
+    // Normalized as unYOLO's broker does: the texts trimmed, bounded in bytes too, and empty
+    // constraints (`{}`, which its Go client sends) the same as none on a deny or revoke.
     let key = wire.idempotency_key.trim();
-    let on_behalf_of = wire.on_behalf_of.filter(|who| !who.is_empty());
+    let on_behalf_of = wire
+        .on_behalf_of
+        .as_deref()
+        .map(str::trim)
+        .filter(|who| !who.is_empty())
+        .map(str::to_owned);
+    let constraints = wire.constraints.filter(|c| {
+        action == Action::Approve || c.duration_seconds.is_some() || c.max_uses.is_some()
+    });
     let normalizes = !key.is_empty()
         && key.len() <= 200
         && !key.contains(char::is_control)
         && on_behalf_of
             .as_deref()
-            .is_none_or(|who| !who.contains(char::is_control))
-        && (action == Action::Approve || wire.constraints.is_none())
+            .is_none_or(|who| who.len() <= 200 && !who.contains(char::is_control))
+        && (action == Action::Approve || constraints.is_none())
         && (action != Action::Revoke || wire.notification.is_none());
     if !normalizes {
         return Err(OperatorError::invalid());
@@ -245,7 +255,7 @@ pub fn parse_decision(action: Action, bytes: &[u8]) -> Result<DecisionBody, Oper
         expected_revision: wire.expected_revision,
         idempotency_key: key.to_owned(),
         on_behalf_of,
-        constraints: wire.constraints.map(|c| Constraints {
+        constraints: constraints.map(|c| Constraints {
             duration_seconds: c.duration_seconds,
             max_uses: c.max_uses,
         }),
@@ -606,7 +616,15 @@ mod tests {
             ),
             (
                 Action::Deny,
-                r#"{"expected_revision":1,"idempotency_key":"k","constraints":{}}"#,
+                r#"{"expected_revision":1,"idempotency_key":"k","constraints":{"max_uses":null}}"#,
+            ),
+            (
+                Action::Approve,
+                r#"{"expected_revision":1,"idempotency_key":"k","on_behalf_of":"a\u0007"}"#,
+            ),
+            (
+                Action::Approve,
+                r#"{"expected_revision":1,"idempotency_key":"k","on_behalf_of":"ééééééééééééééééééééééééééééééééééééééééééééééééééééééééééééééééééééééééééééééééééééééééééééééééééééééééé"}"#,
             ),
             (
                 Action::Revoke,
@@ -615,6 +633,45 @@ mod tests {
         ] {
             let err = parse(action, bad).unwrap_err();
             assert_eq!(err.message(), "request is invalid", "{bad}");
+        }
+    }
+
+    #[test]
+    fn texts_are_trimmed_and_empty_constraints_on_a_deny_or_revoke_are_none() {
+        let padded = parse(
+            Action::Approve,
+            r#"{"expected_revision":1,"idempotency_key":" k ","on_behalf_of":"  ada  "}"#,
+        )
+        .unwrap();
+        let plain = parse(
+            Action::Approve,
+            r#"{"expected_revision":1,"idempotency_key":"k","on_behalf_of":"ada"}"#,
+        )
+        .unwrap();
+        assert_eq!(padded.on_behalf_of.as_deref(), Some("ada"));
+        assert_eq!(
+            padded.command_hash("op_1", Action::Approve, "op"),
+            plain.command_hash("op_1", Action::Approve, "op"),
+            "a retry differing only in spaces is the same command"
+        );
+        let blank = parse(
+            Action::Approve,
+            r#"{"expected_revision":1,"idempotency_key":"k","on_behalf_of":"   "}"#,
+        )
+        .unwrap();
+        assert_eq!(blank.on_behalf_of, None);
+        for action in [Action::Deny, Action::Revoke] {
+            let empty = parse(
+                action,
+                r#"{"expected_revision":1,"idempotency_key":"k","constraints":{}}"#,
+            )
+            .unwrap();
+            let none = parse(action, r#"{"expected_revision":1,"idempotency_key":"k"}"#).unwrap();
+            assert!(empty.constraints.is_none());
+            assert_eq!(
+                empty.command_hash("op_1", action, "op"),
+                none.command_hash("op_1", action, "op")
+            );
         }
     }
 
