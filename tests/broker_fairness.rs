@@ -371,6 +371,19 @@ async fn a_heavy_answer_reserves_its_rendering_in_the_byte_budget_and_past_it_is
     let replay = h.submit(AGENT_SECRET, &heavy_request("heavy", HEAVY)).await;
     assert_eq!(replay.status, 503, "{}", replay.body);
     assert_eq!(replay.code(), "response_budget_exhausted");
+    // A cancel reads and answers the whole row too: exempt from the fairness share, not from
+    // the budget (many cancels of heavy rows once held memory well past it).
+    let cancel = h
+        .post(&format!("{heavy_path}/cancel"), Some(AGENT_SECRET))
+        .await;
+    assert_eq!(cancel.status, 503, "{}", cancel.body);
+    assert_eq!(cancel.code(), "response_budget_exhausted");
+    assert_eq!(
+        h.post(&format!("{light_path}/cancel"), Some(AGENT_SECRET))
+            .await
+            .status,
+        200
+    );
     assert_eq!(h.get(&light_path, Some(AGENT_SECRET)).await.status, 200);
     let page = h
         .get("/api/agent/v1/operations?limit=50", Some(AGENT_SECRET))
@@ -380,7 +393,7 @@ async fn a_heavy_answer_reserves_its_rendering_in_the_byte_budget_and_past_it_is
     let text = h.metrics().await;
     assert_eq!(
         metric(&text, "broker_buffered_bytes_refused_total"),
-        refused_before.map(|n| n + 2),
+        refused_before.map(|n| n + 3),
         "{text}"
     );
     // A conflict is judged by the digest alone: answered at once, whatever the budget.

@@ -15,8 +15,8 @@ use serde_json::Value;
 use super::detached::detached;
 use super::error::{ApiError, ApiResult, json_response};
 use super::extract::{
-    Client, OperationId, is_idempotency_key, is_json_object, own_record, own_rendered, read_body,
-    render_operation,
+    Client, OperationId, is_idempotency_key, is_json_object, own_record, own_rendered, own_request,
+    read_body, render_operation, render_room, rendered, reserve_render,
 };
 use super::presentation;
 use super::projection::OperationJson;
@@ -426,13 +426,20 @@ pub(crate) async fn cancel(
     OperationId(id): OperationId,
 ) -> ApiResult {
     let client = &client;
+    // Its size first (ownership too, without reading it whole), then room in the buffered-bytes
+    // budget for reading and answering it, as a read of it takes: a cancel is exempt from the
+    // fairness share, not from the memory budget.
+    let request = own_request(&core, client, &id).await?;
+    let reservation = reserve_render(&core, render_room(request.bytes)).await?;
     let record = own_record(&core, client, &id).await?;
     let Some(op) = core.live_once_created(&record).await else {
         // Terminal: canceling changes nothing. Read again, after the live lookup, so the answer
         // is not older than the terminal transition.
+        drop(record);
         let record = own_record(&core, client, &id).await?;
-        return Ok(json_response(StatusCode::OK, record.to_json()));
+        return Ok(rendered(StatusCode::OK, record.into_json(), reservation));
     };
+    drop(record);
     // Decided: the write and the handle's move run to their end even if the client hangs up.
     // The client decides its own cancel: it is `decided_by` (a cancel of approved work revokes).
     let change = StateChange {
@@ -447,7 +454,7 @@ pub(crate) async fn cancel(
         .transition_to_end(op, OperationState::Canceled, change)
         .await
     {
-        Ok(record) => Ok(json_response(StatusCode::OK, record.to_json())),
+        Ok(record) => Ok(rendered(StatusCode::OK, record.into_json(), reservation)),
         Err(TransitionFailure::NotAllowed(OperationState::Executing)) => Err(ApiError::new(
             StatusCode::CONFLICT,
             "operation_not_cancelable",
@@ -455,7 +462,7 @@ pub(crate) async fn cancel(
         )),
         Err(TransitionFailure::NotAllowed(_)) => {
             let record = own_record(&core, client, &id).await?;
-            Ok(json_response(StatusCode::OK, record.to_json()))
+            Ok(rendered(StatusCode::OK, record.into_json(), reservation))
         }
         Err(TransitionFailure::Store(err)) => Err(err.into()),
     }
