@@ -89,6 +89,10 @@ async fn a_client_holding_its_share_with_long_polls_cannot_keep_out_another_clie
         .submit(AGENT_SECRET, &request("over-share", "demo.run", 0))
         .await;
     assert_eq!(again.status, 429, "{}", again.body);
+    // Every submission's 429 carries the client's quota fields, this one too (section 5).
+    let policy = again.header("ratelimit-policy").expect("RateLimit-Policy");
+    assert!(policy.contains("\"rate\""), "{policy}");
+    assert!(again.header("ratelimit").is_some());
     assert_eq!(h.rows().await, 1, "a refused submission wrote nothing");
 
     // Everyone else, and the exempt routes, still answer.

@@ -55,11 +55,25 @@ pub(crate) fn operator_router(core: Arc<Core>) -> Router {
 
 /// The agent listener's routes (Agent V1, `/healthz`, `/readyz`), with their state, behind the
 /// fairness layer (`fairness::classify` says what each request is; a refusal is the layer's
-/// default 429 `client_request_limit`). No operator route and no `/metrics`: they are 404 here.
+/// default 429 `client_request_limit`, with the client's quota fields). No operator route and no `/metrics`: they are 404 here.
 pub(crate) fn agent_router(core: Arc<Core>) -> Router {
     let classifier = Arc::clone(&core);
+    let quotas = Arc::clone(&core);
     let fair = FairnessLayer::new(core.fairness.clone(), move |head: &Parts| {
         fairness::classify(&classifier, head)
+    })
+    .refusal_response(move |refusal| {
+        // A client's request refused here still carries its quota fields, as every other 429
+        // of a submission does (section 5), so a client reads one shape of refusal.
+        let mut response = crate::fairness::default_refusal_response(refusal);
+        if let Some(status) = refusal
+            .client
+            .as_deref()
+            .and_then(|client| quotas.controller().quota(client))
+        {
+            ratelimit::insert_fields(response.headers_mut(), &status, None);
+        }
+        response
     });
     Router::new()
         .route("/.well-known/unyolo-agent", get(discovery::descriptor))

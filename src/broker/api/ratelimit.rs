@@ -115,15 +115,23 @@ pub fn with_status(
     status: &QuotaStatus,
     refusal: Option<&Refusal>,
 ) -> Response {
+    insert_fields(response.headers_mut(), status, refusal);
+    response
+}
+
+/// Writes the quota fields of `status` into `headers` (see [`with_status`]).
+pub(crate) fn insert_fields(
+    headers: &mut axum::http::HeaderMap,
+    status: &QuotaStatus,
+    refusal: Option<&Refusal>,
+) {
     let (policy, limit) = fields(status, refusal);
-    let headers = response.headers_mut();
     for (name, value) in [(POLICY_FIELD, policy), (LIMIT_FIELD, limit)] {
         // A serialized structured field is visible ASCII, always a valid header value.
         if let Ok(value) = HeaderValue::from_str(&value) {
             headers.insert(HeaderName::from_static(name), value);
         }
     }
-    response
 }
 
 /// [`with_quota`] for the broker's own submission answers.
