@@ -194,7 +194,6 @@ mod tests {
             ("idempotency_key", "k-1"),
             ("state", "pending"),
             ("limit", "50"),
-            ("cursor", ""),
         ]))
         .unwrap();
         assert_eq!(
@@ -217,6 +216,9 @@ mod tests {
             &[("idempotency_key", "-bad")],
             &[("limit", "5"), ("limit", "6")],
             &[("page", "2")],
+            &[("cursor", "")],
+            &[("idempotency_key", "")],
+            &[("limit", "")],
         ] {
             assert!(parse_query(pairs(bad)).is_err(), "{bad:?}");
         }
