@@ -82,6 +82,23 @@ async fn malformed_and_mistyped_bodies_are_invalid_requests_that_create_nothing(
             r#"{"idempotency_key":"a","idempotency_key":"b","operation":"demo.run","reason":"r"}"#
                 .to_owned(),
         ),
+        ("a key repeated inside arguments", {
+            // Read leniently this would be {"duration_ms":0}; the first value is over the limit.
+            let body = with("arguments", json!({"duration_ms": 600_001}));
+            let twice = body.replacen(
+                r#""duration_ms":600001"#,
+                r#""duration_ms":600001,"duration_ms":0"#,
+                1,
+            );
+            assert_ne!(twice, body);
+            twice
+        }),
+        ("a key repeated deep inside target", {
+            let body = with("target", json!({"repo": {"path": "a"}}));
+            let twice = body.replacen(r#""path":"a""#, r#""path":"a","path":"b""#, 1);
+            assert_ne!(twice, body);
+            twice
+        }),
         ("empty idempotency key", with("idempotency_key", json!(""))),
         (
             "key with a leading dash",

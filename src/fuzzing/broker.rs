@@ -265,36 +265,72 @@ fn wait_query(pairs: &[(String, String)]) {
     }
 }
 
-/// Why a plain reading of SPEC section 5 refuses a submission body, or what it accepts.
-/// Whether the top-level JSON object names a field twice.
+/// Whether any JSON object in `data`, at any depth, names a key twice (false for input that is
+/// not JSON at all).
 fn names_a_field_twice(data: &[u8]) -> bool {
-    struct Names;
-    impl<'de> serde::de::Visitor<'de> for Names {
+    use serde::de::{Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
+
+    /// Whether the value read, or anything inside it, repeats a key.
+    struct Twice(bool);
+    impl<'de> Deserialize<'de> for Twice {
+        fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Twice, D::Error> {
+            deserializer.deserialize_any(Finder).map(Twice)
+        }
+    }
+    struct Finder;
+    impl<'de> Visitor<'de> for Finder {
         type Value = bool;
         fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-            f.write_str("a JSON object")
+            f.write_str("any JSON value")
         }
-        fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<bool, A::Error> {
+        fn visit_bool<E>(self, _: bool) -> Result<bool, E> {
+            Ok(false)
+        }
+        fn visit_i64<E>(self, _: i64) -> Result<bool, E> {
+            Ok(false)
+        }
+        fn visit_u64<E>(self, _: u64) -> Result<bool, E> {
+            Ok(false)
+        }
+        fn visit_f64<E>(self, _: f64) -> Result<bool, E> {
+            Ok(false)
+        }
+        fn visit_str<E>(self, _: &str) -> Result<bool, E> {
+            Ok(false)
+        }
+        fn visit_unit<E>(self) -> Result<bool, E> {
+            Ok(false)
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<bool, A::Error> {
+            let mut twice = false;
+            while let Some(Twice(inner)) = seq.next_element()? {
+                twice |= inner;
+            }
+            Ok(twice)
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<bool, A::Error> {
             let mut seen = std::collections::HashSet::new();
             let mut twice = false;
             while let Some(name) = map.next_key::<String>()? {
                 twice |= !seen.insert(name);
-                map.next_value::<serde::de::IgnoredAny>()?;
+                let Twice(inner) = map.next_value()?;
+                twice |= inner;
             }
             Ok(twice)
         }
     }
-    let mut json = serde_json::Deserializer::from_slice(data);
-    serde::Deserializer::deserialize_map(&mut json, Names).unwrap_or(false)
+    serde_json::from_slice::<Twice>(data).is_ok_and(|Twice(twice)| twice)
 }
 
+/// Why a plain reading of SPEC section 5 refuses a submission body, or what it accepts.
 fn submission_model(data: &[u8]) -> Result<(&'static str, bool), &'static str> {
     let Ok(Value::Object(body)) = serde_json::from_slice::<Value>(data) else {
         return Err("not a JSON object");
     };
-    // A `Value` keeps only the last of a repeated name; the contract's body names each field once.
+    // A `Value` keeps only the last of a repeated name; every object in the body, at any depth,
+    // names each key once (unYOLO's broker refuses a repeated key, and so does this one).
     if names_a_field_twice(data) {
-        return Err("a field named twice");
+        return Err("a key named twice");
     }
     const FIELDS: [&str; 5] = [
         "idempotency_key",
@@ -341,8 +377,8 @@ fn submission_model(data: &[u8]) -> Result<(&'static str, bool), &'static str> {
 /// Never panics; accepts exactly what a plain reading of SPEC section 5 accepts (exactly the five
 /// fields; `idempotency_key` of the contract's pattern; a registered `operation` of 1–128
 /// characters; `target` an object of at most 32 properties, `arguments` of at most 128 with a
-/// `duration_ms` of 0–600000 if any; `reason` of 1–2000 characters), except that a body naming
-/// a field twice may be refused; an accepted body carries exactly the input's values; a refusal
+/// `duration_ms` of 0–600000 if any; `reason` of 1–2000 characters; no object at any depth
+/// naming a key twice); an accepted body carries exactly the input's values; a refusal
 /// is a 400 with a stable code and a one-line message of 1–500 characters.
 pub fn submission(data: &[u8]) {
     let expected = submission_model(data);

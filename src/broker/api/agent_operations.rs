@@ -54,7 +54,9 @@ pub const MAX_REASON_CHARS: usize = 2000;
 pub(crate) struct Submission {
     pub(crate) idempotency_key: String,
     pub(crate) operation: String,
+    #[serde(deserialize_with = "super::strict_json::value")]
     pub(crate) target: Value,
+    #[serde(deserialize_with = "super::strict_json::value")]
     pub(crate) arguments: Value,
     pub(crate) reason: String,
 }

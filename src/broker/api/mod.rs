@@ -31,6 +31,7 @@ pub mod presentation;
 pub mod projection;
 pub mod ratelimit;
 mod streams;
+mod strict_json;
 pub mod waits;
 
 use std::sync::Arc;
