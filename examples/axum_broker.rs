@@ -9,9 +9,9 @@
 //! handler's future (the crate docs' "In an async broker" says what a dropped future does).
 //!
 //! One client cannot take the broker's own capacity either: the routes sit behind the library's
-//! `FairnessLayer` (each client at most 64 units in flight, a submission costing 2; decisions and
-//! metrics exempt, with a reserve of their own), which answers 429 `client_request_limit` past a
-//! client's share.
+//! `FairnessLayer` (each client at most 64 units in flight, a submission costing 2; the
+//! operator's decisions and metrics exempt, with a reserve of their own; a client's cancel exempt
+//! up to its share), which answers 429 `client_request_limit` past a client's share.
 
 use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
 use std::sync::{Arc, Mutex, RwLock};
@@ -123,6 +123,31 @@ impl App {
         self.secrets.read().unwrap().identify(token).cloned()
     }
 
+    /// What a request is to the fairness layer. Only the operator's requests and the metrics
+    /// scrape are exempt; a client's decision route (its cancel) is exempt up to its share and
+    /// then its own; a submission costs its client 2 units and anything else it sends 1; a
+    /// request naming no client shares the unkeyed share. So no client, and no one without a
+    /// secret, can take the room kept for the operator by sending to a path that is not theirs.
+    /// The classifier looks the client up (constant time) but never answers: the handler still
+    /// says 401 or 403.
+    pub fn classify(&self, path: &str, headers: &HeaderMap) -> Class {
+        let submission = path == "/operations";
+        let cost = if submission { 2 } else { 1 };
+        if path == "/metrics" {
+            return Class::Exempt;
+        }
+        match self.identify(headers) {
+            None => Class::Unkeyed { cost },
+            Some(who) if who.as_str() == "operator" => Class::Exempt,
+            Some(client) if !submission && path.starts_with("/operations/") => {
+                Class::ExemptClient {
+                    key: client.as_str().into(),
+                }
+            }
+            Some(client) => Class::client(client.as_str(), cost),
+        }
+    }
+
     /// Keeps a handle where no request owns it; approved work goes to the executor.
     fn track(self: &Arc<Self>, id: String, handle: OperationHandle) {
         let (approved, lock) = (handle.state() == Approved, Default::default());
@@ -174,17 +199,9 @@ pub async fn start(settings: Settings) -> (SocketAddr, Arc<App>) {
     restore(&app).await;
     tokio::spawn(reload_on_sighup(Arc::clone(&app)));
     let addr = listener.local_addr().expect("address");
-    // Decisions and metrics are exempt; a submission costs its client 2 units. The classifier
-    // looks the client up (constant time) but never answers: the handler still says 401.
     let classifier = Arc::clone(&app);
     let fair = FairnessLayer::new(fairness, move |head: &axum::http::request::Parts| {
-        if head.uri.path() != "/operations" {
-            return Class::Exempt;
-        }
-        match classifier.identify(&head.headers) {
-            Some(client) => Class::client(client.as_str(), 2),
-            None => Class::Unkeyed { cost: 2 },
-        }
+        classifier.classify(head.uri.path(), &head.headers)
     });
     let routes = axum::Router::new()
         .route("/operations", post(submit))

@@ -306,3 +306,53 @@ async fn the_fairness_layer_counts_each_clients_requests_and_gives_their_units_b
         assert!(text.contains(series), "{series} not in\n{text}");
     }
 }
+
+#[tokio::test]
+async fn only_the_operator_and_the_metrics_scrape_are_exempt_from_the_clients_shares() {
+    use unyolo_admission::fairness::Class;
+    let dir = tempfile::tempdir().unwrap();
+    let (_addr, app) = example::start(settings(&dir, Duration::ZERO, None)).await;
+    let bearer = |token: &str| {
+        let mut headers = axum::http::HeaderMap::new();
+        let value = format!("Bearer {token}").parse().unwrap();
+        headers.insert(axum::http::header::AUTHORIZATION, value);
+        headers
+    };
+    let (bot, operator, nobody) = (
+        bearer("bot-secret"),
+        bearer("operator-secret"),
+        axum::http::HeaderMap::new(),
+    );
+    let cases = [
+        ("/operations", &bot, Class::client("bot", 2)),
+        ("/operations", &nobody, Class::Unkeyed { cost: 2 }),
+        (
+            "/operations/op-1/cancel",
+            &bot,
+            Class::ExemptClient { key: "bot".into() },
+        ),
+        // The bot may not approve: its attempt is its own request, not the operator's room.
+        (
+            "/operations/op-1/approve",
+            &bot,
+            Class::ExemptClient { key: "bot".into() },
+        ),
+        ("/operations/op-1/approve", &operator, Class::Exempt),
+        (
+            "/operations/op-1/cancel",
+            &nobody,
+            Class::Unkeyed { cost: 1 },
+        ),
+        ("/no-such-route", &bot, Class::client("bot", 1)),
+        ("/no-such-route", &nobody, Class::Unkeyed { cost: 1 }),
+        (
+            "/no-such-route",
+            &bearer("wrong"),
+            Class::Unkeyed { cost: 1 },
+        ),
+        ("/metrics", &nobody, Class::Exempt),
+    ];
+    for (path, headers, class) in cases {
+        assert_eq!(app.classify(path, headers), class, "{path} {headers:?}");
+    }
+}
