@@ -702,3 +702,114 @@ async fn callers_that_hang_up_while_their_decisions_wait_in_a_batch_leave_no_cou
     assert!(r1.counts().await.unwrap().is_idle());
     assert!(r1.snapshot().is_idle());
 }
+
+/// A registration whose wait for the queued decisions runs out (Redis slow, a backlog of
+/// batches) sends its replace while admissions are still queued: they reach Redis after it and
+/// are admitted there, though their callers gave up. Their kept undos must follow them; pruned
+/// as moot, Redis would count those admissions under this replica for as long as it runs
+/// (before the fix, a batch of 63-64 stayed counted in 4 runs of 6; which batch straddles the
+/// replace depends on timing).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn admissions_queued_past_a_registrations_wait_are_undone_after_its_replace() {
+    let server = redis_or_skip!();
+    let limits = Limits {
+        requests_per_window: 1_000_000,
+        window_seconds: 1,
+        client_active: 100_000,
+        client_pending: 100_000,
+        global_active: 100_000,
+        global_executing: 100,
+    };
+    let config = Config::new(limits, BTreeMap::new(), ids(&CLIENTS)).unwrap();
+    let mut opts = options(&server, "r1", "unsettled");
+    opts.call_timeout = Duration::from_secs(1);
+    opts.heartbeat = Duration::from_secs(50);
+    opts.decisions_in_flight = 4096;
+    opts.client_decisions_in_flight = 4096;
+    opts.circuit_threshold = 1_000_000;
+    let r1 = replica(config, opts).await;
+    r1.admit("amy", false, None)
+        .await
+        .unwrap()
+        .commit()
+        .fail()
+        .await
+        .unwrap();
+    assert!(r1.flush().await);
+    let lease_changes = r1.stats().lease_changes;
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    // The lease is gone from Redis (it lapsed while this replica was cut off): the next renew
+    // registers again.
+    let _: i64 = redis::cmd("DEL")
+        .arg("{unsettled}:lease:r1")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    // Redis is slow: scripts of 250 ms back to back, so each call of the replica's waits for one
+    // (well inside its timeout) while a backlog of batches drains one per script, for longer
+    // than a registration waits for it (twice the call timeout).
+    let stop = Arc::new(AtomicBool::new(false));
+    let slow = {
+        let stop = Arc::clone(&stop);
+        let mut busy = client
+            .get_multiplexed_async_connection_with_config(
+                &redis::AsyncConnectionConfig::new()
+                    .set_response_timeout(Some(Duration::from_secs(5))),
+            )
+            .await
+            .unwrap();
+        tokio::spawn(async move {
+            let script = redis::Script::new(
+                "local t = redis.call('TIME'); local start = t[1] * 1000000 + t[2]
+                 while true do
+                   t = redis.call('TIME')
+                   if t[1] * 1000000 + t[2] - start > 250000 then return 1 end
+                 end",
+            );
+            while !stop.load(Ordering::Relaxed) {
+                let _: i64 = script.invoke_async(&mut busy).await.unwrap();
+            }
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    // Twenty-five batches' worth of admissions queued at once; whatever a caller still gets, it
+    // releases.
+    let calls: Vec<_> = (0..1600)
+        .map(|_| {
+            let r1 = r1.clone();
+            tokio::spawn(async move {
+                if let Ok(permit) = r1.admit("amy", false, None).await {
+                    permit.commit().fail().await.unwrap();
+                }
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    // A renew that times out on a loaded machine is tried again: the backlog is still there.
+    let mut renewed = r1.renew().await;
+    for _ in 0..4 {
+        if renewed.is_ok() {
+            break;
+        }
+        renewed = r1.renew().await;
+    }
+    renewed.expect("the replica registers again");
+    assert!(r1.stats().lease_changes > lease_changes);
+    for call in calls {
+        call.await.unwrap();
+    }
+    stop.store(true, Ordering::Relaxed);
+    slow.await.unwrap();
+    eventually("the kept undos reach Redis", || {
+        let r1 = r1.clone();
+        async move { r1.flush().await }
+    })
+    .await;
+    assert_eq!(r1.stats().outbox, 0);
+    let held = r1.shared_holdings().await.unwrap().unwrap();
+    assert!(held.is_empty(), "Redis still counts {} for r1", held.len());
+    let counts = r1.counts().await.unwrap();
+    assert!(counts.is_idle(), "{counts:?}");
+    assert!(r1.snapshot().is_idle());
+}

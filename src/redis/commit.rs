@@ -222,11 +222,17 @@ impl Inner {
     /// Waits (at most twice the call timeout) until every decision queued so far has been
     /// decided: registration does, so that a decision whose caller hung up (its undo kept, then
     /// made moot by the registration) never reaches Redis after the registration's replace.
-    pub(crate) async fn settled(&self) {
+    /// Whether they all were: `false` when the wait ran out (a slow Redis with a backlog), so
+    /// some may still reach Redis after whatever is sent next.
+    pub(crate) async fn settled(&self) -> bool {
         let (settled, done) = oneshot::channel();
-        if self.queue.send(Job::Settle(settled)).is_ok() {
-            let _ = tokio::time::timeout(self.options.call_timeout * 2, done).await;
+        if self.queue.send(Job::Settle(settled)).is_err() {
+            return false;
         }
+        matches!(
+            tokio::time::timeout(self.options.call_timeout * 2, done).await,
+            Ok(Ok(()))
+        )
     }
 
     /// One call of the batch script for `decisions`, in order: an answer for each.

@@ -1704,9 +1704,16 @@ impl Inner {
         // Kept releases before this point are for operations no longer held here (each left
         // `held` before it was kept): once Redis holds exactly `held` for this replica they are
         // moot, unless they free an idempotency key. Those kept while the script runs are not.
-        // A decision whose caller hung up may still be queued for Redis: it goes first.
-        self.settled().await;
-        let kept_before = crate::sync::lock(&self.outbox).len();
+        // A decision whose caller hung up may still be queued for Redis: it goes first. If the
+        // queue did not settle in time, such a decision can reach Redis after the replace and be
+        // admitted there; its kept undo must then follow it, so none is pruned (a release of an
+        // operation Redis no longer holds is answered `absent` and changes nothing).
+        let settled = self.settled().await;
+        let kept_before = if settled {
+            crate::sync::lock(&self.outbox).len()
+        } else {
+            0
+        };
         for cell in self.lock_held().values() {
             let state = match cell.state() {
                 OperationState::Pending => "p",
