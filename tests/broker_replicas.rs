@@ -264,6 +264,68 @@ async fn retiring_replica(
     start_shared(settings, options).await
 }
 
+/// A recovery after Redis forgot reads the store's key records and writes them back; a
+/// retention sweep unbinds keys, then deletes their rows. Interleaved (the recovery reading the
+/// row before the sweep deletes it, and writing the key back after the sweep unbound it), the
+/// key was bound again to an operation no store holds, and every other replica answered it
+/// `idempotency_key_elsewhere` for the key's whole lifetime. A sweep's unbind-then-delete and a
+/// recovery's read-then-restore now exclude each other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recovery_during_a_retention_sweep_never_binds_a_retired_key_again() {
+    let server = redis_or_skip!();
+    let ahead = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let (d1, d2) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let r1 = retiring_replica(&server, d1.path(), "r1", ahead.clone()).await;
+    let r2 = retiring_replica(&server, d2.path(), "r2", ahead.clone()).await;
+    let first = r1
+        .submit(AGENT_SECRET, &request("gone", "demo.run", 0))
+        .await;
+    assert_eq!(first.status, 202, "{}", first.body);
+    assert!(
+        eventually(async || r1.snapshot().is_idle()).await,
+        "the run finishes"
+    );
+    assert_eq!(key_records_in_redis(&server), 1);
+    ahead.store(3600, std::sync::atomic::Ordering::Relaxed);
+    // Another process holds the store's write lock for 3 s: the sweep unbinds the key, then
+    // waits to delete the row, which readers still see.
+    let holder = support::faults::lock_store(d1.path(), Duration::from_secs(3));
+    let sweep = r1.broker.sweep_now();
+    let recovery = async {
+        let unbound = eventually(async || key_records_in_redis(&server) == 0).await;
+        assert!(unbound, "the sweep unbinds the key");
+        server.flush_all();
+        // Registers again at once (the heartbeat would too, a little later).
+        let _ = r1.broker.admission().renew().await;
+    };
+    let (swept, ()) = tokio::join!(sweep, recovery);
+    holder.join().unwrap();
+    let swept = swept.unwrap();
+    assert_eq!((swept.retired, swept.deferred), (1, 0), "{swept:?}");
+    assert!(
+        r1.broker
+            .database()
+            .get(&first.id())
+            .await
+            .unwrap()
+            .is_none()
+    );
+    // Once the replicas admit again, the key is new work on either.
+    let mut last = (0, String::new());
+    let admitted = eventually(async || {
+        let reply = r2
+            .submit(AGENT_SECRET, &request("gone", "demo.run", 0))
+            .await;
+        last = (reply.status, reply.code().to_owned());
+        reply.status != 503
+    })
+    .await;
+    assert!(admitted, "r2 never admitted again: {last:?}");
+    assert_eq!(last.0, 202, "{last:?}");
+    r1.broker.shutdown().await;
+    r2.broker.shutdown().await;
+}
+
 const ROOMY_RATE: &str = r#"{"requests_per_window": 1000, "window_seconds": 60,
   "client_active": 100, "client_pending": 50, "global_active": 500, "global_executing": 50}"#;
 

@@ -119,6 +119,13 @@ mod absent {
         ) -> Result<(), Unavailable> {
             match *self {}
         }
+        pub(crate) async fn retire_keys_then<T>(
+            &self,
+            _: &[super::super::KeyRecord],
+            _: impl std::future::Future<Output = T>,
+        ) -> Result<T, Unavailable> {
+            match *self {}
+        }
         pub(crate) async fn renew_keys(
             &self,
             _: &[super::super::KeyRecord],

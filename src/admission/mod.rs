@@ -401,6 +401,23 @@ impl Admission {
         }
     }
 
+    /// [`Admission::retire_keys`], then `delete` (the embedder's deletion of those rows), with
+    /// no recovery in between: replicated, a re-registration after Redis forgot writes the
+    /// store's key records back, and one that read the rows before the deletion would bind the
+    /// retired keys again, to operations no store holds (another replica would answer them as
+    /// held elsewhere until their lifetime ran out). `delete` runs only once the keys are
+    /// unbound; in-process it is all there is. Dropped, `delete` may not have run.
+    pub async fn retire_keys_then<T>(
+        &self,
+        records: &[KeyRecord],
+        delete: impl std::future::Future<Output = T>,
+    ) -> Result<T, Unavailable> {
+        match &self.shared {
+            Some(shared) => shared.retire_keys_then(records, delete).await,
+            None => Ok(delete.await),
+        }
+    }
+
     /// The operations in `records` are still live: replicated, with a key lifetime
     /// ([`ReplicaOptions::idempotency_ttl`]), each key that still names its operation gets that
     /// whole lifetime again, from now. The lifetime starts at the admission, so an operation

@@ -329,14 +329,20 @@ pub(crate) async fn sweep(
                     })
                 })
                 .collect();
-            if let Err(err) = core.admission.retire_keys(&records).await {
-                tracing::warn!(error = %err, "cannot unbind retired keys in redis; they retire at the next sweep");
-                report.deferred += batch.len() as u64;
-                break;
-            }
-            let deleted = {
+            // No recovery writes keys back from the store between the two (see
+            // `Admission::retire_keys_then`).
+            let rows = batch.len() as u64;
+            let retired = core.admission.retire_keys_then(&records, async {
                 let _quiet = core.hold_counts().await;
-                core.db.retire(batch).await?
+                core.db.retire(batch).await
+            });
+            let deleted = match retired.await {
+                Ok(deleted) => deleted?,
+                Err(err) => {
+                    tracing::warn!(error = %err, "cannot unbind retired keys in redis; they retire at the next sweep");
+                    report.deferred += rows;
+                    break;
+                }
             };
             report.retired += deleted;
             core.keys.retired(deleted);

@@ -355,6 +355,10 @@ pub(crate) struct Inner {
     /// Admissions and transitions hold it shared; (re)registration holds it alone, so what it
     /// reads from `held` is exactly what Redis holds for this replica when it runs.
     registration: tokio::sync::RwLock<()>,
+    /// Held (write) by a recovery from before it reads the store's key records until it has
+    /// written them back, and (read) by a retirement from unbinding keys until their rows are
+    /// deleted: a key retired meanwhile is never written back for a row already gone.
+    restoring: tokio::sync::RwLock<()>,
     /// Until when the lease is surely held (the send time of the last renewal plus the TTL).
     lease_until: Mutex<Option<Instant>>,
     /// Set when the first registration (`restore`) begins: before it, an admission is
@@ -492,6 +496,7 @@ impl RedisController {
             config: ArcSwap::from_pointee(config),
             held: Mutex::new(HashMap::new()),
             registration: tokio::sync::RwLock::new(()),
+            restoring: tokio::sync::RwLock::new(()),
             lease_until: Mutex::new(None),
             restore_begun: AtomicBool::new(false),
             renewing_since: Mutex::new(None),
@@ -1023,6 +1028,18 @@ impl RedisController {
         self.inner.retire_keys(records).await
     }
 
+    /// Unbinds retired operations' keys, then runs `delete`, with no recovery writing keys back
+    /// from the store in between (see [`crate::Admission::retire_keys_then`]).
+    pub async fn retire_keys_then<T>(
+        &self,
+        records: &[KeyRecord],
+        delete: impl std::future::Future<Output = T>,
+    ) -> Result<T, Unavailable> {
+        let _no_restore = self.inner.restoring.read().await;
+        self.inner.retire_keys(records).await?;
+        Ok(delete.await)
+    }
+
     /// Gives live operations' keys their whole lifetime again (see
     /// [`crate::Admission::renew_keys`]); how many were renewed.
     pub async fn renew_keys(&self, records: &[KeyRecord]) -> Result<u64, Unavailable> {
@@ -1492,6 +1509,10 @@ impl Inner {
                 // flight have their cells), then the store, so a permit committed in between is
                 // in one or both (a token counted twice can only refuse, never admit).
                 let uncommitted = self.uncommitted().await;
+                // No retirement between reading the key records and writing them back: a key
+                // unbound after the read, its row then deleted, would be bound again here to an
+                // operation no store holds (and answered "elsewhere" on every other replica).
+                let restoring = self.restoring.write().await;
                 if self.lacks_this_replica().await? {
                     let mut records = source.key_records().await.map_err(|e| {
                         self.unavailable(UnavailableReason::Reply(format!(
@@ -1513,6 +1534,7 @@ impl Inner {
                         None => continue,
                     }
                 }
+                drop(restoring);
                 let mut admissions = source.recent_admissions().await.map_err(|e| {
                     self.unavailable(UnavailableReason::Reply(format!(
                         "the store's recent admissions could not be read: {e}"
