@@ -719,3 +719,53 @@ async fn the_recovering_flag_is_cleared_once_every_replica_has_registered_again(
         assert!(!replica.admission.stats().recovering);
     }
 }
+
+/// A replica reaped (it stopped; its lease lapsed) is forgotten by the others once Redis no
+/// longer lists it, so a later recovery waits only for the replicas still there: the survivors
+/// admit again as soon as both have registered, not one lease period later. (Before, a replica
+/// once seen was waited for at every recovery for as long as the others ran.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_reaped_before_redis_forgets_is_not_waited_for() {
+    let Some(server) = RedisServer::start() else {
+        return;
+    };
+    // No --replicas list: who the deployment is, each replica learns from Redis. A lease long
+    // enough that a recovery held back for one would still be open when the test admits.
+    let start = async |name: &str, lease: Duration| {
+        let mut options = ReplicaOptions::new(server.url(), name);
+        options.lease_ttl = lease;
+        options.heartbeat = Duration::from_millis(200);
+        options.call_timeout = Duration::from_secs(2);
+        let admission = Admission::new(Controller::new(config()), Some(options)).unwrap();
+        assert!(admission.restore(Vec::new()).await.deferred.is_none());
+        admission
+    };
+    let lease = Duration::from_secs(20);
+    let r1 = start("r1", lease).await;
+    let r2 = start("r2", lease).await;
+    // r3 has a short lease: stopped, it lapses quickly and is reaped.
+    let r3 = start("r3", Duration::from_secs(1)).await;
+    let members = || support::redis::cli(server.port, &["SMEMBERS", "{admission}:replicas"]);
+    for r in [&r1, &r2] {
+        r.renew().await.unwrap();
+    }
+    assert!(members().contains("r3"), "{}", members());
+    r3.shutdown().await;
+    drop(r3);
+    assert_eventually("r3 is reaped", async || {
+        let _ = r1.reap().await;
+        !members().contains("r3")
+    })
+    .await;
+    // Both survivors renew once with r3 gone from the set (the heartbeat would too).
+    for r in [&r1, &r2] {
+        r.renew().await.unwrap();
+    }
+    server.flush_all();
+    for r in [&r1, &r2] {
+        assert_eventually("registered again", async || r.renew().await.is_ok()).await;
+    }
+    // Both are back: admissions go through now, well inside r1's and r2's 20 s lease period.
+    let permit = r2.admit("amy", false, None).await.expect("admitted");
+    permit.refund().await;
+}

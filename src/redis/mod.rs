@@ -1428,7 +1428,8 @@ impl Inner {
                 self.recovering
                     .store(reply == LeaseReply::RenewedRecovering, Ordering::Relaxed);
                 *crate::sync::lock(&self.lease_until) = Some(sent + self.options.lease_ttl);
-                self.learn_replicas().await;
+                self.learn_replicas(reply == LeaseReply::RenewedRecovering)
+                    .await;
                 Ok(())
             }
             Ok(LeaseReply::Lapsed) | Ok(LeaseReply::Lost) => {
@@ -1459,19 +1460,34 @@ impl Inner {
     }
 
     /// Remembers the deployment's replicas as Redis lists them now, for a later recovery.
-    async fn learn_replicas(&self) {
+    /// `recovering`: the heartbeat found a recovery under way.
+    async fn learn_replicas(&self, recovering: bool) {
         let mut conn = self.conn.clone();
-        let members = tokio::time::timeout(
+        // One atomic read: the set, and whether it is the whole deployment's (the epoch this
+        // replica registered in, and no recovery under way) at that very moment.
+        let mut read = redis::pipe();
+        read.atomic()
+            .smembers(&self.keys.replicas)
+            .get(&self.keys.epoch)
+            .exists(&self.keys.recovery);
+        let reply = tokio::time::timeout(
             self.options.call_timeout,
-            redis::cmd("SMEMBERS")
-                .arg(&self.keys.replicas)
-                .query_async::<Vec<String>>(&mut conn),
+            read.query_async::<(Vec<String>, Option<String>, bool)>(&mut conn),
         )
         .await;
-        if let Ok(Ok(members)) = members {
-            crate::sync::lock(&self.known_replicas)
-                .extend(members.into_iter().filter(|m| Identity::new(m).is_ok()));
+        let Ok(Ok((members, epoch, recovery))) = reply else {
+            return;
+        };
+        let mut known = crate::sync::lock(&self.known_replicas);
+        if !recovering && !recovery && epoch.is_some() && epoch == self.epoch() {
+            // With no recovery under way every live replica is in the set: one it no longer
+            // lists was reaped (its lease lapsed, its work released), and is not waited for at
+            // the next recovery. Names given with `replicas` always stay. During a recovery, or
+            // after Redis forgot, the set is partial and nothing is forgotten.
+            let configured = &self.options.replicas;
+            known.retain(|name| *name == self.options.replica || configured.contains(name));
         }
+        known.extend(members.into_iter().filter(|m| Identity::new(m).is_ok()));
     }
 
     /// The permits this replica admitted and has not committed: (id, client, what Redis needs
