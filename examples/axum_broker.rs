@@ -123,27 +123,26 @@ impl App {
         self.secrets.read().unwrap().identify(token).cloned()
     }
 
-    /// What a request is to the fairness layer. Only the operator's requests and the metrics
-    /// scrape are exempt; a client's decision route (its cancel) is exempt up to its share and
-    /// then its own; a submission costs its client 2 units and anything else it sends 1; a
-    /// request naming no client shares the unkeyed share. So no client, and no one without a
+    /// What a request is to the fairness layer. Only the operator's requests (its decisions and
+    /// its metrics scrape) are exempt; a client's cancel is exempt up to its share and then its
+    /// own; a submission costs its client 2 units and anything else it sends 1; a request
+    /// naming no client shares the unkeyed share. So no client, and no one without a
     /// secret, can take the room kept for the operator by sending to a path that is not theirs.
     /// The classifier looks the client up (constant time) but never answers: the handler still
     /// says 401 or 403.
     pub fn classify(&self, path: &str, headers: &HeaderMap) -> Class {
         let submission = path == "/operations";
         let cost = if submission { 2 } else { 1 };
-        if path == "/metrics" {
-            return Class::Exempt;
-        }
+        let cancel = path
+            .strip_prefix("/operations/")
+            .and_then(|rest| rest.strip_suffix("/cancel"))
+            .is_some_and(|id| !id.is_empty() && !id.contains('/'));
         match self.identify(headers) {
             None => Class::Unkeyed { cost },
             Some(who) if who.as_str() == "operator" => Class::Exempt,
-            Some(client) if !submission && path.starts_with("/operations/") => {
-                Class::ExemptClient {
-                    key: client.as_str().into(),
-                }
-            }
+            Some(client) if cancel => Class::ExemptClient {
+                key: client.as_str().into(),
+            },
             Some(client) => Class::client(client.as_str(), cost),
         }
     }

@@ -268,8 +268,8 @@ async fn retiring_replica(
 /// retention sweep unbinds keys, then deletes their rows. Interleaved (the recovery reading the
 /// row before the sweep deletes it, and writing the key back after the sweep unbound it), the
 /// key was bound again to an operation no store holds, and every other replica answered it
-/// `idempotency_key_elsewhere` for the key's whole lifetime. A sweep's unbind-then-delete and a
-/// recovery's read-then-restore now exclude each other.
+/// `idempotency_key_elsewhere` for the key's whole lifetime. A sweep now unbinds the keys again
+/// once the rows are deleted, excluding any recovery's read-then-restore.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_recovery_during_a_retention_sweep_never_binds_a_retired_key_again() {
     let server = redis_or_skip!();
@@ -295,11 +295,19 @@ async fn a_recovery_during_a_retention_sweep_never_binds_a_retired_key_again() {
         let unbound = eventually(async || key_records_in_redis(&server) == 0).await;
         assert!(unbound, "the sweep unbinds the key");
         server.flush_all();
-        // Registers again at once (the heartbeat would too, a little later).
+        // Registers again at once (the heartbeat would too, a little later), while the row is
+        // still there: the recovery binds the key again.
         let _ = r1.broker.admission().renew().await;
+        assert_eq!(
+            key_records_in_redis(&server),
+            1,
+            "the recovery restored the key"
+        );
     };
     let (swept, ()) = tokio::join!(sweep, recovery);
     holder.join().unwrap();
+    // Once the row is deleted, the sweep unbinds it again.
+    assert_eq!(key_records_in_redis(&server), 0);
     let swept = swept.unwrap();
     assert_eq!((swept.retired, swept.deferred), (1, 0), "{swept:?}");
     assert!(

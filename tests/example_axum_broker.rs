@@ -332,17 +332,15 @@ async fn only_the_operator_and_the_metrics_scrape_are_exempt_from_the_clients_sh
             Class::ExemptClient { key: "bot".into() },
         ),
         // The bot may not approve: its attempt is its own request, not the operator's room.
-        (
-            "/operations/op-1/approve",
-            &bot,
-            Class::ExemptClient { key: "bot".into() },
-        ),
+        ("/operations/op-1/approve", &bot, Class::client("bot", 1)),
         ("/operations/op-1/approve", &operator, Class::Exempt),
         (
             "/operations/op-1/cancel",
             &nobody,
             Class::Unkeyed { cost: 1 },
         ),
+        ("/operations//cancel", &bot, Class::client("bot", 1)),
+        ("/operations/a/b/cancel", &bot, Class::client("bot", 1)),
         ("/no-such-route", &bot, Class::client("bot", 1)),
         ("/no-such-route", &nobody, Class::Unkeyed { cost: 1 }),
         (
@@ -350,7 +348,9 @@ async fn only_the_operator_and_the_metrics_scrape_are_exempt_from_the_clients_sh
             &bearer("wrong"),
             Class::Unkeyed { cost: 1 },
         ),
-        ("/metrics", &nobody, Class::Exempt),
+        ("/metrics", &operator, Class::Exempt),
+        ("/metrics", &bot, Class::client("bot", 1)),
+        ("/metrics", &nobody, Class::Unkeyed { cost: 1 }),
     ];
     for (path, headers, class) in cases {
         assert_eq!(app.classify(path, headers), class, "{path} {headers:?}");

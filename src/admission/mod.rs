@@ -401,12 +401,14 @@ impl Admission {
         }
     }
 
-    /// [`Admission::retire_keys`], then `delete` (the embedder's deletion of those rows), with
-    /// no recovery in between: replicated, a re-registration after Redis forgot writes the
-    /// store's key records back, and one that read the rows before the deletion would bind the
-    /// retired keys again, to operations no store holds (another replica would answer them as
-    /// held elsewhere until their lifetime ran out). `delete` runs only once the keys are
-    /// unbound; in-process it is all there is. Dropped, `delete` may not have run.
+    /// [`Admission::retire_keys`], then `delete` (the embedder's deletion of those rows), then
+    /// the keys unbound once more, excluding any recovery: replicated, a re-registration after
+    /// Redis forgot writes the store's key records back, and one that read the rows before the
+    /// deletion would otherwise bind the retired keys again, to operations no store holds
+    /// (another replica would answer them as held elsewhere until their lifetime ran out).
+    /// `delete` runs only once the keys are unbound; in-process it is all there is. Run it to
+    /// its end (on a task of its own if the caller may be dropped): dropped after `delete`
+    /// began, the rows may be deleted without the second unbinding.
     pub async fn retire_keys_then<T>(
         &self,
         records: &[KeyRecord],

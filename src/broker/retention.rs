@@ -37,7 +37,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
-use super::core::Core;
+use super::core::{Core, run_to_end};
 use super::store::StoreError;
 use super::store::events::MAX_EVENTS;
 use crate::OperationState;
@@ -329,14 +329,23 @@ pub(crate) async fn sweep(
                     })
                 })
                 .collect();
-            // No recovery writes keys back from the store between the two (see
-            // `Admission::retire_keys_then`).
+            // No recovery leaves a key bound for a deleted row (see
+            // `Admission::retire_keys_then`); on a task of its own, so a sweep dropped mid-batch
+            // still finishes the batch whole.
             let rows = batch.len() as u64;
-            let retired = core.admission.retire_keys_then(&records, async {
-                let _quiet = core.hold_counts().await;
-                core.db.retire(batch).await
+            let batch_core = Arc::clone(core);
+            let retired = run_to_end(async move {
+                let core = batch_core;
+                let delete = async {
+                    let _quiet = core.hold_counts().await;
+                    core.db.retire(batch).await
+                };
+                core.admission.retire_keys_then(&records, delete).await
             });
-            let deleted = match retired.await {
+            let retired = retired
+                .await
+                .map_err(|e| StoreError::unfinished("the retention batch", e))?;
+            let deleted = match retired {
                 Ok(deleted) => deleted?,
                 Err(err) => {
                     tracing::warn!(error = %err, "cannot unbind retired keys in redis; they retire at the next sweep");

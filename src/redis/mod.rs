@@ -356,8 +356,8 @@ pub(crate) struct Inner {
     /// reads from `held` is exactly what Redis holds for this replica when it runs.
     registration: tokio::sync::RwLock<()>,
     /// Held (write) by a recovery from before it reads the store's key records until it has
-    /// written them back, and (read) by a retirement from unbinding keys until their rows are
-    /// deleted: a key retired meanwhile is never written back for a row already gone.
+    /// written them back, and (read) by a retirement's second unbinding, after its rows are
+    /// deleted: a key retired meanwhile is never left bound for a row already gone.
     restoring: tokio::sync::RwLock<()>,
     /// Until when the lease is surely held (the send time of the last renewal plus the TTL).
     lease_until: Mutex<Option<Instant>>,
@@ -382,6 +382,9 @@ pub(crate) struct Inner {
     /// The deployment's replicas as last seen (with this one and the configured ones): who must
     /// register again before a recovery ends.
     known_replicas: Mutex<std::collections::BTreeSet<String>>,
+    /// One reading of the deployment's replicas at a time, so an older reading is never applied
+    /// over a newer one.
+    learning: tokio::sync::Mutex<()>,
     /// Where re-registration after Redis forgot gets the key records and the rate history.
     source: std::sync::OnceLock<Arc<dyn RecoverySource>>,
     /// The heartbeat should renew (and register again) at once, not only drain kept releases.
@@ -516,6 +519,7 @@ impl RedisController {
                     .chain(std::iter::once(options.replica.clone()))
                     .collect(),
             ),
+            learning: tokio::sync::Mutex::new(()),
             source: std::sync::OnceLock::new(),
             renew_now: AtomicBool::new(false),
             recovering: AtomicBool::new(false),
@@ -1028,16 +1032,27 @@ impl RedisController {
         self.inner.retire_keys(records).await
     }
 
-    /// Unbinds retired operations' keys, then runs `delete`, with no recovery writing keys back
-    /// from the store in between (see [`crate::Admission::retire_keys_then`]).
+    /// Unbinds retired operations' keys, runs `delete`, then unbinds them again while no
+    /// recovery is restoring keys (see [`crate::Admission::retire_keys_then`]). A recovery that
+    /// read the rows before the deletion restored its keys either before that second unbinding
+    /// (which removes them again) or, excluded, not at all; one that reads after it finds no
+    /// row. Nothing waits on the store under the exclusion, so a recovery never waits for a busy
+    /// store.
     pub async fn retire_keys_then<T>(
         &self,
         records: &[KeyRecord],
         delete: impl std::future::Future<Output = T>,
     ) -> Result<T, Unavailable> {
-        let _no_restore = self.inner.restoring.read().await;
         self.inner.retire_keys(records).await?;
-        Ok(delete.await)
+        let deleted = delete.await;
+        let _no_restore = self.inner.restoring.read().await;
+        if let Err(err) = self.inner.retire_keys(records).await {
+            // Only a recovery that ran between the deletion and now could have bound them
+            // again; the other replicas then answer them as held elsewhere until the key
+            // lifetime ends, and this replica unbinds one as stale when it is submitted here.
+            tracing::warn!(error = %err, "retired keys could not be unbound a second time after their rows were deleted");
+        }
+        Ok(deleted)
     }
 
     /// Gives live operations' keys their whole lifetime again (see
@@ -1462,6 +1477,7 @@ impl Inner {
     /// Remembers the deployment's replicas as Redis lists them now, for a later recovery.
     /// `recovering`: the heartbeat found a recovery under way.
     async fn learn_replicas(&self, recovering: bool) {
+        let _one = self.learning.lock().await;
         let mut conn = self.conn.clone();
         // One atomic read: the set, and whether it is the whole deployment's (the epoch this
         // replica registered in, and no recovery under way) at that very moment.
