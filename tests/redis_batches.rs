@@ -497,6 +497,40 @@ async fn replica(config: Config, options: ReplicaOptions) -> Admission {
     admission
 }
 
+/// One lifecycle, so the batch script is loaded and every call after it is one EVALSHA.
+async fn warm(replica: &Admission) {
+    replica
+        .admit("amy", false, None)
+        .await
+        .unwrap()
+        .commit()
+        .fail()
+        .await
+        .unwrap();
+    assert!(replica.flush().await);
+}
+
+/// A connection of its own for holding Redis up with a long script.
+async fn busy_connection(client: &redis::Client) -> redis::aio::MultiplexedConnection {
+    client
+        .get_multiplexed_async_connection_with_config(
+            &redis::AsyncConnectionConfig::new().set_response_timeout(Some(Duration::from_secs(5))),
+        )
+        .await
+        .unwrap()
+}
+
+/// A script that keeps Redis busy, running nothing else, for `micros` µs.
+fn busy_script(micros: u64) -> redis::Script {
+    redis::Script::new(&format!(
+        "local t = redis.call('TIME'); local start = t[1] * 1000000 + t[2]
+         while true do
+           t = redis.call('TIME')
+           if t[1] * 1000000 + t[2] - start > {micros} then return 1 end
+         end"
+    ))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn many_tasks_on_three_replicas_batch_their_decisions_within_every_limit_and_drain_to_zero() {
     let server = redis_or_skip!();
@@ -619,35 +653,13 @@ async fn many_tasks_on_three_replicas_batch_their_decisions_within_every_limit_a
 async fn callers_that_hang_up_while_their_decisions_wait_in_a_batch_leave_no_count_wrong() {
     let server = redis_or_skip!();
     let r1 = replica(tight_config(), options(&server, "r1", "hangup")).await;
-    // Warm: the script is loaded, so every call below is one EVALSHA.
-    r1.admit("amy", false, None)
-        .await
-        .unwrap()
-        .commit()
-        .fail()
-        .await
-        .unwrap();
-    assert!(r1.flush().await);
+    warm(&r1).await;
     let client = redis::Client::open(server.url()).unwrap();
-    let mut busy = client
-        .get_multiplexed_async_connection_with_config(
-            &redis::AsyncConnectionConfig::new().set_response_timeout(Some(Duration::from_secs(5))),
-        )
-        .await
-        .unwrap();
+    let mut busy = busy_connection(&client).await;
     // Redis runs a script for 600 ms, and nothing else meanwhile: the replica's first batch is
     // sent and waits in Redis, the others queue behind it.
     let hold = tokio::spawn(async move {
-        let _: i64 = redis::Script::new(
-            "local t = redis.call('TIME'); local start = t[1] * 1000000 + t[2]
-             while true do
-               t = redis.call('TIME')
-               if t[1] * 1000000 + t[2] - start > 600000 then return 1 end
-             end",
-        )
-        .invoke_async(&mut busy)
-        .await
-        .unwrap();
+        let _: i64 = busy_script(600_000).invoke_async(&mut busy).await.unwrap();
     });
     tokio::time::sleep(Duration::from_millis(100)).await;
     let mut calls = Vec::new();
@@ -728,14 +740,7 @@ async fn admissions_queued_past_a_registrations_wait_are_undone_after_its_replac
     opts.client_decisions_in_flight = 4096;
     opts.circuit_threshold = 1_000_000;
     let r1 = replica(config, opts).await;
-    r1.admit("amy", false, None)
-        .await
-        .unwrap()
-        .commit()
-        .fail()
-        .await
-        .unwrap();
-    assert!(r1.flush().await);
+    warm(&r1).await;
     let lease_changes = r1.stats().lease_changes;
     let client = redis::Client::open(server.url()).unwrap();
     let mut conn = client.get_multiplexed_async_connection().await.unwrap();
@@ -752,21 +757,9 @@ async fn admissions_queued_past_a_registrations_wait_are_undone_after_its_replac
     let stop = Arc::new(AtomicBool::new(false));
     let slow = {
         let stop = Arc::clone(&stop);
-        let mut busy = client
-            .get_multiplexed_async_connection_with_config(
-                &redis::AsyncConnectionConfig::new()
-                    .set_response_timeout(Some(Duration::from_secs(5))),
-            )
-            .await
-            .unwrap();
+        let mut busy = busy_connection(&client).await;
         tokio::spawn(async move {
-            let script = redis::Script::new(
-                "local t = redis.call('TIME'); local start = t[1] * 1000000 + t[2]
-                 while true do
-                   t = redis.call('TIME')
-                   if t[1] * 1000000 + t[2] - start > 250000 then return 1 end
-                 end",
-            );
+            let script = busy_script(250_000);
             while !stop.load(Ordering::Relaxed) {
                 let _: i64 = script.invoke_async(&mut busy).await.unwrap();
             }
