@@ -377,3 +377,136 @@ async fn a_start_the_locked_store_cannot_record_waits_for_the_store_and_then_run
     assert_counts_match_the_store(&h, dir.path()).await;
     h.broker.shutdown().await;
 }
+
+/// A small tmpfs mounted for one test, unmounted when dropped (lazily: a file the broker still
+/// holds open does not keep it busy).
+struct SmallDisk {
+    root: std::path::PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl SmallDisk {
+    /// A tmpfs of `mib` MiB, or why one cannot be had (mounting needs root, or the capability).
+    fn mount(mib: u64) -> Result<SmallDisk, String> {
+        let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+        let root = dir.path().join("disk");
+        std::fs::create_dir(&root).map_err(|e| e.to_string())?;
+        let out = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={mib}m"), "tmpfs"])
+            .arg(&root)
+            .output()
+            .map_err(|e| format!("cannot run mount: {e}"))?;
+        if !out.status.success() {
+            return Err(format!(
+                "mount -t tmpfs failed ({}): {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        Ok(SmallDisk { root, _dir: dir })
+    }
+
+    /// Writes `filler` until the disk is full; returns its length.
+    fn fill(&self, filler: &std::path::Path) -> u64 {
+        use std::io::Write;
+        let mut file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(filler)
+            .unwrap();
+        for chunk in [1 << 20, 4096, 1] {
+            let bytes = vec![0u8; chunk];
+            while file.write_all(&bytes).and_then(|()| file.flush()).is_ok() {}
+        }
+        file.sync_all().ok();
+        std::fs::metadata(filler).unwrap().len()
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.root)
+            .status();
+    }
+}
+
+/// `/readyz` on both listeners: the agent's status and code, the operator's status.
+async fn readiness(h: &support::broker::Harness) -> (u16, String, u16) {
+    let agent = h.get("/readyz", None).await;
+    let operator = h.operator.send_raw("GET", "/readyz", None, None).await;
+    (agent.status, agent.code().to_owned(), operator.status)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_disk_takes_the_broker_out_of_rotation_before_writes_fail_and_refuses_without_a_trace()
+ {
+    let disk = match SmallDisk::mount(24) {
+        Ok(disk) => disk,
+        Err(why) => {
+            eprintln!("SKIPPED: this test needs a small filesystem of its own: {why}");
+            return;
+        }
+    };
+    let data = disk.root.join("data");
+    let h = start_tight(&data).await;
+    let first = h
+        .submit(AGENT_SECRET, &request("roomy", "demo.run", 0))
+        .await;
+    assert_eq!(first.status, 202, "{}", first.body);
+    assert_eq!(readiness(&h).await, (200, "-".to_owned(), 200));
+    assert_eq!(metric(&h.metrics().await, "broker_store_ready"), Some(1));
+
+    // Less free than a write may need (MIN_FREE_BYTES, 8 MiB), though small writes still fit:
+    // not ready, so a load balancer stops sending before SQLite fails a write half-way.
+    let filler = disk.root.join("filler");
+    let full = disk.fill(&filler);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&filler)
+        .unwrap()
+        .set_len(full - (2 << 20))
+        .unwrap();
+    assert_eq!(
+        readiness(&h).await,
+        (503, "store_unavailable".to_owned(), 503)
+    );
+    let agent = h.get("/readyz", None).await;
+    assert_eq!(
+        agent.body["error"]["message"], "The operation store's disk has no room for a write.",
+        "{}",
+        agent.body
+    );
+    assert_eq!(metric(&h.metrics().await, "broker_store_ready"), Some(0));
+
+    // No room at all: a submission is refused as the store's failure, and nothing of it is
+    // created, counted or spent.
+    disk.fill(&filler);
+    let rows = h.rows().await;
+    let before = h.snapshot();
+    let mut big = request("no-room", "demo.run", 0);
+    big["arguments"]["blob"] = json!("x".repeat(256 * 1024));
+    let refused = h.submit(AGENT_SECRET, &big).await;
+    assert_eq!(refused.status, 503, "{}", refused.body);
+    assert_eq!(refused.code(), "store_unavailable", "{}", refused.body);
+    assert_eq!(h.rows().await, rows);
+    // Admission admitted it before the write failed, and `admission_requests_total` counts that
+    // decision (a counter never goes back); every count and the rate token are given back.
+    let mut after = h.snapshot();
+    assert_eq!(after.admitted, before.admitted + 1);
+    after.admitted = before.admitted;
+    after.clients[0].admitted = before.clients[0].admitted;
+    support::broker::assert_unchanged(&before, &after, "a submission on a full disk");
+
+    // Room again: ready, and the same key is new work, not a replay.
+    std::fs::remove_file(&filler).unwrap();
+    assert_eq!(readiness(&h).await, (200, "-".to_owned(), 200));
+    let created = h.submit(AGENT_SECRET, &big).await;
+    assert_eq!(created.status, 202, "{}", created.body);
+    quiet(&h, &data).await;
+    assert_counts_match_the_store(&h, &data).await;
+    assert_eq!(metric(&h.metrics().await, "broker_store_ready"), Some(1));
+    h.broker.shutdown().await;
+    drop(disk);
+}

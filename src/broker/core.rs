@@ -52,7 +52,8 @@ pub(crate) struct Core {
     pub(crate) auth: Auth,
     pub(crate) registry: Registry,
     pub(crate) submissions: Family<SubmissionLabels, Counter>,
-    /// `broker_store_ready`: 1 when the store took a write at the last scrape, else 0.
+    /// `broker_store_ready`: 1 when the store would take a write at the last check
+    /// ([`Core::store_readiness`]: `/readyz`, a scrape), else 0.
     pub(crate) store_ready: Gauge,
     /// The (client, key) pairs that may have an operation, so a new key skips the store lookup.
     pub(crate) keys: KeyFilter,
@@ -87,7 +88,54 @@ pub(crate) struct Core {
     pub(crate) event_streams: EventStreams,
 }
 
+/// How long a readiness check waits for the store before counting it not ready.
+const READY_DEADLINE: Duration = Duration::from_secs(2);
+
+/// Why the store is not ready (see [`Core::store_readiness`]).
+pub(crate) enum NotReady {
+    /// Its filesystem is (nearly) full.
+    NoRoom,
+    /// It failed otherwise, or did not answer within the deadline.
+    NoAnswer,
+}
+
 impl Core {
+    /// Whether the store would take a write now ([`Database::ping`]: free space, then the write
+    /// lock) within a deadline, as `/readyz` on both listeners and the metrics scrape ask it.
+    /// Sets `broker_store_ready`, and logs when readiness is lost (with why) or comes back, not
+    /// at every probe.
+    pub(crate) async fn store_readiness(&self) -> Result<(), NotReady> {
+        let checked = tokio::time::timeout(READY_DEADLINE, self.db.ping()).await;
+        let ready = matches!(checked, Ok(Ok(())));
+        let was = self.store_ready.set(i64::from(ready)) == 1;
+        match checked {
+            Ok(Ok(())) => {
+                if !was {
+                    tracing::info!("the store takes writes again: /readyz answers 200");
+                }
+                Ok(())
+            }
+            Ok(Err(err)) => {
+                if was {
+                    tracing::warn!(error = %err, "the store is not ready: /readyz answers 503");
+                }
+                match err {
+                    super::store::StoreError::NoRoom { .. } => Err(NotReady::NoRoom),
+                    _ => Err(NotReady::NoAnswer),
+                }
+            }
+            Err(_) => {
+                if was {
+                    tracing::warn!(
+                        deadline = ?READY_DEADLINE,
+                        "the store did not answer within the deadline: /readyz answers 503"
+                    );
+                }
+                Err(NotReady::NoAnswer)
+            }
+        }
+    }
+
     /// This process's engine (what this replica holds; storage quotas, rate headers, drift).
     pub(crate) fn controller(&self) -> &Controller {
         self.admission.controller()

@@ -148,10 +148,12 @@ impl Broker {
             "Operation submissions by result: created, replayed, or rejected by admission.",
             submissions.clone(),
         );
+        // 1: the store was just opened and recovered, writes included.
         let store_ready = Gauge::default();
+        store_ready.set(1);
         registry.register(
             "broker_store_ready",
-            "Whether the store took a write (as /readyz checks it) when these metrics were scraped: 1 or 0.",
+            "Whether the store would take a write (room on its disk, its write lock; as /readyz checks it) when these metrics were scraped: 1 or 0.",
             store_ready.clone(),
         );
         let fairness = Fairness::new(settings.fairness).map_err(BrokerError::Settings)?;

@@ -9,25 +9,26 @@ use axum::response::Response;
 use serde_json::json;
 
 use super::error::{ApiError, ApiResult, json_response};
-use crate::broker::core::Core;
+use crate::broker::core::{Core, NotReady};
 
 pub(crate) async fn healthz() -> Response {
     json_response(StatusCode::OK, json!({"ok": true}))
 }
 
-/// How long `/readyz` waits for the store before answering 503.
-const READY_DEADLINE: std::time::Duration = std::time::Duration::from_secs(2);
-
-/// Ready when the store would take a write within [`READY_DEADLINE`]; a broker that cannot make
-/// a submission durable is taken out of rotation.
+/// Ready when the store would take a write ([`Core::store_readiness`]: room on its disk, its
+/// write lock within a deadline); a broker that cannot make a submission durable is taken out of
+/// rotation. The reason's detail (paths, free bytes) is in the log, not in this unauthenticated
+/// answer.
 pub(crate) async fn readyz(State(core): State<Arc<Core>>) -> ApiResult {
-    let answered = tokio::time::timeout(READY_DEADLINE, core.db.ping()).await;
-    match answered {
-        Ok(Ok(())) => Ok(json_response(StatusCode::OK, json!({"ready": true}))),
-        _ => Err(ApiError::new(
+    match core.store_readiness().await {
+        Ok(()) => Ok(json_response(StatusCode::OK, json!({"ready": true}))),
+        Err(why) => Err(ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "store_unavailable",
-            "The operation store does not answer.",
+            match why {
+                NotReady::NoRoom => "The operation store's disk has no room for a write.",
+                NotReady::NoAnswer => "The operation store does not answer.",
+            },
         )),
     }
 }

@@ -25,6 +25,13 @@ pub const DATABASE_FILE: &str = "admission.sqlite3";
 /// The bytes the write-ahead log is cut back to after a checkpoint.
 const WAL_SIZE_LIMIT: i64 = 4 * 1024 * 1024;
 
+/// The free space, in bytes, the data dir's filesystem must have for the store to be ready: a
+/// write may need the largest submission (a 1 MiB body) in the log and again in the database
+/// at the next checkpoint, and the log may hold its cut-back size (4 MiB) besides. Below it
+/// SQLite fails writes half-way (`SQLITE_FULL`), so `/readyz` takes the broker out of rotation
+/// before that, rather than after.
+pub const MIN_FREE_BYTES: u64 = 8 * 1024 * 1024;
+
 /// The lock file's name inside the data dir: locked exclusively by the broker that owns the dir.
 pub const LOCK_FILE: &str = "admission.lock";
 
@@ -92,6 +99,21 @@ fn lock_data_dir(dir: &Path) -> Result<std::fs::File, StoreError> {
     }
 }
 
+/// Whether the filesystem holding `dir` has `needed` bytes free for this process (`statvfs`'s
+/// blocks available to an unprivileged user: root's reserve does not count).
+fn has_room(dir: &Path, needed: u64) -> Result<(), StoreError> {
+    let stat = rustix::fs::statvfs(dir).map_err(|e| StoreError::io("measure", dir, e.into()))?;
+    let available = stat.f_bavail.saturating_mul(stat.f_frsize);
+    if available < needed {
+        return Err(StoreError::NoRoom {
+            dir: dir.to_owned(),
+            available,
+            needed,
+        });
+    }
+    Ok(())
+}
+
 impl Database {
     /// Opens (creating if needed) the database in `dir`, creating the schema on first start and
     /// migrating an older one; operations show [`DEFAULT_BROKER_NAME`]. Fails if another broker
@@ -152,11 +174,16 @@ impl Database {
         &self.broker
     }
 
-    /// Whether the store would take a write now: the write connection takes SQLite's write lock
-    /// and lets it go, writing nothing. Fails (after the busy timeout) while another process holds
-    /// the database's write lock, and fails if the file cannot be read or locked: the states in
-    /// which a submission could not be made durable.
+    /// Whether the store would take a write now: its filesystem has [`MIN_FREE_BYTES`] free for
+    /// this process, and the write connection takes SQLite's write lock and lets it go, writing
+    /// nothing. Fails with [`StoreError::NoRoom`] on a (nearly) full disk, after the busy timeout
+    /// while another process holds the database's write lock, and if the file cannot be read or
+    /// locked: the states in which a submission could not be made durable.
     pub async fn ping(&self) -> Result<(), StoreError> {
+        let dir = self.dir.clone();
+        tokio::task::spawn_blocking(move || has_room(&dir, MIN_FREE_BYTES))
+            .await
+            .map_err(|e| StoreError::unfinished("the free space reading", e))??;
         self.write(|conn| {
             conn.execute_batch("BEGIN IMMEDIATE")?;
             conn.execute_batch("ROLLBACK")
@@ -207,5 +234,48 @@ impl Database {
         })
         .await
         .map_err(|e| StoreError::unfinished("the store task", e))?
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn room_is_measured_on_the_data_dirs_filesystem_and_a_shortfall_says_what_to_do() {
+        let dir = tempfile::tempdir().unwrap();
+        has_room(dir.path(), 0).unwrap();
+        let err = has_room(dir.path(), u64::MAX).unwrap_err();
+        let StoreError::NoRoom {
+            available, needed, ..
+        } = err
+        else {
+            panic!("{err}");
+        };
+        assert_eq!(needed, u64::MAX);
+        assert!(available < u64::MAX);
+        let text = err.to_string();
+        assert!(
+            text.contains(&dir.path().display().to_string())
+                && text.contains(&format!("has {available} bytes free"))
+                && text.contains("free space on it or move --data"),
+            "{text}"
+        );
+        let gone = dir.path().join("missing");
+        let err = has_room(&gone, 0).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                StoreError::Io {
+                    action: "measure",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(
+            err.to_string().starts_with("store: cannot measure "),
+            "{err}"
+        );
     }
 }

@@ -32,12 +32,23 @@ pub enum StoreError {
     CorruptRow(rusqlite::Error),
     /// A file or directory of the data dir could not be created, opened, locked or written.
     Io {
-        /// What was tried: `create`, `open`, `lock`, `write`.
+        /// What was tried: `create`, `open`, `lock`, `write`, `measure` (its free space).
         action: &'static str,
         /// The file or directory.
         path: PathBuf,
         /// The system's error.
         source: std::io::Error,
+    },
+    /// The filesystem holding the data dir has less free space than a write may need
+    /// ([`MIN_FREE_BYTES`](super::MIN_FREE_BYTES)): SQLite would fail it half-way, so the
+    /// store is not ready.
+    NoRoom {
+        /// The data dir.
+        dir: PathBuf,
+        /// The bytes this process may still write on its filesystem.
+        available: u64,
+        /// The bytes a write may need.
+        needed: u64,
     },
     /// Another broker holds the data dir: its lock file is locked.
     DirInUse {
@@ -91,6 +102,15 @@ impl std::fmt::Display for StoreError {
                 path,
                 source,
             } => write!(f, "cannot {action} {}: {source}", path.display()),
+            StoreError::NoRoom {
+                dir,
+                available,
+                needed,
+            } => write!(
+                f,
+                "the filesystem holding the data dir {} has {available} bytes free, fewer than the {needed} a write may need; free space on it or move --data",
+                dir.display()
+            ),
             StoreError::DirInUse { dir, lock } => write!(
                 f,
                 "the data dir {} is in use by another broker (it holds {}); stop it or choose another --data",
@@ -125,6 +145,7 @@ impl std::error::Error for StoreError {
             StoreError::Io { source, .. } => Some(source),
             StoreError::Unfinished { source, .. } => Some(source),
             StoreError::DirInUse { .. }
+            | StoreError::NoRoom { .. }
             | StoreError::UnknownSchema { .. }
             | StoreError::NotInState { .. }
             | StoreError::Inconsistent(_) => None,

@@ -41,7 +41,9 @@ mod requests;
 mod schema;
 mod streams;
 
-pub use database::{DATABASE_FILE, DEFAULT_BROKER_NAME, Database, LOCK_FILE, READERS, now_rfc3339};
+pub use database::{
+    DATABASE_FILE, DEFAULT_BROKER_NAME, Database, LOCK_FILE, MIN_FREE_BYTES, READERS, now_rfc3339,
+};
 pub use decisions::{DecidedMove, DecisionCommand, DecisionOutcome, DecisionScope};
 pub use digest::request_digest;
 pub use error::{InsertError, StoreError};

@@ -189,14 +189,11 @@ async fn healthz() -> Response {
     json_response(StatusCode::OK, health_body())
 }
 
-/// How long `/readyz` waits for the store before answering 503.
-const READY_DEADLINE: std::time::Duration = std::time::Duration::from_secs(2);
-
-/// `GET /readyz` (no credential): ready when the store would take a write within
-/// [`READY_DEADLINE`], else 503 `temporarily_unavailable` (no Retry-After, as unYOLO's).
+/// `GET /readyz` (no credential): ready when the store would take a write
+/// ([`Core::store_readiness`]), else 503 `temporarily_unavailable` (no Retry-After, as unYOLO's).
 async fn readyz(State(core): State<Arc<Core>>) -> OperatorResult {
-    match tokio::time::timeout(READY_DEADLINE, core.db.ping()).await {
-        Ok(Ok(())) => Ok(json_response(StatusCode::OK, health_body())),
+    match core.store_readiness().await {
+        Ok(()) => Ok(json_response(StatusCode::OK, health_body())),
         _ => Err(OperatorError::new(
             StatusCode::SERVICE_UNAVAILABLE,
             ErrorCode::TemporarilyUnavailable,
@@ -207,8 +204,8 @@ async fn readyz(State(core): State<Arc<Core>>) -> OperatorResult {
 
 /// `GET /metrics` (operator): OpenMetrics text.
 async fn metrics(State(core): State<Arc<Core>>, _operator: OperatorName) -> OperatorResult {
-    let ready = tokio::time::timeout(READY_DEADLINE, core.db.ping()).await;
-    core.store_ready.set(i64::from(matches!(ready, Ok(Ok(())))));
+    // (Sets `broker_store_ready` for this scrape; the answer is the gauge.)
+    let _ = core.store_readiness().await;
     let mut text = String::new();
     prometheus_client::encoding::text::encode(&mut text, &core.registry).map_err(|_| {
         OperatorError::new(
