@@ -933,6 +933,65 @@ fn the_schema_rejects_what_the_contract_forbids() {
 }
 
 #[tokio::test]
+async fn numbers_are_stored_and_shown_as_sent_and_a_retry_is_judged_on_their_text() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = start(dir.path(), ROOMY).await;
+    let post = |body: String| {
+        h.send(
+            "POST",
+            "/api/agent/v1/operations",
+            Some(AGENT_SECRET),
+            Some(body.into()),
+        )
+    };
+    let body = |big: &str, price: &str| {
+        format!(
+            r#"{{"idempotency_key":"numbers","operation":"demo.request","reason":"r",
+                "target":{{"repo":"u/t","pr":{big}}},
+                "arguments":{{"duration_ms":0,"price":{price},"ids":[{big},-{big}]}}}}"#
+        )
+    };
+    let big = "12345678901234567890123";
+    let created = post(body(big, "1.50")).await;
+    assert_eq!(created.status, 202, "{}", created.body);
+    let id = created.id();
+    // Every digit as sent, in the answer, a later read, the operator's view and the row.
+    let read = h
+        .get(
+            &format!("/api/agent/v1/operations/{id}"),
+            Some(AGENT_SECRET),
+        )
+        .await;
+    for op in [&created.body, &read.body] {
+        assert_eq!(op["target"]["pr"].to_string(), big, "{op}");
+        assert_eq!(op["arguments"]["price"].to_string(), "1.50", "{op}");
+        assert_eq!(op["arguments"]["ids"][1].to_string(), format!("-{big}"));
+    }
+    let request = h
+        .operator
+        .request(&read.body["approval_id"].as_str().unwrap().to_owned())
+        .await;
+    assert_eq!(request.status, 200, "{}", request.body);
+    assert!(request.body.to_string().contains(big), "{}", request.body);
+    let stored: String = rusqlite::Connection::open(dir.path().join("admission.sqlite3"))
+        .unwrap()
+        .query_row("SELECT arguments FROM operations", [], |row| row.get(0))
+        .unwrap();
+    assert!(stored.contains(big) && stored.contains("1.50"), "{stored}");
+    // The same text is a replay; a number an f64 reads alike, or the same price written
+    // otherwise, is another request.
+    let replay = post(body(big, "1.50")).await;
+    assert_eq!(replay.status, 200, "{}", replay.body);
+    assert_eq!(replay.id(), id);
+    for (other, price) in [("12345678901234567890124", "1.50"), (big, "1.5")] {
+        let reply = post(body(other, price)).await;
+        assert_eq!(reply.status, 409, "{other} {price}: {}", reply.body);
+        assert_eq!(reply.code(), "idempotency_conflict");
+    }
+    assert_eq!(h.rows().await, 1);
+}
+
+#[tokio::test]
 async fn a_replay_is_the_same_request_up_to_key_order_and_any_deep_change_is_a_conflict() {
     let dir = tempfile::tempdir().unwrap();
     let h = start(dir.path(), ROOMY).await;

@@ -2,6 +2,10 @@
 //! `serde_json::Value` keeps the last of a repeated key, so `{"duration_ms":600001,
 //! "duration_ms":0}` would pass for `{"duration_ms":0}`; unYOLO's own broker and clients refuse
 //! such a body, and so does this one (section 5: anything else is 400 `invalid_request`).
+//!
+//! Numbers keep the text they came as (serde_json's `arbitrary_precision`): an agent's
+//! `12345678901234567890123` or `1.50` is stored, digested and shown back as sent, as unYOLO's
+//! own broker keeps its `json.RawMessage`, not rounded through an `f64`.
 
 use std::fmt;
 
@@ -23,6 +27,9 @@ impl<'de> de::Deserialize<'de> for Strict {
 }
 
 struct StrictVisitor;
+
+/// The key under which serde_json (with `arbitrary_precision`) passes a number's text.
+const NUMBER_TOKEN: &str = "$serde_json::private::Number";
 
 impl<'de> Visitor<'de> for StrictVisitor {
     type Value = Value;
@@ -80,6 +87,16 @@ impl<'de> Visitor<'de> for StrictVisitor {
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
         let mut object = Map::new();
         while let Some(key) = map.next_key::<String>()? {
+            if object.is_empty() && key == NUMBER_TOKEN {
+                // A number, as serde_json hands one over with `arbitrary_precision`: a map of
+                // one entry whose value is the number's text (serde_json's own `Value` reads it
+                // the same way).
+                let text: String = map.next_value()?;
+                return text
+                    .parse::<Number>()
+                    .map(Value::Number)
+                    .map_err(de::Error::custom);
+            }
             if object.contains_key(&key) {
                 return Err(de::Error::custom(format_args!(
                     "the key {key:?} is given twice in one object"
@@ -122,5 +139,33 @@ mod tests {
             let lax: Value = serde_json::from_str(text).unwrap();
             assert_eq!(strict(text).unwrap(), lax, "{text}");
         }
+    }
+
+    #[test]
+    fn numbers_keep_the_text_they_came_as() {
+        // Every digit is kept; an exponent is written as serde_json writes it (`e`, with its
+        // sign).
+        for (text, kept) in [
+            ("12345678901234567890123", "12345678901234567890123"),
+            ("-98765432109876543210", "-98765432109876543210"),
+            (
+                "0.1000000000000000055511151231257827",
+                "0.1000000000000000055511151231257827",
+            ),
+            ("1.50", "1.50"),
+            ("1e2", "1e+2"),
+            ("1E400", "1e+400"),
+            ("2.5e-3", "2.5e-3"),
+            ("-0", "-0"),
+            ("5", "5"),
+        ] {
+            let read = strict(text).unwrap();
+            assert!(read.is_number(), "{text}: {read}");
+            assert_eq!(read.to_string(), kept);
+            let nested = strict(&format!(r#"{{"a":[{text}],"b":{{"c":{text}}}}}"#)).unwrap();
+            assert_eq!(nested["a"][0].to_string(), kept);
+            assert_eq!(nested["b"]["c"].to_string(), kept);
+        }
+        assert_eq!(strict("600000").unwrap().as_u64(), Some(600_000));
     }
 }

@@ -64,12 +64,10 @@ fn write_canonical(out: &mut Vec<u8>, value: &Value) {
             }
             out.push(b']');
         }
-        Value::Number(number) if number.as_f64() == Some(0.0) && number.is_f64() => {
-            // `-0.0 == 0.0` as `Value`s compare numbers: one encoding for both.
-            out.extend_from_slice(b"0.0");
-        }
-        // A string, a number, a boolean or null, as serde_json writes it (writing to a Vec
-        // cannot fail).
+        // A string, a number (its text as the request gave it: serde_json keeps it with
+        // `arbitrary_precision`, so `1.50` and `1.5`, or two 20-digit integers an `f64` would
+        // round alike, are different requests, as unYOLO's byte comparison has them), a boolean
+        // or null, as serde_json writes it (writing to a Vec cannot fail).
         Value::String(text) => write_string(out, text),
         other => {
             let _ = serde_json::to_writer(&mut *out, other);
@@ -142,19 +140,32 @@ mod tests {
     #[test]
     fn the_digest_agrees_with_value_equality_on_numbers() {
         let args = json!({});
-        let zero = request_digest("demo.run", &json!({"n": 0.0}), &args, "r");
+        let digest = |target: &str| {
+            let target: Value = serde_json::from_str(target).unwrap();
+            request_digest("demo.run", &target, &args, "r")
+        };
+        // Numbers are compared as the text they came as, never through an f64.
+        for (a, b) in [
+            (r#"{"n": 0.0}"#, r#"{"n": -0.0}"#),
+            (r#"{"n": 0}"#, r#"{"n": 0.0}"#),
+            (r#"{"n": 1e2}"#, r#"{"n": 100.0}"#),
+            (r#"{"n": 1.5}"#, r#"{"n": 1.50}"#),
+            (
+                r#"{"n": 12345678901234567890123}"#,
+                r#"{"n": 12345678901234567890124}"#,
+            ),
+        ] {
+            let (x, y): (Value, Value) = (
+                serde_json::from_str(a).unwrap(),
+                serde_json::from_str(b).unwrap(),
+            );
+            assert_ne!(x, y, "{a} {b}");
+            assert_ne!(digest(a), digest(b), "{a} {b}");
+        }
+        // The same text is the same request, whatever the whitespace and key order around it.
         assert_eq!(
-            zero,
-            request_digest("demo.run", &json!({"n": -0.0}), &args, "r")
-        );
-        assert_ne!(
-            zero,
-            request_digest("demo.run", &json!({"n": 0}), &args, "r")
-        );
-        let parsed: Value = serde_json::from_str(r#"{"n": 1e2}"#).unwrap();
-        assert_eq!(
-            request_digest("demo.run", &parsed, &args, "r"),
-            request_digest("demo.run", &json!({"n": 100.0}), &args, "r")
+            digest(r#"{"n": 12345678901234567890123, "m": 1.50}"#),
+            digest(r#"{"m":1.50,"n":12345678901234567890123}"#)
         );
     }
 }
