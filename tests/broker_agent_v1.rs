@@ -969,7 +969,7 @@ async fn numbers_are_stored_and_shown_as_sent_and_a_retry_is_judged_on_their_tex
     }
     let request = h
         .operator
-        .request(&read.body["approval_id"].as_str().unwrap().to_owned())
+        .request(read.body["approval_id"].as_str().unwrap())
         .await;
     assert_eq!(request.status, 200, "{}", request.body);
     assert!(request.body.to_string().contains(big), "{}", request.body);
