@@ -498,12 +498,26 @@ async fn a_full_disk_takes_the_broker_out_of_rotation_before_writes_fail_and_ref
     after.admitted = before.admitted;
     after.clients[0].admitted = before.clients[0].admitted;
     support::broker::assert_unchanged(&before, &after, "a submission on a full disk");
+    // A stream upload neither: no file, no row, no bytes counted.
+    let stream = h
+        .send(
+            "POST",
+            STREAMS,
+            Some(AGENT_SECRET),
+            Some(vec![7u8; 64 * 1024].into()),
+        )
+        .await;
+    assert_eq!(stream.status, 503, "{}", stream.body);
+    assert_eq!(files_on_disk(&data), 0);
+    assert_eq!(stored(&data).streams, 0);
+    assert_eq!(h.snapshot().storage, before.storage);
 
     // Room again: ready, and the same key is new work, not a replay.
     std::fs::remove_file(&filler).unwrap();
     assert_eq!(readiness(&h).await, (200, "-".to_owned(), 200));
     let created = h.submit(AGENT_SECRET, &big).await;
     assert_eq!(created.status, 202, "{}", created.body);
+    upload(&h, 64 * 1024).await;
     quiet(&h, &data).await;
     assert_counts_match_the_store(&h, &data).await;
     assert_eq!(metric(&h.metrics().await, "broker_store_ready"), Some(1));
