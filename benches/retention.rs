@@ -112,6 +112,7 @@ fn terminal(i: usize, old: bool) -> OperationRecord {
         revision: 3,
         decided: None,
         ended_from: None,
+        active_expires_at: None,
         broker: "admission".to_owned(),
         presentation: unyolo_admission::broker::presentation::derive(
             "demo.run",

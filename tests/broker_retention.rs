@@ -81,6 +81,7 @@ fn old_terminal(i: usize, terminal_at: &str, padding: usize) -> OperationRecord 
         revision: 3,
         decided: None,
         ended_from: None,
+        active_expires_at: None,
         broker: "admission".to_owned(),
         presentation: unyolo_admission::broker::presentation::derive(
             "demo.run",

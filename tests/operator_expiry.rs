@@ -154,3 +154,192 @@ fn a_zero_or_unreadable_pending_timeout_stops_serve_before_it_starts() {
     // Nothing was created: neither run opened the store.
     assert!(!files.data.join("admission.sqlite3").exists());
 }
+
+/// One execution slot, so approved work waits for it while a long run holds it.
+const ONE_SLOT: &str = r#"{"requests_per_window": 1000, "window_seconds": 60,
+  "client_active": 10, "client_pending": 5, "global_active": 100, "global_executing": 1}"#;
+
+/// Starts a long `demo.run` and waits until it holds the one execution slot.
+async fn hold_the_slot(server: &Server) {
+    let long = server
+        .submit(AGENT_SECRET, &request("long", "demo.run", 600_000))
+        .await;
+    assert_eq!(long.status, 202, "{}", long.body);
+    let path = format!("/api/agent/v1/operations/{}", long.id());
+    assert_eventually("the long run holds the slot", async || {
+        server.get(&path, AGENT_SECRET).await.state() == "executing"
+    })
+    .await;
+}
+
+/// Approves request `id` at revision 1 for `seconds`; the committed request.
+async fn approve_for(server: &Server, id: &str, seconds: u64) -> serde_json::Value {
+    let approved = server
+        .operator
+        .decide(
+            id,
+            "approve",
+            &serde_json::json!({"expected_revision": 1, "idempotency_key": "approve",
+                "constraints": {"duration_seconds": seconds}}),
+        )
+        .await;
+    assert_eq!(approved.status, 200, "{}", approved.body);
+    approved.body
+}
+
+fn millis(at: &serde_json::Value) -> u128 {
+    let at = humantime::parse_rfc3339(at.as_str().unwrap()).unwrap();
+    at.duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis()
+}
+
+#[tokio::test]
+async fn an_approval_that_lapses_before_a_slot_frees_expires_and_releases_what_it_held() {
+    let dir = tempfile::tempdir().unwrap();
+    let files = Files::write(dir.path(), ONE_SLOT);
+    let server = Server::spawn(None, &files.args());
+    // Asked for before the slot is taken (a full pool admits no new work).
+    let waits = server
+        .submit(AGENT_SECRET, &request("waits", "demo.request", 0))
+        .await;
+    assert_eq!(waits.status, 202, "{}", waits.body);
+    let id = waits.id();
+    hold_the_slot(&server).await;
+    // Granted one second: it is active until then, and says so.
+    let approved = approve_for(&server, &id, 1).await;
+    assert_eq!(approved["status"], "active", "{approved}");
+    assert_eq!(
+        millis(&approved["active_expires_at"]) - millis(&approved["decided_at"]),
+        1000,
+        "{approved}"
+    );
+    assert_eq!(
+        server
+            .metric("admission_operations{state=\"queued\"}")
+            .await,
+        Some(1)
+    );
+
+    // It never got the slot: the approval lapses, and the agent's long poll wakes on it.
+    let waited = server
+        .get(
+            &format!("/api/agent/v1/operations/{id}/events?after_revision=2&wait_seconds=30"),
+            AGENT_SECRET,
+        )
+        .await;
+    assert_eq!(waited.state(), "expired", "{}", waited.body);
+    assert_eq!(waited.body["revision"], 3);
+    assert_eq!(waited.body["error"]["code"], "operation_approval_expired");
+    assert!(
+        waited.body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("approval lapsed"),
+        "{}",
+        waited.body
+    );
+    let request_now = server.operator.request(&id).await;
+    assert_eq!(
+        request_now.body["status"], "expired",
+        "{}",
+        request_now.body
+    );
+    assert_eq!(
+        request_now.body["active_expires_at"],
+        approved["active_expires_at"]
+    );
+    assert_eq!(request_now.body["allowed_actions"], serde_json::json!([]));
+    // Nothing is left to revoke; its queued slot is released and the counts equal the store.
+    let revoke = server.operator.revoke(&id).await;
+    assert_eq!(
+        (revoke.status, revoke.code()),
+        (409, "invalid_transition"),
+        "{}",
+        revoke.body
+    );
+    assert_eq!(
+        server
+            .metric("admission_operations{state=\"queued\"}")
+            .await,
+        Some(0)
+    );
+    assert_eq!(drift(&server).await, 0);
+    let mut stream = open(&server.operator.base, OPERATOR_SECRET, "", &[])
+        .await
+        .stream();
+    let kinds: Vec<(String, u64)> = stream
+        .next_events(3)
+        .await
+        .iter()
+        .map(|e| {
+            (
+                e["kind"].as_str().unwrap().to_owned(),
+                e["revision"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            ("request.created".to_owned(), 1),
+            ("request.approved".to_owned(), 2),
+            ("request.expired".to_owned(), 3)
+        ]
+    );
+}
+
+#[tokio::test]
+async fn work_that_starts_before_its_approval_lapses_runs_to_its_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let files = Files::write(dir.path(), ONE_SLOT);
+    let server = Server::spawn(None, &files.args());
+    let id = server
+        .submit(AGENT_SECRET, &request("runs", "demo.request", 1500))
+        .await
+        .id();
+    approve_for(&server, &id, 1).await;
+    // The slot is free, so it starts at once, and runs past its lapse to success.
+    let path = format!("/api/agent/v1/operations/{id}");
+    assert_eventually("it runs to its end", async || {
+        server.get(&path, AGENT_SECRET).await.state() == "succeeded"
+    })
+    .await;
+    let request_now = server.operator.request(&id).await;
+    assert_eq!(
+        request_now.body["status"], "consumed",
+        "{}",
+        request_now.body
+    );
+    assert_eq!(drift(&server).await, 0);
+}
+
+#[tokio::test]
+async fn an_approval_restored_past_its_lapse_never_starts_and_expires_at_start_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let files = Files::write(dir.path(), ONE_SLOT);
+    let id = {
+        let server = Server::spawn(None, &files.args());
+        let kept = server
+            .submit(AGENT_SECRET, &request("kept", "demo.request", 0))
+            .await;
+        assert_eq!(kept.status, 202, "{}", kept.body);
+        let id = kept.id();
+        hold_the_slot(&server).await;
+        approve_for(&server, &id, 1).await;
+        id
+        // Killed (SIGKILL) here, before the lapse: the request is approved on disk.
+    };
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    // The long run was interrupted, so the slot is free at start-up: the lapsed approval must
+    // still not start.
+    let server = Server::spawn(None, &files.args());
+    let path = format!("/api/agent/v1/operations/{id}");
+    assert_eventually("the restored approval expires", async || {
+        server.get(&path, AGENT_SECRET).await.state() == "expired"
+    })
+    .await;
+    let op = server.get(&path, AGENT_SECRET).await;
+    assert_eq!(op.body["error"]["code"], "operation_approval_expired");
+    assert_eq!(drift(&server).await, 0);
+}

@@ -175,13 +175,35 @@ impl Core {
         Arc::clone(&self.counts_gate).read_owned().await
     }
 
-    /// Adds a live operation to the live map; a pending one is also queued for expiry at its
-    /// [`Core::pending_expires_at`].
-    pub(crate) fn add_live(&self, op: &Arc<LiveOp>, state: crate::engine::OperationState) {
+    /// Adds a live operation (stored as `record`) to the live map; a pending one is also queued
+    /// for expiry at its [`Core::pending_expires_at`], an approved one whose approval lapses at
+    /// its `active_expires_at`.
+    pub(crate) fn add_live(&self, op: &Arc<LiveOp>, record: &OperationRecord) {
+        use crate::engine::OperationState;
         self.live_ops().insert(op.id.clone(), Arc::clone(op));
-        if state == crate::engine::OperationState::Pending {
-            self.expiries
-                .push(self.pending_expires_at(op.created_at), Arc::downgrade(op));
+        match record.state {
+            OperationState::Pending => self.expiries.push(
+                self.pending_expires_at(op.created_at),
+                Arc::downgrade(op),
+                OperationState::Pending,
+            ),
+            OperationState::Approved => self.queue_lapse(op, record),
+            _ => {}
+        }
+    }
+
+    /// Queues an approved operation's lapse at `record`'s `active_expires_at`, if it has one (an
+    /// unreadable time is due now: see `projection::lapsed`).
+    pub(crate) fn queue_lapse(&self, op: &Arc<LiveOp>, record: &OperationRecord) {
+        if let Some(at) = &record.active_expires_at {
+            let at = humantime::parse_rfc3339(at).unwrap_or_else(|_| SystemTime::now());
+            // Set once: an operation is approved at most once.
+            let _ = op.lapses_at.set(at);
+            self.expiries.push(
+                at,
+                Arc::downgrade(op),
+                crate::engine::OperationState::Approved,
+            );
         }
     }
 
@@ -221,6 +243,16 @@ pub(crate) struct LiveOp {
     pub(crate) lock: tokio::sync::Mutex<()>,
     /// When it was created (its row's `created_at`; now, if that does not parse).
     pub(crate) created_at: SystemTime,
+    /// When an operator's approval of it lapses (its row's `active_expires_at`), once approved:
+    /// from then it never starts, and the expiry sweeper ends it `expired`.
+    pub(crate) lapses_at: std::sync::OnceLock<SystemTime>,
+}
+
+impl LiveOp {
+    /// Whether its approval has lapsed at `now`.
+    pub(crate) fn lapsed(&self, now: SystemTime) -> bool {
+        self.lapses_at.get().is_some_and(|at| *at <= now)
+    }
 }
 
 impl LiveOp {
@@ -234,38 +266,49 @@ impl LiveOp {
             lock: tokio::sync::Mutex::new(()),
             created_at: humantime::parse_rfc3339(&record.created_at)
                 .unwrap_or_else(|_| SystemTime::now()),
+            lapses_at: std::sync::OnceLock::new(),
         }
     }
 }
 
-/// The pending requests in the order they expire, and the bell rung when one is queued first.
-/// The timeout is one for all, so a new request nearly always expires after every one queued
-/// before it and goes at the back (restored ones are queued oldest first); two creations that
-/// finish out of order, or an expiry the store could not take (queued again, due a second
-/// later), go before whatever is due after them. An entry whose request was decided meanwhile is
-/// skipped when its time comes (it is held weakly, so a finished operation is not kept alive by
-/// the queue).
+/// The requests in the order they expire, each with the state it expires from, and the bell
+/// rung when one is queued first: a pending request at its `pending_expires_at`, an approved
+/// one at its `active_expires_at` (its approval lapsed before it started). The pending timeout
+/// is one for all, so a new request nearly always expires after every one queued before it and
+/// goes at the back (restored ones are queued oldest first); two creations that finish out of
+/// order, an approval (due when its granted duration ends), or an expiry the store could not
+/// take (queued again, due a second later), go before whatever is due after them. An entry
+/// whose request left that state meanwhile is skipped when its time comes (it is held weakly,
+/// so a finished operation is not kept alive by the queue).
 #[derive(Default)]
 pub(crate) struct PendingExpiries {
-    queue: Mutex<VecDeque<(SystemTime, Weak<LiveOp>)>>,
+    queue: Mutex<VecDeque<Expiry>>,
     bell: Notify,
 }
 
+/// One queued expiry: when, the request, and the state it expires from.
+type Expiry = (SystemTime, Weak<LiveOp>, crate::engine::OperationState);
+
 impl PendingExpiries {
-    fn queue(&self) -> std::sync::MutexGuard<'_, VecDeque<(SystemTime, Weak<LiveOp>)>> {
+    fn queue(&self) -> std::sync::MutexGuard<'_, VecDeque<Expiry>> {
         crate::sync::lock(&self.queue)
     }
 
-    /// Queues a pending request expiring at `at`, in order; rings the bell when it is the first
-    /// due, so a sweeper asleep until a later one wakes for it.
-    pub(crate) fn push(&self, at: SystemTime, op: Weak<LiveOp>) {
+    /// Queues a request in state `from` expiring at `at`, in order; rings the bell when it is
+    /// the first due, so a sweeper asleep until a later one wakes for it.
+    pub(crate) fn push(
+        &self,
+        at: SystemTime,
+        op: Weak<LiveOp>,
+        from: crate::engine::OperationState,
+    ) {
         let mut queue = self.queue();
         // Searched from the back, where a new request nearly always goes.
         let place = queue
             .iter()
-            .rposition(|(queued, _)| *queued <= at)
+            .rposition(|(queued, ..)| *queued <= at)
             .map_or(0, |before| before + 1);
-        queue.insert(place, (at, op));
+        queue.insert(place, (at, op, from));
         drop(queue);
         if place == 0 {
             self.bell.notify_one();
@@ -274,18 +317,22 @@ impl PendingExpiries {
 
     /// When the first queued request expires, if any is queued.
     pub(crate) fn next(&self) -> Option<SystemTime> {
-        self.queue().front().map(|(at, _)| *at)
+        self.queue().front().map(|(at, ..)| *at)
     }
 
-    /// Takes out every entry due at `now`, oldest first, with the requests still live.
-    pub(crate) fn take_due(&self, now: SystemTime) -> Vec<Arc<LiveOp>> {
+    /// Takes out every entry due at `now`, oldest first, with the requests still live and the
+    /// state each expires from.
+    pub(crate) fn take_due(
+        &self,
+        now: SystemTime,
+    ) -> Vec<(Arc<LiveOp>, crate::engine::OperationState)> {
         let mut queue = self.queue();
         let mut due = Vec::new();
-        while queue.front().is_some_and(|(at, _)| *at <= now) {
-            if let Some((_, op)) = queue.pop_front()
+        while queue.front().is_some_and(|(at, ..)| *at <= now) {
+            if let Some((_, op, from)) = queue.pop_front()
                 && let Some(op) = op.upgrade()
             {
-                due.push(op);
+                due.push((op, from));
             }
         }
         due
@@ -357,6 +404,7 @@ pub(crate) fn new_id(prefix: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::OperationState::Pending;
 
     fn at(seconds: u64) -> SystemTime {
         SystemTime::UNIX_EPOCH + Duration::from_secs(seconds)
@@ -365,17 +413,17 @@ mod tests {
     #[test]
     fn an_expiry_queued_again_after_a_store_fault_is_due_before_later_requests() {
         let expiries = PendingExpiries::default();
-        expiries.push(at(10), Weak::new());
-        expiries.push(at(20), Weak::new());
+        expiries.push(at(10), Weak::new(), Pending);
+        expiries.push(at(20), Weak::new(), Pending);
         assert!(expiries.take_due(at(10)).is_empty(), "held weakly: gone");
         assert_eq!(expiries.next(), Some(at(20)));
         // The first one's expiry failed: it is retried a second later, not after the second.
-        expiries.push(at(11), Weak::new());
+        expiries.push(at(11), Weak::new(), Pending);
         assert_eq!(expiries.next(), Some(at(11)));
         // Two creations finished out of order: the earlier one is still due first.
-        expiries.push(at(30), Weak::new());
-        expiries.push(at(25), Weak::new());
-        let order: Vec<SystemTime> = expiries.queue().iter().map(|(at, _)| *at).collect();
+        expiries.push(at(30), Weak::new(), Pending);
+        expiries.push(at(25), Weak::new(), Pending);
+        let order: Vec<SystemTime> = expiries.queue().iter().map(|(at, ..)| *at).collect();
         assert_eq!(order, [at(11), at(20), at(25), at(30)]);
     }
 
@@ -390,11 +438,11 @@ mod tests {
             }
         }
         let expiries = PendingExpiries::default();
-        expiries.push(at(20), Weak::new());
+        expiries.push(at(20), Weak::new(), Pending);
         assert!(rang(&expiries).await, "the first request rings");
-        expiries.push(at(30), Weak::new());
+        expiries.push(at(30), Weak::new(), Pending);
         assert!(!rang(&expiries).await, "a request due after the first rang");
-        expiries.push(at(10), Weak::new());
+        expiries.push(at(10), Weak::new(), Pending);
         assert!(rang(&expiries).await, "a request due first rings");
     }
 }

@@ -93,6 +93,11 @@ pub(crate) async fn run(core: Arc<Core>) {
 async fn try_start(core: &Arc<Core>, op: &Arc<LiveOp>) -> Tried {
     let quiet = core.hold_counts().await;
     let guard = op.lock.lock().await;
+    // An approval that lapsed while the work waited never starts: the expiry sweeper, due for
+    // it now, ends it `expired` (it takes the same lock, so it waits for this to let go).
+    if op.lapsed(std::time::SystemTime::now()) {
+        return Tried::Done;
+    }
     // One call for both backends: replicated, this replica's slot and then the shared one, the
     // first given back if the second is refused.
     match op.handle.try_start().await {

@@ -1,7 +1,10 @@
-//! Pending expiry: a request nobody decides within `--pending-timeout` (five minutes by default,
-//! as unYOLO) ends `expired`, with its `request.expired` event, its slots released like any
-//! terminal transition (`Core::expire_to_end`, which runs to its end under the counts gate and
-//! the operation's lock), and its Agent V1 waiters woken.
+//! Expiry: a request nobody decides within `--pending-timeout` (five minutes by default, as
+//! unYOLO) ends `expired`, and so does an approved one that has not started by its
+//! `active_expires_at` (its approval lapsed: the duration the operator granted, five minutes
+//! unless narrowed, ran out while it waited for an execution slot), each with its
+//! `request.expired` event, its slots released like any terminal transition
+//! (`Core::expire_to_end`, which runs to its end under the counts gate and the operation's
+//! lock), and its Agent V1 waiters woken. Work that started before its lapse runs to its end.
 //!
 //! **A timer, not a poll.** The pending requests wait in the core's `PendingExpiries` in the order
 //! they expire (one timeout for all: creation order, but for an expiry retried after a store
@@ -28,14 +31,14 @@ impl Core {
     /// is queued again, due [`RETRY`] later (before any request due after that).
     pub(crate) async fn expire_due(self: &Arc<Self>) -> usize {
         let mut expired = 0;
-        for op in self.expiries.take_due(SystemTime::now()) {
-            match self.expire_to_end(Arc::clone(&op)).await {
+        for (op, from) in self.expiries.take_due(SystemTime::now()) {
+            match self.expire_to_end(Arc::clone(&op), from).await {
                 Ok(Some(_)) => expired += 1,
                 Ok(None) | Err(TransitionFailure::NotAllowed(_)) => {}
                 Err(TransitionFailure::Store(err)) => {
                     tracing::warn!(operation = %op.id, error = %err, "cannot record the expiry yet; retrying");
                     self.expiries
-                        .push(SystemTime::now() + RETRY, Arc::downgrade(&op));
+                        .push(SystemTime::now() + RETRY, Arc::downgrade(&op), from);
                 }
             }
         }

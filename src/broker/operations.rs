@@ -84,24 +84,32 @@ impl Core {
         })
     }
 
-    /// Expires `op` if it is still pending (a request nobody decided in time), run to its end
-    /// like every transition: the row (with its `request.expired` event) first, then the handle,
-    /// which releases the operation's slots. `Ok(None)` when it was no longer pending.
+    /// Expires `op` if it is still in `from`: pending (a request nobody decided in time) or
+    /// approved (an approval that lapsed before the work started). Run to its end like every
+    /// transition: the row (with its `request.expired` event) first, then the handle, which
+    /// releases the operation's slots. `Ok(None)` when it was no longer in `from`.
     pub(crate) async fn expire_to_end(
         self: &Arc<Self>,
         op: Arc<LiveOp>,
+        from: OperationState,
     ) -> Result<Option<OperationRecord>, TransitionFailure> {
         let core = Arc::clone(self);
         let expiry = async move {
             let _quiet = core.hold_counts().await;
             let _guard = op.lock.lock().await;
-            if op.handle.state() != OperationState::Pending {
+            // Only from the state it was queued in: a request approved before its pending time
+            // ran out is not expired by that entry, nor one that started by its lapse.
+            if op.handle.state() != from {
                 return Ok(None);
             }
+            let message = if from == OperationState::Approved {
+                "The operator's approval lapsed before an execution slot was free."
+            } else {
+                "No operator decided on the request within the pending timeout."
+            };
             let error = OperationError {
                 code: "operation_approval_expired".to_owned(),
-                message: "No operator decided on the request within the pending timeout."
-                    .to_owned(),
+                message: message.to_owned(),
             };
             core.transition_locked(
                 &op,
@@ -187,6 +195,9 @@ impl Core {
                 (&outcome, &op, live)
             {
                 core.follow_in_handle(op, from, record.state).await;
+                if record.state == OperationState::Approved {
+                    core.queue_lapse(op, record);
+                }
             }
             Ok(outcome)
         };

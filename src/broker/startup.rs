@@ -394,7 +394,7 @@ async fn restore(core: &Arc<Core>, recovered: store::Recovered) -> RestoreSummar
             }
         };
         let op = Arc::new(LiveOp::new(&record, handle));
-        core.add_live(&op, record.state);
+        core.add_live(&op, &record);
         match record.state {
             OperationState::Approved => {
                 summary.approved += 1;

@@ -361,6 +361,7 @@ pub(crate) async fn create(
         revision: 1,
         decided: None,
         ended_from: None,
+        active_expires_at: None,
         broker: core.db.broker().to_owned(),
         presentation: shown,
     };
@@ -392,7 +393,7 @@ pub(crate) async fn create(
     // Replicated, the answer's quota fields are the shared decision's (every replica's counts).
     let decided = permit.quota();
     let op = Arc::new(LiveOp::new(&record, permit.commit()));
-    core.add_live(&op, record.state);
+    core.add_live(&op, &record);
     core.count_submission("created");
     tracing::info!(
         operation = %record.id,
@@ -450,6 +451,7 @@ pub(crate) async fn cancel(
             by: client.as_str().to_owned(),
             on_behalf_of: None,
             revoked: false,
+            lasts: None,
         }),
     };
     match core

@@ -50,6 +50,9 @@ pub struct DecidedMove {
     pub to: OperationState,
     /// Whether it takes back an approval (a revoke).
     pub revoked: bool,
+    /// For an approval: how long it stays good if the operation has not started (see
+    /// [`DecisionMark::lasts`]).
+    pub lasts: Option<std::time::Duration>,
 }
 
 /// How a decision ended in the store.
@@ -120,6 +123,7 @@ impl Database {
                     by: command.operator.clone(),
                     on_behalf_of: command.on_behalf_of.clone(),
                     revoked: decided.revoked,
+                    lasts: decided.lasts,
                 }),
             };
             let Some((record, seq)) =

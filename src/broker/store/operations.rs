@@ -68,6 +68,9 @@ pub struct DecisionMark {
     pub on_behalf_of: Option<String>,
     /// Whether it takes back an approval.
     pub revoked: bool,
+    /// For an approval: how long it stays good if the operation has not started (the record's
+    /// `active_expires_at` becomes the decision's time plus this). `None` leaves it as it is.
+    pub lasts: Option<std::time::Duration>,
 }
 
 /// What a state change writes besides the state: the error a failure ends with, and who decided
@@ -125,6 +128,10 @@ pub struct OperationRecord {
     /// 6): what tells a revocation from a cancel while pending, and a failure while running
     /// from one before it (see [`super::request_status`]).
     pub ended_from: Option<OperationState>,
+    /// When an operator's approval lapses if the operation has not started by then (RFC 3339,
+    /// UTC; Operator V1's `active_expires_at`); kept after the approval ends. `None` for work
+    /// no operator approved, and for approvals stored before schema 7.
+    pub active_expires_at: Option<String>,
     /// The name of the broker that holds it (not stored: the broker's configured name).
     pub broker: String,
     /// Its presentation, as derived at creation.
@@ -255,6 +262,7 @@ impl OperationRecord {
             revision: 1,
             decided: None,
             ended_from: None,
+            active_expires_at: None,
             broker: super::DEFAULT_BROKER_NAME.to_owned(),
             presentation: Presentation::default(),
         }
@@ -335,6 +343,7 @@ impl OperationRecord {
                 }),
             },
             ended_from,
+            active_expires_at: row.get("active_expires_at")?,
             broker: broker.to_owned(),
             presentation,
         })
@@ -355,7 +364,7 @@ pub struct Recovered {
 pub(super) const SELECT_OPERATION: &str = "SELECT id, client_id, idempotency_key, operation, \
     target, arguments, reason, state, created_at, updated_at, terminal_at, error_code, \
     error_message, revision, title, summary, decided_at, decided_by, decided_on_behalf_of, \
-    revoked, ended_from FROM operations";
+    revoked, ended_from, active_expires_at FROM operations";
 
 /// Moves operation `id` from `from` to `to` inside `tx`, writing what `change` carries, +1 on
 /// its revision, and (for a request) its Operator V1 event; the updated record and the event's
@@ -383,7 +392,8 @@ pub(super) fn change_state(
          decided_by = CASE WHEN ?8 IS NULL THEN decided_by ELSE ?8 END, \
          decided_on_behalf_of = CASE WHEN ?8 IS NULL THEN decided_on_behalf_of ELSE ?9 END, \
          revoked = CASE WHEN ?8 IS NULL THEN revoked ELSE ?10 END, \
-         ended_from = ?11 \
+         ended_from = ?11, \
+         active_expires_at = COALESCE(?12, active_expires_at) \
          WHERE id = ?1 AND state = ?2",
         )?
         .execute(params![
@@ -398,6 +408,10 @@ pub(super) fn change_state(
             decision.and_then(|d| d.on_behalf_of.as_deref()),
             decision.map(|d| i64::from(d.revoked)),
             ended_from,
+            decision
+                .and_then(|d| d.lasts)
+                .and_then(|lasts| humantime::parse_rfc3339(&now).ok().map(|at| at + lasts))
+                .map(|at| humantime::format_rfc3339_millis(at).to_string()),
         ])?;
     if changed != 1 {
         return Ok(None);
@@ -819,9 +833,9 @@ impl Database {
         let tx = conn.transaction()?;
         {
             let mut stmt = tx.prepare(&format!(
-                "INSERT INTO operations ({OPERATION_COLUMNS}, ended_from) \
+                "INSERT INTO operations ({OPERATION_COLUMNS}, ended_from, active_expires_at) \
                  VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, \
-                 ?17, ?18, ?19, ?20, ?21, ?22)"
+                 ?17, ?18, ?19, ?20, ?21, ?22, ?23)"
             ))?;
             for record in records {
                 stmt.execute(params![
@@ -850,6 +864,7 @@ impl Database {
                         .and_then(|d| d.on_behalf_of.as_deref()),
                     record.decided.as_ref().is_some_and(|d| d.revoked),
                     record.ended_from.map(OperationState::as_str),
+                    record.active_expires_at,
                 ])?;
             }
         }

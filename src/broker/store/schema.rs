@@ -34,6 +34,11 @@
 //! cancel that took back an approval (`revoked`) ended `approved`; for every other row the
 //! status does not depend on it.
 //!
+//! Schema 7 adds `operations.active_expires_at`: when an operator's approval lapses if the
+//! operation has not started by then (Operator V1's `active_expires_at`; the decision's
+//! `constraints.duration_seconds`, or the requested duration, after the approval). Rows written
+//! before it have none: their approvals never lapse, as before.
+//!
 //! Each step brings a file from the version below its number to its number, and a file applies
 //! every step above its version in one transaction. A new file is the version 3 table plus every
 //! later step, so a column added by a step is there on new and old files alike.
@@ -48,7 +53,7 @@ use rusqlite::Connection;
 use super::error::StoreError;
 
 /// The schema version this code writes (`PRAGMA user_version`).
-pub const SCHEMA_VERSION: i64 = 6;
+pub const SCHEMA_VERSION: i64 = 7;
 
 /// The operations table as schema 3 made it, named `{name}` (later steps add columns to it).
 /// `seq` is its explicit rowid: listing cursors are `seq`
@@ -169,11 +174,17 @@ UPDATE operations SET ended_from = 'executing'
 UPDATE operations SET ended_from = 'approved' WHERE state = 'canceled' AND revoked = 1;
 ";
 
+/// From schema version 6: when an approval lapses (see the module doc).
+const MIGRATE_6_TO_7: &str = "
+ALTER TABLE operations ADD COLUMN active_expires_at TEXT;
+";
+
 /// The steps after schema 3, each with the version it brings a file to, in order.
-const STEPS_AFTER_3: [(i64, &str); 3] = [
+const STEPS_AFTER_3: [(i64, &str); 4] = [
     (4, MIGRATE_3_TO_4),
     (5, MIGRATE_4_TO_5),
     (6, MIGRATE_5_TO_6),
+    (7, MIGRATE_6_TO_7),
 ];
 
 /// `PRAGMA auto_vacuum` value for `INCREMENTAL`: freed pages stay in the file until

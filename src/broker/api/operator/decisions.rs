@@ -36,7 +36,7 @@ use sha2::{Digest, Sha256};
 
 use super::OperatorName;
 use super::error::{ErrorCode, OperatorError, OperatorResult};
-use super::projection::{APPROVAL_SECONDS, broker_request, past_due};
+use super::projection::{APPROVAL_SECONDS, broker_request, lapsed, past_due};
 use super::requests::valid_id;
 use crate::broker::api::error::json_response;
 use crate::broker::api::extract::{is_json_object, read_body};
@@ -337,6 +337,10 @@ fn judge(
     if from == OperationState::Pending && past_due(record, pending_timeout, SystemTime::now()) {
         return Err(Refusal::Transition);
     }
+    // Past its lapse an approval is expired too, whether or not its expiry is written yet.
+    if from == OperationState::Approved && lapsed(record, SystemTime::now()) {
+        return Err(Refusal::Transition);
+    }
     if let Some(constraints) = &body.constraints {
         let longer = constraints
             .duration_seconds
@@ -349,7 +353,16 @@ fn judge(
             return Err(Refusal::Exceeded);
         }
     }
-    Ok(DecidedMove { to, revoked })
+    // An approval stays good for the duration granted (the requested one unless narrowed).
+    let lasts = (action == Action::Approve).then(|| {
+        let granted = body
+            .constraints
+            .as_ref()
+            .and_then(|c| c.duration_seconds)
+            .unwrap_or(APPROVAL_SECONDS);
+        Duration::from_secs(granted)
+    });
+    Ok(DecidedMove { to, revoked, lasts })
 }
 
 /// The `{id}` and `{action}` of a decision route; the id judged before the credential, the
@@ -514,13 +527,14 @@ mod tests {
             Some(OperationState::Pending),
             year,
         );
-        assert!(matches!(
+        assert_eq!(
             judged,
             Ok(DecidedMove {
                 to: OperationState::Approved,
-                revoked: false
+                revoked: false,
+                lasts: Some(Duration::from_secs(APPROVAL_SECONDS)),
             })
-        ));
+        );
         let five_minutes = Duration::from_secs(300);
         for action in [Action::Approve, Action::Deny] {
             let judged = judge(
@@ -542,6 +556,69 @@ mod tests {
             five_minutes,
         );
         assert!(matches!(judged, Ok(DecidedMove { revoked: true, .. })));
+    }
+
+    #[test]
+    fn an_approval_lasts_the_duration_granted_and_a_lapsed_one_is_not_revoked() {
+        let year = Duration::from_secs(2 * 365 * 24 * 3600);
+        let pending = record(OperationState::Pending);
+        let narrowed = parse(
+            Action::Approve,
+            r#"{"expected_revision":1,"idempotency_key":"k","constraints":{"duration_seconds":60}}"#,
+        )
+        .unwrap();
+        let judged = judge(
+            &narrowed,
+            Action::Approve,
+            &pending,
+            Some(OperationState::Pending),
+            year,
+        );
+        assert_eq!(judged.map(|m| m.lasts), Ok(Some(Duration::from_secs(60))));
+        // A deny grants nothing to last.
+        let deny = parse(
+            Action::Deny,
+            r#"{"expected_revision":1,"idempotency_key":"k"}"#,
+        )
+        .unwrap();
+        let judged = judge(
+            &deny,
+            Action::Deny,
+            &pending,
+            Some(OperationState::Pending),
+            year,
+        );
+        assert_eq!(judged.map(|m| m.lasts), Ok(None));
+
+        let revoke = parse(
+            Action::Revoke,
+            r#"{"expected_revision":1,"idempotency_key":"k"}"#,
+        )
+        .unwrap();
+        let approved_until = |at: &str| OperationRecord {
+            active_expires_at: Some(at.to_owned()),
+            ..record(OperationState::Approved)
+        };
+        let live = Some(OperationState::Approved);
+        for (until, lapsed) in [
+            ("2000-01-01T00:00:00.000Z", true),
+            ("not a time", true),
+            ("2999-01-01T00:00:00.000Z", false),
+        ] {
+            let judged = judge(&revoke, Action::Revoke, &approved_until(until), live, year);
+            if lapsed {
+                assert_eq!(judged, Err(Refusal::Transition), "{until}");
+            } else {
+                assert!(matches!(
+                    judged,
+                    Ok(DecidedMove {
+                        revoked: true,
+                        lasts: None,
+                        ..
+                    })
+                ));
+            }
+        }
     }
 
     #[test]

@@ -14,7 +14,9 @@
 //!
 //! Every request is `mode: "execution"`: one exact action, used at most once
 //! (`requested_max_uses` and `granted_max_uses` 1); its approval is good for
-//! [`APPROVAL_SECONDS`].
+//! [`APPROVAL_SECONDS`], or the shorter `constraints.duration_seconds` the operator granted:
+//! an approved request that has not started by its `active_expires_at` ends `expired` (the
+//! `expiry` sweeper), as an unused unYOLO grant does.
 
 use std::time::{Duration, SystemTime};
 
@@ -62,6 +64,15 @@ pub(crate) fn past_due(
         .is_ok_and(|created| created + pending_timeout <= now)
 }
 
+/// Whether `record`'s approval has lapsed at `now` (it has an `active_expires_at`, and that has
+/// come); an unreadable time counts as lapsed, so a damaged row never keeps work approved.
+pub(crate) fn lapsed(record: &OperationRecord, now: SystemTime) -> bool {
+    record
+        .active_expires_at
+        .as_deref()
+        .is_some_and(|at| humantime::parse_rfc3339(at).map_or(true, |at| at <= now))
+}
+
 /// `record` as a `BrokerRequest`.
 pub(crate) fn broker_request(record: &OperationRecord, pending_timeout: Duration) -> Value {
     let shown = presentation_json(&record.presentation);
@@ -98,6 +109,9 @@ pub(crate) fn broker_request(record: &OperationRecord, pending_timeout: Duration
         if let Some(at) = pending_expires_at(&record.created_at, pending_timeout) {
             request["pending_expires_at"] = Value::from(at);
         }
+    }
+    if let Some(at) = &record.active_expires_at {
+        request["active_expires_at"] = Value::from(at.as_str());
     }
     if let Some(decided) = &record.decided {
         request["decided_at"] = Value::from(decided.at.as_str());
