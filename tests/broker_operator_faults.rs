@@ -220,3 +220,47 @@ async fn a_kill_9_between_a_decision_and_its_answer_restarts_decided_or_not_neve
     assert_eq!(server.metric("admission_store_drift").await, Some(0));
     drop(server);
 }
+
+/// A decision on a request whose pending time ran out while its expiry could not be written
+/// (the store held past the busy timeout, the sweeper's retry not yet due) expires it first,
+/// as upstream applies due lifecycle changes before a decision: 409 `revision_conflict` with
+/// `current.status = "expired"`, the `request.expired` event written, no decision recorded,
+/// never an `invalid_transition` that leaves the inbox showing the request pending.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decision_on_a_request_whose_expiry_is_due_but_unwritten_expires_it_first() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut settings = settings(dir.path(), LIMITS, StorageCaps::default());
+    settings.pending_timeout = Duration::from_secs(2);
+    let h = start_with(settings).await;
+    let ids = create_pending(&h, "due", 1).await;
+    // Held from before the request is due until well after the sweeper's expiry gave up (its
+    // write waits out the 5 s busy timeout from about 2 s on, then retries a second later).
+    let holder = lock_store(dir.path(), Duration::from_secs(8));
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Sent while the sweeper's expiry waits for the store: the decision is judged once the
+    // sweeper's attempt has failed, before its retry.
+    let body = json!({"expected_revision": 1, "idempotency_key": "due"});
+    let decided = h.operator.decide(&ids[0], "approve", &body).await;
+    tokio::task::spawn_blocking(move || holder.join().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(
+        (decided.status, decided.code()),
+        (409, "revision_conflict"),
+        "{}",
+        decided.body
+    );
+    let current = &decided.body["error"]["current"];
+    assert_eq!(current["status"], "expired", "{}", decided.body);
+    assert_eq!(current["revision"], 2);
+    assert_eq!(current["allowed_actions"], json!([]));
+    let shown = h.operator.request(&ids[0]).await;
+    assert_eq!(shown.body["status"], "expired");
+    assert_eq!(h.broker.database().count_decisions().await.unwrap(), 0);
+    // The same key with the fresh revision is a new command, refused as a transition now.
+    let fresh = json!({"expected_revision": 2, "idempotency_key": "due"});
+    let late = h.operator.decide(&ids[0], "approve", &fresh).await;
+    assert_eq!((late.status, late.code()), (409, "invalid_transition"));
+    ends_whole(&h, dir.path()).await;
+    h.broker.shutdown().await;
+}

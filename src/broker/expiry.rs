@@ -21,6 +21,8 @@ use std::time::{Duration, SystemTime};
 
 use super::core::{Core, run_to_end};
 use super::operations::TransitionFailure;
+use super::store::StoreError;
+use crate::engine::OperationState;
 
 /// How long the sweeper waits before retrying an expiry the store could not take.
 const RETRY: Duration = Duration::from_secs(1);
@@ -57,6 +59,25 @@ impl Core {
             let core = Arc::clone(self);
             // Err only if the expiry panicked or the runtime is stopping: the sweeper retries.
             let _ = run_to_end(async move { core.expire_due().await }).await;
+        }
+    }
+
+    /// Expires request `id` at once if it is still live in `from`: what a decision that found
+    /// its request due (its time run out, its expiry taken by the sweeper but not yet written)
+    /// calls before judging again. Run to its end like every expiry; the sweeper's own entry
+    /// then finds it expired and does nothing. Err only if the store could not take it (the
+    /// sweeper retries).
+    pub(crate) async fn expire_found_due(
+        self: &Arc<Self>,
+        id: &str,
+        from: OperationState,
+    ) -> Result<(), StoreError> {
+        let Some(op) = self.live_op(id) else {
+            return Ok(());
+        };
+        match self.expire_to_end(op, from).await {
+            Ok(_) | Err(TransitionFailure::NotAllowed(_)) => Ok(()),
+            Err(TransitionFailure::Store(err)) => Err(err),
         }
     }
 }

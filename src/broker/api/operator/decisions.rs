@@ -12,7 +12,9 @@
 //!    operator waits (`Core::decide_to_end`): the idempotency record of
 //!    (request, action, key) (the same command replays what it committed, 200 with
 //!    `Idempotency-Replayed: true`; another is 409 `idempotency_conflict`), the request (404),
-//!    `expected_revision` (409 `revision_conflict` with `current`), a `notification` (admission
+//!    its due lifecycle change (a request past its pending time, or an approval past its lapse,
+//!    is expired first, as upstream applies due changes first, and judged again: so a decision
+//!    on it is a stale one), `expected_revision` (409 `revision_conflict` with `current`), a `notification` (admission
 //!    issues no decision tokens: 409 `invalid_decision_token`), the transition (409
 //!    `invalid_transition`), the constraints (may only narrow: 409 `constraint_exceeded`). Then
 //!    the state change, the revision and the decision's record commit together, and the
@@ -301,6 +303,9 @@ enum Refusal {
     Stale,
     /// A notification decision (admission issues no tokens).
     Token,
+    /// The request's time ran out (its pending time, or its approval's lapse) but its expiry is
+    /// not written yet: the caller expires it and judges the decision again.
+    Due,
     /// The action is not allowed from the request's status.
     Transition,
     /// The constraints widen the bounds.
@@ -319,6 +324,18 @@ fn judge(
     if !registry::needs_approval(&record.operation) {
         return Err(Refusal::NotARequest);
     }
+    // Due lifecycle changes come before the decision, as upstream applies them: a live request
+    // past its pending time, or an approval past its lapse, is expired first, whether or not
+    // the sweeper has got to it.
+    let now = SystemTime::now();
+    let due = match record.state {
+        OperationState::Pending => past_due(record, pending_timeout, now),
+        OperationState::Approved => lapsed(record, now),
+        _ => false,
+    };
+    if due && live == Some(record.state) {
+        return Err(Refusal::Due);
+    }
     if record.revision != body.expected_revision {
         return Err(Refusal::Stale);
     }
@@ -331,14 +348,6 @@ fn judge(
         Action::Revoke => (OperationState::Approved, OperationState::Canceled, true),
     };
     if record.state != from || live != Some(from) {
-        return Err(Refusal::Transition);
-    }
-    // Past its pending time a request is expired, whether or not its expiry is written yet.
-    if from == OperationState::Pending && past_due(record, pending_timeout, SystemTime::now()) {
-        return Err(Refusal::Transition);
-    }
-    // Past its lapse an approval is expired too, whether or not its expiry is written yet.
-    if from == OperationState::Approved && lapsed(record, SystemTime::now()) {
         return Err(Refusal::Transition);
     }
     if let Some(constraints) = &body.constraints {
@@ -437,17 +446,32 @@ pub(crate) async fn decide(
     };
     let timeout = core.pending_timeout;
     // A request whose time ran out is expired before it is judged, as upstream applies due
-    // lifecycle changes first; `judge` refuses one the sweeper has not reached yet.
+    // lifecycle changes first: what the sweeper has due now, then (`Refusal::Due`) one it has
+    // taken but not written yet (its write waiting for the store, or to be retried).
     core.settle_expiries().await;
-    // Decided: from here the decision runs to its end, whether or not the operator waits.
-    let outcome = core
-        .decide_to_end(
-            command,
-            move |record, live| judge(&decision, action, record, live, timeout),
-            move |record| broker_request(record, timeout).to_string(),
-        )
-        .await
-        .inspect_err(|_| count("storage_unavailable"))?;
+    let mut expired_first = false;
+    let outcome = loop {
+        let decision = decision.clone();
+        // Decided: from here the decision runs to its end, whether or not the operator waits.
+        let outcome = core
+            .decide_to_end(
+                command.clone(),
+                move |record, live| judge(&decision, action, record, live, timeout),
+                move |record| broker_request(record, timeout).to_string(),
+            )
+            .await
+            .inspect_err(|_| count("storage_unavailable"))?;
+        match outcome {
+            // Once: the expiry leaves it expired (or in a state some other move made).
+            DecisionOutcome::Refused(Refusal::Due, record) if !expired_first => {
+                expired_first = true;
+                core.expire_found_due(&record.id, record.state)
+                    .await
+                    .inspect_err(|_| count("storage_unavailable"))?;
+            }
+            outcome => break outcome,
+        }
+    };
     let current = |record: &OperationRecord| broker_request(record, timeout);
     match outcome {
         DecisionOutcome::Committed(record, _) => {
@@ -490,7 +514,7 @@ pub(crate) async fn decide(
             count("invalid_decision_token");
             Err(OperatorError::conflict(ErrorCode::InvalidDecisionToken))
         }
-        DecisionOutcome::Refused(Refusal::Transition, _) => {
+        DecisionOutcome::Refused(Refusal::Transition | Refusal::Due, _) => {
             count("invalid_transition");
             Err(OperatorError::conflict(ErrorCode::InvalidTransition))
         }
@@ -511,7 +535,7 @@ mod tests {
     }
 
     #[test]
-    fn a_pending_request_past_its_time_is_not_decided_even_before_its_expiry_is_written() {
+    fn a_pending_request_past_its_time_is_expired_before_it_is_judged_even_with_a_stale_revision() {
         let body = parse(
             Action::Approve,
             r#"{"expected_revision":1,"idempotency_key":"k"}"#,
@@ -544,8 +568,22 @@ mod tests {
                 Some(OperationState::Pending),
                 five_minutes,
             );
-            assert!(matches!(judged, Err(Refusal::Transition)), "{action:?}");
+            assert_eq!(judged, Err(Refusal::Due), "{action:?}");
         }
+        // Before the revision: upstream applies the expiry first, so a stale decision sees it.
+        let stale = parse(
+            Action::Approve,
+            r#"{"expected_revision":7,"idempotency_key":"k"}"#,
+        )
+        .unwrap();
+        let live = Some(OperationState::Pending);
+        let judged = judge(&stale, Action::Approve, &pending, live, five_minutes);
+        assert_eq!(judged, Err(Refusal::Due));
+        let judged = judge(&stale, Action::Approve, &pending, live, year);
+        assert_eq!(judged, Err(Refusal::Stale));
+        // Not live (nothing here to expire): refused as a transition the handle cannot make.
+        let judged = judge(&body, Action::Approve, &pending, None, five_minutes);
+        assert_eq!(judged, Err(Refusal::Transition));
         // An approved request is revoked whatever its age: the pending time bounds a wait only.
         let approved = record(OperationState::Approved);
         let judged = judge(
@@ -559,7 +597,7 @@ mod tests {
     }
 
     #[test]
-    fn an_approval_lasts_the_duration_granted_and_a_lapsed_one_is_not_revoked() {
+    fn an_approval_lasts_the_duration_granted_and_a_lapsed_one_is_expired_not_revoked() {
         let year = Duration::from_secs(2 * 365 * 24 * 3600);
         let pending = record(OperationState::Pending);
         let narrowed = parse(
@@ -607,7 +645,7 @@ mod tests {
         ] {
             let judged = judge(&revoke, Action::Revoke, &approved_until(until), live, year);
             if lapsed {
-                assert_eq!(judged, Err(Refusal::Transition), "{until}");
+                assert_eq!(judged, Err(Refusal::Due), "{until}");
             } else {
                 assert!(matches!(
                     judged,
