@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 use support::broker::{Harness, assert_unchanged, settings, start_with};
+use support::eventually::eventually;
 use support::faults::*;
 use support::http::request;
 use support::secrets::{AGENT_SECRET, OTHER_OPERATOR_SECRET};
@@ -261,6 +262,55 @@ async fn a_decision_on_a_request_whose_expiry_is_due_but_unwritten_expires_it_fi
     let fresh = json!({"expected_revision": 2, "idempotency_key": "due"});
     let late = h.operator.decide(&ids[0], "approve", &fresh).await;
     assert_eq!((late.status, late.code()), (409, "invalid_transition"));
+    ends_whole(&h, dir.path()).await;
+    h.broker.shutdown().await;
+}
+
+/// An approval that lapses while its start cannot be recorded (the store refuses the write, here
+/// through a trigger of the test's own, so the executor holds the slot and retries) never runs:
+/// once the store takes writes again the request ends `expired`, as any lapsed approval does,
+/// its slots are released and the counts equal the store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_approval_that_lapses_while_its_start_cannot_be_recorded_never_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = start_tight(dir.path()).await;
+    let ids = create_pending(&h, "lapse", 1).await;
+    let conn = rusqlite::Connection::open(dir.path().join("admission.sqlite3")).unwrap();
+    conn.busy_timeout(Duration::from_secs(30)).unwrap();
+    conn.execute_batch(
+        "CREATE TRIGGER refuse_start BEFORE UPDATE OF state ON operations \
+         WHEN NEW.state = 'executing' BEGIN SELECT RAISE(ABORT, 'start refused'); END;",
+    )
+    .unwrap();
+    let body = json!({"expected_revision": 1, "idempotency_key": "lapse",
+        "constraints": {"duration_seconds": 2}});
+    let approved = h.operator.decide(&ids[0], "approve", &body).await;
+    assert_eq!(approved.status, 200, "{}", approved.body);
+    // The executor took the slot; the store refuses the start, so the work waits.
+    assert!(
+        eventually(async || h.snapshot().executing == 1).await,
+        "the start never took its slot: {:?}",
+        h.snapshot()
+    );
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    conn.execute_batch("DROP TRIGGER refuse_start").unwrap();
+    let path = format!("/api/agent/v1/operations/{}", ids[0]);
+    let ended = eventually(async || {
+        let op = h.get(&path, Some(AGENT_SECRET)).await;
+        op.body["state"] != "approved"
+    })
+    .await;
+    assert!(ended, "the lapsed approval never ended");
+    let op = h.get(&path, Some(AGENT_SECRET)).await;
+    assert_eq!(op.body["state"], "expired", "{}", op.body);
+    assert_eq!(op.body["error"]["code"], "operation_approval_expired");
+    assert_eq!(h.operator.request(&ids[0]).await.body["status"], "expired");
+    let snapshot = h.snapshot();
+    assert_eq!(
+        (snapshot.executing, snapshot.active),
+        (0, 0),
+        "{snapshot:?}"
+    );
     ends_whole(&h, dir.path()).await;
     h.broker.shutdown().await;
 }

@@ -22,7 +22,8 @@
 //! An operation is written `executing` before its work begins, so after a crash it is known to
 //! have (maybe) run and is failed with `execution_interrupted` rather than run twice. A store that
 //! cannot take that write (locked past its busy timeout) delays the work, never fails it: the
-//! operation keeps its slot and the start is recorded once the store answers.
+//! operation keeps its slot and the start is recorded once the store answers, unless its
+//! approval lapses meanwhile: then it ends `expired`, never run, as if it had waited for a slot.
 //!
 //! The executor is its own task, so no client's hangup cancels it; and a shutdown only ends its
 //! waits, never a start between its slot and its row: the try is awaited outside any `select!`.
@@ -143,6 +144,18 @@ async fn record_start(core: Arc<Core>, op: Arc<LiveOp>) {
         }
         let quiet = core.hold_counts().await;
         let guard = op.lock.lock().await;
+        // The work has not run: an approval that lapsed meanwhile ends it `expired`, as it would
+        // have had the start never been tried (the sweeper leaves it to this task, which holds
+        // its slot).
+        if op.lapsed(std::time::SystemTime::now()) {
+            match expire_unstarted(&core, &op).await {
+                Ok(()) => return,
+                Err(err) => {
+                    tracing::warn!(operation = %op.id, error = %err, "cannot record the lapse yet; retrying");
+                    continue;
+                }
+            }
+        }
         let written = record_start_in_store(&core, &op).await;
         match written {
             Ok(Some(_)) => {
@@ -161,6 +174,33 @@ async fn record_start(core: Arc<Core>, op: Arc<LiveOp>) {
             }
         }
     }
+}
+
+/// A start whose approval lapsed before the start could be recorded: the row moves approved →
+/// `expired` (with its `request.expired` event), then the handle, which took its slot and so is
+/// `executing` to the controller, is failed, releasing its slots: the work never ran, and the
+/// store and the counts agree again. Called with the counts gate and the operation's lock held.
+async fn expire_unstarted(core: &Arc<Core>, op: &Arc<LiveOp>) -> Result<(), StoreError> {
+    let error = OperationError {
+        code: "operation_approval_expired".to_owned(),
+        message: "The operator's approval lapsed before the start could be recorded.".to_owned(),
+    };
+    let expired = core
+        .db
+        .set_state(
+            &op.id,
+            OperationState::Approved,
+            OperationState::Expired,
+            StateChange::error(Some(error)),
+        )
+        .await?;
+    if expired.is_none() {
+        abandon_start(core, op, "the stored operation is no longer approved").await;
+        return Ok(());
+    }
+    let _ = op.handle.fail().await;
+    core.changed(op, OperationState::Approved, OperationState::Expired);
+    Ok(())
 }
 
 /// A start that can never be recorded (the row is not `approved` any more): the operation does
