@@ -222,26 +222,34 @@ async fn a_kill_9_between_a_decision_and_its_answer_restarts_decided_or_not_neve
     drop(server);
 }
 
+/// A broker whose requests wait 2 s for a decision, with two requests created, and the store held
+/// by another process from before that request is due until well after the sweeper's expiry gave
+/// up (its write waits out the 5 s busy timeout from about 2 s on, then is retried a second
+/// later). Returns once the sweeper's write is waiting: whatever is sent now is judged after
+/// that write failed, before its retry, with the requests due but not yet expired.
+async fn due_but_unwritten(
+    dir: &std::path::Path,
+) -> (Harness, Vec<String>, std::thread::JoinHandle<()>) {
+    let mut settings = settings(dir, LIMITS, StorageCaps::default());
+    settings.pending_timeout = Duration::from_secs(2);
+    let h = start_with(settings).await;
+    let ids = create_pending(&h, "due", 2).await;
+    let holder = lock_store(dir, Duration::from_secs(8));
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    (h, ids, holder)
+}
+
 /// A decision on a request whose pending time ran out while its expiry could not be written
-/// (the store held past the busy timeout, the sweeper's retry not yet due) expires it first,
-/// as upstream applies due lifecycle changes before a decision: 409 `revision_conflict` with
-/// `current.status = "expired"`, the `request.expired` event written, no decision recorded,
-/// never an `invalid_transition` that leaves the inbox showing the request pending.
+/// expires it first, as upstream applies due lifecycle changes before a decision: 409
+/// `revision_conflict` with `current.status = "expired"`, the `request.expired` event written, no
+/// decision recorded, never an `invalid_transition` that leaves the inbox showing it pending.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decision_on_a_request_whose_expiry_is_due_but_unwritten_expires_it_first() {
     let dir = tempfile::tempdir().unwrap();
-    let mut settings = settings(dir.path(), LIMITS, StorageCaps::default());
-    settings.pending_timeout = Duration::from_secs(2);
-    let h = start_with(settings).await;
-    let ids = create_pending(&h, "due", 1).await;
-    // Held from before the request is due until well after the sweeper's expiry gave up (its
-    // write waits out the 5 s busy timeout from about 2 s on, then retries a second later).
-    let holder = lock_store(dir.path(), Duration::from_secs(8));
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    // Sent while the sweeper's expiry waits for the store: the decision is judged once the
-    // sweeper's attempt has failed, before its retry.
+    let (h, ids, holder) = due_but_unwritten(dir.path()).await;
+    let id = &ids[0];
     let body = json!({"expected_revision": 1, "idempotency_key": "due"});
-    let decided = h.operator.decide(&ids[0], "approve", &body).await;
+    let decided = h.operator.decide(id, "approve", &body).await;
     tokio::task::spawn_blocking(move || holder.join().unwrap())
         .await
         .unwrap();
@@ -255,13 +263,71 @@ async fn a_decision_on_a_request_whose_expiry_is_due_but_unwritten_expires_it_fi
     assert_eq!(current["status"], "expired", "{}", decided.body);
     assert_eq!(current["revision"], 2);
     assert_eq!(current["allowed_actions"], json!([]));
-    let shown = h.operator.request(&ids[0]).await;
+    let shown = h.operator.request(id).await;
     assert_eq!(shown.body["status"], "expired");
     assert_eq!(h.broker.database().count_decisions().await.unwrap(), 0);
     // The same key with the fresh revision is a new command, refused as a transition now.
     let fresh = json!({"expected_revision": 2, "idempotency_key": "due"});
-    let late = h.operator.decide(&ids[0], "approve", &fresh).await;
+    let late = h.operator.decide(id, "approve", &fresh).await;
     assert_eq!((late.status, late.code()), (409, "invalid_transition"));
+    ends_whole(&h, dir.path()).await;
+    h.broker.shutdown().await;
+}
+
+/// An operator's read finds such requests expired, as upstream applies due lifecycle changes
+/// before a read: the request by id shows `expired` (with `decided_at`, the expiry, and no
+/// `decided_by`, as upstream's pending expiry), and a `pending` page no longer lists them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operators_read_of_requests_whose_expiry_is_due_but_unwritten_shows_them_expired() {
+    let dir = tempfile::tempdir().unwrap();
+    let (h, ids, holder) = due_but_unwritten(dir.path()).await;
+    let one = h.operator.clone();
+    let id = ids[0].clone();
+    let shown = tokio::spawn(async move { one.request(&id).await });
+    let page = h.operator.get(&format!("{INBOX}?status=pending")).await;
+    let shown = shown.await.unwrap();
+    tokio::task::spawn_blocking(move || holder.join().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(shown.status, 200, "{}", shown.body);
+    assert_eq!(shown.body["status"], "expired", "{}", shown.body);
+    assert_eq!(shown.body["revision"], 2);
+    assert_eq!(shown.body["allowed_actions"], json!([]));
+    assert!(shown.body["decided_at"].is_string(), "{}", shown.body);
+    assert!(shown.body.get("decided_by").is_none(), "{}", shown.body);
+    assert_eq!(page.status, 200, "{}", page.body);
+    assert_eq!(page.body["requests"], json!([]), "{}", page.body);
+    let history = h.operator.get(&format!("{INBOX}?status=history")).await;
+    let listed: Vec<&str> = history.body["requests"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["status"].as_str().unwrap())
+        .collect();
+    assert_eq!(listed, ["expired", "expired"], "{}", history.body);
+    ends_whole(&h, dir.path()).await;
+    h.broker.shutdown().await;
+}
+
+/// The agent's cancel of such a request cancels it, as upstream's Agent V1 cancel does (its
+/// operation store still holds the operation pending; only the grant behind it expires): 200
+/// with the operation `canceled`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agents_cancel_of_a_request_whose_expiry_is_due_but_unwritten_cancels_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let (h, ids, holder) = due_but_unwritten(dir.path()).await;
+    let canceled = h
+        .post(
+            &format!("/api/agent/v1/operations/{}/cancel", ids[0]),
+            Some(AGENT_SECRET),
+        )
+        .await;
+    tokio::task::spawn_blocking(move || holder.join().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(canceled.status, 200, "{}", canceled.body);
+    assert_eq!(canceled.body["state"], "canceled", "{}", canceled.body);
+    assert_eq!(canceled.body["revision"], 2);
     ends_whole(&h, dir.path()).await;
     h.broker.shutdown().await;
 }

@@ -19,9 +19,9 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use super::core::{Core, run_to_end};
+use super::core::{Core, LiveOp, run_to_end};
 use super::operations::TransitionFailure;
-use super::store::StoreError;
+use super::store::{OperationRecord, StoreError};
 use crate::engine::OperationState;
 
 /// How long the sweeper waits before retrying an expiry the store could not take.
@@ -60,6 +60,50 @@ impl Core {
             // Err only if the expiry panicked or the runtime is stopping: the sweeper retries.
             let _ = run_to_end(async move { core.expire_due().await }).await;
         }
+    }
+
+    /// The state `op` expires from if its time has run out at `now`: pending past its
+    /// `pending_expires_at`, or approved past its lapse (`None` otherwise, and for work that
+    /// started). Whether or not its expiry is written yet: a move, a decision or a read that
+    /// finds it so expires it first, as upstream applies due lifecycle changes first.
+    pub(crate) fn due_from(&self, op: &LiveOp, now: SystemTime) -> Option<OperationState> {
+        match op.handle.state() {
+            OperationState::Pending if self.pending_expires_at(op.created_at) <= now => {
+                Some(OperationState::Pending)
+            }
+            OperationState::Approved if op.lapsed(now) => Some(OperationState::Approved),
+            _ => None,
+        }
+    }
+
+    /// Expires those of `records` (read for an operator's list or get) whose time had run out
+    /// at `now` but whose expiry is not written yet (the sweeper's write waiting for the store,
+    /// or its retry not yet due), so the read shows them expired, as upstream applies due
+    /// lifecycle changes before a read; Err (503 to the operator) if the store cannot take it.
+    /// Whether any expired: the caller reads again.
+    pub(crate) async fn expire_due_among(
+        self: &Arc<Self>,
+        records: &[OperationRecord],
+        now: SystemTime,
+    ) -> Result<bool, StoreError> {
+        let mut expired = false;
+        for record in records {
+            // Only a live request can be due; a history page looks up nothing.
+            if !matches!(
+                record.state,
+                OperationState::Pending | OperationState::Approved
+            ) {
+                continue;
+            }
+            let due = self
+                .live_op(&record.id)
+                .and_then(|op| self.due_from(&op, now));
+            if let Some(from) = due {
+                self.expire_found_due(&record.id, from).await?;
+                expired = true;
+            }
+        }
+        Ok(expired)
     }
 
     /// Expires request `id` at once if it is still live in `from`: what a decision that found

@@ -113,6 +113,16 @@ pub(crate) fn broker_request(record: &OperationRecord, pending_timeout: Duration
     if let Some(at) = &record.active_expires_at {
         request["active_expires_at"] = Value::from(at.as_str());
     }
+    // A request nobody decided in time was settled by its expiry: upstream's pending expiry
+    // sets `decided_at` (then), never `decided_by`.
+    let expired_pending = record.state == OperationState::Expired
+        && record.ended_from == Some(OperationState::Pending);
+    if record.decided.is_none()
+        && expired_pending
+        && let Some(at) = &record.terminal_at
+    {
+        request["decided_at"] = Value::from(at.as_str());
+    }
     if let Some(decided) = &record.decided {
         request["decided_at"] = Value::from(decided.at.as_str());
         request["decided_by"] = Value::from(decided.by.as_str());
@@ -229,5 +239,30 @@ pub(crate) mod tests {
             Duration::from_secs(300),
         );
         assert_eq!(revoked["decided_by"], "agent");
+    }
+
+    #[test]
+    fn a_pending_expiry_is_decided_at_its_end_by_nobody_and_a_lapse_keeps_its_approval() {
+        let expired = |from| OperationRecord {
+            ended_from: Some(from),
+            terminal_at: Some("2026-01-01T00:05:00.000Z".to_owned()),
+            ..record(OperationState::Expired)
+        };
+        let shown = broker_request(&expired(OperationState::Pending), Duration::from_secs(300));
+        assert_eq!(shown["decided_at"], "2026-01-01T00:05:00.000Z");
+        assert!(shown.get("decided_by").is_none(), "{shown}");
+        // A lapsed approval keeps the approval's decision.
+        let lapsed = OperationRecord {
+            decided: Some(Decided {
+                at: "2026-01-01T00:01:00.000Z".to_owned(),
+                by: "operator".to_owned(),
+                on_behalf_of: None,
+                revoked: false,
+            }),
+            ..expired(OperationState::Approved)
+        };
+        let shown = broker_request(&lapsed, Duration::from_secs(300));
+        assert_eq!(shown["decided_at"], "2026-01-01T00:01:00.000Z");
+        assert_eq!(shown["decided_by"], "operator");
     }
 }

@@ -13,6 +13,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
+use std::time::SystemTime;
 
 use axum::extract::{FromRequestParts, Path, Query, State};
 use axum::http::StatusCode;
@@ -262,10 +263,19 @@ pub(crate) async fn list(
         .is_none()
         .then(|| core.newest_event_cursor())
         .flatten();
-    let mut rows = core
-        .db
-        .request_page(store_query(&query, query.limit + 1))
-        .await?;
+    // A request on the page whose time ran out before this read but whose expiry is not
+    // written yet is expired first, and the page read again (it may have left a `pending` or
+    // `active` page): each pass expires at least one, so this ends.
+    let now = SystemTime::now();
+    let mut rows = loop {
+        let rows = core
+            .db
+            .request_page(store_query(&query, query.limit + 1))
+            .await?;
+        if !core.expire_due_among(&rows, now).await? {
+            break rows;
+        }
+    };
     let more = rows.len() > query.limit as usize;
     rows.truncate(query.limit as usize);
     let requests: Vec<Value> = rows
@@ -320,7 +330,14 @@ pub(crate) async fn get_one(
     _operator: OperatorName,
 ) -> OperatorResult {
     core.settle_expiries().await;
-    let record = find_request(&core, &id).await?;
+    let mut record = find_request(&core, &id).await?;
+    // Its time ran out but its expiry is not written yet: expired first, then read again.
+    if core
+        .expire_due_among(std::slice::from_ref(&record), SystemTime::now())
+        .await?
+    {
+        record = find_request(&core, &id).await?;
+    }
     Ok(json_response(
         StatusCode::OK,
         broker_request(&record, core.pending_timeout),
