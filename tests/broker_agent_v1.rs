@@ -160,7 +160,7 @@ async fn the_operation_object_has_broker_revision_and_presentation_and_never_a_n
     }
     assert_eq!(summary, &expected);
 
-    // Denied: terminal_at appears, error does not (nothing failed).
+    // Denied: terminal_at appears, and the error upstream's runtime gives a denial.
     assert_eq!(h.operator.deny(&created.id()).await.status, 200);
     let denied = h.get(&op_path(&created.id()), Some(AGENT_SECRET)).await;
     assert_eq!(
@@ -168,7 +168,10 @@ async fn the_operation_object_has_broker_revision_and_presentation_and_never_a_n
         (200, "denied", 2)
     );
     assert!(denied.body["terminal_at"].is_string());
-    assert!(denied.body.get("error").is_none());
+    assert_eq!(
+        denied.body["error"],
+        json!({"code": "operation_approval_denied", "message": "Approval was denied"})
+    );
     assert!(no_nulls(&denied.body));
     // A replay answers the operation as it is now, revision included.
     let replay = h

@@ -327,6 +327,7 @@ async fn an_agents_cancel_of_a_request_whose_expiry_is_due_but_unwritten_cancels
         .unwrap();
     assert_eq!(canceled.status, 200, "{}", canceled.body);
     assert_eq!(canceled.body["state"], "canceled", "{}", canceled.body);
+    assert_eq!(canceled.body["error"]["code"], "operation_canceled");
     assert_eq!(canceled.body["revision"], 2);
     ends_whole(&h, dir.path()).await;
     h.broker.shutdown().await;

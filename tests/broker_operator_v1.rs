@@ -79,6 +79,12 @@ fn agent_op(id: &str) -> String {
     format!("/api/agent/v1/operations/{id}")
 }
 
+/// The error upstream's Agent V1 runtime gives an operation canceled by its client or revoked
+/// by an operator.
+fn canceled_error() -> Value {
+    json!({"code": "operation_canceled", "message": "Request was canceled"})
+}
+
 #[tokio::test]
 async fn discovery_health_and_readiness_name_the_operator_v1_contract() {
     let dir = tempfile::tempdir().unwrap();
@@ -480,6 +486,7 @@ async fn each_state_projects_onto_the_specs_request() {
         .post(&format!("{}/cancel", agent_op(&id)), Some(AGENT_SECRET))
         .await;
     assert_eq!(canceled.state(), "canceled");
+    assert_eq!(canceled.body["error"], canceled_error());
     let shown = h.operator.request(&id).await.body;
     assert_eq!(
         (shown["status"].as_str(), shown["decided_by"].as_str()),
@@ -504,8 +511,11 @@ async fn each_state_projects_onto_the_specs_request() {
     assert_eq!(approved["decided_by"], OPERATOR);
     assert!(approved["decided_at"].is_string());
     assert!(approved.get("decided_on_behalf_of").is_none());
-    h.post(&format!("{}/cancel", agent_op(&queued)), Some(AGENT_SECRET))
+    let canceled = h
+        .post(&format!("{}/cancel", agent_op(&queued)), Some(AGENT_SECRET))
         .await;
+    assert_eq!(canceled.state(), "canceled");
+    assert_eq!(canceled.body["error"], canceled_error());
     let revoked = h.operator.request(&queued).await.body;
     assert_eq!(
         (revoked["status"].as_str(), revoked["decided_by"].as_str()),
@@ -593,9 +603,11 @@ async fn the_conformance_lifecycle_approve_replay_conflict_stale_revoke_revoke()
     assert_eq!(revoked.status, 200, "{}", revoked.body);
     assert_eq!(revoked.body["status"], "revoked");
     assert_eq!(revoked.body["revision"], revision + 1);
-    // Agent V1 sees its operation canceled, its slots released.
+    // Agent V1 sees its operation canceled, as upstream's runtime reports a revoke, its slots
+    // released.
     let op = h.get(&agent_op(&id), Some(AGENT_SECRET)).await;
     assert_eq!(op.state(), "canceled");
+    assert_eq!(op.body["error"], canceled_error());
     assert_eq!(h.snapshot().queued, 0);
     // The same key under another action is another scope: here a stale one.
     let again = h.operator.decide(&id, "deny", &approve).await;

@@ -27,8 +27,8 @@ use crate::broker::core::LiveOp;
 use crate::broker::operations::TransitionFailure;
 use crate::broker::registry::{self, NotRunnable};
 use crate::broker::store::{
-    DecisionMark, InsertError, OperationRecord, StateChange, StoreError, StoredRequest,
-    now_rfc3339, request_digest,
+    DecisionMark, InsertError, OperationError, OperationRecord, StateChange, StoreError,
+    StoredRequest, now_rfc3339, request_digest,
 };
 use crate::config::Identity;
 use crate::engine::OperationState;
@@ -446,7 +446,7 @@ pub(crate) async fn cancel(
     // Decided: the write and the handle's move run to their end even if the client hangs up.
     // The client decides its own cancel: it is `decided_by` (a cancel of approved work revokes).
     let change = StateChange {
-        error: None,
+        error: OperationError::ended_by_decision(OperationState::Canceled),
         decision: Some(DecisionMark {
             by: client.as_str().to_owned(),
             on_behalf_of: None,

@@ -15,7 +15,7 @@ use crate::engine::OperationState;
 use super::database::{Database, now_rfc3339};
 use super::error::StoreError;
 use super::operations::{
-    DecisionMark, OperationRecord, SELECT_OPERATION, StateChange, change_state,
+    DecisionMark, OperationError, OperationRecord, SELECT_OPERATION, StateChange, change_state,
 };
 
 /// Where a decision's idempotency record lives: the request, the action and the key.
@@ -118,7 +118,7 @@ impl Database {
                 Err(reason) => return Ok(DecisionOutcome::Refused(reason, current)),
             };
             let change = StateChange {
-                error: None,
+                error: OperationError::ended_by_decision(decided.to),
                 decision: Some(DecisionMark {
                     by: command.operator.clone(),
                     on_behalf_of: command.on_behalf_of.clone(),

@@ -34,6 +34,24 @@ pub struct OperationError {
     pub message: String,
 }
 
+impl OperationError {
+    /// The error an operation ends with when it is ended before it ran by a decision, as
+    /// upstream's Agent V1 runtime reports it: denied → `operation_approval_denied`; canceled
+    /// (by its client, or its approval revoked by an operator) → `operation_canceled`. `None`
+    /// for any other move.
+    pub fn ended_by_decision(to: OperationState) -> Option<OperationError> {
+        let (code, message) = match to {
+            OperationState::Denied => ("operation_approval_denied", "Approval was denied"),
+            OperationState::Canceled => ("operation_canceled", "Request was canceled"),
+            _ => return None,
+        };
+        Some(OperationError {
+            code: code.to_owned(),
+            message: message.to_owned(),
+        })
+    }
+}
+
 /// What an operator reads in the inbox about an operation (the Agent V1 `presentation`): derived
 /// from the request once, at creation, and stored with it.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
