@@ -277,6 +277,14 @@ async fn a_wait_wakes_on_the_change_and_a_wait_that_times_out_returns_the_same_r
     assert_eq!(woken, canceled.body);
     // Bounded by the wait's own 30 s: it was the change, not the timeout, that answered.
     assert!(started.elapsed() < Duration::from_secs(30));
+
+    // An ended operation will not change again: a wait at its revision answers at once, as
+    // upstream's does, rather than after its 30 s.
+    let started = Instant::now();
+    let ended = h.get(&events(&id, 2, 30), Some(AGENT_SECRET)).await;
+    assert_eq!(ended.status, 200);
+    assert_eq!(ended.body, canceled.body);
+    assert!(started.elapsed() < Duration::from_secs(30));
 }
 
 #[tokio::test]

@@ -1,7 +1,8 @@
 //! `GET /api/agent/v1/operations/{id}/events?after_revision=N&wait_seconds=S`: long-poll waits.
 //!
 //! A wait answers with the operation as soon as its revision is above N (at once if it already
-//! is), after S seconds as it is, or at shutdown as it is. It listens on the operation's bell in
+//! is, or if the operation has ended: it will not change again, as upstream's wait knows), after
+//! S seconds as it is, or at shutdown as it is. It listens on the operation's bell in
 //! the core's registry of open waits (`broker::waits`, which also bounds how many one client
 //! holds), never polling the store. A change made while the broker was down (recovery failing
 //! interrupted work) is in the durable revision, so a wait after a restart that names an older
@@ -86,7 +87,10 @@ pub(crate) async fn wait_for_change(
         // Each wake-up reads the revision only; the operation is read and rendered once, within
         // the buffered-bytes budget, when it is the answer.
         let request = own_request(&core, client, &id).await?;
+        // An ended operation will not change again: it answers at once, as upstream's wait
+        // does, rather than holding a wait slot for nothing.
         if request.revision > after_revision
+            || request.terminal
             || tokio::time::Instant::now() >= deadline
             || *shutdown.borrow()
         {

@@ -198,6 +198,8 @@ pub struct StoredRequest {
     pub bytes: u64,
     /// The operation's revision now.
     pub revision: u64,
+    /// Whether it has ended (it will not change again).
+    pub terminal: bool,
 }
 
 /// The columns a listing page selects.
@@ -207,6 +209,7 @@ const SUMMARY_COLUMNS: &str = "id, client_id, idempotency_key, operation, state,
 /// The columns of a [`StoredRequest`]: `octet_length` takes a value's size from the record
 /// header, without reading the text.
 const REQUEST_COLUMNS: &str = "id, client_id, request_digest, revision, \
+    terminal_at IS NOT NULL AS terminal, \
     octet_length(target) + octet_length(arguments) + octet_length(reason) AS bytes";
 
 /// The stored presentation of `row`; a row without one was never derived (start-up derives every
@@ -253,6 +256,7 @@ impl StoredRequest {
             digest: digest.unwrap_or_default(),
             bytes: row.get::<_, Option<i64>>("bytes")?.unwrap_or(0).max(0) as u64,
             revision: row.get::<_, i64>("revision")?.max(1) as u64,
+            terminal: row.get::<_, i64>("terminal")? != 0,
         })
     }
 }
