@@ -89,6 +89,7 @@ fn record(i: u64) -> OperationRecord {
         revision: 1,
         ended_from: None,
         active_expires_at: None,
+        pending_expires_at: None,
         decided: None,
         broker: "admission".to_owned(),
         presentation: unyolo_admission::broker::presentation::derive(

@@ -113,6 +113,7 @@ fn terminal(i: usize, old: bool) -> OperationRecord {
         decided: None,
         ended_from: None,
         active_expires_at: None,
+        pending_expires_at: None,
         broker: "admission".to_owned(),
         presentation: unyolo_admission::broker::presentation::derive(
             "demo.run",

@@ -125,7 +125,7 @@ struct ServeArgs {
     #[arg(long, value_name = "DURATION", default_value = "7days")]
     retention: unyolo_admission::broker::Keep,
     /// How long a request that needs an operator's approval may stay pending before it expires
-    /// (e.g. `5min`, `90s`); not zero.
+    /// (e.g. `5min`, `90s`); not zero. Each request's deadline is fixed when it is created
     #[arg(long, value_name = "DURATION", default_value = "5min", value_parser = humantime::parse_duration)]
     pending_timeout: std::time::Duration,
     /// Share admission with other replicas through this Redis (`redis://host:port/db`); needs

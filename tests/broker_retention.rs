@@ -82,6 +82,7 @@ fn old_terminal(i: usize, terminal_at: &str, padding: usize) -> OperationRecord 
         decided: None,
         ended_from: None,
         active_expires_at: None,
+        pending_expires_at: None,
         broker: "admission".to_owned(),
         presentation: unyolo_admission::broker::presentation::derive(
             "demo.run",

@@ -2,8 +2,8 @@
 //! nobody decides ends `expired` (the agent's long poll wakes on it, its error says why), its
 //! slot is released like any terminal transition (a submission the pending limit refused
 //! before is admitted after), the counts still equal the store, and `request.expired` is in the
-//! event log; a request restored after its time expires at start-up; a zero or unreadable
-//! timeout stops `serve` before it starts.
+//! event log; a request keeps the deadline it was created with across restarts (one restored
+//! after it expires at start-up); a zero or unreadable timeout stops `serve` before it starts.
 #![cfg(feature = "broker")]
 
 mod support;
@@ -107,30 +107,49 @@ async fn a_request_nobody_decides_expires_releases_its_slot_and_leaves_its_event
     );
 }
 
+/// A request keeps the deadline it was created with (as upstream's grant keeps its
+/// `PendingExpiresAt`), whatever `--pending-timeout` a later start has: one restored past it
+/// expires at start-up under a longer timeout, and one restored under a shorter timeout waits
+/// its whole time, its `pending_expires_at` unchanged.
 #[tokio::test]
-async fn a_request_restored_past_its_timeout_expires_at_start_up() {
+async fn a_request_keeps_its_deadline_across_restarts_with_another_timeout() {
     let dir = tempfile::tempdir().unwrap();
     let files = Files::write(dir.path(), ONE_PENDING);
-    let id = {
-        let server = Server::spawn(None, &args(&files, "1h"));
+    let short = {
+        let server = Server::spawn(None, &args(&files, "2s"));
         let reply = server
-            .submit(AGENT_SECRET, &request("kept", "demo.request", 0))
+            .submit(AGENT_SECRET, &request("short", "demo.request", 0))
             .await;
         assert_eq!(reply.status, 202);
         reply.id()
         // Killed (SIGKILL) here: the request is still pending on disk.
     };
-    let server = Server::spawn(None, &args(&files, "1s"));
-    let path = format!("/api/agent/v1/operations/{id}");
-    assert_eventually("the restored request expires", async || {
-        server.get(&path, AGENT_SECRET).await.state() == "expired"
-    })
-    .await;
-    assert_eq!(drift(&server).await, 0);
-    let reply = server
-        .submit(AGENT_SECRET, &request("next", "demo.request", 0))
+    let (long, deadline) = {
+        let server = Server::spawn(None, &args(&files, "1h"));
+        let path = format!("/api/agent/v1/operations/{short}");
+        assert_eventually("the restored request expires", async || {
+            server.get(&path, AGENT_SECRET).await.state() == "expired"
+        })
         .await;
-    assert_eq!(reply.status, 202, "its slot was released: {}", reply.body);
+        assert_eq!(drift(&server).await, 0);
+        let reply = server
+            .submit(AGENT_SECRET, &request("long", "demo.request", 0))
+            .await;
+        assert_eq!(reply.status, 202, "its slot was released: {}", reply.body);
+        let shown = server.operator.request(&reply.id()).await.body;
+        (reply.id(), shown["pending_expires_at"].clone())
+    };
+    assert!(deadline.is_string(), "{deadline}");
+    let server = Server::spawn(None, &args(&files, "1s"));
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    let shown = server.operator.request(&long).await.body;
+    assert_eq!(shown["status"], "pending", "{shown}");
+    assert_eq!(shown["pending_expires_at"], deadline);
+    let op = server
+        .get(&format!("/api/agent/v1/operations/{long}"), AGENT_SECRET)
+        .await;
+    assert_eq!(op.state(), "pending");
+    assert_eq!(drift(&server).await, 0);
 }
 
 #[test]

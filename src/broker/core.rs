@@ -183,7 +183,7 @@ impl Core {
         self.live_ops().insert(op.id.clone(), Arc::clone(op));
         match record.state {
             OperationState::Pending => self.expiries.push(
-                self.pending_expires_at(op.created_at),
+                self.pending_expires_at(op),
                 Arc::downgrade(op),
                 OperationState::Pending,
             ),
@@ -207,10 +207,11 @@ impl Core {
         }
     }
 
-    /// When a request created at `created_at` expires if nobody decides it (its
-    /// `pending_expires_at`).
-    pub(crate) fn pending_expires_at(&self, created_at: SystemTime) -> SystemTime {
-        created_at + self.pending_timeout
+    /// When request `op` expires if nobody decides it (its `pending_expires_at`): fixed at its
+    /// creation, or for a request stored before schema 8, its creation plus the timeout now.
+    pub(crate) fn pending_expires_at(&self, op: &LiveOp) -> SystemTime {
+        op.pending_until
+            .unwrap_or_else(|| op.created_at + self.pending_timeout)
     }
 
     /// The cursor of the newest event in the log (the request list's `event_cursor`), `None`
@@ -243,6 +244,10 @@ pub(crate) struct LiveOp {
     pub(crate) lock: tokio::sync::Mutex<()>,
     /// When it was created (its row's `created_at`; now, if that does not parse).
     pub(crate) created_at: SystemTime,
+    /// When it expires if it is a request nobody decides, as its row fixed at creation (`None`
+    /// for rows stored before schema 8: see [`Core::pending_expires_at`]; now, if it does not
+    /// parse).
+    pub(crate) pending_until: Option<SystemTime>,
     /// When an operator's approval of it lapses (its row's `active_expires_at`), once approved:
     /// from then it never starts, and the expiry sweeper ends it `expired`.
     pub(crate) lapses_at: std::sync::OnceLock<SystemTime>,
@@ -266,6 +271,10 @@ impl LiveOp {
             lock: tokio::sync::Mutex::new(()),
             created_at: humantime::parse_rfc3339(&record.created_at)
                 .unwrap_or_else(|_| SystemTime::now()),
+            pending_until: record
+                .pending_expires_at
+                .as_deref()
+                .map(|at| humantime::parse_rfc3339(at).unwrap_or_else(|_| SystemTime::now())),
             lapses_at: std::sync::OnceLock::new(),
         }
     }

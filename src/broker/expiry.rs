@@ -68,7 +68,7 @@ impl Core {
     /// finds it so expires it first, as upstream applies due lifecycle changes first.
     pub(crate) fn due_from(&self, op: &LiveOp, now: SystemTime) -> Option<OperationState> {
         match op.handle.state() {
-            OperationState::Pending if self.pending_expires_at(op.created_at) <= now => {
+            OperationState::Pending if self.pending_expires_at(op) <= now => {
                 Some(OperationState::Pending)
             }
             OperationState::Approved if op.lapsed(now) => Some(OperationState::Approved),

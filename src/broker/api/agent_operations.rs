@@ -18,6 +18,7 @@ use super::extract::{
     Client, OperationId, is_idempotency_key, is_json_object, own_record, own_rendered, own_request,
     read_body, render_operation, render_room, rendered, reserve_render,
 };
+use super::operator::projection::pending_expires_at;
 use super::presentation;
 use super::projection::OperationJson;
 use super::ratelimit;
@@ -335,6 +336,11 @@ pub(crate) async fn create(
     permit: AdmissionPermit,
 ) -> ApiResult {
     let now = now_rfc3339();
+    // Fixed now, as upstream fixes each grant's: a later timeout moves no deadline shown.
+    let pending_until = permit
+        .needs_approval()
+        .then(|| pending_expires_at(&now, core.pending_timeout))
+        .flatten();
     let shown = presentation::derive(
         &request.operation,
         &request.target,
@@ -362,6 +368,7 @@ pub(crate) async fn create(
         decided: None,
         ended_from: None,
         active_expires_at: None,
+        pending_expires_at: pending_until,
         broker: core.db.broker().to_owned(),
         presentation: shown,
     };

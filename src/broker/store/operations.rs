@@ -150,6 +150,10 @@ pub struct OperationRecord {
     /// UTC; Operator V1's `active_expires_at`); kept after the approval ends. `None` for work
     /// no operator approved, and for approvals stored before schema 7.
     pub active_expires_at: Option<String>,
+    /// When a request nobody decides expires (RFC 3339, UTC; Operator V1's
+    /// `pending_expires_at`), fixed at its creation. `None` for work that needs no approval,
+    /// and for requests stored before schema 8 (theirs is `created_at` plus the timeout now).
+    pub pending_expires_at: Option<String>,
     /// The name of the broker that holds it (not stored: the broker's configured name).
     pub broker: String,
     /// Its presentation, as derived at creation.
@@ -285,6 +289,7 @@ impl OperationRecord {
             decided: None,
             ended_from: None,
             active_expires_at: None,
+            pending_expires_at: None,
             broker: super::DEFAULT_BROKER_NAME.to_owned(),
             presentation: Presentation::default(),
         }
@@ -366,6 +371,7 @@ impl OperationRecord {
             },
             ended_from,
             active_expires_at: row.get("active_expires_at")?,
+            pending_expires_at: row.get("pending_expires_at")?,
             broker: broker.to_owned(),
             presentation,
         })
@@ -386,7 +392,7 @@ pub struct Recovered {
 pub(super) const SELECT_OPERATION: &str = "SELECT id, client_id, idempotency_key, operation, \
     target, arguments, reason, state, created_at, updated_at, terminal_at, error_code, \
     error_message, revision, title, summary, decided_at, decided_by, decided_on_behalf_of, \
-    revoked, ended_from, active_expires_at FROM operations";
+    revoked, ended_from, active_expires_at, pending_expires_at FROM operations";
 
 /// Moves operation `id` from `from` to `to` inside `tx`, writing what `change` carries, +1 on
 /// its revision, and (for a request) its Operator V1 event; the updated record and the event's
@@ -622,9 +628,10 @@ impl Database {
                 tx.execute(
                     "INSERT INTO operations (id, client_id, idempotency_key, operation, target, \
                      arguments, reason, state, created_at, updated_at, terminal_at, error_code, \
-                     error_message, revision, title, summary, request_digest) \
+                     error_message, revision, title, summary, request_digest, \
+                     pending_expires_at) \
                      VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, NULL, NULL, NULL, 1, ?11, \
-                     ?12, ?13)",
+                     ?12, ?13, ?14)",
                     params![
                         record.id,
                         record.client_id,
@@ -639,6 +646,7 @@ impl Database {
                         record.presentation.title,
                         record.presentation.summary,
                         record.request_digest(),
+                        record.pending_expires_at,
                     ],
                 )?;
                 let seq = is_request
@@ -855,9 +863,10 @@ impl Database {
         let tx = conn.transaction()?;
         {
             let mut stmt = tx.prepare(&format!(
-                "INSERT INTO operations ({OPERATION_COLUMNS}, ended_from, active_expires_at) \
+                "INSERT INTO operations ({OPERATION_COLUMNS}, ended_from, active_expires_at, \
+                 pending_expires_at) \
                  VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, \
-                 ?17, ?18, ?19, ?20, ?21, ?22, ?23)"
+                 ?17, ?18, ?19, ?20, ?21, ?22, ?23, ?24)"
             ))?;
             for record in records {
                 stmt.execute(params![
@@ -887,6 +896,7 @@ impl Database {
                     record.decided.as_ref().is_some_and(|d| d.revoked),
                     record.ended_from.map(OperationState::as_str),
                     record.active_expires_at,
+                    record.pending_expires_at,
                 ])?;
             }
         }

@@ -39,6 +39,11 @@
 //! `constraints.duration_seconds`, or the requested duration, after the approval). Rows written
 //! before it have none: their approvals never lapse, as before.
 //!
+//! Schema 8 adds `operations.pending_expires_at`: when a request nobody decides expires, fixed
+//! at its creation (its `created_at` plus the `--pending-timeout` then), as upstream stores each
+//! grant's, so a restart with another timeout moves no deadline already shown. Rows written
+//! before it have none: theirs is their `created_at` plus the timeout in force, as before.
+//!
 //! Each step brings a file from the version below its number to its number, and a file applies
 //! every step above its version in one transaction. A new file is the version 3 table plus every
 //! later step, so a column added by a step is there on new and old files alike.
@@ -53,7 +58,7 @@ use rusqlite::Connection;
 use super::error::StoreError;
 
 /// The schema version this code writes (`PRAGMA user_version`).
-pub const SCHEMA_VERSION: i64 = 7;
+pub const SCHEMA_VERSION: i64 = 8;
 
 /// The operations table as schema 3 made it, named `{name}` (later steps add columns to it).
 /// `seq` is its explicit rowid: listing cursors are `seq`
@@ -179,12 +184,19 @@ const MIGRATE_6_TO_7: &str = "
 ALTER TABLE operations ADD COLUMN active_expires_at TEXT;
 ";
 
+/// From schema version 7: when a pending request expires, fixed at creation (see the module
+/// doc).
+const MIGRATE_7_TO_8: &str = "
+ALTER TABLE operations ADD COLUMN pending_expires_at TEXT;
+";
+
 /// The steps after schema 3, each with the version it brings a file to, in order.
-const STEPS_AFTER_3: [(i64, &str); 4] = [
+const STEPS_AFTER_3: [(i64, &str); 5] = [
     (4, MIGRATE_3_TO_4),
     (5, MIGRATE_4_TO_5),
     (6, MIGRATE_5_TO_6),
     (7, MIGRATE_6_TO_7),
+    (8, MIGRATE_7_TO_8),
 ];
 
 /// `PRAGMA auto_vacuum` value for `INCREMENTAL`: freed pages stay in the file until

@@ -54,14 +54,27 @@ pub(crate) fn pending_expires_at(created_at: &str, pending_timeout: Duration) ->
     Some(humantime::format_rfc3339_millis(created + pending_timeout).to_string())
 }
 
-/// Whether a request created as `record` says has waited its whole pending time at `now`.
+/// When `record`, a request, stops waiting for a decision: the deadline fixed at its creation,
+/// or (stored before schema 8) its `created_at` plus `pending_timeout`. `None` if unreadable.
+pub(crate) fn pending_deadline(
+    record: &OperationRecord,
+    pending_timeout: Duration,
+) -> Option<SystemTime> {
+    match &record.pending_expires_at {
+        Some(at) => humantime::parse_rfc3339(at).ok(),
+        None => humantime::parse_rfc3339(&record.created_at)
+            .ok()
+            .map(|created| created + pending_timeout),
+    }
+}
+
+/// Whether `record`, a request, has waited its whole pending time at `now`.
 pub(crate) fn past_due(
     record: &OperationRecord,
     pending_timeout: Duration,
     now: SystemTime,
 ) -> bool {
-    humantime::parse_rfc3339(&record.created_at)
-        .is_ok_and(|created| created + pending_timeout <= now)
+    pending_deadline(record, pending_timeout).is_some_and(|due| due <= now)
 }
 
 /// Whether `record`'s approval has lapsed at `now` (it has an `active_expires_at`, and that has
@@ -106,7 +119,9 @@ pub(crate) fn broker_request(record: &OperationRecord, pending_timeout: Duration
     if record.state == OperationState::Pending {
         request["approval_bounds"] =
             json!({"max_duration_seconds": APPROVAL_SECONDS, "max_uses": 1});
-        if let Some(at) = pending_expires_at(&record.created_at, pending_timeout) {
+        if let Some(at) = &record.pending_expires_at {
+            request["pending_expires_at"] = Value::from(at.as_str());
+        } else if let Some(at) = pending_expires_at(&record.created_at, pending_timeout) {
             request["pending_expires_at"] = Value::from(at);
         }
     }
@@ -170,6 +185,22 @@ pub(crate) mod tests {
         );
         assert_eq!(shown["presentation"]["target"], "repo=demo");
         assert!(shown.get("decided_at").is_none());
+        // Stored at creation (schema 8): that deadline, whatever the timeout is now; the
+        // timeout above only serves rows stored before.
+        let fixed = OperationRecord {
+            pending_expires_at: Some("2026-01-01T01:00:00.000Z".to_owned()),
+            ..record(OperationState::Pending)
+        };
+        let shown = broker_request(&fixed, Duration::from_secs(300));
+        assert_eq!(shown["pending_expires_at"], "2026-01-01T01:00:00.000Z");
+        let created = humantime::parse_rfc3339("2026-01-01T00:00:00Z").unwrap();
+        let timeout = Duration::from_secs(300);
+        assert!(!past_due(&fixed, timeout, created + timeout));
+        assert!(past_due(
+            &fixed,
+            timeout,
+            created + Duration::from_secs(3600)
+        ));
     }
 
     #[test]
