@@ -64,8 +64,9 @@ impl Core {
 
     /// The state `op` expires from if its time has run out at `now`: pending past its
     /// `pending_expires_at`, or approved past its lapse (`None` otherwise, and for work that
-    /// started). Whether or not its expiry is written yet: a move, a decision or a read that
-    /// finds it so expires it first, as upstream applies due lifecycle changes first.
+    /// started), whether or not its expiry is written yet: an operator's read that finds it so
+    /// expires it first, as upstream applies due lifecycle changes first (a decision judges
+    /// the same from the stored row).
     pub(crate) fn due_from(&self, op: &LiveOp, now: SystemTime) -> Option<OperationState> {
         match op.handle.state() {
             OperationState::Pending if self.pending_expires_at(op) <= now => {

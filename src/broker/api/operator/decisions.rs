@@ -14,11 +14,12 @@
 //!    `Idempotency-Replayed: true`; another is 409 `idempotency_conflict`), the request (404),
 //!    its due lifecycle change (a request past its pending time, or an approval past its lapse,
 //!    is expired first, as upstream applies due changes first, and judged again: so a decision
-//!    on it is a stale one), `expected_revision` (409 `revision_conflict` with `current`), a `notification` (admission
-//!    issues no decision tokens: 409 `invalid_decision_token`), the transition (409
-//!    `invalid_transition`), the constraints (may only narrow: 409 `constraint_exceeded`). Then
-//!    the state change, the revision and the decision's record commit together, and the
-//!    controller's counts follow (a deny or revoke releases the request's slots).
+//!    on it is a stale one), `expected_revision` (409 `revision_conflict` with `current`), a
+//!    `notification` (admission issues no decision tokens: 409 `invalid_decision_token`), the
+//!    transition (409 `invalid_transition`), the constraints (may only narrow: 409
+//!    `constraint_exceeded`). Then the state change, the revision and the decision's record
+//!    commit together, and the controller's counts follow (a deny or revoke releases the
+//!    request's slots).
 //!
 //! The command hash covers the whole normalized command, the operator's name included, so the
 //! same key from another operator, for another revision or on behalf of someone else is a
