@@ -236,6 +236,34 @@ async fn a_client_follows_an_operation_revision_by_revision_from_submit_to_its_e
     assert_eq!(&again.body, end);
 }
 
+/// Whitespace around the idempotency key and the reason is not part of them, as upstream's
+/// broker trims both before it judges and stores them: ` trim-1 ` is key `trim-1`, stored and
+/// shown trimmed, and the same request with the reason's whitespace changed is a replay.
+#[tokio::test]
+async fn a_key_and_a_reason_are_judged_and_stored_without_surrounding_whitespace() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = start(dir.path(), ROOMY).await;
+    let mut body = request(" trim-1\t", "demo.request", 0);
+    body["reason"] = json!("  deploy the fix\n");
+    let created = h.submit(AGENT_SECRET, &body).await;
+    assert_eq!(created.status, 202, "{}", created.body);
+    assert_eq!(created.body["idempotency_key"], "trim-1");
+    assert_eq!(created.body["reason"], "deploy the fix");
+    let mut again = request("trim-1", "demo.request", 0);
+    again["reason"] = json!("deploy the fix");
+    let replay = h.submit(AGENT_SECRET, &again).await;
+    assert_eq!(replay.status, 200, "{}", replay.body);
+    assert_eq!(replay.id(), created.id());
+    let page = h
+        .get(
+            "/api/agent/v1/operations?idempotency_key=%20trim-1%20",
+            Some(AGENT_SECRET),
+        )
+        .await;
+    assert_eq!(page.body["operations"][0]["id"], created.id().as_str());
+    assert_eq!(h.rows().await, 1);
+}
+
 #[tokio::test]
 async fn a_wait_wakes_on_the_change_and_a_wait_that_times_out_returns_the_same_revision() {
     let dir = tempfile::tempdir().unwrap();

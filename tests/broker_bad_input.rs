@@ -113,6 +113,8 @@ async fn malformed_and_mistyped_bodies_are_invalid_requests_that_create_nothing(
         ),
         ("key not a string", with("idempotency_key", json!(7))),
         ("empty reason", with("reason", json!(""))),
+        ("blank reason", with("reason", json!(" \t\n "))),
+        ("blank key", with("idempotency_key", json!("  "))),
         (
             "reason of 2001 bytes",
             with("reason", json!("r".repeat(2001))),
@@ -285,6 +287,32 @@ async fn missing_tokens_are_401_and_wrong_tokens_403_before_the_body_is_judged()
         let reply = h.get(path, Some("wrong")).await;
         assert_eq!((reply.status, reply.code()), (403, "authentication_failed"));
     }
+
+    // The scheme in any case (RFC 9110), and spaces around the secret, as unYOLO reads a
+    // bearer header: the client is known, not refused.
+    for header in [
+        format!("bearer {AGENT_SECRET}"),
+        format!("BEARER {AGENT_SECRET}"),
+        format!("Bearer   {AGENT_SECRET}  "),
+    ] {
+        let response = h
+            .http
+            .get(format!("{}/api/agent/v1/operations", h.base))
+            .header("authorization", &header)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200, "{header:?}");
+    }
+    // A scheme that only starts like one is not it.
+    let response = h
+        .http
+        .get(format!("{}/api/agent/v1/operations", h.base))
+        .header("authorization", format!("Bearerx {AGENT_SECRET}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 401);
 }
 
 #[tokio::test]

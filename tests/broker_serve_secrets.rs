@@ -208,3 +208,30 @@ fn distinct_secrets_start() {
     );
     assert!(settings.validate().is_ok());
 }
+
+/// A client secret shorter than unYOLO's agent clients accept (32 bytes: its Go client refuses
+/// to send one) starts, with a warning naming the client and the length, never the secret; a
+/// long one draws none.
+#[tokio::test]
+async fn a_client_secret_too_short_for_unyolos_agent_clients_is_warned_about() {
+    let dir = tempfile::tempdir().unwrap();
+    let files = Files::write(dir.path(), LIMITS);
+    std::fs::write(
+        &files.secrets,
+        format!("agent = {AGENT_SECRET}\nlong = {LONG_CLIENT_SECRET}\n"),
+    )
+    .unwrap();
+    let server = Server::spawn(None, &files.args());
+    let logged = server.logged();
+    let warning = format!(
+        "client `agent`'s secret is {} bytes; unYOLO's agent clients refuse a credential shorter \
+         than 32 bytes",
+        AGENT_SECRET.len()
+    );
+    assert!(logged.contains(&warning), "{logged}");
+    assert!(!logged.contains("`long`"), "{logged}");
+    assert!(!logged.contains(AGENT_SECRET), "{logged}");
+    // It serves the short secret all the same (the contract only refuses an empty one).
+    let reply = server.get("/api/agent/v1/operations", AGENT_SECRET).await;
+    assert_eq!(reply.status, 200);
+}

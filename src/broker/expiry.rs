@@ -19,6 +19,7 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use super::api::operator::projection::{lapsed, past_due};
 use super::core::{Core, LiveOp, run_to_end};
 use super::operations::TransitionFailure;
 use super::store::{OperationRecord, StoreError};
@@ -77,34 +78,43 @@ impl Core {
         }
     }
 
-    /// Expires those of `records` (read for an operator's list or get) whose time had run out
-    /// at `now` but whose expiry is not written yet (the sweeper's write waiting for the store,
-    /// or its retry not yet due), so the read shows them expired, as upstream applies due
-    /// lifecycle changes before a read; Err (503 to the operator) if the store cannot take it.
-    /// Whether any expired: the caller reads again.
+    /// Makes sure no request of `records` (read for an operator's list or get) whose time had
+    /// run out at `now` is shown as it was read: one still live in that state is expired first
+    /// (its expiry not written yet: the sweeper's write waiting for the store, or its retry not
+    /// yet due), as upstream applies due lifecycle changes before a read; one a move has taken
+    /// since the read (an expiry, a cancel) is waited out. Err (503 to the operator) if the store
+    /// cannot take an expiry. Whether any was due: the caller reads again.
     pub(crate) async fn expire_due_among(
         self: &Arc<Self>,
         records: &[OperationRecord],
         now: SystemTime,
     ) -> Result<bool, StoreError> {
-        let mut expired = false;
+        let mut due = false;
         for record in records {
-            // Only a live request can be due; a history page looks up nothing.
-            if !matches!(
-                record.state,
-                OperationState::Pending | OperationState::Approved
-            ) {
+            let ran_out = match record.state {
+                OperationState::Pending => past_due(record, self.pending_timeout, now),
+                OperationState::Approved => lapsed(record, now),
+                // Only a live request can be due; a history page looks up nothing.
+                _ => false,
+            };
+            if !ran_out {
                 continue;
             }
-            let due = self
-                .live_op(&record.id)
-                .and_then(|op| self.due_from(&op, now));
-            if let Some(from) = due {
-                self.expire_found_due(&record.id, from).await?;
-                expired = true;
+            due = true;
+            let Some(op) = self.live_op(&record.id) else {
+                // Ended since the read: the row says how.
+                continue;
+            };
+            match self.due_from(&op, now) {
+                Some(from) if from == record.state => {
+                    self.expire_found_due(&record.id, from).await?;
+                }
+                // Moved since the read: a move holds the operation's lock until its handle
+                // follows its row, so once the lock is free the row says where it went.
+                _ => drop(op.lock.lock().await),
             }
         }
-        Ok(expired)
+        Ok(due)
     }
 
     /// Expires request `id` at once if it is still live in `from`: what a decision that found

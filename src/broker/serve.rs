@@ -12,6 +12,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use super::{Broker, BrokerSettings, ConnectionSettings, Keep, ListenAddr, RetentionSettings};
+use crate::config::secrets::AGENT_CLIENT_SECRET_BYTES;
 use crate::config::{Operators, Secrets};
 use crate::{Config, StorageCaps};
 
@@ -171,6 +172,18 @@ pub fn run(options: ServeOptions) -> Result<(), String> {
     for warning in config.warnings() {
         eprintln!("warning: {warning}");
     }
+    // Said once the broker serves (a start that fails says only why it failed).
+    let short_secrets: Vec<String> = secrets
+        .shorter_than_agents_accept()
+        .map(|(client, bytes)| {
+            format!(
+                "warning: secrets file {}: client `{client}`'s secret is {bytes} bytes; unYOLO's \
+                 agent clients refuse a credential shorter than {AGENT_CLIENT_SECRET_BYTES} \
+                 bytes, so give it a longer one",
+                secrets_path.display()
+            )
+        })
+        .collect();
     if options.retention == Keep::Forever {
         eprintln!(
             "warning: --retention forever: terminal operations are never deleted; the store grows \
@@ -199,10 +212,14 @@ pub fn run(options: ServeOptions) -> Result<(), String> {
         .map_err(|e| format!("cannot start the runtime: {e}"))?;
     let mut settings = settings;
     settings.replicas = options.redis;
-    runtime.block_on(serve(settings, options.admission_config))
+    runtime.block_on(serve(settings, options.admission_config, short_secrets))
 }
 
-async fn serve(settings: BrokerSettings, admission_config: Option<PathBuf>) -> Result<(), String> {
+async fn serve(
+    settings: BrokerSettings,
+    admission_config: Option<PathBuf>,
+    warnings: Vec<String>,
+) -> Result<(), String> {
     use tokio::signal::unix::{SignalKind, signal};
     // Each listened to from before the broker starts until it stops, so none is missed while
     // the broker starts or a reload runs.
@@ -218,6 +235,9 @@ async fn serve(settings: BrokerSettings, admission_config: Option<PathBuf>) -> R
         );
     }
     let (broker, restored) = Broker::start(settings).await.map_err(|e| e.to_string())?;
+    for warning in warnings {
+        eprintln!("{warning}");
+    }
     println!("data: {}", data_dir.display());
     println!(
         "restored: {} pending, {} approved, {} interrupted, {} streams",

@@ -298,7 +298,21 @@ impl Secrets {
     pub fn is_empty(&self) -> bool {
         self.by_identity.is_empty()
     }
+
+    /// The clients whose secrets are shorter than [`AGENT_CLIENT_SECRET_BYTES`], each with its
+    /// secret's length in bytes (never the secret): unYOLO's agent clients refuse such a
+    /// credential before they send it, so `serve` warns about them.
+    pub fn shorter_than_agents_accept(&self) -> impl Iterator<Item = (&Identity, usize)> + '_ {
+        self.by_identity
+            .iter()
+            .map(|(identity, secret)| (identity, secret.len()))
+            .filter(|(_, len)| *len < AGENT_CLIENT_SECRET_BYTES)
+    }
 }
+
+/// The shortest credential unYOLO's agent clients accept (its Go client and its own server
+/// refuse anything shorter), in bytes. A shorter client secret works with `curl`, not with them.
+pub const AGENT_CLIENT_SECRET_BYTES: usize = 32;
 
 impl fmt::Debug for Secrets {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

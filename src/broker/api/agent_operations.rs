@@ -69,7 +69,7 @@ pub(crate) struct Validated {
 }
 
 pub(crate) fn validate(bytes: &[u8]) -> Result<Validated, ApiError> {
-    let request: Submission = serde_json::from_slice(bytes).map_err(|e| {
+    let mut request: Submission = serde_json::from_slice(bytes).map_err(|e| {
         ApiError::invalid(format!("The request body is not a valid submission: {e}"))
     })?;
     if !is_json_object(bytes) {
@@ -77,6 +77,11 @@ pub(crate) fn validate(bytes: &[u8]) -> Result<Validated, ApiError> {
             "The request body is not a valid submission: a submission is a JSON object.",
         ));
     }
+    // Whitespace around the key and the reason is not part of them, as upstream's broker trims
+    // both before it judges and stores them (its length bound is on the reason as sent).
+    let reason_chars = request.reason.chars().count();
+    trim(&mut request.idempotency_key);
+    trim(&mut request.reason);
     if !is_idempotency_key(&request.idempotency_key) {
         return Err(ApiError::invalid(
             "idempotency_key must match ^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$.",
@@ -87,8 +92,10 @@ pub(crate) fn validate(bytes: &[u8]) -> Result<Validated, ApiError> {
     if !(1..=MAX_OPERATION_CHARS).contains(&request.operation.chars().count()) {
         return Err(ApiError::invalid("operation must be 1 to 128 characters."));
     }
-    if !(1..=MAX_REASON_CHARS).contains(&request.reason.chars().count()) {
-        return Err(ApiError::invalid("reason must be 1 to 2000 characters."));
+    if request.reason.is_empty() || reason_chars > MAX_REASON_CHARS {
+        return Err(ApiError::invalid(
+            "reason must be 1 to 2000 characters, not only whitespace.",
+        ));
     }
     if request
         .target
@@ -123,6 +130,14 @@ pub(crate) fn validate(bytes: &[u8]) -> Result<Validated, ApiError> {
         request,
         needs_approval,
     })
+}
+
+/// `text` without its leading and trailing whitespace (Unicode's, as Go's `strings.TrimSpace`).
+fn trim(text: &mut String) {
+    let trimmed = text.trim();
+    if trimmed.len() != text.len() {
+        *text = trimmed.to_owned();
+    }
 }
 
 impl Submission {
@@ -519,8 +534,21 @@ mod tests {
         assert!(validate(&body(&"🦀".repeat(2000))).is_ok());
         let err = validate(&body(&"é".repeat(2001))).err().expect("refused");
         assert_eq!(err.code(), "invalid_request");
-        assert_eq!(err.message(), "reason must be 1 to 2000 characters.");
+        assert_eq!(
+            err.message(),
+            "reason must be 1 to 2000 characters, not only whitespace."
+        );
         assert!(validate(&body("")).is_err());
+        assert!(
+            validate(&body(" \u{3000}\n")).is_err(),
+            "Unicode whitespace only"
+        );
+        // The bound is on the reason as sent, as upstream's is; what is kept is trimmed.
+        assert!(validate(&body(&format!(" {} ", "r".repeat(1999)))).is_err());
+        let Ok(kept) = validate(&body(" why ")) else {
+            panic!("refused");
+        };
+        assert_eq!(kept.request.reason, "why");
     }
 
     #[test]

@@ -45,11 +45,22 @@ impl FromRequestParts<Arc<Core>> for Client {
     }
 }
 
+/// The secret a bearer `Authorization` header presents, as unYOLO's `SecretFromAuthorization`
+/// reads one: the header trimmed, split at its first space, the scheme `Bearer` in any case
+/// (RFC 9110), the rest trimmed and not empty. Any other scheme presents none (Agent V1 takes
+/// bearer tokens only).
+pub(crate) fn bearer_secret(header: &[u8]) -> Option<&[u8]> {
+    let header = header.trim_ascii();
+    let space = header.iter().position(|&b| b == b' ')?;
+    let (scheme, rest) = header.split_at(space);
+    let secret = rest.trim_ascii();
+    (scheme.eq_ignore_ascii_case(b"bearer") && !secret.is_empty()).then_some(secret)
+}
+
 fn bearer(headers: &HeaderMap) -> Result<&[u8], ApiError> {
     headers
         .get(header::AUTHORIZATION)
-        .and_then(|value| value.as_bytes().strip_prefix(b"Bearer "))
-        .filter(|token| !token.is_empty())
+        .and_then(|value| bearer_secret(value.as_bytes()))
         .ok_or_else(|| {
             ApiError::new(
                 StatusCode::UNAUTHORIZED,

@@ -49,7 +49,7 @@ pub(crate) fn classify(core: &Core, head: &Parts) -> Class {
     let client = head
         .headers
         .get(header::AUTHORIZATION)
-        .and_then(|value| value.as_bytes().strip_prefix(b"Bearer "))
+        .and_then(|value| super::extract::bearer_secret(value.as_bytes()))
         .and_then(|token| core.auth.client(token));
     match client {
         Some(identity) if cancel => Class::ExemptClient {

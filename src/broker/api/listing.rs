@@ -54,7 +54,10 @@ pub(crate) struct ListQuery {
 
 pub(crate) fn parse_query(pairs: Vec<(String, String)>) -> Result<ListQuery, ApiError> {
     let mut params = single_params(pairs, &["idempotency_key", "state", "limit", "cursor"])?;
-    let idempotency_key = params.remove("idempotency_key");
+    // Trimmed, as a submission's key is (and as upstream's listing trims it).
+    let idempotency_key = params
+        .remove("idempotency_key")
+        .map(|key| key.trim().to_owned());
     if let Some(key) = &idempotency_key
         && !is_idempotency_key(key)
     {

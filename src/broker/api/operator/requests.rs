@@ -120,7 +120,8 @@ pub fn parse_list_query(pairs: &[(String, String)]) -> Result<ListQuery, Operato
     let mut target: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
     for (name, value) in pairs {
         if let Some(field) = name.strip_prefix("target.") {
-            if field.is_empty() || value.is_empty() {
+            // Blank is no filter, and upstream refuses it (its `normalizeGrantQuery`).
+            if field.trim().is_empty() || value.trim().is_empty() {
                 return Err(OperatorError::invalid());
             }
             target
@@ -152,6 +153,11 @@ pub fn parse_list_query(pairs: &[(String, String)]) -> Result<ListQuery, Operato
         Some("history") => StatusGroup::History,
         Some(_) => return Err(OperatorError::invalid()),
     };
+    // `limit=` names no number: upstream's parameter binding refuses it (an empty `status` or
+    // `cursor` is the default, as upstream's is).
+    if single.get("limit") == Some(&"") {
+        return Err(OperatorError::invalid());
+    }
     let limit = match given("limit") {
         None => DEFAULT_LIMIT,
         Some(text) => match text.parse::<i64>() {
@@ -161,6 +167,12 @@ pub fn parse_list_query(pairs: &[(String, String)]) -> Result<ListQuery, Operato
         },
     };
     let target_kind = bounded("target_kind")?;
+    if target_kind
+        .as_deref()
+        .is_some_and(|kind| kind.trim().is_empty())
+    {
+        return Err(OperatorError::invalid());
+    }
     if target_kind.is_none() && !target.is_empty() {
         return Err(OperatorError::invalid());
     }
@@ -248,6 +260,9 @@ impl<S: Send + Sync> FromRequestParts<S> for ListParams {
     }
 }
 
+/// The most reads of one request page while due requests on it are settled.
+const MAX_SETTLE_PASSES: u32 = 4;
+
 /// `GET /api/operator/v1/requests`.
 pub(crate) async fn list(
     State(core): State<Arc<Core>>,
@@ -263,16 +278,19 @@ pub(crate) async fn list(
         .is_none()
         .then(|| core.newest_event_cursor())
         .flatten();
-    // A request on the page whose time ran out before this read but whose expiry is not
-    // written yet is expired first, and the page read again (it may have left a `pending` or
-    // `active` page): each pass expires at least one, so this ends.
+    // A request on the page whose time ran out before this read is expired first (or its
+    // move since the read waited out), and the page read again: it may have left a `pending`
+    // or `active` page. Each pass ends every due request it read (expired, or moved on), so
+    // the next finds none of them; the bound only guards against a page that keeps changing.
     let now = SystemTime::now();
+    let mut passes = 0;
     let mut rows = loop {
         let rows = core
             .db
             .request_page(store_query(&query, query.limit + 1))
             .await?;
-        if !core.expire_due_among(&rows, now).await? {
+        passes += 1;
+        if passes == MAX_SETTLE_PASSES || !core.expire_due_among(&rows, now).await? {
             break rows;
         }
     };
@@ -375,6 +393,11 @@ mod tests {
             vec![("target.", "x")],
             vec![("target.repo", "demo")],
             vec![("target_kind", "demo"), ("target.repo", "")],
+            // Blank, as upstream refuses: an empty limit, whitespace for a kind, field or value.
+            vec![("limit", "")],
+            vec![("target_kind", " ")],
+            vec![("target_kind", "demo"), ("target. ", "x")],
+            vec![("target_kind", "demo"), ("target.repo", " \t")],
             vec![("requester", &"a".repeat(129))],
             vec![("cursor", "not a cursor")],
         ] {
