@@ -485,6 +485,17 @@ async fn streams_count_against_the_stream_caps_and_delete_releases_them() {
     let stream_bytes = |h: &Harness| h.snapshot().storage[0].bytes;
     assert_eq!(stream_bytes(&h), 600);
 
+    // Larger than the client may ever store: 413, not a 429 to retry, nothing held or written.
+    let never = upload(OTHER_SECRET, 1_001).await;
+    assert_eq!(
+        (never.status, never.code()),
+        (413, "payload_too_large"),
+        "{}",
+        never.body
+    );
+    assert_eq!(never.retry_after(), None);
+    assert_eq!(stream_bytes(&h), 600);
+
     // Over the client's bytes: refused before the body is read, nothing held.
     let refused = upload(AGENT_SECRET, 600).await;
     assert_eq!(

@@ -31,6 +31,19 @@ pub(crate) async fn upload_stream(
             "A stream upload needs a Content-Length.",
         )
     })?;
+    // Larger than this client may ever store: no retry could take it, so it is not a 429
+    // (which says "later"), and nothing is reserved or read.
+    let caps = core.controller().storage_caps().stream;
+    let most = caps.client_bytes.min(caps.global_bytes);
+    if declared > most {
+        return Err(ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "payload_too_large",
+            format!(
+                "The stream is {declared} bytes; this broker stores at most {most} for a client."
+            ),
+        ));
+    }
     // From here on everything runs detached, reading the body included: a client that hangs up
     // mid-body is a body error there, and the same task removes the file and releases the room.
     detached(store_stream(core, client, declared, body)).await
