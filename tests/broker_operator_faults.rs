@@ -381,3 +381,60 @@ async fn an_approval_that_lapses_while_its_start_cannot_be_recorded_never_runs()
     ends_whole(&h, dir.path()).await;
     h.broker.shutdown().await;
 }
+
+/// Approved work whose start the store cannot record yet (here refused by a trigger of the
+/// test's own) has not run and is still `approved` on disk, so its client may cancel it and an
+/// operator may revoke it, as any approved work: 200, the slot it held released, and it never
+/// runs once the store takes writes again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn work_whose_start_is_not_recorded_yet_can_be_canceled_or_revoked() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = start_tight(dir.path()).await;
+    let ids = create_pending(&h, "unstarted", 2).await;
+    let conn = rusqlite::Connection::open(dir.path().join("admission.sqlite3")).unwrap();
+    conn.busy_timeout(Duration::from_secs(30)).unwrap();
+    conn.execute_batch(
+        "CREATE TRIGGER refuse_start BEFORE UPDATE OF state ON operations \
+         WHEN NEW.state = 'executing' BEGIN SELECT RAISE(ABORT, 'start refused'); END;",
+    )
+    .unwrap();
+    for id in &ids {
+        assert_eq!(h.operator.approve(id).await.status, 200);
+    }
+    assert!(
+        eventually(async || h.snapshot().executing == 2).await,
+        "the starts never took their slots: {:?}",
+        h.snapshot()
+    );
+    let path = format!("/api/agent/v1/operations/{}", ids[0]);
+    assert_eq!(h.get(&path, Some(AGENT_SECRET)).await.state(), "approved");
+    let canceled = h.post(&format!("{path}/cancel"), Some(AGENT_SECRET)).await;
+    assert_eq!(canceled.status, 200, "{}", canceled.body);
+    assert_eq!(canceled.state(), "canceled");
+    assert_eq!(canceled.body["error"]["code"], "operation_canceled");
+    let shown = h.operator.request(&ids[0]).await.body;
+    assert_eq!(shown["status"], "revoked", "{shown}");
+    let revoked = h.operator.revoke(&ids[1]).await;
+    assert_eq!(revoked.status, 200, "{}", revoked.body);
+    assert_eq!(revoked.body["status"], "revoked");
+    let snapshot = h.snapshot();
+    assert_eq!(
+        (snapshot.executing, snapshot.active),
+        (0, 0),
+        "{snapshot:?}"
+    );
+    conn.execute_batch("DROP TRIGGER refuse_start").unwrap();
+    // The retries find nothing left to start: neither ever runs.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    for id in &ids {
+        let op = h
+            .get(
+                &format!("/api/agent/v1/operations/{id}"),
+                Some(AGENT_SECRET),
+            )
+            .await;
+        assert_eq!(op.state(), "canceled", "{}", op.body);
+    }
+    ends_whole(&h, dir.path()).await;
+    h.broker.shutdown().await;
+}

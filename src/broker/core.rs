@@ -251,12 +251,32 @@ pub(crate) struct LiveOp {
     /// When an operator's approval of it lapses (its row's `active_expires_at`), once approved:
     /// from then it never starts, and the expiry sweeper ends it `expired`.
     pub(crate) lapses_at: std::sync::OnceLock<SystemTime>,
+    /// Whether its start took its slot (the handle is `executing`) but the store has not taken
+    /// the start's write yet (the executor retries it): the work has not run and its row is
+    /// still `approved`. Read and written under its lock.
+    pub(crate) start_unrecorded: std::sync::atomic::AtomicBool,
 }
 
 impl LiveOp {
     /// Whether its approval has lapsed at `now`.
     pub(crate) fn lapsed(&self, now: SystemTime) -> bool {
         self.lapses_at.get().is_some_and(|at| *at <= now)
+    }
+
+    /// The state its row is in, as a move from it is judged: the handle's, but for a start not
+    /// recorded yet, which is still `approved` there (and may be canceled or revoked as such).
+    pub(crate) fn stored_state(&self) -> crate::engine::OperationState {
+        use crate::engine::OperationState;
+        let state = self.handle.state();
+        if state == OperationState::Executing
+            && self
+                .start_unrecorded
+                .load(std::sync::atomic::Ordering::Acquire)
+        {
+            OperationState::Approved
+        } else {
+            state
+        }
     }
 }
 
@@ -276,6 +296,7 @@ impl LiveOp {
                 .as_deref()
                 .map(|at| humantime::parse_rfc3339(at).unwrap_or_else(|_| SystemTime::now())),
             lapses_at: std::sync::OnceLock::new(),
+            start_unrecorded: std::sync::atomic::AtomicBool::new(false),
         }
     }
 }

@@ -24,6 +24,9 @@
 //! cannot take that write (locked past its busy timeout) delays the work, never fails it: the
 //! operation keeps its slot and the start is recorded once the store answers, unless its
 //! approval lapses meanwhile: then it ends `expired`, never run, as if it had waited for a slot.
+//! Until then its row is still `approved`, and it is judged as that (`LiveOp::stored_state`): its
+//! client may cancel it and an operator revoke it, which fails its handle (releasing the slot)
+//! and leaves the retry nothing to start.
 //!
 //! The executor is its own task, so no client's hangup cancels it; and a shutdown only ends its
 //! waits, never a start between its slot and its row: the try is awaited outside any `select!`.
@@ -124,6 +127,10 @@ async fn try_start(core: &Arc<Core>, op: &Arc<LiveOp>) -> Tried {
             // and must not run until it is recorded. It keeps its slot and the start is recorded
             // later; until then the store lags the counts and drift says so.
             tracing::warn!(operation = %op.id, error = %err, "cannot record the start yet; retrying");
+            // Still `approved` in the store: its client may cancel it meanwhile, an operator
+            // revoke it (see `LiveOp::stored_state`).
+            op.start_unrecorded
+                .store(true, std::sync::atomic::Ordering::Release);
             drop(guard);
             drop(quiet);
             tokio::spawn(record_start(Arc::clone(core), Arc::clone(op)));
@@ -144,6 +151,10 @@ async fn record_start(core: Arc<Core>, op: Arc<LiveOp>) {
         }
         let quiet = core.hold_counts().await;
         let guard = op.lock.lock().await;
+        // Canceled or revoked meanwhile (its handle failed, its row canceled): nothing to start.
+        if op.handle.state().is_terminal() {
+            return;
+        }
         // The work has not run: an approval that lapsed meanwhile ends it `expired`, as it would
         // have had the start never been tried (the sweeper leaves it to this task, which holds
         // its slot).
@@ -159,6 +170,8 @@ async fn record_start(core: Arc<Core>, op: Arc<LiveOp>) {
         let written = record_start_in_store(&core, &op).await;
         match written {
             Ok(Some(_)) => {
+                op.start_unrecorded
+                    .store(false, std::sync::atomic::Ordering::Release);
                 core.changed(&op, OperationState::Approved, OperationState::Executing);
                 drop(guard);
                 drop(quiet);

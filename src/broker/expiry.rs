@@ -69,7 +69,7 @@ impl Core {
     /// expires it first, as upstream applies due lifecycle changes first (a decision judges
     /// the same from the stored row).
     pub(crate) fn due_from(&self, op: &LiveOp, now: SystemTime) -> Option<OperationState> {
-        match op.handle.state() {
+        match op.stored_state() {
             OperationState::Pending if self.pending_expires_at(op) <= now => {
                 Some(OperationState::Pending)
             }

@@ -98,8 +98,9 @@ impl Core {
             let _quiet = core.hold_counts().await;
             let _guard = op.lock.lock().await;
             // Only from the state it was queued in: a request approved before its pending time
-            // ran out is not expired by that entry, nor one that started by its lapse.
-            if op.handle.state() != from {
+            // ran out is not expired by that entry, nor one that started by its lapse (a start
+            // not recorded yet has not: see `LiveOp::stored_state`).
+            if op.stored_state() != from {
                 return Ok(None);
             }
             let message = if from == OperationState::Approved {
@@ -135,7 +136,8 @@ impl Core {
         mut change: StateChange,
     ) -> Result<OperationRecord, TransitionFailure> {
         debug_assert_ne!(to, OperationState::Executing);
-        let from = op.handle.state();
+        // A start not recorded yet is still `approved` in the store: moved from there.
+        let from = op.stored_state();
         if !from.can_move_to(to) {
             return Err(TransitionFailure::NotAllowed(from));
         }
@@ -186,7 +188,7 @@ impl Core {
                 Some(op) => Some(op.lock.lock().await),
                 None => None,
             };
-            let live = op.as_ref().map(|op| op.handle.state());
+            let live = op.as_ref().map(|op| op.stored_state());
             let outcome = core
                 .db
                 .decide(command, move |record| judge(record, live), render)
@@ -215,6 +217,16 @@ impl Core {
         let applied = match to {
             OperationState::Approved => op.handle.approve().await,
             OperationState::Denied => op.handle.deny().await,
+            // A start not recorded yet took its slot (the handle is `executing`) but never ran:
+            // ended in the store (canceled, revoked or expired), its handle is failed, which
+            // releases what it holds.
+            _ if to.is_terminal()
+                && op
+                    .start_unrecorded
+                    .swap(false, std::sync::atomic::Ordering::AcqRel) =>
+            {
+                op.handle.fail().await
+            }
             // Under the lock the handle is live, so the cancel must be this call's own.
             OperationState::Canceled => match op.handle.cancel().await {
                 Ok(CancelOutcome::Canceled { .. }) => Ok(()),
