@@ -195,10 +195,7 @@ struct CheckArgs {
 fn main() -> ExitCode {
     match Cli::parse().command {
         Command::Check(args) => check(args),
-        Command::Defaults => {
-            print!("{}", Config::defaults([]).to_json());
-            ExitCode::SUCCESS
-        }
+        Command::Defaults => write_out(&Config::defaults([]).to_json()),
         #[cfg(feature = "broker")]
         Command::Serve(args) => serve(*args),
         #[cfg(feature = "broker")]
@@ -303,8 +300,24 @@ fn check(args: CheckArgs) -> ExitCode {
     for warning in config.warnings() {
         eprintln!("warning: {warning}");
     }
-    print!("{}", limits_table(&config));
-    ExitCode::SUCCESS
+    write_out(&limits_table(&config))
+}
+
+/// Writes `text` to stdout: exit 0, or 1 saying why it could not be written (a full disk under
+/// `admission defaults > quota.json`, a closed pipe), never a panic.
+fn write_out(text: &str) -> ExitCode {
+    use std::io::Write;
+    let mut stdout = std::io::stdout().lock();
+    match stdout
+        .write_all(text.as_bytes())
+        .and_then(|()| stdout.flush())
+    {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("error: cannot write to stdout: {err}");
+            ExitCode::FAILURE
+        }
+    }
 }
 
 /// Every identity's effective limits, then the globals, as aligned columns.

@@ -209,3 +209,35 @@ fn defaults_prints_a_file_that_check_accepts() {
         .collect();
     assert_eq!(bot, ["bot-7", "60", "60", "25", "10", "default"]);
 }
+
+/// Output that cannot be written (`admission defaults > quota.json` on a full disk) is an error
+/// that says so, exit 1, never a panic.
+#[test]
+fn output_that_cannot_be_written_exits_1_saying_why() {
+    let Ok(full) = std::fs::OpenOptions::new().write(true).open("/dev/full") else {
+        eprintln!("skipped: /dev/full is not available here");
+        return;
+    };
+    let example = example();
+    for args in [
+        vec!["defaults"],
+        vec![
+            "check",
+            "--identities",
+            "automation-a,bot-7",
+            example.to_str().unwrap(),
+        ],
+    ] {
+        let output = std::process::Command::new(assert_cmd::cargo::cargo_bin("admission"))
+            .args(&args)
+            .stdout(full.try_clone().unwrap())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(1), "{args:?}: {stderr}");
+        assert!(
+            stderr.starts_with("error: cannot write to stdout: "),
+            "{args:?}: {stderr}"
+        );
+    }
+}

@@ -43,6 +43,12 @@ fn an_unset_or_empty_variable_means_the_defaults_and_a_set_one_names_the_file() 
     unsafe { std::env::set_var(var, "quota.json") };
     let err = Config::from_env(var, bot()).unwrap_err();
     assert_eq!(err.rule(), Rule::PathNotAbsolute);
+    // The fix is in the variable, so the error names it.
+    let message = err.to_string();
+    assert!(
+        message.contains(&format!("(the path is the value of {var})")),
+        "{message}"
+    );
 
     // SAFETY: as above.
     unsafe { std::env::remove_var(var) };

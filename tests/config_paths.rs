@@ -63,6 +63,24 @@ fn a_relative_path_error_suggests_the_absolute_one() {
     );
 }
 
+/// The path a relative path's error suggests is one `check_path` accepts: `..` resolved by
+/// name, `.` and a trailing separator dropped.
+#[test]
+fn a_relative_path_error_suggests_only_a_path_that_would_pass() {
+    let cwd = std::env::current_dir().unwrap();
+    for (given, meant) in [
+        ("../x.json", cwd.parent().unwrap().join("x.json")),
+        ("a/../x.json", cwd.join("x.json")),
+        ("x.json/", cwd.join("x.json")),
+        ("./a//x.json", cwd.join("a").join("x.json")),
+    ] {
+        let message = check_path(Path::new(given)).unwrap_err().to_string();
+        let hint = format!("(did you mean {}?)", meant.display());
+        assert!(message.contains(&hint), "{given}: {message}");
+        assert!(check_path(&meant).is_ok(), "{given}: {meant:?}");
+    }
+}
+
 fn write(dir: &Path, name: &str, contents: &[u8]) -> PathBuf {
     let path = dir.join(name);
     std::fs::write(&path, contents).unwrap();
@@ -100,6 +118,33 @@ fn a_file_of_exactly_65536_bytes_loads_and_one_more_byte_is_refused() {
     let over = write(dir.path(), "over.json", pad(MAX_FILE_BYTES + 1).as_bytes());
     let err = Config::from_path(&over, []).unwrap_err();
     assert_eq!(err.rule(), Rule::FileTooLarge);
+}
+
+/// A named pipe would block the open until a writer came (hanging `check`, and a reload's
+/// signal handling with it): it is refused by its type, at once, saying what it is.
+#[test]
+fn a_named_pipe_is_refused_without_waiting_for_a_writer() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("quota.json");
+    let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+    if !made.is_ok_and(|status| status.success()) {
+        eprintln!("skipped: mkfifo is not available here");
+        return;
+    }
+    let (tx, rx) = std::sync::mpsc::channel();
+    let path = fifo.clone();
+    std::thread::spawn(move || tx.send(Config::from_path(&path, []).map(|_| ())));
+    // Generous: only a hang (the open waiting for a writer) takes anywhere near this long.
+    let answer = rx
+        .recv_timeout(std::time::Duration::from_secs(60))
+        .expect("the read waited for a writer");
+    let err = answer.unwrap_err();
+    assert_eq!(err.rule(), Rule::Unreadable);
+    assert!(
+        err.to_string()
+            .contains("is a named pipe (FIFO), not a file"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -717,3 +717,47 @@ fn a_number_is_quoted_as_written_wherever_it_is() {
     );
     assert_eq!(err.rule(), Rule::Syntax);
 }
+
+/// A file that is not plain UTF-8 is named for what it is, not as a JSON error at an invisible
+/// mark or a stray byte: a byte order mark, UTF-16 text, a byte that is not UTF-8 (with where).
+#[test]
+fn a_file_not_in_plain_utf8_says_what_it_is_and_how_to_save_it() {
+    let valid = file("");
+    let mut bom = vec![0xEF, 0xBB, 0xBF];
+    bom.extend_from_slice(valid.as_bytes());
+    let utf16: Vec<u8> = [0xFF, 0xFE]
+        .into_iter()
+        .chain(valid.encode_utf16().flat_map(u16::to_le_bytes))
+        .collect();
+    let latin1 = {
+        let mut bytes = valid.as_bytes().to_vec();
+        let at = bytes.len() - 1;
+        bytes.splice(at..at, b",\n  \"caf\xE9\": 1".iter().copied());
+        bytes
+    };
+    for (name, bytes, says) in [
+        (
+            "a byte order mark",
+            bom,
+            &"byte order mark (EF BB BF); save it as UTF-8 without one".to_owned(),
+        ),
+        (
+            "UTF-16",
+            utf16,
+            &"the file is UTF-16 or UTF-32 text; save it as UTF-8".to_owned(),
+        ),
+        (
+            "Latin-1",
+            latin1,
+            &format!(
+                "the file is not UTF-8: byte 0xE9 at line {} column 7; save it as UTF-8",
+                valid.matches('\n').count() + 2
+            ),
+        ),
+    ] {
+        let err = Config::from_bytes(&bytes, identities()).unwrap_err();
+        assert_eq!(err.rule(), Rule::Syntax, "{name}");
+        let message = err.to_string();
+        assert!(message.contains(says), "{name}: {message}");
+    }
+}

@@ -21,9 +21,12 @@ use super::error::{ConfigError, Rule, one_line_path};
 pub fn check_path(path: &Path) -> Result<(), ConfigError> {
     let bytes = path.as_os_str().as_encoded_bytes();
     if !path.is_absolute() || !bytes.first().is_some_and(|b| is_separator(*b)) {
+        // A hint is only given if it would itself pass: `..` resolved by name, `.` and repeated
+        // or trailing separators dropped (a `..` above the root gives none).
         let hint = std::path::absolute(path)
             .ok()
-            .filter(|p| p.is_absolute())
+            .and_then(|p| lexically_normal(&p))
+            .filter(|p| check_path(p).is_ok())
             .map(|p| format!(" (did you mean {}?)", one_line_path(&p)))
             .unwrap_or_default();
         return Err(ConfigError::Path {
@@ -55,6 +58,26 @@ pub fn check_path(path: &Path) -> Result<(), ConfigError> {
     Ok(())
 }
 
+/// `path` (absolute) with `.` components and repeated or trailing separators dropped and each
+/// `..` taking the component before it away, by name only (no symlink is read); `None` if a
+/// `..` would climb above the root.
+fn lexically_normal(path: &Path) -> Option<PathBuf> {
+    use std::path::Component;
+    let mut normal = PathBuf::new();
+    for component in path.components() {
+        match component {
+            Component::CurDir => {}
+            Component::ParentDir => {
+                if !normal.pop() {
+                    return None;
+                }
+            }
+            other => normal.push(other),
+        }
+    }
+    Some(normal)
+}
+
 fn is_separator(b: u8) -> bool {
     b == b'/' || (cfg!(windows) && b == b'\\')
 }
@@ -66,6 +89,7 @@ pub(crate) fn read_bounded(path: &Path, limit: usize) -> Result<Vec<u8>, ConfigE
         file: path.to_path_buf(),
         source,
     };
+    refuse_special(path)?;
     let file = File::open(path).map_err(|source| match source.kind() {
         io::ErrorKind::NotFound => ConfigError::Path {
             file: path.to_path_buf(),
@@ -88,6 +112,34 @@ pub(crate) fn read_bounded(path: &Path, limit: usize) -> Result<Vec<u8>, ConfigE
             _ => io_error(source),
         })?;
     Ok(bytes)
+}
+
+/// Refuses a named pipe or a socket by its type, before it is opened: opening one blocks until
+/// a writer comes, which would hang `check` and, on a reload, the broker's signal handling.
+/// (A character device such as `/dev/zero` is read, bounded like any file.)
+fn refuse_special(path: &Path) -> Result<(), ConfigError> {
+    #[cfg(unix)]
+    if let Ok(meta) = std::fs::metadata(path) {
+        use std::os::unix::fs::FileTypeExt;
+        let kind = meta.file_type();
+        let what = if kind.is_fifo() {
+            Some("a named pipe (FIFO)")
+        } else if kind.is_socket() {
+            Some("a socket")
+        } else {
+            None
+        };
+        if let Some(what) = what {
+            return Err(ConfigError::Path {
+                file: path.to_path_buf(),
+                rule: Rule::Unreadable,
+                detail: format!("is {what}, not a file; give the path of the quota file itself"),
+            });
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = path;
+    Ok(())
 }
 
 fn is_directory(path: &Path) -> ConfigError {

@@ -191,7 +191,16 @@ impl Config {
     ) -> Result<Config, ConfigError> {
         let value = std::env::var_os(var);
         match load::path_from_env(value.as_deref()) {
-            Some(path) => Config::from_path(&path, identities),
+            // A path that is wrong (not absolute, missing, a directory) is fixed in the
+            // variable, so its error names it; a file's contents are fixed in the file.
+            Some(path) => Config::from_path(&path, identities).map_err(|err| match err {
+                ConfigError::Path { file, rule, detail } => ConfigError::Path {
+                    file,
+                    rule,
+                    detail: format!("{detail} (the path is the value of {var})"),
+                },
+                other => other,
+            }),
             None => Ok(Config::defaults(identities)),
         }
     }

@@ -170,6 +170,7 @@ fn read_tree(bytes: &[u8]) -> Result<Node, ConfigError> {
             "the file is empty; a quota file is a JSON object",
         ));
     }
+    encoding_problem(bytes)?;
     // The syntax of the whole file is checked here (every position in an error is the file's);
     // the tree is then read from the raw text.
     let mut deserializer = serde_json::Deserializer::from_slice(bytes);
@@ -183,6 +184,44 @@ fn read_tree(bytes: &[u8]) -> Result<Node, ConfigError> {
         )
     })?;
     Node::from_raw(root, "", 0)
+}
+
+/// Refuses a file that is not plain UTF-8 before the JSON reader sees it, naming what it is
+/// (its error would point at an invisible mark or a stray byte): a UTF-8 byte order mark,
+/// UTF-16 or UTF-32 text, or a byte that is not UTF-8, with its line and column.
+fn encoding_problem(bytes: &[u8]) -> Result<(), ConfigError> {
+    let fail = |detail: String| Err(ConfigError::invalid("", Rule::Syntax, detail));
+    if bytes.starts_with(&[0xEF, 0xBB, 0xBF]) {
+        return fail(
+            "the file starts with a byte order mark (EF BB BF); save it as UTF-8 without one"
+                .to_owned(),
+        );
+    }
+    let wide = bytes.starts_with(&[0xFF, 0xFE])
+        || bytes.starts_with(&[0xFE, 0xFF])
+        || (bytes.len() >= 2 && (bytes[0] == 0 || bytes[1] == 0));
+    if wide {
+        return fail("the file is UTF-16 or UTF-32 text; save it as UTF-8".to_owned());
+    }
+    if let Err(err) = std::str::from_utf8(bytes) {
+        let at = err.valid_up_to();
+        let before = &bytes[..at];
+        let line = before.iter().filter(|&&b| b == b'\n').count() + 1;
+        let line_start = before
+            .iter()
+            .rposition(|&b| b == b'\n')
+            .map_or(0, |i| i + 1);
+        // Characters, as a text editor counts columns.
+        let column = String::from_utf8_lossy(&before[line_start..])
+            .chars()
+            .count()
+            + 1;
+        return fail(format!(
+            "the file is not UTF-8: byte 0x{:02X} at line {line} column {column}; save it as UTF-8",
+            bytes[at]
+        ));
+    }
+    Ok(())
 }
 
 /// Finds the first key that appears twice in one object, at any depth, in document order.
