@@ -333,6 +333,27 @@ async fn an_agents_cancel_of_a_request_whose_expiry_is_due_but_unwritten_cancels
     h.broker.shutdown().await;
 }
 
+/// The store refusing every write of a start (`approved` → `executing`) through a trigger of
+/// the test's own, until [`StartsRefused::end`]: the executor holds the slot and retries.
+struct StartsRefused(rusqlite::Connection);
+
+impl StartsRefused {
+    fn in_store(data: &std::path::Path) -> StartsRefused {
+        let conn = rusqlite::Connection::open(data.join("admission.sqlite3")).unwrap();
+        conn.busy_timeout(Duration::from_secs(30)).unwrap();
+        conn.execute_batch(
+            "CREATE TRIGGER refuse_start BEFORE UPDATE OF state ON operations \
+             WHEN NEW.state = 'executing' BEGIN SELECT RAISE(ABORT, 'start refused'); END;",
+        )
+        .unwrap();
+        StartsRefused(conn)
+    }
+
+    fn end(self) {
+        self.0.execute_batch("DROP TRIGGER refuse_start").unwrap();
+    }
+}
+
 /// An approval that lapses while its start cannot be recorded (the store refuses the write, here
 /// through a trigger of the test's own, so the executor holds the slot and retries) never runs:
 /// once the store takes writes again the request ends `expired`, as any lapsed approval does,
@@ -342,13 +363,7 @@ async fn an_approval_that_lapses_while_its_start_cannot_be_recorded_never_runs()
     let dir = tempfile::tempdir().unwrap();
     let h = start_tight(dir.path()).await;
     let ids = create_pending(&h, "lapse", 1).await;
-    let conn = rusqlite::Connection::open(dir.path().join("admission.sqlite3")).unwrap();
-    conn.busy_timeout(Duration::from_secs(30)).unwrap();
-    conn.execute_batch(
-        "CREATE TRIGGER refuse_start BEFORE UPDATE OF state ON operations \
-         WHEN NEW.state = 'executing' BEGIN SELECT RAISE(ABORT, 'start refused'); END;",
-    )
-    .unwrap();
+    let starts = StartsRefused::in_store(dir.path());
     let body = json!({"expected_revision": 1, "idempotency_key": "lapse",
         "constraints": {"duration_seconds": 2}});
     let approved = h.operator.decide(&ids[0], "approve", &body).await;
@@ -360,7 +375,7 @@ async fn an_approval_that_lapses_while_its_start_cannot_be_recorded_never_runs()
         h.snapshot()
     );
     tokio::time::sleep(Duration::from_secs(3)).await;
-    conn.execute_batch("DROP TRIGGER refuse_start").unwrap();
+    starts.end();
     let path = format!("/api/agent/v1/operations/{}", ids[0]);
     let ended = eventually(async || {
         let op = h.get(&path, Some(AGENT_SECRET)).await;
@@ -391,13 +406,7 @@ async fn work_whose_start_is_not_recorded_yet_can_be_canceled_or_revoked() {
     let dir = tempfile::tempdir().unwrap();
     let h = start_tight(dir.path()).await;
     let ids = create_pending(&h, "unstarted", 2).await;
-    let conn = rusqlite::Connection::open(dir.path().join("admission.sqlite3")).unwrap();
-    conn.busy_timeout(Duration::from_secs(30)).unwrap();
-    conn.execute_batch(
-        "CREATE TRIGGER refuse_start BEFORE UPDATE OF state ON operations \
-         WHEN NEW.state = 'executing' BEGIN SELECT RAISE(ABORT, 'start refused'); END;",
-    )
-    .unwrap();
+    let starts = StartsRefused::in_store(dir.path());
     for id in &ids {
         assert_eq!(h.operator.approve(id).await.status, 200);
     }
@@ -423,7 +432,7 @@ async fn work_whose_start_is_not_recorded_yet_can_be_canceled_or_revoked() {
         (0, 0),
         "{snapshot:?}"
     );
-    conn.execute_batch("DROP TRIGGER refuse_start").unwrap();
+    starts.end();
     // The retries find nothing left to start: neither ever runs.
     tokio::time::sleep(Duration::from_millis(2500)).await;
     for id in &ids {
