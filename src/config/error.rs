@@ -54,7 +54,8 @@ pub enum Rule {
     FileNotFound,
     /// The path names a directory.
     IsDirectory,
-    /// Reading the file failed for another reason (permissions, I/O).
+    /// Reading the file failed for another reason (permissions, I/O), or the path names a
+    /// named pipe or a socket (refused before it is opened, which could wait forever).
     Unreadable,
 }
 
@@ -113,8 +114,8 @@ pub enum ConfigError {
     Path {
         /// The path as given.
         file: PathBuf,
-        /// [`Rule::PathNotAbsolute`], [`Rule::PathNotNormalized`], [`Rule::FileNotFound`] or
-        /// [`Rule::IsDirectory`].
+        /// [`Rule::PathNotAbsolute`], [`Rule::PathNotNormalized`], [`Rule::FileNotFound`],
+        /// [`Rule::IsDirectory`], or [`Rule::Unreadable`] for a named pipe or a socket.
         rule: Rule,
         /// One line: what is wrong and how to fix it.
         detail: String,

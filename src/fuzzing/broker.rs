@@ -133,7 +133,7 @@ pub fn submission_accepted(data: &[u8]) -> bool {
 
 fn list_query(pairs: &[(String, String)], data: &[u8]) {
     let expected = names_ok(pairs, &["idempotency_key", "state", "limit", "cursor"])
-        && given(pairs, "idempotency_key").is_none_or(key_pattern)
+        && given(pairs, "idempotency_key").is_none_or(|key| key_pattern(key.trim()))
         && given(pairs, "state").is_none_or(|s| OperationState::parse(s).is_some())
         && given(pairs, "limit")
             .is_none_or(|l| decimal(l).is_some_and(|n| (1..=u64::from(MAX_LIMIT)).contains(&n)));
@@ -151,9 +151,10 @@ fn list_query(pairs: &[(String, String)], data: &[u8]) {
         given(pairs, "limit").map_or(u64::from(DEFAULT_LIMIT), |l| decimal(l).expect("checked"));
     assert_eq!(u64::from(query.limit), limit);
     assert_eq!(query.state.map(|s| s.as_str()), given(pairs, "state"));
+    // Trimmed, as upstream's listing trims it.
     assert_eq!(
         query.idempotency_key.as_deref(),
-        given(pairs, "idempotency_key")
+        given(pairs, "idempotency_key").map(str::trim)
     );
     assert_eq!(query.cursor.as_deref(), given(pairs, "cursor"));
 
@@ -343,7 +344,9 @@ fn submission_model(data: &[u8]) -> Result<(&'static str, bool), &'static str> {
         return Err("not exactly the five fields");
     }
     let text = |name: &str| body[name].as_str().ok_or("a text field is not a string");
-    if !key_pattern(text("idempotency_key")?) {
+    // Whitespace around the key and the reason is not part of them (upstream trims both);
+    // the reason's bound is on the text as sent.
+    if !key_pattern(text("idempotency_key")?.trim()) {
         return Err("idempotency_key");
     }
     let operation = text("operation")?;
@@ -351,7 +354,7 @@ fn submission_model(data: &[u8]) -> Result<(&'static str, bool), &'static str> {
         return Err("operation");
     }
     let reason = text("reason")?;
-    if !(1..=2000).contains(&reason.chars().count()) {
+    if reason.trim().is_empty() || reason.chars().count() > 2000 {
         return Err("reason");
     }
     let properties = |name: &str| body[name].as_object().map(|o| o.len());
@@ -375,10 +378,11 @@ fn submission_model(data: &[u8]) -> Result<(&'static str, bool), &'static str> {
 /// Arbitrary bytes as the body of `POST /api/agent/v1/operations`.
 ///
 /// Never panics; accepts exactly what a plain reading of SPEC section 5 accepts (exactly the five
-/// fields; `idempotency_key` of the contract's pattern; a registered `operation` of 1–128
-/// characters; `target` an object of at most 32 properties, `arguments` of at most 128 with a
-/// `duration_ms` of 0–600000 if any; `reason` of 1–2000 characters; no object at any depth
-/// naming a key twice); an accepted body carries exactly the input's values; a refusal
+/// fields; `idempotency_key` of the contract's pattern once trimmed; a registered `operation` of
+/// 1–128 characters; `target` an object of at most 32 properties, `arguments` of at most 128 with
+/// a `duration_ms` of 0–600000 if any; `reason` of at most 2000 characters, not blank; no object
+/// at any depth naming a key twice); an accepted body carries exactly the input's values (the key
+/// and the reason trimmed, as upstream trims them); a refusal
 /// is a 400 with a stable code and a one-line message of 1–500 characters.
 pub fn submission(data: &[u8]) {
     let expected = submission_model(data);
@@ -390,8 +394,12 @@ pub fn submission(data: &[u8]) {
             let request = &valid.request;
             assert_eq!(request.operation, operation);
             assert_eq!(valid.needs_approval, needs_approval);
-            assert_eq!(body["idempotency_key"], request.idempotency_key.as_str());
-            assert_eq!(body["reason"], request.reason.as_str());
+            let trimmed = |name: &str| body[name].as_str().map(str::trim);
+            assert_eq!(
+                trimmed("idempotency_key"),
+                Some(request.idempotency_key.as_str())
+            );
+            assert_eq!(trimmed("reason"), Some(request.reason.as_str()));
             assert_eq!(body["target"], request.target);
             assert_eq!(body["arguments"], request.arguments);
         }

@@ -128,7 +128,8 @@ fn list_pairs(data: &[u8]) -> Option<Vec<(String, String)>> {
 /// Arbitrary bytes as the request list's query string.
 ///
 /// Accepted only when every name is one of the six or `target.<field>`, none of the six twice,
-/// and then: the limit in 1–100, `target.` fields only with `target_kind`, each value as given.
+/// and then: the limit in 1–100 (not empty), `target.` fields only with a `target_kind`, no kind,
+/// field or value blank, each value as given.
 /// A cursor made for the accepted query continues it (and only it: not the same query with
 /// another limit). A refusal is a 400 `invalid_request`, `request is invalid`.
 pub fn operator_list_query(data: &[u8]) {
@@ -153,7 +154,7 @@ pub fn operator_list_query(data: &[u8]) {
     ];
     for (i, (name, value)) in pairs.iter().enumerate() {
         if let Some(field) = name.strip_prefix("target.") {
-            assert!(!field.is_empty() && !value.is_empty());
+            assert!(!field.trim().is_empty() && !value.trim().is_empty());
             assert!(query.target[field].contains(value));
         } else {
             assert!(SINGLE.contains(&name.as_str()), "{name}");
@@ -161,6 +162,14 @@ pub fn operator_list_query(data: &[u8]) {
         }
     }
     assert!((1..=MAX_LIMIT).contains(&query.limit));
+    // `limit=` names no number, and a blank kind matches nothing: both refused, as upstream.
+    assert!(pairs.iter().all(|(n, v)| n != "limit" || !v.is_empty()));
+    assert!(
+        query
+            .target_kind
+            .as_deref()
+            .is_none_or(|k| !k.trim().is_empty())
+    );
     assert!(query.target.is_empty() || query.target_kind.is_some());
     let given = |name: &str| {
         pairs
