@@ -735,6 +735,13 @@ fn a_file_not_in_plain_utf8_says_what_it_is_and_how_to_save_it() {
         bytes.splice(at..at, b",\n  \"caf\xE9\": 1".iter().copied());
         bytes
     };
+    // UTF-16 without a byte order mark is known by its zero bytes too.
+    let utf16_bare: Vec<u8> = valid.encode_utf16().flat_map(u16::to_le_bytes).collect();
+    let err = Config::from_bytes(&utf16_bare, identities()).unwrap_err();
+    assert!(err.to_string().contains("UTF-16"), "{err}");
+    // A lone NUL after a value is trailing content, not wide text.
+    let err = Config::from_bytes(b"1\0", identities()).unwrap_err();
+    assert_eq!(err.rule(), Rule::TrailingContent, "{err}");
     for (name, bytes, says) in [
         (
             "a byte order mark",

@@ -197,9 +197,12 @@ fn encoding_problem(bytes: &[u8]) -> Result<(), ConfigError> {
                 .to_owned(),
         );
     }
+    // A byte order mark, or the zero bytes of two wide ASCII characters (`{` and a newline,
+    // say); a lone NUL is left to the JSON reader.
     let wide = bytes.starts_with(&[0xFF, 0xFE])
         || bytes.starts_with(&[0xFE, 0xFF])
-        || (bytes.len() >= 2 && (bytes[0] == 0 || bytes[1] == 0));
+        || (bytes.len() >= 4
+            && ((bytes[1] == 0 && bytes[3] == 0) || (bytes[0] == 0 && bytes[2] == 0)));
     if wide {
         return fail("the file is UTF-16 or UTF-32 text; save it as UTF-8".to_owned());
     }
