@@ -7,6 +7,7 @@
 
 mod support;
 
+use support::eventually::assert_eventually;
 use support::secrets::{AGENT_SECRET, OPERATOR_SECRET, operators, secrets};
 use support::serve::{Files, Server, run_to_end};
 use unyolo_admission::config::Operators;
@@ -222,13 +223,17 @@ async fn a_client_secret_too_short_for_unyolos_agent_clients_is_warned_about() {
     )
     .unwrap();
     let server = Server::spawn(None, &files.args());
-    let logged = server.logged();
     let warning = format!(
         "client `agent`'s secret is {} bytes; unYOLO's agent clients refuse a credential shorter \
          than 32 bytes",
         AGENT_SECRET.len()
     );
-    assert!(logged.contains(&warning), "{logged}");
+    // Said on stderr once the broker serves; read from there by a thread of the test's own.
+    assert_eventually("the warning is logged", async || {
+        server.logged().contains(&warning)
+    })
+    .await;
+    let logged = server.logged();
     assert!(!logged.contains("`long`"), "{logged}");
     assert!(!logged.contains(AGENT_SECRET), "{logged}");
     // It serves the short secret all the same (the contract only refuses an empty one).
