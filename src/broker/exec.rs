@@ -155,13 +155,18 @@ async fn record_start(core: Arc<Core>, op: Arc<LiveOp>) {
         if op.handle.state().is_terminal() {
             return;
         }
-        // The work has not run: an approval that lapsed meanwhile ends it `expired`, as it would
-        // have had the start never been tried (the sweeper leaves it to this task, which holds
-        // its slot).
+        // The work has not run: an approval that lapsed meanwhile ends it `expired` through the
+        // one expiry every lapse takes (its row is still `approved`: see `LiveOp::stored_state`),
+        // which takes the gate and the lock itself.
         if op.lapsed(std::time::SystemTime::now()) {
-            match expire_unstarted(&core, &op).await {
-                Ok(()) => return,
-                Err(err) => {
+            drop(guard);
+            drop(quiet);
+            match core
+                .expire_to_end(Arc::clone(&op), OperationState::Approved)
+                .await
+            {
+                Ok(_) | Err(TransitionFailure::NotAllowed(_)) => return,
+                Err(TransitionFailure::Store(err)) => {
                     tracing::warn!(operation = %op.id, error = %err, "cannot record the lapse yet; retrying");
                     continue;
                 }
@@ -187,33 +192,6 @@ async fn record_start(core: Arc<Core>, op: Arc<LiveOp>) {
             }
         }
     }
-}
-
-/// A start whose approval lapsed before the start could be recorded: the row moves approved →
-/// `expired` (with its `request.expired` event), then the handle, which took its slot and so is
-/// `executing` to the controller, is failed, releasing its slots: the work never ran, and the
-/// store and the counts agree again. Called with the counts gate and the operation's lock held.
-async fn expire_unstarted(core: &Arc<Core>, op: &Arc<LiveOp>) -> Result<(), StoreError> {
-    let error = OperationError {
-        code: "operation_approval_expired".to_owned(),
-        message: "The operator's approval lapsed before the start could be recorded.".to_owned(),
-    };
-    let expired = core
-        .db
-        .set_state(
-            &op.id,
-            OperationState::Approved,
-            OperationState::Expired,
-            StateChange::error(Some(error)),
-        )
-        .await?;
-    if expired.is_none() {
-        abandon_start(core, op, "the stored operation is no longer approved").await;
-        return Ok(());
-    }
-    let _ = op.handle.fail().await;
-    core.changed(op, OperationState::Approved, OperationState::Expired);
-    Ok(())
 }
 
 /// A start that can never be recorded (the row is not `approved` any more): the operation does
