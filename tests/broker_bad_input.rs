@@ -122,26 +122,27 @@ async fn malformed_and_mistyped_bodies_are_invalid_requests_that_create_nothing(
         ("target not an object", with("target", json!("repo"))),
         ("target null", with("target", Value::Null)),
         ("arguments an array", with("arguments", json!([1]))),
-        (
-            "duration above ten minutes",
-            with("arguments", json!({"duration_ms": 600_001})),
-        ),
-        (
-            "negative duration",
-            with("arguments", json!({"duration_ms": -1})),
-        ),
-        (
-            "duration as a string",
-            with("arguments", json!({"duration_ms": "5"})),
-        ),
-        (
-            "fractional duration",
-            with("arguments", json!({"duration_ms": 1.5})),
-        ),
     ];
     for (name, body) in cases {
         eprintln!("case: {name}");
         refused_without_trace(&h, token, body, 400, "invalid_request").await;
+    }
+    // A well-formed body whose operation refuses its arguments: unYOLO's runtime answers an
+    // operation's own input check with `operation_input_invalid`.
+    let bad_arguments = [
+        (
+            "duration above ten minutes",
+            json!({"duration_ms": 600_001}),
+        ),
+        ("negative duration", json!({"duration_ms": -1})),
+        ("duration as a string", json!({"duration_ms": "5"})),
+        ("fractional duration", json!({"duration_ms": 1.5})),
+        ("duration null", json!({"duration_ms": null})),
+    ];
+    for (name, arguments) in bad_arguments {
+        eprintln!("case: {name}");
+        let body = with("arguments", arguments);
+        refused_without_trace(&h, token, body, 400, "operation_input_invalid").await;
     }
     // The limits of the contract are accepted.
     let mut edge = request(&"k".repeat(128), "demo.request", 600_000);

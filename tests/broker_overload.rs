@@ -10,7 +10,7 @@ use std::sync::Arc;
 use serde_json::json;
 use support::broker::{Harness, ROOMY, settings, start, start_with};
 use support::eventually::eventually;
-use support::http::request;
+use support::http::{Reply, request};
 use support::metrics::metric;
 use support::secrets::{AGENT, AGENT_SECRET, OTHER_SECRET};
 use unyolo_admission::broker::BrokerSettings;
@@ -567,6 +567,23 @@ async fn a_stream_without_content_length_or_with_a_short_body_holds_nothing() {
     .unwrap();
     assert!(chunked.starts_with("HTTP/1.1 411"), "{chunked}");
     assert!(chunked.contains("length_required"));
+    // An empty stream, its length declared as 0 (as Go's client sends it): bad input, not stored.
+    let empty = h
+        .http
+        .post(format!("{}/api/agent/v1/streams", h.base))
+        .bearer_auth(AGENT_SECRET)
+        .header("content-length", "0")
+        .send()
+        .await
+        .unwrap();
+    let empty = Reply::read(empty).await.unwrap();
+    assert_eq!(
+        (empty.status, empty.code()),
+        (400, "stream_input_invalid"),
+        "{}",
+        empty.body
+    );
+    assert_eq!(h.snapshot().storage[0].files, 0);
     // Declares 500 bytes, sends 5, then closes.
     let _ = raw(format!(
         "POST /api/agent/v1/streams HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {AGENT_SECRET}\r\nContent-Length: 500\r\n\r\nhello"

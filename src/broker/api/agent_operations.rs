@@ -122,9 +122,13 @@ pub(crate) fn validate(bytes: &[u8]) -> Result<Validated, ApiError> {
                 "operation_not_registered",
                 "This broker has no such operation.",
             ),
-            NotRunnable::Duration => {
-                ApiError::invalid("arguments.duration_ms must be an integer from 0 to 600000.")
-            }
+            // The body is well formed; its operation refuses these arguments. unYOLO's runtime
+            // answers an operation's own input check with this code, not `invalid_request`.
+            NotRunnable::Duration => ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "operation_input_invalid",
+                "arguments.duration_ms must be an integer from 0 to 600000.",
+            ),
         })?;
     Ok(Validated {
         request,

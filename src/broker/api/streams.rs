@@ -31,6 +31,14 @@ pub(crate) async fn upload_stream(
             "A stream upload needs a Content-Length.",
         )
     })?;
+    // Nothing to store: unYOLO's brokers refuse an empty stream as input, not as a limit.
+    if declared == 0 {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "stream_input_invalid",
+            "The stream is empty; an upload needs at least one byte.",
+        ));
+    }
     // Larger than this client may ever store: no retry could take it, so it is not a 429
     // (which says "later"), and nothing is reserved or read.
     let caps = core.controller().storage_caps().stream;
