@@ -138,6 +138,13 @@ pub(crate) fn broker_request(record: &OperationRecord, pending_timeout: Duration
     {
         request["decided_at"] = Value::from(at.as_str());
     }
+    // A request whose approved work failed before it ran: upstream sets `failed_at` with every
+    // `status: failed` (its `failure_code` names activation failures only, so none is given).
+    if status(record) == "failed"
+        && let Some(at) = &record.terminal_at
+    {
+        request["failed_at"] = Value::from(at.as_str());
+    }
     if let Some(decided) = &record.decided {
         request["decided_at"] = Value::from(decided.at.as_str());
         request["decided_by"] = Value::from(decided.by.as_str());
@@ -265,6 +272,16 @@ pub(crate) mod tests {
             assert_eq!(shown["allowed_actions"], actions, "{record:?}");
             assert!(shown.get("approval_bounds").is_none(), "{record:?}");
         }
+        // Only a request that failed before it ran shows when it failed.
+        let at_end = |from| OperationRecord {
+            terminal_at: Some("2026-01-01T00:02:00.000Z".to_owned()),
+            ..ended(OperationState::Failed, from)
+        };
+        let failed = broker_request(&at_end(OperationState::Approved), Duration::from_secs(300));
+        assert_eq!(failed["failed_at"], "2026-01-01T00:02:00.000Z");
+        assert!(failed.get("failure_code").is_none(), "{failed}");
+        let consumed = broker_request(&at_end(OperationState::Executing), Duration::from_secs(300));
+        assert!(consumed.get("failed_at").is_none(), "{consumed}");
         let revoked = broker_request(
             &canceled(OperationState::Approved),
             Duration::from_secs(300),
