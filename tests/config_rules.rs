@@ -707,15 +707,41 @@ fn a_number_is_quoted_as_written_wherever_it_is() {
         let err = Config::from_bytes(input.as_bytes(), identities()).expect_err(want);
         assert_eq!(err.to_string(), want);
     }
-    // A string's bad escape deep in the file is named by its path, with no position that would
-    // be the value's rather than the file's.
-    let input = bot_with(r#""requests_per_window": "\ud800", "window_seconds": 60"#);
-    let err = Config::from_bytes(input.as_bytes(), identities()).expect_err("a lone surrogate");
+    // A string's bad escape deep in the file is named by its path (no position, which would be
+    // the value's rather than the file's) and by the escape as written, to search for.
+    let half = "is half of a UTF-16 surrogate pair, without its other half; \
+                write the character itself, or both halves";
+    for (value, escape) in [
+        // A high half alone, then one followed by an escaped backslash and `u` (not a pair).
+        (r#""\ud800""#, r"\ud800"),
+        (r#""x\\\uDBFF\\udc00""#, r"\uDBFF"),
+        // A low half alone, after a whole pair (which is fine) and an escaped backslash.
+        (r#""\ud83d\ude00\\\udc00""#, r"\udc00"),
+    ] {
+        let input = bot_with(&format!(
+            r#""requests_per_window": {value}, "window_seconds": 60"#
+        ));
+        let err = Config::from_bytes(input.as_bytes(), identities()).expect_err(value);
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "clients.bot-7.requests_per_window: not valid JSON: the escape {escape} {half}"
+            ),
+        );
+        assert_eq!(err.rule(), Rule::Syntax);
+    }
+    // In a key, the escape is named under the object that holds it.
+    let input = bot_with(r#""requests\udfff": 1, "window_seconds": 60"#);
+    let err = Config::from_bytes(input.as_bytes(), identities()).expect_err("a key");
     assert_eq!(
         err.to_string(),
-        "clients.bot-7.requests_per_window: not valid JSON: unexpected end of hex escape"
+        format!("clients.bot-7: not valid JSON: the escape \\udfff {half}")
     );
-    assert_eq!(err.rule(), Rule::Syntax);
+    // An escaped backslash before `u` is text, not an escape: that string is read (and then
+    // refused for its type, like any string where a number belongs).
+    let input = bot_with(r#""requests_per_window": "\\ud800", "window_seconds": 60"#);
+    let err = Config::from_bytes(input.as_bytes(), identities()).expect_err("a string");
+    assert!(!err.to_string().contains("surrogate"), "{err}");
 }
 
 /// A file that is not plain UTF-8 is named for what it is, not as a JSON error at an invisible

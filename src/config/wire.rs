@@ -78,7 +78,14 @@ impl Node {
             let message = e.to_string();
             let position = format!(" at line {} column {}", e.line(), e.column());
             let message = message.strip_suffix(&position).unwrap_or(&message);
-            ConfigError::invalid(path, Rule::Syntax, format!("not valid JSON: {message}"))
+            let detail = match lone_surrogate(text) {
+                Some(escape) => format!(
+                    "not valid JSON: the escape {escape} is half of a UTF-16 surrogate pair, \
+                     without its other half; write the character itself, or both halves"
+                ),
+                None => format!("not valid JSON: {message}"),
+            };
+            ConfigError::invalid(path, Rule::Syntax, detail)
         };
         match text.as_bytes().first() {
             Some(b'-' | b'0'..=b'9') => Ok(Node::Number(text.to_owned())),
@@ -114,6 +121,39 @@ impl Node {
             }
         }
     }
+}
+
+/// The first `\uXXXX` escape in `text` (JSON whose syntax is checked) that is half of a UTF-16
+/// surrogate pair without its other half, as written: what serde_json calls "unexpected end of
+/// hex escape" (a high half) or "lone leading surrogate" (a low one).
+fn lone_surrogate(text: &str) -> Option<&str> {
+    let bytes = text.as_bytes();
+    let unit = |at: usize| -> Option<u16> {
+        let escape = bytes.get(at..at + 6)?;
+        if escape[0] != b'\\' || escape[1] != b'u' {
+            return None;
+        }
+        u16::from_str_radix(std::str::from_utf8(&escape[2..]).ok()?, 16).ok()
+    };
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] != b'\\' {
+            i += 1;
+            continue;
+        }
+        let Some(code) = unit(i) else {
+            i += 2; // another escape (`\\`, `\"`, `\n`...): its character is not a backslash
+            continue;
+        };
+        match code {
+            0xD800..=0xDBFF if unit(i + 6).is_some_and(|low| (0xDC00..=0xDFFF).contains(&low)) => {
+                i += 12;
+            }
+            0xD800..=0xDFFF => return text.get(i..i + 6),
+            _ => i += 6,
+        }
+    }
+    None
 }
 
 /// An object's members in document order, duplicates kept, each value as its raw text.
