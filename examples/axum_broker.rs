@@ -160,12 +160,23 @@ impl App {
         }
     }
 
-    /// Writes the move to `to` its caller made (holding the operation's lock) to the store.
+    /// Writes the move to `to` its caller made (holding the operation's lock) to the store. The
+    /// controller has moved already, so the store must follow: a failed write (another process
+    /// holding the write lock, a full disk) is retried until it lands, never given up on. Giving
+    /// up would leave the handle and the row disagreeing, and an execution slot held for good.
     async fn record(&self, id: &str, to: OperationState) {
         let sql = "UPDATE operations SET state = ?1 WHERE id = ?2";
-        let i = id.to_owned();
-        let write = self.store(true, move |db| db.execute(sql, params![to.as_str(), i]));
-        write.await.expect("store write");
+        let mut pause = Duration::from_millis(50);
+        loop {
+            let i = id.to_owned();
+            let write = self.store(true, move |db| db.execute(sql, params![to.as_str(), i]));
+            match write.await {
+                Ok(_) => break,
+                Err(err) => eprintln!("cannot record {id} as {}: {err}; retrying", to.as_str()),
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_secs(2));
+        }
         if to.is_terminal() {
             self.live.lock().unwrap().remove(id);
         }

@@ -130,12 +130,12 @@
 //! and admit), or the loser of a race between duplicates holds a permit it must
 //! [`refund`](Permit::refund) — never drop.
 //!
-//! `examples/axum_broker.rs` is a complete broker written this way in about 300 lines: bearer
+//! `examples/axum_broker.rs` is a complete broker written this way in about 400 lines: bearer
 //! authentication ([`config::Secrets::identify`]), replay under a per-key lock, admission and
 //! creation in a detached task, decisions (approve, deny, and cancel by its [`CancelOutcome`]),
 //! an executor that waits for a slot ([`Operation::start`]), restore at start-up (and what to do
-//! with rows found `executing`), reload on `SIGHUP` ([`Controller::reload_from_optional_path`]),
-//! and `/metrics` in the embedder's own registry ([`metrics::register`]). Its test hangs clients
+//! with rows found `executing`), reload on `SIGHUP` ([`Admission::reload_from_optional_path`]),
+//! and `/metrics` in the embedder's own registry ([`Admission::register_metrics`]). Its test hangs clients
 //! up mid-request and checks the counts against the store.
 //!
 //! Mistakes are counted, not silent: [`Snapshot::dropped_permits`] and

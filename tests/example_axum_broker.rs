@@ -356,3 +356,47 @@ async fn only_the_operator_and_the_metrics_scrape_are_exempt_from_the_clients_sh
         assert_eq!(app.classify(path, headers), class, "{path} {headers:?}");
     }
 }
+
+/// A store write after a transition that fails (another process holds SQLite's write lock past
+/// the connection's 5 s busy timeout) is retried until it lands: the approval is answered once it
+/// is stored, the work runs and ends, and the counts match the store with nothing held. (A
+/// panic there would leave the row `pending` behind an approved handle, never executed.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_refused_by_a_locked_store_after_a_transition_is_retried_until_it_lands() {
+    let dir = tempfile::tempdir().unwrap();
+    let (addr, app) = example::start(settings(&dir, Duration::ZERO, None)).await;
+    let body = r#"{"idempotency_key":"locked","operation":"demo.request"}"#;
+    let (status, created) = post(addr, "/operations", "bot-secret", body).await;
+    assert_eq!(status, 202, "{created}");
+    let id = created["id"].as_str().unwrap().to_owned();
+
+    // Another process takes the write lock for 6 s: the example's write gives up after 5.
+    let path = dir.path().join("store.sqlite");
+    let (locked_tx, locked) = std::sync::mpsc::channel();
+    let holder = std::thread::spawn(move || {
+        let db = rusqlite::Connection::open(path).unwrap();
+        db.execute_batch("BEGIN EXCLUSIVE").unwrap();
+        locked_tx.send(()).unwrap();
+        std::thread::sleep(Duration::from_secs(6));
+        db.execute_batch("COMMIT").unwrap();
+    });
+    locked.recv().unwrap();
+    let (status, approved) = post(
+        addr,
+        &format!("/operations/{id}/approve"),
+        "operator-secret",
+        "",
+    )
+    .await;
+    assert_eq!(
+        (status, approved["state"].as_str()),
+        (200, Some("approved")),
+        "{approved}"
+    );
+    holder.join().unwrap();
+
+    wait_until_stored(&app, &dir, "succeeded", 1).await;
+    assert_counts_match_store(&app, &dir);
+    let s = app.admission.snapshot();
+    assert_eq!((s.pending, s.queued, s.executing), (0, 0, 0));
+}

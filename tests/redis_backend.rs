@@ -1612,3 +1612,17 @@ async fn a_reload_keeps_a_clients_decisions_in_flight_bounded() {
     }
     let _ = first.await.unwrap();
 }
+
+/// A replica built outside a Tokio runtime (a synchronous `main`) is a setup error that says
+/// what is missing, not a panic inside the Redis client. No Redis is needed: nothing connects.
+#[test]
+fn a_replica_built_outside_a_runtime_is_a_setup_error_saying_so() {
+    let options = ReplicaOptions::new("redis://127.0.0.1:1", "r1");
+    let built = Admission::new(Controller::new(small_config()), Some(options));
+    let Err(err) = built else {
+        panic!("a replica was built with no runtime to run it");
+    };
+    assert!(err.to_string().contains("needs a Tokio runtime"), "{err}");
+    // In process, no runtime is needed.
+    assert!(Admission::new(Controller::new(small_config()), None).is_ok());
+}

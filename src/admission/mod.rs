@@ -138,8 +138,8 @@ impl Admission {
     /// Redis. Replicated, `controller` keeps counting what this replica holds, and the options'
     /// capacity hint and pending-grant caps are taken from it. Connects lazily: a Redis that is
     /// down now does not fail this (admissions are [`Unavailable`] until it answers); only
-    /// invalid options or URL do, or a build without the Redis backend. Replicated, call it
-    /// inside a Tokio runtime.
+    /// invalid options or URL do, a build without the Redis backend, or (replicated) a call
+    /// outside a Tokio runtime: the replica's connection and background tasks run on it.
     pub fn new(
         controller: Controller,
         replicas: Option<ReplicaOptions>,
@@ -168,7 +168,10 @@ impl Admission {
     }
 
     /// This process's engine: what this replica holds, its storage quotas and its clients' rate
-    /// buckets as seen here.
+    /// buckets as seen here. Reload through [`Admission::reload_from_optional_path`] (or
+    /// [`Admission::reload_from_path`]) and register metrics with [`Admission::register_metrics`],
+    /// not through this engine's own: on replicas those would miss the shared side (a client
+    /// added by a reload here would still be unknown to the decisions Redis makes).
     pub fn controller(&self) -> &Controller {
         &self.local
     }
@@ -176,7 +179,12 @@ impl Admission {
     /// Decides one submission by `identity`, in the contract's order (client configured → rate
     /// token → client active → if it needs approval, client pending and the pending grants →
     /// global active → global executing). Replicated, with an `idempotency_key`, a key already
-    /// bound to an operation on any replica answers [`AdmitError::Replay`] and reserves nothing.
+    /// bound to an operation on any replica answers [`AdmitError::Replay`] and reserves nothing
+    /// — once Redis decides: while this replica answers the client from its refusal memory
+    /// ([`ReplicaOptions::refusal_memory`]), the remembered refusal comes first, and a key bound
+    /// on another replica is answered `Replay` only when that refusal has ended (at its
+    /// `Retry-After` at the latest). Replay from your own store before admitting, as the crate
+    /// docs' sequence does, and a key bound on this replica never meets the memory.
     ///
     /// In-process this completes at its first poll and dropping it is harmless. Replicated, it
     /// awaits Redis; dropped mid-way (its client hung up), whatever the script reserved is

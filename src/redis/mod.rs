@@ -461,13 +461,22 @@ impl RedisController {
     /// The shared controller of one replica, without waiting for Redis: the connection is made
     /// by the first call and made again after each failure, so a replica can start while Redis
     /// is down (see [`RedisController::register_or_defer`]). Fails only on invalid options or
-    /// URL. Call it inside a Tokio runtime. Admits nothing until registration has taken the
-    /// lease.
+    /// URL, or when called outside a Tokio runtime. Admits nothing until registration has taken
+    /// the lease.
     pub(crate) fn connect_lazy(
         config: Config,
         options: RedisOptions,
     ) -> Result<RedisController, SetupError> {
         options.check()?;
+        // The connection manager and the replica's background tasks are spawned on the
+        // caller's runtime: outside one they would panic, so say what is missing instead.
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(SetupError::Options(
+                "a replica needs a Tokio runtime: build the Admission inside one \
+                 (in an async fn under #[tokio::main], or within Runtime::block_on)"
+                    .to_owned(),
+            ));
+        }
         let client = redis::Client::open(options.url.as_str())
             .map_err(|e| SetupError::Redis(e.to_string()))?;
         let manager_config = ConnectionManagerConfig::new()
