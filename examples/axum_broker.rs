@@ -4,6 +4,11 @@
 //! One of several replicas: the same, with `ADMISSION_REDIS_URL=redis://127.0.0.1:6379` and
 //! `ADMISSION_REPLICA=r1` in the environment — nothing else changes but the 503 answer.
 //!
+//! At start-up it puts its live rows back under admission, spends again each client's rate
+//! tokens of the last day's creations (a restart never hands out a fresh burst), and gives the
+//! admission a recovery source: replicated, if Redis forgets the deployment, its store gives
+//! back every key and those creations, so a retried key is never a second operation.
+//!
 //! Each mutating handler only authenticates, validates and reads until it *decides*; from there
 //! the whole change runs in [`run_to_end`], so permits and operation handles never live in a
 //! handler's future (the crate docs' "In an async broker" says what a dropped future does).
@@ -24,6 +29,7 @@ use axum::routing::{get, post};
 use rusqlite::{Connection, OptionalExtension, params};
 use serde_json::{Value, json};
 use unyolo_admission::OperationState::{self, Approved, Canceled, Denied, Executing, Pending};
+use unyolo_admission::admission::{KeyRecord, RecoverySource, SourceFuture};
 use unyolo_admission::config::{Identity, Secrets};
 use unyolo_admission::fairness::{Class, Fairness, FairnessConfig, FairnessLayer};
 use unyolo_admission::prometheus_client::{encoding::text::encode, registry::Registry};
@@ -99,6 +105,12 @@ fn refused(err: AdmitError) -> Response {
 /// up), this stops waiting but the work runs on: dropping a `JoinHandle` does not cancel its task.
 async fn run_to_end<T: Send + 'static>(work: impl Future<Output = T> + Send + 'static) -> T {
     tokio::spawn(work).await.expect("detached work")
+}
+
+/// Now, in milliseconds since the Unix epoch (what the store records creations in).
+fn unix_ms() -> i64 {
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+    now.map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }
 
 impl App {
@@ -225,8 +237,10 @@ pub async fn start(settings: Settings) -> (SocketAddr, Arc<App>) {
 
 /// Creates the store if new and puts its live rows back under the controller's counts.
 async fn restore(app: &Arc<App>) {
+    // `operation` is what a replay compares; `created_ms` (Unix time) what rebuilds the rates.
     let schema = "CREATE TABLE IF NOT EXISTS operations (id TEXT PRIMARY KEY,
-        client TEXT NOT NULL, key TEXT NOT NULL, state TEXT NOT NULL, UNIQUE (client, key));
+        client TEXT NOT NULL, key TEXT NOT NULL, operation TEXT NOT NULL,
+        created_ms INTEGER NOT NULL, state TEXT NOT NULL, UNIQUE (client, key));
         -- Work found executing may or may not have run; it must never run twice: it ends failed.
         UPDATE operations SET state = 'failed' WHERE state = 'executing';";
     let sql = "SELECT id, client, state FROM operations WHERE state IN ('pending', 'approved')";
@@ -234,25 +248,93 @@ async fn restore(app: &Arc<App>) {
         db.execute_batch(schema)?;
         let mut query = db.prepare(sql)?;
         let rows = query.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?;
-        rows.collect::<rusqlite::Result<Vec<(String, String, String)>>>()
+        let rows = rows.collect::<rusqlite::Result<Vec<(String, String, String)>>>()?;
+        Ok((rows, created_within_a_day(db)?))
     });
-    let rows = read
-        .await
-        .expect("store read")
-        .into_iter()
-        .map(|(id, client, state)| {
-            let state = OperationState::parse(&state).expect("a stored state");
-            RestoredOperation {
-                id,
-                identity: client.parse().expect("a client"),
-                state,
-            }
-        });
+    let (rows, made) = read.await.expect("store read");
+    // A restart never hands out a fresh burst: each client's bucket spends again the tokens of
+    // what it created within its window (replicated, Redis keeps the buckets itself).
+    let mut ages: HashMap<Identity, Vec<Duration>> = HashMap::new();
+    for (client, age) in made {
+        ages.entry(client).or_default().push(age);
+    }
+    for (client, ages) in ages {
+        app.admission.controller().restore_rate(client, ages);
+    }
+    // Replicated: if Redis forgets the deployment, this store gives back its keys and rates.
+    let source = StoreSource(Arc::clone(&app.db));
+    app.admission.set_recovery_source(Arc::new(source));
+    let rows = rows.into_iter().map(|(id, client, state)| {
+        let state = OperationState::parse(&state).expect("a stored state");
+        RestoredOperation {
+            id,
+            identity: client.parse().expect("a client"),
+            state,
+        }
+    });
     let rows: Vec<RestoredOperation> = rows.collect();
     // Replicated, this also replaces what an earlier run under this replica's name held.
     let restored = app.admission.restore(rows.clone()).await;
     for (row, handle) in rows.into_iter().zip(restored.operations) {
         app.track(row.id, handle.expect("a live row"));
+    }
+}
+
+/// Every operation created within a day (the longest rate window), in any state: its client
+/// and its age.
+fn created_within_a_day(db: &Connection) -> rusqlite::Result<Vec<(Identity, Duration)>> {
+    let sql = "SELECT client, created_ms FROM operations WHERE created_ms > ?1";
+    let now = unix_ms();
+    let mut query = db.prepare(sql)?;
+    let rows = query.query_map([now - 86_400_000], |r| Ok((r.get(0)?, r.get(1)?)))?;
+    let rows = rows.collect::<rusqlite::Result<Vec<(String, i64)>>>()?;
+    let age = |ms: i64| Duration::from_millis(u64::try_from(now - ms).unwrap_or(0));
+    let rows = rows
+        .into_iter()
+        .filter_map(|(c, ms)| Some((c.parse().ok()?, age(ms))));
+    Ok(rows.collect())
+}
+
+/// What a replica's store gives Redis again after Redis forgot the deployment (a restart
+/// without persistence, a flush): every key's operation, so a retried key is never a second
+/// operation on another replica, and its recent creations, so no bucket comes back full.
+struct StoreSource(Arc<Mutex<Connection>>);
+
+impl StoreSource {
+    fn read<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
+    ) -> SourceFuture<'_, T> {
+        let db = Arc::clone(&self.0);
+        let read = tokio::task::spawn_blocking(move || f(&db.lock().unwrap()));
+        Box::pin(async move {
+            read.await
+                .map_err(|e| e.to_string())?
+                .map_err(|e| e.to_string())
+        })
+    }
+}
+
+impl RecoverySource for StoreSource {
+    fn key_records(&self) -> SourceFuture<'_, Vec<KeyRecord>> {
+        self.read(|db| {
+            let mut query = db.prepare("SELECT client, key, id FROM operations")?;
+            let rows = query.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?;
+            let rows = rows.collect::<rusqlite::Result<Vec<(String, String, String)>>>()?;
+            let record = |(client, key, operation): (String, _, _)| {
+                let client = client.parse().ok()?;
+                Some(KeyRecord {
+                    client,
+                    key,
+                    operation,
+                })
+            };
+            Ok(rows.into_iter().filter_map(record).collect())
+        })
+    }
+
+    fn recent_admissions(&self) -> SourceFuture<'_, Vec<(Identity, Duration)>> {
+        self.read(created_within_a_day)
     }
 }
 
@@ -276,9 +358,9 @@ async fn reload_on_sighup(app: Arc<App>) {
 async fn submit(State(app): State<Arc<App>>, headers: HeaderMap, body: Json<Value>) -> Answer {
     // Authenticate and validate: no quota, no write.
     let client = app.identify(&headers).ok_or_else(unauthorized)?;
-    let state = match body["operation"].as_str() {
-        Some("demo.run") => Approved,
-        Some("demo.request") => Pending, // Waits for the operator's approval.
+    let (name, state) = match body["operation"].as_str() {
+        Some("demo.run") => ("demo.run", Approved),
+        Some("demo.request") => ("demo.request", Pending), // Waits for the operator's approval.
         _ => return Err(error(400, "operation_not_registered", "Unknown.")),
     };
     let key = body["idempotency_key"].as_str().map(str::to_owned);
@@ -289,12 +371,20 @@ async fn submit(State(app): State<Arc<App>>, headers: HeaderMap, body: Json<Valu
     let stripe = BuildHasherDefault::<DefaultHasher>::default().hash_one((&client, &key));
     let lock = &app.key_locks[stripe as usize % app.key_locks.len()];
     let guard = Arc::clone(lock).lock_owned().await;
-    let sql = "SELECT id, state FROM operations WHERE client = ?1 AND key = ?2";
+    let sql = "SELECT id, state, operation FROM operations WHERE client = ?1 AND key = ?2";
     let (c, k) = (client.to_string(), key.clone());
-    let row = |r: &rusqlite::Row| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?));
+    let row = |r: &rusqlite::Row| -> rusqlite::Result<(String, String, String)> {
+        Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+    };
     let find = move |db: &Connection| db.query_row(sql, params![c, k], row).optional();
-    if let Some((id, state)) = app.store(false, find).await.expect("store read") {
-        return Ok(reply(200, json!({"id": id, "state": state})));
+    match app.store(false, find).await.expect("store read") {
+        // The same request again (a lost answer, retried): what it made, in any state.
+        Some((id, state, operation)) if operation == name => {
+            return Ok(reply(200, json!({"id": id, "state": state})));
+        }
+        // The key names another request: never answer one request with another's operation.
+        Some(_) => return Err(error(409, "idempotency_conflict", "Key used for another.")),
+        None => {}
     }
     // Decided: admit, insert, commit (or refund) and hand-off run to their end, still under the
     // key's lock, so a retry with the same key waits for them and then replays.
@@ -306,10 +396,12 @@ async fn submit(State(app): State<Arc<App>>, headers: HeaderMap, body: Json<Valu
             .await;
         let permit = admitted.map_err(refused)?;
         let id = permit.id().to_string(); // Made by the admission: unique across replicas.
-        let sql = "INSERT INTO operations (id, client, key, state) VALUES (?1, ?2, ?3, ?4)";
-        let i = id.clone();
+        let sql = "INSERT INTO operations (id, client, key, operation, created_ms, state)
+            VALUES (?1, ?2, ?3, ?4, ?5, ?6)";
+        let (i, created) = (id.clone(), unix_ms());
         let insert = app.store(true, move |db| {
-            db.execute(sql, params![i, client.as_str(), key, state.as_str()])
+            let row = params![i, client.as_str(), key, name, created, state.as_str()];
+            db.execute(sql, row)
         });
         if insert.await.is_err() {
             // Our failure, not the client's: `refund` gives the rate token back too (a dropped

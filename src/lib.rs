@@ -130,13 +130,16 @@
 //! and admit), or the loser of a race between duplicates holds a permit it must
 //! [`refund`](Permit::refund) — never drop.
 //!
-//! `examples/axum_broker.rs` is a complete broker written this way in about 400 lines: bearer
-//! authentication ([`config::Secrets::identify`]), replay under a per-key lock, admission and
-//! creation in a detached task, decisions (approve, deny, and cancel by its [`CancelOutcome`]),
-//! an executor that waits for a slot ([`Operation::start`]), restore at start-up (and what to do
-//! with rows found `executing`), reload on `SIGHUP` ([`Admission::reload_from_optional_path`]),
-//! and `/metrics` in the embedder's own registry ([`Admission::register_metrics`]). Its test hangs clients
-//! up mid-request and checks the counts against the store.
+//! `examples/axum_broker.rs` is a complete broker written this way in about 500 lines: bearer
+//! authentication ([`config::Secrets::identify`]), replay under a per-key lock (another request
+//! under the key is a conflict), admission and creation in a detached task, decisions (approve,
+//! deny, and cancel by its [`CancelOutcome`]) whose store writes are retried until they land,
+//! an executor that waits for a slot ([`Operation::start`]), restore at start-up (what to do
+//! with rows found `executing`; the rate buckets rebuilt with [`Controller::restore_rate`]; an
+//! [`admission::RecoverySource`] for when Redis forgets), reload on `SIGHUP`
+//! ([`Admission::reload_from_optional_path`]), and `/metrics` in the embedder's own registry
+//! ([`Admission::register_metrics`]). Its tests hang clients up mid-request and check the counts
+//! against the store, lock the store under a decision, restart it, and flush Redis under it.
 //!
 //! Mistakes are counted, not silent: [`Snapshot::dropped_permits`] and
 //! [`Snapshot::dropped_operations`] (`admission_dropped_permits_total`,

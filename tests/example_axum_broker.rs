@@ -229,7 +229,8 @@ async fn a_restart_restores_live_rows_and_fails_interrupted_ones() {
     // Pretend the process died while one operation was executing.
     let db = rusqlite::Connection::open(dir.path().join("store.sqlite")).unwrap();
     db.execute(
-        "INSERT INTO operations (id, client, key, state) VALUES ('op_c', 'bot', 'c', 'executing')",
+        "INSERT INTO operations (id, client, key, operation, created_ms, state)
+         VALUES ('op_c', 'bot', 'c', 'demo.run', 0, 'executing')",
         [],
     )
     .unwrap();
@@ -399,4 +400,103 @@ async fn a_write_refused_by_a_locked_store_after_a_transition_is_retried_until_i
     assert_counts_match_store(&app, &dir);
     let s = app.admission.snapshot();
     assert_eq!((s.pending, s.queued, s.executing), (0, 0, 0));
+}
+
+/// A restart rebuilds each client's rate bucket from what it created within its window (a
+/// restart never hands out a fresh burst), and a key names one request: the same request again
+/// is a replay (even past the rate), another request under that key a conflict.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_keeps_the_rate_spent_and_a_key_replays_only_its_own_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let quota = dir.path().join("quota.json");
+    std::fs::write(
+        &quota,
+        r#"{"requests_per_window": 2, "window_seconds": 3600, "client_active": 25,
+            "client_pending": 10, "global_active": 512, "global_executing": 64}"#,
+    )
+    .unwrap();
+    let with_quota = || Settings {
+        quota_path: Some(quota.clone()),
+        ..settings(&dir, Duration::ZERO, None)
+    };
+    let submit = async |addr, key: &str, operation: &str| {
+        let body = format!(r#"{{"idempotency_key":"{key}","operation":"{operation}"}}"#);
+        post(addr, "/operations", "bot-secret", &body).await
+    };
+    let (addr, _first) = example::start(with_quota()).await;
+    assert_eq!(submit(addr, "a", "demo.run").await.0, 202);
+    assert_eq!(submit(addr, "b", "demo.run").await.0, 202);
+    let (status, refused) = submit(addr, "c", "demo.run").await;
+    assert_eq!(status, 429, "{refused}");
+
+    let (addr, restarted) = example::start(with_quota()).await;
+    let (status, refused) = submit(addr, "c", "demo.run").await;
+    assert_eq!(
+        (status, refused["error"]["code"].as_str()),
+        (429, Some("submission_rate_limited")),
+        "the restart handed out a fresh burst: {refused}"
+    );
+    // Past the rate, the same request under its key is still answered with what it made.
+    let (status, replayed) = submit(addr, "a", "demo.run").await;
+    assert_eq!(status, 200, "{replayed}");
+    // Another request under that key is refused, and consumes nothing.
+    let (status, conflict) = submit(addr, "a", "demo.request").await;
+    assert_eq!(
+        (status, conflict["error"]["code"].as_str()),
+        (409, Some("idempotency_conflict")),
+        "{conflict}"
+    );
+    assert_eq!(stored_counts(&dir).values().sum::<u64>(), 2);
+    assert_counts_match_store(&restarted, &dir);
+}
+
+/// Replicated, the example gives Redis back its keys when Redis forgets the deployment (its
+/// recovery source): after a `FLUSHALL`, another replica's submission under a key the example
+/// holds is a replay of the example's operation, never a second operation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_redis_forgets_a_key_the_example_holds_is_still_a_replay_on_another_replica() {
+    use unyolo_admission::{Admission, AdmitError, Config, Controller};
+    let Some(server) = support::redis::RedisServer::start() else {
+        eprintln!("SKIPPED: after_redis_forgets: no redis-server to run the replicas against");
+        return;
+    };
+    let replica = |name: &str| {
+        let mut options = ReplicaOptions::new(server.url(), name);
+        options.call_timeout = Duration::from_secs(5);
+        options.heartbeat = Duration::from_millis(200);
+        options.lease_ttl = Duration::from_secs(3);
+        // Each waits for the other after Redis forgets.
+        options.replicas = vec!["r1".to_owned(), "r2".to_owned()];
+        options
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (addr, app) = example::start(settings(&dir, Duration::ZERO, Some(replica("r1")))).await;
+    let ids = ["bot", "operator"].map(|n| n.parse().unwrap());
+    let config = Config::from_optional_path(None, ids).unwrap();
+    let other = Admission::new(Controller::new(config), Some(replica("r2"))).unwrap();
+    assert!(other.restore(Vec::new()).await.deferred.is_none());
+
+    let body = r#"{"idempotency_key":"kept","operation":"demo.request"}"#;
+    let (status, created) = post(addr, "/operations", "bot-secret", body).await;
+    assert_eq!(status, 202, "{created}");
+    let id = created["id"].as_str().unwrap().to_owned();
+
+    server.flush_all();
+    let mut answer = None;
+    let settled = eventually(
+        async || match other.admit("bot", true, Some("kept")).await {
+            // Redis is recovering: both replicas register again first.
+            Err(AdmitError::Unavailable(_)) => false,
+            Err(AdmitError::Replay { operation, replica }) => {
+                answer = Some((operation, replica));
+                true
+            }
+            Ok(permit) => panic!("a second operation under the key: {}", permit.id()),
+            Err(refused) => panic!("{refused}"),
+        },
+    )
+    .await;
+    assert!(settled, "the replicas never recovered");
+    assert_eq!(answer, Some((id, "r1".to_owned())));
+    assert_counts_match_store(&app, &dir);
 }
