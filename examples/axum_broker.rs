@@ -22,6 +22,7 @@ use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
 use std::sync::{Arc, Mutex, RwLock};
 use std::{collections::HashMap, net::SocketAddr, path::PathBuf, time::Duration};
 
+use axum::body::Bytes;
 use axum::extract::{Json, Path, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -76,8 +77,21 @@ fn error(status: u16, code: &str, message: &str) -> Response {
     reply(status, json!({"error": {"code": code, "message": message}}))
 }
 
-fn unauthorized() -> Response {
-    error(401, "authentication_failed", "No known bearer token.")
+/// Why a request names no client: 401 without a bearer token, 403 for one no client has.
+enum Unauthenticated {
+    NoToken,
+    UnknownToken,
+}
+
+impl From<Unauthenticated> for Response {
+    fn from(denied: Unauthenticated) -> Response {
+        match denied {
+            Unauthenticated::NoToken => error(401, "authentication_failed", "No bearer token."),
+            Unauthenticated::UnknownToken => {
+                error(403, "authentication_failed", "Unknown bearer token.")
+            }
+        }
+    }
 }
 
 fn operation(status: u16, id: &str, state: OperationState) -> Response {
@@ -129,10 +143,17 @@ impl App {
     }
 
     /// The client whose bearer token this is (`Secrets::identify` compares in constant time).
-    fn identify(&self, headers: &HeaderMap) -> Option<Identity> {
-        let bearer = headers.get(header::AUTHORIZATION).map(|v| v.as_bytes());
-        let token = bearer.and_then(|v| v.strip_prefix(b"Bearer "))?;
-        self.secrets.read().unwrap().identify(token).cloned()
+    fn authenticate(&self, headers: &HeaderMap) -> Result<Identity, Unauthenticated> {
+        let value = headers.get(header::AUTHORIZATION).map(|v| v.as_bytes());
+        // The scheme is case-insensitive (RFC 9110); spaces around the token are not part of it.
+        let token = value
+            .and_then(|v| v.split_at_checked(7))
+            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case(b"bearer "))
+            .map(|(_, token)| token.trim_ascii())
+            .filter(|token| !token.is_empty());
+        let token = token.ok_or(Unauthenticated::NoToken)?;
+        let known = self.secrets.read().unwrap().identify(token).cloned();
+        known.ok_or(Unauthenticated::UnknownToken)
     }
 
     /// What a request is to the fairness layer. Only the operator's requests (its decisions and
@@ -149,7 +170,7 @@ impl App {
             .strip_prefix("/operations/")
             .and_then(|rest| rest.strip_suffix("/cancel"))
             .is_some_and(|id| !id.is_empty() && !id.contains('/'));
-        match self.identify(headers) {
+        match self.authenticate(headers).ok() {
             None => Class::Unkeyed { cost },
             Some(who) if who.as_str() == "operator" => Class::Exempt,
             Some(client) if cancel => Class::ExemptClient {
@@ -355,9 +376,12 @@ async fn reload_on_sighup(app: Arc<App>) {
     }
 }
 
-async fn submit(State(app): State<Arc<App>>, headers: HeaderMap, body: Json<Value>) -> Answer {
-    // Authenticate and validate: no quota, no write.
-    let client = app.identify(&headers).ok_or_else(unauthorized)?;
+async fn submit(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Answer {
+    // Authenticate, then validate (the body is read as JSON only for a known client): no
+    // quota, no write.
+    let client = app.authenticate(&headers)?;
+    let body: Value = serde_json::from_slice(&body)
+        .map_err(|_| error(400, "invalid_request", "The body is not JSON."))?;
     let (name, state) = match body["operation"].as_str() {
         Some("demo.run") => ("demo.run", Approved),
         Some("demo.request") => ("demo.request", Pending), // Waits for the operator's approval.
@@ -421,7 +445,7 @@ async fn decide(
     headers: HeaderMap,
     Path((id, decision)): Path<(String, String)>,
 ) -> Answer {
-    let who = app.identify(&headers).ok_or_else(unauthorized)?;
+    let who = app.authenticate(&headers)?;
     let live = app.live.lock().unwrap().get(&id).cloned();
     let live = live.ok_or_else(|| error(404, "not_found", "Not live."))?;
     let to = match decision.as_str() {
@@ -471,7 +495,7 @@ async fn execute(app: Arc<App>, id: String, live: Arc<Live>) {
 
 /// The controller's metrics in the embedder's own registry, beside any of its own.
 async fn render_metrics(State(app): State<Arc<App>>, headers: HeaderMap) -> Answer {
-    if app.identify(&headers).ok_or_else(unauthorized)?.as_str() != "operator" {
+    if app.authenticate(&headers)?.as_str() != "operator" {
         return Err(error(403, "forbidden", "Operators only."));
     }
     let mut text = String::new();

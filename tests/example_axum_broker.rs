@@ -287,8 +287,26 @@ async fn the_fairness_layer_counts_each_clients_requests_and_gives_their_units_b
     let (addr, _app) = example::start(settings(&dir, Duration::ZERO, None)).await;
     let body = r#"{"idempotency_key":"fair","operation":"demo.run"}"#;
     assert_eq!(post(addr, "/operations", "bot-secret", body).await.0, 202);
-    // A request without a valid secret still gets the handler's 401, through the layer.
-    assert_eq!(post(addr, "/operations", "wrong", body).await.0, 401);
+    // A request without a valid secret still gets the handler's 403, through the layer; one
+    // without a secret (or with a body that is not even JSON) its 401, authentication first.
+    assert_eq!(post(addr, "/operations", "wrong", body).await.0, 403);
+    let anonymous = reqwest::Client::new()
+        .post(format!("http://{addr}/operations"))
+        .header("content-type", "text/plain")
+        .body("not json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(anonymous.status().as_u16(), 401);
+    // The scheme in any case, spaces around the secret: the same client.
+    let spelled = reqwest::Client::new()
+        .post(format!("http://{addr}/operations"))
+        .header("authorization", "bearer   bot-secret ")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(spelled.status().as_u16(), 200, "a replay of the key");
     let text = reqwest::Client::new()
         .get(format!("http://{addr}/metrics"))
         .bearer_auth("operator-secret")
