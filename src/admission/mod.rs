@@ -66,6 +66,7 @@ use crate::metrics::Snapshot;
 /// let controller = Controller::new(Config::defaults([bot]));
 /// // One process. For replicas: `Admission::new(controller, Some(ReplicaOptions::new(url, name)))?`.
 /// let admission = Admission::in_process(controller);
+/// # let mut ran = false;
 /// match admission.admit("bot-7", true, Some("deploy-42")).await {
 ///     Ok(permit) => {
 ///         let id = permit.id(); // store the operation under this id, then:
@@ -74,11 +75,15 @@ use crate::metrics::Snapshot;
 ///         operation.start().await?;
 ///         operation.succeed().await?;
 ///         # let _ = id;
+///         # assert_eq!(operation.state(), unyolo_admission::OperationState::Succeeded);
+///         # ran = true;
 ///     }
 ///     Err(AdmitError::Refused(refused)) => println!("429 {}", refused.refusal.code),
 ///     Err(AdmitError::Replay { operation, .. }) => println!("the key names {operation}"),
 ///     Err(AdmitError::Unavailable(u)) => println!("503, retry after {}s", u.retry_after_secs()),
 /// }
+/// # assert!(ran, "admitted and run");
+/// # assert!(admission.snapshot().is_idle());
 /// # Ok(()) }
 /// # futures_lite_block_on(broker()).unwrap();
 /// # fn futures_lite_block_on<F: std::future::Future>(f: F) -> F::Output {

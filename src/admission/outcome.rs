@@ -154,7 +154,8 @@ impl std::error::Error for Unavailable {}
 pub enum NotStarted {
     /// Every execution slot (across every replica) is taken; the operation stays queued.
     Saturated(Refusal),
-    /// The operation is not approved (canceled, expired or failed while queued), in this state.
+    /// The operation is not approved, in this state: still `pending` (not decided yet),
+    /// already `executing` (started before), or ended while queued (canceled, expired, failed).
     NotApproved(OperationState),
     /// The shared store did not answer; the operation stays queued and can retry.
     Unavailable(Unavailable),
