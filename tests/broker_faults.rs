@@ -17,7 +17,7 @@ use support::eventually::eventually;
 use support::faults::*;
 use support::http::request;
 use support::metrics::metric;
-use support::secrets::{AGENT, AGENT_SECRET, OTHER};
+use support::secrets::{AGENT, AGENT_SECRET, OTHER, OTHER_SECRET};
 use unyolo_admission::StorageCaps;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -523,4 +523,70 @@ async fn a_full_disk_takes_the_broker_out_of_rotation_before_writes_fail_and_ref
     assert_eq!(metric(&h.metrics().await, "broker_store_ready"), Some(1));
     h.broker.shutdown().await;
     drop(disk);
+}
+
+/// A replay never waits on another submission (SPEC section 2: replay is exempt from admission
+/// and never waits on it). Here another client's submission is admitted and its creation waits
+/// on a store another process holds locked — under a key that, when submissions were serialized
+/// by 64 striped locks, shared the replayed key's lock. The replay is answered while that
+/// creation still waits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_is_answered_while_another_clients_creation_waits_on_a_locked_store() {
+    use std::hash::{Hash, Hasher};
+    let dir = tempfile::tempdir().unwrap();
+    let h = start_with(settings(
+        dir.path(),
+        support::broker::ROOMY,
+        StorageCaps::default(),
+    ))
+    .await;
+    let replayed = request("k1", "demo.request", 0);
+    assert_eq!(h.submit(AGENT_SECRET, &replayed).await.status, 202);
+    // A key of the other client that the striped table put under k1's lock.
+    let stripe = |client: &str, key: &str| {
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        (client, key).hash(&mut hasher);
+        hasher.finish() % 64
+    };
+    let shared = (0..)
+        .map(|n| format!("x{n}"))
+        .find(|key| stripe(OTHER, key) == stripe(AGENT, "k1"))
+        .unwrap();
+
+    let path = dir.path().join("admission.sqlite3");
+    let (locked, is_locked) = std::sync::mpsc::channel();
+    let (release, released) = std::sync::mpsc::channel::<()>();
+    let holder = std::thread::spawn(move || {
+        let conn = rusqlite::Connection::open(path).unwrap();
+        conn.execute_batch("BEGIN IMMEDIATE").unwrap();
+        locked.send(()).unwrap();
+        released.recv().unwrap();
+        conn.execute_batch("COMMIT").unwrap();
+    });
+    is_locked.recv().unwrap();
+    let h = std::sync::Arc::new(h);
+    let waiting = {
+        let h = std::sync::Arc::clone(&h);
+        let body = request(&shared, "demo.request", 0);
+        tokio::spawn(async move { h.submit(OTHER_SECRET, &body).await })
+    };
+    // Admitted: its creation now waits on the locked store, holding its key's lock.
+    assert!(eventually(async || h.snapshot().pending == 2).await);
+    let replay = {
+        let h = std::sync::Arc::clone(&h);
+        tokio::spawn(async move { h.submit(AGENT_SECRET, &replayed).await })
+    };
+    let answered = eventually(async || replay.is_finished()).await;
+    let still_waiting = !waiting.is_finished();
+    release.send(()).unwrap();
+    holder.join().unwrap();
+    // Before, the replay was answered only once that creation had given up on the store (5 s).
+    assert!(
+        answered && still_waiting,
+        "the replay waited on another client's submission \
+         (answered: {answered}; the other still waiting then: {still_waiting})"
+    );
+    assert_eq!(replay.await.unwrap().status, 200);
+    assert_eq!(waiting.await.unwrap().status, 202);
+    assert_counts_match_the_store(&h, dir.path()).await;
 }

@@ -24,6 +24,7 @@ use tokio::sync::{Notify, watch};
 
 use super::auth::Auth;
 use super::event_streams::EventStreams;
+use super::key_locks::{KeyGuard, KeyLocks};
 use super::keys::KeyFilter;
 use super::registry::duration_ms;
 use super::store::{Database, OperationRecord};
@@ -58,8 +59,8 @@ pub(crate) struct Core {
     /// The (client, key) pairs that may have an operation, so a new key skips the store lookup.
     pub(crate) keys: KeyFilter,
     /// Serializes submissions with the same (client, idempotency key), so concurrent duplicates
-    /// create one operation. Striped: bounded memory whatever the traffic.
-    pub(crate) key_locks: Box<[Arc<tokio::sync::Mutex<()>>]>,
+    /// create one operation; one lock per pair in use, so nothing else waits on them.
+    pub(crate) key_locks: Arc<KeyLocks>,
     /// Held shared by every change of the counts or the store while it is in progress, and
     /// exclusively by a drift reading (see the `drift` module).
     pub(crate) counts_gate: Arc<tokio::sync::RwLock<()>>,
@@ -221,13 +222,9 @@ impl Core {
         (newest > 0).then(|| super::store::events::encode_cursor(newest))
     }
 
-    /// The lock serializing submissions of `client` with idempotency `key`.
-    pub(crate) fn key_lock(&self, client: &str, key: &str) -> Arc<tokio::sync::Mutex<()>> {
-        use std::hash::{Hash, Hasher};
-        let mut hasher = std::collections::hash_map::DefaultHasher::new();
-        (client, key).hash(&mut hasher);
-        let stripe = (hasher.finish() % self.key_locks.len() as u64) as usize;
-        Arc::clone(&self.key_locks[stripe])
+    /// Waits for the lock serializing submissions of `client` with idempotency `key`.
+    pub(crate) async fn key_lock(&self, client: &str, key: &str) -> KeyGuard {
+        self.key_locks.lock(client, key).await
     }
 }
 

@@ -46,7 +46,6 @@ impl Core {
         if !record.state.is_terminal() {
             drop(
                 self.key_lock(&record.client_id, &record.idempotency_key)
-                    .lock()
                     .await,
             );
         }

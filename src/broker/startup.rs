@@ -187,9 +187,7 @@ impl Broker {
             submissions,
             store_ready,
             keys,
-            key_locks: (0..64)
-                .map(|_| Arc::new(tokio::sync::Mutex::new(())))
-                .collect(),
+            key_locks: Arc::default(),
             counts_gate: Arc::new(tokio::sync::RwLock::new(())),
             uploading: Mutex::new(HashMap::new()),
             drift,

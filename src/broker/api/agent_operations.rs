@@ -199,7 +199,6 @@ pub(crate) async fn submit(
     // until the operation is created (or not), inside the detached part below.
     let same_key = core
         .key_lock(client.as_str(), &request.idempotency_key)
-        .lock_owned()
         .await;
 
     if core
