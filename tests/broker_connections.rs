@@ -372,6 +372,18 @@ async fn a_flood_of_silent_connections_cannot_outwait_a_newcomer_even_with_a_lon
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_cap_set_above_the_file_limit_is_lowered_to_it_so_a_flood_meets_the_cap() {
+    // Asked for far more connections than the file limit leaves room for, the broker serves at
+    // the cap the file limit allows (and says so): the flood meets that cap, which makes room,
+    // not `EMFILE`, which would leave newcomers unanswered.
+    flood_leaves_health_cancel_and_approve_reachable(
+        &["--header-timeout", "1h", "--max-connections", "100000"],
+        b"",
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flood_of_stalled_bodies_at_the_file_limit_leaves_health_cancel_and_approve_reachable() {
     // The flood is the agent's own stalled submissions, up to the connection cap (112 here) at 2
     // fairness units each: its share is raised past them, so its listing afterwards is not

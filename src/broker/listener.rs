@@ -181,10 +181,21 @@ impl ConnectionSettings {
         }
     }
 
-    /// The connection cap in force: the configured one, or the one the file limit allows.
+    /// The connection cap in force: the configured one, or the one the file limit allows; never
+    /// above the latter (SPEC section 6: open connections stay below the file limit, so the cap,
+    /// not `EMFILE`, is what a flood of idle connections meets, and it closes idle ones for room).
     pub fn connection_cap(&self) -> usize {
-        self.max_connections
-            .unwrap_or_else(|| connection_cap_for_file_limit(file_limit()))
+        capped_by_file_limit(self.max_connections, file_limit())
+    }
+}
+
+/// The cap in force for a configured `max_connections` (if any) under `file_limit` (if known).
+fn capped_by_file_limit(max_connections: Option<usize>, file_limit: Option<u64>) -> usize {
+    let allowed = connection_cap_for_file_limit(file_limit);
+    match (max_connections, file_limit) {
+        (Some(max), Some(_)) => max.min(allowed),
+        (Some(max), None) => max,
+        (None, _) => allowed,
     }
 }
 
@@ -754,11 +765,19 @@ mod tests {
     }
 
     #[test]
-    fn an_explicit_cap_wins_over_the_file_limit() {
+    fn an_explicit_cap_holds_up_to_what_the_file_limit_leaves() {
         let settings = ConnectionSettings {
             max_connections: Some(7),
             ..ConnectionSettings::default()
         };
         assert_eq!(settings.connection_cap(), 7);
+        // 128 files: 32 kept, two per connection, so 48 connections at most.
+        assert_eq!(connection_cap_for_file_limit(Some(128)), 48);
+        assert_eq!(capped_by_file_limit(Some(7), Some(128)), 7);
+        assert_eq!(capped_by_file_limit(Some(1000), Some(128)), 48);
+        assert_eq!(capped_by_file_limit(None, Some(128)), 48);
+        // No known limit: the configured cap, else the fallback.
+        assert_eq!(capped_by_file_limit(Some(1000), None), 1000);
+        assert_eq!(capped_by_file_limit(None, None), FALLBACK_CONNECTION_CAP);
     }
 }

@@ -55,15 +55,17 @@ impl Broker {
         validate_broker_name(&settings.broker_name).map_err(BrokerError::Settings)?;
         settings.validate()?;
         let connection_cap = settings.connections.connection_cap();
-        if let Some(limit) = listener::file_limit() {
-            let derived = listener::connection_cap_for_file_limit(Some(limit));
-            if connection_cap > derived {
-                tracing::warn!(
-                    connection_cap,
-                    file_limit = limit,
-                    "the connection limit is above what the file limit leaves for connections"
-                );
-            }
+        if let (Some(asked), Some(limit)) =
+            (settings.connections.max_connections, listener::file_limit())
+            && asked > connection_cap
+        {
+            tracing::warn!(
+                max_connections = asked,
+                file_limit = limit,
+                serving_at_most = connection_cap,
+                "--max-connections is above what the open-file limit leaves for connections; \
+                 lowered (raise the limit, ulimit -n, to allow more)"
+            );
         }
         let rate_window = largest_window(&settings.config);
         let agent_bind = |e| BrokerError::Bind(ListenAddr::Tcp(settings.listen), e);
