@@ -170,3 +170,26 @@ fn a_contents_error_names_the_file_and_the_json_path() {
         "{err}"
     );
 }
+
+/// An absolute path that is not normalized gets the same hint as a relative one: the path by
+/// name, only when it would pass (a `..` above the root gives none).
+#[test]
+fn an_unnormalized_path_error_suggests_the_normalized_one() {
+    for (given, meant) in [
+        ("/srv/q/sub/../quota.json", Some("/srv/q/quota.json")),
+        ("/srv/q//quota.json", Some("/srv/q/quota.json")),
+        ("/srv/./quota.json", Some("/srv/quota.json")),
+        ("/srv/quota.json/", Some("/srv/quota.json")),
+        ("/../quota.json", None),
+    ] {
+        let message = check_path(Path::new(given)).unwrap_err().to_string();
+        match meant {
+            Some(meant) => {
+                let hint = format!("(did you mean {meant}?)");
+                assert!(message.contains(&hint), "{given}: {message}");
+                assert!(check_path(Path::new(meant)).is_ok(), "{meant}");
+            }
+            None => assert!(!message.contains("did you mean"), "{given}: {message}"),
+        }
+    }
+}

@@ -794,3 +794,19 @@ fn a_file_not_in_plain_utf8_says_what_it_is_and_how_to_save_it() {
         assert!(message.contains(says), "{name}: {message}");
     }
 }
+
+/// A client whose name holds a dot is quoted in an error's path, so the path's dots stay its
+/// levels: `clients."ci.bot".pending`, never `clients.ci.bot.pending` (three levels deep).
+#[test]
+fn a_client_named_with_a_dot_is_quoted_in_the_path_of_its_error() {
+    let input = r#"{"requests_per_window": 60, "window_seconds": 60, "client_active": 4,
+        "client_pending": 2, "global_active": 10, "global_executing": 4,
+        "clients": {"ci.bot": {"requests_per_window": 60, "window_seconds": 60,
+                               "active": 2, "pending": 3}}}"#;
+    let ids = [Identity::new("ci.bot").unwrap()];
+    let err = Config::from_bytes(input.as_bytes(), ids).expect_err("pending above active");
+    assert_eq!(
+        err.to_string(),
+        r#"clients."ci.bot".pending: 3 is above active 2"#
+    );
+}

@@ -225,13 +225,14 @@ pub(crate) fn one_line_path(path: &Path) -> String {
     }
 }
 
-/// A JSON object key shown inside a path: bare when it is made of identity characters, otherwise
-/// quoted and escaped so the path stays on one line and unambiguous.
+/// A JSON object key shown inside a path: bare when it is made of identity characters other
+/// than `.`, otherwise quoted and escaped so the path stays on one line and unambiguous (a client
+/// `ci.bot` is `clients."ci.bot".pending`, never read as three levels).
 pub(crate) fn path_segment(key: &str) -> String {
     let plain = !key.is_empty()
         && key
             .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'@' | b'-'));
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'@' | b'-'));
     if plain {
         key.to_owned()
     } else {
@@ -324,5 +325,11 @@ mod tests {
         assert_eq!(join_path("clients", "bot-7"), "clients.bot-7");
         assert_eq!(join_path("clients", "a b\n"), "clients.\"a b\\n\"");
         assert_eq!(join_path("", ""), "\"\"");
+        // A dot inside a key is quoted: the path's dots are its levels.
+        assert_eq!(join_path("clients", "ci.bot"), "clients.\"ci.bot\"");
+        assert_eq!(
+            join_path(&join_path("clients", "ci.bot"), "pending"),
+            "clients.\"ci.bot\".pending"
+        );
     }
 }

@@ -48,10 +48,17 @@ pub fn check_path(path: &Path) -> Result<(), ConfigError> {
             _ => None,
         };
         if let Some(problem) = problem {
+            // The same hint as for a relative path: by name, and only if it would pass.
+            let hint = lexically_normal(path)
+                .filter(|p| check_path(p).is_ok())
+                .map(|p| format!(" (did you mean {}?)", one_line_path(&p)))
+                .unwrap_or_default();
             return Err(ConfigError::Path {
                 file: path.to_path_buf(),
                 rule: Rule::PathNotNormalized,
-                detail: format!("the quota file path must be normalized, and it has {problem}"),
+                detail: format!(
+                    "the quota file path must be normalized, and it has {problem}{hint}"
+                ),
             });
         }
     }
