@@ -18,8 +18,12 @@
 //! that is not there, and it may never settle. The gate's price: a reading waits for the changes
 //! in progress, and (the gate is fair) new changes wait behind a waiting reading, then while it
 //! holds the gate (one store query, a few milliseconds). With a slow store that is at most the
-//! store's busy timeout, which those changes would spend on the store anyway. Reads, replays and
-//! operator listings never take the gate; a submission takes it only to be admitted.
+//! store's busy timeout, which those changes would spend on the store anyway. On a replica a
+//! submission holds the gate across its Redis call, so with Redis slow a reading can wait up to
+//! one call timeout (plus the decision wait) for it, and cancels and decisions arriving then wait
+//! behind the reading: once per reading (every 30 s, or on demand), never longer than that.
+//! Reads, replays and operator listings never take the gate; a submission takes it only to be
+//! admitted.
 //!
 //! **Fleet drift.** On a replica the same reading also compares what the shared store holds
 //! under this replica's name (operation id → state) with the store's live rows, and exports the
