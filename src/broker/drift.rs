@@ -20,8 +20,9 @@
 //! holds the gate (one store query, a few milliseconds). With a slow store that is at most the
 //! store's busy timeout, which those changes would spend on the store anyway. On a replica a
 //! submission holds the gate across its Redis call, so with Redis slow a reading can wait up to
-//! one call timeout (plus the decision wait) for it, and cancels and decisions arriving then wait
-//! behind the reading: once per reading (every 30 s, or on demand), never longer than that.
+//! one call timeout (plus the decision wait) for it, then hold the gate for its fleet half up to
+//! one more; cancels and decisions arriving meanwhile wait behind it: about a second at most
+//! (500 ms calls), once per reading (every 30 s, or on demand).
 //! Reads, replays and operator listings never take the gate; a submission takes it only to be
 //! admitted.
 //!
