@@ -21,8 +21,8 @@
 //! store's busy timeout, which those changes would spend on the store anyway. On a replica a
 //! submission holds the gate across its Redis call, so with Redis slow a reading can wait up to
 //! one call timeout (plus the decision wait) for it, then hold the gate for its fleet half up to
-//! one more; cancels and decisions arriving meanwhile wait behind it: about a second at most
-//! (500 ms calls), once per reading (every 30 s, or on demand).
+//! one more; cancels and decisions arriving meanwhile wait behind it: 1.25 s at most by default
+//! (500 ms calls, a 250 ms decision wait), once per reading (every 30 s, or on demand).
 //! Reads, replays and operator listings never take the gate; a submission takes it only to be
 //! admitted.
 //!
