@@ -144,7 +144,9 @@ impl Reply {
     }
 
     fn summary(&self) -> String {
-        let failed = self.body["error"]["code"].is_string();
+        // An error answer; an operation that ended with an `error` of its own (denied, canceled)
+        // is a 200 and shown by its state.
+        let failed = self.status >= 400 && self.body["error"]["code"].is_string();
         match &self.retry_after {
             Some(after) if failed => {
                 format!("{} {} Retry-After {after}", self.status, self.code())
