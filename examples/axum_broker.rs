@@ -259,6 +259,7 @@ pub async fn start(settings: Settings) -> (SocketAddr, Arc<App>) {
 /// Creates the store if new and puts its live rows back under the controller's counts.
 async fn restore(app: &Arc<App>) {
     // `operation` is what a replay compares; `created_ms` (Unix time) what rebuilds the rates.
+    // (A store written by an older version of this example lacks both: start from a new file.)
     let schema = "CREATE TABLE IF NOT EXISTS operations (id TEXT PRIMARY KEY,
         client TEXT NOT NULL, key TEXT NOT NULL, operation TEXT NOT NULL,
         created_ms INTEGER NOT NULL, state TEXT NOT NULL, UNIQUE (client, key));
