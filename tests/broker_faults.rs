@@ -206,17 +206,7 @@ async fn submissions_admitted_before_their_clients_hang_up_are_created_once_the_
     let bodies: Vec<Value> = (0..4)
         .map(|i| request(&format!("admitted-{i}"), "demo.request", 0))
         .collect();
-    let path = dir.path().join("admission.sqlite3");
-    let (locked, is_locked) = std::sync::mpsc::channel();
-    let (release, released) = std::sync::mpsc::channel::<()>();
-    let holder = std::thread::spawn(move || {
-        let conn = rusqlite::Connection::open(path).unwrap();
-        conn.execute_batch("BEGIN IMMEDIATE").unwrap();
-        locked.send(()).unwrap();
-        released.recv().unwrap();
-        conn.execute_batch("COMMIT").unwrap();
-    });
-    is_locked.recv().unwrap();
+    let store_lock = StoreLock::take(dir.path());
     // Each request is sent whole on a connection kept open until the controller has admitted it:
     // its creation is then waiting on the locked store.
     let mut open = Vec::new();
@@ -236,8 +226,7 @@ async fn submissions_admitted_before_their_clients_hang_up_are_created_once_the_
     }
     assert!(eventually(async || h.snapshot().pending == 4).await);
     drop(open);
-    release.send(()).unwrap();
-    holder.join().unwrap();
+    store_lock.release();
     for body in &bodies {
         let reply = h.submit(AGENT_SECRET, body).await;
         assert_eq!(
@@ -553,17 +542,7 @@ async fn a_replay_is_answered_while_another_clients_creation_waits_on_a_locked_s
         .find(|key| stripe(OTHER, key) == stripe(AGENT, "k1"))
         .unwrap();
 
-    let path = dir.path().join("admission.sqlite3");
-    let (locked, is_locked) = std::sync::mpsc::channel();
-    let (release, released) = std::sync::mpsc::channel::<()>();
-    let holder = std::thread::spawn(move || {
-        let conn = rusqlite::Connection::open(path).unwrap();
-        conn.execute_batch("BEGIN IMMEDIATE").unwrap();
-        locked.send(()).unwrap();
-        released.recv().unwrap();
-        conn.execute_batch("COMMIT").unwrap();
-    });
-    is_locked.recv().unwrap();
+    let store_lock = StoreLock::take(dir.path());
     let h = std::sync::Arc::new(h);
     let waiting = {
         let h = std::sync::Arc::clone(&h);
@@ -578,8 +557,7 @@ async fn a_replay_is_answered_while_another_clients_creation_waits_on_a_locked_s
     };
     let answered = eventually(async || replay.is_finished()).await;
     let still_waiting = !waiting.is_finished();
-    release.send(()).unwrap();
-    holder.join().unwrap();
+    store_lock.release();
     // Before, the replay was answered only once that creation had given up on the store (5 s).
     assert!(
         answered && still_waiting,

@@ -208,6 +208,52 @@ pub fn lock_store(data: &Path, hold: Duration) -> std::thread::JoinHandle<()> {
     holder
 }
 
+/// SQLite's write lock held from another connection (`BEGIN IMMEDIATE`) until
+/// [`StoreLock::release`] (or drop).
+pub struct StoreLock {
+    release: Option<std::sync::mpsc::Sender<()>>,
+    holder: Option<std::thread::JoinHandle<()>>,
+}
+
+impl StoreLock {
+    /// Takes the write lock of the store in `data`; returns once it is held.
+    pub fn take(data: &Path) -> StoreLock {
+        let path = data.join("admission.sqlite3");
+        let (locked, is_locked) = std::sync::mpsc::channel();
+        let (release, released) = std::sync::mpsc::channel::<()>();
+        let holder = std::thread::spawn(move || {
+            let conn = rusqlite::Connection::open(path).unwrap();
+            conn.execute_batch("BEGIN IMMEDIATE").unwrap();
+            locked.send(()).unwrap();
+            let _ = released.recv();
+            conn.execute_batch("COMMIT").unwrap();
+        });
+        is_locked.recv().unwrap();
+        StoreLock {
+            release: Some(release),
+            holder: Some(holder),
+        }
+    }
+
+    /// Lets the lock go and waits until it is.
+    pub fn release(mut self) {
+        self.let_go();
+    }
+
+    fn let_go(&mut self) {
+        drop(self.release.take());
+        if let Some(holder) = self.holder.take() {
+            holder.join().unwrap();
+        }
+    }
+}
+
+impl Drop for StoreLock {
+    fn drop(&mut self) {
+        self.let_go();
+    }
+}
+
 /// Takes drift readings until `stop` is set and returns every one that was not clean.
 pub async fn watch_drift(broker: &Broker, stop: Arc<AtomicBool>) -> Vec<DriftReport> {
     let mut dirty = Vec::new();
