@@ -586,6 +586,7 @@ async fn a_stream_without_content_length_or_with_a_short_body_holds_nothing() {
         "{}",
         empty.body
     );
+    support::contract::assert_conforms("error_envelope", &empty.body, "the empty stream's 400");
     assert_eq!(h.snapshot().storage[0].files, 0);
     // Declares 500 bytes, sends 5, then closes.
     let _ = raw(format!(
