@@ -34,7 +34,7 @@ use unyolo_admission::admission::{KeyRecord, RecoverySource, SourceFuture};
 use unyolo_admission::config::{Identity, Secrets};
 use unyolo_admission::fairness::{Class, Fairness, FairnessConfig, FairnessLayer};
 use unyolo_admission::prometheus_client::{encoding::text::encode, registry::Registry};
-use unyolo_admission::{Admission, AdmitError, CancelOutcome, Config, Controller};
+use unyolo_admission::{Admission, AdmitError, CancelOutcome, Config, Controller, NotStarted};
 use unyolo_admission::{OperationHandle, ReplicaOptions, RestoredOperation, Unavailable};
 
 /// What the broker starts from.
@@ -480,13 +480,24 @@ async fn decide(
 
 /// Runs one approved operation on a task of its own: no client's hangup cancels it.
 async fn execute(app: Arc<App>, id: String, live: Arc<Live>) {
-    // No lock while waiting: a cancel takes it, writes the store, and `start` wakes with `Err`.
-    if live.handle.start().await.is_err() {
-        return;
+    // The start and its store write under the operation's lock, after any decision queued on it
+    // (a cancel sent while the approval was being stored is decided first): a cancel never
+    // finds it executing while the store says approved. No lock while waiting for a slot.
+    loop {
+        let freed = live.handle.slot_freed();
+        let order = live.lock.lock().await;
+        match live.handle.try_start().await {
+            Ok(()) => {
+                app.record(&id, Executing).await;
+                break;
+            }
+            Err(NotStarted::NotApproved(_)) => return, // Canceled (or denied) meanwhile.
+            Err(NotStarted::Saturated(_) | NotStarted::Unavailable(_)) => {
+                drop(order);
+                freed.await;
+            }
+        }
     }
-    let order = live.lock.lock().await;
-    app.record(&id, Executing).await;
-    drop(order);
     // The work (a stand-in), begun only once `executing` is stored: a crash never runs it twice.
     tokio::time::sleep(Duration::from_millis(100)).await;
     let _order = live.lock.lock().await;

@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use example::{App, Settings};
 use support::eventually::eventually;
+use support::faults::StoreLock;
 use tokio::io::AsyncWriteExt;
 use unyolo_admission::{OperationState, ReplicaOptions};
 
@@ -415,6 +416,61 @@ async fn a_write_refused_by_a_locked_store_after_a_transition_is_retried_until_i
     holder.join().unwrap();
 
     wait_until_stored(&app, &dir, "succeeded", 1).await;
+    assert_counts_match_store(&app, &dir);
+    let s = app.admission.snapshot();
+    assert_eq!((s.pending, s.queued, s.executing), (0, 0, 0));
+}
+
+/// A cancel sent while the approval is still being stored is decided after it, in order: the
+/// operation is canceled, never started. Before, the approval's executor started the operation
+/// the moment it was handed off, ahead of the cancel queued on the operation's lock: the cancel
+/// got 409 while the store still said `approved`, and the work ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_queued_behind_the_approval_cancels_before_the_work_starts() {
+    let dir = tempfile::tempdir().unwrap();
+    let (addr, app) = example::start(settings(&dir, Duration::ZERO, None)).await;
+    let body = r#"{"idempotency_key":"queued","operation":"demo.request"}"#;
+    let (status, created) = post(addr, "/operations", "bot-secret", body).await;
+    assert_eq!(status, 202, "{created}");
+    let id = created["id"].as_str().unwrap().to_owned();
+
+    // The approval holds the operation's lock while its write waits on the locked store; the
+    // cancel queues behind it.
+    let store_lock = StoreLock::take_file(&dir.path().join("store.sqlite"));
+    let approve = tokio::spawn(async move {
+        post(
+            addr,
+            &format!("/operations/{id}/approve"),
+            "operator-secret",
+            "",
+        )
+        .await
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let id = created["id"].as_str().unwrap().to_owned();
+    let cancel = tokio::spawn(async move {
+        post(addr, &format!("/operations/{id}/cancel"), "bot-secret", "").await
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!approve.is_finished() && !cancel.is_finished());
+    store_lock.release();
+
+    let (status, approved) = approve.await.unwrap();
+    assert_eq!(
+        (status, approved["state"].as_str()),
+        (200, Some("approved")),
+        "{approved}"
+    );
+    let (status, canceled) = cancel.await.unwrap();
+    assert_eq!(
+        (status, canceled["state"].as_str()),
+        (200, Some("canceled")),
+        "{canceled}"
+    );
+    // Nothing runs it afterwards: it stays canceled, with nothing held.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let stored = stored_counts(&dir);
+    assert_eq!(stored, HashMap::from([("canceled".to_owned(), 1)]));
     assert_counts_match_store(&app, &dir);
     let s = app.admission.snapshot();
     assert_eq!((s.pending, s.queued, s.executing), (0, 0, 0));

@@ -216,9 +216,14 @@ pub struct StoreLock {
 }
 
 impl StoreLock {
-    /// Takes the write lock of the store in `data`; returns once it is held.
+    /// Takes the write lock of the broker's store in `data`; returns once it is held.
     pub fn take(data: &Path) -> StoreLock {
-        let path = data.join("admission.sqlite3");
+        StoreLock::take_file(&data.join("admission.sqlite3"))
+    }
+
+    /// Takes the write lock of the SQLite file at `path`; returns once it is held.
+    pub fn take_file(path: &Path) -> StoreLock {
+        let path = path.to_owned();
         let (locked, is_locked) = std::sync::mpsc::channel();
         let (release, released) = std::sync::mpsc::channel::<()>();
         let holder = std::thread::spawn(move || {
