@@ -7,38 +7,51 @@
 //! busy disk — and those paths never wait on admission (SPEC section 2). Here a lock exists only
 //! while someone holds it or waits for it: the entry counts its users and the last one out
 //! removes it, so memory is bounded by the requests in flight, whatever the keys.
+//!
+//! Public (hidden) only for `benches/key_locks.rs`, which measures it against the striped table.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
+use dashmap::DashMap;
 use tokio::sync::OwnedMutexGuard;
 
 /// A key's lock and how many hold it or wait for it.
 type Entry = (Arc<tokio::sync::Mutex<()>>, usize);
 
-/// The locks of the (client, key) pairs in use.
+/// The locks of the (client, key) pairs in use, by [`name`]. Sharded, so submissions of
+/// different keys meet on a shard's lock only when they share it, and only for a map step. Keys
+/// come from clients, so the map keeps the standard library's keyed (SipHash) hasher.
 #[derive(Default)]
-pub(crate) struct KeyLocks {
-    in_use: Mutex<HashMap<(String, String), Entry>>,
+pub struct KeyLocks {
+    in_use: DashMap<Arc<str>, Entry>,
 }
 
 /// Holds `client`'s lock on `key` until dropped.
-pub(crate) struct KeyGuard {
+pub struct KeyGuard {
     locks: Arc<KeyLocks>,
-    name: (String, String),
+    name: Arc<str>,
     held: Option<OwnedMutexGuard<()>>,
+}
+
+/// One string naming the pair exactly: the client's length first, so no two pairs share a name
+/// (`a` + `bc` is `1:abc`, `ab` + `c` is `2:abc`). One allocation, shared by the map and the
+/// guard.
+fn name(client: &str, key: &str) -> Arc<str> {
+    use std::fmt::Write;
+    let mut name = String::with_capacity(client.len() + key.len() + 4);
+    let _ = write!(name, "{}:{client}{key}", client.len());
+    Arc::from(name)
 }
 
 impl KeyLocks {
     /// Waits for `client`'s lock on `key`. Dropped while waiting (its client hung up), it leaves
     /// nothing behind.
-    pub(crate) async fn lock(self: &Arc<Self>, client: &str, key: &str) -> KeyGuard {
-        let name = (client.to_owned(), key.to_owned());
+    pub async fn lock(self: &Arc<Self>, client: &str, key: &str) -> KeyGuard {
+        let name = name(client, key);
         let lock = {
-            let mut in_use = crate::sync::lock(&self.in_use);
-            let (lock, users) = in_use.entry(name.clone()).or_default();
-            *users += 1;
-            Arc::clone(lock)
+            let mut entry = self.in_use.entry(Arc::clone(&name)).or_default();
+            entry.1 += 1;
+            Arc::clone(&entry.0)
         };
         // Counted from here: dropped before the lock is had, the guard still gives its use back.
         let mut guard = KeyGuard {
@@ -51,9 +64,8 @@ impl KeyLocks {
     }
 
     /// How many (client, key) pairs have a lock now.
-    #[cfg(test)]
-    fn in_use(&self) -> usize {
-        crate::sync::lock(&self.in_use).len()
+    pub fn in_use(&self) -> usize {
+        self.in_use.len()
     }
 }
 
@@ -61,13 +73,12 @@ impl Drop for KeyGuard {
     fn drop(&mut self) {
         // The lock first, so an entry is never removed while its lock is held.
         drop(self.held.take());
-        let mut in_use = crate::sync::lock(&self.locks.in_use);
-        if let Some((_, users)) = in_use.get_mut(&self.name) {
-            *users -= 1;
-            if *users == 0 {
-                in_use.remove(&self.name);
-            }
-        }
+        self.locks
+            .in_use
+            .remove_if_mut(&*self.name, |_, (_, users)| {
+                *users -= 1;
+                *users == 0
+            });
     }
 }
 

@@ -109,7 +109,8 @@ pub mod drill_replicas;
 pub mod event_streams;
 mod exec;
 mod expiry;
-mod key_locks;
+#[doc(hidden)]
+pub mod key_locks;
 #[doc(hidden)]
 pub mod keys;
 pub mod listener;
