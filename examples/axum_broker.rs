@@ -271,7 +271,8 @@ async fn restore(app: &Arc<App>) {
         let mut query = db.prepare(sql)?;
         let rows = query.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?;
         let rows = rows.collect::<rusqlite::Result<Vec<(String, String, String)>>>()?;
-        Ok((rows, created_within_a_day(db)?))
+        // A day: the longest window a quota file can give, whatever a reload makes it later.
+        Ok((rows, created_within(db, Duration::from_secs(86_400))?))
     });
     let (rows, made) = read.await.expect("store read");
     // A restart never hands out a fresh burst: each client's bucket spends again the tokens of
@@ -302,13 +303,16 @@ async fn restore(app: &Arc<App>) {
     }
 }
 
-/// Every operation created within a day (the longest rate window), in any state: its client
-/// and its age.
-fn created_within_a_day(db: &Connection) -> rusqlite::Result<Vec<(Identity, Duration)>> {
+/// Every operation created within `window`, in any state: its client and its age.
+fn created_within(
+    db: &Connection,
+    window: Duration,
+) -> rusqlite::Result<Vec<(Identity, Duration)>> {
     let sql = "SELECT client, created_ms FROM operations WHERE created_ms > ?1";
     let now = unix_ms();
+    let since = now.saturating_sub(i64::try_from(window.as_millis()).unwrap_or(i64::MAX));
     let mut query = db.prepare(sql)?;
-    let rows = query.query_map([now - 86_400_000], |r| Ok((r.get(0)?, r.get(1)?)))?;
+    let rows = query.query_map([since], |r| Ok((r.get(0)?, r.get(1)?)))?;
     let rows = rows.collect::<rusqlite::Result<Vec<(String, i64)>>>()?;
     let age = |ms: i64| Duration::from_millis(u64::try_from(now - ms).unwrap_or(0));
     let rows = rows
@@ -355,8 +359,9 @@ impl RecoverySource for StoreSource {
         })
     }
 
-    fn recent_admissions(&self) -> SourceFuture<'_, Vec<(Identity, Duration)>> {
-        self.read(created_within_a_day)
+    /// `within`: the longest rate window in force now (a reload may have lengthened it).
+    fn recent_admissions(&self, within: Duration) -> SourceFuture<'_, Vec<(Identity, Duration)>> {
+        self.read(move |db| created_within(db, within))
     }
 }
 

@@ -803,3 +803,83 @@ async fn a_key_bound_by_a_replica_that_stopped_before_its_row_is_new_work_when_i
     r1.broker.shutdown().await;
     r2.broker.shutdown().await;
 }
+
+/// Four tokens an hour, reached by a reload from a one-second window.
+const HOURLY: &str = r#"{"requests_per_window": 4, "window_seconds": 3600,
+  "client_active": 25, "client_pending": 10, "global_active": 100, "global_executing": 10}"#;
+
+/// After a reload lengthens a client's rate window, Redis forgetting the deployment rebuilds the
+/// shared bucket from the admissions within the window in force, not the one the replica started
+/// with: a client that spent its hour's four tokens across two replicas stays refused. Before,
+/// each replica read back only its last second of creations (none), the shared bucket came back
+/// full, and the client got four more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_reload_lengthens_the_window_redis_forgetting_refills_no_bucket() {
+    let server = redis_or_skip!();
+    let (d1, d2, files) = (
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+    );
+    let hourly = files.path().join("hourly.json");
+    std::fs::write(&hourly, HOURLY).unwrap();
+    let start = |dir: std::path::PathBuf, name: &'static str| {
+        let url = server.url();
+        async move {
+            let mut options = RedisOptions::new(url, name);
+            options.call_timeout = Duration::from_secs(2);
+            options.lease_ttl = Duration::from_secs(4);
+            options.heartbeat = Duration::from_millis(300);
+            options.replicas = vec!["r1".to_owned(), "r2".to_owned()];
+            let per_second = r#"{"requests_per_window": 1000, "window_seconds": 1,
+              "client_active": 25, "client_pending": 10, "global_active": 100,
+              "global_executing": 10}"#;
+            let mut settings = settings(&dir, per_second, StorageCaps::default());
+            settings.broker_name = name.to_owned();
+            start_shared(settings, options).await
+        }
+    };
+    let r1 = start(d1.path().to_owned(), "r1").await;
+    let r2 = start(d2.path().to_owned(), "r2").await;
+    r1.broker.reload_from_path(&hourly).unwrap();
+    r2.broker.reload_from_path(&hourly).unwrap();
+    // The hour's four tokens, two on each replica; a fifth is refused.
+    for (h, key) in [(&r1, "h1"), (&r1, "h2"), (&r2, "h3"), (&r2, "h4")] {
+        let reply = h.submit(AGENT_SECRET, &request(key, "demo.run", 0)).await;
+        assert_eq!(reply.status, 202, "{key}: {}", reply.code());
+    }
+    let fifth = r1.submit(AGENT_SECRET, &request("h5", "demo.run", 0)).await;
+    assert_eq!(
+        (fifth.status, fifth.code()),
+        (429, "submission_rate_limited")
+    );
+    // Past the start-up window, Redis forgets.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    server.flush_all();
+    // Once both have registered again (a submission is answered by Redis, not 503), every
+    // submission on either replica is still refused for the rate.
+    let mut n = 0;
+    let mut answered = Vec::new();
+    let recovered = eventually(async || {
+        answered.clear();
+        for h in [&r1, &r2] {
+            n += 1;
+            let reply = h
+                .submit(AGENT_SECRET, &request(&format!("after-{n}"), "demo.run", 0))
+                .await;
+            answered.push((reply.status, reply.code().to_owned()));
+        }
+        answered.iter().all(|(status, _)| *status != 503)
+    })
+    .await;
+    assert!(recovered, "the replicas never answered again: {answered:?}");
+    assert!(
+        answered
+            .iter()
+            .all(|(status, code)| (*status, code.as_str()) == (429, "submission_rate_limited")),
+        "a bucket came back refilled after Redis forgot: {answered:?}"
+    );
+    // The refusals took nothing (the four admitted ran and ended).
+    let counts = r1.broker.admission().counts().await.unwrap();
+    assert_eq!((counts.active, counts.operations), (0, 0), "{counts:?}");
+}

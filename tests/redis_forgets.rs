@@ -69,13 +69,14 @@ impl RecoverySource for MemoryStore {
         Box::pin(async move { Ok(keys) })
     }
 
-    fn recent_admissions(&self) -> SourceFuture<'_, Vec<(Identity, Duration)>> {
+    fn recent_admissions(&self, within: Duration) -> SourceFuture<'_, Vec<(Identity, Duration)>> {
         let admitted: Vec<(Identity, Duration)> = self
             .admitted
             .lock()
             .unwrap()
             .iter()
             .map(|(client, at)| (client.clone(), at.elapsed()))
+            .filter(|(_, age)| *age < within)
             .collect();
         Box::pin(async move { Ok(admitted) })
     }
@@ -573,7 +574,7 @@ impl RecoverySource for ForgettingStore {
         Box::pin(async move { Ok(keys) })
     }
 
-    fn recent_admissions(&self) -> SourceFuture<'_, Vec<(Identity, Duration)>> {
+    fn recent_admissions(&self, _: Duration) -> SourceFuture<'_, Vec<(Identity, Duration)>> {
         Box::pin(async move {
             if self.armed.swap(false, std::sync::atomic::Ordering::SeqCst) {
                 let client = redis::Client::open(self.port_url.as_str()).unwrap();

@@ -25,8 +25,12 @@ pub struct KeyRecord {
 pub trait RecoverySource: Send + Sync + 'static {
     /// Every operation the store holds: (client, idempotency key, operation id).
     fn key_records(&self) -> SourceFuture<'_, Vec<KeyRecord>>;
-    /// The admissions made on this replica within the longest rate window: (client, age).
-    fn recent_admissions(&self) -> SourceFuture<'_, Vec<(Identity, Duration)>>;
+    /// The admissions made on this replica within `within`, as (client, age). `within` is the
+    /// longest rate window of the configuration in force when Redis forgot
+    /// ([`Config::longest_window`](crate::Config::longest_window)), which a reload may have made
+    /// longer than it was at start-up: read it from here, never a window kept from before.
+    /// Admissions older than `within` may be included; they are ignored.
+    fn recent_admissions(&self, within: Duration) -> SourceFuture<'_, Vec<(Identity, Duration)>>;
 }
 
 /// What a [`RecoverySource`] answers: its reading, or why it could not be read.

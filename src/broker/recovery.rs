@@ -1,8 +1,8 @@
 //! The broker's store as a replica's [`RecoverySource`]: after the shared store forgot the
 //! deployment, what this replica's SQLite file holds goes back to Redis with its holdings — the
 //! idempotency key of every operation it keeps (live and retained), and its clients' admissions
-//! within the longest rate window (read from the creation times, as a restart rebuilds the
-//! in-process buckets: no extra write per admission).
+//! within the longest rate window in force (read from the creation times, as a restart rebuilds
+//! the in-process buckets: no extra write per admission).
 
 use std::time::{Duration, SystemTime};
 
@@ -13,13 +13,11 @@ use crate::config::Identity;
 /// The store, read for a recovery.
 pub(crate) struct StoreSource {
     db: Database,
-    /// The longest rate window of any client at start-up: how far back admissions count.
-    window: Duration,
 }
 
 impl StoreSource {
-    pub(crate) fn new(db: Database, window: Duration) -> StoreSource {
-        StoreSource { db, window }
+    pub(crate) fn new(db: Database) -> StoreSource {
+        StoreSource { db }
     }
 }
 
@@ -40,12 +38,10 @@ impl RecoverySource for StoreSource {
         })
     }
 
-    fn recent_admissions(&self) -> SourceFuture<'_, Vec<(Identity, Duration)>> {
+    fn recent_admissions(&self, within: Duration) -> SourceFuture<'_, Vec<(Identity, Duration)>> {
         Box::pin(async move {
             let now = SystemTime::now();
-            let since = now
-                .checked_sub(self.window)
-                .unwrap_or(SystemTime::UNIX_EPOCH);
+            let since = now.checked_sub(within).unwrap_or(SystemTime::UNIX_EPOCH);
             let db = self.db.clone();
             let created = tokio::task::spawn_blocking(move || db.created_since(since))
                 .await

@@ -31,11 +31,11 @@ use super::{
     Broker, BrokerError, BrokerSettings, RestoreSummary, api, drift, exec, listener, retention,
     validate_broker_name,
 };
+use crate::OperationState;
 use crate::admission::{Admission, ReplicaOptions, RestoredOperation};
 use crate::config::Identity;
 use crate::engine::Controller;
 use crate::fairness::{ByteBudget, Fairness};
-use crate::{Config, OperationState};
 
 /// How long [`Broker::shutdown`] waits for the broker's tasks to end.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
@@ -67,7 +67,7 @@ impl Broker {
                  lowered (raise the limit, ulimit -n, to allow more)"
             );
         }
-        let rate_window = largest_window(&settings.config);
+        let rate_window = settings.config.longest_window();
         let agent_bind = |e| BrokerError::Bind(ListenAddr::Tcp(settings.listen), e);
         let listener = listener::bind(settings.listen).map_err(agent_bind)?;
         let addr = listener.local_addr().map_err(agent_bind)?;
@@ -115,10 +115,7 @@ impl Broker {
 
         let mut registry = Registry::default();
         // After Redis forgets, this replica's store gives back its keys and recent admissions.
-        admission.set_recovery_source(Arc::new(super::recovery::StoreSource::new(
-            db.clone(),
-            rate_window,
-        )));
+        admission.set_recovery_source(Arc::new(super::recovery::StoreSource::new(db.clone())));
         admission.register_metrics(&mut registry);
         let drift = Gauge::default();
         registry.register(
@@ -441,17 +438,6 @@ async fn restore(core: &Arc<Core>, recovered: store::Recovered) -> RestoreSummar
         }
     }
     summary
-}
-
-/// The longest rate window of any configured client: how far back start-up reads admissions.
-fn largest_window(config: &Config) -> Duration {
-    let seconds = config
-        .identities()
-        .filter_map(|identity| config.effective(identity.as_str()))
-        .map(|limits| limits.window_seconds)
-        .max()
-        .unwrap_or(0);
-    Duration::from_secs(u64::from(seconds))
 }
 
 /// Rebuilds each client's rate bucket from the creation times of its operations created within

@@ -291,6 +291,18 @@ impl Config {
                 .unwrap_or_else(|| self.limits.client_defaults()),
         )
     }
+
+    /// The longest rate window of any configured client (zero with none): how far back a
+    /// client's admissions can still weigh on its bucket under this configuration.
+    pub fn longest_window(&self) -> std::time::Duration {
+        let seconds = self
+            .identities()
+            .filter_map(|identity| self.effective(identity.as_str()))
+            .map(|limits| limits.window_seconds)
+            .max()
+            .unwrap_or(0);
+        std::time::Duration::from_secs(u64::from(seconds))
+    }
 }
 
 /// Where a client's effective limits come from.

@@ -1576,7 +1576,11 @@ impl Inner {
                     }
                 }
                 drop(restoring);
-                let mut admissions = source.recent_admissions().await.map_err(|e| {
+                // The configuration in force now, not at start-up: a reload may have lengthened
+                // a window, and admissions within it still weigh on the bucket.
+                let config = self.config.load_full();
+                let within = config.longest_window();
+                let mut admissions = source.recent_admissions(within).await.map_err(|e| {
                     self.unavailable(UnavailableReason::Reply(format!(
                         "the store's recent admissions could not be read: {e}"
                     )))
@@ -1586,7 +1590,7 @@ impl Inner {
                         .iter()
                         .map(|(_, client, u)| (client.clone(), u.at.elapsed())),
                 );
-                debts = rate_debts(&self.config.load(), &admissions);
+                debts = rate_debts(&config, &admissions);
             }
             let _alone = self.registration.write().await;
             if self.replace_locked(&debts, &keyed).await? {
