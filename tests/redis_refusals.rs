@@ -19,7 +19,8 @@ use proptest::prelude::*;
 use support::eventually::assert_eventually;
 use support::redis::{self as redis_support, RedisServer};
 use unyolo_admission::admission::{
-    Admission, AdmitError, NotStarted, OperationHandle, ReplicaOptions, UnavailableReason,
+    Admission, AdmitError, BackendStats, NotStarted, OperationHandle, ReplicaOptions,
+    UnavailableReason,
 };
 use unyolo_admission::config::{ClientLimits, Limits};
 use unyolo_admission::{Config, Controller, Identity, ManualClock, Operation, RefusalCode};
@@ -29,7 +30,7 @@ use unyolo_admission::{Config, Controller, Identity, ManualClock, Operation, Ref
 const HINT: Duration = Duration::from_secs(3600);
 
 /// amy: one live operation at most; bob: plenty; cat: one pending at most, five live; dan: one
-/// token an hour.
+/// token an hour; eve: two tokens a minute and one pending at most.
 fn config() -> Config {
     let limits = Limits {
         requests_per_window: 100_000,
@@ -50,7 +51,13 @@ fn config() -> Config {
     overrides.insert(id("amy"), client(100_000, 60, 1, 1));
     overrides.insert(id("cat"), client(100_000, 60, 5, 1));
     overrides.insert(id("dan"), client(1, 3600, 5, 5));
-    Config::new(limits, overrides, ["amy", "bob", "cat", "dan"].map(id)).unwrap()
+    overrides.insert(id("eve"), client(2, 60, 5, 1));
+    Config::new(
+        limits,
+        overrides,
+        ["amy", "bob", "cat", "dan", "eve"].map(id),
+    )
+    .unwrap()
 }
 
 /// Options for replica `name` under `prefix`: no heartbeat during a test (its scripts would be
@@ -228,6 +235,55 @@ async fn a_pending_limit_refusal_answers_work_that_needs_approval_and_not_work_t
 }
 
 /// `PUBLISH` calls Redis has run (`INFO commandstats`).
+/// A remembered refusal is forgotten when this replica admits the client: Redis's next answer
+/// may differ. Here a remembered `client_pending_limit` (it answers only work that needs
+/// approval) is followed by an admission that needs none and spends eve's last token; her next
+/// submission needing approval is then refused as Redis and the in-process engine refuse it, for
+/// the rate, with the wait to the next token. Before, the memory answered the stale
+/// `client_pending_limit` with a 1 s Retry-After, ~30 s early.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admission_here_forgets_the_clients_remembered_refusals() {
+    let Some(server) = RedisServer::start() else {
+        return;
+    };
+    let r0 = replica_with(config(), options(&server, "admitted", "r0")).await;
+    let engine = Controller::builder(config()).capacity_retry(HINT).build();
+    let _pending = r0.admit("eve", true, None).await.unwrap().commit();
+    let _pending_here = engine.admit("eve", true).unwrap().commit();
+    let second = r0.admit("eve", true, None).await;
+    assert_eq!(code(&second), Some(RefusalCode::ClientPendingLimit));
+    assert_eq!(
+        engine.admit("eve", true).err().map(|r| r.code),
+        Some(RefusalCode::ClientPendingLimit)
+    );
+    // Work that needs no approval is not covered by that refusal: admitted, the last token.
+    let _run = r0.admit("eve", false, None).await.unwrap().commit();
+    let _run_here = engine.admit("eve", false).unwrap().commit();
+    let before = r0.stats();
+    let expected = engine.admit("eve", true).unwrap_err();
+    assert_eq!(expected.code, RefusalCode::SubmissionRateLimited);
+    let Err(AdmitError::Refused(refused)) = r0.admit("eve", true, None).await else {
+        panic!("eve's third submission within the minute was not refused");
+    };
+    assert_eq!(refused.refusal.code, RefusalCode::SubmissionRateLimited);
+    // The wait to her next token: tens of seconds, as the engine says (not a capacity hint).
+    let (got, want) = (refused.refusal.retry_after, expected.retry_after);
+    assert!(
+        got.abs_diff(want) <= Duration::from_secs(2),
+        "Retry-After {got:?}, the engine's {want:?}"
+    );
+    let after = r0.stats();
+    assert_eq!(
+        after.refusals_from_memory, before.refusals_from_memory,
+        "answered from a stale memory"
+    );
+    let admitted = BackendStats::FORGOTTEN_REASONS
+        .iter()
+        .position(|r| *r == "admitted")
+        .unwrap();
+    assert_eq!(after.refusals_forgotten[admitted], 1, "{after:?}");
+}
+
 fn publishes(port: u16) -> u64 {
     redis_support::cli(port, &["INFO", "commandstats"])
         .lines()

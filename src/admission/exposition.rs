@@ -86,7 +86,8 @@ impl Collector for BackendCollector {
             "Remembered refusals forgotten, by why: expired (the next token or the capacity \
              hint came), refund, release (for the client), any_release (a global limit), \
              replaced (a replica's holdings reaped or registered again), resubscribed (the \
-             notice subscription was lost), reload.",
+             notice subscription was lost), reload, admitted (this replica admitted the \
+             client).",
             None,
             MetricType::Counter,
         )?;

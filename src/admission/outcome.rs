@@ -260,9 +260,9 @@ pub struct BackendStats {
     pub refusals_from_memory: u64,
     /// Remembered refusals forgotten, by why: expired, a refund seen, a release for the client
     /// seen, any release seen (a global limit), a replica's holdings reaped or registered again,
-    /// the notice subscription lost or made again, a reload (in that order; see
-    /// [`BackendStats::FORGOTTEN_REASONS`]).
-    pub refusals_forgotten: [u64; 7],
+    /// the notice subscription lost or made again, a reload, an admission of the client on this
+    /// replica (in that order; see [`BackendStats::FORGOTTEN_REASONS`]).
+    pub refusals_forgotten: [u64; 8],
     /// Whether this replica hears the deployment's notices now (the refusal memory works only
     /// then).
     pub notices_live: bool,
@@ -272,7 +272,7 @@ pub struct BackendStats {
 
 impl BackendStats {
     /// The label of each of [`BackendStats::refusals_forgotten`], in order.
-    pub const FORGOTTEN_REASONS: [&'static str; 7] = [
+    pub const FORGOTTEN_REASONS: [&'static str; 8] = [
         "expired",
         "refund",
         "release",
@@ -280,5 +280,6 @@ impl BackendStats {
         "replaced",
         "resubscribed",
         "reload",
+        "admitted",
     ];
 }

@@ -21,7 +21,13 @@
 //!   refusal for a global limit (or the pending grants) with any release;
 //! - **this replica**: a reload (its limits are what the script is sent), and a lost
 //!   subscription (a reconnect): notices may have been missed, so everything is forgotten, and
-//!   nothing is remembered until the subscription is live again.
+//!   nothing is remembered until the subscription is live again. And an admission of the client
+//!   here: it spent a token and took slots, so what Redis would answer next (the code, the
+//!   Retry-After) may differ from what is remembered — a remembered `client_pending_limit`
+//!   covers only submissions needing approval, and one that needs none may take the last token,
+//!   after which Redis answers `submission_rate_limited` with a longer wait. (An admission on
+//!   another replica sends no notice: what is remembered then stays a refusal Redis would also
+//!   give, possibly with another code, until its own end.)
 //!
 //! A notice that arrives while a call is in flight keeps that call's refusal from being
 //! remembered at all (each entry carries the notice counters read when its call was sent, and
@@ -63,13 +69,15 @@ pub(crate) enum Forgotten {
     Resubscribed,
     /// This replica reloaded its limits.
     Reload,
+    /// This replica admitted the client (its bucket and counts moved).
+    Admitted,
 }
 
 const _: () =
     assert!(Forgotten::ALL.len() == crate::admission::BackendStats::FORGOTTEN_REASONS.len());
 
 impl Forgotten {
-    pub(crate) const ALL: [Forgotten; 7] = [
+    pub(crate) const ALL: [Forgotten; 8] = [
         Forgotten::Expired,
         Forgotten::Refund,
         Forgotten::Release,
@@ -77,6 +85,7 @@ impl Forgotten {
         Forgotten::Replaced,
         Forgotten::Resubscribed,
         Forgotten::Reload,
+        Forgotten::Admitted,
     ];
 }
 
@@ -99,6 +108,7 @@ pub(crate) struct Ticket {
     any: u64,
     released: u64,
     refunded: u64,
+    admitted: u64,
     /// When the call was sent.
     at: Instant,
 }
@@ -151,6 +161,8 @@ struct Client {
     released: u64,
     /// Refunds seen for this client.
     refunded: u64,
+    /// Admissions of this client made here.
+    admitted: u64,
     /// Indexed by whether the submission needs approval.
     slots: [Option<Entry>; 2],
 }
@@ -260,6 +272,7 @@ impl RefusalMemory {
             any,
             released: memory.released,
             refunded: memory.refunded,
+            admitted: memory.admitted,
             at: Instant::now(),
         })
     }
@@ -300,6 +313,7 @@ impl RefusalMemory {
         };
         if (scope == Scope::Client && memory.released != ticket.released)
             || (scope == Scope::Rate && memory.refunded != ticket.refunded)
+            || memory.admitted != ticket.admitted
         {
             return;
         }
@@ -377,6 +391,23 @@ impl RefusalMemory {
         payload.extend_from_slice(if refund { b"f " } else { b"r " });
         payload.extend_from_slice(client.as_bytes());
         self.notice(&payload);
+    }
+
+    /// This replica admitted `client`: its remembered refusals are forgotten, and a refusal of a
+    /// call sent before it is not remembered (Redis's next answer may differ from either).
+    pub(crate) fn admitted_here(&self, client: &str) {
+        let mut state = self.lock();
+        let Some(memory) = state.clients.get_mut(client) else {
+            return;
+        };
+        memory.admitted += 1;
+        let ended = memory
+            .slots
+            .iter_mut()
+            .map(|slot| u64::from(slot.take().is_some()))
+            .sum();
+        drop(state);
+        self.count(Forgotten::Admitted, ended);
     }
 
     /// The subscription is live (again): refusals may be remembered from now on.
@@ -508,6 +539,37 @@ mod tests {
         assert!(memory.recall("amy", false, now).is_none());
         assert!(memory.recall("bob", true, now).is_none());
         assert_eq!(memory.answered(), 1);
+    }
+
+    #[test]
+    fn an_admission_here_forgets_the_clients_refusals_and_keeps_an_earlier_call_from_remembering() {
+        let memory = live();
+        let ticket = memory.ticket("amy").unwrap();
+        memory.remember("amy", ticket, answer(RefusalCode::ClientPendingLimit, true));
+        let in_flight = memory.ticket("amy").unwrap();
+        memory.admitted_here("amy");
+        assert!(memory.recall("amy", true, Instant::now()).is_none());
+        // A refusal of a call sent before the admission is not remembered either.
+        memory.remember(
+            "amy",
+            in_flight,
+            answer(RefusalCode::SubmissionRateLimited, true),
+        );
+        assert!(memory.recall("amy", true, Instant::now()).is_none());
+        assert!(memory.recall("amy", false, Instant::now()).is_none());
+        let admitted = Forgotten::ALL
+            .iter()
+            .position(|w| *w == Forgotten::Admitted)
+            .unwrap();
+        assert_eq!(memory.forgotten()[admitted], 1);
+        // One sent after it is.
+        let after = memory.ticket("amy").unwrap();
+        memory.remember(
+            "amy",
+            after,
+            answer(RefusalCode::SubmissionRateLimited, true),
+        );
+        assert!(memory.recall("amy", false, Instant::now()).is_some());
     }
 
     #[test]

@@ -842,6 +842,11 @@ impl RedisController {
         undo.disarm();
         match reply {
             AdmitReply::Admitted(_) | AdmitReply::Duplicate => {
+                if matches!(reply, AdmitReply::Admitted(_)) {
+                    // What Redis would answer this client next may differ from what is
+                    // remembered (a token spent, a slot taken).
+                    inner.memory.admitted_here(identity.as_str());
+                }
                 let quota = match &reply {
                     AdmitReply::Admitted(reading) => {
                         Some(quota(limits, &inner.options, (interval, span), reading))
