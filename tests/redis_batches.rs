@@ -497,19 +497,6 @@ async fn replica(config: Config, options: ReplicaOptions) -> Admission {
     admission
 }
 
-/// One lifecycle, so the batch script is loaded and every call after it is one EVALSHA.
-async fn warm(replica: &Admission) {
-    replica
-        .admit("amy", false, None)
-        .await
-        .unwrap()
-        .commit()
-        .fail()
-        .await
-        .unwrap();
-    assert!(replica.flush().await);
-}
-
 /// A connection of its own for holding Redis up with a long script.
 async fn busy_connection(client: &redis::Client) -> redis::aio::MultiplexedConnection {
     client
@@ -653,7 +640,7 @@ async fn many_tasks_on_three_replicas_batch_their_decisions_within_every_limit_a
 async fn callers_that_hang_up_while_their_decisions_wait_in_a_batch_leave_no_count_wrong() {
     let server = redis_or_skip!();
     let r1 = replica(tight_config(), options(&server, "r1", "hangup")).await;
-    warm(&r1).await;
+    support::redis::warm(&r1, "amy").await;
     let client = redis::Client::open(server.url()).unwrap();
     let mut busy = busy_connection(&client).await;
     // Redis runs a script for 600 ms, and nothing else meanwhile: the replica's first batch is
@@ -740,7 +727,7 @@ async fn admissions_queued_past_a_registrations_wait_are_undone_after_its_replac
     opts.client_decisions_in_flight = 4096;
     opts.circuit_threshold = 1_000_000;
     let r1 = replica(config, opts).await;
-    warm(&r1).await;
+    support::redis::warm(&r1, "amy").await;
     let lease_changes = r1.stats().lease_changes;
     let client = redis::Client::open(server.url()).unwrap();
     let mut conn = client.get_multiplexed_async_connection().await.unwrap();

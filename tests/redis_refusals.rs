@@ -112,15 +112,7 @@ async fn a_refusal_flood_on_three_replicas_costs_redis_one_call_per_replica_whil
         .await
         .unwrap()
         .commit();
-    // Every script loaded once (a first call is an EVALSHA refused, then an EVAL).
-    replicas[1]
-        .admit("bob", false, None)
-        .await
-        .unwrap()
-        .commit()
-        .fail()
-        .await
-        .unwrap();
+    redis_support::warm(&replicas[1], "bob").await;
     let before = redis_support::script_calls(server.port);
     // The flood: 4 tasks per replica, 50 submissions each, with and without approval, each
     // with its own key; bob submits and finishes work on every replica meanwhile.

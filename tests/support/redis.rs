@@ -168,6 +168,21 @@ pub fn cli(port: u16, args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// One whole lifecycle of `client` on `replica` (admitted, committed, failed, the release sent),
+/// so every script is loaded and each call after it is one EVALSHA (a first call is an EVALSHA
+/// refused, then an EVAL): what a test counting script calls does before it counts.
+pub async fn warm(replica: &unyolo_admission::Admission, client: &str) {
+    replica
+        .admit(client, false, None)
+        .await
+        .unwrap()
+        .commit()
+        .fail()
+        .await
+        .unwrap();
+    assert!(replica.flush().await);
+}
+
 /// Script calls (`EVALSHA` and `EVAL`) the server on `port` has run since it started (or since
 /// `CONFIG RESETSTAT`), from `INFO commandstats`.
 pub fn script_calls(port: u16) -> u64 {
