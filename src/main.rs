@@ -116,8 +116,10 @@ struct ServeArgs {
     /// requests may use.
     #[arg(long, value_name = "N", default_value_t = unyolo_admission::fairness::FairnessConfig::default().exempt_reserved_units)]
     exempt_reserved: u32,
-    /// The most bytes of request bodies the broker holds buffered at once, across every request;
-    /// past it a body waits up to 1 s for room, then gets 503 `body_budget_exhausted`, unread.
+    /// The most bytes of request bodies the broker holds buffered at once, across every agent
+    /// request (operator decisions read theirs within a room of their own, 96 KiB per
+    /// --exempt-reserved unit); past it a body waits up to 1 s for room, then gets 503
+    /// `body_budget_exhausted`, unread.
     #[arg(long, value_name = "BYTES", default_value_t = unyolo_admission::broker::DEFAULT_BUFFERED_BYTES)]
     buffered_bytes: usize,
     /// How long terminal operations are kept before they are deleted (e.g. `7days`, `12h`); `0`

@@ -1,7 +1,9 @@
 //! SPEC section 6, "no client starves the others", against a broker in-process: one client
 //! holding its whole share of requests in flight gets 429 `client_request_limit` past it, while
 //! another client's submission, `/healthz` and the first client's own cancel are answered; its
-//! units come back when its requests end.
+//! units come back when its requests end. Bodies and answers past the buffered-bytes budget are
+//! refused unread, and an agent's body holding that whole budget cannot keep out an operator's
+//! decision.
 #![cfg(feature = "broker")]
 
 mod support;
@@ -418,4 +420,98 @@ async fn a_heavy_answer_reserves_its_rendering_in_the_byte_budget_and_past_it_is
         2,
         "nothing but the two submissions was created"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_body_holding_the_whole_byte_budget_cannot_keep_out_an_operator_decision() {
+    use tokio::io::AsyncWriteExt;
+    const BODY: usize = 1 << 20;
+    // Room for one whole submission body and 24 bytes more: no decision body fits beside it.
+    let budget = BODY + 24;
+    let dir = tempfile::tempdir().unwrap();
+    let h = start_with(BrokerSettings {
+        buffered_bytes: budget,
+        // No minimum rate: the agent's body stays held until the test sends the rest.
+        connections: unyolo_admission::broker::ConnectionSettings {
+            body_min_rate: 0,
+            ..Default::default()
+        },
+        ..settings(dir.path(), ROOMY, StorageCaps::default())
+    })
+    .await;
+    let asked = h
+        .submit(AGENT_SECRET, &request("asks", "demo.request", 0))
+        .await;
+    assert_eq!(asked.status, 202, "{}", asked.body);
+    let id = asked.id();
+    let revision = asked.body["revision"].as_u64().unwrap();
+
+    // The agent's submission: a valid body of exactly BODY bytes (padded in its arguments), its
+    // first 64 KiB sent and the rest held, so its room is the whole budget but 24 bytes.
+    let prefix = concat!(
+        r#"{"idempotency_key":"whole","operation":"demo.run","#,
+        r#""target":{"repo":"unyolo/test"},"arguments":{"duration_ms":0,"padding":""#
+    );
+    let suffix = r#""},"reason":"a whole body"}"#;
+    let mut whole = prefix.as_bytes().to_vec();
+    whole.resize(BODY - suffix.len(), b'x');
+    whole.extend_from_slice(suffix.as_bytes());
+    let stream = tokio::net::TcpStream::connect(h.broker.local_addr())
+        .await
+        .unwrap();
+    let (mut read, mut write) = stream.into_split();
+    let head = format!(
+        "POST /api/agent/v1/operations HTTP/1.1\r\nHost: x\r\n\
+         Authorization: Bearer {AGENT_SECRET}\r\nContent-Type: application/json\r\n\
+         Content-Length: {BODY}\r\n\r\n"
+    );
+    write.write_all(head.as_bytes()).await.unwrap();
+    write.write_all(&whole[..64 << 10]).await.unwrap();
+    assert_eventually("the agent's body holds the budget", async || {
+        metric(&h.metrics().await, "broker_buffered_bytes ") == Some(BODY as u64)
+    })
+    .await;
+
+    // Another client's submission waits in line for room meanwhile, and the operator denies the
+    // request: the decision is applied while the agent's body is still held (before: it waited
+    // behind both for a second, then was 503 `temporarily_unavailable`, nothing decided).
+    let decision = serde_json::json!({"expected_revision": revision, "idempotency_key": "d1"});
+    let small = request("waits", "demo.run", 0);
+    let (waited, decided) = tokio::join!(
+        h.submit(OTHER_SECRET, &small),
+        h.operator.decide(&id, "deny", &decision),
+    );
+    assert_eq!(decided.status, 200, "{}", decided.body);
+    assert_eq!(decided.body["status"], "denied", "{}", decided.body);
+    assert_eq!(h.operator.request(&id).await.body["status"], "denied");
+    // The waiting submission is refused unread as before, and consumes nothing.
+    assert_eq!(waited.status, 503, "{}", waited.body);
+    assert_eq!(waited.code(), "body_budget_exhausted");
+    assert_eq!(waited.retry_after(), Some(1));
+    assert_eq!(h.rows().await, 1, "the refused submission wrote nothing");
+
+    // The held body, sent whole at last, is created as it always was.
+    write.write_all(&whole[64 << 10..]).await.unwrap();
+    let answer = tokio::time::timeout(support::eventually::PATIENCE, read_answer(&mut read))
+        .await
+        .expect("the whole body was answered");
+    assert!(
+        answer.starts_with("HTTP/1.1 202"),
+        "{}",
+        &answer[..answer.len().min(500)]
+    );
+    assert_eq!(h.rows().await, 2);
+    drop((read, write));
+    assert_eventually("the body's bytes are given back", async || {
+        metric(&h.metrics().await, "broker_buffered_bytes ") == Some(0)
+    })
+    .await;
+    // The agent sees its request denied, once there is room to answer it whole.
+    let agent_view = h
+        .get(
+            &format!("/api/agent/v1/operations/{id}"),
+            Some(AGENT_SECRET),
+        )
+        .await;
+    assert_eq!(agent_view.state(), "denied", "{}", agent_view.body);
 }

@@ -76,8 +76,12 @@ pub(crate) struct Core {
     pub(crate) waits: Waits,
     /// Each client's share of requests in flight (the router's fairness layer).
     pub(crate) fairness: Fairness,
-    /// The bytes request bodies may hold buffered at once, across every request.
+    /// The bytes agents' request bodies and rendered answers may hold buffered at once
+    /// (`--buffered-bytes`).
     pub(crate) budget: ByteBudget,
+    /// The bytes operator decision bodies may hold buffered at once, apart from `budget` so no
+    /// client's load can keep a decision out (`api::operator::decisions::decision_room`).
+    pub(crate) decision_budget: ByteBudget,
     /// How long a request waits for a decision (`--pending-timeout`; its `pending_expires_at`
     /// is its creation plus this): the one place the broker reads the pending timeout from.
     pub(crate) pending_timeout: Duration,

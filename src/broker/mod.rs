@@ -185,9 +185,12 @@ pub struct BrokerSettings {
     /// Each client's share of requests in flight, and the capacity kept for exempt requests
     /// (health, readiness, metrics, cancellation, operator routes); see [`crate::fairness`].
     pub fairness: FairnessConfig,
-    /// The most bytes of request bodies held buffered at once, across every request
-    /// ([`DEFAULT_BUFFERED_BYTES`] by default); past it a body waits a second for room, then is
-    /// answered 503 `body_budget_exhausted` unread.
+    /// The most bytes of request bodies (and answers being rendered) held buffered at once,
+    /// across every request of the agent listener ([`DEFAULT_BUFFERED_BYTES`] by default); past
+    /// it a body waits a second for room, then is answered 503 `body_budget_exhausted` unread.
+    /// Operator decision bodies have a room of their own beside it, one largest decision body
+    /// (96 KiB) per unit of [`FairnessConfig::exempt_reserved_units`], so no client's load
+    /// keeps a decision out.
     pub buffered_bytes: usize,
     /// How many Operator V1 event streams may be open at once, per operator and in total.
     pub event_streams: EventStreamLimits,

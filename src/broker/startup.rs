@@ -159,6 +159,8 @@ impl Broker {
         fairness.register(&mut registry);
         let budget = ByteBudget::new(settings.buffered_bytes);
         budget.register(&mut registry);
+        let decision_budget =
+            ByteBudget::new(api::operator::decisions::decision_room(&settings.fairness));
         let body_metrics = listener::BodyMetrics::default();
         body_metrics.register(&mut registry);
         let retention = Arc::new(Retention::new(settings.retention.clone(), &mut registry));
@@ -195,6 +197,7 @@ impl Broker {
             waits: Waits::default(),
             fairness,
             budget,
+            decision_budget,
             pending_timeout: settings.pending_timeout,
             operator_decisions,
             expiries: PendingExpiries::default(),

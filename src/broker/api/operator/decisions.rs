@@ -4,10 +4,12 @@
 //! 1. The path (an id past 128 characters is 400), then the credential (401), then the action
 //!    (any other is 404 `route not found`).
 //! 2. The body: `Content-Type: application/json` (parameters allowed; else 415), at most
-//!    [`MAX_DECISION_BYTES`], strictly the contract's `Decision` (unknown or repeated fields,
-//!    `null` where a value is due, trailing data, a bound broken: 400 `decision body is invalid`),
-//!    then normalized (the key trimmed, no control characters; `constraints` only on approve,
-//!    `notification` not on revoke: else 400 `request is invalid`). See [`parse_decision`].
+//!    [`MAX_DECISION_BYTES`], read within the decisions' own room (`decision_room`, not the
+//!    agents' buffered-bytes budget), strictly the contract's `Decision` (unknown or repeated
+//!    fields, `null` where a value is due, trailing data, a bound broken: 400 `decision body is
+//!    invalid`), then normalized (the key trimmed, no control characters; `constraints` only on
+//!    approve, `notification` not on revoke: else 400 `request is invalid`). See
+//!    [`parse_decision`].
 //! 3. From here the decision is made, in one store transaction run to its end whether or not the
 //!    operator waits (`Core::decide_to_end`): the idempotency record of
 //!    (request, action, key) (the same command replays what it committed, 200 with
@@ -49,9 +51,20 @@ use crate::broker::store::{
     DecidedMove, DecisionCommand, DecisionOutcome, DecisionScope, OperationRecord,
 };
 use crate::engine::OperationState;
+use crate::fairness::FairnessConfig;
 
 /// The largest decision body, in bytes (unYOLO's `maxDecisionBodyBytes`).
 pub const MAX_DECISION_BYTES: usize = 96 * 1024;
+
+/// The bytes decision bodies may hold buffered at once, across every operator: one largest
+/// body ([`MAX_DECISION_BYTES`]) per unit of the exempt reserve (`--exempt-reserved`, 32 by
+/// default: 3 MiB), at least one. A room of their own, apart from the agents' buffered-bytes
+/// budget, so that no client's load (bodies held or waiting there) can make a decision wait or
+/// be refused (SPEC section 6: the exempt paths keep capacity reserved); decisions wait only
+/// for other decisions, and only an authenticated operator's body is read into it.
+pub(crate) fn decision_room(fairness: &FairnessConfig) -> usize {
+    MAX_DECISION_BYTES.saturating_mul(fairness.exempt_reserved_units.max(1) as usize)
+}
 
 /// The `Idempotency-Replayed` header of a replayed decision.
 pub const IDEMPOTENCY_REPLAYED: HeaderName = HeaderName::from_static("idempotency-replayed");
@@ -430,7 +443,8 @@ pub(crate) async fn decide(
             "content type must be application/json",
         ));
     }
-    let parsed = match read_body(&core.budget, &headers, body, MAX_DECISION_BYTES).await {
+    // Read within the decisions' own room, never the agents' budget (see [`decision_room`]).
+    let parsed = match read_body(&core.decision_budget, &headers, body, MAX_DECISION_BYTES).await {
         Ok((bytes, _held)) => parse_decision(action, &bytes),
         Err(err) => Err(OperatorError::from(err)),
     };

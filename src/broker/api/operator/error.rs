@@ -243,7 +243,8 @@ impl From<StoreError> for OperatorError {
 }
 
 /// A decision body the shared reader refused: too large, cut off or unreadable is a 400
-/// (`decision body is invalid`); no room in the buffered-bytes budget a retryable 503.
+/// (`decision body is invalid`); no room in the decisions' own room (other decisions' bodies
+/// fill it; see `decisions::decision_room`) a retryable 503.
 impl From<ApiError> for OperatorError {
     fn from(err: ApiError) -> OperatorError {
         if err.status() == StatusCode::SERVICE_UNAVAILABLE {
