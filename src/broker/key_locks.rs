@@ -18,9 +18,10 @@ use tokio::sync::OwnedMutexGuard;
 /// A key's lock and how many hold it or wait for it.
 type Entry = (Arc<tokio::sync::Mutex<()>>, usize);
 
-/// The locks of the (client, key) pairs in use, by [`name`]. Sharded, so submissions of
-/// different keys meet on a shard's lock only when they share it, and only for a map step. Keys
-/// come from clients, so the map keeps the standard library's keyed (SipHash) hasher.
+/// The locks of the (client, key) pairs in use, by one string naming each pair. Sharded, so
+/// submissions of different keys meet on a shard's lock only when they share it, and only for a
+/// map step. Keys come from clients, so the map keeps the standard library's keyed (SipHash)
+/// hasher.
 #[derive(Default)]
 pub struct KeyLocks {
     in_use: DashMap<Arc<str>, Entry>,
