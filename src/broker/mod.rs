@@ -278,11 +278,6 @@ impl BrokerSettings {
                 "no operator: give at least one `name = secret` line".to_owned(),
             ));
         }
-        if self.pending_timeout.is_zero() {
-            return Err(BrokerError::Settings(
-                "the pending timeout must be longer than zero".to_owned(),
-            ));
-        }
         if let Some(problem) = self.connections.problem() {
             return Err(BrokerError::Settings(problem));
         }

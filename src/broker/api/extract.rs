@@ -197,7 +197,9 @@ pub(crate) async fn read_body(
     }
     let room = declared.map_or(limit, |n| n as usize);
     let mut reservation = budget.reserve(room, BUDGET_WAIT).await.map_err(|refusal| {
-        tracing::warn!(bytes = room, %refusal, "request body refused: buffered-bytes budget");
+        // The agents' buffered-bytes budget, or the operator decisions' own room.
+        let budget_bytes = budget.total();
+        tracing::warn!(bytes = room, budget_bytes, %refusal, "request body refused: its byte budget is full");
         ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "body_budget_exhausted",
