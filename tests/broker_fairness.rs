@@ -377,8 +377,9 @@ async fn a_heavy_answer_reserves_its_rendering_in_the_byte_budget_and_past_it_is
     let replay = h.submit(AGENT_SECRET, &heavy_request("heavy", HEAVY)).await;
     assert_eq!(replay.status, 503, "{}", replay.body);
     assert_eq!(replay.code(), "response_budget_exhausted");
-    // A cancel reads and answers the whole row too: exempt from the fairness share, not from
-    // the budget (many cancels of heavy rows once held memory well past it).
+    // A cancel of an ended operation (a `demo.run` runs at once) is a read of the whole row too:
+    // exempt from the fairness share, not from the budget (many cancels of heavy rows once held
+    // memory well past it).
     let cancel = h
         .post(&format!("{heavy_path}/cancel"), Some(AGENT_SECRET))
         .await;
@@ -424,21 +425,8 @@ async fn a_heavy_answer_reserves_its_rendering_in_the_byte_budget_and_past_it_is
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_body_holding_the_whole_byte_budget_cannot_keep_out_an_operator_decision() {
-    use tokio::io::AsyncWriteExt;
-    const BODY: usize = 1 << 20;
-    // Room for one whole submission body and 24 bytes more: no decision body fits beside it.
-    let budget = BODY + 24;
     let dir = tempfile::tempdir().unwrap();
-    let h = start_with(BrokerSettings {
-        buffered_bytes: budget,
-        // No minimum rate: the agent's body stays held until the test sends the rest.
-        connections: unyolo_admission::broker::ConnectionSettings {
-            body_min_rate: 0,
-            ..Default::default()
-        },
-        ..settings(dir.path(), ROOMY, StorageCaps::default())
-    })
-    .await;
+    let h = HeldBody::start_broker(dir.path()).await;
     let asked = h
         .submit(AGENT_SECRET, &request("asks", "demo.request", 0))
         .await;
@@ -446,31 +434,7 @@ async fn an_agent_body_holding_the_whole_byte_budget_cannot_keep_out_an_operator
     let id = asked.id();
     let revision = asked.body["revision"].as_u64().unwrap();
 
-    // The agent's submission: a valid body of exactly BODY bytes (padded in its arguments), its
-    // first 64 KiB sent and the rest held, so its room is the whole budget but 24 bytes.
-    let prefix = concat!(
-        r#"{"idempotency_key":"whole","operation":"demo.run","#,
-        r#""target":{"repo":"unyolo/test"},"arguments":{"duration_ms":0,"padding":""#
-    );
-    let suffix = r#""},"reason":"a whole body"}"#;
-    let mut whole = prefix.as_bytes().to_vec();
-    whole.resize(BODY - suffix.len(), b'x');
-    whole.extend_from_slice(suffix.as_bytes());
-    let stream = tokio::net::TcpStream::connect(h.broker.local_addr())
-        .await
-        .unwrap();
-    let (mut read, mut write) = stream.into_split();
-    let head = format!(
-        "POST /api/agent/v1/operations HTTP/1.1\r\nHost: x\r\n\
-         Authorization: Bearer {AGENT_SECRET}\r\nContent-Type: application/json\r\n\
-         Content-Length: {BODY}\r\n\r\n"
-    );
-    write.write_all(head.as_bytes()).await.unwrap();
-    write.write_all(&whole[..64 << 10]).await.unwrap();
-    assert_eventually("the agent's body holds the budget", async || {
-        metric(&h.metrics().await, "broker_buffered_bytes ") == Some(BODY as u64)
-    })
-    .await;
+    let held = HeldBody::hold(&h, HeldBody::BODY).await;
 
     // Another client's submission waits in line for room meanwhile, and the operator denies the
     // request: the decision is applied while the agent's body is still held (before: it waited
@@ -491,21 +455,8 @@ async fn an_agent_body_holding_the_whole_byte_budget_cannot_keep_out_an_operator
     assert_eq!(h.rows().await, 1, "the refused submission wrote nothing");
 
     // The held body, sent whole at last, is created as it always was.
-    write.write_all(&whole[64 << 10..]).await.unwrap();
-    let answer = tokio::time::timeout(support::eventually::PATIENCE, read_answer(&mut read))
-        .await
-        .expect("the whole body was answered");
-    assert!(
-        answer.starts_with("HTTP/1.1 202"),
-        "{}",
-        &answer[..answer.len().min(500)]
-    );
+    held.finish(&h).await;
     assert_eq!(h.rows().await, 2);
-    drop((read, write));
-    assert_eventually("the body's bytes are given back", async || {
-        metric(&h.metrics().await, "broker_buffered_bytes ") == Some(0)
-    })
-    .await;
     // The agent sees its request denied, once there is room to answer it whole.
     let agent_view = h
         .get(
@@ -514,4 +465,126 @@ async fn an_agent_body_holding_the_whole_byte_budget_cannot_keep_out_an_operator
         )
         .await;
     assert_eq!(agent_view.state(), "denied", "{}", agent_view.body);
+}
+
+/// An agent's submission of exactly `bytes` (a valid body, padded in its arguments) on a raw
+/// connection, its first 64 KiB sent and the rest held: its room in the buffered-bytes budget
+/// stays reserved until [`HeldBody::finish`].
+struct HeldBody {
+    read: tokio::net::tcp::OwnedReadHalf,
+    write: tokio::net::tcp::OwnedWriteHalf,
+    whole: Vec<u8>,
+}
+
+impl HeldBody {
+    const SENT: usize = 64 << 10;
+    /// A whole 1 MiB submission body.
+    const BODY: usize = 1 << 20;
+
+    /// A broker whose buffered-bytes budget is one held [`HeldBody::BODY`] and 24 bytes more (no
+    /// decision body or answer fits beside it), with no minimum body rate, so a held body stays
+    /// held until the test sends the rest.
+    async fn start_broker(dir: &std::path::Path) -> support::broker::Harness {
+        start_with(BrokerSettings {
+            buffered_bytes: Self::BODY + 24,
+            connections: unyolo_admission::broker::ConnectionSettings {
+                body_min_rate: 0,
+                ..Default::default()
+            },
+            ..settings(dir, ROOMY, StorageCaps::default())
+        })
+        .await
+    }
+
+    async fn hold(h: &support::broker::Harness, bytes: usize) -> HeldBody {
+        use tokio::io::AsyncWriteExt;
+        let prefix = concat!(
+            r#"{"idempotency_key":"whole","operation":"demo.run","#,
+            r#""target":{"repo":"unyolo/test"},"arguments":{"duration_ms":0,"padding":""#
+        );
+        let suffix = r#""},"reason":"a whole body"}"#;
+        let mut whole = prefix.as_bytes().to_vec();
+        whole.resize(bytes - suffix.len(), b'x');
+        whole.extend_from_slice(suffix.as_bytes());
+        let stream = tokio::net::TcpStream::connect(h.broker.local_addr())
+            .await
+            .unwrap();
+        let (read, mut write) = stream.into_split();
+        let head = format!(
+            "POST /api/agent/v1/operations HTTP/1.1\r\nHost: x\r\n\
+             Authorization: Bearer {AGENT_SECRET}\r\nContent-Type: application/json\r\n\
+             Content-Length: {bytes}\r\n\r\n"
+        );
+        write.write_all(head.as_bytes()).await.unwrap();
+        write.write_all(&whole[..Self::SENT]).await.unwrap();
+        assert_eventually("the agent's body holds the budget", async || {
+            metric(&h.metrics().await, "broker_buffered_bytes ") == Some(bytes as u64)
+        })
+        .await;
+        HeldBody { read, write, whole }
+    }
+
+    /// Sends the rest: the submission is created (202) and its bytes are given back.
+    async fn finish(mut self, h: &support::broker::Harness) {
+        use tokio::io::AsyncWriteExt;
+        self.write
+            .write_all(&self.whole[Self::SENT..])
+            .await
+            .unwrap();
+        let answer =
+            tokio::time::timeout(support::eventually::PATIENCE, read_answer(&mut self.read))
+                .await
+                .expect("the whole body was answered");
+        assert!(
+            answer.starts_with("HTTP/1.1 202"),
+            "{}",
+            &answer[..answer.len().min(500)]
+        );
+        drop(self);
+        assert_eventually("the body's bytes are given back", async || {
+            metric(&h.metrics().await, "broker_buffered_bytes ") == Some(0)
+        })
+        .await;
+    }
+}
+
+/// A cancel is exempt from the fairness share, not from the buffered-bytes budget its answer is
+/// rendered in; with that budget full, the cancel still takes effect, and its 503 says so.
+/// Before: it waited a second for room and was refused with the operation still pending.
+#[tokio::test]
+async fn a_cancel_takes_effect_while_an_agent_body_holds_the_whole_byte_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = HeldBody::start_broker(dir.path()).await;
+    let asked = h
+        .submit(AGENT_SECRET, &request("asks", "demo.request", 0))
+        .await;
+    assert_eq!(asked.status, 202, "{}", asked.body);
+    let id = asked.id();
+    let cancel = format!("/api/agent/v1/operations/{id}/cancel");
+    let held = HeldBody::hold(&h, HeldBody::BODY).await;
+
+    let canceled = h.post(&cancel, Some(AGENT_SECRET)).await;
+    assert_eq!(canceled.status, 503, "{}", canceled.body);
+    assert_eq!(canceled.code(), "response_budget_exhausted");
+    assert_eq!(canceled.retry_after(), Some(1));
+    assert!(
+        canceled.body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("The operation is canceled"),
+        "{}",
+        canceled.body
+    );
+    // Applied, budget or not: the operator's inbox no longer holds it.
+    assert_eq!(h.operator.request(&id).await.body["status"], "canceled");
+    // A second cancel changes nothing and, being a read, waits for room like one.
+    let again = h.post(&cancel, Some(AGENT_SECRET)).await;
+    assert_eq!(again.status, 503, "{}", again.body);
+    assert_eq!(again.code(), "response_budget_exhausted");
+
+    held.finish(&h).await;
+    let read = h.post(&cancel, Some(AGENT_SECRET)).await;
+    assert_eq!(read.status, 200, "{}", read.body);
+    assert_eq!(read.state(), "canceled", "{}", read.body);
+    assert!(read.body["terminal_at"].is_string(), "{}", read.body);
 }

@@ -40,16 +40,32 @@ impl Core {
     /// answering as if it had ended. Never call it holding the counts gate: a creation holding
     /// the key's lock may be waiting for the gate.
     pub(crate) async fn live_once_created(&self, record: &OperationRecord) -> Option<Arc<LiveOp>> {
-        if let Some(op) = self.live_op(&record.id) {
+        self.live_once_created_of(
+            &record.id,
+            &record.client_id,
+            &record.idempotency_key,
+            record.state.is_terminal(),
+        )
+        .await
+    }
+
+    /// [`Core::live_once_created`] from the operation's id, client, key and whether its row was
+    /// read terminal (a [`StoredRequest`](crate::broker::store::StoredRequest) has them without
+    /// the request's text).
+    pub(crate) async fn live_once_created_of(
+        &self,
+        id: &str,
+        client_id: &str,
+        idempotency_key: &str,
+        terminal: bool,
+    ) -> Option<Arc<LiveOp>> {
+        if let Some(op) = self.live_op(id) {
             return Some(op);
         }
-        if !record.state.is_terminal() {
-            drop(
-                self.key_lock(&record.client_id, &record.idempotency_key)
-                    .await,
-            );
+        if !terminal {
+            drop(self.key_lock(client_id, idempotency_key).await);
         }
-        self.live_op(&record.id)
+        self.live_op(id)
     }
 
     /// Moves `op` to `to` (not `executing`; see the executor): store first, then the handle,

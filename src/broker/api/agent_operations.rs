@@ -454,22 +454,28 @@ pub(crate) async fn cancel(
     OperationId(id): OperationId,
 ) -> ApiResult {
     let client = &client;
-    // Its size first (ownership too, without reading it whole), then room in the buffered-bytes
-    // budget for reading and answering it, as a read of it takes: a cancel is exempt from the
-    // fairness share, not from the memory budget.
+    // Its size, state and key first (ownership too), without reading it whole.
     let request = own_request(&core, client, &id).await?;
-    let reservation = reserve_render(&core, render_room(request.bytes)).await?;
-    let record = own_record(&core, client, &id).await?;
-    let Some(op) = core.live_once_created(&record).await else {
-        // Terminal: canceling changes nothing. Read again, after the live lookup, so the answer
-        // is not older than the terminal transition.
-        drop(record);
-        let record = own_record(&core, client, &id).await?;
-        return Ok(rendered(StatusCode::OK, record.into_json(), reservation));
+    let room = render_room(request.bytes);
+    let live = core
+        .live_once_created_of(
+            &request.id,
+            &request.client_id,
+            &request.idempotency_key,
+            request.terminal,
+        )
+        .await;
+    let Some(op) = live else {
+        // Terminal: canceling changes nothing, so it is a read of the operation, with room in
+        // the buffered-bytes budget reserved before the row is read (after the live lookup, so
+        // the answer is not older than the terminal transition).
+        return terminal_answer(&core, client, &id, room).await;
     };
-    drop(record);
-    // Decided: the write and the handle's move run to their end even if the client hangs up.
-    // The client decides its own cancel: it is `decided_by` (a cancel of approved work revokes).
+    // Decided before any room is asked for: the agents' buffered-bytes budget may be full (a
+    // cancel is exempt from the fairness share, not from that budget), and a cancel must take
+    // effect even then (SPEC section 6). The write and the handle's move run to their end even if
+    // the client hangs up. The client decides its own cancel: it is `decided_by` (a cancel of
+    // approved work revokes).
     let change = StateChange {
         error: OperationError::ended_by_decision(OperationState::Canceled),
         decision: Some(DecisionMark {
@@ -483,19 +489,37 @@ pub(crate) async fn cancel(
         .transition_to_end(op, OperationState::Canceled, change)
         .await
     {
-        Ok(record) => Ok(rendered(StatusCode::OK, record.into_json(), reservation)),
+        // Canceled. Its answer is rendered within the budget like any other; without room in
+        // time it is a retryable 503 that says the cancel took effect (a retry reads it).
+        Ok(record) => match reserve_render(&core, room).await {
+            Ok(reservation) => Ok(rendered(StatusCode::OK, record.into_json(), reservation)),
+            Err(_) => Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "response_budget_exhausted",
+                "The operation is canceled, but the broker holds as many bytes of answers as it \
+                 may buffer; retry the cancel shortly to read it.",
+            )
+            .with_retry_after(1)),
+        },
         Err(TransitionFailure::NotAllowed(OperationState::Executing)) => Err(ApiError::new(
             StatusCode::CONFLICT,
             "operation_not_cancelable",
             "The operation is executing and cannot be canceled.",
         )),
-        Err(TransitionFailure::NotAllowed(_)) => {
-            let record = own_record(&core, client, &id).await?;
-            Ok(rendered(StatusCode::OK, record.into_json(), reservation))
-        }
+        // Ended meanwhile (a decision, an expiry, the work's end): a read of it, as above.
+        Err(TransitionFailure::NotAllowed(_)) => terminal_answer(&core, client, &id, room).await,
         Err(TransitionFailure::Store(err)) => Err(err.into()),
     }
 }
+
+/// The answer to a cancel of an operation that has ended: the operation read whole, `room`
+/// reserved in the buffered-bytes budget before it is read, as a read of it takes.
+async fn terminal_answer(core: &Core, client: &Identity, id: &str, room: usize) -> ApiResult {
+    let reservation = reserve_render(core, room).await?;
+    let record = own_record(core, client, id).await?;
+    Ok(rendered(StatusCode::OK, record.into_json(), reservation))
+}
+
 /// A refused submission as the client sees it: counted, logged, and answered with its code,
 /// Retry-After and the quota fields of the decision that refused it (the in-process and the
 /// shared backend alike).

@@ -196,6 +196,8 @@ pub struct StoredRequest {
     pub id: String,
     /// The client that submitted it.
     pub client_id: String,
+    /// The client's idempotency key for it.
+    pub idempotency_key: String,
     /// SHA-256 of the canonical request ([`request_digest`](super::request_digest)).
     pub digest: String,
     /// Bytes of its stored `target`, `arguments` and `reason` together.
@@ -212,7 +214,7 @@ const SUMMARY_COLUMNS: &str = "id, client_id, idempotency_key, operation, state,
 
 /// The columns of a [`StoredRequest`]: `octet_length` takes a value's size from the record
 /// header, without reading the text.
-const REQUEST_COLUMNS: &str = "id, client_id, request_digest, revision, \
+const REQUEST_COLUMNS: &str = "id, client_id, idempotency_key, request_digest, revision, \
     terminal_at IS NOT NULL AS terminal, \
     octet_length(target) + octet_length(arguments) + octet_length(reason) AS bytes";
 
@@ -257,6 +259,7 @@ impl StoredRequest {
         Ok(StoredRequest {
             id: row.get("id")?,
             client_id: row.get("client_id")?,
+            idempotency_key: row.get("idempotency_key")?,
             digest: digest.unwrap_or_default(),
             bytes: row.get::<_, Option<i64>>("bytes")?.unwrap_or(0).max(0) as u64,
             revision: row.get::<_, i64>("revision")?.max(1) as u64,
