@@ -14,7 +14,7 @@ use support::broker::{ROOMY, settings, start_with};
 use support::eventually::assert_eventually;
 use support::http::{read_answer, request};
 use support::metrics::metric;
-use support::secrets::{AGENT, AGENT_SECRET, OTHER_SECRET};
+use support::secrets::{AGENT, AGENT_SECRET, OPERATOR_SECRET, OTHER_SECRET};
 use unyolo_admission::StorageCaps;
 use unyolo_admission::broker::BrokerSettings;
 use unyolo_admission::fairness::FairnessConfig;
@@ -587,4 +587,95 @@ async fn a_cancel_takes_effect_while_an_agent_body_holds_the_whole_byte_budget()
     assert_eq!(read.status, 200, "{}", read.body);
     assert_eq!(read.state(), "canceled", "{}", read.body);
     assert!(read.body["terminal_at"].is_string(), "{}", read.body);
+}
+
+/// Decisions read their bodies within a room of their own (one largest decision body per unit of
+/// the exempt reserve); only other decisions fill it, and its metrics say how full it is. With a
+/// one-unit room filled by one operator's slow decision, another decision waits, then is a
+/// retryable 503 with nothing decided, while the agents' budget is untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_other_decisions_fill_the_decisions_room_and_its_metrics_say_how_full() {
+    use tokio::io::AsyncWriteExt;
+    const ROOM: u64 = 96 * 1024;
+    // The largest decision body: the whole room.
+    const HELD: usize = 96 * 1024;
+    let dir = tempfile::tempdir().unwrap();
+    let base = settings(dir.path(), ROOMY, StorageCaps::default());
+    let h = start_with(BrokerSettings {
+        fairness: FairnessConfig {
+            exempt_reserved_units: 1,
+            ..base.fairness
+        },
+        connections: unyolo_admission::broker::ConnectionSettings {
+            body_min_rate: 0,
+            ..Default::default()
+        },
+        ..base
+    })
+    .await;
+    let mut ids = Vec::new();
+    for key in ["first", "second"] {
+        let asked = h
+            .submit(AGENT_SECRET, &request(key, "demo.request", 0))
+            .await;
+        assert_eq!(asked.status, 202, "{}", asked.body);
+        ids.push(asked.id());
+    }
+    let text = h.metrics().await;
+    assert_eq!(metric(&text, "broker_decision_bytes_limit"), Some(ROOM));
+    assert_eq!(metric(&text, "broker_decision_bytes "), Some(0));
+
+    // A deny of the first, padded with JSON whitespace to 96 KiB, its last byte held back.
+    let mut body = br#"{"expected_revision":1,"idempotency_key":"slow""#.to_vec();
+    body.resize(HELD - 1, b' ');
+    body.push(b'}');
+    let stream = tokio::net::TcpStream::connect(h.operator_addr())
+        .await
+        .unwrap();
+    let (mut read, mut write) = stream.into_split();
+    let head = format!(
+        "POST /api/operator/v1/requests/{}/deny HTTP/1.1\r\nHost: x\r\n\
+         Authorization: Bearer {OPERATOR_SECRET}\r\nContent-Type: application/json\r\n\
+         Content-Length: {HELD}\r\n\r\n",
+        ids[0]
+    );
+    write.write_all(head.as_bytes()).await.unwrap();
+    write.write_all(&body[..HELD - 1]).await.unwrap();
+    assert_eventually("the slow decision holds the room", async || {
+        metric(&h.metrics().await, "broker_decision_bytes ") == Some(HELD as u64)
+    })
+    .await;
+
+    let decision = serde_json::json!({"expected_revision": 1, "idempotency_key": "quick"});
+    let refused = h.operator.decide(&ids[1], "deny", &decision).await;
+    assert_eq!(refused.status, 503, "{}", refused.body);
+    assert_eq!(refused.code(), "temporarily_unavailable");
+    assert_eq!(refused.header("retry-after"), Some("1"));
+    assert_eq!(h.operator.request(&ids[1]).await.body["status"], "pending");
+    let text = h.metrics().await;
+    assert_eq!(
+        metric(&text, "broker_decision_bytes_refused_total"),
+        Some(1)
+    );
+    assert_eq!(metric(&text, "broker_buffered_bytes "), Some(0), "{text}");
+    assert_eq!(
+        metric(&text, "broker_buffered_bytes_refused_total"),
+        Some(0),
+        "{text}"
+    );
+
+    // The slow decision ends; its room comes back, and the other decision is taken.
+    write.write_all(&body[HELD - 1..]).await.unwrap();
+    let answer = tokio::time::timeout(support::eventually::PATIENCE, read_answer(&mut read))
+        .await
+        .expect("the slow decision was answered");
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(answer.contains(r#""status":"denied""#), "{answer}");
+    assert_eventually("the slow decision's room comes back", async || {
+        metric(&h.metrics().await, "broker_decision_bytes ") == Some(0)
+    })
+    .await;
+    let taken = h.operator.decide(&ids[1], "deny", &decision).await;
+    assert_eq!(taken.status, 200, "{}", taken.body);
+    assert_eq!(taken.body["status"], "denied", "{}", taken.body);
 }

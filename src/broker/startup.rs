@@ -161,6 +161,12 @@ impl Broker {
         budget.register(&mut registry);
         let decision_budget =
             ByteBudget::new(api::operator::decisions::decision_room(&settings.fairness));
+        decision_budget.register_as(
+            &mut registry,
+            "broker_decision_bytes",
+            "operator decision bodies being read (a room of their own, apart from the agents' \
+             buffered bytes)",
+        );
         let body_metrics = listener::BodyMetrics::default();
         body_metrics.register(&mut registry);
         let retention = Arc::new(Retention::new(settings.retention.clone(), &mut registry));

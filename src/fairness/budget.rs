@@ -134,20 +134,33 @@ impl ByteBudget {
     /// Registers `broker_buffered_bytes` (reserved now), `broker_buffered_bytes_limit` (the
     /// budget) and `broker_buffered_bytes_refused_total` (reservations refused) in `registry`.
     pub fn register(&self, registry: &mut Registry) {
-        registry.register(
+        self.register_as(
+            registry,
             "broker_buffered_bytes",
-            "Bytes reserved for request bodies being read and responses being rendered.",
+            "request bodies being read and responses being rendered",
+        );
+    }
+
+    /// Registers this budget's three metrics under `name` (reserved now), `{name}_limit` (the
+    /// budget) and `{name}_refused_total` (reservations refused), `what` saying what it holds:
+    /// for a budget other than the agents' buffered bytes, such as the operator decisions' room.
+    pub fn register_as(&self, registry: &mut Registry, name: &str, what: &str) {
+        registry.register(
+            name,
+            format!("Bytes reserved for {what}."),
             self.shared.buffered.clone(),
         );
         registry.register(
-            "broker_buffered_bytes_limit",
-            "The budget for buffered bytes.",
+            format!("{name}_limit"),
+            format!("The budget for {what}, in bytes."),
             self.shared.limit.clone(),
         );
         registry.register(
-            "broker_buffered_bytes_refused",
-            "Reservations of buffered bytes refused: no room within the wait, or larger than the \
-             whole budget.",
+            format!("{name}_refused"),
+            format!(
+                "Reservations of bytes for {what} refused: no room within the wait, or larger \
+                 than the whole budget."
+            ),
             self.shared.refused.clone(),
         );
     }
