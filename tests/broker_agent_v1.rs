@@ -658,11 +658,20 @@ async fn waits_are_bounded_per_client_never_block_others_and_end_at_shutdown() {
         })
     };
     let mut waiters: Vec<_> = (0..max).map(|_| wait()).collect();
-    // Once all are open, one more is refused (a zero-second probe, so a probe let in ends at once).
-    let probe = events(&id, 1, 0);
+    // Once all are open, one more that would wait is refused (a one-second probe, so a probe let
+    // in ends soon).
+    let probe = events(&id, 1, 1);
     let refused = fill_wait_slots(&h, &probe, &mut waiters, &wait).await;
     assert_eq!(refused.code(), "too_many_waits");
     assert!(refused.retry_after().is_some_and(|s| s >= 1));
+    // A wait that answers at once needs no slot: its revision already above N, no time to wait,
+    // or an id that is not the client's (before: 429 `too_many_waits` for each).
+    let at_once = h.get(&events(&id, 0, 30), Some(AGENT_SECRET)).await;
+    assert_eq!((at_once.status, revision(&at_once.body)), (200, 1));
+    let no_time = h.get(&events(&id, 1, 0), Some(AGENT_SECRET)).await;
+    assert_eq!((no_time.status, revision(&no_time.body)), (200, 1));
+    let unknown = h.get(&events("op_nope", 0, 30), Some(AGENT_SECRET)).await;
+    assert_eq!((unknown.status, unknown.code()), (404, "not_found"));
     // Nothing else of this client waits behind them, nor does any other client.
     assert_eq!(h.get(&op_path(&id), Some(AGENT_SECRET)).await.status, 200);
     let other = h
@@ -707,7 +716,7 @@ async fn a_client_that_hangs_up_mid_wait_gives_its_wait_slots_back() {
         tokio::spawn(request)
     };
     let mut waiters: Vec<_> = (0..max).map(|_| wait()).collect();
-    let probe = events(&id, 1, 0);
+    let probe = events(&id, 1, 1);
     fill_wait_slots(&h, &probe, &mut waiters, &wait).await;
     for waiter in &waiters {
         waiter.abort();

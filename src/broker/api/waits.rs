@@ -22,6 +22,7 @@ use super::extract::{
     Client, OperationId, QueryPairs, own_request, parse_integer, render_operation, single_params,
 };
 use crate::broker::core::Core;
+use crate::broker::store::StoredRequest;
 use crate::broker::waits::{MAX_WAITS_PER_CLIENT, TooManyWaits};
 
 /// The longest `wait_seconds`.
@@ -69,7 +70,23 @@ pub(crate) async fn wait_for_change(
         wait,
     } = parse_query(pairs)?;
     let deadline = tokio::time::Instant::now() + wait;
-    // Enter before the first read: a change committed after that read rings this slot's bell.
+    let mut shutdown = core.shutdown.clone();
+    // Whether `request`, read now, is the answer: its revision is above N, it has ended (it will
+    // not change again, as upstream's wait knows), the time is up, or the broker is stopping.
+    let answers = |request: &StoredRequest, shutdown: &tokio::sync::watch::Receiver<bool>| {
+        request.revision > after_revision
+            || request.terminal
+            || tokio::time::Instant::now() >= deadline
+            || *shutdown.borrow()
+    };
+    // A first read, without a wait slot: a wait that answers at once (or an id that is not the
+    // client's) holds no slot, so a client whose slots are all open still reads through this
+    // route what it would read at once.
+    let request = own_request(&core, client, &id).await?;
+    if answers(&request, &shutdown) {
+        return answer(&core, &request).await;
+    }
+    // Enter before the next read: a change committed after that read rings this slot's bell.
     let mut slot = core
         .waits
         .enter(client.as_str(), &id)
@@ -82,21 +99,12 @@ pub(crate) async fn wait_for_change(
             )
             .with_retry_after(1)
         })?;
-    let mut shutdown = core.shutdown.clone();
     loop {
         // Each wake-up reads the revision only; the operation is read and rendered once, within
         // the buffered-bytes budget, when it is the answer.
         let request = own_request(&core, client, &id).await?;
-        // An ended operation will not change again: it answers at once, as upstream's wait
-        // does, rather than holding a wait slot for nothing.
-        if request.revision > after_revision
-            || request.terminal
-            || tokio::time::Instant::now() >= deadline
-            || *shutdown.borrow()
-        {
-            return render_operation(&core, &request, StatusCode::OK)
-                .await?
-                .ok_or_else(ApiError::operation_not_found);
+        if answers(&request, &shutdown) {
+            return answer(&core, &request).await;
         }
         tokio::select! {
             _ = slot.rung() => {}
@@ -104,6 +112,13 @@ pub(crate) async fn wait_for_change(
             _ = shutdown.wait_for(|stop| *stop) => {}
         }
     }
+}
+
+/// The operation `request` names, read whole and rendered within the buffered-bytes budget.
+async fn answer(core: &Core, request: &StoredRequest) -> ApiResult {
+    render_operation(core, request, StatusCode::OK)
+        .await?
+        .ok_or_else(ApiError::operation_not_found)
 }
 
 #[cfg(test)]
