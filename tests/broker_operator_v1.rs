@@ -567,6 +567,14 @@ async fn the_conformance_lifecycle_approve_replay_conflict_stale_revoke_revoke()
     assert_eq!(replay.status, 200);
     assert_eq!(replay.header("idempotency-replayed"), Some("true"));
     assert_eq!(replay.body, approved.body);
+    // Empty constraints are none, as unYOLO's Go client sends them: the same command, replayed
+    // (before: 409 `idempotency_conflict`).
+    let mut empty = approve.clone();
+    empty["constraints"] = json!({});
+    let replay = h.operator.decide(&id, "approve", &empty).await;
+    assert_eq!(replay.status, 200, "{}", replay.body);
+    assert_eq!(replay.header("idempotency-replayed"), Some("true"));
+    assert_eq!(replay.body, approved.body);
     let mut changed = approve.clone();
     changed["on_behalf_of"] = json!("changed");
     let conflict = h.operator.decide(&id, "approve", &changed).await;

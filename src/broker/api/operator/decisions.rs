@@ -245,7 +245,7 @@ pub fn parse_decision(action: Action, bytes: &[u8]) -> Result<DecisionBody, Oper
         return Err(OperatorError::invalid_body());
     }
     // Normalized as unYOLO's broker does: the texts trimmed, bounded in bytes too, and empty
-    // constraints (`{}`, which its Go client sends) the same as none on a deny or revoke.
+    // constraints (`{}`, which its Go client sends) the same as none, for every action.
     let key = wire.idempotency_key.trim();
     let on_behalf_of = wire
         .on_behalf_of
@@ -253,9 +253,9 @@ pub fn parse_decision(action: Action, bytes: &[u8]) -> Result<DecisionBody, Oper
         .map(str::trim)
         .filter(|who| !who.is_empty())
         .map(str::to_owned);
-    let constraints = wire.constraints.filter(|c| {
-        action == Action::Approve || c.duration_seconds.is_some() || c.max_uses.is_some()
-    });
+    let constraints = wire
+        .constraints
+        .filter(|c| c.duration_seconds.is_some() || c.max_uses.is_some());
     let normalizes = !key.is_empty()
         && key.len() <= 200
         && !key.contains(char::is_control)
@@ -767,7 +767,7 @@ mod tests {
     }
 
     #[test]
-    fn texts_are_trimmed_and_empty_constraints_on_a_deny_or_revoke_are_none() {
+    fn texts_are_trimmed_and_empty_constraints_are_none() {
         let padded = parse(
             Action::Approve,
             r#"{"expected_revision":1,"idempotency_key":" k ","on_behalf_of":"  ada  "}"#,
@@ -790,7 +790,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(blank.on_behalf_of, None);
-        for action in [Action::Deny, Action::Revoke] {
+        for action in [Action::Approve, Action::Deny, Action::Revoke] {
             let empty = parse(
                 action,
                 r#"{"expected_revision":1,"idempotency_key":"k","constraints":{}}"#,
