@@ -316,7 +316,7 @@ async fn a_bad_start_is_refused_as_json_before_any_stream_and_opens_nothing() {
     let server = serve(dir.path(), &[]);
     let id = submit_request(&server, "one", 0).await;
     let long = "A".repeat(1025);
-    let cases: [(&str, Vec<&str>, u16, &str, &str); 7] = [
+    let cases: [(&str, Vec<&str>, u16, &str, &str); 8] = [
         (
             "cursor=zz",
             vec![],
@@ -347,6 +347,15 @@ async fn a_bad_start_is_refused_as_json_before_any_stream_and_opens_nothing() {
         ),
         (
             "",
+            vec!["AAAAAAAAAAE", "AAAAAAAAAAI"],
+            400,
+            "invalid_request",
+            "request is invalid",
+        ),
+        // Two headers are refused even when the query's cursor is the start, as upstream binds
+        // the header before it looks at the query (before: the stream opened).
+        (
+            "cursor=AAAAAAAAAAE",
             vec!["AAAAAAAAAAE", "AAAAAAAAAAI"],
             400,
             "invalid_request",

@@ -67,11 +67,18 @@ impl<S: Send + Sync> FromRequestParts<S> for StreamStart {
 }
 
 /// The cursor a stream starts after, from the request's query string and headers: the query's
-/// `cursor` (at most once) unless empty, else the `Last-Event-ID` header (at most once, trimmed)
-/// unless empty, else none; either longer than [`MAX_CURSOR_CHARS`] is a 400. Other query
-/// parameters are ignored. The cursor is not decoded here (that is [`decode_cursor`], after
-/// authentication).
+/// `cursor` (at most once) unless empty, else the `Last-Event-ID` header (trimmed) unless
+/// empty, else none. The header given more than once is a 400 whichever starts the stream, and
+/// either longer than [`MAX_CURSOR_CHARS`] is a 400. Other query parameters are ignored. The
+/// cursor is not decoded here (that is [`decode_cursor`], after authentication).
 pub fn stream_start(query: Option<&str>, headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+    // The header is bound first, as upstream's generated router does: given twice, it is a 400
+    // whatever the query says.
+    let mut ids = headers.get_all("last-event-id").iter();
+    let (first, second) = (ids.next(), ids.next());
+    if second.is_some() {
+        return Err(ApiError::invalid("Last-Event-ID is given more than once."));
+    }
     let mut cursor: Option<String> = None;
     for (name, value) in query_pairs(query.unwrap_or(""))? {
         if name != "cursor" {
@@ -87,11 +94,6 @@ pub fn stream_start(query: Option<&str>, headers: &HeaderMap) -> Result<Option<S
     if let Some(cursor) = cursor.filter(|c| !c.is_empty()) {
         bounded("cursor", &cursor)?;
         return Ok(Some(cursor));
-    }
-    let mut ids = headers.get_all("last-event-id").iter();
-    let (first, second) = (ids.next(), ids.next());
-    if second.is_some() {
-        return Err(ApiError::invalid("Last-Event-ID is given more than once."));
     }
     let Some(value) = first else {
         return Ok(None);
