@@ -266,7 +266,7 @@ async fn the_list_filters_by_status_group_requester_operation_and_target() {
         .await
         .id();
     let mut elsewhere = request("elsewhere", "demo.request", 0);
-    elsewhere["target"] = json!({"repo": "elsewhere"});
+    elsewhere["target"] = json!({"repo": "elsewhere", "draft": true, "pr": 12, "note": null});
     let elsewhere = h.submit(AGENT_SECRET, &elsewhere).await.id();
     let queued = pending_request(&h, "queued").await;
     let denied = pending_request(&h, "denied").await;
@@ -306,6 +306,21 @@ async fn the_list_filters_by_status_group_requester_operation_and_target() {
         list("status=pending&target_kind=demo&target.repo=unyolo/test&target.branch=main").await,
         newest_first(&h, &[&other, &pending]).await
     );
+    // A scalar matches by its JSON text (before: `true` matched only as `1`, `null` never).
+    for query in ["target.draft=true", "target.pr=12", "target.note=null"] {
+        assert_eq!(
+            list(&format!("target_kind=demo&{query}")).await,
+            std::slice::from_ref(&elsewhere),
+            "{query}"
+        );
+    }
+    for query in ["target.draft=1", "target.draft=false", "target.repo=null"] {
+        assert_eq!(
+            list(&format!("target_kind=demo&{query}")).await,
+            Vec::<String>::new(),
+            "{query}"
+        );
+    }
     // A field's values are a set: a repeat changes nothing, two values match nothing here.
     assert_eq!(
         list("target_kind=demo&target.repo=elsewhere&target.repo=elsewhere").await,

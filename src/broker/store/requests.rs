@@ -78,7 +78,15 @@ fn page_sql(query: &RequestQuery) -> (String, Vec<SqlValue>) {
             sql.push_str(" AND 0");
             continue;
         }
-        sql.push_str(" AND CAST(json_extract(target, ?) AS TEXT) = ?");
+        // A string by its value, any other scalar by its JSON text: SQLite's `json_extract`
+        // gives `true` as 1 and `null` as NULL, so those are named by their type.
+        // The path is bound once and named twice by its number (the next `?` numbers on).
+        let (path, value) = (values.len() + 1, values.len() + 2);
+        sql.push_str(&format!(
+            " AND (CASE json_type(target, ?{path}) WHEN 'true' THEN 'true' \
+             WHEN 'false' THEN 'false' WHEN 'null' THEN 'null' \
+             ELSE CAST(json_extract(target, ?{path}) AS TEXT) END) = ?{value}"
+        ));
         values.push(SqlValue::Text(format!("$.\"{field}\"")));
         values.push(SqlValue::Text(wanted[0].clone()));
     }
