@@ -251,6 +251,8 @@ async fn every_answer_carries_no_store_and_every_error_the_error_shape() {
         )
         .await;
     assert_error_shape(&reply, 429, "stream_storage_limit", "stream cap");
+    // It names the store, not an operation (before: `Operation admission limit reached`).
+    assert_eq!(reply.body["error"]["message"], "The stream store is full.");
     assert!(reply.retry_after().is_some_and(|s| s >= 1));
     // Two tokens spent ("a" and nothing else: the replay, the conflict and the 413 spent none).
     assert_eq!(

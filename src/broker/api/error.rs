@@ -64,8 +64,9 @@ impl ApiError {
         ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", message)
     }
 
-    /// An admission refusal: its status and code, [`REFUSAL_MESSAGE`] and its Retry-After (at
-    /// least 1 second).
+    /// An admission refusal: its status and code, [`REFUSAL_MESSAGE`] (for a store's cap, the
+    /// sentence that names the store: a stream upload is not an operation) and its Retry-After
+    /// (at least 1 second).
     pub(crate) fn refused(refusal: Refusal) -> ApiError {
         let status = StatusCode::from_u16(refusal.code.http_status())
             .unwrap_or(StatusCode::TOO_MANY_REQUESTS);
@@ -76,10 +77,16 @@ impl ApiError {
                 "This client is not configured for admission.",
             );
         }
+        let message = match refusal.code {
+            RefusalCode::StreamStorageLimit | RefusalCode::SealedPayloadStorageLimit => {
+                format!("{}.", refusal.message())
+            }
+            _ => REFUSAL_MESSAGE.to_owned(),
+        };
         ApiError {
             status,
             code: refusal.code.as_str(),
-            message: REFUSAL_MESSAGE.to_owned(),
+            message,
             retry_after: Some(refusal.retry_after_secs().max(1)),
         }
     }
