@@ -693,7 +693,9 @@ async fn a_decision_needs_a_json_content_type_and_the_contracts_strict_body() {
     for (body, message) in [
         (b"{".to_vec(), "decision body is invalid"),
         (b"".to_vec(), "decision body is invalid"),
-        (br#"{"expected_revision":1}"#.to_vec(), "decision body is invalid"),
+        // No key: the body decodes, and the command does not normalize, as upstream judges it.
+        (br#"{"expected_revision":1}"#.to_vec(), "request is invalid"),
+        (br#"{"expected_revision":0,"idempotency_key":"k"}"#.to_vec(), "request is invalid"),
         (
             br#"{"expected_revision":1,"idempotency_key":"k","why":"x"}"#.to_vec(),
             "decision body is invalid",

@@ -62,6 +62,7 @@ pub fn operator_decision(data: &[u8]) {
                 fields["expected_revision"].as_u64(),
                 Some(decision.expected_revision)
             );
+            assert!(decision.expected_revision >= 1);
             let key = fields["idempotency_key"].as_str().expect("a string key");
             assert_eq!(key.trim(), decision.idempotency_key);
             assert!(!decision.idempotency_key.is_empty());

@@ -6,10 +6,11 @@
 //! 2. The body: `Content-Type: application/json` (parameters allowed; else 415), at most
 //!    [`MAX_DECISION_BYTES`], read within the decisions' own room (`decision_room`, not the
 //!    agents' buffered-bytes budget), strictly the contract's `Decision` (unknown or repeated
-//!    fields, `null` where a value is due, trailing data, a bound broken: 400 `decision body is
-//!    invalid`), then normalized (the key trimmed, no control characters; `constraints` only on
-//!    approve, `notification` not on revoke: else 400 `request is invalid`). See
-//!    [`parse_decision`].
+//!    fields, `null` where a value is due, trailing data, a constraint or notification bound
+//!    broken: 400 `decision body is invalid`), then normalized as upstream's command is (a
+//!    revision of at least 1, the key present, trimmed, at most 200 bytes, no control
+//!    characters; `on_behalf_of` likewise; `constraints` only on approve, `notification` not on
+//!    revoke: else 400 `request is invalid`). See [`parse_decision`].
 //! 3. From here the decision is made, in one store transaction run to its end whether or not the
 //!    operator waits (`Core::decide_to_end`): the idempotency record of
 //!    (request, action, key) (the same command replays what it committed, 200 with
@@ -131,7 +132,11 @@ pub struct DecisionBody {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct WireDecision {
-    expected_revision: u64,
+    // Absent is 0 and blank, and a revision below 1 is taken, so that each is judged when the
+    // command is normalized ("request is invalid"), as upstream's plain Go struct leaves them.
+    #[serde(default)]
+    expected_revision: i64,
+    #[serde(default)]
     idempotency_key: String,
     #[serde(default, deserialize_with = "present")]
     on_behalf_of: Option<String>,
@@ -214,8 +219,8 @@ impl WireNotification {
 
 /// Judges a decision body for `action` (see the module docs): 400 `decision body is invalid`
 /// for a body that is not the contract's `Decision`, 400 `request is invalid` for one that does
-/// not normalize (a blank key, a control character, constraints on a deny or revoke, a
-/// notification on a revoke).
+/// not normalize (a revision below 1 or absent, a key absent, blank or past 200 bytes, a control
+/// character, constraints on a deny or revoke, a notification on a revoke).
 pub fn parse_decision(action: Action, bytes: &[u8]) -> Result<DecisionBody, OperatorError> {
     let wire: WireDecision =
         serde_json::from_slice(bytes).map_err(|_| OperatorError::invalid_body())?;
@@ -230,12 +235,9 @@ pub fn parse_decision(action: Action, bytes: &[u8]) -> Result<DecisionBody, Oper
             && c.max_uses
                 .is_none_or(|uses| uses.is_none_or(|n| (1..=1_000_000).contains(&n)))
     });
-    let body_valid = (1..=MAX_SAFE_INTEGER).contains(&wire.expected_revision)
-        && chars_within(&wire.idempotency_key, 1, 200)
-        && wire
-            .on_behalf_of
-            .as_deref()
-            .is_none_or(|who| chars_within(who, 0, 200))
+    // The revision's bound is the contract's (JSON's exact integers); its floor, the key and
+    // `on_behalf_of` are judged with the command below.
+    let body_valid = wire.expected_revision <= MAX_SAFE_INTEGER as i64
         && constraints_valid
         && wire
             .notification
@@ -256,7 +258,8 @@ pub fn parse_decision(action: Action, bytes: &[u8]) -> Result<DecisionBody, Oper
     let constraints = wire
         .constraints
         .filter(|c| c.duration_seconds.is_some() || c.max_uses.is_some());
-    let normalizes = !key.is_empty()
+    let normalizes = wire.expected_revision >= 1
+        && !key.is_empty()
         && key.len() <= 200
         && !key.contains(char::is_control)
         && on_behalf_of
@@ -268,7 +271,7 @@ pub fn parse_decision(action: Action, bytes: &[u8]) -> Result<DecisionBody, Oper
         return Err(OperatorError::invalid());
     }
     Ok(DecisionBody {
-        expected_revision: wire.expected_revision,
+        expected_revision: wire.expected_revision as u64,
         idempotency_key: key.to_owned(),
         on_behalf_of,
         constraints: constraints.map(|c| Constraints {
@@ -709,13 +712,11 @@ mod tests {
     #[test]
     fn bodies_that_are_not_the_contracts_decision_are_invalid() {
         for bad in [
-            r#"{"expected_revision":1}"#,
-            r#"{"idempotency_key":"k"}"#,
-            r#"{"expected_revision":0,"idempotency_key":"k"}"#,
             r#"{"expected_revision":1.0,"idempotency_key":"k"}"#,
             r#"{"expected_revision":"1","idempotency_key":"k"}"#,
             r#"{"expected_revision":9007199254740992,"idempotency_key":"k"}"#,
-            r#"{"expected_revision":1,"idempotency_key":""}"#,
+            r#"{"expected_revision":1,"idempotency_key":null}"#,
+            r#"{"expected_revision":null,"idempotency_key":"k"}"#,
             r#"{"expected_revision":1,"idempotency_key":"k","extra":1}"#,
             r#"{"expected_revision":1,"idempotency_key":"k","idempotency_key":"j"}"#,
             r#"{"expected_revision":1,"idempotency_key":"k"} trailing"#,
@@ -735,7 +736,33 @@ mod tests {
 
     #[test]
     fn commands_that_do_not_normalize_are_invalid_requests() {
+        let long_key = format!(
+            r#"{{"expected_revision":1,"idempotency_key":"{}"}}"#,
+            "k".repeat(201)
+        );
+        let long_who = format!(
+            r#"{{"expected_revision":1,"idempotency_key":"k","on_behalf_of":"{}"}}"#,
+            "w".repeat(201)
+        );
+        // Absent, zero or negative revisions and absent, blank or long keys are commands that do
+        // not normalize, as upstream judges them (not bodies that fail to decode).
         for (action, bad) in [
+            (Action::Approve, r#"{"expected_revision":1}"#),
+            (Action::Approve, r#"{"idempotency_key":"k"}"#),
+            (
+                Action::Approve,
+                r#"{"expected_revision":0,"idempotency_key":"k"}"#,
+            ),
+            (
+                Action::Deny,
+                r#"{"expected_revision":-1,"idempotency_key":"k"}"#,
+            ),
+            (
+                Action::Approve,
+                r#"{"expected_revision":1,"idempotency_key":""}"#,
+            ),
+            (Action::Approve, long_key.as_str()),
+            (Action::Revoke, long_who.as_str()),
             (
                 Action::Approve,
                 r#"{"expected_revision":1,"idempotency_key":"   "}"#,
