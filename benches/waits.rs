@@ -250,16 +250,20 @@ fn main() {
                 .collect()
         })
         .collect();
-    // A wait that would answer at once (after_revision 0) is refused while the client's 32 are
-    // open in the broker, and answered (200) until they are. A probe holds a slot for a moment,
-    // so a wait arriving then is refused: such a wait is opened again, until a round in which
-    // every probe is refused and no wait has answered.
+    // A wait that would wait (one second past the current revision) is refused while the
+    // client's 32 are open in the broker, and answered (200, after its second) until they are; a
+    // wait that would answer at once takes no slot, so it cannot probe. A probe holds a slot
+    // while it waits, so a wait arriving then is refused: such a wait is opened again, until a
+    // round in which every probe is refused and no wait has answered.
     let mut reopened = 0;
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let mut settled = true;
         for (c, operation) in operations.iter().enumerate() {
-            let (status, body) = exchange(addr, "GET", &wait_path(operation, 0), c, "");
+            let probe = format!(
+                "/api/agent/v1/operations/{operation}/events?after_revision=1&wait_seconds=1"
+            );
+            let (status, body) = exchange(addr, "GET", &probe, c, "");
             match status {
                 429 => assert_eq!(body["error"]["code"], "too_many_waits"),
                 200 => settled = false,
