@@ -31,10 +31,8 @@
 //!
 //! Authenticate, validate and replay come first and touch no quota; then admit, create the durable
 //! operation under the id the admission made, and commit the permit into a lifecycle handle. The
-//! same lines serve one process and many replicas: only how the [`Admission`] is built changes (a
-//! Redis URL and a replica name), and a replica must also answer
-//! [`AdmitError::Unavailable`] (503 `admission_unavailable`, Redis cannot decide now) and
-//! [`AdmitError::Replay`] (the key was used on another replica).
+//! same lines serve one process and many replicas; see [Going to replicas](#going-to-replicas)
+//! for the four things a replica adds.
 //!
 //! ```
 //! # async fn example() {
@@ -43,7 +41,8 @@
 //!
 //! // Start-up: the identities come from the broker's secrets, the limits from the quota file
 //! // (here the defaults). For replicas, the second argument is
-//! // `Some(ReplicaOptions::new("redis://127.0.0.1:6379", "replica-1"))`.
+//! // `Some(ReplicaOptions::new("redis://127.0.0.1:6379", "replica-1"))`, and a recovery
+//! // source is set before `restore` (see "Going to replicas" below).
 //! let bot = Identity::new("bot-7").unwrap();
 //! let controller = Controller::new(Config::defaults([bot.clone()]));
 //! let admission = Admission::new(controller, None).expect("in-process needs no options");
@@ -102,6 +101,42 @@
 //!
 //! [`Controller`] stays usable on its own, synchronously (`admit`, `commit`, `approve`,
 //! `try_start`, `succeed`), for a process that never needs replicas.
+//!
+//! # Going to replicas
+//!
+//! Several broker processes behind one load balancer share their limits through Redis (cargo
+//! feature `redis`). The calls above stay the same; a correct replica adds four things, and
+//! each one left out breaks a promise:
+//!
+//! 1. **How it is built**: `Admission::new(controller, Some(options))` with
+//!    [`ReplicaOptions::new`]`(redis_url, replica_name)`. The name is unique in the deployment
+//!    and stable across restarts: a restart under the same name replaces what the last run held,
+//!    in one atomic step. Set [`ReplicaOptions::replicas`] to every replica's name: after Redis
+//!    forgets the deployment (a restart without persistence, a flush, a failover to a Redis that
+//!    lacks the state), admissions resume once every replica listed, and every one this replica
+//!    had seen, has registered again (or one lease period has passed, and a silent replica
+//!    counts as dead). A replica that never heard of another — one that restarted together with
+//!    Redis, or started moments before the flush — knows it only from this list; without it,
+//!    it can admit before that replica's holdings are counted again.
+//! 2. **A recovery source**, set with [`Admission::set_recovery_source`] before
+//!    [`Admission::restore`]: an [`admission::RecoverySource`] over your store that gives back
+//!    every stored operation's idempotency key and this replica's recent admissions. When Redis
+//!    forgets, the replica re-registers them with its holdings. Without one, the holdings come
+//!    back but the key bindings and rate buckets do not: a client's retry of a key another
+//!    replica holds becomes a second operation, and a client that spent its bucket gets a
+//!    fresh one.
+//! 3. **Two more answers**: [`AdmitError::Unavailable`] (503 `admission_unavailable` with
+//!    `Retry-After`: Redis cannot decide now, and nothing is ever admitted unchecked) and
+//!    [`AdmitError::Replay`] (the key is bound to an operation on another replica).
+//! 4. **Retiring keys**: when your retention deletes terminal operations, delete them through
+//!    [`Admission::retire_keys_then`] (their keys are unbound on every replica first, then your
+//!    deletion runs, then they are unbound once more past any recovery in flight). Deleted
+//!    without it, a retired key stays bound in Redis and answers
+//!    [`AdmitError::Replay`] for an operation no store holds.
+//!
+//! The shared decision is one atomic Redis script on Redis server time (replicas' clocks never
+//! matter), recorded under the operation's id so a retried release never frees twice. A replica
+//! that cannot renew its lease stops admitting, and the others release what a dead replica held.
 //!
 //! # In an async broker: what a dropped future does
 //!

@@ -6,9 +6,13 @@
 //! an [`AdmitError`]; the permit commits into an [`OperationHandle`] whose transitions release
 //! slots exactly once; [`OperationHandle::start`] waits for an execution slot;
 //! [`Admission::restore`], [`Admission::reload_from_path`], [`Admission::snapshot`] and
-//! [`Admission::register_metrics`] do the rest. The only thing a caller handles in addition when
-//! going to replicas is [`AdmitError::Unavailable`] (503 `admission_unavailable`: the shared store
-//! cannot decide now) and [`AdmitError::Replay`] (the key was used on another replica).
+//! [`Admission::register_metrics`] do the rest. Going to replicas adds four things, each said in
+//! full in the crate docs ("Going to replicas"): the options (a Redis URL, a replica name, and
+//! the list of every replica when known), a [`RecoverySource`] over the store
+//! ([`Admission::set_recovery_source`], before [`Admission::restore`]), two more answers
+//! ([`AdmitError::Unavailable`], 503 `admission_unavailable`: the shared store cannot decide
+//! now; [`AdmitError::Replay`]: the key is bound on another replica), and retiring keys with
+//! the rows they name ([`Admission::retire_keys_then`]).
 //!
 //! Replicated, every decision is the shared store's first (it binds across replicas), then this
 //! process's own engine's (which keeps counting what this replica holds: its drift check, rate
@@ -64,7 +68,8 @@ use crate::metrics::Snapshot;
 ///
 /// let bot = Identity::new("bot-7")?;
 /// let controller = Controller::new(Config::defaults([bot]));
-/// // One process. For replicas: `Admission::new(controller, Some(ReplicaOptions::new(url, name)))?`.
+/// // One process. For replicas: `Admission::new(controller, Some(ReplicaOptions::new(url, name)))?`,
+/// // then `set_recovery_source` before `restore` (the crate docs, "Going to replicas").
 /// let admission = Admission::in_process(controller);
 /// # let mut ran = false;
 /// match admission.admit("bot-7", true, Some("deploy-42")).await {
@@ -393,9 +398,12 @@ impl Admission {
     }
 
     /// Where this replica reads, after Redis forgot the deployment, the key records and recent
-    /// admissions its store holds, so re-registration restores them with its holdings. Without
-    /// one only the holdings are restored. Set it before [`Admission::restore`]; the first one
-    /// set stays. Nothing in-process (the engine's state never leaves the process).
+    /// admissions its store holds, so re-registration restores them with its holdings. Every
+    /// replica needs one: without it only the holdings are restored, so after Redis forgets, a
+    /// retried key bound to an operation this replica holds is admitted as new work elsewhere
+    /// (a second operation), and its clients' rate buckets start full. Set it before
+    /// [`Admission::restore`]; the first one set stays. Nothing in-process (the engine's state
+    /// never leaves the process).
     pub fn set_recovery_source(&self, source: std::sync::Arc<dyn RecoverySource>) {
         if let Some(shared) = &self.shared {
             shared.set_source(source);

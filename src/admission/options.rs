@@ -56,8 +56,10 @@ pub struct ReplicaOptions {
     /// [`super::Admission::new`] sets the controller's).
     pub caps: StorageCaps,
     /// Whether Redis's refusals are remembered and answered here until they can have changed
-    /// (default on; SPEC section 7, "Refusals cost the shared engine nothing after the first").
-    /// The memory only ever refuses; off, every submission is a Redis call.
+    /// (default on): a refused client's next submissions cost Redis nothing until the next
+    /// token's time, a release or refund that can free room for it (seen on any replica), or
+    /// the capacity hint, whichever comes first. The memory only ever refuses; off, every
+    /// submission is a Redis call.
     pub refusal_memory: bool,
     /// The most admission decisions this replica has in flight to Redis at once (default 32).
     /// Releases, transitions and heartbeats never wait for this limit.

@@ -1,6 +1,6 @@
 //! What a replica's own store gives back to the shared store after Redis forgot the deployment
-//! (SPEC section 7, "Redis forgets"): the idempotency records of the operations it holds and its
-//! clients' recent admissions. The embedder implements [`RecoverySource`] over its store; the
+//! (a restart without persistence, a flush, a failover to a Redis that lacks the state): the
+//! idempotency records of the operations it holds and its clients' recent admissions. The embedder implements [`RecoverySource`] over its store; the
 //! admission calls it only when Redis lacks this replica's part of the deployment's state.
 
 use std::time::Duration;
