@@ -1122,7 +1122,7 @@ mod tests {
         // The reload waits for a refund in progress (here: the test holding the lock) while the
         // client spends its whole burst; the rescale must count all of it, or the shorter window
         // hands out the part spent during the wait.
-        let clock = crate::ManualClock::new();
+        let clock = crate::clock::ManualClock::new();
         let c = Controller::builder(rate_of_a(1000, 60))
             .clock(clock.clone())
             .build();
