@@ -35,8 +35,8 @@ pub(crate) struct Shared {
     /// Notified once for each execution slot given back (and for all waiters when a reload may
     /// have raised `global_executing`), so an executor can wait for a slot instead of polling.
     pub(crate) slot_freed: Event,
-    /// Permits dropped without [`commit`](super::controller::Permit::commit) or
-    /// [`refund`](super::controller::Permit::refund): an embedder bug (see the crate docs).
+    /// Permits dropped without [`commit`](super::Permit::commit) or
+    /// [`refund`](super::Permit::refund): an embedder bug (see the crate docs).
     pub(crate) dropped_permits: StdAtomicU64,
     /// Operation handles dropped while not terminal: an embedder bug (see the crate docs).
     pub(crate) dropped_operations: StdAtomicU64,

@@ -23,7 +23,9 @@ pub(crate) mod storage;
 pub(crate) mod tally;
 
 pub use caps::{StorageCaps, Store, StoreCaps};
-pub use controller::{Controller, ControllerBuilder, DEFAULT_CAPACITY_RETRY, Permit, RestoreError};
+pub use controller::permit::Permit;
+pub use controller::restore::RestoreError;
+pub use controller::{Controller, ControllerBuilder, DEFAULT_CAPACITY_RETRY};
 pub use lifecycle::{CancelOutcome, Operation, OperationState, StartError, TransitionError};
 pub use quota::{CapacityQuota, QuotaStatus, RateQuota};
 pub use refusal::{Refusal, RefusalCode};
