@@ -1,5 +1,5 @@
 //! What a submission pays for its idempotency key's lock: the broker's exact table (one lock per
-//! (client, key) in use, counted in and out under one `std` mutex; `src/broker/key_locks.rs`)
+//! (client, key) in use, in a sharded `dashmap` keyed by one shared name; `src/broker/key_locks.rs`)
 //! against the design it replaced, 64 `tokio` mutexes shared by hash (the baseline, rebuilt here
 //! as it was), in the same run. Each step takes a free key's lock and lets it go, as an
 //! uncontended submission does around its admission and store write; the keys rotate over 1,024

@@ -1,10 +1,10 @@
-//! A Redis failover under replicas (SPEC section 7; issue 21), on real `redis-server` processes:
+//! A Redis failover under replicas (issue 21), on real `redis-server` processes:
 //! a primary, a `--replicaof` Redis replica, the primary lost, `REPLICAOF NO ONE` on the replica
 //! and the admission replicas pointed at it. What the Redis replica had received is kept (the
 //! deployment's epoch, so no recovery window; the counts; the rate tokens and key records);
 //! what the primary acknowledged but had not yet replicated is lost: each such admission can be
 //! admitted once more (its rate token and its key's binding are gone), which is the
-//! over-admission bound the README states. The counts themselves come back exactly, from the
+//! over-admission bound `docs/replicas.md` states. The counts themselves come back exactly, from the
 //! replicas' stores, as after any restart. With `wait_replicas` an admission is answered only
 //! once the Redis replica holds it: one it did not acknowledge is given back, unanswered.
 

@@ -125,7 +125,7 @@ impl Config {
     /// Parses and validates the bytes of a quota file for the given client identities.
     ///
     /// This is the single entry point for untrusted bytes: it never panics, and it refuses
-    /// anything the contract does not allow (see the crate's README and [`Rule`]). With no
+    /// anything the quota file's rules do not allow (each a [`Rule`]; `docs/quota-file.md` lists them). With no
     /// identities, every override key is unknown.
     ///
     /// ```
