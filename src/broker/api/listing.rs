@@ -24,7 +24,7 @@ use base64::Engine;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use serde_json::{Value, json};
 
-use super::discovery::API_VERSION;
+use super::contract::API_VERSION;
 use super::error::{ApiError, ApiResult};
 use super::extract::{
     Client, QueryPairs, SUMMARY_ROW_BYTES, is_idempotency_key, parse_integer, rendered,

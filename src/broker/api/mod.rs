@@ -13,11 +13,13 @@
 //! the answer, so a client that hangs up cannot leave a change half made (the broker module's docs
 //! say what is atomic, route by route).
 //!
-//! What every handler shares is in two leaves, which import no handler: [`error`] (the error
-//! envelope, `ApiError`, with `From` the store's error) and `extract` (the client, the operator,
-//! the path id, the query and the body, checked once). Only this file imports the handlers.
+//! What every handler shares is in leaves, which import no handler: `contract` (the contracts'
+//! versions and digests, and the build id), [`error`] (the error envelope, `ApiError`, with
+//! `From` the store's error) and `extract` (the client, the operator, the path id, the query and
+//! the body, checked once). Only this file imports the handlers.
 
 pub(crate) mod agent_operations;
+mod contract;
 pub(crate) mod detached;
 pub mod discovery;
 pub mod error;

@@ -7,7 +7,7 @@
 
 use serde_json::{Value, json};
 
-use super::discovery::API_VERSION;
+use super::contract::API_VERSION;
 use super::presentation::presentation_json;
 use crate::broker::registry;
 use crate::broker::store::{OperationRecord, OperationSummary};

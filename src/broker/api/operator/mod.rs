@@ -31,15 +31,11 @@ use axum::routing::{get, post};
 use base64::Engine;
 use serde_json::json;
 
-use super::discovery::BUILD_ID;
+use super::contract::BUILD_ID;
+pub use super::contract::{OPERATOR_API_VERSION, OPERATOR_CONTRACT_DIGEST};
 use super::error::json_response;
 use crate::broker::core::Core;
 use error::{ErrorCode, Failure, OperatorError, OperatorResult};
-
-/// The `api_version` of Operator V1.
-pub const OPERATOR_API_VERSION: &str = "unyolo.io/operator/v1";
-
-pub use super::discovery::OPERATOR_CONTRACT_DIGEST;
 
 /// The `X-Correlation-ID` header.
 pub const CORRELATION_ID: HeaderName = HeaderName::from_static("x-correlation-id");
