@@ -32,7 +32,7 @@ use serde_json::json;
 use tokio::sync::watch;
 
 use super::error::ApiError;
-use super::operator::OperatorName;
+use super::operator::credential::OperatorName;
 use super::operator::error::{ErrorCode, OperatorError, OperatorResult};
 use crate::broker::core::Core;
 use crate::broker::event_streams::StreamSlot;

@@ -15,8 +15,9 @@
 //!
 //! What every handler shares is in leaves, which import no handler: `contract` (the contracts'
 //! versions and digests, and the build id), [`error`] (the error envelope, `ApiError`, with
-//! `From` the store's error) and `extract` (the client, the operator, the path id, the query and
-//! the body, checked once). Only this file imports the handlers.
+//! `From` the store's error) and `extract` (the client, the path id, the query and the body,
+//! checked once; the operator's credential is `operator::credential`). Only this file imports
+//! the handlers.
 
 pub(crate) mod agent_operations;
 mod contract;

@@ -40,7 +40,7 @@ use serde::{Deserialize, Deserializer};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
-use super::OperatorName;
+use super::credential::OperatorName;
 use super::error::{ErrorCode, OperatorError, OperatorResult};
 use super::projection::{APPROVAL_SECONDS, broker_request, lapsed, past_due};
 use super::requests::valid_id;

@@ -7,13 +7,15 @@
 //! (`envelope`), which also writes every error's body with the same correlation id. Errors are
 //! [`OperatorError`]s with codes from the contract's closed list only.
 //!
-//! Files: `error` (the envelope), `projection` (an operation as a `BrokerRequest`), `requests`
-//! (the list and one request), `decisions` (approve, deny, revoke).
+//! Files: `error` (the envelope), `credential` (the operator a request's credential names),
+//! `projection` (an operation as a `BrokerRequest`), `requests` (the list and one request),
+//! `decisions` (approve, deny, revoke).
 //!
 //! The order of checks is the contract's: route → path and query (400) → the operator's
 //! credential (401) → the action (404) → the body (415, 400) → idempotency → lookup (404) →
 //! revision (409) → transition (409) → constraints (409).
 
+pub(super) mod credential;
 pub mod decisions;
 pub mod error;
 pub(crate) mod projection;
@@ -22,8 +24,7 @@ pub mod requests;
 use std::sync::Arc;
 
 use axum::Router;
-use axum::extract::{FromRequestParts, Request, State};
-use axum::http::request::Parts;
+use axum::extract::{Request, State};
 use axum::http::{HeaderName, HeaderValue, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
@@ -35,6 +36,8 @@ use super::contract::BUILD_ID;
 pub use super::contract::{OPERATOR_API_VERSION, OPERATOR_CONTRACT_DIGEST};
 use super::error::json_response;
 use crate::broker::core::Core;
+use credential::OperatorName;
+pub use credential::presented_secret;
 use error::{ErrorCode, Failure, OperatorError, OperatorResult};
 
 /// The `X-Correlation-ID` header.
@@ -112,51 +115,6 @@ async fn envelope(request: Request, next: Next) -> Response {
         headers.insert(CORRELATION_ID, value);
     }
     response
-}
-
-/// The operator the credential names: `Authorization: Bearer <secret>`, or `Basic` with the
-/// secret as the password; the scheme in any case. Missing or wrong: 401 `unauthorized` with
-/// `WWW-Authenticate: Bearer realm="broker-operator"` (never 403).
-pub(crate) struct OperatorName(pub(crate) String);
-
-impl FromRequestParts<Arc<Core>> for OperatorName {
-    type Rejection = OperatorError;
-
-    async fn from_request_parts(
-        parts: &mut Parts,
-        core: &Arc<Core>,
-    ) -> Result<OperatorName, OperatorError> {
-        let secret = parts
-            .headers
-            .get(header::AUTHORIZATION)
-            .and_then(|value| presented_secret(value.as_bytes()))
-            .ok_or_else(OperatorError::unauthorized)?;
-        core.auth
-            .operator(&secret)
-            .map(|name| OperatorName(name.to_owned()))
-            .ok_or_else(OperatorError::unauthorized)
-    }
-}
-
-/// The secret an `Authorization` header presents, as unYOLO's `SecretFromAuthorization` reads
-/// it: trimmed, split at the first space; `Bearer` (any case) → the rest, trimmed; `Basic` (any
-/// case) → base64 of `user:password`, the password (non-empty). Anything else presents none.
-pub fn presented_secret(header: &[u8]) -> Option<Vec<u8>> {
-    let text = std::str::from_utf8(header).ok()?.trim();
-    let (scheme, rest) = text.split_once(' ')?;
-    let rest = rest.trim();
-    if scheme.eq_ignore_ascii_case("bearer") {
-        return (!rest.is_empty()).then(|| rest.as_bytes().to_vec());
-    }
-    if scheme.eq_ignore_ascii_case("basic") {
-        let decoded = base64::engine::general_purpose::STANDARD
-            .decode(rest)
-            .ok()?;
-        let colon = decoded.iter().position(|&b| b == b':')?;
-        let password = &decoded[colon + 1..];
-        return (!password.is_empty()).then(|| password.to_vec());
-    }
-    None
 }
 
 /// `{status, contract_digest, build_id}`.
@@ -243,29 +201,5 @@ mod tests {
                 .all(|c| c.is_ascii_alphanumeric() || c == b'-' || c == b'_')
         );
         assert_ne!(a, b);
-    }
-
-    #[test]
-    fn a_secret_is_presented_as_bearer_or_basic_password_in_any_case() {
-        let basic = |userpass: &str| {
-            format!(
-                "bAsIc {}",
-                base64::engine::general_purpose::STANDARD.encode(userpass)
-            )
-        };
-        assert_eq!(presented_secret(b"Bearer abc").unwrap(), b"abc");
-        assert_eq!(presented_secret(b"  bearer   abc  ").unwrap(), b"abc");
-        assert_eq!(presented_secret(b"BEARER abc").unwrap(), b"abc");
-        assert_eq!(
-            presented_secret(basic("ada:s3cret").as_bytes()).unwrap(),
-            b"s3cret"
-        );
-        assert_eq!(presented_secret(basic(":a:b").as_bytes()).unwrap(), b"a:b");
-        assert_eq!(presented_secret(basic("ada:").as_bytes()), None);
-        assert_eq!(presented_secret(basic("ada").as_bytes()), None);
-        assert_eq!(presented_secret(b"Bearer"), None);
-        assert_eq!(presented_secret(b"Bearer "), None);
-        assert_eq!(presented_secret(b"Token abc"), None);
-        assert_eq!(presented_secret(b"Basic !!!"), None);
     }
 }

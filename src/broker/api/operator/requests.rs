@@ -23,7 +23,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
-use super::OperatorName;
+use super::credential::OperatorName;
 use super::error::{OperatorError, OperatorResult};
 use super::projection::broker_request;
 use crate::broker::api::error::json_response;
