@@ -52,7 +52,7 @@ pub struct Database {
     /// approval (Operator V1 requests). None until [`Database::with_requests`].
     pub(super) requests: Arc<[String]>,
     /// Where the newest committed event is published.
-    pub(super) events: super::events::EventBell,
+    pub(super) events: super::bell::EventBell,
     /// The data dir's lock, held until the last handle is dropped (closing the file unlocks it).
     _lock: Arc<std::fs::File>,
 }
@@ -144,7 +144,7 @@ impl Database {
                 source,
             })?;
         schema::ensure_indexes(&writer)?;
-        let events = super::events::open_bell(&writer)?;
+        let events = super::bell::open_bell(&writer)?;
         Ok(Database {
             writer: Arc::new(Mutex::new(writer)),
             readers,

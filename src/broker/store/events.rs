@@ -20,16 +20,14 @@
 //! Cursors ([`encode_cursor`], [`decode_cursor`]) are unYOLO's: base64url without padding of the
 //! sequence as 8 big-endian bytes (11 characters).
 
-use std::sync::Arc;
-
 use base64::Engine;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
-use prometheus_client::metrics::counter::Counter;
-use rusqlite::{Connection, OptionalExtension, params};
-use tokio::sync::watch;
+use rusqlite::{Connection, params};
 
 use crate::engine::OperationState;
 
+pub use super::bell::EventBell;
+use super::bell::high_water;
 use super::database::Database;
 use super::error::StoreError;
 
@@ -254,67 +252,6 @@ pub fn decode_cursor(cursor: &str) -> Result<i64, MalformedCursor> {
     Ok(seq)
 }
 
-/// Where the newest event's sequence is published after each commit, and the count of events
-/// written: what streams wait on instead of polling the store.
-#[derive(Clone)]
-pub struct EventBell {
-    newest: Arc<watch::Sender<i64>>,
-    written: Counter,
-}
-
-impl EventBell {
-    fn new(newest: i64) -> EventBell {
-        EventBell {
-            newest: Arc::new(watch::Sender::new(newest)),
-            written: Counter::default(),
-        }
-    }
-
-    /// Publishes that the events up to `seq` are committed (call after the commit).
-    pub(super) fn rang(&self, seq: i64, written: u64) {
-        self.written.inc_by(written);
-        self.newest.send_if_modified(|newest| {
-            let newer = seq > *newest;
-            if newer {
-                *newest = seq;
-            }
-            newer
-        });
-    }
-
-    /// A receiver of the newest committed sequence.
-    pub fn subscribe(&self) -> watch::Receiver<i64> {
-        self.newest.subscribe()
-    }
-
-    /// The newest committed sequence (0 before the first event).
-    pub fn newest(&self) -> i64 {
-        *self.newest.borrow()
-    }
-
-    /// Events written since start-up (`broker_operator_events_written_total`).
-    pub fn written(&self) -> Counter {
-        self.written.clone()
-    }
-}
-
-/// Opens the bell at the log's high-water mark (blocking; at open).
-pub(super) fn open_bell(conn: &Connection) -> rusqlite::Result<EventBell> {
-    Ok(EventBell::new(high_water(conn)?))
-}
-
-/// The highest sequence ever assigned (`AUTOINCREMENT` keeps it even when the rows are gone).
-fn high_water(conn: &Connection) -> rusqlite::Result<i64> {
-    Ok(conn
-        .query_row(
-            "SELECT seq FROM sqlite_sequence WHERE name = 'operator_events'",
-            [],
-            |r| r.get::<_, i64>(0),
-        )
-        .optional()?
-        .unwrap_or(0))
-}
-
 /// Appends the event of request `request_id`'s move from `from` (`None`: its creation) to `to`
 /// at `revision` (after the move), inside the caller's transaction; returns its sequence.
 /// `ended_from` is what the row's `ended_from` is after the move.
@@ -505,162 +442,6 @@ impl Database {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::broker::store::{OperationRecord, now_rfc3339};
-
-    fn request(i: usize, operation: &str) -> OperationRecord {
-        let now = now_rfc3339();
-        OperationRecord {
-            client_id: "bot-7".to_owned(),
-            idempotency_key: format!("k{i}"),
-            operation: operation.to_owned(),
-            reason: "r".to_owned(),
-            created_at: now.clone(),
-            updated_at: now,
-            presentation: crate::broker::store::Presentation {
-                title: format!("Request {i}"),
-                summary: None,
-            },
-            ..OperationRecord::example(&format!("op_{i:032}"))
-        }
-    }
-
-    fn events_of(page: EventPage) -> Vec<StoredEvent> {
-        match page {
-            EventPage::Events { events, .. } => events,
-            EventPage::Expired => panic!("expired"),
-        }
-    }
-
-    #[tokio::test]
-    async fn each_change_of_a_request_writes_one_event_and_other_work_none() {
-        let dir = tempfile::tempdir().unwrap();
-        let db = Database::open(dir.path())
-            .unwrap()
-            .with_requests(["demo.request"]);
-        let mut bell = db.event_bell().subscribe();
-        db.insert(request(1, "demo.request")).await.unwrap();
-        db.insert(request(2, "demo.run")).await.unwrap();
-        assert_eq!(*bell.borrow_and_update(), 1, "rung after the commit");
-        let moved = db
-            .set_state(
-                &request(1, "").id,
-                OperationState::Pending,
-                OperationState::Approved,
-                crate::broker::store::StateChange::default(),
-            )
-            .await
-            .unwrap();
-        assert!(moved.is_some());
-        // A move from a state the row is not in changes nothing and writes nothing.
-        let stale = db
-            .set_state(
-                &request(1, "").id,
-                OperationState::Pending,
-                OperationState::Denied,
-                crate::broker::store::StateChange::default(),
-            )
-            .await
-            .unwrap();
-        assert!(stale.is_none());
-        db.set_state(
-            &request(2, "").id,
-            OperationState::Pending,
-            OperationState::Canceled,
-            crate::broker::store::StateChange::default(),
-        )
-        .await
-        .unwrap();
-        db.set_state(
-            &request(1, "").id,
-            OperationState::Approved,
-            OperationState::Canceled,
-            crate::broker::store::StateChange::default(),
-        )
-        .await
-        .unwrap();
-        let events = events_of(db.events_after(None, 100).await.unwrap());
-        let got: Vec<_> = events
-            .iter()
-            .map(|e| (e.seq, e.kind, e.revision, e.status, e.used_count))
-            .collect();
-        assert_eq!(
-            got,
-            [
-                (1, EventKind::RequestCreated, 1, RequestStatus::Pending, 0),
-                (2, EventKind::RequestApproved, 2, RequestStatus::Active, 0),
-                (3, EventKind::GrantRevoked, 3, RequestStatus::Revoked, 0),
-            ]
-        );
-        assert_eq!(db.event_bell().newest(), 3);
-        assert_eq!(db.event_bell().written().get(), 3);
-        let stored = db.get(&request(1, "").id).await.unwrap().unwrap();
-        assert_eq!(stored.ended_from, Some(OperationState::Approved));
-    }
-
-    #[tokio::test]
-    async fn trimming_keeps_the_newest_as_a_gapless_suffix_and_older_cursors_expire() {
-        let dir = tempfile::tempdir().unwrap();
-        let db = Database::open(dir.path())
-            .unwrap()
-            .with_requests(["demo.request"]);
-        for i in 0..30 {
-            db.insert(request(i, "demo.request")).await.unwrap();
-        }
-        let mut trimmed = 0;
-        loop {
-            let n = db.trim_events(10, None, 7).await.unwrap();
-            trimmed += n;
-            if n < 7 {
-                break;
-            }
-        }
-        assert_eq!(trimmed, 20);
-        assert_eq!(db.count_events().await.unwrap(), 10);
-        let left = events_of(db.events_after(None, 100).await.unwrap());
-        assert_eq!(
-            left.iter().map(|e| e.seq).collect::<Vec<_>>(),
-            (21..=30).collect::<Vec<_>>()
-        );
-        assert_eq!(
-            db.events_after(Some(19), 100).await.unwrap(),
-            EventPage::Expired
-        );
-        assert_eq!(
-            events_of(db.events_after(Some(20), 100).await.unwrap()).len(),
-            10
-        );
-        assert_eq!(
-            events_of(db.events_after(Some(30), 100).await.unwrap()).len(),
-            0
-        );
-        // With a cutoff after every event, all go; then only the newest cursor still resumes.
-        let later = humantime::format_rfc3339_millis(
-            std::time::SystemTime::now() + std::time::Duration::from_secs(60),
-        )
-        .to_string();
-        assert_eq!(db.trim_events(10, Some(later), 100).await.unwrap(), 10);
-        assert_eq!(
-            db.events_after(Some(29), 100).await.unwrap(),
-            EventPage::Expired
-        );
-        assert_eq!(
-            db.events_after(Some(30), 100).await.unwrap(),
-            EventPage::Events {
-                after: 30,
-                events: vec![],
-                more: false
-            }
-        );
-        assert_eq!(
-            db.events_after(None, 100).await.unwrap(),
-            EventPage::Events {
-                after: 30,
-                events: vec![],
-                more: false
-            },
-            "an empty cursor goes on from the high-water mark"
-        );
-    }
 
     #[test]
     fn a_cursor_round_trips_and_is_unyolos_eleven_characters() {

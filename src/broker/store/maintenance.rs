@@ -236,7 +236,8 @@ mod tests {
         let db = Database::open(dir.path()).unwrap();
         // Free pages made beside the store: a table filled, then dropped.
         let other =
-            rusqlite::Connection::open(dir.path().join(super::super::DATABASE_FILE)).unwrap();
+            rusqlite::Connection::open(dir.path().join(super::super::database::DATABASE_FILE))
+                .unwrap();
         other
             .execute_batch(
                 "CREATE TABLE ballast (b BLOB);

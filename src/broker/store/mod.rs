@@ -26,10 +26,12 @@
 //! - `requests`: the operators' request pages;
 //! - `events`: the Operator V1 event log (one row per revision change of a request, written in
 //!   the change's own transaction), its cursors, and the request status of a state;
+//! - `bell`: where the newest committed event is published, for the streams that wait on it;
 //! - `maintenance`: what keeps the file bounded and checked (retention deletes, returning free
 //!   pages, checkpoints, the counts the drift check compares);
 //! - `error`: what went wrong, as values a caller matches on.
 
+mod bell;
 mod database;
 mod decisions;
 mod digest;
@@ -41,13 +43,14 @@ mod requests;
 mod schema;
 mod streams;
 
+pub use bell::EventBell;
 pub use database::{
     DATABASE_FILE, DEFAULT_BROKER_NAME, Database, LOCK_FILE, MIN_FREE_BYTES, READERS, now_rfc3339,
 };
 pub use decisions::{DecidedMove, DecisionCommand, DecisionOutcome, DecisionScope};
 pub use digest::request_digest;
 pub use error::{InsertError, StoreError};
-pub use events::{EventBell, EventKind, EventPage, RequestStatus, StoredEvent, request_status};
+pub use events::{EventKind, EventPage, RequestStatus, StoredEvent, request_status};
 pub use maintenance::{Retiring, StoredCounts};
 pub use operations::{
     Decided, DecisionMark, OperationError, OperationRecord, OperationSummary, PageQuery,
@@ -62,6 +65,7 @@ mod tests {
     use rusqlite::Connection;
 
     use super::*;
+    use crate::engine::OperationState;
 
     fn record(id: &str, key: &str) -> OperationRecord {
         let now = now_rfc3339();
@@ -170,5 +174,160 @@ mod tests {
         assert!(matches!(err, StoreError::Busy(_)), "{err}");
         holder.execute_batch("ROLLBACK").unwrap();
         db.ping().await.unwrap();
+    }
+
+    fn request(i: usize, operation: &str) -> OperationRecord {
+        let now = now_rfc3339();
+        OperationRecord {
+            client_id: "bot-7".to_owned(),
+            idempotency_key: format!("k{i}"),
+            operation: operation.to_owned(),
+            reason: "r".to_owned(),
+            created_at: now.clone(),
+            updated_at: now,
+            presentation: Presentation {
+                title: format!("Request {i}"),
+                summary: None,
+            },
+            ..OperationRecord::example(&format!("op_{i:032}"))
+        }
+    }
+
+    fn events_of(page: EventPage) -> Vec<StoredEvent> {
+        match page {
+            EventPage::Events { events, .. } => events,
+            EventPage::Expired => panic!("expired"),
+        }
+    }
+
+    #[tokio::test]
+    async fn each_change_of_a_request_writes_one_event_and_other_work_none() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Database::open(dir.path())
+            .unwrap()
+            .with_requests(["demo.request"]);
+        let mut bell = db.event_bell().subscribe();
+        db.insert(request(1, "demo.request")).await.unwrap();
+        db.insert(request(2, "demo.run")).await.unwrap();
+        assert_eq!(*bell.borrow_and_update(), 1, "rung after the commit");
+        let moved = db
+            .set_state(
+                &request(1, "").id,
+                OperationState::Pending,
+                OperationState::Approved,
+                StateChange::default(),
+            )
+            .await
+            .unwrap();
+        assert!(moved.is_some());
+        // A move from a state the row is not in changes nothing and writes nothing.
+        let stale = db
+            .set_state(
+                &request(1, "").id,
+                OperationState::Pending,
+                OperationState::Denied,
+                StateChange::default(),
+            )
+            .await
+            .unwrap();
+        assert!(stale.is_none());
+        db.set_state(
+            &request(2, "").id,
+            OperationState::Pending,
+            OperationState::Canceled,
+            StateChange::default(),
+        )
+        .await
+        .unwrap();
+        db.set_state(
+            &request(1, "").id,
+            OperationState::Approved,
+            OperationState::Canceled,
+            StateChange::default(),
+        )
+        .await
+        .unwrap();
+        let events = events_of(db.events_after(None, 100).await.unwrap());
+        let got: Vec<_> = events
+            .iter()
+            .map(|e| (e.seq, e.kind, e.revision, e.status, e.used_count))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (1, EventKind::RequestCreated, 1, RequestStatus::Pending, 0),
+                (2, EventKind::RequestApproved, 2, RequestStatus::Active, 0),
+                (3, EventKind::GrantRevoked, 3, RequestStatus::Revoked, 0),
+            ]
+        );
+        assert_eq!(db.event_bell().newest(), 3);
+        assert_eq!(db.event_bell().written().get(), 3);
+        let stored = db.get(&request(1, "").id).await.unwrap().unwrap();
+        assert_eq!(stored.ended_from, Some(OperationState::Approved));
+    }
+
+    #[tokio::test]
+    async fn trimming_keeps_the_newest_as_a_gapless_suffix_and_older_cursors_expire() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Database::open(dir.path())
+            .unwrap()
+            .with_requests(["demo.request"]);
+        for i in 0..30 {
+            db.insert(request(i, "demo.request")).await.unwrap();
+        }
+        let mut trimmed = 0;
+        loop {
+            let n = db.trim_events(10, None, 7).await.unwrap();
+            trimmed += n;
+            if n < 7 {
+                break;
+            }
+        }
+        assert_eq!(trimmed, 20);
+        assert_eq!(db.count_events().await.unwrap(), 10);
+        let left = events_of(db.events_after(None, 100).await.unwrap());
+        assert_eq!(
+            left.iter().map(|e| e.seq).collect::<Vec<_>>(),
+            (21..=30).collect::<Vec<_>>()
+        );
+        assert_eq!(
+            db.events_after(Some(19), 100).await.unwrap(),
+            EventPage::Expired
+        );
+        assert_eq!(
+            events_of(db.events_after(Some(20), 100).await.unwrap()).len(),
+            10
+        );
+        assert_eq!(
+            events_of(db.events_after(Some(30), 100).await.unwrap()).len(),
+            0
+        );
+        // With a cutoff after every event, all go; then only the newest cursor still resumes.
+        let later = humantime::format_rfc3339_millis(
+            std::time::SystemTime::now() + std::time::Duration::from_secs(60),
+        )
+        .to_string();
+        assert_eq!(db.trim_events(10, Some(later), 100).await.unwrap(), 10);
+        assert_eq!(
+            db.events_after(Some(29), 100).await.unwrap(),
+            EventPage::Expired
+        );
+        assert_eq!(
+            db.events_after(Some(30), 100).await.unwrap(),
+            EventPage::Events {
+                after: 30,
+                events: vec![],
+                more: false
+            }
+        );
+        assert_eq!(
+            db.events_after(None, 100).await.unwrap(),
+            EventPage::Events {
+                after: 30,
+                events: vec![],
+                more: false
+            },
+            "an empty cursor goes on from the high-water mark"
+        );
     }
 }

@@ -293,7 +293,7 @@ impl OperationRecord {
             ended_from: None,
             active_expires_at: None,
             pending_expires_at: None,
-            broker: super::DEFAULT_BROKER_NAME.to_owned(),
+            broker: super::database::DEFAULT_BROKER_NAME.to_owned(),
             presentation: Presentation::default(),
         }
     }

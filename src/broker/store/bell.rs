@@ -1,0 +1,71 @@
+//! The event log's bell: where the newest committed event's sequence is published, and the
+//! count of events written, so a stream waits on a change instead of polling the store. A leaf:
+//! the handle (`database`) opens it and the log (`events`) rings it, and neither imports the
+//! other for it.
+
+use std::sync::Arc;
+
+use prometheus_client::metrics::counter::Counter;
+use rusqlite::{Connection, OptionalExtension};
+use tokio::sync::watch;
+
+/// Where the newest event's sequence is published after each commit, and the count of events
+/// written: what streams wait on instead of polling the store.
+#[derive(Clone)]
+pub struct EventBell {
+    newest: Arc<watch::Sender<i64>>,
+    written: Counter,
+}
+
+impl EventBell {
+    fn new(newest: i64) -> EventBell {
+        EventBell {
+            newest: Arc::new(watch::Sender::new(newest)),
+            written: Counter::default(),
+        }
+    }
+
+    /// Publishes that the events up to `seq` are committed (call after the commit).
+    pub(super) fn rang(&self, seq: i64, written: u64) {
+        self.written.inc_by(written);
+        self.newest.send_if_modified(|newest| {
+            let newer = seq > *newest;
+            if newer {
+                *newest = seq;
+            }
+            newer
+        });
+    }
+
+    /// A receiver of the newest committed sequence.
+    pub fn subscribe(&self) -> watch::Receiver<i64> {
+        self.newest.subscribe()
+    }
+
+    /// The newest committed sequence (0 before the first event).
+    pub fn newest(&self) -> i64 {
+        *self.newest.borrow()
+    }
+
+    /// Events written since start-up (`broker_operator_events_written_total`).
+    pub fn written(&self) -> Counter {
+        self.written.clone()
+    }
+}
+
+/// Opens the bell at the log's high-water mark (blocking; at open).
+pub(super) fn open_bell(conn: &Connection) -> rusqlite::Result<EventBell> {
+    Ok(EventBell::new(high_water(conn)?))
+}
+
+/// The highest sequence ever assigned (`AUTOINCREMENT` keeps it even when the rows are gone).
+pub(super) fn high_water(conn: &Connection) -> rusqlite::Result<i64> {
+    Ok(conn
+        .query_row(
+            "SELECT seq FROM sqlite_sequence WHERE name = 'operator_events'",
+            [],
+            |r| r.get::<_, i64>(0),
+        )
+        .optional()?
+        .unwrap_or(0))
+}
