@@ -10,8 +10,8 @@ use std::fs::File;
 use std::io::{self, Read};
 use std::path::{Path, PathBuf};
 
-use super::MAX_FILE_BYTES;
 use super::error::{ConfigError, Rule, one_line_path};
+use super::limits::MAX_FILE_BYTES;
 
 /// Checks that `path` is absolute and normalized: it starts at the root, and has no `.` or `..`
 /// component, no repeated separator and no trailing separator.

@@ -7,6 +7,7 @@
 
 mod error;
 mod identity;
+mod limits;
 mod load;
 pub mod secrets;
 mod validate;
@@ -14,84 +15,15 @@ mod wire;
 
 pub use error::{ConfigError, Rule};
 pub use identity::{Identity, IdentityError};
+pub use limits::{
+    ClientLimits, Limits, MAX_FILE_BYTES, MAX_LIMIT, MAX_WINDOW_SECONDS, PENDING_GRANT_CLIENT_CAP,
+};
 pub use load::check_path;
 pub use secrets::{Operators, Secrets, SecretsError};
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::path::Path;
-
-/// Largest value any count limit may take.
-pub const MAX_LIMIT: u32 = 1_000_000;
-/// Largest `window_seconds` (one day).
-pub const MAX_WINDOW_SECONDS: u32 = 86_400;
-/// Largest quota file accepted, in bytes (exactly this many is allowed).
-pub const MAX_FILE_BYTES: usize = 65_536;
-/// The pending-grant store's default per-client cap: at most this many grants may await an
-/// operator decision per client, whatever the client's `pending` limit says. A `pending` limit
-/// above it never binds, which `admission check` warns about.
-pub const PENDING_GRANT_CLIENT_CAP: u32 = 10;
-
-/// The limits that apply to one client: its rate and its share of the broker.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct ClientLimits {
-    /// Submissions admitted per window (the bucket's capacity, N).
-    pub requests_per_window: u32,
-    /// Length of the rate window in seconds (W); one token returns every W/N.
-    pub window_seconds: u32,
-    /// Most operations the client may have pending, approved or executing at once (A).
-    pub active: u32,
-    /// Most operations the client may have awaiting an operator decision (P).
-    pub pending: u32,
-}
-
-/// The top level of a quota file: the per-client defaults and the global limits.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Limits {
-    /// Default submissions per window for clients without an override.
-    pub requests_per_window: u32,
-    /// Default window length in seconds.
-    pub window_seconds: u32,
-    /// Default per-client active limit.
-    pub client_active: u32,
-    /// Default per-client pending limit.
-    pub client_pending: u32,
-    /// Most operations active across all clients (GA).
-    pub global_active: u32,
-    /// Most operations executing across all clients (GE). While this many execute, every new
-    /// submission is refused `global_execution_limit` — one that needs approval too, although it
-    /// would not run soon: a saturated pool is the signal to take no new work until it drains.
-    /// Queued work waits for a slot ([`Operation::start`](crate::Operation::start)).
-    pub global_executing: u32,
-}
-
-impl Limits {
-    /// The conservative defaults used when no quota file is configured.
-    pub const DEFAULT: Limits = Limits {
-        requests_per_window: 60,
-        window_seconds: 60,
-        client_active: 25,
-        client_pending: 10,
-        global_active: 512,
-        global_executing: 64,
-    };
-
-    /// The per-client limits of a client without an override.
-    pub fn client_defaults(&self) -> ClientLimits {
-        ClientLimits {
-            requests_per_window: self.requests_per_window,
-            window_seconds: self.window_seconds,
-            active: self.client_active,
-            pending: self.client_pending,
-        }
-    }
-}
-
-impl Default for Limits {
-    fn default() -> Self {
-        Limits::DEFAULT
-    }
-}
 
 /// A validated admission configuration: the limits of a quota file (or the defaults) bound to the
 /// set of client identities the broker authenticates.
@@ -143,7 +75,9 @@ impl Config {
         bytes: &[u8],
         identities: I,
     ) -> Result<Config, ConfigError> {
-        wire::parse(bytes, identities.into_iter().collect())
+        let identities: BTreeSet<Identity> = identities.into_iter().collect();
+        let (limits, overrides) = wire::parse(bytes, &identities)?;
+        Config::new(limits, overrides, identities)
     }
 
     /// Reads and validates the quota file at `path`, which must be absolute and normalized (see
@@ -158,8 +92,8 @@ impl Config {
 
     /// Reads the quota file at `path` if one is configured: `None` (no flag, no variable) means
     /// [`Config::defaults`]. A path that is given is loaded as with [`Config::from_path`], so a
-    /// missing file is an error like any other (section 3: a quota file that was meant but is not
-    /// there must not quietly become the defaults), as are a path that is not absolute and
+    /// missing file is an error like any other (a quota file that was meant but is not there must
+    /// not quietly become the defaults), as are a path that is not absolute and
     /// normalized, a directory, an unreadable or invalid file.
     ///
     /// ```
@@ -208,7 +142,7 @@ impl Config {
     /// The configuration as a complete quota file, pretty-printed and ending in a newline;
     /// [`Config::from_bytes`] with the same identities gives back an equal `Config`.
     pub fn to_json(&self) -> String {
-        wire::write(self)
+        wire::write(&self.limits, &self.overrides)
     }
 
     /// Where a store cap binds before a configured limit, so the limit can never be reached: the

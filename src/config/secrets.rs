@@ -9,8 +9,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
 
-use super::ConfigError;
-use super::error::one_line_path;
+use super::error::{ConfigError, one_line_path};
 use super::identity::Identity;
 use super::load::read_bounded;
 

@@ -8,7 +8,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use super::error::{ConfigError, Rule, join_path, nearest};
-use super::{ClientLimits, Identity, Limits, MAX_LIMIT, MAX_WINDOW_SECONDS};
+use super::identity::Identity;
+use super::limits::{ClientLimits, Limits, MAX_LIMIT, MAX_WINDOW_SECONDS};
 
 /// The largest value `field` may take.
 pub(crate) fn maximum_for(field: &str) -> u32 {

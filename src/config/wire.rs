@@ -16,8 +16,9 @@ use serde::de::{Deserialize, Deserializer, MapAccess, Visitor};
 use serde_json::value::RawValue;
 
 use super::error::{ConfigError, Rule, join_path, nearest};
+use super::identity::Identity;
+use super::limits::{ClientLimits, Limits, MAX_FILE_BYTES};
 use super::validate::{check_limit, check_override_key};
-use super::{ClientLimits, Config, Identity, Limits, MAX_FILE_BYTES};
 
 /// The six top-level fields, in the order the contract lists them.
 pub(crate) const TOP_LEVEL_FIELDS: [&str; 6] = [
@@ -183,8 +184,13 @@ impl<'de: 'a, 'a> Deserialize<'de> for RawEntries<'a> {
     }
 }
 
-/// Parses and validates a quota file. The single entry point for untrusted bytes.
-pub(crate) fn parse(bytes: &[u8], identities: BTreeSet<Identity>) -> Result<Config, ConfigError> {
+/// Parses a quota file and checks every per-field rule, against the configured `identities`:
+/// the limits and the overrides it sets. The single entry point for untrusted bytes; the rules
+/// across fields are [`Config::new`](super::Config::new)'s.
+pub(crate) fn parse(
+    bytes: &[u8],
+    identities: &BTreeSet<Identity>,
+) -> Result<(Limits, BTreeMap<Identity, ClientLimits>), ConfigError> {
     if bytes.len() > MAX_FILE_BYTES {
         return Err(ConfigError::invalid(
             "",
@@ -197,8 +203,7 @@ pub(crate) fn parse(bytes: &[u8], identities: BTreeSet<Identity>) -> Result<Conf
     }
     let root = read_tree(bytes)?;
     find_duplicate_key(&root, "")?;
-    let (limits, overrides) = read_file(&root, &identities)?;
-    Config::new(limits, overrides, identities)
+    read_file(&root, identities)
 }
 
 /// Reads the bytes into a tree, refusing anything that is not exactly one JSON value.
@@ -534,7 +539,7 @@ fn unknown_field(path: String, key: &str, fields: &[&str], extra: Option<&str>) 
     )
 }
 
-/// The file as written by [`Config::to_json`]: fields in the contract's order.
+/// The file as written by [`Config::to_json`](super::Config::to_json): fields in the contract's order.
 #[derive(Serialize)]
 struct FileOut<'a> {
     requests_per_window: u32,
@@ -554,9 +559,8 @@ struct OverrideOut {
     pending: u32,
 }
 
-/// Writes a complete quota file for `config`, pretty-printed, ending in a newline.
-pub(crate) fn write(config: &Config) -> String {
-    let limits = config.limits();
+/// Writes a complete quota file of `limits` and `overrides`, pretty-printed, ending in a newline.
+pub(crate) fn write(limits: &Limits, overrides: &BTreeMap<Identity, ClientLimits>) -> String {
     let file = FileOut {
         requests_per_window: limits.requests_per_window,
         window_seconds: limits.window_seconds,
@@ -564,8 +568,7 @@ pub(crate) fn write(config: &Config) -> String {
         client_pending: limits.client_pending,
         global_active: limits.global_active,
         global_executing: limits.global_executing,
-        clients: config
-            .overrides()
+        clients: overrides
             .iter()
             .map(|(identity, o)| {
                 (
