@@ -11,9 +11,12 @@ use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
+use super::decision::{Kept, Target};
+use super::held::Held;
+use super::replica::Inner;
 use super::reply::TransitionReply;
-use super::{Held, Inner, Kept, Target, UnavailableReason};
 use crate::admission::NotStarted as RedisStartError;
+use crate::admission::UnavailableReason;
 use crate::engine::{
     CancelOutcome, OperationState, QuotaStatus, Refusal, RefusalCode, TransitionError,
 };
