@@ -27,7 +27,7 @@ use crate::engine::{
 pub const CONFIG_IDENTITIES: [&str; 3] = ["alice", "bot-7", "ci.runner@example"];
 
 /// Arbitrary bytes as a quota file: parsing never panics; an accepted file satisfies every rule of
-/// SPEC section 3 and re-serializes (`to_json`) to a file that parses to an equal `Config`; a
+/// the quota file and re-serializes (`to_json`) to a file that parses to an equal `Config`; a
 /// rejected one has a one-line error.
 pub fn config_parse(data: &[u8]) {
     let identities = || CONFIG_IDENTITIES.map(|n| Identity::new(n).expect("valid identity"));
@@ -192,7 +192,7 @@ pub fn secrets_parse(data: &[u8]) {
     }
 }
 
-/// Asserts every SPEC section 3 rule on an accepted configuration.
+/// Asserts every rule of the quota file on an accepted configuration.
 fn assert_config_invariants(config: &Config) {
     let l = config.limits();
     for v in [

@@ -1,4 +1,5 @@
-//! Drift: whether the controller's counts still equal what the store holds (SPEC section 6).
+//! Drift: whether the controller's counts still equal what the store holds, as every fault must
+//! leave them.
 //!
 //! The controller's counts are a promise about the store: each client's and the global pending,
 //! queued (approved), executing and active counts equal the operation rows in those states, and
@@ -26,13 +27,13 @@
 //! Reads, replays and operator listings never take the gate; a submission takes it only to be
 //! admitted.
 //!
-//! **Fleet drift.** On a replica the same reading also compares what the shared store holds
-//! under this replica's name (operation id → state) with the store's live rows, and exports the
-//! operations on which they disagree as `admission_fleet_drift` (0 when the promise of SPEC
-//! section 7 holds; always 0 in-process). A Redis that does not answer skips that half of the
-//! reading (the gauge keeps its last value) rather than hold the gate past one call's timeout
-//! (the whole scan, every page, gets one), and one known not to answer (the circuit open) is
-//! not asked at all.
+//! **Fleet drift.** On a replica the same reading also compares what the shared store holds under
+//! this replica's name (operation id → state) with the store's live rows, and exports the
+//! operations on which they disagree as `admission_fleet_drift` (0 while Redis counts exactly what
+//! the replicas' stores hold; always 0 in-process). A Redis that does not answer skips that half of
+//! the reading (the gauge keeps its last value) rather than hold the gate past one call's timeout
+//! (the whole scan, every page, gets one), and one known not to answer (the circuit open) is not
+//! asked at all.
 
 use std::collections::BTreeMap;
 use std::fmt;

@@ -4,7 +4,7 @@
 //! A striped table (a few dozen locks shared by hash) would bound memory the same way, but a
 //! replay, a cancel or a decision would then wait behind an unrelated submission that happens to
 //! share its stripe — one held through an admission on Redis or a store write retried against a
-//! busy disk — and those paths never wait on admission (SPEC section 2). Here a lock exists only
+//! busy disk — and those paths never pass through admission nor wait on it. Here a lock exists only
 //! while someone holds it or waits for it: the entry counts its users and the last one out
 //! removes it, so memory is bounded by the requests in flight, whatever the keys.
 //!

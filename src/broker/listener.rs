@@ -182,8 +182,8 @@ impl ConnectionSettings {
     }
 
     /// The connection cap in force: the configured one, or the one the file limit allows; never
-    /// above the latter (SPEC section 6: open connections stay below the file limit, so the cap,
-    /// not `EMFILE`, is what a flood of idle connections meets, and it closes idle ones for room).
+    /// above the latter (open connections stay below the process's file limit, so the cap, not
+    /// `EMFILE`, is what a flood of idle connections meets, and it closes idle ones for room).
     pub fn connection_cap(&self) -> usize {
         capped_by_file_limit(self.max_connections, file_limit())
     }

@@ -69,8 +69,8 @@ impl RefusalCode {
 
     /// A human sentence for the error body's `message`, the same for every refusal with this
     /// code (it names no client and no limit value, so it is safe to show any caller). A broker
-    /// serving unYOLO's Agent V1 says `Operation admission limit reached` instead, as SPEC
-    /// section 5 fixes it for every refusal (the reference broker does); the code tells them
+    /// serving unYOLO's Agent V1 says `Operation admission limit reached` instead, the one
+    /// message that contract gives every refusal (the reference broker does); the code tells them
     /// apart.
     ///
     /// ```

@@ -1,8 +1,8 @@
 //! Fuzz bodies for the broker's parsers of untrusted input: the Agent V1 query strings (listing
 //! with its opaque cursor, and the long poll) and the operation submission body.
 //!
-//! Each checks the parser against a second, plainer reading of SPEC section 5 written here: the
-//! parser accepts exactly what that reading accepts, an accepted value carries exactly what the
+//! Each checks the parser against a second, plainer reading of the Agent V1 contract written here:
+//! the parser accepts exactly what that reading accepts, an accepted value carries exactly what the
 //! input said, and a refusal is a clean 400 with a stable code and a one-line message.
 
 use axum::extract::Query;
@@ -323,7 +323,7 @@ fn names_a_field_twice(data: &[u8]) -> bool {
     serde_json::from_slice::<Twice>(data).is_ok_and(|Twice(twice)| twice)
 }
 
-/// Why a plain reading of SPEC section 5 refuses a submission body, or what it accepts.
+/// Why a plain reading of the Agent V1 contract refuses a submission body, or what it accepts.
 fn submission_model(data: &[u8]) -> Result<(&'static str, bool), &'static str> {
     let Ok(Value::Object(body)) = serde_json::from_slice::<Value>(data) else {
         return Err("not a JSON object");
@@ -377,15 +377,14 @@ fn submission_model(data: &[u8]) -> Result<(&'static str, bool), &'static str> {
 
 /// Arbitrary bytes as the body of `POST /api/agent/v1/operations`.
 ///
-/// Never panics; accepts exactly what a plain reading of SPEC section 5 accepts (exactly the five
-/// fields; `idempotency_key` of the contract's pattern once trimmed; a registered `operation` of
-/// 1–128 characters; `target` an object of at most 32 properties, `arguments` of at most 128 with
-/// a `duration_ms` of 0–600000 if any; `reason` of at most 2000 characters, not blank; no object
-/// at any depth naming a key twice); an accepted body carries exactly the input's values (the key
-/// and the reason trimmed, as upstream trims them); a refusal
-/// is a 400 with a stable code (`operation_not_registered` for an unknown name,
-/// `operation_input_invalid` for a bad `duration_ms`, else `invalid_request`) and a one-line
-/// message of 1–500 characters.
+/// Never panics; accepts exactly what a plain reading of the Agent V1 contract accepts (exactly the
+/// five fields; `idempotency_key` of the contract's pattern once trimmed; a registered `operation`
+/// of 1–128 characters; `target` an object of at most 32 properties, `arguments` of at most 128
+/// with a `duration_ms` of 0–600000 if any; `reason` of at most 2000 characters, not blank; no
+/// object at any depth naming a key twice); an accepted body carries exactly the input's values
+/// (the key and the reason trimmed, as upstream trims them); a refusal is a 400 with a stable code
+/// (`operation_not_registered` for an unknown name, `operation_input_invalid` for a bad
+/// `duration_ms`, else `invalid_request`) and a one-line message of 1–500 characters.
 pub fn submission(data: &[u8]) {
     let expected = submission_model(data);
     match validate(data) {

@@ -1,6 +1,6 @@
-//! Refusals answered from memory (SPEC section 7, "Refusals cost the shared engine nothing after
-//! the first"): when Redis refuses a client, this replica remembers the answer and refuses that
-//! client's next submissions itself, without calling Redis, until the answer can have changed.
+//! Refusals answered from memory, so that refusals cost Redis nothing after the first: when Redis
+//! refuses a client, this replica remembers the answer and refuses that client's next
+//! submissions itself, without calling Redis, until the answer can have changed.
 //!
 //! What can change a refusal into an admission, and so ends a remembered one:
 //!

@@ -88,7 +88,8 @@ pub(crate) fn validate(bytes: &[u8]) -> Result<Validated, ApiError> {
         ));
     }
     // Characters, as the contract's JSON Schema counts a string's length. A name out of these
-    // bounds is a bad request, not an unregistered operation (section 5: `operation` 1-128).
+    // bounds is a bad request, not an unregistered operation (the contract's `operation` is 1 to
+    // 128 characters).
     if !(1..=MAX_OPERATION_CHARS).contains(&request.operation.chars().count()) {
         return Err(ApiError::invalid("operation must be 1 to 128 characters."));
     }
@@ -471,11 +472,11 @@ pub(crate) async fn cancel(
         // the answer is not older than the terminal transition).
         return terminal_answer(&core, client, &id, room).await;
     };
-    // Decided before any room is asked for: the agents' buffered-bytes budget may be full (a
-    // cancel is exempt from the fairness share, not from that budget), and a cancel must take
-    // effect even then (SPEC section 6). The write and the handle's move run to their end even if
-    // the client hangs up. The client decides its own cancel: it is `decided_by` (a cancel of
-    // approved work revokes).
+    // Decided before any room is asked for: the agents' buffered-bytes budget may be full (a cancel
+    // is exempt from the fairness share, not from that budget), and a cancel must take effect even
+    // then (an exempt path keeps working under any load). The write and the handle's move run to
+    // their end even if the client hangs up. The client decides its own cancel: it is `decided_by`
+    // (a cancel of approved work revokes).
     let change = StateChange {
         error: OperationError::ended_by_decision(OperationState::Canceled),
         decision: Some(DecisionMark {

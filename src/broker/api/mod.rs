@@ -68,7 +68,7 @@ pub(crate) fn agent_router(core: Arc<Core>) -> Router {
     })
     .refusal_response(move |refusal| {
         // A client's request refused here still carries its quota fields, as every other 429
-        // of a submission does (section 5), so a client reads one shape of refusal.
+        // of a submission does, so a client reads one shape of refusal.
         let mut response = crate::fairness::default_refusal_response(refusal);
         if let Some(status) = refusal
             .client

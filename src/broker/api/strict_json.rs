@@ -1,7 +1,8 @@
 //! A JSON value read strictly: an object that names a key twice is an error at any depth.
 //! `serde_json::Value` keeps the last of a repeated key, so `{"duration_ms":600001,
 //! "duration_ms":0}` would pass for `{"duration_ms":0}`; unYOLO's own broker and clients refuse
-//! such a body, and so does this one (section 5: anything else is 400 `invalid_request`).
+//! such a body, and so does this one (400 `invalid_request`, as for any body the contract does
+//! not allow).
 //!
 //! Numbers keep the text they came as (serde_json's `arbitrary_precision`): an agent's
 //! `12345678901234567890123` or `1.50` is stored, digested and shown back as sent, as unYOLO's

@@ -103,7 +103,7 @@ impl RequestStatus {
 /// The Operator V1 status of a request in `state`; `ended_from` is the state a terminal
 /// operation left (`operations.ended_from`), which tells a revocation (canceled from approved)
 /// from a cancel while pending, and a failure while running (consumed) from one before it.
-/// SPEC section 8's projection: the event log and the request projection both use it.
+/// One mapping for both readers of it: the event log and the request projection.
 pub const fn request_status(
     state: OperationState,
     ended_from: Option<OperationState>,

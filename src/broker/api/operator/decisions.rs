@@ -57,12 +57,12 @@ use crate::fairness::FairnessConfig;
 /// The largest decision body, in bytes (unYOLO's `maxDecisionBodyBytes`).
 pub const MAX_DECISION_BYTES: usize = 96 * 1024;
 
-/// The bytes decision bodies may hold buffered at once, across every operator: one largest
-/// body ([`MAX_DECISION_BYTES`]) per unit of the exempt reserve (`--exempt-reserved`, 32 by
-/// default: 3 MiB), at least one. A room of their own, apart from the agents' buffered-bytes
-/// budget, so that no client's load (bodies held or waiting there) can make a decision wait or
-/// be refused (SPEC section 6: the exempt paths keep capacity reserved); decisions wait only
-/// for other decisions, and only an authenticated operator's body is read into it.
+/// The bytes decision bodies may hold buffered at once, across every operator: one largest body
+/// ([`MAX_DECISION_BYTES`]) per unit of the exempt reserve (`--exempt-reserved`, 32 by default:
+/// 3 MiB), at least one. A room of their own, apart from the agents' buffered-bytes budget, so that
+/// no client's load (bodies held or waiting there) can make a decision wait or be refused (the
+/// exempt paths keep capacity reserved that no client's load takes); decisions wait only for other
+/// decisions, and only an authenticated operator's body is read into it.
 pub(crate) fn decision_room(fairness: &FairnessConfig) -> usize {
     MAX_DECISION_BYTES.saturating_mul(fairness.exempt_reserved_units.max(1) as usize)
 }

@@ -1,4 +1,4 @@
-//! An operation that needs approval as Operator V1's `BrokerRequest` (SPEC section 8's table):
+//! An operation that needs approval as Operator V1's `BrokerRequest`, by this table:
 //!
 //! | operation | request `status` | `allowed_actions` | `used_count` |
 //! | --- | --- | --- | --- |
