@@ -45,6 +45,10 @@
 //!
 //! Only HTTP/1.1 is served: the Agent V1 wire is HTTP/1.1, and hyper's header timeout is an
 //! HTTP/1 setting.
+//!
+//! One file past the usual size: the settings, the listeners and the accept loop share one
+//! connection pool, whose cap and eviction hold only together; what stands alone is already below
+//! it (`listener/body`, `listener/write_deadline`), and about 120 lines are tests.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;

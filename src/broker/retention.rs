@@ -27,6 +27,9 @@
 //!
 //! **Time is injectable.** The sweep asks [`WallClock`] what time it is, so tests move the clock
 //! days forward instead of waiting.
+//!
+//! One file past the usual size: the sweep is one sequence of steps (above) over one set of
+//! settings and metrics, and reads top to bottom.
 
 use std::str::FromStr;
 use std::sync::Arc;

@@ -4,6 +4,10 @@
 //! from the same file, so `admission check --secrets FILE` can judge a quota file against exactly
 //! the identities a broker would configure. Secrets never appear in an error message or in `Debug`
 //! output: errors name the line, not its contents.
+//!
+//! One piece past the usual size: the client and the operator secret files are read one way
+//! (bounded, UTF-8, line by line) under one rule, that no error and no `Debug` shows a secret;
+//! split, that rule would have two homes.
 
 use std::collections::BTreeMap;
 use std::fmt;

@@ -7,6 +7,10 @@
 //! and remembers how each number was written, and then one pass walks the tree with JSON paths and
 //! applies every per-field rule of the contract. Rules across fields live in
 //! [`validate`](super::validate), shared with programmatic configs.
+//!
+//! One piece past the usual size because it is one format, read and written: the tree that keeps
+//! what serde_json would lose, the pass that applies each per-field rule with its JSON path, and
+//! the writer whose output that pass reads back equal.
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::fmt;

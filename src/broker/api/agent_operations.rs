@@ -2,6 +2,9 @@
 //!
 //! A submission goes authenticate → validate → replay → admit → create → commit; from the permit
 //! on, the creation runs detached (see the broker module's docs).
+//!
+//! One file past the usual size: submit, create and cancel share the detached hand-off, the replay
+//! and the refusal answers, and read as one sequence.
 
 use std::sync::Arc;
 

@@ -2,7 +2,7 @@
 //! state changes, listing pages, and start-up recovery. Each statement sits beside the one
 //! projection of a row into an [`OperationRecord`] (or, for a listing page, an
 //! [`OperationSummary`]), so a reader checks the columns a query selects against what the record
-//! needs in one file (the table itself is in `schema`).
+//! needs in one file (the table itself is in `schema`): why it is one piece past the usual size.
 //!
 //! What reads only what it answers: a listing page selects the summary's columns (the stored
 //! presentation, never `target` or `arguments`); a replay and a get first read a
