@@ -12,7 +12,8 @@
 //! an inline `mod tests { use super::*; }` resolve from the inline module, so they point back at
 //! their own file: no edge.
 //!
-//! `HOUSE_EDGES=1 cargo test --test house` prints every edge with the path that made it.
+//! `HOUSE_EDGES=1 cargo test --test house -- --nocapture` prints every edge with the path that
+//! made it.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
