@@ -429,33 +429,6 @@ fn short(file: &str) -> &str {
     file.strip_prefix("src/").unwrap_or(file)
 }
 
-/// Circles through `src/admission/`, which another change owns, listed until it lands: its
-/// `mod.rs` re-exports from `backend.rs`, `handles.rs`, `exposition.rs` and `options.rs` while
-/// they import from it, and `redis/` can name admission's outcome and option types only through
-/// that `mod.rs` (the files defining them are private modules), while `backend.rs` imports
-/// `redis/`. Remove each line as it is fixed: the test fails on a line that no longer names a
-/// circle, as it fails on any circle not listed here.
-const AWAITING_ADMISSION: &[&str] = &[
-    "admission/backend.rs -> admission/mod.rs -> admission/backend.rs",
-    "admission/backend.rs -> admission/mod.rs -> admission/handles.rs -> admission/backend.rs",
-    "admission/backend.rs -> redis/mod.rs -> admission/mod.rs -> admission/backend.rs",
-    "admission/backend.rs -> redis/mod.rs -> redis/handles.rs -> admission/mod.rs -> \
-     admission/backend.rs",
-    "admission/backend.rs -> redis/mod.rs -> redis/handles.rs -> redis/decision.rs -> \
-     admission/mod.rs -> admission/backend.rs",
-    "admission/backend.rs -> redis/mod.rs -> redis/handles.rs -> redis/replica.rs -> \
-     admission/mod.rs -> admission/backend.rs",
-    "admission/backend.rs -> redis/mod.rs -> redis/replica.rs -> admission/mod.rs -> \
-     admission/backend.rs",
-    "admission/backend.rs -> redis/mod.rs -> redis/replica.rs -> redis/decision.rs -> \
-     admission/mod.rs -> admission/backend.rs",
-    "admission/backend.rs -> redis/mod.rs -> redis/replica.rs -> redis/memory.rs -> \
-     admission/mod.rs -> admission/backend.rs",
-    "admission/exposition.rs -> admission/mod.rs -> admission/exposition.rs",
-    "admission/handles.rs -> admission/mod.rs -> admission/handles.rs",
-    "admission/mod.rs -> admission/options.rs -> admission/mod.rs",
-];
-
 #[test]
 fn src_files_import_one_way() {
     let circles = find_circles(&import_edges(&src_files()));
@@ -466,24 +439,12 @@ fn src_files_import_one_way() {
             files.join(" -> ")
         })
         .collect();
-    let new: Vec<&String> = report
-        .iter()
-        .filter(|circle| !AWAITING_ADMISSION.contains(&circle.as_str()))
-        .collect();
-    let gone: Vec<&&str> = AWAITING_ADMISSION
-        .iter()
-        .filter(|listed| !report.iter().any(|circle| circle == *listed))
-        .collect();
     assert!(
-        new.is_empty() && gone.is_empty(),
-        "{} import circle(s) between files of src/:\n{}\n\n\
-         listed in AWAITING_ADMISSION but no longer a circle (remove them):\n{}",
-        new.len(),
-        new.iter()
-            .map(|c| c.as_str())
-            .collect::<Vec<_>>()
-            .join("\n"),
-        gone.iter().map(|c| **c).collect::<Vec<_>>().join("\n"),
+        report.is_empty(),
+        "{} import circle(s) between files of src/ (a type two files share moves to a file both \
+         import, or to a small leaf):\n{}",
+        report.len(),
+        report.join("\n"),
     );
 }
 

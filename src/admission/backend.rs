@@ -8,7 +8,8 @@
 use std::future::Future;
 use std::time::Duration;
 
-use super::{ReplicaOptions, SetupError};
+use super::options::ReplicaOptions;
+use super::outcome::SetupError;
 use crate::config::Config;
 
 /// How long a start refused by the shared pool waits before trying again: other replicas give
@@ -56,7 +57,7 @@ pub(crate) async fn local_or_pause(local: impl Future<Output = ()>) {
 /// costs nothing.
 #[cfg(not(feature = "redis"))]
 mod absent {
-    use super::super::{
+    use super::super::outcome::{
         AdmitError, BackendStats, DeploymentCounts, NotStarted, RestoredOperation, Unavailable,
     };
     use crate::config::Config;
@@ -110,25 +111,28 @@ mod absent {
         pub(crate) fn stats(&self) -> BackendStats {
             match *self {}
         }
-        pub(crate) fn set_source(&self, _: std::sync::Arc<dyn super::super::RecoverySource>) {
+        pub(crate) fn set_source(
+            &self,
+            _: std::sync::Arc<dyn super::super::recovery::RecoverySource>,
+        ) {
             match *self {}
         }
         pub(crate) async fn retire_keys(
             &self,
-            _: &[super::super::KeyRecord],
+            _: &[super::super::recovery::KeyRecord],
         ) -> Result<(), Unavailable> {
             match *self {}
         }
         pub(crate) async fn retire_keys_then<T>(
             &self,
-            _: &[super::super::KeyRecord],
+            _: &[super::super::recovery::KeyRecord],
             _: impl std::future::Future<Output = T>,
         ) -> Result<T, Unavailable> {
             match *self {}
         }
         pub(crate) async fn renew_keys(
             &self,
-            _: &[super::super::KeyRecord],
+            _: &[super::super::recovery::KeyRecord],
         ) -> Result<u64, Unavailable> {
             match *self {}
         }

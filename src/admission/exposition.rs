@@ -9,13 +9,15 @@ use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::registry::Registry;
 
-use super::{Admission, BackendStats};
+use super::backend::SharedController;
+use super::outcome::BackendStats;
 
-pub(super) fn register(registry: &mut Registry, admission: Admission) {
-    registry.register_collector(Box::new(BackendCollector(admission)));
+/// Registers the backend's collector: `shared` is the replicated half, `None` in-process.
+pub(super) fn register(registry: &mut Registry, shared: Option<SharedController>) {
+    registry.register_collector(Box::new(BackendCollector(shared)));
 }
 
-struct BackendCollector(Admission);
+struct BackendCollector(Option<SharedController>);
 
 impl std::fmt::Debug for BackendCollector {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -25,8 +27,8 @@ impl std::fmt::Debug for BackendCollector {
 
 impl Collector for BackendCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let admission = &self.0;
-        let backend = if admission.is_replicated() {
+        let shared = &self.0;
+        let backend = if shared.is_some() {
             "redis"
         } else {
             "in_process"
@@ -39,10 +41,10 @@ impl Collector for BackendCollector {
             MetricType::Gauge,
         )?;
         ConstGauge::new(1i64).encode(metric.encode_family(&[("backend", backend)])?)?;
-        if !admission.is_replicated() {
+        let Some(shared) = shared else {
             return Ok(());
-        }
-        let stats = admission.stats();
+        };
+        let stats: BackendStats = shared.stats();
         let counters = [
             (
                 "admission_redis_errors",

@@ -16,7 +16,8 @@
 use std::future::Future;
 
 use super::backend::{self, SharedOperation, SharedPermit};
-use super::{NotStarted, OperationId, Unavailable, UnavailableReason};
+use super::id::OperationId;
+use super::outcome::{NotStarted, Unavailable, UnavailableReason};
 use crate::config::Identity;
 use crate::engine::{
     self, CancelOutcome, OperationState, QuotaStatus, StartError, TransitionError,

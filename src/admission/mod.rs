@@ -37,9 +37,9 @@ mod backend;
 mod exposition;
 mod handles;
 pub(crate) mod id;
-mod options;
-mod outcome;
-mod recovery;
+pub(crate) mod options;
+pub(crate) mod outcome;
+pub(crate) mod recovery;
 
 use std::path::Path;
 
@@ -516,7 +516,7 @@ impl Admission {
     /// the Redis calls, lease, kept releases and circuit).
     pub fn register_metrics(&self, registry: &mut prometheus_client::registry::Registry) {
         crate::metrics::register(registry, &self.local);
-        exposition::register(registry, self.clone());
+        exposition::register(registry, self.shared.clone());
     }
 }
 

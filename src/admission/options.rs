@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use super::SetupError;
+use super::outcome::SetupError;
 use crate::config::Identity;
 use crate::engine::{DEFAULT_CAPACITY_RETRY, StorageCaps};
 

@@ -18,7 +18,7 @@ use super::releases::KeepOnDrop;
 use super::replica::{Inner, RedisController};
 use super::reply::{AdmitReply, Decided};
 use super::units::{rate_micros, secs_at_least_one, ttl_millis};
-use crate::admission::{AdmitError, Refused, UnavailableReason};
+use crate::admission::outcome::{AdmitError, Refused, UnavailableReason};
 use crate::config::{Config, Identity};
 use crate::engine::{OperationState, Refusal, RefusalCode};
 

@@ -23,7 +23,7 @@ use super::decision::{Decision, Job, MOST_PER_BATCH};
 use super::replica::Inner;
 use super::reply;
 use super::reply::Decided;
-use crate::admission::UnavailableReason;
+use crate::admission::outcome::UnavailableReason;
 
 /// The writer: takes whatever is waiting (at least one, at most [`MOST_PER_BATCH`]), sends it as
 /// one call, answers each caller, and again, until the replica is gone. It holds the replica

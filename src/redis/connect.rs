@@ -16,7 +16,8 @@ use super::keys::Keys;
 use super::memory::RefusalMemory;
 use super::replica::{Inner, RedisController, fill_random};
 use super::scripts::Scripts;
-use crate::admission::{ReplicaOptions, SetupError};
+use crate::admission::options::ReplicaOptions;
+use crate::admission::outcome::SetupError;
 use crate::config::Config;
 
 impl RedisController {

@@ -7,7 +7,7 @@ use redis::ScriptInvocation;
 use tokio::sync::{mpsc, oneshot};
 
 use super::reply::{Asked, Decided};
-use crate::admission::UnavailableReason;
+use crate::admission::outcome::UnavailableReason;
 
 /// The most decisions one script call carries.
 pub(crate) const MOST_PER_BATCH: usize = 64;

@@ -15,8 +15,8 @@ use super::decision::{Kept, Target};
 use super::held::Held;
 use super::replica::Inner;
 use super::reply::TransitionReply;
-use crate::admission::NotStarted as RedisStartError;
-use crate::admission::UnavailableReason;
+use crate::admission::outcome::NotStarted as RedisStartError;
+use crate::admission::outcome::UnavailableReason;
 use crate::engine::{
     CancelOutcome, OperationState, QuotaStatus, Refusal, RefusalCode, TransitionError,
 };

@@ -12,7 +12,7 @@ use std::time::Instant;
 use super::replica::{Inner, RedisController};
 use super::reply::{self, LeaseReply};
 use super::units::ttl_millis;
-use crate::admission::{Unavailable, UnavailableReason};
+use crate::admission::outcome::{Unavailable, UnavailableReason};
 use crate::config::Identity;
 
 impl RedisController {

@@ -55,7 +55,7 @@ use crate::config::ClientLimits;
 use crate::engine::RefusalCode;
 
 /// Why remembered refusals were forgotten, in the order of the metric's `reason` labels
-/// ([`crate::admission::BackendStats::FORGOTTEN_REASONS`]).
+/// ([`crate::admission::outcome::BackendStats::FORGOTTEN_REASONS`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Forgotten {
     /// Its wait or hint had passed.
@@ -76,8 +76,9 @@ pub(crate) enum Forgotten {
     Admitted,
 }
 
-const _: () =
-    assert!(Forgotten::ALL.len() == crate::admission::BackendStats::FORGOTTEN_REASONS.len());
+const _: () = assert!(
+    Forgotten::ALL.len() == crate::admission::outcome::BackendStats::FORGOTTEN_REASONS.len()
+);
 
 impl Forgotten {
     pub(crate) const ALL: [Forgotten; 8] = [

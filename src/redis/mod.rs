@@ -116,11 +116,12 @@ pub mod reply;
 mod scripts;
 mod units;
 
-pub use crate::admission::{
-    AdmitError, BackendStats, DeploymentCounts, NotStarted, Refused, ReplicaOptions,
-    RestoredOperation, SetupError, Unavailable, UnavailableReason,
+pub use crate::admission::options::ReplicaOptions;
+pub use crate::admission::outcome::{
+    AdmitError, BackendStats, DeploymentCounts, NotStarted, Refused, RestoredOperation, SetupError,
+    Unavailable, UnavailableReason,
 };
-pub use crate::admission::{KeyRecord, RecoverySource, SourceFuture};
+pub use crate::admission::recovery::{KeyRecord, RecoverySource, SourceFuture};
 pub(crate) use handles::{RedisOperation, RedisPermit};
 pub(crate) use replica::RedisController;
 #[doc(hidden)]

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 
 use super::replica::RedisController;
-use crate::admission::{BackendStats, DeploymentCounts, Unavailable, UnavailableReason};
+use crate::admission::outcome::{BackendStats, DeploymentCounts, Unavailable, UnavailableReason};
 use crate::engine::OperationState;
 
 /// Operation records asked for in one `HSCAN` page, when reading a replica's holdings.

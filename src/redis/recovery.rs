@@ -11,7 +11,8 @@ use redis::{Script, Value};
 
 use super::replica::{Inner, RedisController, random_hex};
 use super::units::{rate_micros, ttl_millis};
-use crate::admission::{KeyRecord, RecoverySource, Unavailable, UnavailableReason};
+use crate::admission::outcome::{Unavailable, UnavailableReason};
+use crate::admission::recovery::{KeyRecord, RecoverySource};
 use crate::config::{Config, Identity};
 
 /// Idempotency records sent to Redis in one script call, when restoring or retiring them.

@@ -15,7 +15,7 @@ use super::recovery::{RateDebt, rate_debts};
 use super::replica::{Inner, RedisController, random_hex};
 use super::reply::{self, Replaced};
 use super::units::ttl_millis;
-use crate::admission::{RestoredOperation, Unavailable, UnavailableReason};
+use crate::admission::outcome::{RestoredOperation, Unavailable, UnavailableReason};
 use crate::config::Identity;
 use crate::engine::OperationState;
 
@@ -213,7 +213,7 @@ impl Inner {
                         records.iter().map(|r| r.operation.clone()).collect();
                     records.extend(uncommitted.iter().filter_map(|(id, client, u)| {
                         let key = u.key.clone()?;
-                        (!stored.contains(id)).then(|| crate::admission::KeyRecord {
+                        (!stored.contains(id)).then(|| crate::admission::recovery::KeyRecord {
                             client: client.clone(),
                             key,
                             operation: id.clone(),

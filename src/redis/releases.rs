@@ -7,7 +7,7 @@ use std::time::Instant;
 use super::decision::{Decision, Kept, Target};
 use super::replica::{Inner, RedisController};
 use super::reply::{Decided, TransitionReply};
-use crate::admission::UnavailableReason;
+use crate::admission::outcome::UnavailableReason;
 
 /// A release to keep if the future sending it is dropped before Redis answers: armed before the
 /// first `.await`, disarmed once the release (or the decision it undoes) is settled.

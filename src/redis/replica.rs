@@ -21,7 +21,9 @@ use super::keys::Keys;
 use super::memory::RefusalMemory;
 use super::scripts::Scripts;
 use super::units::secs_at_least_one;
-use crate::admission::{RecoverySource, ReplicaOptions, Unavailable, UnavailableReason};
+use crate::admission::options::ReplicaOptions;
+use crate::admission::outcome::{Unavailable, UnavailableReason};
+use crate::admission::recovery::RecoverySource;
 use crate::config::Config;
 
 /// One replica's shared state: what the files of this module each `impl` a concern of.
