@@ -1,6 +1,6 @@
 //! Whether a listing page costs the same with a thousand operations as with a million: one
 //! client's operations are bulk-inserted straight into the SQLite file (one transaction per step),
-//! and at 1,000, 10,000, 100,000 and 1,000,000 rows `Database::list_page` (what
+//! and at 1,000, 10,000, 100,000 and 1,000,000 rows `SqliteStore::list_page` (what
 //! `GET /api/agent/v1/operations` runs) is timed for four page shapes: the first page, the last
 //! page (a cursor at the oldest operations), the first page filtered by state, and the recovery
 //! lookup by idempotency key. Medians and the 1M/1k ratio are printed, with SQLite's plan.
@@ -12,7 +12,7 @@
 use std::time::{Duration, Instant};
 
 use unyolo_admission::OperationState;
-use unyolo_admission::broker::Database;
+use unyolo_admission::broker::store::SqliteStore;
 use unyolo_admission::broker::store::{DATABASE_FILE, PageQuery};
 
 const CLIENT: &str = "agent";
@@ -140,7 +140,7 @@ async fn main() {
     sizes.push(largest);
 
     let dir = tempfile::tempdir().unwrap();
-    let db = Database::open(dir.path()).unwrap();
+    let db = SqliteStore::open(dir.path()).unwrap();
     let mut conn = rusqlite::Connection::open(dir.path().join(DATABASE_FILE)).unwrap();
     // Loading only: the timed reads are on the broker's own reader connections.
     conn.pragma_update(None, "synchronous", "OFF").unwrap();

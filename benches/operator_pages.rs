@@ -2,10 +2,10 @@
 //!
 //! 1. **Request pages at 1k and 100k requests.** Requests (`demo.request` operations, 1 in 10
 //!    pending, the rest denied) are bulk-inserted into the SQLite file, and at each size
-//!    `Database::request_page` (what `GET /api/operator/v1/requests` runs) is timed for five
+//!    `SqliteStore::request_page` (what `GET /api/operator/v1/requests` runs) is timed for five
 //!    shapes: the first page of everything, the last page (a position at the oldest requests), the
 //!    first pending page, the first history page, and a target-field filter. The baseline is the
-//!    Agent V1 listing's first page (`Database::list_page`) on the same file. Medians, the
+//!    Agent V1 listing's first page (`SqliteStore::list_page`) on the same file. Medians, the
 //!    100k/1k ratio per shape, and SQLite's plan are printed.
 //! 2. **A decision's latency under a refusal flood.** An in-process broker; a flooding client has
 //!    spent its rate bucket and sends submissions on the agent listener as fast as
@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 use unyolo_admission::broker::store::{DATABASE_FILE, PageQuery, RequestQuery, StateFilter};
-use unyolo_admission::broker::{Broker, BrokerSettings, Database, ListenAddr};
+use unyolo_admission::broker::{Broker, BrokerSettings, ListenAddr, SqliteStore};
 use unyolo_admission::config::{Identity, Operators, Secrets};
 use unyolo_admission::{Config, OperationState, StorageCaps};
 
@@ -147,7 +147,7 @@ async fn pages(repeats: usize, largest: u64) {
     let mut sizes: Vec<u64> = [1_000].into_iter().filter(|n| *n < largest).collect();
     sizes.push(largest);
     let dir = tempfile::tempdir().unwrap();
-    let db = Database::open(dir.path()).unwrap();
+    let db = SqliteStore::open(dir.path()).unwrap();
     let mut conn = rusqlite::Connection::open(dir.path().join(DATABASE_FILE)).unwrap();
     conn.pragma_update(None, "synchronous", "OFF").unwrap();
     println!(

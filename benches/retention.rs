@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 use unyolo_admission::broker::keys::KeyFilter;
-use unyolo_admission::broker::store::{Database, OperationRecord};
+use unyolo_admission::broker::store::{OperationRecord, SqliteStore};
 use unyolo_admission::broker::{Broker, BrokerSettings, Keep, RetentionSettings};
 use unyolo_admission::config::{Identity, Secrets};
 use unyolo_admission::engine::OperationState;
@@ -135,7 +135,7 @@ struct StoreRun {
 async fn store_run(rows: usize, retiring: usize, refusals: usize, concurrency: usize) -> StoreRun {
     let dir = tempfile::tempdir().unwrap();
     {
-        let db = Database::open(dir.path()).unwrap();
+        let db = SqliteStore::open(dir.path()).unwrap();
         let t = Instant::now();
         for chunk in (0..rows).collect::<Vec<_>>().chunks(50_000) {
             let records: Vec<_> = chunk.iter().map(|&i| terminal(i, i < retiring)).collect();

@@ -17,7 +17,7 @@ use support::eventually::eventually;
 use support::http::request;
 use support::secrets::{AGENT, AGENT_SECRET, OPERATOR_SECRET, OTHER_SECRET};
 use unyolo_admission::StorageCaps;
-use unyolo_admission::broker::store::{Database, PageQuery, SCHEMA_VERSION};
+use unyolo_admission::broker::store::{PageQuery, SCHEMA_VERSION, SqliteStore};
 use unyolo_admission::broker::{Broker, BrokerError};
 use unyolo_admission::engine::OperationState;
 
@@ -925,7 +925,7 @@ async fn every_listing_page_walks_an_index_in_order_and_sorts_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let db = tokio::task::spawn_blocking({
         let dir = dir.path().to_owned();
-        move || Database::open(&dir).unwrap()
+        move || SqliteStore::open(&dir).unwrap()
     })
     .await
     .unwrap();

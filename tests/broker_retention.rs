@@ -18,7 +18,7 @@ use support::http::request;
 use support::metrics::metric;
 use support::secrets::{AGENT, AGENT_SECRET};
 use unyolo_admission::StorageCaps;
-use unyolo_admission::broker::store::{Database, OperationRecord, PageQuery};
+use unyolo_admission::broker::store::{OperationRecord, PageQuery, SqliteStore};
 use unyolo_admission::broker::{BrokerSettings, Keep, RetentionSettings, WallClock};
 use unyolo_admission::engine::{OperationState, Store};
 
@@ -94,7 +94,7 @@ fn old_terminal(i: usize, terminal_at: &str, padding: usize) -> OperationRecord 
 }
 
 fn seed(dir: &std::path::Path, rows: usize, padding: usize) {
-    let db = Database::open(dir).unwrap();
+    let db = SqliteStore::open(dir).unwrap();
     let records: Vec<_> = (0..rows)
         .map(|i| old_terminal(i, "2020-01-01T00:00:00.000Z", padding))
         .collect();
@@ -486,7 +486,7 @@ async fn listing_cursors_from_schema_2_point_at_the_same_rows_after_the_upgrade(
             .collect::<Result<_, _>>()
             .unwrap()
     };
-    let db = Database::open(dir.path()).unwrap();
+    let db = SqliteStore::open(dir.path()).unwrap();
     // What schema 4 stores for each row, derived once (as the broker's start-up does).
     let derived = db
         .fill_derived(unyolo_admission::broker::presentation::derive)

@@ -27,7 +27,7 @@ use super::event_streams::EventStreams;
 use super::key_locks::{KeyGuard, KeyLocks};
 use super::keys::KeyFilter;
 use super::registry::duration_ms;
-use super::store::{Database, OperationRecord};
+use super::store::{DurableStore, OperationRecord};
 use super::waits::Waits;
 use crate::admission::{Admission, OperationHandle};
 use crate::engine::{Controller, StoredObject};
@@ -43,7 +43,7 @@ pub(crate) struct Core {
     /// Admission, in-process or shared with other replicas: every submission, transition and
     /// start goes through it.
     pub(crate) admission: Admission,
-    pub(crate) db: Database,
+    pub(crate) db: Arc<dyn DurableStore>,
     /// Non-terminal operations by id.
     pub(crate) live: Mutex<HashMap<String, Arc<LiveOp>>>,
     /// Stored streams by id.
@@ -105,7 +105,7 @@ pub(crate) enum NotReady {
 }
 
 impl Core {
-    /// Whether the store would take a write now ([`Database::ping`]: free space, then the write
+    /// Whether the store would take a write now ([`DurableStore::ping`]: free space, then the write
     /// lock) within a deadline, as `/readyz` on both listeners and the metrics scrape ask it.
     /// Sets `broker_store_ready`, and logs when readiness is lost (with why) or comes back, not
     /// at every probe.

@@ -142,7 +142,9 @@ pub use drift::{Difference, DriftCount, DriftReport};
 pub use event_streams::EventStreamLimits;
 pub use listener::{ConnectionSettings, ListenAddr};
 pub use retention::{Keep, RetentionSettings, SweepReport, WallClock};
-pub use store::{Database, OperationError, OperationRecord, StoreError, StoredCounts};
+pub use store::{
+    DurableStore, OperationError, OperationRecord, SqliteStore, StoreError, StoredCounts,
+};
 
 use self::core::Core;
 
@@ -422,8 +424,8 @@ impl Broker {
     }
 
     /// The store.
-    pub fn database(&self) -> &Database {
-        &self.core.db
+    pub fn database(&self) -> &dyn DurableStore {
+        &*self.core.db
     }
 
     /// Compares the controller's counts with the store now (per client and global: pending,

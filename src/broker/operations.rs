@@ -176,7 +176,7 @@ impl Core {
     }
 
     /// An operator's decision on request `id`, judged and committed by the store in one
-    /// transaction ([`crate::broker::store::Database::decide`]), then followed by the lifecycle
+    /// transaction ([`crate::broker::store::DurableStore::decide`]), then followed by the lifecycle
     /// handle, holding the counts gate and the operation's lock (if it is live) throughout, and
     /// run detached ([`run_to_end`]): decided once the store is asked, it ends the same whether
     /// or not the operator waits for the answer. `judge` also gets the state the handle is in

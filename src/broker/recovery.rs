@@ -1,22 +1,24 @@
 //! The broker's store as a replica's [`RecoverySource`]: after the shared store forgot the
-//! deployment, what this replica's SQLite file holds goes back to Redis with its holdings — the
+//! deployment, what this replica's store holds goes back to Redis with its holdings — the
 //! idempotency key of every operation it keeps (live and retained), and its clients' admissions
 //! within the longest rate window in force (read from the creation times, as a restart rebuilds
 //! the in-process buckets: no extra write per admission).
 
 use std::time::{Duration, SystemTime};
 
-use super::store::Database;
+use std::sync::Arc;
+
+use super::store::DurableStore;
 use crate::admission::{KeyRecord, RecoverySource, SourceFuture};
 use crate::config::Identity;
 
 /// The store, read for a recovery.
 pub(crate) struct StoreSource {
-    db: Database,
+    db: Arc<dyn DurableStore>,
 }
 
 impl StoreSource {
-    pub(crate) fn new(db: Database) -> StoreSource {
+    pub(crate) fn new(db: Arc<dyn DurableStore>) -> StoreSource {
         StoreSource { db }
     }
 }
@@ -42,10 +44,10 @@ impl RecoverySource for StoreSource {
         Box::pin(async move {
             let now = SystemTime::now();
             let since = now.checked_sub(within).unwrap_or(SystemTime::UNIX_EPOCH);
-            let db = self.db.clone();
-            let created = tokio::task::spawn_blocking(move || db.created_since(since))
+            let created = self
+                .db
+                .created_since(since)
                 .await
-                .map_err(|e| e.to_string())?
                 .map_err(|e| e.to_string())?;
             Ok(created
                 .into_iter()

@@ -408,7 +408,7 @@ pub(crate) async fn sweep(
         }
         tokio::task::yield_now().await;
     }
-    while core.db.return_free_pages(VACUUM_STEP).await? > 0 {
+    while core.db.release_space(VACUUM_STEP).await? > 0 {
         tokio::task::yield_now().await;
     }
     if report.retired > 0 || report.events_trimmed > 0 {
@@ -420,10 +420,16 @@ pub(crate) async fn sweep(
 
     if core.keys.stale() {
         let rebuilding = Arc::clone(core);
+        // The filter's rebuild scans the store while it takes the keys inserted meanwhile:
+        // the scan runs inside it, on a blocking thread that waits for the store's answer.
+        let store = tokio::runtime::Handle::current();
         tokio::task::spawn_blocking(move || {
-            let expected = rebuilding.db.key_count()?;
+            let expected = store.block_on(rebuilding.db.key_count())?;
             rebuilding.keys.rebuild(expected as usize, |visit| {
-                rebuilding.db.for_each_key(|client, key| visit(client, key))
+                for (client, key) in store.block_on(rebuilding.db.keys())? {
+                    visit(&client, &key);
+                }
+                Ok::<_, StoreError>(())
             })
         })
         .await
@@ -523,8 +529,7 @@ async fn refresh_metrics(core: &Arc<Core>, retention: &Retention) -> Result<(), 
             .get_or_create(&[("state", state.as_str())])
             .set(i64::try_from(n).unwrap_or(i64::MAX));
     }
-    let (database, wal) = core.db.file_bytes();
-    for (file, bytes) in [("database", database), ("wal", wal)] {
+    for (file, bytes) in core.db.sizes() {
         retention
             .store_bytes
             .get_or_create(&[("file", file)])

@@ -25,7 +25,7 @@ use super::event_streams::EventStreams;
 use super::keys::KeyFilter;
 use super::listener::{ConnectionPool, ConnectionSettings, ListenAddr, UnixSocket};
 use super::retention::{Keep, Retention};
-use super::store::{self, Database, StoreError};
+use super::store::{self, StoreError};
 use super::waits::Waits;
 use super::{
     Broker, BrokerError, BrokerSettings, RestoreSummary, api, drift, exec, listener, retention,
@@ -89,29 +89,34 @@ impl Broker {
             .map_err(|e| BrokerError::Settings(e.to_string()))?;
         let data_dir = settings.data_dir.clone();
         let broker_name = settings.broker_name.clone();
-        let (db, recovered, keys, created) = tokio::task::spawn_blocking(move || {
-            let db = Database::open_as(&data_dir, &broker_name)?
-                .with_requests(super::registry::approval_operations());
+        let (db, recovered, keys, created) = async {
+            let db = store::open(
+                &store::StoreLocation::Dir(data_dir),
+                &broker_name,
+                super::registry::approval_operations(),
+            )
+            .await?;
             // Rows an older schema wrote get their presentation and digest once, before
             // anything reads them.
-            let derived = db.fill_derived(super::presentation::derive)?;
+            let derived = db.fill_derived(super::presentation::derive).await?;
             if derived > 0 {
                 tracing::info!(
                     rows = derived,
                     "stored the presentation and request digest of older operations"
                 );
             }
-            let recovered = db.recover()?;
-            let keys = KeyFilter::with_capacity(db.key_count()? as usize);
-            db.for_each_key(|client, key| keys.insert(client, key))?;
+            let recovered = db.recover().await?;
+            let keys = KeyFilter::with_capacity(db.key_count().await? as usize);
+            for (client, key) in db.keys().await? {
+                keys.insert(&client, &key);
+            }
             let since = SystemTime::now()
                 .checked_sub(rate_window)
                 .unwrap_or(SystemTime::UNIX_EPOCH);
-            let created = db.created_since(since)?;
+            let created = db.created_since(since).await?;
             Ok::<_, StoreError>((db, recovered, keys, created))
-        })
-        .await
-        .map_err(|e| BrokerError::Io(format!("start-up task failed: {e}")))??;
+        }
+        .await?;
 
         let mut registry = Registry::default();
         // After Redis forgets, this replica's store gives back its keys and recent admissions.

@@ -6,7 +6,6 @@
 use std::sync::Arc;
 
 use prometheus_client::metrics::counter::Counter;
-use rusqlite::{Connection, OptionalExtension};
 use tokio::sync::watch;
 
 /// Where the newest event's sequence is published after each commit, and the count of events
@@ -18,7 +17,7 @@ pub struct EventBell {
 }
 
 impl EventBell {
-    fn new(newest: i64) -> EventBell {
+    pub(crate) fn new(newest: i64) -> EventBell {
         EventBell {
             newest: Arc::new(watch::Sender::new(newest)),
             written: Counter::default(),
@@ -26,7 +25,7 @@ impl EventBell {
     }
 
     /// Publishes that the events up to `seq` are committed (call after the commit).
-    pub(super) fn rang(&self, seq: i64, written: u64) {
+    pub(crate) fn rang(&self, seq: i64, written: u64) {
         self.written.inc_by(written);
         self.newest.send_if_modified(|newest| {
             let newer = seq > *newest;
@@ -51,21 +50,4 @@ impl EventBell {
     pub fn written(&self) -> Counter {
         self.written.clone()
     }
-}
-
-/// Opens the bell at the log's high-water mark (blocking; at open).
-pub(super) fn open_bell(conn: &Connection) -> rusqlite::Result<EventBell> {
-    Ok(EventBell::new(high_water(conn)?))
-}
-
-/// The highest sequence ever assigned (`AUTOINCREMENT` keeps it even when the rows are gone).
-pub(super) fn high_water(conn: &Connection) -> rusqlite::Result<i64> {
-    Ok(conn
-        .query_row(
-            "SELECT seq FROM sqlite_sequence WHERE name = 'operator_events'",
-            [],
-            |r| r.get::<_, i64>(0),
-        )
-        .optional()?
-        .unwrap_or(0))
 }

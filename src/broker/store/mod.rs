@@ -1,333 +1,54 @@
-//! The broker's durable store: one SQLite file (WAL, `synchronous=FULL`) under the data dir.
+//! The broker's durable store: what the broker asks of it, in the store's own words
+//! ([`DurableStore`]), and the two houses that answer: `sqlite` (one file under the data dir, the
+//! embedded default for one process) and `postgres` (one database for a fleet of replicas).
 //!
-//! Operations and streams live here; the controller's counts are rebuilt from it at start-up, so
-//! what is on disk is what counts. Every write is committed (and so on disk) before the call
-//! returns, which is what lets the HTTP layer answer 202 only for work that survives a crash.
-//!
-//! SQLite is blocking, so every call runs on tokio's blocking pool. Writes go through one
-//! connection; reads (replay lookups, gets, list pages, waits) through a small pool of reader
-//! connections ([`READERS`]), so a read never queues behind an `fsync` nor behind another read.
-//!
-//! One broker owns a data dir: opening takes an exclusive lock on [`LOCK_FILE`] and holds it while
-//! any handle on the database lives. Two brokers on one dir would both restore, count and execute
-//! the same operations, so the second is refused at start-up instead.
+//! Operations, their Operator V1 events, operators' decisions and streams live here; the
+//! controller's counts are rebuilt from it at start-up, so what is stored is what counts. Every
+//! write is committed (and so durable) before the call returns, which is what lets the HTTP layer
+//! answer 202 only for work that survives a crash.
 //!
 //! The store knows SQL and files, nothing of HTTP or JSON answers: it imports nothing from the
-//! rest of the broker. This file holds the handle (opening, the data dir's lock, the write
-//! connection and the reader pool); the rest is one file per concern:
+//! rest of the broker, and the broker above names neither backend (it holds an
+//! `Arc<dyn DurableStore>`, opened by [`open`]). One file per concern:
 //!
-//! - `schema`: the tables, their indexes and the migrations from older files;
-//! - `operations`: the operation rows (insert, lookups, state changes, listing pages, start-up
-//!   recovery);
+//! - `durable`: the trait, what the broker asks of a store;
+//! - `open`: where a store lives, and opening the one a location names;
+//! - `records`: an operation and the slices of it that pages, replays and decisions read;
 //! - `digest`: the canonical digest of a request, stored with its operation for replays;
-//! - `streams`: the stream rows;
+//! - `streams`: a stored stream;
 //! - `decisions`: operators' decisions, judged and committed with their idempotency records in
 //!   one transaction;
-//! - `requests`: the operators' request pages;
-//! - `events`: the Operator V1 event log (one row per revision change of a request, written in
-//!   the change's own transaction), its cursors, and the request status of a state;
+//! - `requests`: what an operators' request page selects;
+//! - `events`: the Operator V1 event log's shape (kinds, statuses, cursors, pages);
 //! - `bell`: where the newest committed event is published, for the streams that wait on it;
-//! - `maintenance`: what keeps the file bounded and checked (retention deletes, returning free
-//!   pages, checkpoints, the counts the drift check compares);
+//! - `maintenance`: the counts the drift check compares, and the rows retention retires;
 //! - `error`: what went wrong, as values a caller matches on.
 
 mod bell;
-mod database;
 mod decisions;
 mod digest;
+mod durable;
 mod error;
 pub mod events;
 mod maintenance;
-mod operations;
+mod open;
+mod records;
 mod requests;
-mod schema;
+pub mod sqlite;
 mod streams;
 
 pub use bell::EventBell;
-pub use database::{
-    DATABASE_FILE, DEFAULT_BROKER_NAME, Database, LOCK_FILE, MIN_FREE_BYTES, READERS, now_rfc3339,
-};
 pub use decisions::{DecidedMove, DecisionCommand, DecisionOutcome, DecisionScope};
 pub use digest::request_digest;
+pub use durable::{Derive, DurableStore, Judge, Render};
 pub use error::{InsertError, StoreError};
 pub use events::{EventKind, EventPage, RequestStatus, StoredEvent, request_status};
 pub use maintenance::{Retiring, StoredCounts};
-pub use operations::{
-    Decided, DecisionMark, OperationError, OperationRecord, OperationSummary, PageQuery,
-    Presentation, Recovered, StateChange, StoredRequest,
+pub use open::{StoreLocation, open};
+pub use records::{
+    DEFAULT_BROKER_NAME, Decided, DecisionMark, OperationError, OperationRecord, OperationSummary,
+    PageQuery, Presentation, Recovered, StateChange, StoredRequest, now_rfc3339,
 };
 pub use requests::{RequestQuery, StateFilter};
-pub use schema::SCHEMA_VERSION;
+pub use sqlite::{DATABASE_FILE, LOCK_FILE, MIN_FREE_BYTES, READERS, SCHEMA_VERSION, SqliteStore};
 pub use streams::StreamRecord;
-
-#[cfg(test)]
-mod tests {
-    use rusqlite::Connection;
-
-    use super::*;
-    use crate::engine::OperationState;
-
-    fn record(id: &str, key: &str) -> OperationRecord {
-        let now = now_rfc3339();
-        OperationRecord {
-            client_id: "bot-7".to_owned(),
-            idempotency_key: key.to_owned(),
-            operation: "demo.run".to_owned(),
-            created_at: now.clone(),
-            updated_at: now,
-            presentation: Presentation {
-                title: format!("Run {id}"),
-                summary: None,
-            },
-            ..OperationRecord::example(id)
-        }
-    }
-
-    #[test]
-    fn a_second_open_of_a_data_dir_is_refused_as_in_use() {
-        let dir = tempfile::tempdir().unwrap();
-        let _first = Database::open(dir.path()).unwrap();
-        let err = Database::open(dir.path()).unwrap_err();
-        let StoreError::DirInUse { dir: in_use, lock } = &err else {
-            panic!("not DirInUse: {err}");
-        };
-        assert_eq!(in_use, dir.path());
-        assert_eq!(lock, &dir.path().join(LOCK_FILE));
-        assert!(
-            err.to_string().contains("in use by another broker"),
-            "{err}"
-        );
-    }
-
-    #[test]
-    fn a_file_from_a_newer_broker_is_an_unknown_schema() {
-        let dir = tempfile::tempdir().unwrap();
-        Connection::open(dir.path().join(DATABASE_FILE))
-            .unwrap()
-            .pragma_update(None, "user_version", SCHEMA_VERSION + 1)
-            .unwrap();
-        let err = Database::open(dir.path()).unwrap_err();
-        assert!(
-            matches!(err, StoreError::UnknownSchema { found, .. } if found == SCHEMA_VERSION + 1),
-            "{err}"
-        );
-    }
-
-    #[tokio::test]
-    async fn a_second_insert_of_a_key_is_a_duplicate() {
-        let dir = tempfile::tempdir().unwrap();
-        let db = Database::open(dir.path()).unwrap();
-        db.insert(record("op_1", "k")).await.unwrap();
-        let again = db.insert(record("op_2", "k")).await;
-        assert!(matches!(again, Err(InsertError::Duplicate)), "{again:?}");
-    }
-
-    #[tokio::test]
-    async fn a_row_in_an_unknown_state_reads_back_as_corrupt() {
-        let dir = tempfile::tempdir().unwrap();
-        let db = Database::open(dir.path()).unwrap();
-        db.load(&[record("op_1", "k")]).unwrap();
-        Connection::open(dir.path().join(DATABASE_FILE))
-            .unwrap()
-            .execute("UPDATE operations SET state = 'mislaid'", [])
-            .unwrap();
-        let err = db.get("op_1").await.unwrap_err();
-        assert!(matches!(err, StoreError::CorruptRow(_)), "{err}");
-    }
-
-    #[tokio::test]
-    async fn a_listing_page_reads_no_request_and_a_lookup_no_request_text() {
-        let dir = tempfile::tempdir().unwrap();
-        let db = Database::open(dir.path()).unwrap();
-        db.load(&[record("op_1", "k")]).unwrap();
-        // Whatever the stored request holds, a page and a request lookup never parse it.
-        Connection::open(dir.path().join(DATABASE_FILE))
-            .unwrap()
-            .execute(
-                "UPDATE operations SET target = 'not json', arguments = '{broken'",
-                [],
-            )
-            .unwrap();
-        let query = PageQuery {
-            limit: 10,
-            ..PageQuery::default()
-        };
-        let page = db.list_page("bot-7", query).await.unwrap();
-        assert_eq!(page.len(), 1);
-        assert_eq!(page[0].1.presentation.title, "Run op_1");
-        let stored = db.request_by_key("bot-7", "k").await.unwrap().unwrap();
-        assert_eq!((stored.id.as_str(), stored.bytes), ("op_1", 8 + 7));
-        assert_eq!(stored.digest.len(), 64);
-        // The whole operation does parse it.
-        let err = db.get("op_1").await.unwrap_err();
-        assert!(matches!(err, StoreError::CorruptRow(_)), "{err}");
-    }
-
-    #[tokio::test]
-    async fn a_store_another_connection_holds_locked_is_busy() {
-        let dir = tempfile::tempdir().unwrap();
-        let db = Database::open(dir.path()).unwrap();
-        let holder = Connection::open(dir.path().join(DATABASE_FILE)).unwrap();
-        holder.execute_batch("BEGIN IMMEDIATE").unwrap();
-        // The write waits out its busy timeout, then gives up.
-        let err = db.ping().await.unwrap_err();
-        assert!(matches!(err, StoreError::Busy(_)), "{err}");
-        holder.execute_batch("ROLLBACK").unwrap();
-        db.ping().await.unwrap();
-    }
-
-    fn request(i: usize, operation: &str) -> OperationRecord {
-        let now = now_rfc3339();
-        OperationRecord {
-            client_id: "bot-7".to_owned(),
-            idempotency_key: format!("k{i}"),
-            operation: operation.to_owned(),
-            reason: "r".to_owned(),
-            created_at: now.clone(),
-            updated_at: now,
-            presentation: Presentation {
-                title: format!("Request {i}"),
-                summary: None,
-            },
-            ..OperationRecord::example(&format!("op_{i:032}"))
-        }
-    }
-
-    fn events_of(page: EventPage) -> Vec<StoredEvent> {
-        match page {
-            EventPage::Events { events, .. } => events,
-            EventPage::Expired => panic!("expired"),
-        }
-    }
-
-    #[tokio::test]
-    async fn each_change_of_a_request_writes_one_event_and_other_work_none() {
-        let dir = tempfile::tempdir().unwrap();
-        let db = Database::open(dir.path())
-            .unwrap()
-            .with_requests(["demo.request"]);
-        let mut bell = db.event_bell().subscribe();
-        db.insert(request(1, "demo.request")).await.unwrap();
-        db.insert(request(2, "demo.run")).await.unwrap();
-        assert_eq!(*bell.borrow_and_update(), 1, "rung after the commit");
-        let moved = db
-            .set_state(
-                &request(1, "").id,
-                OperationState::Pending,
-                OperationState::Approved,
-                StateChange::default(),
-            )
-            .await
-            .unwrap();
-        assert!(moved.is_some());
-        // A move from a state the row is not in changes nothing and writes nothing.
-        let stale = db
-            .set_state(
-                &request(1, "").id,
-                OperationState::Pending,
-                OperationState::Denied,
-                StateChange::default(),
-            )
-            .await
-            .unwrap();
-        assert!(stale.is_none());
-        db.set_state(
-            &request(2, "").id,
-            OperationState::Pending,
-            OperationState::Canceled,
-            StateChange::default(),
-        )
-        .await
-        .unwrap();
-        db.set_state(
-            &request(1, "").id,
-            OperationState::Approved,
-            OperationState::Canceled,
-            StateChange::default(),
-        )
-        .await
-        .unwrap();
-        let events = events_of(db.events_after(None, 100).await.unwrap());
-        let got: Vec<_> = events
-            .iter()
-            .map(|e| (e.seq, e.kind, e.revision, e.status, e.used_count))
-            .collect();
-        assert_eq!(
-            got,
-            [
-                (1, EventKind::RequestCreated, 1, RequestStatus::Pending, 0),
-                (2, EventKind::RequestApproved, 2, RequestStatus::Active, 0),
-                (3, EventKind::GrantRevoked, 3, RequestStatus::Revoked, 0),
-            ]
-        );
-        assert_eq!(db.event_bell().newest(), 3);
-        assert_eq!(db.event_bell().written().get(), 3);
-        let stored = db.get(&request(1, "").id).await.unwrap().unwrap();
-        assert_eq!(stored.ended_from, Some(OperationState::Approved));
-    }
-
-    #[tokio::test]
-    async fn trimming_keeps_the_newest_as_a_gapless_suffix_and_older_cursors_expire() {
-        let dir = tempfile::tempdir().unwrap();
-        let db = Database::open(dir.path())
-            .unwrap()
-            .with_requests(["demo.request"]);
-        for i in 0..30 {
-            db.insert(request(i, "demo.request")).await.unwrap();
-        }
-        let mut trimmed = 0;
-        loop {
-            let n = db.trim_events(10, None, 7).await.unwrap();
-            trimmed += n;
-            if n < 7 {
-                break;
-            }
-        }
-        assert_eq!(trimmed, 20);
-        assert_eq!(db.count_events().await.unwrap(), 10);
-        let left = events_of(db.events_after(None, 100).await.unwrap());
-        assert_eq!(
-            left.iter().map(|e| e.seq).collect::<Vec<_>>(),
-            (21..=30).collect::<Vec<_>>()
-        );
-        assert_eq!(
-            db.events_after(Some(19), 100).await.unwrap(),
-            EventPage::Expired
-        );
-        assert_eq!(
-            events_of(db.events_after(Some(20), 100).await.unwrap()).len(),
-            10
-        );
-        assert_eq!(
-            events_of(db.events_after(Some(30), 100).await.unwrap()).len(),
-            0
-        );
-        // With a cutoff after every event, all go; then only the newest cursor still resumes.
-        let later = humantime::format_rfc3339_millis(
-            std::time::SystemTime::now() + std::time::Duration::from_secs(60),
-        )
-        .to_string();
-        assert_eq!(db.trim_events(10, Some(later), 100).await.unwrap(), 10);
-        assert_eq!(
-            db.events_after(Some(29), 100).await.unwrap(),
-            EventPage::Expired
-        );
-        assert_eq!(
-            db.events_after(Some(30), 100).await.unwrap(),
-            EventPage::Events {
-                after: 30,
-                events: vec![],
-                more: false
-            }
-        );
-        assert_eq!(
-            db.events_after(None, 100).await.unwrap(),
-            EventPage::Events {
-                after: 30,
-                events: vec![],
-                more: false
-            },
-            "an empty cursor goes on from the high-water mark"
-        );
-    }
-}

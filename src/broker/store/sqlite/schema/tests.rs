@@ -1,13 +1,13 @@
 //! The migrations, checked through a real open of the store: a file as an older schema left it,
-//! opened by [`Database::open`], reads back as the newest schema says. A file of its own because
+//! opened by [`SqliteStore::open`], reads back as the newest schema says. A file of its own because
 //! opening is the handle's (`database.rs`), which imports this schema, not the other way round.
 
 use serde_json::{Value, json};
 
 use super::*;
-use crate::broker::store::database::{DATABASE_FILE, Database};
 use crate::broker::store::digest::request_digest;
-use crate::broker::store::operations::Presentation;
+use crate::broker::store::records::Presentation;
+use crate::broker::store::sqlite::{DATABASE_FILE, SqliteStore};
 
 /// A file as schema 3 left it, with one operation whose target's keys are in some order.
 fn schema_3_file(dir: &Path) {
@@ -54,7 +54,7 @@ fn an_older_files_ended_rows_learn_the_state_they_left_from_what_they_recorded()
             .unwrap();
         }
     }
-    let db = Database::open(dir.path()).unwrap();
+    let db = SqliteStore::open(dir.path()).unwrap();
     let ended = |id: &str| -> Option<String> {
         db.writer()
             .query_row(
@@ -78,7 +78,7 @@ fn an_older_files_ended_rows_learn_the_state_they_left_from_what_they_recorded()
 async fn a_schema_3_file_gets_each_rows_presentation_and_digest_once() {
     let dir = tempfile::tempdir().unwrap();
     schema_3_file(dir.path());
-    let db = Database::open(dir.path()).unwrap();
+    let db = SqliteStore::open(dir.path()).unwrap();
     let version: i64 = db
         .writer()
         .pragma_query_value(None, "user_version", |r| r.get(0))

@@ -16,7 +16,7 @@
 //! the canonical request, see `digest`). Its step adds the three columns; the partial index
 //! `operations_underived` lists the rows without them (those the step found, and any a program
 //! other than the broker writes), and the broker fills those from their stored JSON at start-up
-//! ([`super::Database::fill_derived`]), so the reads never meet a row without them. The index is
+//! ([`super::SqliteStore::fill_derived`]), so the reads never meet a row without them. The index is
 //! empty otherwise, and costs an insert nothing but evaluating its condition.
 //!
 //! Schema 5 adds what Operator V1 needs: who decided each operation, when, and for whom
@@ -55,7 +55,7 @@ use std::path::Path;
 
 use rusqlite::Connection;
 
-use super::error::StoreError;
+use super::super::error::StoreError;
 
 /// The schema version this code writes (`PRAGMA user_version`).
 pub const SCHEMA_VERSION: i64 = 8;

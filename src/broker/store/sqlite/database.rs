@@ -1,23 +1,20 @@
 //! The store's handle: the data dir (locked against a second broker), the one writer connection
 //! and the pool of readers, the clock the rows are stamped with, and the two ways every query
-//! runs (`write` and `read`, off the async threads). Each concern's queries are `impl Database`
+//! runs (`write` and `read`, off the async threads). Each concern's queries are `impl SqliteStore`
 //! blocks in their own files; this one knows none of them.
-
-use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
-use std::time::SystemTime;
 
 use r2d2_sqlite::SqliteConnectionManager;
 use rusqlite::Connection;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
-use super::error::StoreError;
+use super::super::bell::EventBell;
+use super::super::error::StoreError;
+use super::super::records::DEFAULT_BROKER_NAME;
 use super::schema;
 
 /// How many reader connections serve gets, list pages and waits.
 pub const READERS: u32 = 4;
-
-/// The broker name an operation shows when none is configured.
-pub const DEFAULT_BROKER_NAME: &str = "admission";
 
 /// The database file's name inside the data dir.
 pub const DATABASE_FILE: &str = "admission.sqlite3";
@@ -35,31 +32,28 @@ pub const MIN_FREE_BYTES: u64 = 8 * 1024 * 1024;
 /// The lock file's name inside the data dir: locked exclusively by the broker that owns the dir.
 pub const LOCK_FILE: &str = "admission.lock";
 
-/// The current time in RFC 3339 (UTC, milliseconds).
-pub fn now_rfc3339() -> String {
-    humantime::format_rfc3339_millis(SystemTime::now()).to_string()
-}
-
 /// A handle on the database; cheap to clone.
 #[derive(Clone)]
-pub struct Database {
+pub struct SqliteStore {
     pub(super) writer: Arc<Mutex<Connection>>,
     pub(super) readers: r2d2::Pool<SqliteConnectionManager>,
     pub(super) dir: PathBuf,
     /// The broker name operations show.
     pub(super) broker: Arc<str>,
     /// The operations whose changes the event log records: those that need an operator's
-    /// approval (Operator V1 requests). None until [`Database::with_requests`].
+    /// approval (Operator V1 requests). None until [`SqliteStore::with_requests`].
     pub(super) requests: Arc<[String]>,
     /// Where the newest committed event is published.
-    pub(super) events: super::bell::EventBell,
+    pub(super) events: EventBell,
     /// The data dir's lock, held until the last handle is dropped (closing the file unlocks it).
     _lock: Arc<std::fs::File>,
 }
 
-impl std::fmt::Debug for Database {
+impl std::fmt::Debug for SqliteStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Database").field("dir", &self.dir).finish()
+        f.debug_struct("SqliteStore")
+            .field("dir", &self.dir)
+            .finish()
     }
 }
 
@@ -114,16 +108,16 @@ fn has_room(dir: &Path, needed: u64) -> Result<(), StoreError> {
     Ok(())
 }
 
-impl Database {
+impl SqliteStore {
     /// Opens (creating if needed) the database in `dir`, creating the schema on first start and
     /// migrating an older one; operations show [`DEFAULT_BROKER_NAME`]. Fails if another broker
     /// holds the data dir. Blocking; call it before serving.
-    pub fn open(dir: &Path) -> Result<Database, StoreError> {
-        Database::open_as(dir, DEFAULT_BROKER_NAME)
+    pub fn open(dir: &Path) -> Result<SqliteStore, StoreError> {
+        SqliteStore::open_as(dir, DEFAULT_BROKER_NAME)
     }
 
-    /// [`Database::open`], with operations showing `broker` as their broker's name.
-    pub fn open_as(dir: &Path, broker: &str) -> Result<Database, StoreError> {
+    /// [`SqliteStore::open`], with operations showing `broker` as their broker's name.
+    pub fn open_as(dir: &Path, broker: &str) -> Result<SqliteStore, StoreError> {
         std::fs::create_dir_all(dir).map_err(|e| StoreError::io("create", dir, e))?;
         let lock = lock_data_dir(dir)?;
         let path = dir.join(DATABASE_FILE);
@@ -144,8 +138,8 @@ impl Database {
                 source,
             })?;
         schema::ensure_indexes(&writer)?;
-        let events = super::bell::open_bell(&writer)?;
-        Ok(Database {
+        let events = super::events::open_bell(&writer)?;
+        Ok(SqliteStore {
             writer: Arc::new(Mutex::new(writer)),
             readers,
             broker: Arc::from(broker),
@@ -159,7 +153,7 @@ impl Database {
     /// This handle, recording in the event log the changes of the operations named in
     /// `requests` (the registered operations that need an operator's approval). The broker
     /// passes them at start-up; the store knows no operation by name.
-    pub fn with_requests<'a>(mut self, requests: impl IntoIterator<Item = &'a str>) -> Database {
+    pub fn with_requests<'a>(mut self, requests: impl IntoIterator<Item = &'a str>) -> SqliteStore {
         self.requests = requests.into_iter().map(str::to_owned).collect();
         self
     }

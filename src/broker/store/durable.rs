@@ -1,0 +1,243 @@
+//! What the broker asks of its durable store, in the store's own words: [`DurableStore`], one
+//! trait that every backend implements and the broker above holds as `Arc<dyn DurableStore>`.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::SystemTime;
+
+use async_trait::async_trait;
+use serde_json::Value;
+
+use crate::engine::OperationState;
+
+use super::bell::EventBell;
+use super::decisions::{DecidedMove, DecisionCommand, DecisionOutcome};
+use super::error::{InsertError, StoreError};
+use super::events::{EventPage, StoredEvent};
+use super::maintenance::{Retiring, StoredCounts};
+use super::records::{
+    OperationRecord, OperationSummary, PageQuery, Presentation, Recovered, StateChange,
+    StoredRequest,
+};
+use super::requests::RequestQuery;
+use super::streams::StreamRecord;
+
+/// How the presentation of an older row is derived from its request (operation, target,
+/// arguments, reason), for [`DurableStore::fill_derived`].
+pub type Derive = fn(&str, &Value, &Value, &str) -> Presentation;
+
+/// A decision's judge, as a backend runs it inside the decision's transaction: from the stored
+/// request, the move to write, or `Err(())` to write nothing (the caller keeps its own reason:
+/// see [`decide`](DurableStore::decide)).
+pub type Judge = Box<dyn FnOnce(&OperationRecord) -> Result<DecidedMove, ()> + Send>;
+
+/// Renders a committed request for the decision's record (what a replay answers).
+pub type Render = Box<dyn FnOnce(&OperationRecord) -> String + Send>;
+
+/// What the broker asks of its durable store. Every call that writes is durable when it
+/// returns `Ok`; every call is safe to drop before it returns in the sense that a write either
+/// commits whole or not at all (the broker runs a decided change to its end regardless: see
+/// `core::run_to_end`).
+#[async_trait]
+pub trait DurableStore: Send + Sync + 'static {
+    /// The broker name records show.
+    fn broker(&self) -> &str;
+
+    /// Whether changes of `operation` are requests the event log records (it needs an
+    /// operator's approval).
+    fn is_request(&self, operation: &str) -> bool;
+
+    /// The bell streams wait on (the newest committed event's sequence).
+    fn event_bell(&self) -> &EventBell;
+
+    /// The directory stream bodies are written to.
+    fn streams_dir(&self) -> PathBuf;
+
+    /// Whether the store would take a write now (the states in which a submission could not be
+    /// made durable fail it).
+    async fn ping(&self) -> Result<(), StoreError>;
+
+    // --- Start-up.
+
+    /// Derives the presentation and request digest of every row an older schema stored without
+    /// them; how many rows it filled.
+    async fn fill_derived(&self, derive: Derive) -> Result<u64, StoreError>;
+
+    /// Start-up recovery: operations that were executing become `failed` with
+    /// `execution_interrupted` (they never run twice); returns them, the live ones and the
+    /// streams.
+    async fn recover(&self) -> Result<Recovered, StoreError>;
+
+    /// The client and creation time of every operation, in any state, created at or after
+    /// `since` (to rebuild the rate buckets). A time that does not parse is skipped.
+    async fn created_since(
+        &self,
+        since: SystemTime,
+    ) -> Result<Vec<(String, SystemTime)>, StoreError>;
+
+    /// How many operation rows exist (sizes the replay filter).
+    async fn key_count(&self) -> Result<u64, StoreError>;
+
+    /// The client and idempotency key of every operation (fills the replay filter).
+    async fn keys(&self) -> Result<Vec<(String, String)>, StoreError>;
+
+    /// Every operation's (client, idempotency key, id): the key records a replica writes back
+    /// after the shared admission store forgot them.
+    async fn key_records(&self) -> Result<Vec<(String, String, String)>, StoreError>;
+
+    // --- Operations.
+
+    /// Inserts a new operation (and, for a request, its `request.created` event in the same
+    /// transaction); [`InsertError::Duplicate`] when the client already has the key.
+    async fn insert(&self, record: OperationRecord) -> Result<(), InsertError>;
+
+    /// The request of the client's operation with this idempotency key: its digest and size,
+    /// not its text.
+    async fn request_by_key(
+        &self,
+        client_id: &str,
+        key: &str,
+    ) -> Result<Option<StoredRequest>, StoreError>;
+
+    /// The request of operation `id`: whose it is and its size, not its text.
+    async fn request_of(&self, id: &str) -> Result<Option<StoredRequest>, StoreError>;
+
+    /// The operation `id`.
+    async fn get(&self, id: &str) -> Result<Option<OperationRecord>, StoreError>;
+
+    /// One listing page: the client's operations matching `query`, newest first, each with its
+    /// position (pass the last one as the next page's `before`).
+    async fn list_page(
+        &self,
+        client_id: &str,
+        query: PageQuery,
+    ) -> Result<Vec<(i64, OperationSummary)>, StoreError>;
+
+    /// Moves operation `id` from `from` to `to`, writing what `change` carries and, for a
+    /// request, its event, in one transaction. The updated record, or `None` if the row was not
+    /// in `from`.
+    async fn set_state(
+        &self,
+        id: &str,
+        from: OperationState,
+        to: OperationState,
+        change: StateChange,
+    ) -> Result<Option<OperationRecord>, StoreError>;
+
+    /// One operators' request page.
+    async fn request_page(&self, query: RequestQuery) -> Result<Vec<OperationRecord>, StoreError>;
+
+    /// Judges and commits `command` in one transaction (see `decisions`); a judge's refusal is
+    /// `Refused(())`. Callers use [`decide`](DurableStore::decide), which keeps their reason.
+    async fn decide_judged(
+        &self,
+        command: DecisionCommand,
+        judge: Judge,
+        render: Render,
+    ) -> Result<DecisionOutcome<()>, StoreError>;
+
+    /// How many decision records are stored (a refused decision writes none).
+    async fn count_decisions(&self) -> Result<u64, StoreError>;
+
+    // --- The event log.
+
+    /// Up to `limit` events strictly after sequence `after` (`None`: from the oldest retained),
+    /// oldest first; [`EventPage::Expired`] when events after `after` were already deleted.
+    async fn events_after(&self, after: Option<i64>, limit: u32) -> Result<EventPage, StoreError>;
+
+    /// The events of request `id`, oldest first.
+    async fn events_of(&self, id: &str) -> Result<Vec<StoredEvent>, StoreError>;
+
+    /// How many events are retained.
+    async fn count_events(&self) -> Result<u64, StoreError>;
+
+    /// Deletes, oldest first, at most `batch` of the events past retention (beyond the newest
+    /// `keep`, and with a `cutoff`, every one up to the last older than it): only ever a prefix.
+    async fn trim_events(
+        &self,
+        keep: u32,
+        cutoff: Option<String>,
+        batch: u32,
+    ) -> Result<u64, StoreError>;
+
+    // --- Streams.
+
+    /// Records a stream whose body is already written.
+    async fn insert_stream(&self, stream: StreamRecord) -> Result<(), StoreError>;
+
+    /// The stream `id`.
+    async fn get_stream(&self, id: &str) -> Result<Option<StreamRecord>, StoreError>;
+
+    /// Deletes the stream `id`'s record; whether there was one.
+    async fn delete_stream(&self, id: &str) -> Result<bool, StoreError>;
+
+    /// Every stream's (id, client).
+    async fn stream_ids(&self) -> Result<Vec<(String, String)>, StoreError>;
+
+    // --- Checks and maintenance.
+
+    /// What the store holds, for the drift check.
+    async fn counts(&self) -> Result<StoredCounts, StoreError>;
+
+    /// How many operation rows exist.
+    async fn count_operations(&self) -> Result<u64, StoreError>;
+
+    /// Operation rows by state.
+    async fn operations_by_state(&self) -> Result<Vec<(OperationState, u64)>, StoreError>;
+
+    /// Every live (non-terminal) operation's id and state.
+    async fn live_states(&self) -> Result<Vec<(String, OperationState)>, StoreError>;
+
+    /// The oldest terminal operations that ended before `cutoff` (RFC 3339), at most `limit`.
+    async fn retiring(&self, cutoff: String, limit: u32) -> Result<Vec<Retiring>, StoreError>;
+
+    /// Deletes the retiring operations (only those still terminal); how many.
+    async fn retire(&self, batch: Vec<Retiring>) -> Result<u64, StoreError>;
+
+    /// Gives freed space back to the filesystem, at most `step` units a call; how much is left
+    /// to give (call again while it is above zero). Nothing for a store that manages its own.
+    async fn release_space(&self, step: u32) -> Result<u64, StoreError>;
+
+    /// Settles what a burst of writes left behind (SQLite: a checkpoint of its log).
+    async fn checkpoint(&self) -> Result<(), StoreError>;
+
+    /// The store's size by part, for `broker_store_bytes{file}`.
+    fn sizes(&self) -> Vec<(&'static str, u64)>;
+}
+
+impl dyn DurableStore {
+    /// Judges and commits `command` in one transaction: `judge` says, from the stored request,
+    /// what to do (`Err` refuses with its reason, writing nothing); `render` renders the
+    /// committed request for the record a replay answers.
+    pub async fn decide<R: Send + 'static>(
+        &self,
+        command: DecisionCommand,
+        judge: impl FnOnce(&OperationRecord) -> Result<DecidedMove, R> + Send + 'static,
+        render: impl FnOnce(&OperationRecord) -> String + Send + 'static,
+    ) -> Result<DecisionOutcome<R>, StoreError> {
+        let reason: Arc<Mutex<Option<R>>> = Arc::new(Mutex::new(None));
+        let kept = Arc::clone(&reason);
+        let judge: Judge = Box::new(move |record| {
+            judge(record).map_err(|why| {
+                *crate::sync::lock(&kept) = Some(why);
+            })
+        });
+        let outcome = self.decide_judged(command, judge, Box::new(render)).await?;
+        Ok(match outcome {
+            DecisionOutcome::Replayed(rendered) => DecisionOutcome::Replayed(rendered),
+            DecisionOutcome::IdempotencyConflict => DecisionOutcome::IdempotencyConflict,
+            DecisionOutcome::NotFound => DecisionOutcome::NotFound,
+            DecisionOutcome::Committed(record, rendered) => {
+                DecisionOutcome::Committed(record, rendered)
+            }
+            DecisionOutcome::Refused((), record) => match crate::sync::lock(&reason).take() {
+                Some(why) => DecisionOutcome::Refused(why, record),
+                None => {
+                    return Err(StoreError::new(
+                        "the store reported a refusal its judge did not make",
+                    ));
+                }
+            },
+        })
+    }
+}
