@@ -18,6 +18,7 @@
 //!   concern (`store` says what each means);
 //! - `error`: SQLite's errors sorted into the store's.
 
+mod bell;
 mod database;
 mod decisions;
 mod error;
@@ -33,11 +34,17 @@ use std::time::SystemTime;
 
 use async_trait::async_trait;
 
-use super::{
-    DecisionCommand, DecisionOutcome, Derive, DurableStore, EventBell, EventPage, InsertError,
-    Judge, OperationRecord, OperationSummary, PageQuery, Recovered, Render, RequestQuery, Retiring,
-    StateChange, StoreError, StoredCounts, StoredEvent, StoredRequest, StreamRecord,
+use super::bell::EventBell;
+use super::decisions::{DecisionCommand, DecisionOutcome};
+use super::durable::{Derive, DurableStore, Judge, Render};
+use super::error::{InsertError, StoreError};
+use super::events::{EventPage, StoredEvent};
+use super::maintenance::{Retiring, StoredCounts};
+use super::records::{
+    OperationRecord, OperationSummary, PageQuery, Recovered, StateChange, StoredRequest,
 };
+use super::requests::RequestQuery;
+use super::streams::StreamRecord;
 use crate::engine::OperationState;
 
 pub use database::{DATABASE_FILE, LOCK_FILE, MIN_FREE_BYTES, READERS, SqliteStore};
