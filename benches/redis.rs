@@ -131,8 +131,12 @@ async fn admissions(
     run: Duration,
 ) -> Figures {
     let mut replicas = Vec::new();
-    for r in 0..replica_count {
-        let mut options = ReplicaOptions::new(url, format!("bench-r{r}"));
+    // Every replica is told the whole fleet: they admit as soon as all have registered, not one
+    // lease period after the deployment's first start.
+    let fleet: Vec<String> = (0..replica_count).map(|r| format!("bench-r{r}")).collect();
+    for name in &fleet {
+        let mut options = ReplicaOptions::new(url, name);
+        options.replicas = fleet.clone();
         options.prefix = prefix.to_owned();
         options.wait_replicas = wait_replicas;
         // As many of one client's decisions in flight as tasks, as the rate-only baseline has:
@@ -364,6 +368,8 @@ async fn cost(conn: &mut ConnectionManager, calls: usize) -> ScriptCost {
 async fn profile(url: &str) {
     const CALLS: usize = 2000;
     let mut options = ReplicaOptions::new(url, "profile-r0");
+    // The whole deployment (it admits once registered, not a lease period later).
+    options.replicas = vec!["profile-r0".to_owned()];
     options.prefix = "profile".to_owned();
     // No beat during a phase: its scripts would be counted with the phase's.
     options.lease_ttl = Duration::from_secs(120);
@@ -442,6 +448,7 @@ async fn profile(url: &str) {
         Controller::new(tight_config()),
         Some({
             let mut options = ReplicaOptions::new(url, "profile-tight");
+            options.replicas = vec!["profile-tight".to_owned()];
             options.prefix = "profile-tight".to_owned();
             options.lease_ttl = Duration::from_secs(120);
             options.heartbeat = Duration::from_secs(60);
@@ -556,8 +563,10 @@ async fn refusal_flood(
     conn: &mut ConnectionManager,
 ) -> (f64, f64) {
     let mut replicas = Vec::new();
-    for r in 0..replica_count {
-        let mut options = ReplicaOptions::new(url, format!("flood-r{r}"));
+    let fleet: Vec<String> = (0..replica_count).map(|r| format!("flood-r{r}")).collect();
+    for name in &fleet {
+        let mut options = ReplicaOptions::new(url, name);
+        options.replicas = fleet.clone();
         options.prefix = format!("flood{replica_count}{memory}");
         options.refusal_memory = memory;
         // The flood's tasks queue for their client's one decision in flight; on a loaded

@@ -1,8 +1,12 @@
 //! A complete broker embedding the admission controller, in which a client hanging up can never
 //! leave the counts and the store disagreeing: `cargo run --example axum_broker -- SECRETS_FILE
 //! [QUOTA_FILE]` (`name = secret` lines; `operator` decides approvals; `kill -HUP` reloads both).
-//! One of several replicas: the same, with `ADMISSION_REDIS_URL=redis://127.0.0.1:6379` and
-//! `ADMISSION_REPLICA=r1` in the environment — nothing else changes but the 503 answer.
+//! One of several replicas: the same, with `ADMISSION_REDIS_URL=redis://127.0.0.1:6379`,
+//! `ADMISSION_REPLICA=r1` and `ADMISSION_REPLICAS=r1,r2` (every replica's name, this one
+//! included) in the environment — nothing else changes but the 503 answer. Without
+//! `ADMISSION_REPLICAS`, at the deployment's first start and whenever Redis forgets it, no
+//! replica admits for one lease period (10 s; 503 `admission_unavailable`); with it, admissions
+//! resume as soon as every replica listed has registered again.
 //!
 //! At start-up it puts its live rows back under admission, spends again each client's rate
 //! tokens of the last day's creations (a restart never hands out a fresh burst), and gives the
@@ -521,6 +525,23 @@ async fn render_metrics(State(app): State<Arc<App>>, headers: HeaderMap) -> Answ
     Ok(([(header::CONTENT_TYPE, content_type)], text).into_response())
 }
 
+/// Shared admission as the environment asks for it, read through `var`: `None` without
+/// `ADMISSION_REDIS_URL`; else replica `ADMISSION_REPLICA` of the deployment whose replicas are
+/// `ADMISSION_REPLICAS` (comma-separated; none listed if unset).
+pub fn replicas_from_env(var: impl Fn(&str) -> Option<String>) -> Option<ReplicaOptions> {
+    let url = var("ADMISSION_REDIS_URL")?;
+    let name = var("ADMISSION_REPLICA").expect("ADMISSION_REPLICA");
+    let mut options = ReplicaOptions::new(url, name);
+    options.replicas = var("ADMISSION_REPLICAS")
+        .unwrap_or_default()
+        .split(',')
+        .map(str::trim)
+        .filter(|name| !name.is_empty())
+        .map(str::to_owned)
+        .collect();
+    Some(options)
+}
+
 #[tokio::main]
 async fn main() {
     let mut args = std::env::args_os().skip(1).map(PathBuf::from);
@@ -530,12 +551,7 @@ async fn main() {
         secrets_path: args.next().expect("usage: SECRETS_FILE [QUOTA_FILE]"),
         quota_path: args.next(),
         store_delay: Duration::ZERO,
-        replicas: std::env::var("ADMISSION_REDIS_URL").ok().map(|url| {
-            ReplicaOptions::new(
-                url,
-                std::env::var("ADMISSION_REPLICA").expect("ADMISSION_REPLICA"),
-            )
-        }),
+        replicas: replicas_from_env(|name| std::env::var(name).ok()),
     };
     let (addr, _app) = start(settings).await;
     println!("listening on {addr}");

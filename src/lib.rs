@@ -111,13 +111,11 @@
 //! 1. **How it is built**: `Admission::new(controller, Some(options))` with
 //!    [`ReplicaOptions::new`]`(redis_url, replica_name)`. The name is unique in the deployment
 //!    and stable across restarts: a restart under the same name replaces what the last run held,
-//!    in one atomic step. Set [`ReplicaOptions::replicas`] to every replica's name: after Redis
-//!    forgets the deployment (a restart without persistence, a flush, a failover to a Redis that
-//!    lacks the state), admissions resume once every replica listed, and every one this replica
-//!    had seen, has registered again (or one lease period has passed, and a silent replica
-//!    counts as dead). A replica that never heard of another — one that restarted together with
-//!    Redis, or started moments before the flush — knows it only from this list; without it,
-//!    it can admit before that replica's holdings are counted again.
+//!    in one atomic step. After Redis forgets the deployment (a restart without persistence, a
+//!    flush, a failover to a Redis that lacks the state), no replica admits for one lease
+//!    period, until every replica's holdings can be counted again (a silent one then counts as
+//!    dead). Set [`ReplicaOptions::replicas`] to every replica's name to shorten that wait:
+//!    admissions then resume as soon as every replica listed has registered again.
 //! 2. **A recovery source**, set with [`Admission::set_recovery_source`] before
 //!    [`Admission::restore`]: an [`admission::RecoverySource`] over your store that gives back
 //!    every stored operation's idempotency key and this replica's recent admissions. When Redis

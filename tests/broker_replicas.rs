@@ -20,12 +20,17 @@ use unyolo_admission::redis::RedisOptions;
 const TIGHT: &str = r#"{"requests_per_window": 1000, "window_seconds": 60,
   "client_active": 4, "client_pending": 2, "global_active": 100, "global_executing": 10}"#;
 
+/// Broker replica `name`, one of `fleet` (every replica of the test's deployment, itself
+/// included: knowing the whole fleet, the replicas admit as soon as all of it has registered at
+/// the deployment's first start, not one lease period later).
 async fn replica(
     server: &support::redis::RedisServer,
     dir: &std::path::Path,
     name: &str,
+    fleet: &[&str],
 ) -> Harness {
     let mut options = RedisOptions::new(server.url(), name);
+    options.replicas = fleet.iter().map(|r| r.to_string()).collect();
     options.call_timeout = Duration::from_millis(300);
     options.circuit_cool_down = Duration::from_millis(200);
     let mut settings = settings(dir, TIGHT, StorageCaps::default());
@@ -37,8 +42,8 @@ async fn replica(
 async fn a_clients_pending_limit_holds_across_replicas() {
     let server = redis_or_skip!();
     let (d1, d2) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let r1 = replica(&server, d1.path(), "r1").await;
-    let r2 = replica(&server, d2.path(), "r2").await;
+    let r1 = replica(&server, d1.path(), "r1", &["r1", "r2"]).await;
+    let r2 = replica(&server, d2.path(), "r2", &["r1", "r2"]).await;
     assert_eq!(
         r1.submit(AGENT_SECRET, &request("k1", "demo.request", 0))
             .await
@@ -67,8 +72,8 @@ async fn a_clients_pending_limit_holds_across_replicas() {
 async fn one_key_on_two_replicas_makes_one_operation() {
     let server = redis_or_skip!();
     let (d1, d2) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let r1 = replica(&server, d1.path(), "r1").await;
-    let r2 = replica(&server, d2.path(), "r2").await;
+    let r1 = replica(&server, d1.path(), "r1", &["r1", "r2"]).await;
+    let r2 = replica(&server, d2.path(), "r2", &["r1", "r2"]).await;
     let body = request("same-key", "demo.request", 0);
     let (a, b) = tokio::join!(
         r1.submit(AGENT_SECRET, &body),
@@ -93,7 +98,7 @@ async fn one_key_on_two_replicas_makes_one_operation() {
 async fn a_paused_redis_refuses_new_work_with_503_and_cancels_still_work() {
     let server = redis_or_skip!();
     let dir = tempfile::tempdir().unwrap();
-    let r1 = replica(&server, dir.path(), "r1").await;
+    let r1 = replica(&server, dir.path(), "r1", &["r1"]).await;
     let created = r1
         .submit(AGENT_SECRET, &request("before", "demo.request", 0))
         .await;
@@ -182,6 +187,8 @@ async fn a_replica_started_before_redis_serves_reads_answers_503_then_registers_
     // Nothing listens on the port yet.
     let port = support::redis::free_port();
     let mut options = RedisOptions::new(format!("redis://127.0.0.1:{port}/"), "r1");
+    // The deployment is r1 alone until r2 joins it below.
+    options.replicas = vec!["r1".to_owned()];
     options.call_timeout = Duration::from_millis(300);
     options.circuit_cool_down = Duration::from_millis(200);
     options.heartbeat = Duration::from_millis(200);
@@ -232,7 +239,7 @@ async fn a_replica_started_before_redis_serves_reads_answers_503_then_registers_
     );
     // Another replica sees the restored operation in the shared counts: the limit is reached.
     let d2 = tempfile::tempdir().unwrap();
-    let r2 = replica(&server, d2.path(), "r2").await;
+    let r2 = replica(&server, d2.path(), "r2", &["r1", "r2"]).await;
     let full = r2
         .submit(AGENT_SECRET, &request("fourth", "demo.request", 0))
         .await;
@@ -241,15 +248,18 @@ async fn a_replica_started_before_redis_serves_reads_answers_503_then_registers_
     r2.broker.shutdown().await;
 }
 
-/// Replicas whose retention is one second, swept only on demand, on a clock a test moves.
+/// Replica `name` of `fleet` (as [`replica`]) whose retention is one second, swept only on
+/// demand, on a clock a test moves.
 async fn retiring_replica(
     server: &support::redis::RedisServer,
     dir: &std::path::Path,
     name: &str,
+    fleet: &[&str],
     ahead: std::sync::Arc<std::sync::atomic::AtomicU64>,
 ) -> Harness {
     use unyolo_admission::broker::{Keep, RetentionSettings, WallClock};
     let mut options = RedisOptions::new(server.url(), name);
+    options.replicas = fleet.iter().map(|r| r.to_string()).collect();
     options.call_timeout = Duration::from_secs(2);
     let mut settings = settings(dir, ROOMY_RATE, StorageCaps::default());
     settings.broker_name = name.to_owned();
@@ -275,8 +285,8 @@ async fn a_recovery_during_a_retention_sweep_never_binds_a_retired_key_again() {
     let server = redis_or_skip!();
     let ahead = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
     let (d1, d2) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let r1 = retiring_replica(&server, d1.path(), "r1", ahead.clone()).await;
-    let r2 = retiring_replica(&server, d2.path(), "r2", ahead.clone()).await;
+    let r1 = retiring_replica(&server, d1.path(), "r1", &["r1", "r2"], ahead.clone()).await;
+    let r2 = retiring_replica(&server, d2.path(), "r2", &["r1", "r2"], ahead.clone()).await;
     let first = r1
         .submit(AGENT_SECRET, &request("gone", "demo.run", 0))
         .await;
@@ -342,8 +352,8 @@ async fn a_retention_sweep_racing_replays_on_two_replicas_makes_every_later_subm
     let server = redis_or_skip!();
     let ahead = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
     let (d1, d2) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let r1 = retiring_replica(&server, d1.path(), "r1", ahead.clone()).await;
-    let r2 = retiring_replica(&server, d2.path(), "r2", ahead.clone()).await;
+    let r1 = retiring_replica(&server, d1.path(), "r1", &["r1", "r2"], ahead.clone()).await;
+    let r2 = retiring_replica(&server, d2.path(), "r2", &["r1", "r2"], ahead.clone()).await;
     // Twenty operations on r1 that finish at once (demo.run, no duration).
     let keys: Vec<String> = (0..20).map(|i| format!("retire-{i}")).collect();
     let mut first = Vec::new();
@@ -445,7 +455,7 @@ async fn the_keys_of_long_lived_operations_are_renewed_so_they_outlive_them() {
     let server = redis_or_skip!();
     let ahead = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
     let dir = tempfile::tempdir().unwrap();
-    let r1 = retiring_replica(&server, dir.path(), "r1", ahead.clone()).await;
+    let r1 = retiring_replica(&server, dir.path(), "r1", &["r1"], ahead.clone()).await;
     let live = r1
         .submit(AGENT_SECRET, &request("long-lived", "demo.request", 0))
         .await;
@@ -509,6 +519,7 @@ async fn a_rate_limit_flood_on_one_replica_leaves_no_key_bound_but_the_created_o
         let server_url = server.url();
         async move {
             let mut options = RedisOptions::new(server_url, name);
+            options.replicas = vec!["r1".to_owned(), "r2".to_owned()];
             options.call_timeout = Duration::from_secs(2);
             let mut settings = settings(&dir, FLOOD, StorageCaps::default());
             settings.broker_name = name.to_owned();
@@ -553,8 +564,8 @@ async fn a_rate_limit_flood_on_one_replica_leaves_no_key_bound_but_the_created_o
 async fn a_refund_after_a_store_error_leaves_the_key_free_on_every_replica() {
     let server = redis_or_skip!();
     let (d1, d2) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let r1 = replica(&server, d1.path(), "r1").await;
-    let r2 = replica(&server, d2.path(), "r2").await;
+    let r1 = replica(&server, d1.path(), "r1", &["r1", "r2"]).await;
+    let r2 = replica(&server, d2.path(), "r2", &["r1", "r2"]).await;
     // Another process holds r1's SQLite write lock past the broker's busy timeout (5 s): the
     // admission is made, the insert fails, the permit is refunded — its key binding with it.
     let holder = support::faults::lock_store(d1.path(), Duration::from_secs(7));
@@ -657,8 +668,8 @@ async fn eventually_admitted(h: &Harness, key: &str) -> String {
 async fn each_replicas_operator_listener_shows_and_decides_its_own_requests_only() {
     let server = redis_or_skip!();
     let (d1, d2) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let r1 = replica(&server, d1.path(), "r1").await;
-    let r2 = replica(&server, d2.path(), "r2").await;
+    let r1 = replica(&server, d1.path(), "r1", &["r1", "r2"]).await;
+    let r2 = replica(&server, d2.path(), "r2", &["r1", "r2"]).await;
     let on_r1 = r1
         .submit(AGENT_SECRET, &request("on-r1", "demo.request", 0))
         .await
@@ -699,7 +710,9 @@ async fn a_replay_carries_the_deployments_quota_not_the_replicas_own() {
         async move {
             let mut settings = settings(&dir, FIVE_AN_HOUR, StorageCaps::default());
             settings.broker_name = name.to_owned();
-            start_shared(settings, RedisOptions::new(server.url(), name)).await
+            let mut options = RedisOptions::new(server.url(), name);
+            options.replicas = vec!["r1".to_owned(), "r2".to_owned()];
+            start_shared(settings, options).await
         }
     };
     let r1 = start(d1.path().to_owned(), "r1").await;
@@ -753,12 +766,11 @@ async fn a_key_bound_by_a_replica_that_stopped_before_its_row_is_new_work_when_i
     let (d1, d2) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     // r1's first life: the shared admission binds the key, and the process stops before the row
     // is written, releasing nothing (as a kill -9 there would).
+    // The deployment starts as r1 alone (r2 joins it later).
     let config = Config::defaults([Identity::new(AGENT).unwrap()]);
-    let first = Admission::new(
-        Controller::new(config),
-        Some(RedisOptions::new(server.url(), "r1")),
-    )
-    .unwrap();
+    let mut alone = RedisOptions::new(server.url(), "r1");
+    alone.replicas = vec!["r1".to_owned()];
+    let first = Admission::new(Controller::new(config), Some(alone)).unwrap();
     assert!(first.restore(Vec::new()).await.deferred.is_none());
     let permit = first.admit(AGENT, true, Some("k-lost")).await.unwrap();
     let lost = permit.id().to_string();
@@ -767,7 +779,7 @@ async fn a_key_bound_by_a_replica_that_stopped_before_its_row_is_new_work_when_i
     drop(first);
 
     // Another replica says where the key's operation lives: that is r1's to answer.
-    let r2 = replica(&server, d2.path(), "r2").await;
+    let r2 = replica(&server, d2.path(), "r2", &["r1", "r2"]).await;
     let body = request("k-lost", "demo.request", 0);
     let elsewhere = r2.submit(AGENT_SECRET, &body).await;
     assert_eq!(elsewhere.status, 409, "{:?}", elsewhere.body);
@@ -782,7 +794,7 @@ async fn a_key_bound_by_a_replica_that_stopped_before_its_row_is_new_work_when_i
 
     // r1 returns under its name with a store that never held the operation: nothing will ever
     // answer for it, so the key is new work there, and bound to the new operation everywhere.
-    let r1 = replica(&server, d1.path(), "r1").await;
+    let r1 = replica(&server, d1.path(), "r1", &["r1", "r2"]).await;
     let created = r1.submit(AGENT_SECRET, &body).await;
     assert_eq!(created.status, 202, "{:?}", created.body);
     assert_conforms("operation", &created.body, "a stale key decided afresh");

@@ -1,7 +1,7 @@
-//! Three `admission serve --redis URL --replica NAME` processes sharing one real `redis-server`:
-//! a client's pending limit holds across them; `kill -9` of one frees its holdings once its lease
-//! lapses (exactly once); restarted under the same name on the same data dir, its restored work is
-//! counted again, once.
+//! Three `admission serve --redis URL --replica NAME --replicas r1,r2,r3` processes sharing one
+//! real `redis-server`: a client's pending limit holds across them; `kill -9` of one frees its
+//! holdings once its lease lapses (exactly once); restarted under the same name on the same data
+//! dir, its restored work is counted again, once.
 #![cfg(all(feature = "broker", feature = "redis", feature = "cli"))]
 
 mod support;
@@ -21,7 +21,12 @@ const TIGHT: &str = r#"{"requests_per_window": 1000, "window_seconds": 60,
 /// A bound on waiting for a lapsed lease (its TTL is 10 s) to be reaped: not a timing claim.
 const LEASE_PATIENCE: Duration = Duration::from_secs(40);
 
-/// `admission serve` as replica `name`, with a data dir of its own under `dir`.
+/// Every replica of each test's deployment (`--replicas`): at its first start the replicas
+/// admit as soon as all three have registered, not one lease period later.
+const FLEET: &str = "r1,r2,r3";
+
+/// `admission serve` as replica `name` (one of [`FLEET`]), with a data dir of its own under
+/// `dir`.
 fn replica(redis_url: &str, files: &Files, dir: &Path, name: &str) -> Server {
     let data = dir.join(format!("data-{name}"));
     let args: Vec<String> = [
@@ -29,6 +34,8 @@ fn replica(redis_url: &str, files: &Files, dir: &Path, name: &str) -> Server {
         redis_url,
         "--replica",
         name,
+        "--replicas",
+        FLEET,
         "--data",
         data.to_str().unwrap(),
         "--secrets",

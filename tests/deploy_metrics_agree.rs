@@ -369,7 +369,9 @@ async fn every_metric_the_dashboard_and_rules_name_is_exported_with_its_labels()
     let h = match &redis {
         #[cfg(feature = "redis")]
         Some(server) => {
-            let options = unyolo_admission::ReplicaOptions::new(server.url(), "r1");
+            let mut options = unyolo_admission::ReplicaOptions::new(server.url(), "r1");
+            // The whole deployment is this one replica: it admits as soon as it has registered.
+            options.replicas = vec!["r1".to_owned()];
             support::broker::start_shared(
                 support::broker::settings(
                     dir.path(),

@@ -29,8 +29,8 @@ fn in_process() -> Option<Backend> {
     Some(None)
 }
 
-/// A replica's options on this process's `redis-server`; `None` (having said why) if it cannot
-/// run here.
+/// A replica's options on this process's `redis-server`, read as the example reads its
+/// environment; `None` (having said why) if it cannot run here.
 fn replicated(test: &str) -> Option<Backend> {
     let Some(server) = support::redis::process_server() else {
         eprintln!("SKIPPED: {test}: no redis-server to run the replicated example against");
@@ -38,7 +38,16 @@ fn replicated(test: &str) -> Option<Backend> {
     };
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let mut options = ReplicaOptions::new(server.url(), "r1");
+    let environment = HashMap::from([
+        ("ADMISSION_REDIS_URL", server.url()),
+        ("ADMISSION_REPLICA", "r1".to_owned()),
+        // The whole deployment is this one replica: it admits as soon as it has registered, not
+        // one lease period after the deployment's first start.
+        ("ADMISSION_REPLICAS", "r1".to_owned()),
+    ]);
+    let mut options = example::replicas_from_env(|name| environment.get(name).cloned())
+        .expect("ADMISSION_REDIS_URL is set");
+    assert_eq!(options.replicas, ["r1"]);
     options.prefix = format!("example-{test}-{n}");
     // Generous: a shared, noisy machine must not fail a decision for slowness.
     options.call_timeout = Duration::from_secs(5);

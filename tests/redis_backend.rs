@@ -65,8 +65,12 @@ fn roomy_config(clients: &[&str]) -> Config {
     Config::new(limits, BTreeMap::new(), ids(clients)).unwrap()
 }
 
-fn options(server: &redis_support::RedisServer, replica: &str) -> ReplicaOptions {
+/// Options for `replica`, one of `fleet` (every replica of the test's deployment, itself
+/// included): knowing the whole fleet, the replicas admit as soon as all of it has registered
+/// at the deployment's first start, not one lease period later.
+fn options(server: &redis_support::RedisServer, replica: &str, fleet: &[&str]) -> ReplicaOptions {
     let mut options = ReplicaOptions::new(server.url(), replica);
+    options.replicas = fleet.iter().map(|r| r.to_string()).collect();
     options.call_timeout = Duration::from_millis(300);
     options.lease_ttl = Duration::from_secs(30);
     options.heartbeat = Duration::from_secs(5);
@@ -110,7 +114,7 @@ async fn random_sequences_get_the_same_decisions_and_counts_as_the_in_process_en
             grant_global: 3,
             ..StorageCaps::default()
         };
-        let mut opts = options(&server, "model");
+        let mut opts = options(&server, "model", &["model"]);
         opts.prefix = format!("model-{seed}");
         let shared = replica_on(
             Controller::builder(small_config())
@@ -236,7 +240,7 @@ async fn concurrent_admissions_on_three_replicas_never_exceed_a_limit_and_drain_
     let config = roomy_config(&clients);
     let mut replicas = Vec::new();
     for name in ["r1", "r2", "r3"] {
-        replicas.push(replica(config.clone(), options(&server, name)).await);
+        replicas.push(replica(config.clone(), options(&server, name, &["r1", "r2", "r3"])).await);
     }
     let monitor_view = replicas[0].clone();
     let stop = Arc::new(AtomicBool::new(false));
@@ -307,7 +311,7 @@ async fn concurrent_admissions_on_three_replicas_never_exceed_a_limit_and_drain_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retried_release_frees_once_whatever_the_order_or_repetition_of_calls() {
     let server = redis_or_skip!();
-    let shared = replica(roomy_config(&["amy"]), options(&server, "r1")).await;
+    let shared = replica(roomy_config(&["amy"]), options(&server, "r1", &["r1"])).await;
     let other = admit_op(&shared, "amy", true).await;
     let canceled = admit_op(&shared, "amy", true).await;
     let done = admit_op(&shared, "amy", false).await;
@@ -366,8 +370,8 @@ async fn an_operation_id_is_never_accepted_twice_for_two_admissions_across_repli
         global_executing: 4,
     };
     let config = Config::new(limits, BTreeMap::new(), ids(&["amy", "bob", "cat"])).unwrap();
-    let r1 = replica(config.clone(), options(&server, "r1")).await;
-    let r2 = replica(config.clone(), options(&server, "r2")).await;
+    let r1 = replica(config.clone(), options(&server, "r1", &["r1", "r2"])).await;
+    let r2 = replica(config.clone(), options(&server, "r2", &["r1", "r2"])).await;
     let mut seen = HashSet::new();
     let mut live: Vec<(String, OperationHandle)> = Vec::new();
     // Admissions on both replicas, each operation ended or kept, so ids come from both and the
@@ -407,7 +411,11 @@ async fn an_operation_id_is_never_accepted_twice_for_two_admissions_across_repli
     }
     r1.shutdown().await;
     drop(r1);
-    let restarted = Admission::new(Controller::new(config), Some(options(&server, "r1"))).unwrap();
+    let restarted = Admission::new(
+        Controller::new(config),
+        Some(options(&server, "r1", &["r1", "r2"])),
+    )
+    .unwrap();
     let restored = restarted.restore(stored.clone()).await;
     assert!(restored.deferred.is_none());
     for op in restored.operations {
@@ -452,11 +460,15 @@ async fn an_operation_id_is_never_accepted_twice_for_two_admissions_across_repli
 async fn a_lapsed_lease_is_released_by_a_survivor_exactly_once() {
     let server = redis_or_skip!();
     let config = roomy_config(&["amy", "bob"]);
-    let mut short = options(&server, "doomed");
+    let mut short = options(&server, "doomed", &["doomed", "survivor"]);
     short.lease_ttl = Duration::from_millis(400);
     short.heartbeat = Duration::from_millis(100);
     let doomed = replica(config.clone(), short).await;
-    let survivor = replica(config, options(&server, "survivor")).await;
+    let survivor = replica(
+        config,
+        options(&server, "survivor", &["doomed", "survivor"]),
+    )
+    .await;
     let kept = admit_op(&survivor, "bob", true).await;
     for i in 0..3 {
         let op = admit_op(&doomed, "amy", i != 1).await;
@@ -501,7 +513,7 @@ async fn a_lapsed_lease_is_released_by_a_survivor_exactly_once() {
 async fn a_replica_restarting_under_its_name_replaces_its_holdings_with_what_it_restores() {
     let server = redis_or_skip!();
     let config = roomy_config(&["amy"]);
-    let first = replica(config.clone(), options(&server, "r1")).await;
+    let first = replica(config.clone(), options(&server, "r1", &["r1"])).await;
     let mut stored = Vec::new();
     for i in 0..4 {
         let op = admit_op(&first, "amy", i % 2 == 0).await;
@@ -516,7 +528,11 @@ async fn a_replica_restarting_under_its_name_replaces_its_holdings_with_what_it_
     drop(first);
     // The store restores two of the four (the others ended before the crash was recorded), one
     // approved: counted once each, nothing left of the old run.
-    let restarted = Admission::new(Controller::new(config), Some(options(&server, "r1"))).unwrap();
+    let restarted = Admission::new(
+        Controller::new(config),
+        Some(options(&server, "r1", &["r1"])),
+    )
+    .unwrap();
     let restored = restarted
         .restore([stored[0].clone(), stored[3].clone()])
         .await;
@@ -550,8 +566,8 @@ async fn held_sets(conn: &mut redis::aio::MultiplexedConnection) -> Vec<String> 
 async fn a_replicas_work_is_found_by_its_records_and_an_older_builds_held_set_is_deleted() {
     let server = redis_or_skip!();
     let config = roomy_config(&["amy", "bob"]);
-    let first = replica(config.clone(), options(&server, "r1")).await;
-    let other = replica(config.clone(), options(&server, "r2")).await;
+    let first = replica(config.clone(), options(&server, "r1", &["r1", "r2"])).await;
+    let other = replica(config.clone(), options(&server, "r2", &["r1", "r2"])).await;
     let theirs = admit_op(&other, "bob", false).await;
     let mut mine = Vec::new();
     for i in 0..3 {
@@ -584,7 +600,7 @@ async fn a_replicas_work_is_found_by_its_records_and_an_older_builds_held_set_is
     drop(first);
     // r1 comes back with nothing to restore: its three are released, r2's stays counted, and the
     // old set is gone.
-    let restarted = replica(config, options(&server, "r1")).await;
+    let restarted = replica(config, options(&server, "r1", &["r1", "r2"])).await;
     let counts = restarted.counts().await.unwrap();
     assert_eq!(global(&counts), (1, 0, 0), "{counts:?}");
     assert_eq!(counts.operations, 1);
@@ -624,7 +640,7 @@ async fn a_replicas_holdings_are_read_page_by_page_whatever_their_number() {
         let controller = Controller::builder(config.clone())
             .storage_caps(caps)
             .build();
-        replica_on(controller, options(&server, name))
+        replica_on(controller, options(&server, name, &["r1", "r2"]))
     };
     let (mine, theirs) = (on("r1").await, on("r2").await);
     let mut expected = BTreeMap::new();
@@ -652,8 +668,11 @@ async fn a_replicas_holdings_are_read_page_by_page_whatever_their_number() {
 async fn a_restored_id_the_shared_store_cannot_hold_is_refused_and_counted_nowhere() {
     let server = redis_or_skip!();
     let config = roomy_config(&["amy"]);
-    let admission = Admission::new(Controller::new(config), Some(options(&server, "r1")))
-        .expect("valid replica options");
+    let admission = Admission::new(
+        Controller::new(config),
+        Some(options(&server, "r1", &["r1"])),
+    )
+    .expect("valid replica options");
     let amy = Identity::new("amy").unwrap();
     let restored = admission
         .restore(vec![
@@ -693,8 +712,11 @@ async fn a_restored_id_the_shared_store_cannot_hold_is_refused_and_counted_nowhe
 async fn a_replica_admits_nothing_before_restore_and_says_restore_is_missing() {
     let server = redis_or_skip!();
     let config = roomy_config(&["amy"]);
-    let admission = Admission::new(Controller::new(config), Some(options(&server, "fresh")))
-        .expect("valid replica options");
+    let admission = Admission::new(
+        Controller::new(config),
+        Some(options(&server, "fresh", &["fresh"])),
+    )
+    .expect("valid replica options");
     match admission.admit("amy", false, None).await {
         Err(AdmitError::Unavailable(u)) => {
             assert_eq!(u.reason, UnavailableReason::NotRestored);
@@ -719,8 +741,8 @@ async fn a_replica_admits_nothing_before_restore_and_says_restore_is_missing() {
 async fn a_cut_off_replica_stops_admitting_and_counts_its_work_again_on_return() {
     let server = redis_or_skip!();
     let config = roomy_config(&["amy"]);
-    let cut_off = replica(config.clone(), options(&server, "cut")).await;
-    let other = replica(config, options(&server, "other")).await;
+    let cut_off = replica(config.clone(), options(&server, "cut", &["cut", "other"])).await;
+    let other = replica(config, options(&server, "other", &["cut", "other"])).await;
     let op = admit_op(&cut_off, "amy", false).await;
     // Its lease lapses (as if it could not reach Redis for longer than the TTL) and the other
     // replica releases what it held.
@@ -755,7 +777,7 @@ async fn a_cut_off_replica_stops_admitting_and_counts_its_work_again_on_return()
 async fn a_paused_redis_answers_unavailable_never_over_admits_and_releases_catch_up() {
     let server = redis_or_skip!();
     let config = roomy_config(&["amy"]);
-    let shared = replica(config, options(&server, "r1")).await;
+    let shared = replica(config, options(&server, "r1", &["r1"])).await;
     let held = admit_op(&shared, "amy", true).await;
     server.pause();
     let mut unavailable = 0;
@@ -825,7 +847,13 @@ async fn the_same_idempotency_key_on_every_replica_creates_one_operation() {
     let config = roomy_config(&["amy"]);
     let mut replicas = Vec::new();
     for name in ["r1", "r2", "r3", "r4"] {
-        replicas.push(replica(config.clone(), options(&server, name)).await);
+        replicas.push(
+            replica(
+                config.clone(),
+                options(&server, name, &["r1", "r2", "r3", "r4"]),
+            )
+            .await,
+        );
     }
     for round in 0..5 {
         let key = format!("deploy-{round}");
@@ -873,8 +901,8 @@ async fn the_same_idempotency_key_on_every_replica_creates_one_operation() {
 async fn two_deployments_under_two_prefixes_share_a_redis_but_not_their_counts() {
     let server = redis_or_skip!();
     let config = small_config();
-    let blue = replica(config.clone(), options(&server, "r1")).await;
-    let mut green_options = options(&server, "r1");
+    let blue = replica(config.clone(), options(&server, "r1", &["r1"])).await;
+    let mut green_options = options(&server, "r1", &["r1"]);
     green_options.prefix = "green".into();
     let green = replica(config, green_options).await;
     let _ops: Vec<_> = futures_collect(&blue, 3).await;
@@ -978,8 +1006,8 @@ async fn a_reload_on_every_replica_rescales_the_shared_buckets_as_the_in_process
     // amy: twice the burst over twice the window (no fresh burst may appear); bob: the same
     // burst over a tenth of the window (the used part shrinks with it, nothing is confiscated).
     let after = rate_config((20, 7200), (10, 360));
-    let r1 = replica(before.clone(), options(&server, "r1")).await;
-    let r2 = replica(before.clone(), options(&server, "r2")).await;
+    let r1 = replica(before.clone(), options(&server, "r1", &["r1", "r2"])).await;
+    let r2 = replica(before.clone(), options(&server, "r2", &["r1", "r2"])).await;
     let local = Controller::builder(before.clone())
         .clock(ManualClock::new())
         .build();
@@ -1021,6 +1049,7 @@ async fn a_replica_set_up_before_redis_runs_is_unavailable_then_registers_its_re
     }
     let port = redis_support::free_port();
     let mut opts = ReplicaOptions::new(format!("redis://127.0.0.1:{port}/"), "r1");
+    opts.replicas = vec!["r1".to_owned()];
     opts.call_timeout = Duration::from_millis(300);
     opts.circuit_cool_down = Duration::from_millis(200);
     opts.heartbeat = Duration::from_millis(100);
@@ -1069,7 +1098,7 @@ async fn a_replica_set_up_before_redis_runs_is_unavailable_then_registers_its_re
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restore_dropped_mid_registration_leaves_the_registration_to_the_heartbeat() {
     let server = redis_or_skip!();
-    let mut opts = options(&server, "r1");
+    let mut opts = options(&server, "r1", &["r1"]);
     opts.heartbeat = Duration::from_millis(100);
     opts.lease_ttl = Duration::from_secs(2);
     let admission = Admission::new(Controller::new(roomy_config(&["amy"])), Some(opts)).unwrap();
@@ -1102,7 +1131,7 @@ async fn a_restore_dropped_mid_registration_leaves_the_registration_to_the_heart
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restore_dropped_mid_registration_counts_none_of_its_operations_anywhere() {
     let server = redis_or_skip!();
-    let mut opts = options(&server, "r1");
+    let mut opts = options(&server, "r1", &["r1"]);
     opts.heartbeat = Duration::from_millis(100);
     opts.lease_ttl = Duration::from_secs(2);
     let admission = Admission::new(Controller::new(roomy_config(&["amy"])), Some(opts)).unwrap();
@@ -1185,8 +1214,8 @@ async fn admitted_once_registered(admission: &Admission, what: &str) -> Operatio
 /// Two replicas of one deployment with one client, `amy`.
 async fn two_replicas(server: &redis_support::RedisServer) -> (Admission, Admission) {
     let config = roomy_config(&["amy"]);
-    let r1 = replica(config.clone(), options(server, "r1")).await;
-    let r2 = replica(config, options(server, "r2")).await;
+    let r1 = replica(config.clone(), options(server, "r1", &["r1", "r2"])).await;
+    let r2 = replica(config, options(server, "r2", &["r1", "r2"])).await;
     (r1, r2)
 }
 
@@ -1264,12 +1293,12 @@ async fn an_admission_dropped_mid_call_holds_no_slot_and_leaves_its_idempotency_
     let config = rate_config((10, 3600), (10, 3600));
     // A long call timeout and a slow heartbeat: the only thing that ends the call below is the
     // drop, and the only script waiting in Redis is the admission's.
-    let mut slow = options(&server, "r1");
+    let mut slow = options(&server, "r1", &["r1", "r2"]);
     slow.call_timeout = Duration::from_secs(20);
     slow.lease_ttl = Duration::from_secs(120);
     slow.heartbeat = Duration::from_secs(60);
     let r1 = replica(config.clone(), slow).await;
-    let r2 = replica(config, options(&server, "r2")).await;
+    let r2 = replica(config, options(&server, "r2", &["r1", "r2"])).await;
     // The admission script is loaded (so the call below is one EVALSHA that runs as sent).
     admit_op(&r1, "amy", true).await.fail().await.unwrap();
     assert!(r1.flush().await);
@@ -1354,8 +1383,8 @@ async fn a_committed_operation_keeps_its_idempotency_key_bound_on_every_replica(
 async fn a_refusals_and_a_permits_quota_name_the_deployments_counts_not_the_replicas() {
     let server = redis_or_skip!();
     // amy: 12 tokens an hour, 3 active, 2 pending.
-    let r1 = replica(small_config(), options(&server, "r1")).await;
-    let r2 = replica(small_config(), options(&server, "r2")).await;
+    let r1 = replica(small_config(), options(&server, "r1", &["r1", "r2"])).await;
+    let r2 = replica(small_config(), options(&server, "r2", &["r1", "r2"])).await;
     let mut held = Vec::new();
     for _ in 0..2 {
         held.push(admit_op(&r1, "amy", true).await);
@@ -1433,8 +1462,8 @@ async fn a_dropped_live_handle_releases_its_slots_on_every_replica_and_is_counte
 async fn the_quota_read_now_is_the_deployments_and_what_the_next_decision_sees() {
     let server = redis_or_skip!();
     let before = rate_config((10, 3600), (10, 3600));
-    let r1 = replica(before.clone(), options(&server, "r1")).await;
-    let r2 = replica(before.clone(), options(&server, "r2")).await;
+    let r1 = replica(before.clone(), options(&server, "r1", &["r1", "r2"])).await;
+    let r2 = replica(before.clone(), options(&server, "r2", &["r1", "r2"])).await;
     let mut kept = Vec::new();
     for r in [&r1, &r1, &r2] {
         kept.push(admit_op(r, "amy", false).await);
@@ -1479,7 +1508,7 @@ async fn releases_kept_more_often_than_the_heartbeat_never_hold_the_lease_renewa
     let server = redis_or_skip!();
     let config = roomy_config(&["amy"]);
     let fast = |name: &str| {
-        let mut o = options(&server, name);
+        let mut o = options(&server, name, &["r1", "r2"]);
         o.lease_ttl = Duration::from_millis(1200);
         o.heartbeat = Duration::from_millis(200);
         o
@@ -1510,7 +1539,7 @@ async fn releases_kept_more_often_than_the_heartbeat_never_hold_the_lease_renewa
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_counts_the_refusals_it_answers_whoever_decided_them() {
     let server = redis_or_skip!();
-    let admission = replica(small_config(), options(&server, "r1")).await;
+    let admission = replica(small_config(), options(&server, "r1", &["r1"])).await;
     let _held = admit_op(&admission, "eve", true).await;
     // Refused by the shared engine, then from memory: both answered here, both counted here.
     for _ in 0..2 {
@@ -1548,7 +1577,7 @@ async fn after_redis_stalls_past_every_lease_no_replica_reaps_the_others_live_wo
     let config = Config::new(limits, BTreeMap::new(), ids(&["amy", "bob"])).unwrap();
     // r1 beats often, r2 seldom: r1 is back well before r2 after the stall.
     let short_lease = |name: &str, beat: u64| {
-        let mut options = options(&server, name);
+        let mut options = options(&server, name, &["r1", "r2"]);
         options.lease_ttl = Duration::from_secs(1);
         options.heartbeat = Duration::from_millis(beat);
         options
@@ -1591,7 +1620,7 @@ async fn a_reload_keeps_a_clients_decisions_in_flight_bounded() {
     // One decision at a time for amy: the one in flight holds her room across a reload, so the
     // next waits for it (and is answered Busy), not sent beside it.
     let server = redis_or_skip!();
-    let mut options = options(&server, "r1");
+    let mut options = options(&server, "r1", &["r1"]);
     options.client_decisions_in_flight = 1;
     options.call_timeout = Duration::from_secs(3);
     options.decision_wait = Duration::from_millis(200);

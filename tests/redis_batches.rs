@@ -398,8 +398,17 @@ fn tight_config() -> Config {
     Config::new(limits, BTreeMap::new(), ids(&CLIENTS)).unwrap()
 }
 
-fn options(server: &redis_support::RedisServer, replica: &str, prefix: &str) -> ReplicaOptions {
+/// Options for `replica`, one of `fleet` (every replica of the deployment under `prefix`, itself
+/// included): knowing the whole fleet, the replicas admit as soon as all of it has registered
+/// at the deployment's first start, not one lease period later.
+fn options(
+    server: &redis_support::RedisServer,
+    replica: &str,
+    fleet: &[&str],
+    prefix: &str,
+) -> ReplicaOptions {
     let mut options = ReplicaOptions::new(server.url(), replica);
+    options.replicas = fleet.iter().map(|r| r.to_string()).collect();
     options.prefix = prefix.to_owned();
     options.call_timeout = Duration::from_secs(5);
     options.lease_ttl = Duration::from_secs(60);
@@ -523,7 +532,13 @@ async fn many_tasks_on_three_replicas_batch_their_decisions_within_every_limit_a
     let server = redis_or_skip!();
     let mut replicas = Vec::new();
     for name in ["r1", "r2", "r3"] {
-        replicas.push(replica(tight_config(), options(&server, name, "stress")).await);
+        replicas.push(
+            replica(
+                tight_config(),
+                options(&server, name, &["r1", "r2", "r3"], "stress"),
+            )
+            .await,
+        );
     }
     let calls_before = redis_support::script_calls(server.port);
     let stop = Arc::new(AtomicBool::new(false));
@@ -639,7 +654,7 @@ async fn many_tasks_on_three_replicas_batch_their_decisions_within_every_limit_a
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn callers_that_hang_up_while_their_decisions_wait_in_a_batch_leave_no_count_wrong() {
     let server = redis_or_skip!();
-    let r1 = replica(tight_config(), options(&server, "r1", "hangup")).await;
+    let r1 = replica(tight_config(), options(&server, "r1", &["r1"], "hangup")).await;
     support::redis::warm(&r1, "amy").await;
     let client = redis::Client::open(server.url()).unwrap();
     let mut busy = busy_connection(&client).await;
@@ -720,7 +735,7 @@ async fn admissions_queued_past_a_registrations_wait_are_undone_after_its_replac
         global_executing: 100,
     };
     let config = Config::new(limits, BTreeMap::new(), ids(&CLIENTS)).unwrap();
-    let mut opts = options(&server, "r1", "unsettled");
+    let mut opts = options(&server, "r1", &["r1"], "unsettled");
     opts.call_timeout = Duration::from_secs(1);
     opts.heartbeat = Duration::from_secs(50);
     opts.decisions_in_flight = 4096;

@@ -48,8 +48,12 @@ fn config() -> Config {
     .unwrap()
 }
 
-fn options(server: &RedisServer, name: &str) -> ReplicaOptions {
+/// Options for replica `name` of a deployment whose replicas are `fleet` (itself included; none
+/// listed: each then knows only what it hears from Redis, and a recovery window, if one opened,
+/// would last its whole lease period).
+fn options(server: &RedisServer, name: &str, fleet: &[&str]) -> ReplicaOptions {
     let mut options = ReplicaOptions::new(server.url(), name);
+    options.replicas = fleet.iter().map(|r| r.to_string()).collect();
     options.lease_ttl = Duration::from_secs(60);
     options.heartbeat = Duration::from_secs(20);
     options.call_timeout = Duration::from_millis(800);
@@ -93,7 +97,8 @@ async fn a_failover_keeps_what_was_replicated_and_loses_at_most_the_admissions_n
         return;
     };
     let standby = RedisServer::start_replica_of(primary.port);
-    let f1 = replica(options(&primary, "f1")).await;
+    // The deployment starts as f1 alone (f2 joins it later): f1 admits once it has registered.
+    let f1 = replica(options(&primary, "f1", &["f1"])).await;
     let mut live = Vec::new();
 
     // Replicated: amy's pending operation under "kept", dan's first token.
@@ -111,7 +116,7 @@ async fn a_failover_keeps_what_was_replicated_and_loses_at_most_the_admissions_n
     ));
     // A replica that waits for the Redis replica's acknowledgement answers nothing it lacks:
     // its admission is given back and answered unavailable.
-    let mut waiting = options(&primary, "f2");
+    let mut waiting = options(&primary, "f2", &["f1", "f2"]);
     waiting.wait_replicas = 1;
     let f2 = replica(waiting).await;
     match f2.admit("amy", false, Some("unacknowledged")).await {
@@ -134,8 +139,10 @@ async fn a_failover_keeps_what_was_replicated_and_loses_at_most_the_admissions_n
     drop(f1);
     drop(primary);
     standby.promote();
-    let (f1, restored) = replica_restoring(options(&standby, "f1"), restored).await;
-    let f3 = replica(options(&standby, "f3")).await;
+    // Neither lists the fleet: had the failover opened a recovery window, no replica could
+    // close it early, and f3 would admit nothing for a whole lease period (60 s).
+    let (f1, restored) = replica_restoring(options(&standby, "f1", &[]), restored).await;
+    let f3 = replica(options(&standby, "f3", &[])).await;
 
     // Kept: the epoch (no recovery window: f3 admits at once), the counts (exactly the four,
     // from f1's store), the key record of "kept" (a replay on f3).

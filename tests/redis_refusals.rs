@@ -60,10 +60,13 @@ fn config() -> Config {
     .unwrap()
 }
 
-/// Options for replica `name` under `prefix`: no heartbeat during a test (its scripts would be
-/// counted with the decisions'), generous calls for a noisy machine.
-fn options(server: &RedisServer, prefix: &str, name: &str) -> ReplicaOptions {
+/// Options for replica `name` under `prefix`, one of `fleet` (every replica of that deployment,
+/// itself included, so the replicas admit as soon as all have registered at its first start):
+/// no heartbeat during a test (its scripts would be counted with the decisions'), generous calls
+/// for a noisy machine.
+fn options(server: &RedisServer, prefix: &str, name: &str, fleet: &[&str]) -> ReplicaOptions {
     let mut options = ReplicaOptions::new(server.url(), name);
+    options.replicas = fleet.iter().map(|r| r.to_string()).collect();
     options.prefix = prefix.to_owned();
     options.lease_ttl = Duration::from_secs(600);
     options.heartbeat = Duration::from_secs(300);
@@ -84,10 +87,13 @@ async fn replica_with(config: Config, options: ReplicaOptions) -> Admission {
     admission
 }
 
+/// `n` registered replicas under `prefix`, `r0`, `r1`, ...: the whole deployment.
 async fn replicas(server: &RedisServer, prefix: &str, n: usize) -> Vec<Admission> {
+    let names: Vec<String> = (0..n).map(|r| format!("r{r}")).collect();
+    let fleet: Vec<&str> = names.iter().map(String::as_str).collect();
     let mut all = Vec::new();
-    for r in 0..n {
-        all.push(replica_with(config(), options(server, prefix, &format!("r{r}"))).await);
+    for name in &fleet {
+        all.push(replica_with(config(), options(server, prefix, name, &fleet)).await);
     }
     all
 }
@@ -238,7 +244,7 @@ async fn an_admission_here_forgets_the_clients_remembered_refusals() {
     let Some(server) = RedisServer::start() else {
         return;
     };
-    let r0 = replica_with(config(), options(&server, "admitted", "r0")).await;
+    let r0 = replica_with(config(), options(&server, "admitted", "r0", &["r0"])).await;
     let engine = Controller::builder(config()).capacity_retry(HINT).build();
     let _pending = r0.admit("eve", true, None).await.unwrap().commit();
     let _pending_here = engine.admit("eve", true).unwrap().commit();
@@ -297,7 +303,8 @@ async fn a_replica_joining_with_nothing_held_ends_no_remembered_refusal() {
     };
     // The first registration opens the deployment's epoch on a Redis that held none: what Redis
     // forgot may have changed any refusal, so it is published.
-    let r0 = replica_with(config(), options(&server, "join", "r0")).await;
+    // The deployment is r0 alone until r1 joins it.
+    let r0 = replica_with(config(), options(&server, "join", "r0", &["r0"])).await;
     assert_eq!(publishes(server.port), 1, "the new epoch is published");
     let pending = r0.admit("cat", true, None).await.unwrap().commit();
     assert_eq!(
@@ -306,7 +313,7 @@ async fn a_replica_joining_with_nothing_held_ends_no_remembered_refusal() {
     );
     // A second replica joins with nothing held before and nothing restored: it lowers no count,
     // so nothing is published, and r0 still answers cat from memory.
-    let r1 = replica_with(config(), options(&server, "join", "r1")).await;
+    let r1 = replica_with(config(), options(&server, "join", "r1", &["r0", "r1"])).await;
     assert_eq!(
         publishes(server.port),
         1,
@@ -415,7 +422,7 @@ async fn releases_are_published_only_while_some_replica_may_remember_a_refusal()
     assert!(r0.counts().await.unwrap().is_idle());
 
     // A replica that remembers no refusal sets no marker: its releases stay unpublished.
-    let mut forgetful = options(&server, "off", "r0");
+    let mut forgetful = options(&server, "off", "r0", &["r0"]);
     forgetful.refusal_memory = false;
     let controller = Controller::builder(config()).capacity_retry(HINT).build();
     let off = Admission::new(controller, Some(forgetful)).unwrap();
@@ -523,7 +530,7 @@ async fn past_its_decisions_in_flight_a_submission_is_unavailable_and_releases_n
     let Some(server) = RedisServer::start() else {
         return;
     };
-    let mut options = options(&server, "busy", "r0");
+    let mut options = options(&server, "busy", "r0", &["r0"]);
     options.decisions_in_flight = 2;
     options.client_decisions_in_flight = 1;
     options.decision_wait = Duration::from_millis(100);
@@ -623,8 +630,9 @@ const CLIENTS: [&str; 4] = ["amy", "bob", "cat", "dan"];
 /// the deployment's counts are the engine's.
 async fn model(server: &RedisServer, prefix: &str, steps: &[Step]) -> u64 {
     let mut replicas = Vec::new();
-    for r in 0..3 {
-        let mut options = options(server, prefix, &format!("m{r}"));
+    let fleet = ["m0", "m1", "m2"];
+    for name in fleet {
+        let mut options = options(server, prefix, name, &fleet);
         options.call_timeout = Duration::from_secs(3);
         replicas.push(replica_with(model_config(), options).await);
     }
@@ -739,7 +747,7 @@ async fn a_quiet_notice_subscription_stays_live_and_keeps_what_it_remembers() {
     let Some(server) = RedisServer::start() else {
         return;
     };
-    let mut options = options(&server, "quiet", "r0");
+    let mut options = options(&server, "quiet", "r0", &["r0"]);
     options.heartbeat = Duration::from_millis(200);
     options.lease_ttl = Duration::from_secs(60);
     let replica = replica_with(config(), options).await;

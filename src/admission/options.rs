@@ -39,9 +39,12 @@ pub struct ReplicaOptions {
     /// or a key could make a second operation while the first is still retained.
     pub idempotency_ttl: Option<Duration>,
     /// Every replica of the deployment, this one included, when known (the default: none
-    /// listed). After Redis forgets the deployment, admissions resume once every replica listed
-    /// (and every one Redis listed before) has registered again, or after one lease period; a
-    /// replica that restarts together with Redis knows the others only from this list.
+    /// listed). After Redis forgets the deployment, no replica admits for one lease period
+    /// (a silent replica then counts as dead), unless a replica with this list has registered
+    /// again and every replica listed (and every one Redis listed before) has too: then
+    /// admissions resume at once. Without it no replica can know the whole deployment (one
+    /// started a moment before Redis forgot may be unknown to all the others), so the wait is
+    /// always the whole lease period: the list only shortens it.
     pub replicas: Vec<String>,
     /// Consecutive failed calls that open the circuit (default 3).
     pub circuit_threshold: u32,

@@ -184,11 +184,14 @@ fn code(body: &Value) -> &str {
 async fn walk(dir: &Path, url: &str, replicas: usize) -> Vec<Step> {
     let mut steps = Vec::new();
     let mut brokers = Vec::new();
-    for i in 1..=replicas {
-        let name = format!("r{i}");
-        let data = dir.join(&name);
-        let options = ReplicaOptions::new(url, &name);
-        match Broker::start_shared(settings(&data, &name), options).await {
+    // Each replica is told the whole fleet: at the deployment's first start (and after Redis
+    // forgets it) the replicas admit as soon as all have registered, not one lease period later.
+    let names: Vec<String> = (1..=replicas).map(|i| format!("r{i}")).collect();
+    for name in &names {
+        let data = dir.join(name);
+        let mut options = ReplicaOptions::new(url, name);
+        options.replicas = names.clone();
+        match Broker::start_shared(settings(&data, name), options).await {
             Ok((broker, _)) => brokers.push(broker),
             Err(e) => {
                 steps.push(step("start replicas", "all start", e.to_string(), false));

@@ -58,7 +58,9 @@
 //!   records are still there (the restore's marker, `{prefix}:keyed:<replica>`): a Redis that
 //!   forgot again meanwhile gets them restored again before anything is registered. A new epoch
 //!   opens a recovery window (`{prefix}:recovery`, one lease long) in which no replica admits or
-//!   starts work until every replica it knew of has registered again (`scripts/replace.lua`).
+//!   starts work. It closes early only once a replica that knows the whole deployment (its
+//!   [`ReplicaOptions::replicas`] list) has registered and every replica named has registered
+//!   again; otherwise it lasts its whole lease period (`scripts/replace.lua`).
 //!
 //! - **Refusals from memory.** A refusal Redis gave is remembered (`memory`) and answers the
 //!   client's next submissions here, without a call, until it can have changed: its next token,

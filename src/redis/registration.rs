@@ -297,6 +297,13 @@ impl Inner {
             .arg(self.epoch().unwrap_or_default())
             .arg(&fresh)
             .arg(keyed)
+            // Whether `known` is the whole deployment: only a given list says so. Heard of is
+            // not known: a replica started just before Redis forgot may be unknown to all.
+            .arg(if self.options.replicas.is_empty() {
+                "0"
+            } else {
+                "1"
+            })
             .arg(known.len());
         for name in &known {
             invocation.arg(name);

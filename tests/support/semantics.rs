@@ -96,6 +96,8 @@ impl Setup {
                     return None;
                 };
                 let mut options = ReplicaOptions::new(server.url(), "r1");
+                // The deployment under this prefix is r1 alone: it admits once registered.
+                options.replicas = vec!["r1".to_owned()];
                 options.prefix = format!("semantics-{}", next());
                 // Generous: a shared, noisy machine must not fail a decision for slowness.
                 options.call_timeout = Duration::from_secs(5);

@@ -3,15 +3,19 @@
 -- one step. It also notices whether Redis has forgotten the deployment (a restart without
 -- persistence, a flush, a failover to a Redis without the state) and, if so, opens a recovery
 -- window in which no replica admits until every replica expected has registered again, or one
--- lease period has passed.
+-- lease period has passed. Who is expected is known only from a replica that knows the whole
+-- deployment (its `replicas` list): until one such registers, the window lasts its whole lease
+-- period, whatever the replicas heard of each other before (one started a moment before Redis
+-- forgot may be unknown to all the others).
 -- KEYS: 1 counts, 2 operations, 3 the held set an older build kept (deleted), 4 its lease,
 --       5 the replica set, 6 the deployment's epoch, 7 the recovery marker, 8 the replicas
 --       expected back, 9 the members hash (replica -> the epoch it last registered in).
 -- ARGV: 1 key base, 2 replica, 3 lease token, 4 lease time (ms), 5 the epoch this replica last
 --       registered in ('' if none: a new process), 6 a fresh epoch to use if there is none,
 --       7 the nonce of the key records it restored just before (`restore_keys.lua`), '' for
---       none, or '-' if it has none to restore (no recovery source), 8 how many replicas it
---       reports, then their names (the deployment as it knows it), then
+--       none, or '-' if it has none to restore (no recovery source), 8 '1' if the replicas it
+--       reports are the whole deployment (its `replicas` list was given), else '0', 9 how many
+--       replicas it reports, then their names (the deployment as it knows it), then
 --       how many rate debts, then per client: client, interval, span, debt (µs), then per
 --       operation: id, client, state (`p`, `a` or `e`).
 -- A registration that may have lowered a count is published as `*` on the notices channel: what
@@ -43,7 +47,8 @@ if not epoch then
   redis.call('SET', KEYS[6], epoch)
   fresh_epoch = true
 end
-local i = 8
+local complete = ARGV[8] == '1'
+local i = 9
 local reported = tonumber(ARGV[i])
 local names = {}
 for j = 1, reported do
@@ -57,12 +62,18 @@ local restored = redis.call('HGET', KEYS[9], replica) ~= epoch
 if (fresh_epoch or (known ~= '' and known ~= epoch)) and redis.call('EXISTS', KEYS[7]) == 0 then
   redis.call('DEL', KEYS[8])
   redis.call('SET', KEYS[7], epoch, 'PX', lease_ms)
+  -- '?' (no replica's name: names start with a letter or digit) stands for the replicas nobody
+  -- has named yet; only a replica that knows the whole deployment takes it out.
+  redis.call('SADD', KEYS[8], '?')
 end
 if redis.call('EXISTS', KEYS[7]) == 1 then
   for j = 1, reported do
     if redis.call('HGET', KEYS[9], names[j]) ~= epoch then
       redis.call('SADD', KEYS[8], names[j])
     end
+  end
+  if complete then
+    redis.call('SREM', KEYS[8], '?')
   end
   redis.call('PEXPIRE', KEYS[8], lease_ms)
 end
