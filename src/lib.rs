@@ -111,9 +111,9 @@
 //! 1. **How it is built**: `Admission::new(controller, Some(options))` with
 //!    [`ReplicaOptions::new`]`(redis_url, replica_name)`. The name is unique in the deployment
 //!    and stable across restarts: a restart under the same name replaces what the last run held,
-//!    in one atomic step. After Redis forgets the deployment (a restart without persistence, a
-//!    flush, a failover to a Redis that lacks the state), no replica admits for one lease
-//!    period, until every replica's holdings can be counted again (a silent one then counts as
+//!    in one atomic step. At a deployment's first start and after Redis forgets it (a restart
+//!    without persistence, a flush, a failover to a Redis that lacks the state; Redis cannot
+//!    tell the two apart), no replica admits for one lease period, until every replica's holdings can be counted again (a silent one then counts as
 //!    dead). Set [`ReplicaOptions::replicas`] to every replica's name to shorten that wait:
 //!    admissions then resume as soon as every replica listed has registered again.
 //! 2. **A recovery source**, set with [`Admission::set_recovery_source`] before

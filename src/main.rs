@@ -137,9 +137,10 @@ struct ServeArgs {
     /// This replica's name, unique among the replicas and stable across restarts.
     #[arg(long, value_name = "NAME", requires = "redis")]
     replica: Option<String>,
-    /// Every replica of the deployment, this one included (comma-separated). After Redis forgets
-    /// the deployment (a restart without persistence, a flush), admissions resume as soon as all
-    /// of them have registered again rather than after one lease period.
+    /// Every replica of the deployment, this one included (comma-separated). At a deployment's
+    /// first start and after Redis forgets it (a restart without persistence, a flush), no
+    /// replica admits for one lease period unless this list names the whole fleet: then
+    /// admissions resume as soon as all of them have registered.
     #[arg(
         long,
         value_name = "NAME,NAME,...",
