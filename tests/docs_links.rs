@@ -243,13 +243,22 @@ fn a_link_to_a_missing_file_or_heading_is_reported() {
                 [ref]: docs/missing.md\n";
     let broken = broken_links(&page, text);
     assert_eq!(broken.len(), 4, "{broken:#?}");
-    assert!(broken[0].ends_with("src/nowhere.rs does not exist"), "{broken:#?}");
-    assert!(broken[1].ends_with("no heading here for #nowhere"), "{broken:#?}");
+    assert!(
+        broken[0].ends_with("src/nowhere.rs does not exist"),
+        "{broken:#?}"
+    );
+    assert!(
+        broken[1].ends_with("no heading here for #nowhere"),
+        "{broken:#?}"
+    );
     assert!(
         broken[2].ends_with("README.md has no heading for #no-such-heading"),
         "{broken:#?}"
     );
-    assert!(broken[3].ends_with("docs/missing.md does not exist"), "{broken:#?}");
+    assert!(
+        broken[3].ends_with("docs/missing.md does not exist"),
+        "{broken:#?}"
+    );
 }
 
 #[test]
@@ -287,7 +296,11 @@ fn commands(text: &str) -> Vec<(usize, &'static str, Vec<String>)> {
                 None => (line, false),
             };
             if continuing {
-                joined.last_mut().expect("a line to continue").1.push_str(text);
+                joined
+                    .last_mut()
+                    .expect("a line to continue")
+                    .1
+                    .push_str(text);
             } else {
                 joined.push((start + n, text.to_string()));
             }
@@ -303,8 +316,7 @@ fn commands(text: &str) -> Vec<(usize, &'static str, Vec<String>)> {
                 let Some(at) = words.iter().position(|w| {
                     *w == "admission"
                         || w.ends_with("/admission")
-                        || *w == "--"
-                            && words.first().is_some_and(|first| *first == "cargo")
+                        || *w == "--" && words.first().is_some_and(|first| *first == "cargo")
                 }) else {
                     continue;
                 };
@@ -385,7 +397,11 @@ fn commands_are_found_with_their_flags() {
     assert_eq!(
         found,
         vec![
-            (2, "serve", vec!["--listen".to_string(), "--data".to_string()]),
+            (
+                2,
+                "serve",
+                vec!["--listen".to_string(), "--data".to_string()]
+            ),
             (4, "check", vec!["--identities".to_string()]),
             (4, "drill", vec![]),
         ]
