@@ -63,6 +63,21 @@ impl PostgresServer {
         panic!("postgres did not start on any of five loopback ports");
     }
 
+    /// The server the tests of this binary share while any of them runs (started by the first,
+    /// stopped when the last lets it go), or `None` (having printed why) if PostgreSQL cannot
+    /// be run here. Each test takes a database of its own ([`PostgresServer::database`]).
+    pub fn shared() -> Option<std::sync::Arc<PostgresServer>> {
+        use std::sync::{Arc, Mutex, Weak};
+        static SHARED: Mutex<Weak<PostgresServer>> = Mutex::new(Weak::new());
+        let mut shared = SHARED.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(server) = shared.upgrade() {
+            return Some(server);
+        }
+        let server = Arc::new(PostgresServer::start()?);
+        *shared = Arc::downgrade(&server);
+        Some(server)
+    }
+
     /// `postgres://admission@127.0.0.1:PORT/DB`.
     pub fn url(&self, database: &str) -> String {
         format!("postgres://{ROLE}@127.0.0.1:{}/{database}", self.port)
