@@ -9,7 +9,8 @@ use super::super::durable::{Judge, Render};
 use super::super::error::StoreError;
 use super::super::records::{DecisionMark, OperationError, StateChange, now_rfc3339};
 use super::handle::PostgresStore;
-use super::operations::{Failed, RECORD_COLUMNS, change_state, column, record_of};
+use super::operations::change_state;
+use super::rows::{Failed, RECORD_COLUMNS, column, record_of};
 
 impl PostgresStore {
     /// Judges and commits `command` in one transaction (see the module docs); a judge's refusal

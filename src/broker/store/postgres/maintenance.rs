@@ -7,7 +7,7 @@ use crate::engine::OperationState;
 use super::super::error::StoreError;
 use super::super::maintenance::{Retiring, StoredCounts};
 use super::handle::PostgresStore;
-use super::operations::{column, state_column};
+use super::rows::{column, state_column};
 
 /// The terminal states, as SQL.
 const TERMINAL: &str = "('succeeded', 'failed', 'denied', 'canceled', 'expired')";

@@ -23,7 +23,7 @@
 //! - `handle`: [`PostgresStore`], its pool and background tasks;
 //! - `schema`: the tables, created and migrated at start-up under an advisory lock;
 //! - `operations`, `decisions`, `requests`, `events`, `streams`, `maintenance`: the statements
-//!   of each concern;
+//!   of each concern, and `rows`: the records they read back;
 //! - `listen`: the `LISTEN` connection and the numbering of events;
 //! - `error`: PostgreSQL's errors sorted into the store's.
 //!
@@ -39,6 +39,7 @@ mod location;
 mod maintenance;
 mod operations;
 mod requests;
+mod rows;
 mod schema;
 mod streams;
 mod tls;

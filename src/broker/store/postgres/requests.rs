@@ -9,7 +9,7 @@ use super::super::error::StoreError;
 use super::super::records::OperationRecord;
 use super::super::requests::{RequestQuery, StateFilter};
 use super::handle::PostgresStore;
-use super::operations::{RECORD_COLUMNS, record_of};
+use super::rows::{RECORD_COLUMNS, record_of};
 
 /// The SQL of `query` and its parameters, in order.
 fn page_sql(query: &RequestQuery) -> (String, Vec<Box<dyn ToSql + Sync + Send>>) {

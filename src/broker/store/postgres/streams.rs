@@ -9,7 +9,7 @@ use super::super::error::StoreError;
 use super::super::records::now_rfc3339;
 use super::super::streams::StreamRecord;
 use super::handle::PostgresStore;
-use super::operations::column;
+use super::rows::column;
 
 fn stream_of(row: &Row) -> Result<StreamRecord, StoreError> {
     Ok(StreamRecord {
@@ -22,7 +22,7 @@ fn stream_of(row: &Row) -> Result<StreamRecord, StoreError> {
 /// Every stored stream, oldest first, read in the caller's transaction.
 pub(super) async fn all_streams(
     tx: &deadpool_postgres::Transaction<'_>,
-) -> Result<Vec<StreamRecord>, super::operations::Failed> {
+) -> Result<Vec<StreamRecord>, super::rows::Failed> {
     let rows = tx
         .query("SELECT id, client_id, size FROM streams ORDER BY seq", &[])
         .await?;
