@@ -16,7 +16,8 @@ use super::super::bell::EventBell;
 use super::super::error::StoreError;
 use super::error::{sort, sort_pool};
 use super::location::Location;
-use super::{events, listen, schema, tls};
+use super::numbering::{Assigner, assign};
+use super::{listen, schema, tls};
 
 /// How many connections the pool holds at most, by default.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 16;
@@ -152,9 +153,7 @@ impl PostgresStore {
             let mut client = pool.get().await.map_err(|e| sort_pool(&shown, e))?;
             schema::migrate(&mut client, &shown).await?;
         }
-        let high_water = events::assign(&pool, &shown, events::Assigner::Waits)
-            .await?
-            .high_water;
+        let high_water = assign(&pool, &shown, Assigner::Waits).await?.high_water;
         let bell = EventBell::new(high_water);
         let (changes, _) = broadcast::channel(1024);
         let wake = Arc::new(Notify::new());
@@ -218,7 +217,7 @@ impl PostgresStore {
 
     /// Measures the database's size (`pg_database_size`), kept for [`Self::bytes`].
     pub(super) async fn measure(&self) -> Result<(), StoreError> {
-        let bytes = measure(&self.pool, &self.shown).await?;
+        let bytes = listen::measure(&self.pool, &self.shown).await?;
         self.bytes.store(bytes, Ordering::Relaxed);
         Ok(())
     }
@@ -236,14 +235,4 @@ impl PostgresStore {
     pub(super) fn bytes(&self) -> u64 {
         self.bytes.load(Ordering::Relaxed)
     }
-}
-
-/// The current database's size in bytes.
-pub(super) async fn measure(pool: &Pool, shown: &str) -> Result<u64, StoreError> {
-    let client = pool.get().await.map_err(|e| sort_pool(shown, e))?;
-    let row = client
-        .query_one("SELECT pg_database_size(current_database())", &[])
-        .await
-        .map_err(|e| sort(shown, e))?;
-    Ok(row.get::<_, i64>(0).max(0) as u64)
 }

@@ -23,8 +23,9 @@ use tokio_postgres::AsyncMessage;
 use tokio_postgres_rustls::MakeRustlsConnect;
 
 use super::super::bell::EventBell;
-use super::events::{Assigner, assign};
-use super::handle::measure;
+use super::super::error::StoreError;
+use super::error::{sort, sort_pool};
+use super::numbering::{Assigner, assign};
 use super::schema::CHANGES_CHANNEL;
 
 /// How often events are numbered without a notification.
@@ -134,4 +135,17 @@ pub(super) async fn assign_positions(
             }
         }
     }
+}
+
+/// The current database's size in bytes.
+pub(super) async fn measure(
+    pool: &deadpool_postgres::Pool,
+    shown: &str,
+) -> Result<u64, StoreError> {
+    let client = pool.get().await.map_err(|e| sort_pool(shown, e))?;
+    let row = client
+        .query_one("SELECT pg_database_size(current_database())", &[])
+        .await
+        .map_err(|e| sort(shown, e))?;
+    Ok(row.get::<_, i64>(0).max(0) as u64)
 }

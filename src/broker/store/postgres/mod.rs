@@ -24,7 +24,8 @@
 //! - `schema`: the tables, created and migrated at start-up under an advisory lock;
 //! - `operations`, `decisions`, `requests`, `events`, `streams`, `maintenance`: the statements
 //!   of each concern, and `rows`: the records they read back;
-//! - `listen`: the `LISTEN` connection and the numbering of events;
+//! - `numbering`: a round of numbering the event log;
+//! - `listen`: the `LISTEN` connection, and the task that numbers events when woken;
 //! - `error`: PostgreSQL's errors sorted into the store's.
 //!
 //! Not yet for a fleet: start-up recovery fails every `executing` operation (as one process
@@ -37,6 +38,7 @@ mod handle;
 mod listen;
 mod location;
 mod maintenance;
+mod numbering;
 mod operations;
 mod requests;
 mod rows;

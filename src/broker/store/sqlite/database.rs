@@ -138,7 +138,7 @@ impl SqliteStore {
                 source,
             })?;
         schema::ensure_indexes(&writer)?;
-        let events = super::events::open_bell(&writer)?;
+        let events = schema::open_bell(&writer)?;
         Ok(SqliteStore {
             writer: Arc::new(Mutex::new(writer)),
             readers,

@@ -2,7 +2,7 @@
 //! in one read transaction, and retention's prefix trims. The log's shape and its cursors are
 //! the store's (`store::events`).
 
-use rusqlite::{Connection, OptionalExtension, params};
+use rusqlite::{Connection, params};
 
 use crate::engine::OperationState;
 
@@ -12,6 +12,7 @@ use super::super::events::{
     EventKind, EventPage, RequestStatus, StoredEvent, event_kind, request_status,
 };
 use super::database::SqliteStore;
+use super::schema::high_water;
 
 /// Appends the event of request `request_id`'s move from `from` (`None`: its creation) to `to`
 /// at `revision` (after the move), inside the caller's transaction; returns its sequence.
@@ -181,21 +182,4 @@ impl SqliteStore {
         })
         .await
     }
-}
-
-/// Opens the bell at the log's high-water mark (blocking; at open).
-pub(super) fn open_bell(conn: &Connection) -> rusqlite::Result<EventBell> {
-    Ok(EventBell::new(high_water(conn)?))
-}
-
-/// The highest sequence ever assigned (`AUTOINCREMENT` keeps it even when the rows are gone).
-pub(super) fn high_water(conn: &Connection) -> rusqlite::Result<i64> {
-    Ok(conn
-        .query_row(
-            "SELECT seq FROM sqlite_sequence WHERE name = 'operator_events'",
-            [],
-            |r| r.get::<_, i64>(0),
-        )
-        .optional()?
-        .unwrap_or(0))
 }

@@ -53,8 +53,9 @@
 
 use std::path::Path;
 
-use rusqlite::Connection;
+use rusqlite::{Connection, OptionalExtension};
 
+use super::super::bell::EventBell;
 use super::super::error::StoreError;
 
 /// The schema version this code writes (`PRAGMA user_version`).
@@ -274,6 +275,23 @@ pub(super) fn ensure_indexes(writer: &Connection) -> Result<(), StoreError> {
          ON operations (operation, state, created_at, id);",
     )?;
     Ok(())
+}
+
+/// Opens the bell at the log's high-water mark (blocking; at open).
+pub(super) fn open_bell(conn: &Connection) -> rusqlite::Result<EventBell> {
+    Ok(EventBell::new(high_water(conn)?))
+}
+
+/// The highest sequence ever assigned (`AUTOINCREMENT` keeps it even when the rows are gone).
+pub(super) fn high_water(conn: &Connection) -> rusqlite::Result<i64> {
+    Ok(conn
+        .query_row(
+            "SELECT seq FROM sqlite_sequence WHERE name = 'operator_events'",
+            [],
+            |r| r.get::<_, i64>(0),
+        )
+        .optional()?
+        .unwrap_or(0))
 }
 
 #[cfg(test)]
