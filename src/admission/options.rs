@@ -218,12 +218,29 @@ const MAX_DURATION: Duration = Duration::from_secs(366 * 86_400);
 
 /// `url` with its password, if any, replaced by `***` (see [`ReplicaOptions::url_redacted`]).
 fn redact_url(url: &str) -> String {
+    redact_url_with(url, BareUser::Password)
+}
+
+/// What the user part of a URL without a `:` (`scheme://NAME@host`) is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum BareUser {
+    /// A password (Redis: `redis://SECRET@host`): redacted.
+    Password,
+    /// A user name (libpq: `postgres://ROLE@host`): shown.
+    Name,
+}
+
+/// `url` with its password, if any, replaced by `***`: in the user part (`user:PASSWORD@`, or
+/// the whole user part when `bare` says it is a password) and in a `pass` or `password` query
+/// parameter. The one redaction for every URL the crate prints (Redis's, PostgreSQL's).
+pub(crate) fn redact_url_with(url: &str, bare: BareUser) -> String {
     let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
     let split = rest.find(['/', '?']).unwrap_or(rest.len());
     let (authority, tail) = rest.split_at(split);
     let authority = match authority.rsplit_once('@') {
         Some((user, host)) => match user.split_once(':') {
             Some((name, _)) => format!("{name}:***@{host}"),
+            None if bare == BareUser::Name => format!("{user}@{host}"),
             None => format!("***@{host}"),
         },
         None => authority.to_owned(),

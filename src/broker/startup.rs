@@ -90,10 +90,12 @@ impl Broker {
         let data_dir = settings.data_dir.clone();
         let broker_name = settings.broker_name.clone();
         let (db, recovered, keys, created) = async {
+            let streams_dir = data_dir.join("streams");
             let db = store::open(
                 &store::StoreLocation::Dir(data_dir),
                 &broker_name,
                 super::registry::approval_operations(),
+                &streams_dir,
             )
             .await?;
             // Rows an older schema wrote get their presentation and digest once, before

@@ -15,6 +15,7 @@
 //! - [`serve`]: the `admission serve` binary as a process, and the files it reads.
 //! - [`quota`]: the quota fields of a submission answer, parsed back.
 //! - [`redis`]: a real `redis-server` on loopback (restarted empty or flushed on demand).
+//! - [`postgres`]: a real PostgreSQL (`initdb` in a temporary directory) on loopback.
 //! - [`rng`]: the deterministic generator of the model tests.
 //! - [`semantics`]: one face for the in-process and the Redis admission backends.
 //!
@@ -37,6 +38,8 @@ pub mod metrics;
 #[cfg(feature = "broker")]
 pub mod operator;
 pub mod operator_contract;
+#[cfg(feature = "broker")]
+pub mod postgres;
 #[cfg(feature = "broker")]
 pub mod quota;
 pub mod redis;

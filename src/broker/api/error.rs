@@ -145,15 +145,23 @@ impl ApiError {
     }
 }
 
-/// A store failure is a 503 `store_unavailable` (logged; the client reads no detail of it).
+/// A store failure is a 503 `store_unavailable` (logged; the client reads no detail of it); one
+/// that passes by itself (a busy file, an unreachable database: [`StoreError::is_transient`])
+/// says when to try again (`Retry-After: 1`).
 impl From<StoreError> for ApiError {
     fn from(err: StoreError) -> ApiError {
         tracing::error!(error = %err, "store failed");
-        ApiError::new(
+        let transient = err.is_transient();
+        let answer = ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "store_unavailable",
             "The operation store is unavailable; try again.",
-        )
+        );
+        if transient {
+            answer.with_retry_after(1)
+        } else {
+            answer
+        }
     }
 }
 

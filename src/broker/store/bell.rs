@@ -36,6 +36,13 @@ impl EventBell {
         });
     }
 
+    /// Counts `written` events this process committed, without publishing a sequence: for a
+    /// store whose events are numbered after their commit (PostgreSQL's log, where a later
+    /// [`rang`](EventBell::rang) publishes them).
+    pub(crate) fn wrote(&self, written: u64) {
+        self.written.inc_by(written);
+    }
+
     /// A receiver of the newest committed sequence.
     pub fn subscribe(&self) -> watch::Receiver<i64> {
         self.newest.subscribe()

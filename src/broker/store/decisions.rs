@@ -42,7 +42,7 @@ pub struct DecidedMove {
     /// Whether it takes back an approval (a revoke).
     pub revoked: bool,
     /// For an approval: how long it stays good if the operation has not started (see
-    /// [`DecisionMark::lasts`]).
+    /// [`DecisionMark::lasts`](super::records::DecisionMark::lasts)).
     pub lasts: Option<std::time::Duration>,
 }
 

@@ -28,7 +28,7 @@ pub type Derive = fn(&str, &Value, &Value, &str) -> Presentation;
 
 /// A decision's judge, as a backend runs it inside the decision's transaction: from the stored
 /// request, the move to write, or `Err(())` to write nothing (the caller keeps its own reason:
-/// see [`decide`](DurableStore::decide)).
+/// see `decide` on `dyn DurableStore`).
 pub type Judge = Box<dyn FnOnce(&OperationRecord) -> Result<DecidedMove, ()> + Send>;
 
 /// Renders a committed request for the decision's record (what a replay answers).
@@ -52,6 +52,15 @@ pub trait DurableStore: Send + Sync + 'static {
 
     /// The directory stream bodies are written to.
     fn streams_dir(&self) -> PathBuf;
+
+    /// Changes of operations made by any process on this store, as they commit (the
+    /// operation's id; an empty string: anything may have changed, e.g. after the feed was cut),
+    /// for waits to wake on a change another replica made. `None` (the default) when only this
+    /// process writes the store (SQLite): the broker wakes its own waits as it changes
+    /// operations. A receiver that lags behind should re-read what it waits on.
+    fn changes(&self) -> Option<tokio::sync::broadcast::Receiver<String>> {
+        None
+    }
 
     /// Whether the store would take a write now (the states in which a submission could not be
     /// made durable fail it).
@@ -128,7 +137,7 @@ pub trait DurableStore: Send + Sync + 'static {
     async fn request_page(&self, query: RequestQuery) -> Result<Vec<OperationRecord>, StoreError>;
 
     /// Judges and commits `command` in one transaction (see `decisions`); a judge's refusal is
-    /// `Refused(())`. Callers use [`decide`](DurableStore::decide), which keeps their reason.
+    /// `Refused(())`. Callers use `decide` (on `dyn DurableStore`), which keeps their reason.
     async fn decide_judged(
         &self,
         command: DecisionCommand,

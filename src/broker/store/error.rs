@@ -3,7 +3,9 @@
 //! log or on stderr.
 //!
 //! Each backend sorts its driver's errors once, in its own `error` file, into what happened: the
-//! store was busy, a row did not read back, the backend failed otherwise.
+//! store was busy or could not be reached, a row did not read back, the backend failed otherwise.
+//! No variant carries a database password: a PostgreSQL URL is held redacted
+//! (`postgres::redact_url`).
 
 use std::path::{Path, PathBuf};
 
@@ -25,9 +27,30 @@ pub enum StoreError {
     },
     /// SQLite failed otherwise (I/O, a full disk, a damaged file, a constraint), with its detail.
     Sqlite(rusqlite::Error),
+    /// PostgreSQL could not be reached or did not answer in time: no pooled connection came free
+    /// (or could be opened) within the pool's timeout, the server refused or cut the connection,
+    /// is shutting down or starting, or is a read-only standby. Nothing is known to have changed;
+    /// the same call may succeed later (the broker answers 503 with `Retry-After`).
+    Unavailable {
+        /// The database, as its URL with the password redacted.
+        database: String,
+        /// What happened.
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// PostgreSQL failed a statement otherwise (a constraint, a type, a permission), with its
+    /// detail (the server's SQLSTATE is in it: `tokio_postgres::Error::code`).
+    Postgres(tokio_postgres::Error),
     /// A stored row does not read back as a record: a state this code does not know, a JSON
     /// column that does not parse, a column of another type.
-    CorruptRow(rusqlite::Error),
+    CorruptRow(Box<dyn std::error::Error + Send + Sync>),
+    /// A store location (a PostgreSQL URL) that does not parse or names a setting this broker
+    /// cannot honour.
+    BadLocation {
+        /// The location, with any password redacted.
+        location: String,
+        /// What is wrong with it.
+        detail: String,
+    },
     /// A file or directory of the data dir could not be created, opened, locked or written.
     Io {
         /// What was tried: `create`, `open`, `lock`, `write`, `measure` (its free space).
@@ -55,11 +78,11 @@ pub enum StoreError {
         /// The lock file in it.
         lock: PathBuf,
     },
-    /// The database file was written by a newer broker: its schema version is not one this code
+    /// The database was written by a newer broker: its schema version is not one this code
     /// knows.
     UnknownSchema {
-        /// The database file.
-        path: PathBuf,
+        /// The database: a file's path, or a PostgreSQL URL with the password redacted.
+        store: String,
         /// Its `user_version`.
         found: i64,
         /// The version this broker knows.
@@ -94,7 +117,14 @@ impl std::fmt::Display for StoreError {
                 write!(f, "no reader connection on {}: {source}", path.display())
             }
             StoreError::Sqlite(err) => write!(f, "{err}"),
+            StoreError::Unavailable { database, source } => {
+                write!(f, "the database {database} is unavailable: {source}")
+            }
+            StoreError::Postgres(err) => write!(f, "{err}"),
             StoreError::CorruptRow(err) => write!(f, "a stored row does not read back: {err}"),
+            StoreError::BadLocation { location, detail } => {
+                write!(f, "the store location {location} is not usable: {detail}")
+            }
             StoreError::Io {
                 action,
                 path,
@@ -116,13 +146,13 @@ impl std::fmt::Display for StoreError {
                 lock.display()
             ),
             StoreError::UnknownSchema {
-                path,
+                store,
                 found,
                 supported,
             } => write!(
                 f,
-                "{} has schema version {found}; this broker knows version {supported}",
-                path.display(),
+                "{store} has schema version {found}; this broker knows version {supported} \
+                 (a newer broker wrote it: run that version)",
             ),
             StoreError::NotInState { id, expected } => {
                 write!(f, "operation {id} is not {expected} in the store")
@@ -136,15 +166,17 @@ impl std::fmt::Display for StoreError {
 impl std::error::Error for StoreError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            StoreError::Busy(err) | StoreError::Sqlite(err) | StoreError::CorruptRow(err) => {
-                Some(err)
-            }
+            StoreError::Busy(err) | StoreError::Sqlite(err) => Some(err),
+            StoreError::CorruptRow(err) => Some(err.as_ref()),
+            StoreError::Unavailable { source, .. } => Some(source.as_ref()),
+            StoreError::Postgres(err) => Some(err),
             StoreError::NoReader { source, .. } => Some(source),
             StoreError::Io { source, .. } => Some(source),
             StoreError::Unfinished { source, .. } => Some(source),
             StoreError::DirInUse { .. }
             | StoreError::NoRoom { .. }
             | StoreError::UnknownSchema { .. }
+            | StoreError::BadLocation { .. }
             | StoreError::NotInState { .. }
             | StoreError::Inconsistent(_) => None,
         }
@@ -165,6 +197,15 @@ impl StoreError {
             path: path.to_owned(),
             source,
         }
+    }
+
+    /// Whether the same call may succeed later without anything changing here: the store was
+    /// busy or unreachable for a moment (the broker answers 503 with `Retry-After`).
+    pub fn is_transient(&self) -> bool {
+        matches!(
+            self,
+            StoreError::Busy(_) | StoreError::NoReader { .. } | StoreError::Unavailable { .. }
+        )
     }
 
     /// [`StoreError::Unfinished`]: the task doing `task` (e.g. `the filter rebuild`) ended

@@ -32,6 +32,7 @@ mod error;
 pub mod events;
 mod maintenance;
 mod open;
+pub mod postgres;
 mod records;
 mod requests;
 pub mod sqlite;
@@ -45,6 +46,7 @@ pub use error::{InsertError, StoreError};
 pub use events::{EventKind, EventPage, RequestStatus, StoredEvent, request_status};
 pub use maintenance::{Retiring, StoredCounts};
 pub use open::{StoreLocation, open};
+pub use postgres::{PostgresSettings, PostgresStore, redact_url};
 pub use records::{
     DEFAULT_BROKER_NAME, Decided, DecisionMark, OperationError, OperationRecord, OperationSummary,
     PageQuery, Presentation, Recovered, StateChange, StoredRequest, now_rfc3339,

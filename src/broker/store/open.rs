@@ -1,27 +1,75 @@
 //! Where a store lives, and opening the one a location names: the one place that knows which
 //! backends there are.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use super::durable::DurableStore;
 use super::error::StoreError;
+use super::postgres::{PostgresStore, is_postgres_url, redact_url};
 use super::sqlite::SqliteStore;
 
-/// Where a store lives.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// Where a store lives. Its `Display` (and `Debug`) never shows a password.
+#[derive(Clone, PartialEq, Eq)]
 pub enum StoreLocation {
     /// A SQLite file in this data dir (created if needed), owned by one broker.
     Dir(PathBuf),
+    /// A PostgreSQL database (any libpq URL, `sslmode` honoured), shared by a fleet.
+    Postgres {
+        /// The URL, password included: shown only through [`redact_url`].
+        url: String,
+    },
+}
+
+impl StoreLocation {
+    /// The location `text` names: a `postgres://` or `postgresql://` URL. Anything else is an
+    /// error that says what is expected (a data dir is given as a path, not parsed here).
+    pub fn parse(text: &str) -> Result<StoreLocation, String> {
+        if is_postgres_url(text) {
+            Ok(StoreLocation::Postgres {
+                url: text.to_owned(),
+            })
+        } else {
+            Err(format!(
+                "{} is not a store location: expected a PostgreSQL URL, \
+                 postgres://USER@HOST:PORT/DATABASE (or postgresql://...)",
+                redact_url(text)
+            ))
+        }
+    }
+}
+
+impl std::fmt::Display for StoreLocation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StoreLocation::Dir(dir) => write!(f, "{}", dir.display()),
+            StoreLocation::Postgres { url } => f.write_str(&redact_url(url)),
+        }
+    }
+}
+
+impl std::fmt::Debug for StoreLocation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StoreLocation::Dir(dir) => f.debug_tuple("Dir").field(dir).finish(),
+            StoreLocation::Postgres { url } => f
+                .debug_struct("Postgres")
+                .field("url", &redact_url(url))
+                .finish(),
+        }
+    }
 }
 
 /// Opens the store at `location` (creating its schema, or migrating an older one), with
 /// operations showing `broker` as their broker's name and the changes of the operations named
-/// in `requests` (those that need an operator's approval) recorded in the event log.
+/// in `requests` (those that need an operator's approval) recorded in the event log. A
+/// PostgreSQL store writes stream bodies under `streams_dir`, this replica's own directory (a
+/// SQLite store writes them under its data dir, and ignores it).
 pub async fn open(
     location: &StoreLocation,
     broker: &str,
     requests: impl IntoIterator<Item = &str>,
+    streams_dir: &Path,
 ) -> Result<Arc<dyn DurableStore>, StoreError> {
     let requests: Vec<String> = requests.into_iter().map(str::to_owned).collect();
     match location {
@@ -35,5 +83,31 @@ pub async fn open(
             .map_err(|e| StoreError::unfinished("opening the store", e))??;
             Ok(Arc::new(store))
         }
+        StoreLocation::Postgres { url } => {
+            let store = PostgresStore::connect(
+                url,
+                broker,
+                requests.iter().map(String::as_str),
+                streams_dir.to_owned(),
+            )
+            .await?;
+            Ok(Arc::new(store))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_postgres_url_parses_and_shows_no_password() {
+        let location = StoreLocation::parse("postgres://ops:hunter2@db:5432/fleet").unwrap();
+        assert_eq!(location.to_string(), "postgres://ops:***@db:5432/fleet");
+        assert!(!format!("{location:?}").contains("hunter2"));
+        assert!(StoreLocation::parse("postgresql://db/fleet").is_ok());
+        let err = StoreLocation::parse("mysql://ops:hunter2@db/fleet").unwrap_err();
+        assert!(err.contains("expected a PostgreSQL URL"), "{err}");
+        assert!(!err.contains("hunter2"), "{err}");
     }
 }

@@ -15,7 +15,7 @@ impl From<rusqlite::Error> for StoreError {
         match err {
             rusqlite::Error::FromSqlConversionFailure(..)
             | rusqlite::Error::InvalidColumnType(..)
-            | rusqlite::Error::IntegralValueOutOfRange(..) => StoreError::CorruptRow(err),
+            | rusqlite::Error::IntegralValueOutOfRange(..) => StoreError::CorruptRow(Box::new(err)),
             _ => StoreError::Sqlite(err),
         }
     }

@@ -114,7 +114,7 @@ impl SqliteStore {
     }
 
     /// Up to `limit` terminal operations whose `terminal_at` is before `cutoff` (RFC 3339, UTC,
-    /// as [`super::now_rfc3339`] writes it), oldest first: what the next retention batch retires.
+    /// as [`now_rfc3339`](super::super::records::now_rfc3339) writes it), oldest first: what the next retention batch retires.
     /// Non-terminal operations are never among them, whatever their `terminal_at`.
     pub async fn retiring(&self, cutoff: String, limit: u32) -> Result<Vec<Retiring>, StoreError> {
         self.read(move |conn, _| {

@@ -245,30 +245,14 @@ impl DurableStore for SqliteStore {
     }
 }
 
+/// What only SQLite has: the data dir's lock, the file's schema version, a file another process
+/// holds locked. The store's semantics, the same in both houses, are tested once for both in
+/// `tests/store_conformance.rs`.
 #[cfg(test)]
 mod tests {
-    use super::super::events::{EventKind, RequestStatus};
-    use super::super::records::{OperationRecord, PageQuery, Presentation, now_rfc3339};
     use rusqlite::Connection;
 
     use super::*;
-    use crate::engine::OperationState;
-
-    fn record(id: &str, key: &str) -> OperationRecord {
-        let now = now_rfc3339();
-        OperationRecord {
-            client_id: "bot-7".to_owned(),
-            idempotency_key: key.to_owned(),
-            operation: "demo.run".to_owned(),
-            created_at: now.clone(),
-            updated_at: now,
-            presentation: Presentation {
-                title: format!("Run {id}"),
-                summary: None,
-            },
-            ..OperationRecord::example(id)
-        }
-    }
 
     #[test]
     fn a_second_open_of_a_data_dir_is_refused_as_in_use() {
@@ -301,56 +285,6 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_second_insert_of_a_key_is_a_duplicate() {
-        let dir = tempfile::tempdir().unwrap();
-        let db = SqliteStore::open(dir.path()).unwrap();
-        db.insert(record("op_1", "k")).await.unwrap();
-        let again = db.insert(record("op_2", "k")).await;
-        assert!(matches!(again, Err(InsertError::Duplicate)), "{again:?}");
-    }
-
-    #[tokio::test]
-    async fn a_row_in_an_unknown_state_reads_back_as_corrupt() {
-        let dir = tempfile::tempdir().unwrap();
-        let db = SqliteStore::open(dir.path()).unwrap();
-        db.load(&[record("op_1", "k")]).unwrap();
-        Connection::open(dir.path().join(DATABASE_FILE))
-            .unwrap()
-            .execute("UPDATE operations SET state = 'mislaid'", [])
-            .unwrap();
-        let err = db.get("op_1").await.unwrap_err();
-        assert!(matches!(err, StoreError::CorruptRow(_)), "{err}");
-    }
-
-    #[tokio::test]
-    async fn a_listing_page_reads_no_request_and_a_lookup_no_request_text() {
-        let dir = tempfile::tempdir().unwrap();
-        let db = SqliteStore::open(dir.path()).unwrap();
-        db.load(&[record("op_1", "k")]).unwrap();
-        // Whatever the stored request holds, a page and a request lookup never parse it.
-        Connection::open(dir.path().join(DATABASE_FILE))
-            .unwrap()
-            .execute(
-                "UPDATE operations SET target = 'not json', arguments = '{broken'",
-                [],
-            )
-            .unwrap();
-        let query = PageQuery {
-            limit: 10,
-            ..PageQuery::default()
-        };
-        let page = db.list_page("bot-7", query).await.unwrap();
-        assert_eq!(page.len(), 1);
-        assert_eq!(page[0].1.presentation.title, "Run op_1");
-        let stored = db.request_by_key("bot-7", "k").await.unwrap().unwrap();
-        assert_eq!((stored.id.as_str(), stored.bytes), ("op_1", 8 + 7));
-        assert_eq!(stored.digest.len(), 64);
-        // The whole operation does parse it.
-        let err = db.get("op_1").await.unwrap_err();
-        assert!(matches!(err, StoreError::CorruptRow(_)), "{err}");
-    }
-
-    #[tokio::test]
     async fn a_store_another_connection_holds_locked_is_busy() {
         let dir = tempfile::tempdir().unwrap();
         let db = SqliteStore::open(dir.path()).unwrap();
@@ -361,160 +295,5 @@ mod tests {
         assert!(matches!(err, StoreError::Busy(_)), "{err}");
         holder.execute_batch("ROLLBACK").unwrap();
         db.ping().await.unwrap();
-    }
-
-    fn request(i: usize, operation: &str) -> OperationRecord {
-        let now = now_rfc3339();
-        OperationRecord {
-            client_id: "bot-7".to_owned(),
-            idempotency_key: format!("k{i}"),
-            operation: operation.to_owned(),
-            reason: "r".to_owned(),
-            created_at: now.clone(),
-            updated_at: now,
-            presentation: Presentation {
-                title: format!("Request {i}"),
-                summary: None,
-            },
-            ..OperationRecord::example(&format!("op_{i:032}"))
-        }
-    }
-
-    fn events_of(page: EventPage) -> Vec<StoredEvent> {
-        match page {
-            EventPage::Events { events, .. } => events,
-            EventPage::Expired => panic!("expired"),
-        }
-    }
-
-    #[tokio::test]
-    async fn each_change_of_a_request_writes_one_event_and_other_work_none() {
-        let dir = tempfile::tempdir().unwrap();
-        let db = SqliteStore::open(dir.path())
-            .unwrap()
-            .with_requests(["demo.request"]);
-        let mut bell = db.event_bell().subscribe();
-        db.insert(request(1, "demo.request")).await.unwrap();
-        db.insert(request(2, "demo.run")).await.unwrap();
-        assert_eq!(*bell.borrow_and_update(), 1, "rung after the commit");
-        let moved = db
-            .set_state(
-                &request(1, "").id,
-                OperationState::Pending,
-                OperationState::Approved,
-                StateChange::default(),
-            )
-            .await
-            .unwrap();
-        assert!(moved.is_some());
-        // A move from a state the row is not in changes nothing and writes nothing.
-        let stale = db
-            .set_state(
-                &request(1, "").id,
-                OperationState::Pending,
-                OperationState::Denied,
-                StateChange::default(),
-            )
-            .await
-            .unwrap();
-        assert!(stale.is_none());
-        db.set_state(
-            &request(2, "").id,
-            OperationState::Pending,
-            OperationState::Canceled,
-            StateChange::default(),
-        )
-        .await
-        .unwrap();
-        db.set_state(
-            &request(1, "").id,
-            OperationState::Approved,
-            OperationState::Canceled,
-            StateChange::default(),
-        )
-        .await
-        .unwrap();
-        let events = events_of(db.events_after(None, 100).await.unwrap());
-        let got: Vec<_> = events
-            .iter()
-            .map(|e| (e.seq, e.kind, e.revision, e.status, e.used_count))
-            .collect();
-        assert_eq!(
-            got,
-            [
-                (1, EventKind::RequestCreated, 1, RequestStatus::Pending, 0),
-                (2, EventKind::RequestApproved, 2, RequestStatus::Active, 0),
-                (3, EventKind::GrantRevoked, 3, RequestStatus::Revoked, 0),
-            ]
-        );
-        assert_eq!(db.event_bell().newest(), 3);
-        assert_eq!(db.event_bell().written().get(), 3);
-        let stored = db.get(&request(1, "").id).await.unwrap().unwrap();
-        assert_eq!(stored.ended_from, Some(OperationState::Approved));
-    }
-
-    #[tokio::test]
-    async fn trimming_keeps_the_newest_as_a_gapless_suffix_and_older_cursors_expire() {
-        let dir = tempfile::tempdir().unwrap();
-        let db = SqliteStore::open(dir.path())
-            .unwrap()
-            .with_requests(["demo.request"]);
-        for i in 0..30 {
-            db.insert(request(i, "demo.request")).await.unwrap();
-        }
-        let mut trimmed = 0;
-        loop {
-            let n = db.trim_events(10, None, 7).await.unwrap();
-            trimmed += n;
-            if n < 7 {
-                break;
-            }
-        }
-        assert_eq!(trimmed, 20);
-        assert_eq!(db.count_events().await.unwrap(), 10);
-        let left = events_of(db.events_after(None, 100).await.unwrap());
-        assert_eq!(
-            left.iter().map(|e| e.seq).collect::<Vec<_>>(),
-            (21..=30).collect::<Vec<_>>()
-        );
-        assert_eq!(
-            db.events_after(Some(19), 100).await.unwrap(),
-            EventPage::Expired
-        );
-        assert_eq!(
-            events_of(db.events_after(Some(20), 100).await.unwrap()).len(),
-            10
-        );
-        assert_eq!(
-            events_of(db.events_after(Some(30), 100).await.unwrap()).len(),
-            0
-        );
-        // With a cutoff after every event, all go; then only the newest cursor still resumes.
-        let later = humantime::format_rfc3339_millis(
-            std::time::SystemTime::now() + std::time::Duration::from_secs(60),
-        )
-        .to_string();
-        assert_eq!(db.trim_events(10, Some(later), 100).await.unwrap(), 10);
-        assert_eq!(
-            db.events_after(Some(29), 100).await.unwrap(),
-            EventPage::Expired
-        );
-        assert_eq!(
-            db.events_after(Some(30), 100).await.unwrap(),
-            EventPage::Events {
-                after: 30,
-                events: vec![],
-                more: false
-            }
-        );
-        assert_eq!(
-            db.events_after(None, 100).await.unwrap(),
-            EventPage::Events {
-                after: 30,
-                events: vec![],
-                more: false
-            },
-            "an empty cursor goes on from the high-water mark"
-        );
     }
 }

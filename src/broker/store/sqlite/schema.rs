@@ -240,7 +240,7 @@ pub(super) fn migrate(writer: &Connection, path: &Path) -> Result<(), StoreError
         SCHEMA_VERSION => {}
         other => {
             return Err(StoreError::UnknownSchema {
-                path: path.to_owned(),
+                store: path.display().to_string(),
                 found: other,
                 supported: SCHEMA_VERSION,
             });

@@ -1,0 +1,456 @@
+//! The operation rows on PostgreSQL: inserting a submission (its key's uniqueness is the
+//! table's constraint, so two replicas inserting one key make one row), the lookups a replay,
+//! a get and a wait make, state changes (`change_state`, the one place a state changes),
+//! listing pages and start-up recovery. The records they read back are `rows`'.
+
+use std::time::SystemTime;
+
+use serde_json::Value;
+use tokio_postgres::types::ToSql;
+
+use crate::engine::OperationState;
+
+use super::super::error::{InsertError, StoreError};
+use super::super::records::{
+    OperationError, OperationRecord, OperationSummary, PageQuery, Presentation, Recovered,
+    StateChange, StoredRequest, now_rfc3339,
+};
+use super::error::{corrupt, is_duplicate_key};
+use super::events::{announce, append};
+use super::handle::PostgresStore;
+use super::rows::{
+    Failed, RECORD_COLUMNS, REQUEST_COLUMNS, SUMMARY_COLUMNS, column, record_of, record_presented,
+    stored_request_of, summary_of,
+};
+use super::streams::all_streams;
+
+/// Moves operation `id` from `from` to `to` inside `tx`, writing what `change` carries, +1 on
+/// its revision, its Operator V1 event (for a request) and the change's notification; the
+/// updated record, or `None` if the row was not in `from`. **Every** state change of an
+/// operation goes through here (a row is created in its first state, with its own event), in
+/// the caller's transaction: transitions, starts, decisions, recovery, expiry. Whether an event
+/// was written is `db.is_request(&record.operation)`.
+pub(super) async fn change_state(
+    tx: &deadpool_postgres::Transaction<'_>,
+    db: &PostgresStore,
+    id: &str,
+    from: OperationState,
+    to: OperationState,
+    change: &StateChange,
+) -> Result<Option<OperationRecord>, Failed> {
+    let now = now_rfc3339();
+    let terminal_at = to.is_terminal().then_some(now.as_str());
+    let ended_from = to.is_terminal().then_some(from.as_str());
+    let decision = change.decision.as_ref();
+    let lasts = decision
+        .and_then(|d| d.lasts)
+        .and_then(|lasts| humantime::parse_rfc3339(&now).ok().map(|at| at + lasts))
+        .map(|at| humantime::format_rfc3339_millis(at).to_string());
+    let update = tx
+        .prepare_cached(&format!(
+            "UPDATE operations SET state = $3, updated_at = $4, terminal_at = $5, \
+             error_code = $6, error_message = $7, revision = revision + 1, \
+             decided_at = CASE WHEN $8::text IS NULL THEN decided_at ELSE $4 END, \
+             decided_by = CASE WHEN $8::text IS NULL THEN decided_by ELSE $8 END, \
+             decided_on_behalf_of = CASE WHEN $8::text IS NULL THEN decided_on_behalf_of \
+             ELSE $9::text END, \
+             revoked = CASE WHEN $8::text IS NULL THEN revoked ELSE $10::boolean END, \
+             ended_from = $11, \
+             active_expires_at = COALESCE($12::text, active_expires_at) \
+             WHERE id = $1 AND state = $2 RETURNING {RECORD_COLUMNS}"
+        ))
+        .await?;
+    let row = tx
+        .query_opt(
+            &update,
+            &[
+                &id,
+                &from.as_str(),
+                &to.as_str(),
+                &now,
+                &terminal_at,
+                &change.error.as_ref().map(|e| e.code.as_str()),
+                &change.error.as_ref().map(|e| e.message.as_str()),
+                &decision.map(|d| d.by.as_str()),
+                &decision.and_then(|d| d.on_behalf_of.as_deref()),
+                &decision.map(|d| d.revoked),
+                &ended_from,
+                &lasts,
+            ],
+        )
+        .await?;
+    let Some(row) = row else {
+        return Ok(None);
+    };
+    let record = record_of(&row, &db.broker)?;
+    if db.is_request(&record.operation) {
+        append(
+            tx,
+            &record.id,
+            record.revision,
+            Some(from),
+            to,
+            record.ended_from,
+            &now,
+        )
+        .await?;
+    }
+    announce(tx, &record.id).await?;
+    Ok(Some(record))
+}
+
+impl PostgresStore {
+    /// Inserts a new operation (and, for a request, its `request.created` event) in one
+    /// transaction; [`InsertError::Duplicate`] when the client already has the key (the
+    /// constraint `operations_client_key`, however many replicas insert it at once).
+    pub async fn insert(&self, record: OperationRecord) -> Result<(), InsertError> {
+        let is_request = self.is_request(&record.operation);
+        let result: Result<(), Failed> = async {
+            let mut client = self.client().await?;
+            let tx = client.transaction().await?;
+            let insert = tx
+                .prepare_cached(
+                    "INSERT INTO operations (id, client_id, idempotency_key, operation, target, \
+                     arguments, reason, state, created_at, updated_at, revision, title, \
+                     summary, request_digest, pending_expires_at) \
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, 1, $11, $12, $13, $14)",
+                )
+                .await?;
+            tx.execute(
+                &insert,
+                &[
+                    &record.id,
+                    &record.client_id,
+                    &record.idempotency_key,
+                    &record.operation,
+                    &record.target.to_string(),
+                    &record.arguments.to_string(),
+                    &record.reason,
+                    &record.state.as_str(),
+                    &record.created_at,
+                    &record.updated_at,
+                    &record.presentation.title,
+                    &record.presentation.summary,
+                    &record.request_digest(),
+                    &record.pending_expires_at,
+                ],
+            )
+            .await?;
+            if is_request {
+                append(
+                    &tx,
+                    &record.id,
+                    1,
+                    None,
+                    record.state,
+                    None,
+                    &record.created_at,
+                )
+                .await?;
+            }
+            announce(&tx, &record.id).await?;
+            tx.commit().await?;
+            Ok(())
+        }
+        .await;
+        match result {
+            Ok(()) => {
+                if is_request {
+                    self.wrote(1);
+                }
+                Ok(())
+            }
+            Err(Failed::Statement(err)) if is_duplicate_key(&err) => Err(InsertError::Duplicate),
+            Err(failed) => Err(InsertError::Store(self.failed(failed))),
+        }
+    }
+
+    /// Moves operation `id` from `from` to `to` (see `change_state`) in one transaction.
+    pub async fn set_state(
+        &self,
+        id: &str,
+        from: OperationState,
+        to: OperationState,
+        change: StateChange,
+    ) -> Result<Option<OperationRecord>, StoreError> {
+        let changed: Result<_, Failed> = async {
+            let mut client = self.client().await?;
+            let tx = client.transaction().await?;
+            let changed = change_state(&tx, self, id, from, to, &change).await?;
+            tx.commit().await?;
+            Ok(changed)
+        }
+        .await;
+        let changed = changed.map_err(|f| self.failed(f))?;
+        if let Some(record) = &changed
+            && self.is_request(&record.operation)
+        {
+            self.wrote(1);
+        }
+        Ok(changed)
+    }
+
+    /// Start-up recovery: operations that were executing become `failed` with
+    /// `execution_interrupted`; returns them, the live ones and the streams, from one
+    /// transaction.
+    pub async fn recover(&self) -> Result<Recovered, StoreError> {
+        let error = OperationError {
+            code: "execution_interrupted".to_owned(),
+            message: "The broker stopped while the operation was executing; it was not run again."
+                .to_owned(),
+        };
+        let recovered: Result<_, Failed> = async {
+            let mut client = self.client().await?;
+            let tx = client.transaction().await?;
+            let executing = tx
+                .query(
+                    "SELECT id FROM operations WHERE state = 'executing' ORDER BY seq FOR UPDATE",
+                    &[],
+                )
+                .await?;
+            let change = StateChange::error(Some(error));
+            let mut interrupted = Vec::with_capacity(executing.len());
+            for row in &executing {
+                let id: String = column(row, "id")?;
+                if let Some(record) = change_state(
+                    &tx,
+                    self,
+                    &id,
+                    OperationState::Executing,
+                    OperationState::Failed,
+                    &change,
+                )
+                .await?
+                {
+                    interrupted.push(record);
+                }
+            }
+            let live = tx
+                .query(
+                    &format!(
+                        "SELECT {RECORD_COLUMNS} FROM operations \
+                         WHERE state IN ('pending', 'approved') ORDER BY seq"
+                    ),
+                    &[],
+                )
+                .await?
+                .iter()
+                .map(|row| record_of(row, &self.broker))
+                .collect::<Result<Vec<_>, _>>()?;
+            let streams = all_streams(&tx).await?;
+            tx.commit().await?;
+            Ok(Recovered {
+                interrupted,
+                live,
+                streams,
+            })
+        }
+        .await;
+        let recovered = recovered.map_err(|f| self.failed(f))?;
+        let written = recovered
+            .interrupted
+            .iter()
+            .filter(|r| self.is_request(&r.operation))
+            .count();
+        self.wrote(written as u64);
+        Ok(recovered)
+    }
+
+    /// The client and creation time of every operation created at or after `since`.
+    pub async fn created_since(
+        &self,
+        since: SystemTime,
+    ) -> Result<Vec<(String, SystemTime)>, StoreError> {
+        let since = humantime::format_rfc3339_millis(since).to_string();
+        let client = self.client().await?;
+        let rows = client
+            .query(
+                "SELECT client_id, created_at FROM operations WHERE created_at >= $1 \
+                 ORDER BY created_at",
+                &[&since],
+            )
+            .await
+            .map_err(|e| self.sorted(e))?;
+        let mut created = Vec::with_capacity(rows.len());
+        for row in &rows {
+            let at: String = column(row, "created_at")?;
+            if let Ok(at) = humantime::parse_rfc3339(&at) {
+                created.push((column(row, "client_id")?, at));
+            }
+        }
+        Ok(created)
+    }
+
+    /// Runs `sql` (no parameters) and reads each row's first columns as strings.
+    pub(super) async fn strings(
+        &self,
+        sql: &str,
+        width: usize,
+    ) -> Result<Vec<Vec<String>>, StoreError> {
+        let client = self.client().await?;
+        let rows = client.query(sql, &[]).await.map_err(|e| self.sorted(e))?;
+        rows.iter()
+            .map(|row| {
+                (0..width)
+                    .map(|n| {
+                        row.try_get::<_, String>(n)
+                            .map_err(|e| corrupt(format!("column {n}: {e}")))
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// Runs `sql`, a `count(*)`, and reads it.
+    pub(super) async fn count(&self, sql: &str) -> Result<u64, StoreError> {
+        let client = self.client().await?;
+        let n: i64 = client
+            .query_one(sql, &[])
+            .await
+            .map_err(|e| self.sorted(e))?
+            .get(0);
+        Ok(n.max(0) as u64)
+    }
+
+    /// The request of the client's operation with this idempotency key.
+    pub async fn request_by_key(
+        &self,
+        client_id: &str,
+        key: &str,
+    ) -> Result<Option<StoredRequest>, StoreError> {
+        let client = self.client().await?;
+        let stmt = client
+            .prepare_cached(&format!(
+                "SELECT {REQUEST_COLUMNS} FROM operations \
+                 WHERE client_id = $1 AND idempotency_key = $2"
+            ))
+            .await
+            .map_err(|e| self.sorted(e))?;
+        let row = client
+            .query_opt(&stmt, &[&client_id, &key])
+            .await
+            .map_err(|e| self.sorted(e))?;
+        row.as_ref().map(stored_request_of).transpose()
+    }
+
+    /// The request of operation `id`.
+    pub async fn request_of(&self, id: &str) -> Result<Option<StoredRequest>, StoreError> {
+        let client = self.client().await?;
+        let stmt = client
+            .prepare_cached(&format!(
+                "SELECT {REQUEST_COLUMNS} FROM operations WHERE id = $1"
+            ))
+            .await
+            .map_err(|e| self.sorted(e))?;
+        let row = client
+            .query_opt(&stmt, &[&id])
+            .await
+            .map_err(|e| self.sorted(e))?;
+        row.as_ref().map(stored_request_of).transpose()
+    }
+
+    /// The operation `id`.
+    pub async fn get(&self, id: &str) -> Result<Option<OperationRecord>, StoreError> {
+        let client = self.client().await?;
+        let stmt = client
+            .prepare_cached(&format!(
+                "SELECT {RECORD_COLUMNS} FROM operations WHERE id = $1"
+            ))
+            .await
+            .map_err(|e| self.sorted(e))?;
+        let row = client
+            .query_opt(&stmt, &[&id])
+            .await
+            .map_err(|e| self.sorted(e))?;
+        row.map(|row| record_of(&row, &self.broker)).transpose()
+    }
+
+    /// One listing page: the client's operations matching `query`, newest first, each with its
+    /// position (`seq`; pass the last one as the next page's `before`).
+    pub async fn list_page(
+        &self,
+        client_id: &str,
+        query: PageQuery,
+    ) -> Result<Vec<(i64, OperationSummary)>, StoreError> {
+        let mut sql = format!("SELECT seq, {SUMMARY_COLUMNS} FROM operations WHERE client_id = $1");
+        let state = query.state.map(OperationState::as_str);
+        let limit = i64::from(query.limit);
+        let mut params: Vec<&(dyn ToSql + Sync)> = vec![&client_id];
+        if let Some(key) = &query.idempotency_key {
+            params.push(key);
+            sql.push_str(&format!(" AND idempotency_key = ${}", params.len()));
+        }
+        if let Some(state) = &state {
+            params.push(state);
+            sql.push_str(&format!(" AND state = ${}", params.len()));
+        }
+        if let Some(before) = &query.before {
+            params.push(before);
+            sql.push_str(&format!(" AND seq < ${}", params.len()));
+        }
+        params.push(&limit);
+        sql.push_str(&format!(" ORDER BY seq DESC LIMIT ${}", params.len()));
+        let client = self.client().await?;
+        let stmt = client
+            .prepare_cached(&sql)
+            .await
+            .map_err(|e| self.sorted(e))?;
+        let rows = client
+            .query(&stmt, &params)
+            .await
+            .map_err(|e| self.sorted(e))?;
+        rows.iter()
+            .map(|row| Ok((column(row, "seq")?, summary_of(row, &self.broker)?)))
+            .collect()
+    }
+
+    /// Derives the presentation and digest of every row stored without them (written by a
+    /// program other than the broker); how many rows it filled.
+    pub async fn fill_derived(
+        &self,
+        derive: impl Fn(&str, &Value, &Value, &str) -> Presentation,
+    ) -> Result<u64, StoreError> {
+        /// Rows filled per transaction.
+        const BATCH: i64 = 500;
+        let mut filled = 0;
+        loop {
+            let done: Result<(u64, bool), Failed> = async {
+                let mut client = self.client().await?;
+                let tx = client.transaction().await?;
+                let rows = tx
+                    .query(
+                        &format!(
+                            "SELECT seq, {RECORD_COLUMNS} FROM operations \
+                             WHERE request_digest IS NULL ORDER BY seq LIMIT $1 FOR UPDATE"
+                        ),
+                        &[&BATCH],
+                    )
+                    .await?;
+                for row in &rows {
+                    let seq: i64 = column(row, "seq")?;
+                    let record = record_presented(row, &self.broker, Presentation::default())?;
+                    let shown = derive(
+                        &record.operation,
+                        &record.target,
+                        &record.arguments,
+                        &record.reason,
+                    );
+                    tx.execute(
+                        "UPDATE operations SET title = $2, summary = $3, request_digest = $4 \
+                         WHERE seq = $1",
+                        &[&seq, &shown.title, &shown.summary, &record.request_digest()],
+                    )
+                    .await?;
+                }
+                tx.commit().await?;
+                Ok((rows.len() as u64, (rows.len() as i64) < BATCH))
+            }
+            .await;
+            let (n, done) = done.map_err(|f| self.failed(f))?;
+            filled += n;
+            if done {
+                return Ok(filled);
+            }
+        }
+    }
+}

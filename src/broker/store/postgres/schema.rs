@@ -1,0 +1,149 @@
+//! The tables, their indexes, and how a database is brought to [`SCHEMA_VERSION`]: created on
+//! first start, migrated from an older version, refused when newer. Start-up runs it inside one
+//! transaction holding `pg_advisory_xact_lock(MIGRATION_LOCK)`, so when a fleet starts at once
+//! one replica creates or migrates and the others wait, then find it done.
+//!
+//! The records are the SQLite store's, column for column: `target` and `arguments` are `text`
+//! (the exact JSON text the broker stored: a number keeps its text), times are the same fixed
+//! width RFC 3339 text (`records::now_rfc3339`), compared in the `C` collation so text order is
+//! time order whatever the database's locale. Ids, keys and states are `text` too.
+//!
+//! The event log (`operator_events`, see `events`) numbers events after they commit: each row
+//! keeps the transaction that wrote it (`xid`, a `xid8`) and an internal `seq`, and gets its
+//! public `position` later; `event_positions` holds the highest position ever handed out (so a
+//! cursor past a fully trimmed log is still judged, as SQLite's `sqlite_sequence` does).
+
+use super::super::error::StoreError;
+
+/// The schema version this code writes (the row of `schema_version`).
+pub const SCHEMA_VERSION: i64 = 1;
+
+/// The advisory lock start-up holds while it creates or migrates the schema.
+pub(super) const MIGRATION_LOCK: i64 = 0x756e_796f_6c6f_0001;
+
+/// The advisory lock the one assigner of event positions holds (see `events`).
+pub(super) const POSITION_LOCK: i64 = 0x756e_796f_6c6f_0002;
+
+/// The channel every change is announced on (payload: the operation's id).
+pub(super) const CHANGES_CHANNEL: &str = "admission_changes";
+
+/// Schema 1, whole.
+const SCHEMA_1: &str = r#"
+CREATE TABLE operations (
+    seq                  bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    id                   text COLLATE "C" NOT NULL UNIQUE,
+    client_id            text COLLATE "C" NOT NULL,
+    idempotency_key      text COLLATE "C" NOT NULL,
+    operation            text COLLATE "C" NOT NULL,
+    target               text NOT NULL,
+    arguments            text NOT NULL,
+    reason               text NOT NULL,
+    state                text COLLATE "C" NOT NULL,
+    created_at           text COLLATE "C" NOT NULL,
+    updated_at           text COLLATE "C" NOT NULL,
+    terminal_at          text COLLATE "C",
+    error_code           text,
+    error_message        text,
+    revision             bigint NOT NULL DEFAULT 1,
+    title                text,
+    summary              text,
+    request_digest       text,
+    decided_at           text COLLATE "C",
+    decided_by           text,
+    decided_on_behalf_of text,
+    revoked              boolean NOT NULL DEFAULT false,
+    ended_from           text,
+    active_expires_at    text COLLATE "C",
+    pending_expires_at   text COLLATE "C",
+    CONSTRAINT operations_client_key UNIQUE (client_id, idempotency_key)
+);
+CREATE INDEX operations_by_state ON operations (state);
+CREATE INDEX operations_by_client ON operations (client_id, seq);
+CREATE INDEX operations_by_client_state ON operations (client_id, state, seq);
+CREATE INDEX operations_by_created_at ON operations (created_at);
+CREATE INDEX operations_retiring ON operations (terminal_at) WHERE terminal_at IS NOT NULL;
+CREATE INDEX operations_requests ON operations (operation, created_at, id);
+CREATE INDEX operations_requests_by_state ON operations (operation, state, created_at, id);
+CREATE INDEX operations_underived ON operations (seq) WHERE request_digest IS NULL;
+
+CREATE TABLE streams (
+    seq        bigint GENERATED ALWAYS AS IDENTITY,
+    id         text COLLATE "C" PRIMARY KEY,
+    client_id  text COLLATE "C" NOT NULL,
+    size       bigint NOT NULL,
+    created_at text COLLATE "C" NOT NULL
+);
+
+CREATE TABLE operator_decisions (
+    request_id      text COLLATE "C" NOT NULL,
+    action          text COLLATE "C" NOT NULL,
+    idempotency_key text COLLATE "C" NOT NULL,
+    command_hash    text NOT NULL,
+    operator        text NOT NULL,
+    committed       text NOT NULL,
+    created_at      text COLLATE "C" NOT NULL,
+    PRIMARY KEY (request_id, action, idempotency_key)
+);
+
+CREATE TABLE operator_events (
+    seq         bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    xid         xid8 NOT NULL DEFAULT pg_current_xact_id(),
+    position    bigint UNIQUE,
+    kind        text NOT NULL,
+    request_id  text COLLATE "C" NOT NULL,
+    revision    bigint NOT NULL,
+    status      text NOT NULL,
+    occurred_at text COLLATE "C" NOT NULL,
+    used_count  bigint NOT NULL
+);
+CREATE INDEX operator_events_unpositioned ON operator_events (xid, seq) WHERE position IS NULL;
+CREATE INDEX operator_events_by_request ON operator_events (request_id, seq);
+
+CREATE TABLE event_positions (
+    one        boolean PRIMARY KEY DEFAULT true CHECK (one),
+    high_water bigint NOT NULL
+);
+INSERT INTO event_positions (high_water) VALUES (0);
+"#;
+
+/// Brings the database to [`SCHEMA_VERSION`] in one transaction under [`MIGRATION_LOCK`]:
+/// creates it when empty, refuses a newer one ([`StoreError::UnknownSchema`], naming `shown`).
+/// Schema 1 is the first: later versions add their steps here, each from the version below.
+pub(super) async fn migrate(
+    client: &mut tokio_postgres::Client,
+    shown: &str,
+) -> Result<(), StoreError> {
+    let sort = |e| super::error::sort(shown, e);
+    let tx = client.transaction().await.map_err(sort)?;
+    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK])
+        .await
+        .map_err(sort)?;
+    tx.batch_execute("CREATE TABLE IF NOT EXISTS schema_version (version bigint NOT NULL)")
+        .await
+        .map_err(sort)?;
+    let found: Option<i64> = tx
+        .query_one("SELECT max(version) FROM schema_version", &[])
+        .await
+        .map_err(sort)?
+        .get(0);
+    match found {
+        None => {
+            tx.batch_execute(SCHEMA_1).await.map_err(sort)?;
+            tx.execute(
+                "INSERT INTO schema_version (version) VALUES ($1)",
+                &[&SCHEMA_VERSION],
+            )
+            .await
+            .map_err(sort)?;
+        }
+        Some(SCHEMA_VERSION) => {}
+        Some(found) => {
+            return Err(StoreError::UnknownSchema {
+                store: format!("the database {shown}"),
+                found,
+                supported: SCHEMA_VERSION,
+            });
+        }
+    }
+    tx.commit().await.map_err(sort)
+}

@@ -1,0 +1,78 @@
+//! The stream rows on PostgreSQL: one per stream body, with its owner and size. The bodies are
+//! files under the directory the broker passed in (`streams_dir`), this replica's own for now.
+
+use std::path::PathBuf;
+
+use tokio_postgres::Row;
+
+use super::super::error::StoreError;
+use super::super::records::now_rfc3339;
+use super::super::streams::StreamRecord;
+use super::handle::PostgresStore;
+use super::rows::column;
+
+fn stream_of(row: &Row) -> Result<StreamRecord, StoreError> {
+    Ok(StreamRecord {
+        id: column(row, "id")?,
+        client_id: column(row, "client_id")?,
+        size: column::<i64>(row, "size")?.max(0) as u64,
+    })
+}
+
+/// Every stored stream, oldest first, read in the caller's transaction.
+pub(super) async fn all_streams(
+    tx: &deadpool_postgres::Transaction<'_>,
+) -> Result<Vec<StreamRecord>, super::rows::Failed> {
+    let rows = tx
+        .query("SELECT id, client_id, size FROM streams ORDER BY seq", &[])
+        .await?;
+    Ok(rows.iter().map(stream_of).collect::<Result<_, _>>()?)
+}
+
+impl PostgresStore {
+    /// The directory stream bodies are written to (this replica's: see the module docs).
+    pub fn streams_dir(&self) -> PathBuf {
+        self.streams.as_ref().clone()
+    }
+
+    /// Records a stream whose body is already written.
+    pub async fn insert_stream(&self, stream: StreamRecord) -> Result<(), StoreError> {
+        let client = self.client().await?;
+        client
+            .execute(
+                "INSERT INTO streams (id, client_id, size, created_at) VALUES ($1, $2, $3, $4)",
+                &[
+                    &stream.id,
+                    &stream.client_id,
+                    &i64::try_from(stream.size).unwrap_or(i64::MAX),
+                    &now_rfc3339(),
+                ],
+            )
+            .await
+            .map_err(|e| self.sorted(e))?;
+        Ok(())
+    }
+
+    /// The stream `id`.
+    pub async fn get_stream(&self, id: &str) -> Result<Option<StreamRecord>, StoreError> {
+        let client = self.client().await?;
+        let row = client
+            .query_opt(
+                "SELECT id, client_id, size FROM streams WHERE id = $1",
+                &[&id],
+            )
+            .await
+            .map_err(|e| self.sorted(e))?;
+        row.as_ref().map(stream_of).transpose()
+    }
+
+    /// Deletes the stream `id`'s record; whether there was one.
+    pub async fn delete_stream(&self, id: &str) -> Result<bool, StoreError> {
+        let client = self.client().await?;
+        let n = client
+            .execute("DELETE FROM streams WHERE id = $1", &[&id])
+            .await
+            .map_err(|e| self.sorted(e))?;
+        Ok(n == 1)
+    }
+}

@@ -1,0 +1,263 @@
+//! A real PostgreSQL server for one test: `initdb` in a temporary directory, `postgres` on a free
+//! loopback port with `fsync` on, stopped (and its files removed) when dropped. `initdb` and
+//! `postgres` refuse to run as root, so as root both run as the package's `postgres` user. Tests
+//! skip (and say why) only when the server cannot be run here at all.
+
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use super::redis::free_port;
+
+/// The role every test connects as (trusted on loopback: the server is the test's own).
+pub const ROLE: &str = "admission";
+
+pub struct PostgresServer {
+    child: Option<Child>,
+    pub port: u16,
+    bin: PathBuf,
+    /// The uid and gid the server runs as (the `postgres` user when the tests run as root).
+    user: Option<(u32, u32)>,
+    dir: tempfile::TempDir,
+}
+
+impl PostgresServer {
+    /// Starts a server, or `None` (having printed why) if PostgreSQL cannot be run here.
+    pub fn start() -> Option<PostgresServer> {
+        let bin = bin_dir()?;
+        let user = server_user()?;
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        if let Some((uid, gid)) = user {
+            std::os::unix::fs::chown(dir.path(), Some(uid), Some(gid))
+                .expect("the server's directory is given to the postgres user");
+        }
+        let data = dir.path().join("data");
+        let init = as_user(Command::new(bin.join("initdb")), user)
+            .arg("-D")
+            .arg(&data)
+            .args(["-U", ROLE, "--auth=trust", "--encoding=UTF8", "--locale=C"])
+            // Only initdb's own closing sync is skipped; the server runs with fsync on.
+            .arg("--no-sync")
+            .stdout(Stdio::null())
+            .output()
+            .expect("initdb runs");
+        assert!(
+            init.status.success(),
+            "initdb failed: {}",
+            String::from_utf8_lossy(&init.stderr)
+        );
+        let mut server = PostgresServer {
+            child: None,
+            port: 0,
+            bin,
+            user,
+            dir,
+        };
+        for _ in 0..5 {
+            server.port = free_port();
+            if server.run() {
+                return Some(server);
+            }
+        }
+        panic!("postgres did not start on any of five loopback ports");
+    }
+
+    /// The server the tests of this binary share while any of them runs (started by the first,
+    /// stopped when the last lets it go), or `None` (having printed why) if PostgreSQL cannot
+    /// be run here. Each test takes a database of its own ([`PostgresServer::database`]).
+    pub fn shared() -> Option<std::sync::Arc<PostgresServer>> {
+        use std::sync::{Arc, Mutex, Weak};
+        static SHARED: Mutex<Weak<PostgresServer>> = Mutex::new(Weak::new());
+        let mut shared = SHARED.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(server) = shared.upgrade() {
+            return Some(server);
+        }
+        let server = Arc::new(PostgresServer::start()?);
+        *shared = Arc::downgrade(&server);
+        Some(server)
+    }
+
+    /// `postgres://admission@127.0.0.1:PORT/DB`.
+    pub fn url(&self, database: &str) -> String {
+        format!("postgres://{ROLE}@127.0.0.1:{}/{database}", self.port)
+    }
+
+    /// A fresh database of this server, named `name`, and its URL.
+    pub fn database(&self, name: &str) -> String {
+        self.psql("postgres", &format!("CREATE DATABASE \"{name}\""));
+        self.url(name)
+    }
+
+    /// Runs `sql` in `database` with `psql` and returns what it printed (unaligned, no headers).
+    pub fn psql(&self, database: &str, sql: &str) -> String {
+        let out = Command::new(self.bin.join("psql"))
+            .args(["-h", "127.0.0.1", "-p", &self.port.to_string(), "-U", ROLE])
+            .args(["-d", database, "-v", "ON_ERROR_STOP=1", "-At", "-c", sql])
+            .output()
+            .expect("psql runs");
+        assert!(
+            out.status.success(),
+            "psql {sql:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    }
+
+    /// Stops the server at once (`kill -9`: no shutdown, no checkpoint), then starts it again on
+    /// the same port and files, as a crashed PostgreSQL recovers from its WAL.
+    pub fn crash_and_restart(&mut self) {
+        self.kill();
+        assert!(self.run_again(), "postgres came back after a crash");
+    }
+
+    /// Stops the server (`kill -9`) and leaves it stopped until [`PostgresServer::restart`].
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        // A crashed postmaster's backends end when they notice; its shared memory and pid file
+        // are reclaimed by the next start.
+    }
+
+    /// Starts a stopped server again on its port.
+    pub fn restart(&mut self) {
+        assert!(self.run_again(), "postgres came back");
+    }
+
+    fn run_again(&mut self) -> bool {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        // The old backends may hold the port for a moment after the postmaster died.
+        while Instant::now() < deadline {
+            if self.run() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        false
+    }
+
+    /// Starts `postgres` on `self.port`; whether it answers there.
+    fn run(&mut self) -> bool {
+        let child = as_user(Command::new(self.bin.join("postgres")), self.user)
+            .arg("-D")
+            .arg(self.dir.path().join("data"))
+            .args(["-p", &self.port.to_string()])
+            .args(["-c", "listen_addresses=127.0.0.1"])
+            .arg("-c")
+            .arg(format!(
+                "unix_socket_directories={}",
+                self.dir.path().display()
+            ))
+            .args(["-c", "fsync=on", "-c", "synchronous_commit=on"])
+            .args(["-c", "max_connections=300"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("postgres starts");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            if let Some(Ok(Some(_))) = self.child.as_mut().map(Child::try_wait) {
+                self.child = None;
+                return false;
+            }
+            let ready = Command::new(self.bin.join("pg_isready"))
+                .args(["-h", "127.0.0.1", "-p", &self.port.to_string(), "-U", ROLE])
+                .stdout(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success());
+            if ready {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        false
+    }
+}
+
+impl Drop for PostgresServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// `cmd`, run as `user` when one is given.
+fn as_user(mut cmd: Command, user: Option<(u32, u32)>) -> Command {
+    if let Some((uid, gid)) = user {
+        cmd.uid(uid).gid(gid).env("HOME", "/tmp");
+    }
+    cmd
+}
+
+/// Where `initdb` and `postgres` are: on the `PATH`, or where Debian's packages put them
+/// (`/usr/lib/postgresql/VERSION/bin`, the newest version). `None` (having said why) if nowhere.
+fn bin_dir() -> Option<PathBuf> {
+    let on_path = std::env::var_os("PATH")
+        .and_then(|paths| std::env::split_paths(&paths).find(|dir| dir.join("initdb").is_file()));
+    let debian = || {
+        let mut versions: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
+            .ok()?
+            .flatten()
+            .filter_map(|entry| {
+                let version = entry.file_name().to_str()?.parse().ok()?;
+                let bin = entry.path().join("bin");
+                bin.join("initdb").is_file().then_some((version, bin))
+            })
+            .collect();
+        versions.sort();
+        versions.pop().map(|(_, bin)| bin)
+    };
+    // `initdb` on the PATH may be a link into a version's folder; psql and pg_isready are
+    // taken from the same folder.
+    let found = on_path
+        .map(|dir| {
+            std::fs::canonicalize(dir.join("initdb"))
+                .ok()
+                .and_then(|initdb| initdb.parent().map(Path::to_path_buf))
+                .unwrap_or(dir)
+        })
+        .or_else(debian);
+    if found.is_none() {
+        eprintln!(
+            "SKIPPED: PostgreSQL is not installed (Debian: apt-get install postgresql; \
+             .ci/run installs it)"
+        );
+    }
+    found
+}
+
+/// Who the server runs as: `None` (this process's user) unless that is root, then the
+/// `postgres` user's uid and gid. `None` overall (having said why) if root has no such user.
+fn server_user() -> Option<Option<(u32, u32)>> {
+    // `id` says who we are without unsafe code.
+    let uid = |args: &[&str]| -> Option<u32> {
+        let out = Command::new("id").args(args).output().ok()?;
+        String::from_utf8(out.stdout).ok()?.trim().parse().ok()
+    };
+    if uid(&["-u"])? != 0 {
+        return Some(None);
+    }
+    match (uid(&["-u", "postgres"]), uid(&["-g", "postgres"])) {
+        (Some(u), Some(g)) => Some(Some((u, g))),
+        _ => {
+            eprintln!(
+                "SKIPPED: running as root and there is no postgres user to run PostgreSQL as \
+                 (Debian's postgresql package creates it; .ci/run installs it)"
+            );
+            None
+        }
+    }
+}
+
+/// Starts a server or returns from the test (having said why).
+#[macro_export]
+macro_rules! postgres_or_skip {
+    () => {
+        match $crate::support::postgres::PostgresServer::start() {
+            Some(server) => server,
+            None => return,
+        }
+    };
+}
