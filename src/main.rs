@@ -130,6 +130,11 @@ struct ServeArgs {
     /// (e.g. `5min`, `90s`); not zero. Each request's deadline is fixed when it is created
     #[arg(long, value_name = "DURATION", default_value = "5min", value_parser = humantime::parse_duration)]
     pending_timeout: std::time::Duration,
+    /// Keep operations in this PostgreSQL database instead of a SQLite file in the data dir
+    /// (a libpq URL, `sslmode` honoured; a password in it is never printed). The schema is
+    /// created or migrated at start-up.
+    #[arg(long, value_name = "postgres://USER@HOST:PORT/DB", value_parser = parse_store)]
+    store: Option<unyolo_admission::broker::store::StoreLocation>,
     /// Share admission with other replicas through this Redis (`redis://host:port/db`); needs
     /// `--replica`. Without it, this process counts alone (the in-process controller).
     #[arg(long, value_name = "URL", requires = "replica")]
@@ -254,6 +259,7 @@ fn serve(args: ServeArgs) -> ExitCode {
             ..unyolo_admission::broker::ConnectionSettings::default()
         },
         retention: args.retention,
+        store: args.store,
         redis: args.redis.map(|url| {
             let mut options =
                 unyolo_admission::ReplicaOptions::new(url, args.replica.unwrap_or_default());
@@ -280,6 +286,12 @@ fn serve(args: ServeArgs) -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// `--store`'s value: a PostgreSQL URL (the error redacts a password).
+#[cfg(feature = "broker")]
+fn parse_store(text: &str) -> Result<unyolo_admission::broker::store::StoreLocation, String> {
+    unyolo_admission::broker::store::StoreLocation::parse(text)
 }
 
 fn check(args: CheckArgs) -> ExitCode {

@@ -156,8 +156,12 @@ pub struct BrokerSettings {
     /// Where operators connect: Operator V1, `/metrics` and `/admission/v1/drift`
     /// ([`DEFAULT_OPERATOR_LISTEN`] by default; see [`Broker::operator_addr`]).
     pub operator_listen: ListenAddr,
-    /// The data dir: the SQLite file and stream bodies.
+    /// The data dir: the SQLite file (unless [`BrokerSettings::store`] names another store),
+    /// stream bodies, and this replica's identity in a shared store.
     pub data_dir: PathBuf,
+    /// Where operations live: `None` (the default) for a SQLite file in the data dir, or a
+    /// PostgreSQL database ([`store::StoreLocation::Postgres`]). Its `Debug` hides a password.
+    pub store: Option<store::StoreLocation>,
     /// The client identities and their bearer secrets; the controller is built for exactly these.
     pub secrets: Secrets,
     /// The named operators and their bearer secrets; the matched name decides (`decided_by`).
@@ -216,6 +220,7 @@ impl std::fmt::Debug for BrokerSettings {
             .field("listen", &self.listen)
             .field("operator_listen", &self.operator_listen)
             .field("data_dir", &self.data_dir)
+            .field("store", &self.store)
             .field("secrets", &self.secrets)
             .field("operators", &self.operators)
             .field("pending_timeout", &self.pending_timeout)
@@ -250,6 +255,7 @@ impl BrokerSettings {
             listen,
             operator_listen: ListenAddr::Tcp(SocketAddr::from(([127, 0, 0, 1], 0))),
             data_dir,
+            store: None,
             secrets,
             operators,
             pending_timeout: DEFAULT_PENDING_TIMEOUT,
@@ -370,6 +376,8 @@ pub struct Broker {
     sweeper: JoinHandle<()>,
     /// The pending-expiry sweeper.
     expiry: JoinHandle<()>,
+    /// Renews this replica's membership of the store while it runs, and gives it up at shutdown.
+    membership: JoinHandle<()>,
     /// The retention sweep's state, shared with the sweeping task.
     retention: Arc<retention::Retention>,
 }

@@ -110,6 +110,8 @@ pub struct ServeOptions {
     pub connections: ConnectionSettings,
     /// How long terminal operations are kept (`--retention`).
     pub retention: Keep,
+    /// Where operations live (`--store`): `None` for a SQLite file in the data dir.
+    pub store: Option<crate::broker::store::StoreLocation>,
     /// One replica of several sharing admission through Redis (`--redis URL --replica NAME`);
     /// `None`: the in-process controller alone.
     pub redis: Option<crate::admission::ReplicaOptions>,
@@ -212,6 +214,7 @@ pub fn run(options: ServeOptions) -> Result<(), String> {
         .map_err(|e| format!("cannot start the runtime: {e}"))?;
     let mut settings = settings;
     settings.replicas = options.redis;
+    settings.store = options.store;
     runtime.block_on(serve(settings, options.admission_config, short_secrets))
 }
 
@@ -227,6 +230,9 @@ async fn serve(
     let mut terminate = signal(SignalKind::terminate()).map_err(|e| e.to_string())?;
     let mut interrupt = signal(SignalKind::interrupt()).map_err(|e| e.to_string())?;
     let data_dir = settings.data_dir.clone();
+    if let Some(store) = &settings.store {
+        println!("store: {store}");
+    }
     if let Some(options) = &settings.replicas {
         println!(
             "replica: {} (admission shared through {})",

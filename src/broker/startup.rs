@@ -25,7 +25,7 @@ use super::event_streams::EventStreams;
 use super::keys::KeyFilter;
 use super::listener::{ConnectionPool, ConnectionSettings, ListenAddr, UnixSocket};
 use super::retention::{Keep, Retention};
-use super::store::{self, StoreError};
+use super::store::{self, DurableStore, StoreError};
 use super::waits::Waits;
 use super::{
     Broker, BrokerError, BrokerSettings, RestoreSummary, api, drift, exec, listener, retention,
@@ -68,6 +68,7 @@ impl Broker {
             );
         }
         let rate_window = settings.config.longest_window();
+        let member = membership_name(&settings)?;
         let agent_bind = |e| BrokerError::Bind(ListenAddr::Tcp(settings.listen), e);
         let listener = listener::bind(settings.listen).map_err(agent_bind)?;
         let addr = listener.local_addr().map_err(agent_bind)?;
@@ -89,15 +90,19 @@ impl Broker {
             .map_err(|e| BrokerError::Settings(e.to_string()))?;
         let data_dir = settings.data_dir.clone();
         let broker_name = settings.broker_name.clone();
+        let location = settings
+            .store
+            .clone()
+            .unwrap_or_else(|| store::StoreLocation::Dir(data_dir.clone()));
+        let db = store::open(
+            &location,
+            &broker_name,
+            super::registry::approval_operations(),
+            &data_dir.join("streams"),
+        )
+        .await?;
+        join_the_store(&*db, &member, settings.replicas.is_some()).await?;
         let (db, recovered, keys, created) = async {
-            let streams_dir = data_dir.join("streams");
-            let db = store::open(
-                &store::StoreLocation::Dir(data_dir),
-                &broker_name,
-                super::registry::approval_operations(),
-                &streams_dir,
-            )
-            .await?;
             // Rows an older schema wrote get their presentation and digest once, before
             // anything reads them.
             let derived = db.fill_derived(super::presentation::derive).await?;
@@ -229,6 +234,11 @@ impl Broker {
         }
         restore_rates(core.controller(), created, SystemTime::now());
 
+        let membership = tokio::spawn(keep_membership(
+            Arc::clone(&core.db),
+            member,
+            shutdown.clone(),
+        ));
         let executor = tokio::spawn(exec::run(Arc::clone(&core)));
         let drift = tokio::spawn(drift::watch(Arc::clone(&core), settings.drift_interval));
         let sweeper = tokio::spawn(retention::watch(
@@ -276,6 +286,7 @@ impl Broker {
                 drift,
                 sweeper,
                 expiry,
+                membership,
                 retention,
             },
             summary,
@@ -306,6 +317,7 @@ impl Broker {
         let _ = self.drift.await;
         let _ = self.sweeper.await;
         let _ = self.expiry.await;
+        let _ = self.membership.await;
         // Connection and execution tasks see the stop and return; changes in progress (see
         // `run_to_end`) run to their end. Each holds the core until it ends. Bounded, so a stuck store call cannot hang shutdown forever.
         let deadline = std::time::Instant::now() + SHUTDOWN_GRACE;
@@ -480,4 +492,93 @@ fn restore_rates(controller: &Controller, created: Vec<(String, SystemTime)>, no
         clients,
         "rate buckets rebuilt from recent operations"
     );
+}
+
+/// How long a replica's membership of its store lasts unrenewed; renewed every third of it.
+const MEMBERSHIP_LEASE: Duration = Duration::from_secs(10);
+
+/// The name this broker holds its membership of the store under: its replica name when it
+/// shares admission, else an id made once for its data dir (`replica-id`), so a restart on the
+/// same dir is the same member and another broker on another dir is not.
+fn membership_name(settings: &BrokerSettings) -> Result<String, BrokerError> {
+    if let Some(options) = &settings.replicas {
+        return Ok(options.replica.clone());
+    }
+    if settings.store.is_none() {
+        // A SQLite store is its data dir's alone (the dir's lock says so): no one to meet.
+        return Ok(String::from("this-process"));
+    }
+    let path = settings.data_dir.join(REPLICA_ID_FILE);
+    match std::fs::read_to_string(&path) {
+        Ok(id) if !id.trim().is_empty() => return Ok(id.trim().to_owned()),
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => {
+            return Err(BrokerError::Io(format!(
+                "cannot read {}: {e}",
+                path.display()
+            )));
+        }
+    }
+    let id = crate::admission::random_id("solo");
+    std::fs::create_dir_all(&settings.data_dir)
+        .and_then(|()| std::fs::write(&path, format!("{id}\n")))
+        .map_err(|e| BrokerError::Io(format!("cannot write {}: {e}", path.display())))?;
+    Ok(id)
+}
+
+/// The file in the data dir naming this broker's membership of a shared store when it has no
+/// replica name.
+pub const REPLICA_ID_FILE: &str = "replica-id";
+
+/// Joins the replicas serving `db` as `member`, or says why this broker must not serve it:
+/// another replica's membership is live. Several replicas on one store each counting alone
+/// would admit past every limit, and until the store hands out work by claims each would
+/// restore and run the others' operations, so one replica serves a store for now.
+async fn join_the_store(
+    db: &dyn DurableStore,
+    member: &str,
+    shares_admission: bool,
+) -> Result<(), BrokerError> {
+    let others = db.join_fleet(member, MEMBERSHIP_LEASE).await?;
+    if others.is_empty() {
+        return Ok(());
+    }
+    let named = others.join(", ");
+    Err(BrokerError::Settings(if shares_admission {
+        format!(
+            "another replica ({named}) is serving this store; a fleet of replicas on one \
+             PostgreSQL store is not served yet (each would restore and run the others' work): \
+             run one replica per store, or wait for its membership to lapse ({}s after it stops)",
+            MEMBERSHIP_LEASE.as_secs()
+        )
+    } else {
+        format!(
+            "another replica ({named}) is serving this store, and this one has no --redis: \
+             replicas on one store must share admission through Redis, or each would count \
+             alone and admit past every limit"
+        )
+    }))
+}
+
+/// Renews `member`'s membership of `db` every third of its lease until shutdown, then gives it
+/// up, so a broker started next on the store need not wait for the lease to lapse.
+async fn keep_membership(
+    db: Arc<dyn DurableStore>,
+    member: String,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let every = MEMBERSHIP_LEASE / 3;
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(every) => {}
+            _ = shutdown.wait_for(|stop| *stop) => break,
+        }
+        if let Err(err) = db.renew_membership(&member, MEMBERSHIP_LEASE).await {
+            tracing::warn!(error = %err, "the store membership could not be renewed; retrying");
+        }
+    }
+    if let Err(err) = db.leave_fleet(&member).await {
+        tracing::warn!(error = %err, "the store membership could not be given up; it lapses");
+    }
 }

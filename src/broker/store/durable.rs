@@ -62,6 +62,35 @@ pub trait DurableStore: Send + Sync + 'static {
         None
     }
 
+    /// Joins the replicas serving this store as `replica`, for `lease` (renewed with
+    /// [`renew_membership`](DurableStore::renew_membership) while it runs), and answers the
+    /// other replicas whose lease is live now; two replicas joining at once see each other. A
+    /// store only one process can open (SQLite: its data dir's lock) has no one else to name.
+    async fn join_fleet(
+        &self,
+        replica: &str,
+        lease: std::time::Duration,
+    ) -> Result<Vec<String>, StoreError> {
+        let _ = (replica, lease);
+        Ok(Vec::new())
+    }
+
+    /// Renews `replica`'s membership for `lease` from now.
+    async fn renew_membership(
+        &self,
+        replica: &str,
+        lease: std::time::Duration,
+    ) -> Result<(), StoreError> {
+        let _ = (replica, lease);
+        Ok(())
+    }
+
+    /// Gives `replica`'s membership up (at shutdown), so another may start at once.
+    async fn leave_fleet(&self, replica: &str) -> Result<(), StoreError> {
+        let _ = replica;
+        Ok(())
+    }
+
     /// Whether the store would take a write now (the states in which a submission could not be
     /// made durable fail it).
     async fn ping(&self) -> Result<(), StoreError>;

@@ -25,6 +25,7 @@
 //! - `operations`, `decisions`, `requests`, `events`, `streams`, `maintenance`: the statements
 //!   of each concern, and `rows`: the records they read back;
 //! - `numbering`: a round of numbering the event log;
+//! - `fleet`: who serves the store (each replica's membership lease);
 //! - `listen`: the `LISTEN` connection, and the task that numbers events when woken;
 //! - `error`: PostgreSQL's errors sorted into the store's.
 //!
@@ -34,6 +35,7 @@
 mod decisions;
 mod error;
 mod events;
+mod fleet;
 mod handle;
 mod listen;
 mod location;
@@ -119,6 +121,26 @@ impl DurableStore for PostgresStore {
 
     async fn ping(&self) -> Result<(), StoreError> {
         PostgresStore::ping(self).await
+    }
+
+    async fn join_fleet(
+        &self,
+        replica: &str,
+        lease: std::time::Duration,
+    ) -> Result<Vec<String>, StoreError> {
+        PostgresStore::join_fleet(self, replica, lease).await
+    }
+
+    async fn renew_membership(
+        &self,
+        replica: &str,
+        lease: std::time::Duration,
+    ) -> Result<(), StoreError> {
+        PostgresStore::renew_membership(self, replica, lease).await
+    }
+
+    async fn leave_fleet(&self, replica: &str) -> Result<(), StoreError> {
+        PostgresStore::leave_fleet(self, replica).await
     }
 
     async fn fill_derived(&self, derive: Derive) -> Result<u64, StoreError> {

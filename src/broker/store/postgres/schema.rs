@@ -24,6 +24,10 @@ pub(super) const MIGRATION_LOCK: i64 = 0x756e_796f_6c6f_0001;
 /// The advisory lock the one assigner of event positions holds (see `events`).
 pub(super) const POSITION_LOCK: i64 = 0x756e_796f_6c6f_0002;
 
+/// The advisory lock a replica holds while it joins the fleet (see `fleet`), so two replicas
+/// starting at once see each other.
+pub(super) const FLEET_LOCK: i64 = 0x756e_796f_6c6f_0003;
+
 /// The channel every change is announced on (payload: the operation's id).
 pub(super) const CHANGES_CHANNEL: &str = "admission_changes";
 
@@ -98,6 +102,12 @@ CREATE TABLE operator_events (
 );
 CREATE INDEX operator_events_unpositioned ON operator_events (xid, seq) WHERE position IS NULL;
 CREATE INDEX operator_events_by_request ON operator_events (request_id, seq);
+
+CREATE TABLE replicas (
+    name        text COLLATE "C" PRIMARY KEY,
+    lease_until timestamptz NOT NULL,
+    joined_at   timestamptz NOT NULL
+);
 
 CREATE TABLE event_positions (
     one        boolean PRIMARY KEY DEFAULT true CHECK (one),

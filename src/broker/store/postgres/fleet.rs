@@ -1,0 +1,83 @@
+//! Who serves this store: each replica holds a row of `replicas` with a lease on the server's
+//! clock (`clock_timestamp()`, so replicas' clocks never matter), taken when it starts, renewed
+//! while it runs and given up when it stops. Joining runs under an advisory lock
+//! (`schema::FLEET_LOCK`), so of two replicas starting at once the second sees the first.
+
+use std::time::Duration;
+
+use super::super::error::StoreError;
+use super::handle::PostgresStore;
+use super::schema::FLEET_LOCK;
+
+/// A lease as PostgreSQL's `interval` input: whole milliseconds.
+fn interval(lease: Duration) -> String {
+    format!("{} milliseconds", lease.as_millis().max(1))
+}
+
+impl PostgresStore {
+    /// Takes (or renews) `replica`'s membership for `lease`, and answers the other replicas whose
+    /// lease is live now; lapsed memberships are removed on the way.
+    pub async fn join_fleet(
+        &self,
+        replica: &str,
+        lease: Duration,
+    ) -> Result<Vec<String>, StoreError> {
+        let mut client = self.client().await?;
+        let tx = client.transaction().await.map_err(|e| self.sorted(e))?;
+        tx.execute("SELECT pg_advisory_xact_lock($1)", &[&FLEET_LOCK])
+            .await
+            .map_err(|e| self.sorted(e))?;
+        tx.execute(
+            "DELETE FROM replicas WHERE lease_until < clock_timestamp()",
+            &[],
+        )
+        .await
+        .map_err(|e| self.sorted(e))?;
+        let others = tx
+            .query(
+                "SELECT name FROM replicas WHERE name <> $1 ORDER BY name",
+                &[&replica],
+            )
+            .await
+            .map_err(|e| self.sorted(e))?
+            .iter()
+            .map(|row| row.get::<_, String>(0))
+            .collect();
+        tx.execute(
+            "INSERT INTO replicas (name, lease_until, joined_at) \
+             VALUES ($1, clock_timestamp() + $2::text::interval, clock_timestamp()) \
+             ON CONFLICT (name) DO UPDATE SET lease_until = EXCLUDED.lease_until, \
+             joined_at = EXCLUDED.joined_at",
+            &[&replica, &interval(lease)],
+        )
+        .await
+        .map_err(|e| self.sorted(e))?;
+        tx.commit().await.map_err(|e| self.sorted(e))?;
+        Ok(others)
+    }
+
+    /// Renews `replica`'s membership for `lease` from now (taking it again if it lapsed).
+    pub async fn renew_membership(&self, replica: &str, lease: Duration) -> Result<(), StoreError> {
+        let client = self.client().await?;
+        client
+            .execute(
+                "INSERT INTO replicas (name, lease_until, joined_at) \
+                 VALUES ($1, clock_timestamp() + $2::text::interval, clock_timestamp()) \
+                 ON CONFLICT (name) DO UPDATE SET lease_until = EXCLUDED.lease_until",
+                &[&replica, &interval(lease)],
+            )
+            .await
+            .map_err(|e| self.sorted(e))?;
+        Ok(())
+    }
+
+    /// Gives `replica`'s membership up (at shutdown).
+    pub async fn leave_fleet(&self, replica: &str) -> Result<(), StoreError> {
+        let client = self.client().await?;
+        client
+            .execute("DELETE FROM replicas WHERE name = $1", &[&replica])
+            .await
+            .map_err(|e| self.sorted(e))?;
+        Ok(())
+    }
+}

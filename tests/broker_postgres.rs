@@ -1,0 +1,129 @@
+//! The reference broker on a PostgreSQL store (`BrokerSettings::store`, `serve --store`), end to
+//! end against a real PostgreSQL: the agent's and the operator's paths, a restart that restores
+//! the counts from the database, and the start-up rule that one replica serves a store until
+//! the fleet's claims exist (a second is refused, saying why).
+
+mod support;
+
+use std::sync::Arc;
+
+use support::broker::{ROOMY, settings, start_with};
+use support::http::request;
+use support::postgres::PostgresServer;
+use support::secrets::AGENT_SECRET;
+use unyolo_admission::StorageCaps;
+use unyolo_admission::broker::store::StoreLocation;
+use unyolo_admission::broker::{Broker, BrokerSettings};
+
+/// Settings for a broker whose operations live in `url`, its data dir (secrets, streams, its
+/// membership id) in `dir`.
+fn on_postgres(dir: &std::path::Path, url: &str) -> BrokerSettings {
+    let mut settings = settings(dir, ROOMY, StorageCaps::default());
+    settings.store = Some(StoreLocation::parse(url).unwrap());
+    settings
+}
+
+fn server() -> Option<Arc<PostgresServer>> {
+    PostgresServer::shared()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_on_postgres_serves_agents_and_operators_and_restores_its_counts() {
+    let Some(server) = server() else { return };
+    let url = server.database("serves");
+    let dir = tempfile::tempdir().unwrap();
+    let broker = start_with(on_postgres(dir.path(), &url)).await;
+    let created = broker
+        .submit(AGENT_SECRET, &request("pg-1", "demo.request", 0))
+        .await;
+    assert_eq!(created.status, 202, "{:?}", created.body);
+    let id = created.body["id"].as_str().unwrap().to_owned();
+    // A replay is the same operation, from the database.
+    let replay = broker
+        .submit(AGENT_SECRET, &request("pg-1", "demo.request", 0))
+        .await;
+    assert_eq!(replay.status, 200, "{:?}", replay.body);
+    assert_eq!(replay.body["id"], created.body["id"]);
+    // The operator's inbox shows it, and a decision on it commits.
+    assert_eq!(broker.operator.pending().await, vec![id.clone()]);
+    let approved = broker.operator.approve(&id).await;
+    assert_eq!(approved.status, 200, "{:?}", approved.body);
+    // It runs and ends.
+    support::eventually::assert_eventually("the approved request ran", async || {
+        let op = broker
+            .get(
+                &format!("/api/agent/v1/operations/{id}"),
+                Some(AGENT_SECRET),
+            )
+            .await;
+        op.body["state"] == "succeeded"
+    })
+    .await;
+    // A second request stays pending over the restart and counts again after it.
+    let pending = broker
+        .submit(AGENT_SECRET, &request("pg-2", "demo.request", 0))
+        .await;
+    assert_eq!(pending.status, 202, "{:?}", pending.body);
+    assert_eq!(broker.rows().await, 2);
+    let events = broker.broker.database().count_events().await.unwrap();
+    assert!(
+        events >= 4,
+        "created, approved, started, succeeded, created: {events}"
+    );
+    broker.broker.shutdown().await;
+
+    let again = start_with(on_postgres(dir.path(), &url)).await;
+    assert_eq!(again.restored.pending, 1, "{:?}", again.restored);
+    assert_eq!(again.snapshot().pending, 1);
+    let drift = again.broker.check_drift().await.unwrap();
+    assert_eq!(drift.total(), 0, "{drift:?}");
+    again.broker.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_broker_on_one_postgres_store_is_refused_saying_why() {
+    let Some(server) = server() else { return };
+    let url = server.database("one_replica");
+    let (first_dir, second_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let first = start_with(on_postgres(first_dir.path(), &url)).await;
+    let Err(refused) = Broker::start(on_postgres(second_dir.path(), &url)).await else {
+        panic!("a second broker on the store is refused");
+    };
+    let message = refused.to_string();
+    assert!(message.contains("another replica"), "{message}");
+    assert!(message.contains("--redis"), "{message}");
+    assert!(
+        !message.contains("admission@"),
+        "no URL, let alone a password: {message}"
+    );
+    // Nothing was written by the refused one.
+    assert_eq!(first.rows().await, 0);
+    // The same data dir is the same member: a restart on it is served at once.
+    first.broker.shutdown().await;
+    let second = start_with(on_postgres(second_dir.path(), &url)).await;
+    second.broker.shutdown().await;
+    let first_again = start_with(on_postgres(first_dir.path(), &url)).await;
+    first_again.broker.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_that_stopped_without_leaving_is_the_same_member_when_it_restarts_on_its_dir() {
+    let Some(server) = server() else { return };
+    let url = server.database("same_member");
+    let dir = tempfile::tempdir().unwrap();
+    let first = start_with(on_postgres(dir.path(), &url)).await;
+    // Dropped without shutdown: its membership is not given up (as after a crash).
+    drop(first);
+    let again = start_with(on_postgres(dir.path(), &url)).await;
+    again.broker.shutdown().await;
+    // Another dir is another member, refused while the lease of the first is live.
+    let other = tempfile::tempdir().unwrap();
+    let again = start_with(on_postgres(dir.path(), &url)).await;
+    assert!(
+        Broker::start(on_postgres(other.path(), &url))
+            .await
+            .is_err(),
+        "another member is refused"
+    );
+    again.broker.shutdown().await;
+}
