@@ -133,8 +133,9 @@ struct ServeArgs {
     /// Keep operations in this PostgreSQL database instead of a SQLite file in the data dir
     /// (a libpq URL, `sslmode` honoured; a password in it is never printed). The schema is
     /// created or migrated at start-up.
-    #[arg(long, value_name = "postgres://USER@HOST:PORT/DB", value_parser = parse_store)]
-    store: Option<unyolo_admission::broker::store::StoreLocation>,
+    // A plain string, parsed in `serve`: clap's own error would echo the value, password and all.
+    #[arg(long, value_name = "postgres://USER@HOST:PORT/DB")]
+    store: Option<String>,
     /// Share admission with other replicas through this Redis (`redis://host:port/db`); needs
     /// `--replica`. Without it, this process counts alone (the in-process controller).
     #[arg(long, value_name = "URL", requires = "replica")]
@@ -242,6 +243,15 @@ fn main() -> ExitCode {
 #[cfg(feature = "broker")]
 fn serve(args: ServeArgs) -> ExitCode {
     use unyolo_admission::broker::serve::{ServeOptions, run};
+    use unyolo_admission::broker::store::StoreLocation;
+    // A usage error, as clap's are, but never echoing the value: its password stays unprinted.
+    let store = match args.store.as_deref().map(StoreLocation::parse).transpose() {
+        Ok(store) => store,
+        Err(err) => {
+            eprintln!("error: --store: {err}");
+            return ExitCode::from(2);
+        }
+    };
     let options = ServeOptions {
         listen: args.listen,
         data_dir: args.data,
@@ -259,7 +269,7 @@ fn serve(args: ServeArgs) -> ExitCode {
             ..unyolo_admission::broker::ConnectionSettings::default()
         },
         retention: args.retention,
-        store: args.store,
+        store,
         redis: args.redis.map(|url| {
             let mut options =
                 unyolo_admission::ReplicaOptions::new(url, args.replica.unwrap_or_default());
@@ -286,12 +296,6 @@ fn serve(args: ServeArgs) -> ExitCode {
             ExitCode::FAILURE
         }
     }
-}
-
-/// `--store`'s value: a PostgreSQL URL (the error redacts a password).
-#[cfg(feature = "broker")]
-fn parse_store(text: &str) -> Result<unyolo_admission::broker::store::StoreLocation, String> {
-    unyolo_admission::broker::store::StoreLocation::parse(text)
 }
 
 fn check(args: CheckArgs) -> ExitCode {

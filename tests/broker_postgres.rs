@@ -127,3 +127,49 @@ async fn a_broker_that_stopped_without_leaving_is_the_same_member_when_it_restar
     );
     again.broker.shutdown().await;
 }
+
+#[test]
+fn serve_with_an_unreachable_store_fails_naming_it_without_its_password() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = support::redis::free_port();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_admission"))
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--operator-listen",
+            "127.0.0.1:0",
+        ])
+        .arg("--data")
+        .arg(dir.path())
+        .arg("--store")
+        .arg(format!(
+            "postgres://admission:hunter2@127.0.0.1:{port}/fleet"
+        ))
+        .output()
+        .expect("admission runs");
+    assert!(!out.status.success(), "an unreachable store stops serve");
+    let printed = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        !printed.contains("hunter2"),
+        "the password is printed: {printed}"
+    );
+    assert!(printed.contains("error:"), "{printed}");
+    assert!(printed.contains(&format!("127.0.0.1:{port}")), "{printed}");
+}
+
+#[test]
+fn serve_refuses_a_store_that_is_not_a_postgres_url() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_admission"))
+        .args(["serve", "--store", "mysql://root:hunter2@db/x"])
+        .output()
+        .expect("admission runs");
+    assert_eq!(out.status.code(), Some(2), "a usage error");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("expected a PostgreSQL URL"), "{stderr}");
+    assert!(!stderr.contains("hunter2"), "{stderr}");
+}
