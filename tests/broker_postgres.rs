@@ -173,3 +173,53 @@ fn serve_refuses_a_store_that_is_not_a_postgres_url() {
     assert!(stderr.contains("expected a PostgreSQL URL"), "{stderr}");
     assert!(!stderr.contains("hunter2"), "{stderr}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn while_postgres_is_down_submissions_are_503_with_retry_after_and_nothing_counts_twice_after()
+ {
+    // A server of its own: this test stops it.
+    let Some(mut server) = PostgresServer::start() else {
+        return;
+    };
+    let url = server.database("faults");
+    let dir = tempfile::tempdir().unwrap();
+    let broker = start_with(on_postgres(dir.path(), &url)).await;
+    let before = broker
+        .submit(AGENT_SECRET, &request("before", "demo.request", 0))
+        .await;
+    assert_eq!(before.status, 202, "{:?}", before.body);
+
+    server.kill();
+    let refused = broker
+        .submit(AGENT_SECRET, &request("while-down", "demo.request", 0))
+        .await;
+    assert_eq!(refused.status, 503, "{:?}", refused.body);
+    assert_eq!(refused.code(), "store_unavailable");
+    assert!(refused.retry_after().is_some(), "a 503 says when to retry");
+    let ready = broker.get("/readyz", None).await;
+    assert_eq!(ready.status, 503, "{:?}", ready.body);
+    // Liveness does not depend on the store.
+    assert_eq!(broker.get("/healthz", None).await.status, 200);
+    // Nothing was counted for the refused submission.
+    assert_eq!(broker.snapshot().pending, 1);
+
+    server.restart();
+    support::eventually::assert_eventually("ready again", async || {
+        broker.get("/readyz", None).await.status == 200
+    })
+    .await;
+    // The refused key is new work now, created once; the earlier one replays.
+    let retried = broker
+        .submit(AGENT_SECRET, &request("while-down", "demo.request", 0))
+        .await;
+    assert_eq!(retried.status, 202, "{:?}", retried.body);
+    let replay = broker
+        .submit(AGENT_SECRET, &request("before", "demo.request", 0))
+        .await;
+    assert_eq!(replay.status, 200, "{:?}", replay.body);
+    assert_eq!(broker.rows().await, 2);
+    assert_eq!(broker.snapshot().pending, 2);
+    let drift = broker.broker.check_drift().await.unwrap();
+    assert_eq!(drift.total(), 0, "counts equal rows: {drift:?}");
+    broker.broker.shutdown().await;
+}
