@@ -790,3 +790,69 @@ async fn without_a_replica_list_a_recovery_lasts_its_whole_lease_period() {
         flushed.elapsed()
     );
 }
+
+/// A replica whose store lost rows (a restore from an older backup, say) unbinds, when it
+/// starts, every key Redis still binds to one of its operations that its store does not hold:
+/// such a key is new work on every replica, not `Replay` naming an operation nothing answers for.
+/// (Before, an embedder got `Replay` naming its own replica for that key, forever.) A key whose
+/// operation the store does hold stays bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_restarting_with_rows_lost_unbinds_the_keys_its_store_does_not_hold() {
+    let Some(server) = RedisServer::start() else {
+        return;
+    };
+    let start = async |name: &str, store: Arc<MemoryStore>| {
+        let mut options = ReplicaOptions::new(server.url(), name);
+        options.replicas = vec!["r1".to_owned(), "r2".to_owned()];
+        options.call_timeout = Duration::from_secs(2);
+        let admission = Admission::new(Controller::new(config()), Some(options)).unwrap();
+        admission.set_recovery_source(store as Arc<dyn RecoverySource>);
+        assert!(admission.restore(Vec::new()).await.deferred.is_none());
+        admission
+    };
+    let r2 = start("r2", Arc::default()).await;
+    let first_store = Arc::new(MemoryStore::default());
+    let r1 = start("r1", Arc::clone(&first_store)).await;
+    let amy = Identity::new("amy").unwrap();
+    let mut kept_ids = Vec::new();
+    for key in ["lost", "kept"] {
+        let permit = r1.admit("amy", false, Some(key)).await.expect("admitted");
+        kept_ids.push(permit.id().to_string());
+        first_store.keys.lock().unwrap().push(KeyRecord {
+            client: amy.clone(),
+            key: key.to_owned(),
+            operation: permit.id().to_string(),
+        });
+        let op = permit.commit();
+        op.start().await.unwrap();
+        op.succeed().await.unwrap();
+    }
+    let admitted = r2.admit("amy", false, Some("lost")).await;
+    assert!(
+        matches!(&admitted, Err(AdmitError::Replay { replica, .. }) if replica == "r1"),
+        "bound to r1 before its restart: {admitted:?}"
+    );
+    r1.shutdown().await;
+    drop(r1);
+
+    // r1 comes back with a store that kept only "kept".
+    let second_store = Arc::new(MemoryStore::default());
+    second_store.keys.lock().unwrap().push(KeyRecord {
+        client: amy.clone(),
+        key: "kept".to_owned(),
+        operation: kept_ids[1].clone(),
+    });
+    let r1 = start("r1", second_store).await;
+    let fresh = r2
+        .admit("amy", false, Some("lost"))
+        .await
+        .expect("a key whose operation no store holds is new work");
+    fresh.refund().await;
+    let kept = r2.admit("amy", false, Some("kept")).await;
+    assert!(
+        matches!(&kept, Err(AdmitError::Replay { operation, replica }) if replica == "r1" && operation.to_string() == kept_ids[1]),
+        "a key whose operation the store holds stays bound: {kept:?}"
+    );
+    r1.shutdown().await;
+    r2.shutdown().await;
+}

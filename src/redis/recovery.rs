@@ -61,6 +61,107 @@ impl RedisController {
 }
 
 impl Inner {
+    /// At start-up, once this replica has registered: unbinds every key Redis binds to an
+    /// operation of this replica that its store does not hold (its rows were lost, or it stopped
+    /// between an admission and the row), so no key stays bound to work nothing will ever answer
+    /// for. One pass of `SCAN` over the deployment's keys (at start-up only, where no admission
+    /// of this process is in flight); a key bound since to new work is left alone. How many were
+    /// unbound.
+    pub(super) async fn unbind_unheld_keys(
+        &self,
+        source: &dyn RecoverySource,
+    ) -> Result<u64, Unavailable> {
+        let stored: std::collections::HashSet<String> = source
+            .key_records()
+            .await
+            .map_err(|e| {
+                self.unavailable(UnavailableReason::Reply(format!(
+                    "the store's key records could not be read: {e}"
+                )))
+            })?
+            .into_iter()
+            .map(|record| record.operation)
+            .collect();
+        let prefix = format!("{}:key:", self.keys.base);
+        // `SCAN`'s pattern is a glob: the prefix's own `*`, `?`, `[`, `]` and `\` match
+        // themselves only.
+        let mut pattern = String::with_capacity(prefix.len() + 2);
+        for c in prefix.chars() {
+            if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+                pattern.push('\\');
+            }
+            pattern.push(c);
+        }
+        pattern.push('*');
+        let mut conn = self.conn.clone();
+        let mut cursor: u64 = 0;
+        let mut unheld = Vec::new();
+        loop {
+            let page = tokio::time::timeout(
+                self.options.call_timeout,
+                redis::cmd("SCAN")
+                    .arg(cursor)
+                    .arg("MATCH")
+                    .arg(&pattern)
+                    .arg("COUNT")
+                    .arg(KEY_RECORDS_PER_CALL)
+                    .query_async::<(u64, Vec<String>)>(&mut conn),
+            )
+            .await;
+            let (next, names) = match page {
+                Ok(Ok(page)) => page,
+                Ok(Err(e)) => return Err(self.failed(UnavailableReason::Redis(e.to_string()))),
+                Err(_) => return Err(self.failed(UnavailableReason::Timeout)),
+            };
+            if !names.is_empty() {
+                let owners = tokio::time::timeout(
+                    self.options.call_timeout,
+                    redis::cmd("MGET")
+                        .arg(&names)
+                        .query_async::<Vec<Option<String>>>(&mut conn),
+                )
+                .await;
+                let owners = match owners {
+                    Ok(Ok(owners)) => owners,
+                    Ok(Err(e)) => {
+                        return Err(self.failed(UnavailableReason::Redis(e.to_string())));
+                    }
+                    Err(_) => return Err(self.failed(UnavailableReason::Timeout)),
+                };
+                for (name, owner) in names.iter().zip(owners) {
+                    let Some((operation, replica)) =
+                        owner.as_deref().and_then(|o| o.split_once(' '))
+                    else {
+                        continue;
+                    };
+                    if replica != self.options.replica || stored.contains(operation) {
+                        continue;
+                    }
+                    // `<base>:key:<client>:<key>`: a client name holds no `:`.
+                    let Some((client, key)) = name[prefix.len()..].split_once(':') else {
+                        continue;
+                    };
+                    let Ok(client) = Identity::new(client) else {
+                        continue;
+                    };
+                    unheld.push(KeyRecord {
+                        client,
+                        key: key.to_owned(),
+                        operation: operation.to_owned(),
+                    });
+                }
+            }
+            cursor = next;
+            if cursor == 0 {
+                break;
+            }
+        }
+        if !unheld.is_empty() {
+            self.retire_keys(&unheld).await?;
+        }
+        Ok(unheld.len() as u64)
+    }
+
     /// Writes `records` back as idempotency records bound to this replica (where the key is not
     /// bound already), in calls of [`KEY_RECORDS_PER_CALL`] (one at least, so Redis holds the
     /// restore's marker even with no record). The restore's nonce, for the registration to check

@@ -102,6 +102,24 @@ impl RedisController {
         abandon.cells.clear();
         drop(abandon);
         drop(start);
+        // Keys bound to this replica's operations that its store does not hold would be
+        // answered as held here forever (by this replica too): unbound now, once.
+        if deferred.is_none()
+            && let Some(source) = self.inner.source.get().cloned()
+        {
+            match self.inner.unbind_unheld_keys(&*source).await {
+                Ok(0) => {}
+                Ok(n) => tracing::info!(
+                    keys = n,
+                    "unbound idempotency keys of operations this replica's store does not hold"
+                ),
+                Err(err) => tracing::warn!(
+                    error = %err,
+                    "keys bound to operations this replica's store does not hold could not be \
+                     unbound now; they stay bound until the next start"
+                ),
+            }
+        }
         (self.handles(cells), deferred)
     }
 
