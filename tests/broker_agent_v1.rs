@@ -851,6 +851,9 @@ PRAGMA user_version = 1;
 
 #[tokio::test]
 async fn a_data_dir_of_schema_version_1_keeps_working_from_revision_1() {
+    if !support::broker::sqlite_only("a SQLite file of schema version 1, written by hand") {
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
     {
         let conn = rusqlite::Connection::open(dir.path().join("admission.sqlite3")).unwrap();
@@ -1021,11 +1024,13 @@ async fn numbers_are_stored_and_shown_as_sent_and_a_retry_is_judged_on_their_tex
         .await;
     assert_eq!(request.status, 200, "{}", request.body);
     assert!(request.body.to_string().contains(big), "{}", request.body);
-    let stored: String = rusqlite::Connection::open(dir.path().join("admission.sqlite3"))
-        .unwrap()
-        .query_row("SELECT arguments FROM operations", [], |row| row.get(0))
-        .unwrap();
-    assert!(stored.contains(big) && stored.contains("1.50"), "{stored}");
+    if support::broker::sqlite_only("the stored text is read from the SQLite file") {
+        let stored: String = rusqlite::Connection::open(dir.path().join("admission.sqlite3"))
+            .unwrap()
+            .query_row("SELECT arguments FROM operations", [], |row| row.get(0))
+            .unwrap();
+        assert!(stored.contains(big) && stored.contains("1.50"), "{stored}");
+    }
     // The same text is a replay; a number an f64 reads alike, or the same price written
     // otherwise, is another request.
     let replay = post(body(big, "1.50")).await;

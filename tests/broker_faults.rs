@@ -22,6 +22,9 @@ use unyolo_admission::StorageCaps;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn submissions_whose_clients_hang_up_are_counted_exactly_as_stored_and_all_decidable() {
+    if !support::broker::sqlite_only("reads the SQLite file itself (support::faults::stored)") {
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
     let h = start_tight(dir.path()).await;
     let mut bodies = BTreeMap::new();
@@ -40,6 +43,9 @@ async fn submissions_whose_clients_hang_up_are_counted_exactly_as_stored_and_all
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn approvals_and_denials_whose_operator_hangs_up_are_made_whole_or_not_at_all() {
+    if !support::broker::sqlite_only("reads the SQLite file itself (support::faults::stored)") {
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
     let h = start_tight(dir.path()).await;
     let ids = create_pending(&h, "decide", 10).await;
@@ -61,6 +67,9 @@ async fn approvals_and_denials_whose_operator_hangs_up_are_made_whole_or_not_at_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancels_whose_client_hangs_up_release_exactly_what_the_store_released() {
+    if !support::broker::sqlite_only("reads the SQLite file itself (support::faults::stored)") {
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
     let h = start_tight(dir.path()).await;
     let ids = create_pending(&h, "cancel", 8).await;
@@ -115,6 +124,9 @@ async fn cancels_whose_client_hangs_up_release_exactly_what_the_store_released()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn uploads_whose_client_hangs_up_leave_no_file_without_a_row_and_no_room_held() {
+    if !support::broker::sqlite_only("reads the SQLite file itself (support::faults::stored)") {
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
     let h = start_tight(dir.path()).await;
     // 40 uploads against a per-client cap of 16 files; half are cut short.
@@ -151,6 +163,9 @@ async fn uploads_whose_client_hangs_up_leave_no_file_without_a_row_and_no_room_h
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deletes_whose_client_hangs_up_remove_row_file_and_room_together() {
+    if !support::broker::sqlite_only("reads the SQLite file itself (support::faults::stored)") {
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
     let h = start_tight(dir.path()).await;
     let mut ids = Vec::new();
@@ -184,6 +199,9 @@ async fn deletes_whose_client_hangs_up_remove_row_file_and_room_together() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hang_ups_while_another_process_holds_the_store_locked_change_nothing_half_way() {
+    if !support::broker::sqlite_only("holds SQLite's write lock from another connection") {
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
     let h = start_tight(dir.path()).await;
     let prepared = prepare(&h, "locked").await;
@@ -201,6 +219,9 @@ async fn hang_ups_while_another_process_holds_the_store_locked_change_nothing_ha
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn submissions_admitted_before_their_clients_hang_up_are_created_once_the_store_frees() {
+    if !support::broker::sqlite_only("holds SQLite's write lock from another connection") {
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
     let h = start_tight(dir.path()).await;
     let bodies: Vec<Value> = (0..4)
@@ -244,6 +265,9 @@ async fn submissions_admitted_before_their_clients_hang_up_are_created_once_the_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_row_written_behind_the_brokers_back_is_reported_as_drift_on_the_timer_and_on_demand() {
+    if !support::broker::sqlite_only("writes a row into the SQLite file behind the broker's back") {
+        return;
+    }
     use unyolo_admission::broker::{Difference, DriftCount};
     let dir = tempfile::tempdir().unwrap();
     let mut settings = settings(dir.path(), LIMITS, StorageCaps::default());
@@ -310,6 +334,9 @@ async fn a_row_written_behind_the_brokers_back_is_reported_as_drift_on_the_timer
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_row_start_up_cannot_restore_is_drift_from_the_first_reading() {
+    if !support::broker::sqlite_only("writes a row into the SQLite file behind the broker's back") {
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
     let h = start_tight(dir.path()).await;
     h.broker.shutdown().await;
@@ -333,6 +360,9 @@ async fn a_row_start_up_cannot_restore_is_drift_from_the_first_reading() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_start_the_locked_store_cannot_record_waits_for_the_store_and_then_runs() {
+    if !support::broker::sqlite_only("holds SQLite's write lock from another connection") {
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
     let one_slot = LIMITS.replace(r#""global_executing": 2"#, r#""global_executing": 1"#);
     let h = start_with(settings(dir.path(), &one_slot, StorageCaps::default())).await;
@@ -431,6 +461,11 @@ async fn readiness(h: &support::broker::Harness) -> (u16, String, u16) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_disk_takes_the_broker_out_of_rotation_before_writes_fail_and_refuses_without_a_trace()
  {
+    if !support::broker::sqlite_only(
+        "the free space of the data dir's disk, where the SQLite file is",
+    ) {
+        return;
+    }
     let disk = match SmallDisk::mount(24) {
         Ok(disk) => disk,
         Err(why) => {
@@ -521,6 +556,9 @@ async fn a_full_disk_takes_the_broker_out_of_rotation_before_writes_fail_and_ref
 /// creation still waits.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replay_is_answered_while_another_clients_creation_waits_on_a_locked_store() {
+    if !support::broker::sqlite_only("holds SQLite's write lock from another connection") {
+        return;
+    }
     use std::hash::{Hash, Hasher};
     let dir = tempfile::tempdir().unwrap();
     let h = start_with(settings(

@@ -33,6 +33,11 @@ fn action(i: usize) -> &'static str {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_operator_who_hangs_up_mid_decision_leaves_it_whole_and_a_retry_replays_it() {
+    if !support::broker::sqlite_only(
+        "reads the SQLite file itself (support::faults::stored, through ends_whole)",
+    ) {
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
     let h = start_tight(dir.path()).await;
     let ids = create_pending(&h, "hang", 10).await;
@@ -70,6 +75,9 @@ async fn an_operator_who_hangs_up_mid_decision_leaves_it_whole_and_a_retry_repla
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decision_while_another_process_holds_the_store_waits_for_it_or_changes_nothing() {
+    if !support::broker::sqlite_only("holds SQLite's write lock from another connection") {
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
     let h = start_tight(dir.path()).await;
     let ids = create_pending(&h, "locked", 2).await;
@@ -109,6 +117,11 @@ async fn a_decision_while_another_process_holds_the_store_waits_for_it_or_change
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn of_concurrent_decisions_on_one_request_exactly_one_wins_the_rest_see_a_revision_conflict()
 {
+    if !support::broker::sqlite_only(
+        "reads the SQLite file itself (support::faults::stored, through ends_whole)",
+    ) {
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
     let h = start_tight(dir.path()).await;
     let ids = create_pending(&h, "race", 4).await;
@@ -151,6 +164,11 @@ async fn restart(h: Harness, dir: &std::path::Path) -> Harness {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decision_replays_after_a_restart_and_its_key_still_conflicts_with_another_command() {
+    if !support::broker::sqlite_only(
+        "reads the SQLite file itself (support::faults::stored, through ends_whole)",
+    ) {
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
     let h = start_tight(dir.path()).await;
     let ids = create_pending(&h, "restart", 2).await;
@@ -179,7 +197,7 @@ async fn a_decision_replays_after_a_restart_and_its_key_still_conflicts_with_ano
 async fn a_kill_9_between_a_decision_and_its_answer_restarts_decided_or_not_never_half() {
     let dir = tempfile::tempdir().unwrap();
     let files = Files::write(dir.path(), LIMITS);
-    let server = Server::spawn_logging(None, "warn", &files.args());
+    let server = Server::spawn_logging(None, "warn", &support::broker::serve_args(&files));
     let mut ids = Vec::new();
     for i in 0..8 {
         let op = server
@@ -198,7 +216,7 @@ async fn a_kill_9_between_a_decision_and_its_answer_restarts_decided_or_not_neve
         .collect();
     hang_up_all(Listeners::of_server(&server), hang_ups).await;
     drop(server); // SIGKILL, answers unread
-    let server = Server::spawn_logging(None, "warn", &files.args());
+    let server = Server::spawn_logging(None, "warn", &support::broker::serve_args(&files));
     assert_eq!(server.operator.drift().await["drift"], 0);
     for (i, id) in ids.iter().enumerate() {
         let before = server.operator.request(id).await.body;
@@ -245,6 +263,9 @@ async fn due_but_unwritten(
 /// decision recorded, never an `invalid_transition` that leaves the inbox showing it pending.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decision_on_a_request_whose_expiry_is_due_but_unwritten_expires_it_first() {
+    if !support::broker::sqlite_only("holds SQLite's write lock from another connection") {
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
     let (h, ids, holder) = due_but_unwritten(dir.path()).await;
     let id = &ids[0];
@@ -279,6 +300,9 @@ async fn a_decision_on_a_request_whose_expiry_is_due_but_unwritten_expires_it_fi
 /// `decided_by`, as upstream's pending expiry), and a `pending` page no longer lists them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_operators_read_of_requests_whose_expiry_is_due_but_unwritten_shows_them_expired() {
+    if !support::broker::sqlite_only("holds SQLite's write lock from another connection") {
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
     let (h, ids, holder) = due_but_unwritten(dir.path()).await;
     let one = h.operator.clone();
@@ -314,6 +338,9 @@ async fn an_operators_read_of_requests_whose_expiry_is_due_but_unwritten_shows_t
 /// with the operation `canceled`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agents_cancel_of_a_request_whose_expiry_is_due_but_unwritten_cancels_it() {
+    if !support::broker::sqlite_only("holds SQLite's write lock from another connection") {
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
     let (h, ids, holder) = due_but_unwritten(dir.path()).await;
     let canceled = h
@@ -360,6 +387,9 @@ impl StartsRefused {
 /// its slots are released and the counts equal the store.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_approval_that_lapses_while_its_start_cannot_be_recorded_never_runs() {
+    if !support::broker::sqlite_only("refuses starts with a trigger in the SQLite file") {
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
     let h = start_tight(dir.path()).await;
     let ids = create_pending(&h, "lapse", 1).await;
@@ -403,6 +433,9 @@ async fn an_approval_that_lapses_while_its_start_cannot_be_recorded_never_runs()
 /// runs once the store takes writes again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn work_whose_start_is_not_recorded_yet_can_be_canceled_or_revoked() {
+    if !support::broker::sqlite_only("refuses starts with a trigger in the SQLite file") {
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
     let h = start_tight(dir.path()).await;
     let ids = create_pending(&h, "unstarted", 2).await;

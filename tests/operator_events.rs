@@ -30,7 +30,7 @@ const LIMITS: &str = r#"{"requests_per_window": 1000, "window_seconds": 60,
 
 fn serve(dir: &std::path::Path, extra: &[&str]) -> Server {
     let files = Files::write(dir, LIMITS);
-    let mut args = files.args();
+    let mut args = support::broker::serve_args(&files);
     args.extend(extra.iter().map(|a| (*a).to_owned()));
     Server::spawn(None, &args)
 }

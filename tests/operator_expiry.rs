@@ -19,7 +19,7 @@ const ONE_PENDING: &str = r#"{"requests_per_window": 1000, "window_seconds": 60,
   "client_active": 10, "client_pending": 1, "global_active": 100, "global_executing": 4}"#;
 
 fn args(files: &Files, timeout: &str) -> Vec<String> {
-    let mut args = files.args();
+    let mut args = support::broker::serve_args(files);
     args.extend(["--pending-timeout".to_owned(), timeout.to_owned()]);
     args
 }
@@ -217,7 +217,7 @@ fn millis(at: &serde_json::Value) -> u128 {
 async fn an_approval_that_lapses_before_a_slot_frees_expires_and_releases_what_it_held() {
     let dir = tempfile::tempdir().unwrap();
     let files = Files::write(dir.path(), ONE_SLOT);
-    let server = Server::spawn(None, &files.args());
+    let server = Server::spawn(None, &support::broker::serve_args(&files));
     // Asked for before the slot is taken (a full pool admits no new work).
     let waits = server
         .submit(AGENT_SECRET, &request("waits", "demo.request", 0))
@@ -312,7 +312,7 @@ async fn an_approval_that_lapses_before_a_slot_frees_expires_and_releases_what_i
 async fn work_that_starts_before_its_approval_lapses_runs_to_its_end() {
     let dir = tempfile::tempdir().unwrap();
     let files = Files::write(dir.path(), ONE_SLOT);
-    let server = Server::spawn(None, &files.args());
+    let server = Server::spawn(None, &support::broker::serve_args(&files));
     let id = server
         .submit(AGENT_SECRET, &request("runs", "demo.request", 1500))
         .await
@@ -338,7 +338,7 @@ async fn an_approval_restored_past_its_lapse_never_starts_and_expires_at_start_u
     let dir = tempfile::tempdir().unwrap();
     let files = Files::write(dir.path(), ONE_SLOT);
     let id = {
-        let server = Server::spawn(None, &files.args());
+        let server = Server::spawn(None, &support::broker::serve_args(&files));
         let kept = server
             .submit(AGENT_SECRET, &request("kept", "demo.request", 0))
             .await;
@@ -352,7 +352,7 @@ async fn an_approval_restored_past_its_lapse_never_starts_and_expires_at_start_u
     tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
     // The long run was interrupted, so the slot is free at start-up: the lapsed approval must
     // still not start.
-    let server = Server::spawn(None, &files.args());
+    let server = Server::spawn(None, &support::broker::serve_args(&files));
     let path = format!("/api/agent/v1/operations/{id}");
     assert_eventually("the restored approval expires", async || {
         server.get(&path, AGENT_SECRET).await.state() == "expired"

@@ -2,6 +2,7 @@
 //! harness that talks to it over HTTP; every reply it reads is checked against the contract.
 
 use serde_json::Value;
+use unyolo_admission::broker::store::StoreLocation;
 use unyolo_admission::broker::{Broker, BrokerSettings, ListenAddr, RestoreSummary};
 use unyolo_admission::config::Identity;
 use unyolo_admission::{Config, Snapshot, StorageCaps};
@@ -9,6 +10,7 @@ use unyolo_admission::{Config, Snapshot, StorageCaps};
 use super::contract;
 use super::http::Reply;
 use super::operator::Operator;
+use super::postgres::PostgresServer;
 use super::secrets::{operators, secrets};
 
 /// Roomy limits: nothing binds unless a test makes it.
@@ -46,7 +48,7 @@ pub async fn start(dir: &std::path::Path, limits: &str) -> Harness {
 }
 
 pub async fn start_with(settings: BrokerSettings) -> Harness {
-    let (broker, restored) = Broker::start(settings).await.unwrap();
+    let (broker, restored) = Broker::start(chosen_store(settings)).await.unwrap();
     Harness::of(broker, restored)
 }
 
@@ -56,8 +58,85 @@ pub async fn start_shared(
     settings: BrokerSettings,
     options: unyolo_admission::redis::RedisOptions,
 ) -> Harness {
-    let (broker, restored) = Broker::start_shared(settings, options).await.unwrap();
+    let (broker, restored) = Broker::start_shared(chosen_store(settings), options)
+        .await
+        .unwrap();
     Harness::of(broker, restored)
+}
+
+/// The variable that chooses the store of every broker the harness starts with `store: None`:
+/// `postgres` for a PostgreSQL database per data dir, anything else (or unset) for SQLite in the
+/// data dir. CI runs the broker's suites both ways (.ci/run): one set of tests, both stores.
+pub const STORE_VARIABLE: &str = "ADMISSION_TEST_STORE";
+
+/// Whether this run puts the brokers' operations in PostgreSQL ([`STORE_VARIABLE`]).
+pub fn on_postgres() -> bool {
+    std::env::var(STORE_VARIABLE).is_ok_and(|v| v.eq_ignore_ascii_case("postgres"))
+}
+
+/// `true` when the test may go on: it pokes SQLite itself (opens the file, holds its lock,
+/// reads its pages or plans), so under PostgreSQL it says so and the caller returns.
+pub fn sqlite_only(why: &str) -> bool {
+    if on_postgres() {
+        eprintln!("SKIPPED under postgres: {why}");
+        return false;
+    }
+    true
+}
+
+/// `settings` with the store this run asks for: unchanged when they name one or the run is on
+/// SQLite; otherwise the PostgreSQL database of their data dir ([`store_for`]).
+pub fn chosen_store(mut settings: BrokerSettings) -> BrokerSettings {
+    if settings.store.is_none() {
+        settings.store = store_for(&settings.data_dir);
+    }
+    settings
+}
+
+/// Under PostgreSQL ([`STORE_VARIABLE`]), the store of a broker whose data dir is `data`: a
+/// database of this test binary's server, named after the dir and created the first time, so a
+/// broker restarted on the same dir finds its operations. `None` on SQLite. Panics if the run
+/// asks for PostgreSQL and it cannot be run here: testing SQLite instead would be a lie.
+pub fn store_for(data: &std::path::Path) -> Option<StoreLocation> {
+    if !on_postgres() {
+        return None;
+    }
+    Some(StoreLocation::parse(&postgres_url_for(data)).unwrap())
+}
+
+/// The URL of [`store_for`] (`serve --store URL` for a test that runs the binary).
+pub fn postgres_url_for(data: &std::path::Path) -> String {
+    use std::hash::{Hash, Hasher};
+    use std::sync::{Mutex, OnceLock};
+    // One server for the whole test binary: it outlives every broker restart in a test, and its
+    // watchdog stops it when the binary ends.
+    static SERVER: OnceLock<Option<PostgresServer>> = OnceLock::new();
+    static CREATING: Mutex<()> = Mutex::new(());
+    let server = SERVER
+        .get_or_init(PostgresServer::for_this_process)
+        .as_ref()
+        .unwrap_or_else(|| {
+            panic!(
+                "{STORE_VARIABLE}=postgres, but PostgreSQL cannot be run here (see the line \
+                 above); unset it to test on SQLite"
+            )
+        });
+    // The path as the test names it (the same on every restart), hashed: a valid name.
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    data.hash(&mut hasher);
+    let name = format!("t_{:016x}", hasher.finish());
+    let _one_at_a_time = CREATING.lock().unwrap_or_else(|e| e.into_inner());
+    server.database_if_missing(&name)
+}
+
+/// The flags of `admission serve` naming `files`, and under PostgreSQL ([`STORE_VARIABLE`])
+/// `--store` with the database of their data dir ([`store_for`]).
+pub fn serve_args(files: &super::serve::Files) -> Vec<String> {
+    let mut args = files.args();
+    if on_postgres() {
+        args.extend(["--store".to_owned(), postgres_url_for(&files.data)]);
+    }
+    args
 }
 
 impl Harness {

@@ -78,6 +78,50 @@ impl PostgresServer {
         Some(server)
     }
 
+    /// A server for the rest of this test process, or `None` (having printed why) if PostgreSQL
+    /// cannot be run here. Meant to be kept in a `static` (it is never dropped, so its files are
+    /// never removed by `Drop`): a watchdog (`sh`, checking every second) stops `postgres` (fast
+    /// shutdown, whatever pid its data dir names, so after a restart too) and removes its files
+    /// once this process is gone, however it ended.
+    // The watchdog is never waited for: it outlives this process by design (init reaps it).
+    #[allow(clippy::zombie_processes)]
+    pub fn for_this_process() -> Option<PostgresServer> {
+        let server = PostgresServer::start()?;
+        let script = r#"
+            while kill -0 "$1" 2>/dev/null; do sleep 1; done
+            pid=$(head -n 1 "$2/data/postmaster.pid" 2>/dev/null)
+            if [ -n "$pid" ]; then
+              kill -INT "$pid" 2>/dev/null
+              i=0
+              while kill -0 "$pid" 2>/dev/null && [ "$i" -lt 30 ]; do sleep 1; i=$((i + 1)); done
+              kill -KILL "$pid" 2>/dev/null
+            fi
+            rm -rf "$2"
+        "#;
+        Command::new("sh")
+            .args(["-c", script, "postgres-watchdog"])
+            .arg(std::process::id().to_string())
+            .arg(server.dir.path())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("the watchdog of postgres starts");
+        Some(server)
+    }
+
+    /// Creates the database `name` unless it exists already; its URL.
+    pub fn database_if_missing(&self, name: &str) -> String {
+        let exists = self.psql(
+            "postgres",
+            &format!("SELECT 1 FROM pg_database WHERE datname = '{name}'"),
+        );
+        if exists.is_empty() {
+            self.psql("postgres", &format!("CREATE DATABASE \"{name}\""));
+        }
+        self.url(name)
+    }
+
     /// `postgres://admission@127.0.0.1:PORT/DB`.
     pub fn url(&self, database: &str) -> String {
         format!("postgres://{ROLE}@127.0.0.1:{}/{database}", self.port)
