@@ -106,26 +106,57 @@ async fn a_second_broker_on_one_postgres_store_is_refused_saying_why() {
     first_again.broker.shutdown().await;
 }
 
+/// `serve --store` killed with `kill -9` keeps neither its data dir's lock nor a membership that
+/// could refuse its own restart: started again at once on its data dir, it is the same member
+/// and serves; its pending request counts again. A broker on another data dir is refused while
+/// the first one runs, and two brokers on one data dir never both run, whatever the store.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_broker_that_stopped_without_leaving_is_the_same_member_when_it_restarts_on_its_dir() {
+async fn serve_killed_and_restarted_at_once_on_its_data_dir_is_the_same_member() {
+    use support::serve::{Files, Server};
     let Some(server) = server() else { return };
     let url = server.database("same_member");
-    let dir = tempfile::tempdir().unwrap();
-    let first = start_with(on_postgres(dir.path(), &url)).await;
-    // Dropped without shutdown: its membership is not given up (as after a crash).
-    drop(first);
-    let again = start_with(on_postgres(dir.path(), &url)).await;
-    again.broker.shutdown().await;
-    // Another dir is another member, refused while the lease of the first is live.
-    let other = tempfile::tempdir().unwrap();
-    let again = start_with(on_postgres(dir.path(), &url)).await;
+    let tmp = tempfile::tempdir().unwrap();
+    let files = Files::write(tmp.path(), ROOMY);
+    let mut args: Vec<String> = files.args();
+    args.extend(["--store".into(), url.clone()]);
+    let first = Server::spawn(None, &args);
+    let created = first
+        .submit(AGENT_SECRET, &request("before-kill", "demo.request", 0))
+        .await;
+    assert_eq!(created.status, 202, "{:?}", created.body);
+    // Another broker on the same data dir is refused by the dir's lock, on any store.
+    let same_dir = support::serve::run_to_end(&args);
+    assert_ne!(same_dir.code, Some(0), "a second broker on one data dir");
     assert!(
-        Broker::start(on_postgres(other.path(), &url))
-            .await
-            .is_err(),
-        "another member is refused"
+        same_dir.stderr.contains("in use by another broker"),
+        "{}",
+        same_dir.stderr
     );
-    again.broker.shutdown().await;
+    drop(first); // SIGKILL: no shutdown, no membership given up.
+    let again = Server::spawn(None, &args);
+    let replay = again
+        .submit(AGENT_SECRET, &request("before-kill", "demo.request", 0))
+        .await;
+    assert_eq!(replay.status, 200, "{:?}", replay.body);
+    assert_eq!(
+        again
+            .metric("admission_operations{state=\"pending\"}")
+            .await,
+        Some(1)
+    );
+    // A broker on another data dir is another member: refused while this one runs.
+    let other = tempfile::tempdir().unwrap();
+    let other_files = Files::write(other.path(), ROOMY);
+    let mut other_args: Vec<String> = other_files.args();
+    other_args.extend(["--store".into(), url]);
+    let refused = support::serve::run_to_end(&other_args);
+    assert_ne!(refused.code, Some(0), "another member is refused");
+    assert!(
+        refused.stderr.contains("another replica"),
+        "{}",
+        refused.stderr
+    );
+    drop(again);
 }
 
 #[test]

@@ -92,11 +92,10 @@ impl House {
     /// cannot be run here.
     async fn open(kind: Kind, test: &str) -> Option<House> {
         let dir = tempfile::tempdir().unwrap();
-        let streams = dir.path().join("streams");
         match kind {
             Kind::Sqlite => {
                 let location = StoreLocation::Dir(dir.path().to_owned());
-                let store = store::open(&location, "admission", [REQUEST], &streams)
+                let store = store::open(&location, "admission", [REQUEST], dir.path())
                     .await
                     .unwrap();
                 Some(House {
@@ -109,7 +108,7 @@ impl House {
                 let server = PostgresServer::shared()?;
                 let url = server.database(test);
                 let location = StoreLocation::parse(&url).unwrap();
-                let store = store::open(&location, "admission", [REQUEST], &streams)
+                let store = store::open(&location, "admission", [REQUEST], dir.path())
                     .await
                     .unwrap();
                 Some(House {

@@ -98,7 +98,7 @@ impl Broker {
             &location,
             &broker_name,
             super::registry::approval_operations(),
-            &data_dir.join("streams"),
+            &data_dir,
         )
         .await?;
         join_the_store(&*db, &member, settings.replicas.is_some()).await?;

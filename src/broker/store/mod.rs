@@ -27,6 +27,7 @@
 mod bell;
 mod decisions;
 mod digest;
+mod dir_lock;
 mod durable;
 mod error;
 pub mod events;
@@ -41,6 +42,7 @@ mod streams;
 pub use bell::EventBell;
 pub use decisions::{DecidedMove, DecisionCommand, DecisionOutcome, DecisionScope};
 pub use digest::request_digest;
+pub use dir_lock::LOCK_FILE;
 pub use durable::{Derive, DurableStore, Judge, Render};
 pub use error::{InsertError, StoreError};
 pub use events::{EventKind, EventPage, RequestStatus, StoredEvent, request_status};
@@ -52,5 +54,5 @@ pub use records::{
     PageQuery, Presentation, Recovered, StateChange, StoredRequest, now_rfc3339,
 };
 pub use requests::{RequestQuery, StateFilter};
-pub use sqlite::{DATABASE_FILE, LOCK_FILE, MIN_FREE_BYTES, READERS, SCHEMA_VERSION, SqliteStore};
+pub use sqlite::{DATABASE_FILE, MIN_FREE_BYTES, READERS, SCHEMA_VERSION, SqliteStore};
 pub use streams::StreamRecord;

@@ -4,6 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use super::dir_lock::lock_data_dir;
 use super::durable::DurableStore;
 use super::error::StoreError;
 use super::postgres::{PostgresStore, is_postgres_url, redact_url};
@@ -62,14 +63,15 @@ impl std::fmt::Debug for StoreLocation {
 
 /// Opens the store at `location` (creating its schema, or migrating an older one), with
 /// operations showing `broker` as their broker's name and the changes of the operations named
-/// in `requests` (those that need an operator's approval) recorded in the event log. A
-/// PostgreSQL store writes stream bodies under `streams_dir`, this replica's own directory (a
-/// SQLite store writes them under its data dir, and ignores it).
+/// in `requests` (those that need an operator's approval) recorded in the event log. `data_dir`
+/// is the broker's own, locked against a second broker whichever store is opened (two brokers on
+/// one dir would take each other for one restarting); a PostgreSQL store writes stream bodies
+/// under its `streams` (a SQLite store's data dir is `location`'s own).
 pub async fn open(
     location: &StoreLocation,
     broker: &str,
     requests: impl IntoIterator<Item = &str>,
-    streams_dir: &Path,
+    data_dir: &Path,
 ) -> Result<Arc<dyn DurableStore>, StoreError> {
     let requests: Vec<String> = requests.into_iter().map(str::to_owned).collect();
     match location {
@@ -84,14 +86,18 @@ pub async fn open(
             Ok(Arc::new(store))
         }
         StoreLocation::Postgres { url } => {
+            let dir = data_dir.to_owned();
+            let lock = tokio::task::spawn_blocking(move || lock_data_dir(&dir))
+                .await
+                .map_err(|e| StoreError::unfinished("locking the data dir", e))??;
             let store = PostgresStore::connect(
                 url,
                 broker,
                 requests.iter().map(String::as_str),
-                streams_dir.to_owned(),
+                data_dir.join("streams"),
             )
             .await?;
-            Ok(Arc::new(store))
+            Ok(Arc::new(store.holding(lock)))
         }
     }
 }

@@ -79,6 +79,9 @@ pub struct PostgresStore {
     pub(super) bytes: Arc<AtomicU64>,
     /// Where this replica writes stream bodies.
     pub(super) streams: Arc<PathBuf>,
+    /// The data dir's lock, when the broker's data dir is held through this store
+    /// ([`PostgresStore::holding`]).
+    _dir_lock: Option<Arc<std::fs::File>>,
     _tasks: Arc<Tasks>,
 }
 
@@ -92,6 +95,12 @@ impl std::fmt::Debug for PostgresStore {
 }
 
 impl PostgresStore {
+    /// This handle, holding `lock` (the broker's data dir's) for as long as any clone lives.
+    pub(crate) fn holding(mut self, lock: std::fs::File) -> PostgresStore {
+        self._dir_lock = Some(Arc::new(lock));
+        self
+    }
+
     /// Connects to the database at `url` (any libpq URL; `sslmode` honoured) with the default
     /// [`PostgresSettings`], creating its schema on first start and migrating an older one
     /// (one replica at a time); operations show `broker` as their broker's name, and the
@@ -184,6 +193,7 @@ impl PostgresStore {
             changes,
             bytes,
             streams: Arc::new(streams_dir),
+            _dir_lock: None,
             _tasks: Arc::new(Tasks(tasks)),
         };
         store.measure().await?;

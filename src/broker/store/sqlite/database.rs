@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use super::super::bell::EventBell;
+use super::super::dir_lock::lock_data_dir;
 use super::super::error::StoreError;
 use super::super::records::DEFAULT_BROKER_NAME;
 use super::schema;
@@ -28,9 +29,6 @@ const WAL_SIZE_LIMIT: i64 = 4 * 1024 * 1024;
 /// SQLite fails writes half-way (`SQLITE_FULL`), so `/readyz` takes the broker out of rotation
 /// before that, rather than after.
 pub const MIN_FREE_BYTES: u64 = 8 * 1024 * 1024;
-
-/// The lock file's name inside the data dir: locked exclusively by the broker that owns the dir.
-pub const LOCK_FILE: &str = "admission.lock";
 
 /// A handle on the database; cheap to clone.
 #[derive(Clone)]
@@ -72,25 +70,6 @@ fn open_connection(path: &Path) -> rusqlite::Result<Connection> {
     // file, and re-reading them for every batch is most of its cost.
     conn.pragma_update(None, "cache_size", -32_768)?;
     Ok(conn)
-}
-
-/// Takes the exclusive lock on `dir`'s [`LOCK_FILE`], or says which dir is in use.
-fn lock_data_dir(dir: &Path) -> Result<std::fs::File, StoreError> {
-    let path = dir.join(LOCK_FILE);
-    let file = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&path)
-        .map_err(|e| StoreError::io("open", &path, e))?;
-    match file.try_lock() {
-        Ok(()) => Ok(file),
-        Err(std::fs::TryLockError::WouldBlock) => Err(StoreError::DirInUse {
-            dir: dir.to_owned(),
-            lock: path,
-        }),
-        Err(std::fs::TryLockError::Error(e)) => Err(StoreError::io("lock", &path, e)),
-    }
 }
 
 /// Whether the filesystem holding `dir` has `needed` bytes free for this process (`statvfs`'s

@@ -47,7 +47,7 @@ use super::requests::RequestQuery;
 use super::streams::StreamRecord;
 use crate::engine::OperationState;
 
-pub use database::{DATABASE_FILE, LOCK_FILE, MIN_FREE_BYTES, READERS, SqliteStore};
+pub use database::{DATABASE_FILE, MIN_FREE_BYTES, READERS, SqliteStore};
 pub use schema::SCHEMA_VERSION;
 
 /// Runs blocking store work off the async threads.
@@ -263,7 +263,7 @@ mod tests {
             panic!("not DirInUse: {err}");
         };
         assert_eq!(in_use, dir.path());
-        assert_eq!(lock, &dir.path().join(LOCK_FILE));
+        assert_eq!(lock, &dir.path().join(super::super::dir_lock::LOCK_FILE));
         assert!(
             err.to_string().contains("in use by another broker"),
             "{err}"
