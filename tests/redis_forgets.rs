@@ -850,7 +850,7 @@ async fn a_replica_restarting_with_rows_lost_unbinds_the_keys_its_store_does_not
     fresh.refund().await;
     let kept = r2.admit("amy", false, Some("kept")).await;
     assert!(
-        matches!(&kept, Err(AdmitError::Replay { operation, replica }) if replica == "r1" && operation.to_string() == kept_ids[1]),
+        matches!(&kept, Err(AdmitError::Replay { operation, replica }) if replica == "r1" && *operation == kept_ids[1]),
         "a key whose operation the store holds stays bound: {kept:?}"
     );
     r1.shutdown().await;

@@ -5,9 +5,9 @@
 //! connection; reads (replay lookups, gets, list pages, waits) through a small pool of reader
 //! connections ([`READERS`]), so a read never queues behind an `fsync` nor behind another read.
 //!
-//! One broker owns a data dir: opening takes an exclusive lock on [`LOCK_FILE`] and holds it while
-//! any handle on the database lives. Two brokers on one dir would both restore, count and execute
-//! the same operations, so the second is refused at start-up instead.
+//! One broker owns a data dir: opening takes an exclusive lock on [`LOCK_FILE`](super::LOCK_FILE)
+//! and holds it while any handle on the database lives. Two brokers on one dir would both restore,
+//! count and execute the same operations, so the second is refused at start-up instead.
 //!
 //! - `database`: the handle (opening, the data dir's lock, the write connection and the reader
 //!   pool);
