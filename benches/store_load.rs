@@ -21,6 +21,7 @@ use serde_json::json;
 use unyolo_admission::broker::store::StoreLocation;
 use unyolo_admission::broker::{Broker, BrokerSettings};
 use unyolo_admission::config::{Identity, Operators, Secrets};
+use unyolo_admission::fairness::FairnessConfig;
 use unyolo_admission::{Config, StorageCaps};
 
 const SECRET: &str = "store-load-agent-secret";
@@ -121,6 +122,12 @@ fn settings(dir: &std::path::Path, store: Option<StoreLocation>, n: usize) -> Br
         config: Config::from_bytes(limits.as_bytes(), identities).unwrap(),
         storage_caps: StorageCaps::default(),
         store,
+        // One client sends every request: its share of requests in flight must not be what
+        // binds at 128 at once (each submission weighs 2 units).
+        fairness: FairnessConfig {
+            per_client_units: 400,
+            ..FairnessConfig::default()
+        },
         ..BrokerSettings::new(
             "127.0.0.1:0".parse().unwrap(),
             dir.to_owned(),
