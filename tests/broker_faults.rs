@@ -22,9 +22,6 @@ use unyolo_admission::StorageCaps;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn submissions_whose_clients_hang_up_are_counted_exactly_as_stored_and_all_decidable() {
-    if !support::broker::sqlite_only("reads the SQLite file itself (support::faults::stored)") {
-        return;
-    }
     let dir = tempfile::tempdir().unwrap();
     let h = start_tight(dir.path()).await;
     let mut bodies = BTreeMap::new();
@@ -43,9 +40,6 @@ async fn submissions_whose_clients_hang_up_are_counted_exactly_as_stored_and_all
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn approvals_and_denials_whose_operator_hangs_up_are_made_whole_or_not_at_all() {
-    if !support::broker::sqlite_only("reads the SQLite file itself (support::faults::stored)") {
-        return;
-    }
     let dir = tempfile::tempdir().unwrap();
     let h = start_tight(dir.path()).await;
     let ids = create_pending(&h, "decide", 10).await;
@@ -67,9 +61,6 @@ async fn approvals_and_denials_whose_operator_hangs_up_are_made_whole_or_not_at_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancels_whose_client_hangs_up_release_exactly_what_the_store_released() {
-    if !support::broker::sqlite_only("reads the SQLite file itself (support::faults::stored)") {
-        return;
-    }
     let dir = tempfile::tempdir().unwrap();
     let h = start_tight(dir.path()).await;
     let ids = create_pending(&h, "cancel", 8).await;
@@ -124,9 +115,6 @@ async fn cancels_whose_client_hangs_up_release_exactly_what_the_store_released()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn uploads_whose_client_hangs_up_leave_no_file_without_a_row_and_no_room_held() {
-    if !support::broker::sqlite_only("reads the SQLite file itself (support::faults::stored)") {
-        return;
-    }
     let dir = tempfile::tempdir().unwrap();
     let h = start_tight(dir.path()).await;
     // 40 uploads against a per-client cap of 16 files; half are cut short.
@@ -136,14 +124,15 @@ async fn uploads_whose_client_hangs_up_leave_no_file_without_a_row_and_no_room_h
     assert_eq!(stream_files, stored(dir.path()).streams);
     assert!(stream_files <= 16);
     // Everything stored can be deleted, and the room comes back to zero.
-    let conn = rusqlite::Connection::open(dir.path().join("admission.sqlite3")).unwrap();
-    let ids: Vec<String> = conn
-        .prepare("SELECT id FROM streams")
+    let ids: Vec<String> = h
+        .broker
+        .database()
+        .stream_ids()
+        .await
         .unwrap()
-        .query_map([], |r| r.get(0))
-        .unwrap()
-        .collect::<Result<_, _>>()
-        .unwrap();
+        .into_iter()
+        .map(|(id, _)| id)
+        .collect();
     for id in ids {
         let reply = h
             .send(
@@ -163,9 +152,6 @@ async fn uploads_whose_client_hangs_up_leave_no_file_without_a_row_and_no_room_h
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deletes_whose_client_hangs_up_remove_row_file_and_room_together() {
-    if !support::broker::sqlite_only("reads the SQLite file itself (support::faults::stored)") {
-        return;
-    }
     let dir = tempfile::tempdir().unwrap();
     let h = start_tight(dir.path()).await;
     let mut ids = Vec::new();

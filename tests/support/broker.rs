@@ -106,13 +106,24 @@ pub fn store_for(data: &std::path::Path) -> Option<StoreLocation> {
 
 /// The URL of [`store_for`] (`serve --store URL` for a test that runs the binary).
 pub fn postgres_url_for(data: &std::path::Path) -> String {
-    use std::hash::{Hash, Hasher};
-    use std::sync::{Mutex, OnceLock};
-    // One server for the whole test binary: it outlives every broker restart in a test, and its
-    // watchdog stops it when the binary ends.
-    static SERVER: OnceLock<Option<PostgresServer>> = OnceLock::new();
+    use std::sync::Mutex;
     static CREATING: Mutex<()> = Mutex::new(());
-    let server = SERVER
+    let _one_at_a_time = CREATING.lock().unwrap_or_else(|e| e.into_inner());
+    test_server().database_if_missing(&database_for(data))
+}
+
+/// Runs `sql` with `psql` in the PostgreSQL database of the broker whose data dir is `data`
+/// (what a fault test reads behind the broker's back, as it opens the SQLite file on SQLite).
+pub fn psql_for(data: &std::path::Path, sql: &str) -> String {
+    test_server().psql(&database_for(data), sql)
+}
+
+/// One server for the whole test binary: it outlives every broker restart in a test, and its
+/// watchdog stops it when the binary ends.
+fn test_server() -> &'static PostgresServer {
+    use std::sync::OnceLock;
+    static SERVER: OnceLock<Option<PostgresServer>> = OnceLock::new();
+    SERVER
         .get_or_init(PostgresServer::for_this_process)
         .as_ref()
         .unwrap_or_else(|| {
@@ -120,13 +131,16 @@ pub fn postgres_url_for(data: &std::path::Path) -> String {
                 "{STORE_VARIABLE}=postgres, but PostgreSQL cannot be run here (see the line \
                  above); unset it to test on SQLite"
             )
-        });
-    // The path as the test names it (the same on every restart), hashed: a valid name.
+        })
+}
+
+/// The database of the broker whose data dir is `data`: the path as the test names it (the same
+/// on every restart), hashed into a valid name.
+fn database_for(data: &std::path::Path) -> String {
+    use std::hash::{Hash, Hasher};
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
     data.hash(&mut hasher);
-    let name = format!("t_{:016x}", hasher.finish());
-    let _one_at_a_time = CREATING.lock().unwrap_or_else(|e| e.into_inner());
-    server.database_if_missing(&name)
+    format!("t_{:016x}", hasher.finish())
 }
 
 /// The flags of `admission serve` naming `files`, and under PostgreSQL ([`STORE_VARIABLE`])

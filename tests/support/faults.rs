@@ -145,7 +145,7 @@ pub async fn start_tight(dir: &Path) -> Harness {
     start_with(settings(dir, LIMITS, StorageCaps::default())).await
 }
 
-/// What the SQLite file holds, read through a connection of our own.
+/// What the store holds, read through a connection of our own (SQLite's file, or PostgreSQL).
 pub struct Stored {
     /// Operation rows by state.
     pub states: BTreeMap<String, u64>,
@@ -156,6 +156,9 @@ pub struct Stored {
 }
 
 pub fn stored(data: &Path) -> Stored {
+    if super::broker::on_postgres() {
+        return stored_in_postgres(data);
+    }
     let conn = rusqlite::Connection::open(data.join("admission.sqlite3")).unwrap();
     conn.busy_timeout(Duration::from_secs(30)).unwrap();
     let mut states = BTreeMap::new();
@@ -183,6 +186,29 @@ pub fn stored(data: &Path) -> Stored {
         states,
         keys,
         streams: streams as u64,
+    }
+}
+
+/// [`stored`] when the broker's operations are in PostgreSQL: the same three readings, through
+/// `psql` in the database of its data dir.
+fn stored_in_postgres(data: &Path) -> Stored {
+    let psql = |sql: &str| super::broker::psql_for(data, sql);
+    let states = psql("SELECT state, count(*) FROM operations GROUP BY state")
+        .lines()
+        .filter_map(|line| line.split_once('|'))
+        .map(|(state, n)| (state.to_owned(), n.parse::<u64>().expect("a count")))
+        .collect();
+    let keys = psql("SELECT idempotency_key FROM operations WHERE client_id = 'agent'")
+        .lines()
+        .map(str::to_owned)
+        .collect();
+    let streams = psql("SELECT count(*) FROM streams")
+        .parse()
+        .expect("a count");
+    Stored {
+        states,
+        keys,
+        streams,
     }
 }
 
