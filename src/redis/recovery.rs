@@ -61,6 +61,19 @@ impl RedisController {
 }
 
 impl Inner {
+    /// Runs one plain command within the call timeout, counting a failure as scripts' are.
+    async fn timed<T: redis::FromRedisValue>(
+        &self,
+        command: &redis::Cmd,
+        conn: &mut redis::aio::ConnectionManager,
+    ) -> Result<T, Unavailable> {
+        match tokio::time::timeout(self.options.call_timeout, command.query_async(conn)).await {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(e)) => Err(self.failed(UnavailableReason::Redis(e.to_string()))),
+            Err(_) => Err(self.failed(UnavailableReason::Timeout)),
+        }
+    }
+
     /// At start-up, once this replica has registered: unbinds every key Redis binds to an
     /// operation of this replica that its store does not hold (its rows were lost, or it stopped
     /// between an admission and the row), so no key stays bound to work nothing will ever answer
@@ -97,37 +110,17 @@ impl Inner {
         let mut cursor: u64 = 0;
         let mut unheld = Vec::new();
         loop {
-            let page = tokio::time::timeout(
-                self.options.call_timeout,
-                redis::cmd("SCAN")
-                    .arg(cursor)
-                    .arg("MATCH")
-                    .arg(&pattern)
-                    .arg("COUNT")
-                    .arg(KEY_RECORDS_PER_CALL)
-                    .query_async::<(u64, Vec<String>)>(&mut conn),
-            )
-            .await;
-            let (next, names) = match page {
-                Ok(Ok(page)) => page,
-                Ok(Err(e)) => return Err(self.failed(UnavailableReason::Redis(e.to_string()))),
-                Err(_) => return Err(self.failed(UnavailableReason::Timeout)),
-            };
+            let mut scan = redis::cmd("SCAN");
+            scan.arg(cursor)
+                .arg("MATCH")
+                .arg(&pattern)
+                .arg("COUNT")
+                .arg(KEY_RECORDS_PER_CALL);
+            let (next, names): (u64, Vec<String>) = self.timed(&scan, &mut conn).await?;
             if !names.is_empty() {
-                let owners = tokio::time::timeout(
-                    self.options.call_timeout,
-                    redis::cmd("MGET")
-                        .arg(&names)
-                        .query_async::<Vec<Option<String>>>(&mut conn),
-                )
-                .await;
-                let owners = match owners {
-                    Ok(Ok(owners)) => owners,
-                    Ok(Err(e)) => {
-                        return Err(self.failed(UnavailableReason::Redis(e.to_string())));
-                    }
-                    Err(_) => return Err(self.failed(UnavailableReason::Timeout)),
-                };
+                let mut mget = redis::cmd("MGET");
+                mget.arg(&names);
+                let owners: Vec<Option<String>> = self.timed(&mget, &mut conn).await?;
                 for (name, owner) in names.iter().zip(owners) {
                     let Some((operation, replica)) =
                         owner.as_deref().and_then(|o| o.split_once(' '))

@@ -220,6 +220,24 @@ impl PostgresStore {
         self.pool.get().await.map_err(|e| sort_pool(&self.shown, e))
     }
 
+    /// Runs `sql` (prepared once per connection) on a pooled connection and reads at most one
+    /// row: the shape of every lookup by key or id.
+    pub(super) async fn query_opt_cached(
+        &self,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> Result<Option<tokio_postgres::Row>, StoreError> {
+        let client = self.client().await?;
+        let stmt = client
+            .prepare_cached(sql)
+            .await
+            .map_err(|e| self.sorted(e))?;
+        client
+            .query_opt(&stmt, params)
+            .await
+            .map_err(|e| self.sorted(e))
+    }
+
     /// Sorts a statement's error (see `error`).
     pub(super) fn sorted(&self, err: tokio_postgres::Error) -> StoreError {
         sort(&self.shown, err)

@@ -318,50 +318,25 @@ impl PostgresStore {
         client_id: &str,
         key: &str,
     ) -> Result<Option<StoredRequest>, StoreError> {
-        let client = self.client().await?;
-        let stmt = client
-            .prepare_cached(&format!(
-                "SELECT {REQUEST_COLUMNS} FROM operations \
-                 WHERE client_id = $1 AND idempotency_key = $2"
-            ))
-            .await
-            .map_err(|e| self.sorted(e))?;
-        let row = client
-            .query_opt(&stmt, &[&client_id, &key])
-            .await
-            .map_err(|e| self.sorted(e))?;
+        let sql = format!(
+            "SELECT {REQUEST_COLUMNS} FROM operations \
+             WHERE client_id = $1 AND idempotency_key = $2"
+        );
+        let row = self.query_opt_cached(&sql, &[&client_id, &key]).await?;
         row.as_ref().map(stored_request_of).transpose()
     }
 
     /// The request of operation `id`.
     pub async fn request_of(&self, id: &str) -> Result<Option<StoredRequest>, StoreError> {
-        let client = self.client().await?;
-        let stmt = client
-            .prepare_cached(&format!(
-                "SELECT {REQUEST_COLUMNS} FROM operations WHERE id = $1"
-            ))
-            .await
-            .map_err(|e| self.sorted(e))?;
-        let row = client
-            .query_opt(&stmt, &[&id])
-            .await
-            .map_err(|e| self.sorted(e))?;
+        let sql = format!("SELECT {REQUEST_COLUMNS} FROM operations WHERE id = $1");
+        let row = self.query_opt_cached(&sql, &[&id]).await?;
         row.as_ref().map(stored_request_of).transpose()
     }
 
     /// The operation `id`.
     pub async fn get(&self, id: &str) -> Result<Option<OperationRecord>, StoreError> {
-        let client = self.client().await?;
-        let stmt = client
-            .prepare_cached(&format!(
-                "SELECT {RECORD_COLUMNS} FROM operations WHERE id = $1"
-            ))
-            .await
-            .map_err(|e| self.sorted(e))?;
-        let row = client
-            .query_opt(&stmt, &[&id])
-            .await
-            .map_err(|e| self.sorted(e))?;
+        let sql = format!("SELECT {RECORD_COLUMNS} FROM operations WHERE id = $1");
+        let row = self.query_opt_cached(&sql, &[&id]).await?;
         row.map(|row| record_of(&row, &self.broker)).transpose()
     }
 
