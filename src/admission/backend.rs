@@ -90,6 +90,12 @@ mod absent {
         ) -> (Vec<SharedOperation>, Option<Unavailable>) {
             match *self {}
         }
+        pub(crate) async fn adopt(
+            &self,
+            _: impl IntoIterator<Item = RestoredOperation>,
+        ) -> (Vec<SharedOperation>, Option<Unavailable>) {
+            match *self {}
+        }
         pub(crate) async fn counts(&self) -> Result<DeploymentCounts, Unavailable> {
             match *self {}
         }

@@ -13,15 +13,17 @@
 //! [`Core::expire_due`] is also what a read that must see due expiries first calls (the
 //! operator's request list and decisions, as upstream applies due lifecycle changes before them).
 //!
-//! **Per replica.** Each replica expires the requests of its own store, like everything else its
-//! store holds; the shared counts follow through the handle's release.
+//! **Per owner.** Each replica expires the requests it owns (on a shared store, those it created
+//! or took over: so each request once for the fleet); the shared counts follow through the
+//! handle's release. A decision on another replica that finds a request due writes its expiry
+//! there, and the owner's handle follows the row.
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use super::api::operator::projection::{lapsed, past_due};
 use super::core::{Core, LiveOp, run_to_end};
-use super::operations::TransitionFailure;
+use super::operations::{TransitionFailure, expiry_change};
 use super::store::{OperationRecord, StoreError};
 use crate::engine::OperationState;
 
@@ -128,6 +130,24 @@ impl Core {
         from: OperationState,
     ) -> Result<(), StoreError> {
         let Some(op) = self.live_op(id) else {
+            // Another replica's request (a shared store): its expiry is written here, and its
+            // owner's handle follows the row.
+            if self.owned_elsewhere(id) && matches!(from, OperationState::Pending | OperationState::Approved) {
+                let core = Arc::clone(self);
+                let id = id.to_owned();
+                let expired = run_to_end(async move {
+                    core.move_in_store(&id, OperationState::Expired, expiry_change(from))
+                        .await
+                })
+                .await
+                .unwrap_or_else(|err| {
+                    Err(TransitionFailure::Store(StoreError::unfinished("the expiry", err)))
+                });
+                return match expired {
+                    Ok(_) | Err(TransitionFailure::NotAllowed(_)) => Ok(()),
+                    Err(TransitionFailure::Store(err)) => Err(err),
+                };
+            }
             return Ok(());
         };
         match self.expire_to_end(op, from).await {

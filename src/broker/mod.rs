@@ -109,6 +109,7 @@ pub mod drill_replicas;
 pub mod event_streams;
 mod exec;
 mod expiry;
+mod fleet;
 #[doc(hidden)]
 pub mod key_locks;
 #[doc(hidden)]

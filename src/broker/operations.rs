@@ -17,6 +17,20 @@ use super::store::{
 };
 use crate::engine::{CancelOutcome, OperationState, TransitionError};
 
+/// What an expiry from `from` (pending: nobody decided in time; approved: the approval lapsed
+/// before the work started) writes.
+pub(crate) fn expiry_change(from: OperationState) -> StateChange {
+    let message = if from == OperationState::Approved {
+        "The operator's approval lapsed before an execution slot was free."
+    } else {
+        "No operator decided on the request within the pending timeout."
+    };
+    StateChange::error(Some(OperationError {
+        code: "operation_approval_expired".to_owned(),
+        message: message.to_owned(),
+    }))
+}
+
 /// Why a transition did not happen.
 #[derive(Debug)]
 pub(crate) enum TransitionFailure {
@@ -118,22 +132,9 @@ impl Core {
             if op.stored_state() != from {
                 return Ok(None);
             }
-            let message = if from == OperationState::Approved {
-                "The operator's approval lapsed before an execution slot was free."
-            } else {
-                "No operator decided on the request within the pending timeout."
-            };
-            let error = OperationError {
-                code: "operation_approval_expired".to_owned(),
-                message: message.to_owned(),
-            };
-            core.transition_locked(
-                &op,
-                OperationState::Expired,
-                StateChange::error(Some(error)),
-            )
-            .await
-            .map(Some)
+            core.transition_locked(&op, OperationState::Expired, expiry_change(from))
+                .await
+                .map(Some)
         };
         run_to_end(expiry).await.unwrap_or_else(|err| {
             Err(TransitionFailure::Store(StoreError::unfinished(
@@ -160,17 +161,27 @@ impl Core {
             // A cancel of approved work takes the approval back (Operator V1 shows `revoked`).
             decision.revoked |= from == OperationState::Approved && to == OperationState::Canceled;
         }
-        let record = self
+        let Some(record) = self
             .db
             .set_state(&op.id, from, to, change)
             .await
             .map_err(TransitionFailure::Store)?
-            .ok_or_else(|| {
-                TransitionFailure::Store(StoreError::NotInState {
-                    id: op.id.clone(),
-                    expected: from,
-                })
-            })?;
+        else {
+            // On a shared store another replica may have moved it first (a cancel, a decision
+            // there): the handle follows the row, and this move is judged from where it went.
+            if self.db.is_shared()
+                && let Some(record) = super::fleet::follow_locked(self, op)
+                    .await
+                    .map_err(TransitionFailure::Store)?
+                && record.state != from
+            {
+                return Err(TransitionFailure::NotAllowed(record.state));
+            }
+            return Err(TransitionFailure::Store(StoreError::NotInState {
+                id: op.id.clone(),
+                expected: from,
+            }));
+        };
         self.follow_in_handle(op, from, to).await;
         Ok(record)
     }
@@ -204,9 +215,22 @@ impl Core {
                 None => None,
             };
             let live = op.as_ref().map(|op| op.stored_state());
+            // Another replica's request (on a shared store): judged on its row, which its
+            // owner's handle follows once this is committed.
+            let elsewhere = op.is_none() && core.db.is_shared();
             let outcome = core
                 .db
-                .decide(command, move |record| judge(record, live), render)
+                .decide(
+                    command,
+                    move |record| {
+                        let live = match live {
+                            None if elsewhere && !record.state.is_terminal() => Some(record.state),
+                            live => live,
+                        };
+                        judge(record, live)
+                    },
+                    render,
+                )
                 .await?;
             if let (DecisionOutcome::Committed(record, _), Some(op), Some(from)) =
                 (&outcome, &op, live)
@@ -226,7 +250,7 @@ impl Core {
     /// Applies a move already durable in the store to `op`'s handle (which releases its slots on
     /// a terminal move) and follows it up ([`Core::changed`]). Called with the counts gate and
     /// the operation's lock held, so the handle is still in `from`.
-    async fn follow_in_handle(&self, op: &Arc<LiveOp>, from: OperationState, to: OperationState) {
+    pub(crate) async fn follow_in_handle(&self, op: &Arc<LiveOp>, from: OperationState, to: OperationState) {
         // One call for both backends: the local move at once, the shared one by operation id
         // (kept and resent if Redis does not answer; this task runs to its end regardless).
         let applied = match to {

@@ -272,6 +272,15 @@ pub(crate) async fn watch(core: Arc<Core>, retention: Arc<Retention>, interval: 
     loop {
         tokio::select! {
             _ = ticks.tick() => {
+                // Once for the whole store: on a shared one, only the replica leading the fleet.
+                match core.db.leads_fleet().await {
+                    Ok(true) => {}
+                    Ok(false) => continue,
+                    Err(err) => {
+                        tracing::warn!(error = %err, "retention sweep skipped: the store does not answer");
+                        continue;
+                    }
+                }
                 if let Err(err) = sweep(&core, &retention).await {
                     tracing::warn!(error = %err, "retention sweep failed; the next one retries");
                 }

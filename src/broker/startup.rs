@@ -234,11 +234,9 @@ impl Broker {
         }
         restore_rates(core.controller(), created, SystemTime::now());
 
-        let membership = tokio::spawn(keep_membership(
-            Arc::clone(&core.db),
-            member,
-            shutdown.clone(),
-        ));
+        let membership = tokio::spawn(keep_membership(Arc::clone(&core), member));
+        // Changes other replicas make to this store: waits woken, handles following their rows.
+        tokio::spawn(super::fleet::follow_changes(Arc::clone(&core)));
         let executor = tokio::spawn(exec::run(Arc::clone(&core)));
         let drift = tokio::spawn(drift::watch(Arc::clone(&core), settings.drift_interval));
         let sweeper = tokio::spawn(retention::watch(
@@ -532,42 +530,35 @@ fn membership_name(settings: &BrokerSettings) -> Result<String, BrokerError> {
 pub const REPLICA_ID_FILE: &str = "replica-id";
 
 /// Joins the replicas serving `db` as `member`, or says why this broker must not serve it:
-/// another replica's membership is live. Several replicas on one store each counting alone
-/// would admit past every limit, and until the store hands out work by claims each would
-/// restore and run the others' operations, so one replica serves a store for now.
+/// another replica's membership is live and this one does not share admission with it (each
+/// would count alone and admit past every limit). Replicas sharing admission through Redis
+/// serve one store together.
 async fn join_the_store(
     db: &dyn DurableStore,
     member: &str,
     shares_admission: bool,
 ) -> Result<(), BrokerError> {
     let others = db.join_fleet(member, MEMBERSHIP_LEASE).await?;
-    if others.is_empty() {
+    if others.is_empty() || shares_admission {
+        if !others.is_empty() {
+            tracing::info!(replicas = %others.join(", "), "joined the replicas serving this store");
+        }
         return Ok(());
     }
     let named = others.join(", ");
-    Err(BrokerError::Settings(if shares_admission {
-        format!(
-            "another replica ({named}) is serving this store; a fleet of replicas on one \
-             PostgreSQL store is not served yet (each would restore and run the others' work): \
-             run one replica per store, or wait for its membership to lapse ({}s after it stops)",
-            MEMBERSHIP_LEASE.as_secs()
-        )
-    } else {
-        format!(
-            "another replica ({named}) is serving this store, and this one has no --redis: \
-             replicas on one store must share admission through Redis, or each would count \
-             alone and admit past every limit"
-        )
-    }))
+    Err(BrokerError::Settings(format!(
+        "another replica ({named}) is serving this store, and this one has no --redis: \
+         replicas on one store must share admission through Redis (--redis, --replica), or \
+         each would count alone and admit past every limit"
+    )))
 }
 
-/// Renews `member`'s membership of `db` every third of its lease until shutdown, then gives it
-/// up, so a broker started next on the store need not wait for the lease to lapse.
-async fn keep_membership(
-    db: Arc<dyn DurableStore>,
-    member: String,
-    mut shutdown: watch::Receiver<bool>,
-) {
+/// Renews `member`'s membership of the store every third of its lease until shutdown, taking
+/// over the work of replicas whose membership lapsed on the way (`fleet::take_over`), then gives
+/// the membership up, so a broker started next on the store need not wait for the lease to lapse.
+async fn keep_membership(core: Arc<Core>, member: String) {
+    let db = Arc::clone(&core.db);
+    let mut shutdown = core.shutdown.clone();
     let every = MEMBERSHIP_LEASE / 3;
     loop {
         tokio::select! {
@@ -576,6 +567,12 @@ async fn keep_membership(
         }
         if let Err(err) = db.renew_membership(&member, MEMBERSHIP_LEASE).await {
             tracing::warn!(error = %err, "the store membership could not be renewed; retrying");
+            continue;
+        }
+        if db.is_shared()
+            && let Err(err) = super::fleet::take_over(&core, MEMBERSHIP_LEASE).await
+        {
+            tracing::warn!(error = %err, "the work of lapsed replicas could not be taken over; retrying");
         }
     }
     if let Err(err) = db.leave_fleet(&member).await {

@@ -54,6 +54,13 @@ impl Waits {
         }
     }
 
+    /// Rings every bell: anything may have changed (a change feed from other replicas was cut).
+    pub(crate) fn ring_all(&self) {
+        for bell in self.registry().bells.values() {
+            bell.ring.send_replace(());
+        }
+    }
+
     /// Takes one of `client`'s wait slots on operation `id`; the slot's bell hears every change
     /// from now on.
     pub(crate) fn enter(&self, client: &str, id: &str) -> Result<WaitSlot<'_>, TooManyWaits> {

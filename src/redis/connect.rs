@@ -86,6 +86,7 @@ impl RedisController {
             learning: tokio::sync::Mutex::new(()),
             source: std::sync::OnceLock::new(),
             renew_now: AtomicBool::new(false),
+            adopted_unregistered: AtomicBool::new(false),
             recovering: AtomicBool::new(false),
             memory: Arc::new(RefusalMemory::default()),
             decisions: Arc::new(tokio::sync::Semaphore::new(options.decisions_in_flight)),

@@ -82,7 +82,16 @@ impl Inner {
     /// this replica has renewed without a break for a whole lease. The lease goes first: kept
     /// releases could otherwise keep a live replica from renewing for as long as they come.
     async fn tick(&self, next_beat: Instant) {
-        let renewed = self.renew().await.is_ok();
+        let mut renewed = self.renew().await.is_ok();
+        // Work taken over from a lapsed replica is counted under this one by a registration,
+        // which moves each operation's record here in one step (`scripts/replace.lua`).
+        if renewed && self.adopted_unregistered.swap(false, Ordering::AcqRel) {
+            if let Err(err) = self.register_again().await {
+                tracing::warn!(error = %err, "operations taken over are not counted in redis yet; retrying");
+                self.adopted_unregistered.store(true, Ordering::Release);
+                renewed = false;
+            }
+        }
         self.drain_until(Some(next_beat)).await;
         let steady = crate::sync::lock(&self.renewing_since)
             .is_some_and(|since| since.elapsed() >= self.options.lease_ttl);

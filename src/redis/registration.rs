@@ -123,6 +123,50 @@ impl RedisController {
         (self.handles(cells), deferred)
     }
 
+    /// Takes over `adopted`, operations another replica held (its lease lapsed; the store made
+    /// them this replica's): they join what this replica holds, and a registration counts them
+    /// here, moving each one's record from the replica that held it (or counting it again, if
+    /// that one's holdings were already reaped), in one step with the rest. If Redis does not
+    /// answer now, the heartbeat registers them once it does (see `adopted_unregistered`).
+    pub(crate) async fn adopt(
+        &self,
+        adopted: impl IntoIterator<Item = RestoredOperation>,
+    ) -> (Vec<RedisOperation>, Option<Unavailable>) {
+        let cells: Vec<Arc<Held>> = {
+            let _alone = self.inner.registration.write().await;
+            let cells: Vec<Arc<Held>> = adopted
+                .into_iter()
+                .filter(|op| !op.state.is_terminal() && valid_op_id(&op.id))
+                .map(|op| {
+                    Arc::new(Held {
+                        id: op.id,
+                        identity: op.identity,
+                        state: std::sync::atomic::AtomicU8::new(op.state as u8),
+                        uncommitted: Mutex::new(None),
+                    })
+                })
+                .collect();
+            let mut held = self.inner.lock_held();
+            for cell in &cells {
+                held.insert(cell.id.clone(), Arc::clone(cell));
+            }
+            cells
+        };
+        self.inner
+            .adopted_unregistered
+            .store(true, std::sync::atomic::Ordering::Release);
+        let deferred = match self.inner.register_again().await {
+            Ok(()) => {
+                self.inner
+                    .adopted_unregistered
+                    .store(false, std::sync::atomic::Ordering::Release);
+                None
+            }
+            Err(err) => Some(err),
+        };
+        (self.handles(cells), deferred)
+    }
+
     /// The notices (with the refusal memory on) and the heartbeat, if not running.
     fn start_background(&self) {
         // Heard only after this replica's own registration: its `*` could only end refusals

@@ -73,6 +73,10 @@ pub(crate) struct Inner {
     pub(super) source: std::sync::OnceLock<Arc<dyn RecoverySource>>,
     /// The heartbeat should renew (and register again) at once, not only drain kept releases.
     pub(super) renew_now: AtomicBool,
+    /// Operations taken over from another replica are held here but not yet counted under this
+    /// replica in Redis (the registration that moves them did not get through): the heartbeat
+    /// registers again until it does.
+    pub(super) adopted_unregistered: AtomicBool,
     /// Whether the last registration found a recovery in progress.
     pub(super) recovering: AtomicBool,
     /// Redis's refusals, answered here until they can have changed.

@@ -26,7 +26,7 @@ use super::presentation;
 use super::projection::OperationJson;
 use super::ratelimit;
 use crate::admission::{AdmissionPermit, AdmitError, KeyRecord, Refused, Unavailable};
-use crate::broker::core::Core;
+use crate::broker::core::{Core, run_to_end};
 use crate::broker::core::LiveOp;
 use crate::broker::operations::TransitionFailure;
 use crate::broker::registry::{self, NotRunnable};
@@ -311,7 +311,68 @@ async fn replayed_elsewhere(
     if core.admission.replica() == Some(replica) && core.live_op(operation).is_none() {
         return Ok(Elsewhere::Stale);
     }
+    if core.db.is_shared() {
+        return replayed_from_the_fleet(core, client, request, operation, replica).await;
+    }
     Ok(Elsewhere::Answer(Err(elsewhere(operation, replica))))
+}
+
+/// How long a replay waits for another replica to commit the operation its key names.
+const CREATION_ELSEWHERE: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// On a store the fleet shares, a key another replica bound is that replica's creation under
+/// way: the replay waits (briefly) for its row and answers it. A replica whose membership
+/// lapsed will never commit it: the binding is stale. One still creating past the wait: 503
+/// with Retry-After, never `idempotency_key_elsewhere`.
+async fn replayed_from_the_fleet(
+    core: &Core,
+    client: &Identity,
+    request: &Submission,
+    operation: &str,
+    replica: &str,
+) -> Result<Elsewhere, ApiError> {
+    let deadline = tokio::time::Instant::now() + CREATION_ELSEWHERE;
+    loop {
+        if !core
+            .db
+            .live_members()
+            .await?
+            .iter()
+            .any(|member| member == replica)
+        {
+            // Read the store once more: it may have committed just before it stopped.
+            if let Some(existing) = core
+                .db
+                .request_by_key(client.as_str(), &request.idempotency_key)
+                .await?
+                && let Some(answer) = replay(core, &existing, request).await?
+            {
+                return Ok(Elsewhere::Answer(Ok(answer)));
+            }
+            return Ok(Elsewhere::Stale);
+        }
+        if tokio::time::Instant::now() >= deadline {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(25)).await;
+        if let Some(existing) = core
+            .db
+            .request_by_key(client.as_str(), &request.idempotency_key)
+            .await?
+            && let Some(answer) = replay(core, &existing, request).await?
+        {
+            return Ok(Elsewhere::Answer(Ok(answer)));
+        }
+    }
+    Ok(Elsewhere::Answer(Err(ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "store_unavailable",
+        format!(
+            "This idempotency key names operation {operation}, which broker replica {replica} \
+             is still creating; retry shortly to read it."
+        ),
+    )
+    .with_retry_after(1))))
 }
 
 fn elsewhere(operation: &str, replica: &str) -> ApiError {
@@ -469,12 +530,6 @@ pub(crate) async fn cancel(
             request.terminal,
         )
         .await;
-    let Some(op) = live else {
-        // Terminal: canceling changes nothing, so it is a read of the operation, with room in
-        // the buffered-bytes budget reserved before the row is read (after the live lookup, so
-        // the answer is not older than the terminal transition).
-        return terminal_answer(&core, client, &id, room).await;
-    };
     // Decided before any room is asked for: the agents' buffered-bytes budget may be full (a cancel
     // is exempt from the fairness share, not from that budget), and a cancel must take effect even
     // then (an exempt path keeps working under any load). The write and the handle's move run to
@@ -489,10 +544,33 @@ pub(crate) async fn cancel(
             lasts: None,
         }),
     };
-    match core
-        .transition_to_end(op, OperationState::Canceled, change)
-        .await
-    {
+    let moved = match live {
+        Some(op) => {
+            core.transition_to_end(op, OperationState::Canceled, change)
+                .await
+        }
+        // Another replica's operation (a shared store): the row moves here, its owner follows.
+        None if !request.terminal && core.owned_elsewhere(&id) => {
+            let core = Arc::clone(&core);
+            let id = id.clone();
+            run_to_end(async move {
+                core.move_in_store(&id, OperationState::Canceled, change)
+                    .await
+            })
+            .await
+            .unwrap_or_else(|err| {
+                Err(TransitionFailure::Store(StoreError::unfinished(
+                    "the cancel",
+                    err,
+                )))
+            })
+        }
+        // Terminal: canceling changes nothing, so it is a read of the operation, with room in
+        // the buffered-bytes budget reserved before the row is read (after the live lookup, so
+        // the answer is not older than the terminal transition).
+        None => return terminal_answer(&core, client, &id, room).await,
+    };
+    match moved {
         // Canceled. Its answer is rendered within the budget like any other; without room in
         // time it is a retryable 503 that says the cancel took effect (a retry reads it).
         Ok(record) => match reserve_render(&core, room).await {

@@ -62,6 +62,38 @@ pub trait DurableStore: Send + Sync + 'static {
         None
     }
 
+    /// Whether other processes (a fleet's replicas) read and write this store too: their
+    /// operations are in it, and this process learns of their changes through
+    /// [`changes`](DurableStore::changes). `false` (the default) for a store one process owns.
+    fn is_shared(&self) -> bool {
+        false
+    }
+
+    /// The replicas whose membership is live now (none for a store one process owns).
+    async fn live_members(&self) -> Result<Vec<String>, StoreError> {
+        Ok(Vec::new())
+    }
+
+    /// Whether this process runs the chores done once for the whole store (retention, the
+    /// event log's trimming) now: always, for a store one process owns; in a fleet, one live
+    /// replica.
+    async fn leads_fleet(&self) -> Result<bool, StoreError> {
+        Ok(true)
+    }
+
+    /// Takes over the work of replicas whose membership lapsed, as start-up recovery does
+    /// ([`recover`](DurableStore::recover)): their executing operations end `failed`
+    /// `execution_interrupted`, their pending and approved ones become this replica's (returned
+    /// as `live`). Called every third of `lease` (the membership's); nothing for a store one
+    /// process owns.
+    async fn take_over_lapsed(
+        &self,
+        lease: std::time::Duration,
+    ) -> Result<Recovered, StoreError> {
+        let _ = lease;
+        Ok(Recovered::default())
+    }
+
     /// Joins the replicas serving this store as `replica`, for `lease` (renewed with
     /// [`renew_membership`](DurableStore::renew_membership) while it runs), and answers the
     /// other replicas whose lease is live now; two replicas joining at once see each other. A
@@ -103,7 +135,8 @@ pub trait DurableStore: Send + Sync + 'static {
 
     /// Start-up recovery: operations that were executing become `failed` with
     /// `execution_interrupted` (they never run twice); returns them, the live ones and the
-    /// streams.
+    /// streams. In a fleet, only this replica's own operations and those no live replica owns
+    /// (they become this replica's).
     async fn recover(&self) -> Result<Recovered, StoreError>;
 
     /// The client and creation time of every operation, in any state, created at or after

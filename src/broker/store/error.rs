@@ -96,6 +96,12 @@ pub enum StoreError {
         /// The state the change expected.
         expected: OperationState,
     },
+    /// The operation belongs to another replica of the fleet now (it took the work over while
+    /// this one's membership had lapsed): this replica must not start it.
+    TakenOver {
+        /// The operation.
+        id: String,
+    },
     /// The store and what the broker knows of it disagree (a row the store just reported is
     /// gone).
     Inconsistent(String),
@@ -157,6 +163,11 @@ impl std::fmt::Display for StoreError {
             StoreError::NotInState { id, expected } => {
                 write!(f, "operation {id} is not {expected} in the store")
             }
+            StoreError::TakenOver { id } => write!(
+                f,
+                "operation {id} was taken over by another replica of the fleet (this one's \
+                 membership of the store had lapsed)"
+            ),
             StoreError::Inconsistent(detail) => f.write_str(detail),
             StoreError::Unfinished { task, source } => write!(f, "{task} did not finish: {source}"),
         }
@@ -178,6 +189,7 @@ impl std::error::Error for StoreError {
             | StoreError::UnknownSchema { .. }
             | StoreError::BadLocation { .. }
             | StoreError::NotInState { .. }
+            | StoreError::TakenOver { .. }
             | StoreError::Inconsistent(_) => None,
         }
     }

@@ -22,6 +22,8 @@ impl PostgresStore {
         replica: &str,
         lease: Duration,
     ) -> Result<Vec<String>, StoreError> {
+        // The first join names the owner of this process's new operations for good.
+        let _ = self.member.set(replica.to_owned());
         let mut client = self.client().await?;
         let tx = client.transaction().await.map_err(|e| self.sorted(e))?;
         tx.execute("SELECT pg_advisory_xact_lock($1)", &[&FLEET_LOCK])
@@ -56,14 +58,18 @@ impl PostgresStore {
         Ok(others)
     }
 
-    /// Renews `replica`'s membership for `lease` from now (taking it again if it lapsed).
+    /// Renews `replica`'s membership for `lease` from now (taking it again if it lapsed: it
+    /// then counts as joined now, so it takes nobody's work over until it has been a member
+    /// for a whole lease, in which a live owner renews).
     pub async fn renew_membership(&self, replica: &str, lease: Duration) -> Result<(), StoreError> {
         let client = self.client().await?;
         client
             .execute(
                 "INSERT INTO replicas (name, lease_until, joined_at) \
                  VALUES ($1, clock_timestamp() + $2::text::interval, clock_timestamp()) \
-                 ON CONFLICT (name) DO UPDATE SET lease_until = EXCLUDED.lease_until",
+                 ON CONFLICT (name) DO UPDATE SET lease_until = EXCLUDED.lease_until, \
+                 joined_at = CASE WHEN replicas.lease_until < clock_timestamp() \
+                 THEN clock_timestamp() ELSE replicas.joined_at END",
                 &[&replica, &interval(lease)],
             )
             .await
@@ -79,5 +85,42 @@ impl PostgresStore {
             .await
             .map_err(|e| self.sorted(e))?;
         Ok(())
+    }
+}
+
+impl PostgresStore {
+    /// The replicas whose membership is live now, by name.
+    pub async fn live_members(&self) -> Result<Vec<String>, StoreError> {
+        let client = self.client().await?;
+        Ok(client
+            .query(
+                "SELECT name FROM replicas WHERE lease_until >= clock_timestamp() ORDER BY name",
+                &[],
+            )
+            .await
+            .map_err(|e| self.sorted(e))?
+            .iter()
+            .map(|row| row.get::<_, String>(0))
+            .collect())
+    }
+
+    /// Whether this process's replica runs the fleet's chores now (retention, trimming the
+    /// event log): the live member first by name. A process that joined no fleet always does.
+    pub async fn leads_fleet(&self) -> Result<bool, StoreError> {
+        let Some(me) = self.member.get() else {
+            return Ok(true);
+        };
+        let client = self.client().await?;
+        let first: Option<String> = client
+            .query_one(
+                "SELECT min(name) FROM replicas WHERE lease_until >= clock_timestamp()",
+                &[],
+            )
+            .await
+            .map_err(|e| self.sorted(e))?
+            .get(0);
+        // No live member at all (the lease lapsed with the server away): this one, once it
+        // renews, is as good as any.
+        Ok(first.is_none_or(|first| &first == me))
     }
 }

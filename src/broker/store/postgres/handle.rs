@@ -79,6 +79,10 @@ pub struct PostgresStore {
     pub(super) bytes: Arc<AtomicU64>,
     /// Where this replica writes stream bodies.
     pub(super) streams: Arc<PathBuf>,
+    /// The replica this process serves the store as, once it joined the fleet
+    /// (`join_fleet`): the owner its new operations name, and whose work it recovers, starts
+    /// and takes over. Unset, it owns every row (a store opened outside a broker).
+    pub(super) member: Arc<std::sync::OnceLock<String>>,
     /// The data dir's lock, when the broker's data dir is held through this store
     /// ([`PostgresStore::holding`]).
     _dir_lock: Option<Arc<std::fs::File>>,
@@ -193,6 +197,7 @@ impl PostgresStore {
             changes,
             bytes,
             streams: Arc::new(streams_dir),
+            member: Arc::default(),
             _dir_lock: None,
             _tasks: Arc::new(Tasks(tasks)),
         };

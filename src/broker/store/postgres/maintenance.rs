@@ -25,20 +25,23 @@ impl PostgresStore {
                 .start()
                 .await
                 .map_err(|e| self.sorted(e))?;
+            // In a fleet, this replica's own: what its counts hold.
+            let me = self.member.get();
             let operations = tx
                 .query(
                     "SELECT client_id, state, count(*) AS n FROM operations \
                      WHERE state IN ('pending', 'approved', 'executing') \
+                     AND ($1::text IS NULL OR owner = $1) \
                      GROUP BY client_id, state",
-                    &[],
+                    &[&me],
                 )
                 .await
                 .map_err(|e| self.sorted(e))?;
             let streams = tx
                 .query(
                     "SELECT client_id, count(*) AS n, COALESCE(sum(size), 0)::bigint AS bytes \
-                     FROM streams GROUP BY client_id",
-                    &[],
+                     FROM streams WHERE $1::text IS NULL OR owner = $1 GROUP BY client_id",
+                    &[&me],
                 )
                 .await
                 .map_err(|e| self.sorted(e))?;
@@ -87,15 +90,21 @@ impl PostgresStore {
             .collect())
     }
 
-    /// Every live operation's id and state.
+    /// Every live operation's id and state (in a fleet, this replica's own).
     pub async fn live_states(&self) -> Result<Vec<(String, OperationState)>, StoreError> {
-        let rows = self
-            .strings(
+        let client = self.client().await?;
+        let rows: Vec<Vec<String>> = client
+            .query(
                 "SELECT id, state FROM operations \
-                 WHERE state IN ('pending', 'approved', 'executing')",
-                2,
+                 WHERE state IN ('pending', 'approved', 'executing') \
+                 AND ($1::text IS NULL OR owner = $1)",
+                &[&self.member.get()],
             )
-            .await?;
+            .await
+            .map_err(|e| self.sorted(e))?
+            .iter()
+            .map(|row| vec![row.get::<_, String>(0), row.get::<_, String>(1)])
+            .collect();
         Ok(rows
             .into_iter()
             .filter_map(|row| {

@@ -151,6 +151,25 @@ impl DurableStore for PostgresStore {
         PostgresStore::recover(self).await
     }
 
+    fn is_shared(&self) -> bool {
+        true
+    }
+
+    async fn live_members(&self) -> Result<Vec<String>, StoreError> {
+        PostgresStore::live_members(self).await
+    }
+
+    async fn leads_fleet(&self) -> Result<bool, StoreError> {
+        PostgresStore::leads_fleet(self).await
+    }
+
+    async fn take_over_lapsed(
+        &self,
+        lease: std::time::Duration,
+    ) -> Result<Recovered, StoreError> {
+        PostgresStore::take_over_lapsed(self, lease).await
+    }
+
     async fn created_since(
         &self,
         since: SystemTime,

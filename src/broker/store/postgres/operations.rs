@@ -99,6 +99,57 @@ pub(super) async fn change_state(
     Ok(Some(record))
 }
 
+/// The claim a start makes (inside its transaction, the row locked): `me` may start operation
+/// `id` only if it still owns it and its membership is live. Another owner: it was taken over
+/// ([`StoreError::TakenOver`]). A lapsed membership: the start waits (a transient
+/// [`StoreError::Unavailable`]) until the membership is renewed, or the work is taken over.
+async fn refuse_claim(
+    tx: &deadpool_postgres::Transaction<'_>,
+    db: &PostgresStore,
+    id: &str,
+    me: &str,
+) -> Result<Option<StoreError>, Failed> {
+    let claim = tx
+        .prepare_cached(
+            "SELECT owner IS NULL OR owner = $2, \
+             EXISTS (SELECT 1 FROM replicas WHERE name = $2 AND lease_until >= clock_timestamp()) \
+             FROM operations WHERE id = $1 FOR UPDATE",
+        )
+        .await?;
+    let Some(row) = tx.query_opt(&claim, &[&id, &me]).await? else {
+        // No row: `change_state` finds nothing to move.
+        return Ok(None);
+    };
+    let (owned, member): (bool, bool) = (row.get(0), row.get(1));
+    Ok(if !owned {
+        Some(StoreError::TakenOver { id: id.to_owned() })
+    } else if !member {
+        Some(StoreError::Unavailable {
+            database: db.shown.to_string(),
+            source: format!(
+                "the membership of replica {me} has lapsed: it starts no work until it is renewed"
+            )
+            .into(),
+        })
+    } else {
+        None
+    })
+}
+
+/// An operation (aliased `o`) no live replica owns: its owner's membership lapsed, or it names
+/// none (written outside a fleet, or by schema 1).
+const ORPHANED: &str = "(o.owner IS NULL OR NOT EXISTS (SELECT 1 FROM replicas r \
+     WHERE r.name = o.owner AND r.lease_until >= clock_timestamp()))";
+
+/// Which work recovery takes (see `PostgresStore::take_over`).
+#[derive(Clone, Copy)]
+enum Taking {
+    /// At start-up: this replica's own and the orphaned.
+    AtStart,
+    /// While running: only the orphaned.
+    Lapsed,
+}
+
 impl PostgresStore {
     /// Inserts a new operation (and, for a request, its `request.created` event) in one
     /// transaction; [`InsertError::Duplicate`] when the client already has the key (the
@@ -112,8 +163,9 @@ impl PostgresStore {
                 .prepare_cached(
                     "INSERT INTO operations (id, client_id, idempotency_key, operation, target, \
                      arguments, reason, state, created_at, updated_at, revision, title, \
-                     summary, request_digest, pending_expires_at) \
-                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, 1, $11, $12, $13, $14)",
+                     summary, request_digest, pending_expires_at, owner) \
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, 1, $11, $12, $13, $14, \
+                     $15)",
                 )
                 .await?;
             tx.execute(
@@ -133,6 +185,7 @@ impl PostgresStore {
                     &record.presentation.summary,
                     &record.request_digest(),
                     &record.pending_expires_at,
+                    &self.member.get(),
                 ],
             )
             .await?;
@@ -173,9 +226,17 @@ impl PostgresStore {
         to: OperationState,
         change: StateChange,
     ) -> Result<Option<OperationRecord>, StoreError> {
+        let claim = (from == OperationState::Approved && to == OperationState::Executing)
+            .then(|| self.member.get())
+            .flatten();
         let changed: Result<_, Failed> = async {
             let mut client = self.client().await?;
             let tx = client.transaction().await?;
+            if let Some(me) = claim
+                && let Some(refused) = refuse_claim(&tx, self, id, me).await?
+            {
+                return Err(Failed::Store(refused));
+            }
             let changed = change_state(&tx, self, id, from, to, &change).await?;
             tx.commit().await?;
             Ok(changed)
@@ -190,22 +251,86 @@ impl PostgresStore {
         Ok(changed)
     }
 
-    /// Start-up recovery: operations that were executing become `failed` with
-    /// `execution_interrupted`; returns them, the live ones and the streams, from one
-    /// transaction.
+    /// Start-up recovery: of this replica's operations and those no live replica owns
+    /// (their owner's membership lapsed, or none: a store opened outside a fleet), the ones that
+    /// were executing become `failed` with `execution_interrupted`, and the pending and approved
+    /// ones become this replica's; returns them and every stream, from one transaction. Live
+    /// replicas' work is left to them.
     pub async fn recover(&self) -> Result<Recovered, StoreError> {
+        self.take_over(Taking::AtStart).await
+    }
+
+    /// Takes over the work of replicas whose membership has lapsed (they died, or lost the
+    /// store for a whole lease), as [`PostgresStore::recover`] does at start-up: their
+    /// executing operations end `failed` `execution_interrupted`, their pending and approved
+    /// ones become this replica's. Only once this replica has been a live member for `lease`
+    /// itself (after a store outage every replica's lease lapses: each gets a lease to renew
+    /// before any takes another's work), and one replica at a time. Streams are not returned.
+    pub async fn take_over_lapsed(
+        &self,
+        lease: std::time::Duration,
+    ) -> Result<Recovered, StoreError> {
+        let Some(me) = self.member.get() else {
+            return Ok(Recovered::default());
+        };
+        // A cheap look first, without the lock: is there work whose owner is gone?
+        let client = self.client().await?;
+        let lapsed = client
+            .query_one(
+                &format!(
+                    "SELECT EXISTS (SELECT 1 FROM operations o \
+                     WHERE state IN ('pending', 'approved', 'executing') AND {ORPHANED}) \
+                     AND EXISTS (SELECT 1 FROM replicas WHERE name = $1 \
+                     AND lease_until >= clock_timestamp() \
+                     AND joined_at + $2::text::interval <= clock_timestamp())"
+                ),
+                &[me, &format!("{} milliseconds", lease.as_millis())],
+            )
+            .await
+            .map_err(|e| self.sorted(e))?;
+        drop(client);
+        if !lapsed.get::<_, bool>(0) {
+            return Ok(Recovered::default());
+        }
+        self.take_over(Taking::Lapsed).await
+    }
+
+    /// Recovery's one transaction (see [`PostgresStore::recover`] and
+    /// [`PostgresStore::take_over_lapsed`]), under the fleet's lock so two replicas never take
+    /// the same work.
+    async fn take_over(&self, taking: Taking) -> Result<Recovered, StoreError> {
         let error = OperationError {
             code: "execution_interrupted".to_owned(),
             message: "The broker stopped while the operation was executing; it was not run again."
                 .to_owned(),
         };
+        let me = self.member.get().map(String::as_str);
+        // Whose work: all of it outside a fleet; in one, this replica's own (at start-up) and
+        // that of owners no longer live.
+        let whose = match (me, taking) {
+            (None, _) => String::from("true"),
+            (Some(_), Taking::AtStart) => format!("(owner = $1 OR {ORPHANED})"),
+            (Some(_), Taking::Lapsed) => format!("(owner IS DISTINCT FROM $1 AND {ORPHANED})"),
+        };
+        let params: Vec<&(dyn ToSql + Sync)> = match &me {
+            Some(me) => vec![me],
+            None => vec![],
+        };
         let recovered: Result<_, Failed> = async {
             let mut client = self.client().await?;
             let tx = client.transaction().await?;
+            tx.execute(
+                "SELECT pg_advisory_xact_lock($1)",
+                &[&super::schema::FLEET_LOCK],
+            )
+            .await?;
             let executing = tx
                 .query(
-                    "SELECT id FROM operations WHERE state = 'executing' ORDER BY seq FOR UPDATE",
-                    &[],
+                    &format!(
+                        "SELECT id FROM operations o WHERE state = 'executing' AND {whose} \
+                         ORDER BY seq FOR UPDATE"
+                    ),
+                    &params,
                 )
                 .await?;
             let change = StateChange::error(Some(error));
@@ -225,19 +350,40 @@ impl PostgresStore {
                     interrupted.push(record);
                 }
             }
-            let live = tx
-                .query(
-                    &format!(
-                        "SELECT {RECORD_COLUMNS} FROM operations \
-                         WHERE state IN ('pending', 'approved') ORDER BY seq"
-                    ),
-                    &[],
-                )
-                .await?
+            let live = match me {
+                Some(_) => {
+                    tx.query(
+                        &format!(
+                            "UPDATE operations o SET owner = $1 \
+                             WHERE state IN ('pending', 'approved') AND {whose} \
+                             RETURNING seq, {RECORD_COLUMNS}"
+                        ),
+                        &params,
+                    )
+                    .await?
+                }
+                None => {
+                    tx.query(
+                        &format!(
+                            "SELECT seq, {RECORD_COLUMNS} FROM operations \
+                             WHERE state IN ('pending', 'approved') ORDER BY seq"
+                        ),
+                        &[],
+                    )
+                    .await?
+                }
+            };
+            let mut live = live
                 .iter()
-                .map(|row| record_of(row, &self.broker))
-                .collect::<Result<Vec<_>, _>>()?;
-            let streams = all_streams(&tx).await?;
+                .map(|row| Ok((column::<i64>(row, "seq")?, record_of(row, &self.broker)?)))
+                .collect::<Result<Vec<_>, Failed>>()?;
+            // Oldest first, as they were queued (UPDATE .. RETURNING keeps no order).
+            live.sort_by_key(|(seq, _)| *seq);
+            let live = live.into_iter().map(|(_, record)| record).collect();
+            let streams = match taking {
+                Taking::AtStart => all_streams(&tx, me).await?,
+                Taking::Lapsed => Vec::new(),
+            };
             tx.commit().await?;
             Ok(Recovered {
                 interrupted,
@@ -256,7 +402,8 @@ impl PostgresStore {
         Ok(recovered)
     }
 
-    /// The client and creation time of every operation created at or after `since`.
+    /// The client and creation time of every operation created at or after `since` (in a
+    /// fleet, this replica's: each replica's admissions are its own share of a client's rate).
     pub async fn created_since(
         &self,
         since: SystemTime,
@@ -266,8 +413,8 @@ impl PostgresStore {
         let rows = client
             .query(
                 "SELECT client_id, created_at FROM operations WHERE created_at >= $1 \
-                 ORDER BY created_at",
-                &[&since],
+                 AND ($2::text IS NULL OR owner = $2) ORDER BY created_at",
+                &[&since, &self.member.get()],
             )
             .await
             .map_err(|e| self.sorted(e))?;

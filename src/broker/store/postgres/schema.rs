@@ -16,7 +16,7 @@
 use super::super::error::StoreError;
 
 /// The schema version this code writes (the row of `schema_version`).
-pub const SCHEMA_VERSION: i64 = 1;
+pub const SCHEMA_VERSION: i64 = 2;
 
 /// The advisory lock start-up holds while it creates or migrates the schema.
 pub(super) const MIGRATION_LOCK: i64 = 0x756e_796f_6c6f_0001;
@@ -116,9 +116,20 @@ CREATE TABLE event_positions (
 INSERT INTO event_positions (high_water) VALUES (0);
 "#;
 
+/// Schema 2 over 1: each operation (and stream) names the replica that owns it (`owner`: the one that
+/// created it, or took it over when that one's membership lapsed), so a fleet's replicas
+/// recover, start and take over only their own work. Rows of schema 1 own no replica: the
+/// first replica to recover takes them.
+const MIGRATE_2: &str = r#"
+ALTER TABLE operations ADD COLUMN owner text COLLATE "C";
+ALTER TABLE streams ADD COLUMN owner text COLLATE "C";
+CREATE INDEX operations_live_by_owner ON operations (owner, seq)
+    WHERE state IN ('pending', 'approved', 'executing');
+"#;
+
 /// Brings the database to [`SCHEMA_VERSION`] in one transaction under [`MIGRATION_LOCK`]:
 /// creates it when empty, refuses a newer one ([`StoreError::UnknownSchema`], naming `shown`).
-/// Schema 1 is the first: later versions add their steps here, each from the version below.
+/// Each version's step runs from the version below it.
 pub(super) async fn migrate(
     client: &mut tokio_postgres::Client,
     shown: &str,
@@ -139,6 +150,16 @@ pub(super) async fn migrate(
     match found {
         None => {
             tx.batch_execute(SCHEMA_1).await.map_err(sort)?;
+            tx.batch_execute(MIGRATE_2).await.map_err(sort)?;
+            tx.execute(
+                "INSERT INTO schema_version (version) VALUES ($1)",
+                &[&SCHEMA_VERSION],
+            )
+            .await
+            .map_err(sort)?;
+        }
+        Some(1) => {
+            tx.batch_execute(MIGRATE_2).await.map_err(sort)?;
             tx.execute(
                 "INSERT INTO schema_version (version) VALUES ($1)",
                 &[&SCHEMA_VERSION],

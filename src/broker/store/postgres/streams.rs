@@ -19,14 +19,32 @@ fn stream_of(row: &Row) -> Result<StreamRecord, StoreError> {
     })
 }
 
-/// Every stored stream, oldest first, read in the caller's transaction.
+/// Every stream `me` owns (with none, every stream), and those whose owner is no live
+/// replica (made `me`'s), oldest first, in the caller's transaction: what start-up restores.
 pub(super) async fn all_streams(
     tx: &deadpool_postgres::Transaction<'_>,
+    me: Option<&str>,
 ) -> Result<Vec<StreamRecord>, super::rows::Failed> {
-    let rows = tx
-        .query("SELECT id, client_id, size FROM streams ORDER BY seq", &[])
-        .await?;
-    Ok(rows.iter().map(stream_of).collect::<Result<_, _>>()?)
+    let rows = match me {
+        None => {
+            tx.query("SELECT id, client_id, size FROM streams ORDER BY seq", &[])
+                .await?
+        }
+        Some(me) => {
+            tx.query(
+                "UPDATE streams s SET owner = $1 WHERE owner = $1 OR owner IS NULL \
+                 OR NOT EXISTS (SELECT 1 FROM replicas r WHERE r.name = s.owner \
+                 AND r.lease_until >= clock_timestamp()) RETURNING seq, id, client_id, size",
+                &[&me],
+            )
+            .await?
+        }
+    };
+    let mut rows: Vec<_> = rows.iter().collect();
+    if me.is_some() {
+        rows.sort_by_key(|row| row.get::<_, i64>("seq"));
+    }
+    Ok(rows.into_iter().map(stream_of).collect::<Result<_, _>>()?)
 }
 
 impl PostgresStore {
@@ -40,12 +58,14 @@ impl PostgresStore {
         let client = self.client().await?;
         client
             .execute(
-                "INSERT INTO streams (id, client_id, size, created_at) VALUES ($1, $2, $3, $4)",
+                "INSERT INTO streams (id, client_id, size, created_at, owner) \
+                 VALUES ($1, $2, $3, $4, $5)",
                 &[
                     &stream.id,
                     &stream.client_id,
                     &i64::try_from(stream.size).unwrap_or(i64::MAX),
                     &now_rfc3339(),
+                    &self.member.get(),
                 ],
             )
             .await

@@ -1,0 +1,214 @@
+//! One broker out of many replicas on one shared store (PostgreSQL): what a replica does so that
+//! any replica serves any request and every operation's work runs once.
+//!
+//! - **Each operation has one owner**: the replica that created it (or took it over). Only the
+//!   owner holds its lifecycle handle (its counts, here and in Redis), expires it and runs its
+//!   work; its start is a claim the store grants only to the owner with a live membership.
+//! - **Any replica moves any operation**: a cancel or an operator's decision on a replica that
+//!   does not own the operation is written to the store ([`Core::move_in_store`]); the owner
+//!   hears of it (the store's change feed, `DurableStore::changes`) and its handle follows the row
+//!   ([`follow`]), as it follows its own moves: the store leads, the counts follow. A change
+//!   feed that was cut is made up for by following every live operation again.
+//! - **Waits are woken by any replica's change**: every change heard rings its operation's bell.
+//! - **Work outlives its replica**: every third of a membership lease, a replica takes over the
+//!   work of replicas whose membership lapsed ([`take_over`]): their executing operations end
+//!   `failed` `execution_interrupted` (never run twice), their pending and approved ones become
+//!   its own, counted here and moved to it in Redis in one registration, and approved work is
+//!   queued to run here.
+//!
+//! A store one process owns (SQLite) has no change feed and nothing to take over: none of this
+//! runs there.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::core::{Core, LiveOp};
+use super::operations::TransitionFailure;
+use super::store::{OperationRecord, StateChange, StoreError};
+use crate::admission::RestoredOperation;
+use crate::config::Identity;
+use crate::engine::OperationState;
+
+/// Follows the store's change feed until shutdown: rings the waits of every operation changed
+/// on any replica, and makes this replica's handles follow their rows. Nothing for a store with
+/// no feed.
+pub(crate) async fn follow_changes(core: Arc<Core>) {
+    let Some(mut changes) = core.db.changes() else {
+        return;
+    };
+    let mut shutdown = core.shutdown.clone();
+    loop {
+        let heard = tokio::select! {
+            heard = changes.recv() => heard,
+            _ = shutdown.wait_for(|stop| *stop) => return,
+        };
+        match heard {
+            Ok(id) if !id.is_empty() => {
+                core.waits.ring(&id);
+                if let Some(op) = core.live_op(&id) {
+                    tokio::spawn(follow_logged(Arc::clone(&core), op));
+                }
+            }
+            // The feed was cut (or this reader fell behind): anything may have changed.
+            Ok(_) | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
+                core.waits.ring_all();
+                let live: Vec<Arc<LiveOp>> = core.live_ops().values().cloned().collect();
+                for op in live {
+                    tokio::spawn(follow_logged(Arc::clone(&core), op));
+                }
+            }
+            Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+        }
+    }
+}
+
+async fn follow_logged(core: Arc<Core>, op: Arc<LiveOp>) {
+    if let Err(err) = follow(&core, &op).await {
+        tracing::warn!(operation = %op.id, error = %err, "cannot read a change made on another replica yet");
+    }
+}
+
+/// Makes `op`'s handle follow its row, if another replica moved it (a cancel, a decision, an
+/// expiry written there). Takes the counts gate and the operation's lock, as every move does.
+pub(crate) async fn follow(core: &Arc<Core>, op: &Arc<LiveOp>) -> Result<(), StoreError> {
+    let _quiet = core.hold_counts().await;
+    let _guard = op.lock.lock().await;
+    follow_locked(core, op).await.map(|_| ())
+}
+
+/// [`follow`] with the gate and the lock held; the row read, if there is one.
+pub(crate) async fn follow_locked(
+    core: &Core,
+    op: &Arc<LiveOp>,
+) -> Result<Option<OperationRecord>, StoreError> {
+    let Some(record) = core.db.get(&op.id).await? else {
+        return Ok(None);
+    };
+    let from = op.stored_state();
+    let to = record.state;
+    // `executing` is only ever written by the owner's own start (this replica's executor).
+    if to != from && to != OperationState::Executing && from.can_move_to(to) {
+        core.follow_in_handle(op, from, to).await;
+        if to == OperationState::Approved {
+            core.queue_lapse(op, &record);
+        }
+    }
+    Ok(Some(record))
+}
+
+impl Core {
+    /// Moves operation `id`, which another replica owns, from the state its row is in to `to`,
+    /// in the store alone: its owner's handle follows when it hears of it. A row that moved
+    /// meanwhile is read again (a few times). `Err(NotAllowed)` when its state does not allow
+    /// the move.
+    pub(crate) async fn move_in_store(
+        &self,
+        id: &str,
+        to: OperationState,
+        change: StateChange,
+    ) -> Result<OperationRecord, TransitionFailure> {
+        for _ in 0..8 {
+            let Some(record) = self.db.get(id).await.map_err(TransitionFailure::Store)? else {
+                return Err(TransitionFailure::Store(StoreError::new(format!(
+                    "operation {id} is no longer stored"
+                ))));
+            };
+            let from = record.state;
+            if !from.can_move_to(to) {
+                return Err(TransitionFailure::NotAllowed(from));
+            }
+            let mut change = change.clone();
+            if let Some(decision) = &mut change.decision {
+                decision.revoked |= from == OperationState::Approved && to == OperationState::Canceled;
+            }
+            if let Some(moved) = self
+                .db
+                .set_state(id, from, to, change)
+                .await
+                .map_err(TransitionFailure::Store)?
+            {
+                tracing::info!(
+                    operation = %id,
+                    client = %moved.client_id,
+                    from = %from,
+                    to = %to,
+                    "operation state changed (its owner follows)"
+                );
+                return Ok(moved);
+            }
+        }
+        Err(TransitionFailure::Store(StoreError::NotInState {
+            id: id.to_owned(),
+            expected: to,
+        }))
+    }
+
+    /// Whether operation `id`, stored and not terminal, is another replica's to hold (this one
+    /// shares its store and does not hold it live).
+    pub(crate) fn owned_elsewhere(&self, id: &str) -> bool {
+        self.db.is_shared() && self.live_op(id).is_none()
+    }
+}
+
+/// Takes over the work of replicas whose membership of the store lapsed (see the module doc):
+/// their pending and approved operations are counted here and live here from now on; approved
+/// ones are queued to run. How many were taken.
+pub(crate) async fn take_over(core: &Arc<Core>, lease: Duration) -> Result<usize, StoreError> {
+    let taken = core.db.take_over_lapsed(lease).await?;
+    for record in &taken.interrupted {
+        tracing::warn!(
+            operation = %record.id,
+            client = %record.client_id,
+            from = "executing",
+            to = "failed",
+            error = "execution_interrupted",
+            "operation state changed (its replica's membership lapsed while it executed)"
+        );
+    }
+    if taken.live.is_empty() {
+        return Ok(0);
+    }
+    let mut records = Vec::new();
+    let mut adopting = Vec::new();
+    for record in taken.live {
+        let Ok(identity) = Identity::new(&record.client_id) else {
+            tracing::error!(operation = %record.id, "stored operation has an invalid client id; not taken over");
+            continue;
+        };
+        adopting.push(RestoredOperation {
+            id: record.id.clone(),
+            identity,
+            state: record.state,
+        });
+        records.push(record);
+    }
+    let adopted = {
+        let _quiet = core.hold_counts().await;
+        let adopted = core.admission.adopt(adopting).await;
+        let mut taken = 0;
+        for (record, handle) in records.iter().zip(adopted.operations) {
+            let handle = match handle {
+                Ok(handle) => handle,
+                Err(err) => {
+                    tracing::error!(operation = %record.id, error = %err, "not taken over");
+                    continue;
+                }
+            };
+            let op = Arc::new(LiveOp::new(record, handle));
+            core.add_live(&op, record);
+            if record.state == OperationState::Approved {
+                core.executor.enqueue(op);
+            }
+            taken += 1;
+        }
+        if let Some(err) = adopted.deferred {
+            tracing::warn!(error = %err, "redis does not count the work taken over yet; the heartbeat registers it");
+        }
+        taken
+    };
+    tracing::info!(
+        operations = adopted,
+        "took over the work of replicas whose membership of the store lapsed"
+    );
+    Ok(adopted)
+}
