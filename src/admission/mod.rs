@@ -355,10 +355,7 @@ impl Admission {
     /// record from the replica that held it to this one (or counts it again if its holdings
     /// were already released), so it is counted once; if Redis does not answer, the heartbeat
     /// registers them as soon as it does ([`Restored::deferred`] says so).
-    pub async fn adopt(
-        &self,
-        operations: impl IntoIterator<Item = RestoredOperation>,
-    ) -> Restored {
+    pub async fn adopt(&self, operations: impl IntoIterator<Item = RestoredOperation>) -> Restored {
         let mut restored = Vec::new();
         let mut to_share = Vec::new();
         for op in operations {

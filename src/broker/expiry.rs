@@ -132,7 +132,9 @@ impl Core {
         let Some(op) = self.live_op(id) else {
             // Another replica's request (a shared store): its expiry is written here, and its
             // owner's handle follows the row.
-            if self.owned_elsewhere(id) && matches!(from, OperationState::Pending | OperationState::Approved) {
+            if self.owned_elsewhere(id)
+                && matches!(from, OperationState::Pending | OperationState::Approved)
+            {
                 let core = Arc::clone(self);
                 let id = id.to_owned();
                 let expired = run_to_end(async move {
@@ -141,7 +143,10 @@ impl Core {
                 })
                 .await
                 .unwrap_or_else(|err| {
-                    Err(TransitionFailure::Store(StoreError::unfinished("the expiry", err)))
+                    Err(TransitionFailure::Store(StoreError::unfinished(
+                        "the expiry",
+                        err,
+                    )))
                 });
                 return match expired {
                     Ok(_) | Err(TransitionFailure::NotAllowed(_)) => Ok(()),

@@ -119,7 +119,8 @@ impl Core {
             }
             let mut change = change.clone();
             if let Some(decision) = &mut change.decision {
-                decision.revoked |= from == OperationState::Approved && to == OperationState::Canceled;
+                decision.revoked |=
+                    from == OperationState::Approved && to == OperationState::Canceled;
             }
             if let Some(moved) = self
                 .db

@@ -250,7 +250,12 @@ impl Core {
     /// Applies a move already durable in the store to `op`'s handle (which releases its slots on
     /// a terminal move) and follows it up ([`Core::changed`]). Called with the counts gate and
     /// the operation's lock held, so the handle is still in `from`.
-    pub(crate) async fn follow_in_handle(&self, op: &Arc<LiveOp>, from: OperationState, to: OperationState) {
+    pub(crate) async fn follow_in_handle(
+        &self,
+        op: &Arc<LiveOp>,
+        from: OperationState,
+        to: OperationState,
+    ) {
         // One call for both backends: the local move at once, the shared one by operation id
         // (kept and resent if Redis does not answer; this task runs to its end regardless).
         let applied = match to {

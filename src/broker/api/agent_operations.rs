@@ -26,8 +26,8 @@ use super::presentation;
 use super::projection::OperationJson;
 use super::ratelimit;
 use crate::admission::{AdmissionPermit, AdmitError, KeyRecord, Refused, Unavailable};
-use crate::broker::core::{Core, run_to_end};
 use crate::broker::core::LiveOp;
+use crate::broker::core::{Core, run_to_end};
 use crate::broker::operations::TransitionFailure;
 use crate::broker::registry::{self, NotRunnable};
 use crate::broker::store::{

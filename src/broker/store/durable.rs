@@ -86,10 +86,7 @@ pub trait DurableStore: Send + Sync + 'static {
     /// `execution_interrupted`, their pending and approved ones become this replica's (returned
     /// as `live`). Called every third of `lease` (the membership's); nothing for a store one
     /// process owns.
-    async fn take_over_lapsed(
-        &self,
-        lease: std::time::Duration,
-    ) -> Result<Recovered, StoreError> {
+    async fn take_over_lapsed(&self, lease: std::time::Duration) -> Result<Recovered, StoreError> {
         let _ = lease;
         Ok(Recovered::default())
     }

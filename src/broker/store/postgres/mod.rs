@@ -163,10 +163,7 @@ impl DurableStore for PostgresStore {
         PostgresStore::leads_fleet(self).await
     }
 
-    async fn take_over_lapsed(
-        &self,
-        lease: std::time::Duration,
-    ) -> Result<Recovered, StoreError> {
+    async fn take_over_lapsed(&self, lease: std::time::Duration) -> Result<Recovered, StoreError> {
         PostgresStore::take_over_lapsed(self, lease).await
     }
 

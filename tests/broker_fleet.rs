@@ -1,0 +1,311 @@
+//! One fleet, one store: three broker replicas on one real PostgreSQL database and one real
+//! `redis-server`, requests sent round-robin across them. Any replica answers a replay, a read,
+//! a wait, a cancel and an operator's decision for an operation another replica created; the
+//! operators see one inbox and one event log from every replica; and the work of a replica that
+//! stops is finished by the others: its executing work ends `execution_interrupted`, its pending
+//! and approved work is taken over and runs once.
+
+mod support;
+
+use std::time::Duration;
+
+use serde_json::Value;
+use support::broker::{Harness, settings, start_shared};
+use support::events::open;
+use support::eventually::assert_eventually;
+use support::http::request;
+use support::postgres::PostgresServer;
+use support::secrets::{AGENT_SECRET, OPERATOR_SECRET};
+use unyolo_admission::StorageCaps;
+use unyolo_admission::broker::store::StoreLocation;
+use unyolo_admission::redis::RedisOptions;
+
+/// Room for everything the tests submit, one execution slot at a time fleet-wide.
+const FLEET: &str = r#"{"requests_per_window": 1000, "window_seconds": 60,
+  "client_active": 20, "client_pending": 20, "global_active": 100, "global_executing": 4}"#;
+
+const NAMES: [&str; 3] = ["f1", "f2", "f3"];
+
+/// Replica `name` of the fleet, its operations in `url`, sharing admission in `redis`.
+async fn replica(
+    redis: &support::redis::RedisServer,
+    url: &str,
+    dir: &std::path::Path,
+    name: &str,
+) -> Harness {
+    let mut options = RedisOptions::new(redis.url(), name);
+    options.replicas = NAMES.iter().map(|r| r.to_string()).collect();
+    options.call_timeout = Duration::from_millis(500);
+    let mut settings = settings(dir, FLEET, StorageCaps::default());
+    settings.store = Some(StoreLocation::parse(url).unwrap());
+    start_shared(settings, options).await
+}
+
+struct Fleet {
+    replicas: Vec<Harness>,
+    _dirs: Vec<tempfile::TempDir>,
+    /// Held while the fleet runs: the server stops with its last holder.
+    _server: std::sync::Arc<PostgresServer>,
+}
+
+async fn fleet(database: &str) -> Option<(Fleet, String)> {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter("warn")
+        .with_test_writer()
+        .try_init();
+    let redis = support::redis::RedisServer::start()?;
+    let Some(server) = PostgresServer::shared() else {
+        return None;
+    };
+    let url = server.database(database);
+    let mut replicas = Vec::new();
+    let mut dirs = Vec::new();
+    for name in NAMES {
+        let dir = tempfile::tempdir().unwrap();
+        replicas.push(replica(&redis, &url, dir.path(), name).await);
+        dirs.push(dir);
+    }
+    // The Redis server lives as long as the test process: leaked on purpose.
+    std::mem::forget(redis);
+    Some((
+        Fleet {
+            replicas,
+            _dirs: dirs,
+            _server: server,
+        },
+        url,
+    ))
+}
+
+fn op_path(id: &str) -> String {
+    format!("/api/agent/v1/operations/{id}")
+}
+
+async fn state_on(harness: &Harness, id: &str) -> String {
+    harness.get(&op_path(id), Some(AGENT_SECRET)).await.body["state"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned()
+}
+
+/// The event log read from `harness`'s operator listener: (cursor, request, status) of the
+/// first `n` events.
+async fn event_log(harness: &Harness, n: usize) -> Vec<(String, String, String)> {
+    let mut stream = open(&harness.operator.base, OPERATOR_SECRET, "", &[])
+        .await
+        .stream();
+    stream
+        .next_events(n)
+        .await
+        .iter()
+        .map(|event: &Value| {
+            (
+                event["cursor"].to_string(),
+                event["request_id"].to_string(),
+                event["status"].to_string(),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn any_replica_serves_any_request_and_the_fleet_has_one_inbox_and_one_event_log() {
+    let Some((fleet, _url)) = fleet("fleet_round_robin").await else {
+        eprintln!("SKIPPED: needs redis-server and postgres");
+        return;
+    };
+    let [r1, r2, r3] = &fleet.replicas[..] else {
+        unreachable!()
+    };
+    // Created on r1; replayed on r2 and r3: the same operation, 200.
+    let created = r1
+        .submit(AGENT_SECRET, &request("rr-1", "demo.request", 0))
+        .await;
+    assert_eq!(created.status, 202, "{:?}", created.body);
+    let id = created.id();
+    for other in [r2, r3] {
+        let replay = other
+            .submit(AGENT_SECRET, &request("rr-1", "demo.request", 0))
+            .await;
+        assert_eq!(replay.status, 200, "{:?}", replay.body);
+        assert_eq!(replay.id(), id);
+        // The same key for another request is a conflict on every replica.
+        let conflict = other
+            .submit(AGENT_SECRET, &request("rr-1", "demo.request", 7))
+            .await;
+        assert_eq!(conflict.status, 409, "{:?}", conflict.body);
+        assert_eq!(conflict.code(), "idempotency_conflict");
+        // Read from any replica.
+        assert_eq!(state_on(other, &id).await, "pending");
+    }
+    // One key sent to two replicas at once: one operation.
+    let body = request("rr-race", "demo.request", 0);
+    let (a, b) = tokio::join!(
+        r2.submit(AGENT_SECRET, &body),
+        r3.submit(AGENT_SECRET, &body)
+    );
+    let mut statuses = [a.status, b.status];
+    statuses.sort();
+    assert_eq!(statuses, [200, 202], "{:?} {:?}", a.body, b.body);
+    assert_eq!(a.id(), b.id());
+    let raced = a.id();
+    // One inbox: every replica lists both requests.
+    for harness in [r1, r2, r3] {
+        let mut pending = harness.operator.pending().await;
+        pending.sort();
+        let mut expected = vec![id.clone(), raced.clone()];
+        expected.sort();
+        assert_eq!(pending, expected);
+    }
+    // A wait on r3 is woken by a decision on r2 for r1's request.
+    let wait_path = format!("{}/events?after_revision=1&wait_seconds=20", op_path(&id));
+    let wait = r3.get(&wait_path, Some(AGENT_SECRET));
+    let approve = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        r2.operator.approve(&id).await
+    };
+    let started = std::time::Instant::now();
+    let (woken, approved) = tokio::join!(wait, approve);
+    assert_eq!(approved.status, 200, "{:?}", approved.body);
+    assert_eq!(woken.status, 200, "{:?}", woken.body);
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "the wait was woken by the change, not its timeout"
+    );
+    // It runs on its owner, r1, and is seen to succeed everywhere.
+    assert_eventually("r1's request approved on r2 ran", async || {
+        state_on(r3, &id).await == "succeeded"
+    })
+    .await;
+    // A cancel on r1 of the request created on r2 or r3: its owner's counts follow.
+    let canceled = r1
+        .post(&format!("{}/cancel", op_path(&raced)), Some(AGENT_SECRET))
+        .await;
+    assert_eq!(canceled.status, 200, "{:?}", canceled.body);
+    assert_eq!(canceled.state(), "canceled");
+    assert_eventually("every replica's counts are back to zero", async || {
+        fleet.replicas.iter().all(|r| {
+            let snapshot = r.snapshot();
+            snapshot.pending == 0 && snapshot.active == 0 && snapshot.executing == 0
+        })
+    })
+    .await;
+    // A second decision on the ended request is refused on every replica.
+    for harness in [r1, r2, r3] {
+        let again = harness.operator.deny(&raced).await;
+        assert_eq!(again.status, 409, "{:?}", again.body);
+    }
+    // One event log: the same events in the same order from every replica (created ×2,
+    // approved, executing, succeeded, canceled).
+    let log = event_log(r1, 6).await;
+    assert_eq!(log.len(), 6, "{log:?}");
+    for harness in [r2, r3] {
+        assert_eq!(event_log(harness, 6).await, log);
+    }
+    for harness in &fleet.replicas {
+        let drift = harness.broker.check_drift().await.unwrap();
+        assert_eq!(drift.total(), 0, "{drift:?}");
+    }
+    for harness in fleet.replicas {
+        harness.broker.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_that_stops_leaves_its_work_to_the_others_and_nothing_runs_twice() {
+    let Some((fleet, url)) = fleet("fleet_takeover").await else {
+        eprintln!("SKIPPED: needs redis-server and postgres");
+        return;
+    };
+    let server = std::sync::Arc::clone(&fleet._server);
+    let mut replicas = fleet.replicas.into_iter();
+    let (r1, r2, r3) = (
+        replicas.next().unwrap(),
+        replicas.next().unwrap(),
+        replicas.next().unwrap(),
+    );
+    // On r1: work executing (long), and a request pending.
+    let running = r1
+        .submit(AGENT_SECRET, &request("running", "demo.run", 600_000))
+        .await;
+    assert_eq!(running.status, 202, "{:?}", running.body);
+    let running = running.id();
+    assert_eventually("r1 executes its work", async || {
+        state_on(&r2, &running).await == "executing"
+    })
+    .await;
+    let pending = r1
+        .submit(AGENT_SECRET, &request("pending", "demo.request", 0))
+        .await;
+    assert_eq!(pending.status, 202, "{:?}", pending.body);
+    let pending = pending.id();
+    // r1 stops as a crash would leave it: its executing work stays `executing` in the store.
+    r1.broker.shutdown().await;
+    // Within a lease (and the survivors' own first lease), a survivor takes r1's work over.
+    assert_eventually_within(
+        Duration::from_secs(40),
+        "r1's executing work ends execution_interrupted",
+        async || {
+            let op = r2.get(&op_path(&running), Some(AGENT_SECRET)).await;
+            op.body["state"] == "failed" && op.body["error"]["code"] == "execution_interrupted"
+        },
+    )
+    .await;
+    // Its pending request is now a survivor's: an approval on any replica runs it, once.
+    let approved = r3.operator.approve(&pending).await;
+    assert_eq!(approved.status, 200, "{:?}", approved.body);
+    assert_eventually_within(
+        Duration::from_secs(30),
+        "r1's request ran on a survivor",
+        async || state_on(&r2, &pending).await == "succeeded",
+    )
+    .await;
+    let database = url.rsplit('/').next().unwrap();
+    // Created, approved, started, succeeded: four revisions and four events, so it started
+    // once (a second start would have moved it again).
+    let revisions = server.psql(
+        database,
+        &format!(
+            "SELECT revision, (SELECT count(*) FROM operator_events WHERE request_id = '{pending}') \
+             FROM operations WHERE id = '{pending}'"
+        ),
+    );
+    assert_eq!(revisions.trim(), "4|4", "it started exactly once");
+    let owner = server.psql(
+        database,
+        &format!("SELECT owner FROM operations WHERE id = '{pending}'"),
+    );
+    assert!(
+        owner.trim() == "f2" || owner.trim() == "f3",
+        "owned by a survivor: {owner}"
+    );
+    assert_eventually("the survivors' counts are back to zero", async || {
+        [&r2, &r3].iter().all(|r| {
+            let snapshot = r.snapshot();
+            snapshot.pending == 0 && snapshot.active == 0 && snapshot.executing == 0
+        })
+    })
+    .await;
+    for harness in [&r2, &r3] {
+        let drift = harness.broker.check_drift().await.unwrap();
+        assert_eq!(drift.total(), 0, "{drift:?}");
+    }
+    r2.broker.shutdown().await;
+    r3.broker.shutdown().await;
+}
+
+/// `assert_eventually` with a longer patience (a takeover waits out leases).
+async fn assert_eventually_within(
+    patience: Duration,
+    what: &str,
+    mut check: impl AsyncFnMut() -> bool,
+) {
+    let deadline = std::time::Instant::now() + patience;
+    loop {
+        if check().await {
+            return;
+        }
+        assert!(std::time::Instant::now() < deadline, "never: {what}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
