@@ -54,9 +54,7 @@ async fn fleet(database: &str) -> Option<(Fleet, String)> {
         .with_test_writer()
         .try_init();
     let redis = support::redis::RedisServer::start()?;
-    let Some(server) = PostgresServer::shared() else {
-        return None;
-    };
+    let server = PostgresServer::shared()?;
     let url = server.database(database);
     let mut replicas = Vec::new();
     let mut dirs = Vec::new();

@@ -85,12 +85,13 @@ impl Inner {
         let mut renewed = self.renew().await.is_ok();
         // Work taken over from a lapsed replica is counted under this one by a registration,
         // which moves each operation's record here in one step (`scripts/replace.lua`).
-        if renewed && self.adopted_unregistered.swap(false, Ordering::AcqRel) {
-            if let Err(err) = self.register_again().await {
-                tracing::warn!(error = %err, "operations taken over are not counted in redis yet; retrying");
-                self.adopted_unregistered.store(true, Ordering::Release);
-                renewed = false;
-            }
+        if renewed
+            && self.adopted_unregistered.swap(false, Ordering::AcqRel)
+            && let Err(err) = self.register_again().await
+        {
+            tracing::warn!(error = %err, "operations taken over are not counted in redis yet; retrying");
+            self.adopted_unregistered.store(true, Ordering::Release);
+            renewed = false;
         }
         self.drain_until(Some(next_beat)).await;
         let steady = crate::sync::lock(&self.renewing_since)
