@@ -96,6 +96,9 @@ mod absent {
         ) -> (Vec<SharedOperation>, Option<Unavailable>) {
             match *self {}
         }
+        pub(crate) async fn recount(&self) -> Result<(), Unavailable> {
+            match *self {}
+        }
         pub(crate) async fn counts(&self) -> Result<DeploymentCounts, Unavailable> {
             match *self {}
         }

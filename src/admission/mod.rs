@@ -545,6 +545,17 @@ impl Admission {
         }
     }
 
+    /// Counts this replica's holdings in the shared store again from what it holds now, in one
+    /// atomic step: what heals a difference between Redis and the durable store that persists
+    /// (a Redis failover that lost the replication lag, an older snapshot restored). Nothing
+    /// in-process.
+    pub async fn recount_shared(&self) -> Result<(), Unavailable> {
+        match &self.shared {
+            Some(shared) => shared.recount().await,
+            None => Ok(()),
+        }
+    }
+
     /// Releases, exactly once, what every replica whose lease has lapsed held; how many
     /// operations that was. The heartbeat does this on every beat. Nothing in-process.
     pub async fn reap(&self) -> Result<u64, Unavailable> {

@@ -393,19 +393,58 @@ pub(crate) async fn watch(core: std::sync::Arc<Core>, every: std::time::Duration
         return;
     }
     let mut shutdown = core.shutdown.clone();
+    // The operations Redis held differently from the store at the last reading.
+    let mut differed = std::collections::BTreeSet::new();
     loop {
         tokio::select! {
             _ = tokio::time::sleep(every) => {}
             _ = shutdown.wait_for(|stop| *stop) => return,
         }
-        tokio::select! {
-            checked = check(&core) => {
-                if let Err(err) = checked {
-                    tracing::warn!(error = %err, "drift check failed");
-                }
-            }
+        let checked = tokio::select! {
+            checked = check(&core) => checked,
             _ = shutdown.wait_for(|stop| *stop) => return,
+        };
+        match checked {
+            Ok(report) => {
+                let now: std::collections::BTreeSet<String> = report
+                    .fleet
+                    .iter()
+                    .flatten()
+                    .map(|d| d.id.clone())
+                    .collect();
+                heal_if_persisting(&core, &differed, &now).await;
+                differed = now;
+            }
+            Err(err) => tracing::warn!(error = %err, "drift check failed"),
         }
+    }
+}
+
+/// A difference between Redis and the store that one reading saw may be a change on its way
+/// (another replica's move its owner has not followed yet); one that two readings in a row saw
+/// on the same operation persists (a Redis failover that lost writes, an older snapshot
+/// restored): this replica's holdings are counted again from what it holds, which the store
+/// says, in one atomic replace. The store is the truth.
+async fn heal_if_persisting(
+    core: &Core,
+    before: &std::collections::BTreeSet<String>,
+    now: &std::collections::BTreeSet<String>,
+) {
+    let persisting = before.intersection(now).count();
+    if persisting == 0 {
+        return;
+    }
+    match core.admission.recount_shared().await {
+        Ok(()) => tracing::warn!(
+            operations = persisting,
+            "redis held operations differently from the store at two readings in a row; this \
+             replica's holdings are counted again from the store"
+        ),
+        Err(err) => tracing::warn!(
+            error = %err,
+            "a drift between redis and the store persists, and could not be healed now; the \
+             next reading tries again"
+        ),
     }
 }
 

@@ -167,6 +167,13 @@ impl RedisController {
         (self.handles(cells), deferred)
     }
 
+    /// Counts this replica's holdings in Redis again, from what it holds now, in one atomic
+    /// replace (as after a lapsed lease): what heals a drift between Redis and the store that
+    /// persists (a failover that lost writes, an older snapshot restored).
+    pub(crate) async fn recount(&self) -> Result<(), Unavailable> {
+        self.inner.register_again().await
+    }
+
     /// The notices (with the refusal memory on) and the heartbeat, if not running.
     fn start_background(&self) {
         // Heard only after this replica's own registration: its `*` could only end refusals
