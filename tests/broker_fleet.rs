@@ -200,6 +200,48 @@ async fn any_replica_serves_any_request_and_the_fleet_has_one_inbox_and_one_even
     for harness in [r2, r3] {
         assert_eq!(event_log(harness, 6).await, log);
     }
+    // A stream uploaded on r1 lives in the store, not on r1's disk; deleted on r3, its room is
+    // free on r1.
+    let uploaded = r1
+        .send(
+            "POST",
+            "/api/agent/v1/streams",
+            Some(AGENT_SECRET),
+            Some(vec![7u8; 4096].into()),
+        )
+        .await;
+    assert_eq!(uploaded.status, 201, "{:?}", uploaded.body);
+    let stream = uploaded.body["id"].as_str().unwrap().to_owned();
+    let database = _url.rsplit('/').next().unwrap();
+    assert_eq!(
+        fleet._server.psql(
+            database,
+            &format!("SELECT length(body), owner FROM streams WHERE id = '{stream}'")
+        ),
+        "4096|f1"
+    );
+    let streams_dir = fleet._dirs[0].path().join("streams");
+    assert!(
+        streams_dir.is_dir(),
+        "the upload was staged in {streams_dir:?}"
+    );
+    assert!(
+        !streams_dir.join(&stream).exists(),
+        "the body is not left on the replica's disk"
+    );
+    let deleted = r3
+        .send(
+            "DELETE",
+            &format!("/api/agent/v1/streams/{stream}"),
+            Some(AGENT_SECRET),
+            None,
+        )
+        .await;
+    assert_eq!(deleted.status, 200, "{:?}", deleted.body);
+    assert_eventually("r1 lets the deleted stream's room go", async || {
+        r1.broker.check_drift().await.unwrap().total() == 0 && r1.snapshot().storage[0].files == 0
+    })
+    .await;
     for harness in &fleet.replicas {
         let drift = harness.broker.check_drift().await.unwrap();
         assert_eq!(drift.total(), 0, "{drift:?}");

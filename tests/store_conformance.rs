@@ -769,6 +769,8 @@ async fn recovery_fails_executing_work_as_interrupted_and_returns_the_live(kind:
     to(2, S::Pending, S::Approved).await;
     to(2, S::Approved, S::Executing).await;
     to(3, S::Pending, S::Denied).await;
+    std::fs::create_dir_all(db.streams_dir()).unwrap();
+    std::fs::write(db.streams_dir().join("st_1"), [0u8; 12]).unwrap();
     db.insert_stream(StreamRecord {
         id: "st_1".to_owned(),
         client_id: "bot-7".to_owned(),
@@ -889,6 +891,10 @@ async fn streams_are_recorded_counted_and_deleted(kind: Kind) {
         ("st_2", "bot-7", 7),
         ("st_3", "bot-8", 1),
     ] {
+        // Recorded once its body is written, as the broker does.
+        let dir = db.streams_dir();
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join(id), vec![1u8; size as usize]).unwrap();
         db.insert_stream(StreamRecord {
             id: id.to_owned(),
             client_id: client.to_owned(),

@@ -10,6 +10,8 @@
 //!   ([`follow`]), as it follows its own moves: the store leads, the counts follow. A change
 //!   feed that was cut is made up for by following every live operation again.
 //! - **Waits are woken by any replica's change**: every change heard rings its operation's bell.
+//! - **Streams are the fleet's**: their bodies live in the store's rows; one deleted on any
+//!   replica frees its room on the replica that counts it.
 //! - **Work outlives its replica**: every third of a membership lease, a replica takes over the
 //!   work of replicas whose membership lapsed ([`take_over`]): their executing operations end
 //!   `failed` `execution_interrupted` (never run twice), their pending and approved ones become
@@ -47,6 +49,8 @@ pub(crate) async fn follow_changes(core: Arc<Core>) {
                 core.waits.ring(&id);
                 if let Some(op) = core.live_op(&id) {
                     tokio::spawn(follow_logged(Arc::clone(&core), op));
+                } else if core.stored_streams().contains_key(&id) {
+                    tokio::spawn(follow_stream(Arc::clone(&core), id));
                 }
             }
             // The feed was cut (or this reader fell behind): anything may have changed.
@@ -56,8 +60,29 @@ pub(crate) async fn follow_changes(core: Arc<Core>) {
                 for op in live {
                     tokio::spawn(follow_logged(Arc::clone(&core), op));
                 }
+                let streams: Vec<String> = core.stored_streams().keys().cloned().collect();
+                for id in streams {
+                    tokio::spawn(follow_stream(Arc::clone(&core), id));
+                }
             }
             Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+        }
+    }
+}
+
+/// A stream this replica counts that another replica deleted: its room is let go here.
+async fn follow_stream(core: Arc<Core>, id: String) {
+    let _quiet = core.hold_counts().await;
+    match core.db.get_stream(&id).await {
+        Ok(Some(_)) => {}
+        Ok(None) => {
+            if let Some(object) = core.stored_streams().remove(&id) {
+                object.release();
+                tracing::info!(stream = %id, "stream deleted on another replica; its room is free here");
+            }
+        }
+        Err(err) => {
+            tracing::warn!(stream = %id, error = %err, "cannot read a stream change made on another replica yet")
         }
     }
 }

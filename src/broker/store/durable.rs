@@ -230,7 +230,9 @@ pub trait DurableStore: Send + Sync + 'static {
 
     // --- Streams.
 
-    /// Records a stream whose body is already written.
+    /// Records a stream whose body is already written to [`streams_dir`](DurableStore::streams_dir)
+    /// under its id. A store several replicas share moves the body into the store (removing
+    /// the file), so no replica's disk holds what the fleet stored.
     async fn insert_stream(&self, stream: StreamRecord) -> Result<(), StoreError>;
 
     /// The stream `id`.

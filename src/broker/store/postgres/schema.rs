@@ -119,10 +119,12 @@ INSERT INTO event_positions (high_water) VALUES (0);
 /// Schema 2 over 1: each operation (and stream) names the replica that owns it (`owner`: the one that
 /// created it, or took it over when that one's membership lapsed), so a fleet's replicas
 /// recover, start and take over only their own work. Rows of schema 1 own no replica: the
-/// first replica to recover takes them.
+/// first replica to recover takes them. A stream keeps its body (`body`), so no replica's disk
+/// holds what the fleet stored.
 const MIGRATE_2: &str = r#"
 ALTER TABLE operations ADD COLUMN owner text COLLATE "C";
 ALTER TABLE streams ADD COLUMN owner text COLLATE "C";
+ALTER TABLE streams ADD COLUMN body bytea;
 CREATE INDEX operations_live_by_owner ON operations (owner, seq)
     WHERE state IN ('pending', 'approved', 'executing');
 "#;

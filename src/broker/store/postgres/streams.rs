@@ -1,5 +1,8 @@
-//! The stream rows on PostgreSQL: one per stream body, with its owner and size. The bodies are
-//! files under the directory the broker passed in (`streams_dir`), this replica's own for now.
+//! The stream rows on PostgreSQL: one per stream, with its client, size, owning replica and body.
+//! The broker writes an upload's body to a file under the directory it passed in (`streams_dir`,
+//! this replica's own) while it arrives; recording the stream moves the body into its row, so
+//! the fleet's store holds it, not a replica's disk. A deletion is announced on the change feed,
+//! so the replica that counts the stream lets its room go.
 
 use std::path::PathBuf;
 
@@ -54,23 +57,41 @@ impl PostgresStore {
     }
 
     /// Records a stream whose body is already written.
+    /// Its body, staged in `streams_dir`, goes into the row; the staged file is removed once
+    /// the row is committed.
     pub async fn insert_stream(&self, stream: StreamRecord) -> Result<(), StoreError> {
+        let staged = self.streams.join(&stream.id);
+        let body = tokio::fs::read(&staged)
+            .await
+            .map_err(|e| StoreError::io("open", &staged, e))?;
         let client = self.client().await?;
         client
             .execute(
-                "INSERT INTO streams (id, client_id, size, created_at, owner) \
-                 VALUES ($1, $2, $3, $4, $5)",
+                "INSERT INTO streams (id, client_id, size, created_at, owner, body) \
+                 VALUES ($1, $2, $3, $4, $5, $6)",
                 &[
                     &stream.id,
                     &stream.client_id,
                     &i64::try_from(stream.size).unwrap_or(i64::MAX),
                     &now_rfc3339(),
                     &self.member.get(),
+                    &body,
                 ],
             )
             .await
             .map_err(|e| self.sorted(e))?;
+        let _ = tokio::fs::remove_file(&staged).await;
         Ok(())
+    }
+
+    /// The body of stream `id`, as its row holds it.
+    pub async fn stream_body(&self, id: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        let client = self.client().await?;
+        let row = client
+            .query_opt("SELECT body FROM streams WHERE id = $1", &[&id])
+            .await
+            .map_err(|e| self.sorted(e))?;
+        Ok(row.and_then(|row| row.get::<_, Option<Vec<u8>>>(0)))
     }
 
     /// The stream `id`.
@@ -88,11 +109,19 @@ impl PostgresStore {
 
     /// Deletes the stream `id`'s record; whether there was one.
     pub async fn delete_stream(&self, id: &str) -> Result<bool, StoreError> {
-        let client = self.client().await?;
-        let n = client
-            .execute("DELETE FROM streams WHERE id = $1", &[&id])
-            .await
-            .map_err(|e| self.sorted(e))?;
-        Ok(n == 1)
+        let mut client = self.client().await?;
+        let deleted: Result<u64, tokio_postgres::Error> = async {
+            let tx = client.transaction().await?;
+            let n = tx
+                .execute("DELETE FROM streams WHERE id = $1", &[&id])
+                .await?;
+            if n == 1 {
+                super::events::announce(&tx, id).await?;
+            }
+            tx.commit().await?;
+            Ok(n)
+        }
+        .await;
+        Ok(deleted.map_err(|e| self.sorted(e))? == 1)
     }
 }
