@@ -434,19 +434,13 @@ async fn metrics_use_the_spec_names_with_code_none_for_accepted_submissions() {
 
 #[tokio::test]
 async fn readyz_is_503_while_another_process_holds_the_store_and_200_once_it_lets_go() {
-    if !support::broker::sqlite_only("holds SQLite's write lock from another connection") {
-        return;
-    }
     let dir = tempfile::tempdir().unwrap();
     let h = start(dir.path(), ROOMY).await;
     assert_eq!(h.get("/readyz", None).await.body, json!({"ready": true}));
 
-    // Another process (a stuck sqlite3 shell, a backup tool) holds the database's write lock.
-    let path = dir
-        .path()
-        .join(unyolo_admission::broker::store::DATABASE_FILE);
-    let foreign = rusqlite::Connection::open(&path).unwrap();
-    foreign.execute_batch("BEGIN IMMEDIATE").unwrap();
+    // Another process (a stuck sqlite3 shell, a backup tool; on PostgreSQL, a session holding
+    // the tables locked) holds the store's write lock.
+    let foreign = support::faults::StoreLock::take(dir.path());
     let (rows, snapshot) = (h.rows().await, h.snapshot());
 
     let reply = h.get("/readyz", None).await;
@@ -464,8 +458,7 @@ async fn readyz_is_503_while_another_process_holds_the_store_and_200_once_it_let
         200
     );
 
-    foreign.execute_batch("ROLLBACK").unwrap();
-    drop(foreign);
+    foreign.release();
     assert!(eventually(async || h.get("/readyz", None).await.status == 200).await);
     assert_eq!(h.get("/readyz", None).await.body, json!({"ready": true}));
     assert_eq!(h.rows().await, rows);

@@ -185,9 +185,6 @@ async fn deletes_whose_client_hangs_up_remove_row_file_and_room_together() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hang_ups_while_another_process_holds_the_store_locked_change_nothing_half_way() {
-    if !support::broker::sqlite_only("holds SQLite's write lock from another connection") {
-        return;
-    }
     let dir = tempfile::tempdir().unwrap();
     let h = start_tight(dir.path()).await;
     let prepared = prepare(&h, "locked").await;
@@ -205,9 +202,6 @@ async fn hang_ups_while_another_process_holds_the_store_locked_change_nothing_ha
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn submissions_admitted_before_their_clients_hang_up_are_created_once_the_store_frees() {
-    if !support::broker::sqlite_only("holds SQLite's write lock from another connection") {
-        return;
-    }
     let dir = tempfile::tempdir().unwrap();
     let h = start_tight(dir.path()).await;
     let bodies: Vec<Value> = (0..4)
@@ -346,9 +340,6 @@ async fn a_row_start_up_cannot_restore_is_drift_from_the_first_reading() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_start_the_locked_store_cannot_record_waits_for_the_store_and_then_runs() {
-    if !support::broker::sqlite_only("holds SQLite's write lock from another connection") {
-        return;
-    }
     let dir = tempfile::tempdir().unwrap();
     let one_slot = LIMITS.replace(r#""global_executing": 2"#, r#""global_executing": 1"#);
     let h = start_with(settings(dir.path(), &one_slot, StorageCaps::default())).await;
@@ -542,9 +533,6 @@ async fn a_full_disk_takes_the_broker_out_of_rotation_before_writes_fail_and_ref
 /// creation still waits.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replay_is_answered_while_another_clients_creation_waits_on_a_locked_store() {
-    if !support::broker::sqlite_only("holds SQLite's write lock from another connection") {
-        return;
-    }
     use std::hash::{Hash, Hasher};
     let dir = tempfile::tempdir().unwrap();
     let h = start_with(settings(

@@ -33,11 +33,6 @@ fn action(i: usize) -> &'static str {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_operator_who_hangs_up_mid_decision_leaves_it_whole_and_a_retry_replays_it() {
-    if !support::broker::sqlite_only(
-        "reads the SQLite file itself (support::faults::stored, through ends_whole)",
-    ) {
-        return;
-    }
     let dir = tempfile::tempdir().unwrap();
     let h = start_tight(dir.path()).await;
     let ids = create_pending(&h, "hang", 10).await;
@@ -75,9 +70,6 @@ async fn an_operator_who_hangs_up_mid_decision_leaves_it_whole_and_a_retry_repla
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decision_while_another_process_holds_the_store_waits_for_it_or_changes_nothing() {
-    if !support::broker::sqlite_only("holds SQLite's write lock from another connection") {
-        return;
-    }
     let dir = tempfile::tempdir().unwrap();
     let h = start_tight(dir.path()).await;
     let ids = create_pending(&h, "locked", 2).await;
@@ -117,11 +109,6 @@ async fn a_decision_while_another_process_holds_the_store_waits_for_it_or_change
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn of_concurrent_decisions_on_one_request_exactly_one_wins_the_rest_see_a_revision_conflict()
 {
-    if !support::broker::sqlite_only(
-        "reads the SQLite file itself (support::faults::stored, through ends_whole)",
-    ) {
-        return;
-    }
     let dir = tempfile::tempdir().unwrap();
     let h = start_tight(dir.path()).await;
     let ids = create_pending(&h, "race", 4).await;
@@ -164,11 +151,6 @@ async fn restart(h: Harness, dir: &std::path::Path) -> Harness {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decision_replays_after_a_restart_and_its_key_still_conflicts_with_another_command() {
-    if !support::broker::sqlite_only(
-        "reads the SQLite file itself (support::faults::stored, through ends_whole)",
-    ) {
-        return;
-    }
     let dir = tempfile::tempdir().unwrap();
     let h = start_tight(dir.path()).await;
     let ids = create_pending(&h, "restart", 2).await;
@@ -263,9 +245,6 @@ async fn due_but_unwritten(
 /// decision recorded, never an `invalid_transition` that leaves the inbox showing it pending.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decision_on_a_request_whose_expiry_is_due_but_unwritten_expires_it_first() {
-    if !support::broker::sqlite_only("holds SQLite's write lock from another connection") {
-        return;
-    }
     let dir = tempfile::tempdir().unwrap();
     let (h, ids, holder) = due_but_unwritten(dir.path()).await;
     let id = &ids[0];
@@ -300,9 +279,6 @@ async fn a_decision_on_a_request_whose_expiry_is_due_but_unwritten_expires_it_fi
 /// `decided_by`, as upstream's pending expiry), and a `pending` page no longer lists them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_operators_read_of_requests_whose_expiry_is_due_but_unwritten_shows_them_expired() {
-    if !support::broker::sqlite_only("holds SQLite's write lock from another connection") {
-        return;
-    }
     let dir = tempfile::tempdir().unwrap();
     let (h, ids, holder) = due_but_unwritten(dir.path()).await;
     let one = h.operator.clone();
@@ -338,9 +314,6 @@ async fn an_operators_read_of_requests_whose_expiry_is_due_but_unwritten_shows_t
 /// with the operation `canceled`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agents_cancel_of_a_request_whose_expiry_is_due_but_unwritten_cancels_it() {
-    if !support::broker::sqlite_only("holds SQLite's write lock from another connection") {
-        return;
-    }
     let dir = tempfile::tempdir().unwrap();
     let (h, ids, holder) = due_but_unwritten(dir.path()).await;
     let canceled = h

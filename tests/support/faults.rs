@@ -217,24 +217,17 @@ pub fn files_on_disk(data: &Path) -> u64 {
     std::fs::read_dir(data.join("streams")).map_or(0, |entries| entries.count() as u64)
 }
 
-/// Holds SQLite's write lock from another connection (`BEGIN IMMEDIATE`) for `hold`; returns
-/// once the lock is taken, and a handle that ends when it is let go.
+/// Holds the store's write lock from another connection ([`StoreLock::take`]) for `hold`;
+/// returns once the lock is taken, and a handle that ends when it is let go.
 pub fn lock_store(data: &Path, hold: Duration) -> std::thread::JoinHandle<()> {
-    let path = data.join("admission.sqlite3");
-    let (taken, is_taken) = std::sync::mpsc::channel();
-    let holder = std::thread::spawn(move || {
-        let conn = rusqlite::Connection::open(path).unwrap();
-        conn.busy_timeout(Duration::from_secs(30)).unwrap();
-        conn.execute_batch("BEGIN IMMEDIATE").unwrap();
-        taken.send(()).unwrap();
+    let lock = StoreLock::take(data);
+    std::thread::spawn(move || {
         std::thread::sleep(hold);
-        conn.execute_batch("COMMIT").unwrap();
-    });
-    is_taken.recv().unwrap();
-    holder
+        lock.release();
+    })
 }
 
-/// SQLite's write lock held from another connection (`BEGIN IMMEDIATE`) until
+/// The store's write lock held from another connection (SQLite: `BEGIN IMMEDIATE`) until
 /// [`StoreLock::release`] (or drop).
 pub struct StoreLock {
     release: Option<std::sync::mpsc::Sender<()>>,
@@ -242,9 +235,48 @@ pub struct StoreLock {
 }
 
 impl StoreLock {
-    /// Takes the write lock of the broker's store in `data`; returns once it is held.
+    /// Takes the write lock of the broker's store in `data`; returns once it is held. On
+    /// PostgreSQL (`ADMISSION_TEST_STORE=postgres`): its tables locked `EXCLUSIVE` from another
+    /// connection (writes wait, plain reads go on, as under SQLite's write lock).
     pub fn take(data: &Path) -> StoreLock {
+        if super::broker::on_postgres() {
+            return StoreLock::take_postgres(&super::broker::postgres_url_for(data));
+        }
         StoreLock::take_file(&data.join("admission.sqlite3"))
+    }
+
+    /// Locks the broker's tables in the PostgreSQL database at `url` in one transaction.
+    fn take_postgres(url: &str) -> StoreLock {
+        let url = url.to_owned();
+        let (locked, is_locked) = std::sync::mpsc::channel();
+        let (release, released) = std::sync::mpsc::channel::<()>();
+        let holder = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            runtime.block_on(async move {
+                let (mut client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+                    .await
+                    .unwrap();
+                tokio::spawn(connection);
+                let tx = client.transaction().await.unwrap();
+                tx.batch_execute(
+                    "LOCK TABLE operations, streams, operator_events, operator_decisions \
+                     IN EXCLUSIVE MODE",
+                )
+                .await
+                .unwrap();
+                locked.send(()).unwrap();
+                let _ = tokio::task::spawn_blocking(move || released.recv()).await;
+                tx.commit().await.unwrap();
+            });
+        });
+        is_locked.recv().unwrap();
+        StoreLock {
+            release: Some(release),
+            holder: Some(holder),
+        }
     }
 
     /// Takes the write lock of the SQLite file at `path`; returns once it is held.
@@ -355,11 +387,21 @@ pub async fn assert_counts_match_the_store(h: &Harness, data: &Path) {
         Some(0)
     );
     let s = stored(data);
-    assert_eq!(
-        files_on_disk(data),
-        s.streams,
-        "stream files on disk vs rows"
-    );
+    if super::broker::on_postgres() {
+        // The bodies are in the rows, and nothing is left staged on the disk.
+        assert_eq!(files_on_disk(data), 0, "stream files left staged on disk");
+        let with_bodies: u64 =
+            super::broker::psql_for(data, "SELECT count(*) FROM streams WHERE body IS NOT NULL")
+                .parse()
+                .unwrap();
+        assert_eq!(with_bodies, s.streams, "stream bodies vs rows");
+    } else {
+        assert_eq!(
+            files_on_disk(data),
+            s.streams,
+            "stream files on disk vs rows"
+        );
+    }
     // Two reads, so a request still arriving may move one between them: poll until they agree.
     let agree =
         eventually(async || h.operator.pending().await.len() as u64 == h.snapshot().pending).await;

@@ -18,9 +18,15 @@ fn unavailable_code(code: &SqlState) -> bool {
     // Class 08: connection exception; 53: insufficient resources; 57P0x: operator intervention
     // (admin shutdown, crash shutdown, cannot connect now); 25006: a read-only transaction (a
     // standby, or a primary demoted under us).
+    // 55P03: a lock not granted within `lock_timeout` (another session holds the rows or a
+    // table: busy, as SQLite's busy timeout); 40001 and 40P01: a serialization failure or a
+    // deadlock the server broke (nothing committed; the same call may go through).
     text.starts_with("08")
         || text.starts_with("53")
-        || matches!(text, "57P01" | "57P02" | "57P03" | "25006")
+        || matches!(
+            text,
+            "57P01" | "57P02" | "57P03" | "25006" | "55P03" | "40001" | "40P01"
+        )
 }
 
 /// Sorts `err` from a statement or a connection to `database` (shown redacted).

@@ -19,6 +19,9 @@ use super::location::Location;
 use super::numbering::{Assigner, assign};
 use super::{listen, schema, tls};
 
+/// How long a statement waits for a lock another session holds before it fails as busy.
+pub const LOCK_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// How many connections the pool holds at most, by default.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 16;
 
@@ -142,6 +145,14 @@ impl PostgresStore {
             .config
             .application_name("unyolo-admission")
             .keepalives_idle(Duration::from_secs(30));
+        // A write waits at most this long for a lock another session holds, then fails as busy
+        // (a 503 with Retry-After), as SQLite's busy timeout does; the URL's own options stay.
+        let lock_timeout = format!("-c lock_timeout={}", LOCK_TIMEOUT.as_millis());
+        let options = match location.config.get_options() {
+            Some(given) if !given.is_empty() => format!("{given} {lock_timeout}"),
+            _ => lock_timeout,
+        };
+        location.config.options(&options);
         let tls = tls::connector(&location)?;
         let shown: Arc<str> = Arc::from(location.shown.as_str());
         let manager = Manager::from_config(

@@ -86,7 +86,14 @@ impl PostgresStore {
             .await
             .map_err(|e| self.sorted(e))?
             .get(0);
-        tx.commit().await.map_err(|e| self.sorted(e))?;
+        if !standby {
+            // Whether a write could take its lock now (another session holding the tables
+            // locked keeps every write waiting): asked without waiting, then let go.
+            tx.batch_execute("LOCK TABLE operations IN ROW EXCLUSIVE MODE NOWAIT")
+                .await
+                .map_err(|e| self.sorted(e))?;
+        }
+        tx.rollback().await.map_err(|e| self.sorted(e))?;
         if standby {
             return Err(StoreError::Unavailable {
                 database: self.database().to_owned(),
