@@ -98,27 +98,7 @@ async fn follow_logged(core: Arc<Core>, op: Arc<LiveOp>) {
 pub(crate) async fn follow(core: &Arc<Core>, op: &Arc<LiveOp>) -> Result<(), StoreError> {
     let _quiet = core.hold_counts().await;
     let _guard = op.lock.lock().await;
-    follow_locked(core, op).await.map(|_| ())
-}
-
-/// [`follow`] with the gate and the lock held; the row read, if there is one.
-pub(crate) async fn follow_locked(
-    core: &Core,
-    op: &Arc<LiveOp>,
-) -> Result<Option<OperationRecord>, StoreError> {
-    let Some(record) = core.db.get(&op.id).await? else {
-        return Ok(None);
-    };
-    let from = op.stored_state();
-    let to = record.state;
-    // `executing` is only ever written by the owner's own start (this replica's executor).
-    if to != from && to != OperationState::Executing && from.can_move_to(to) {
-        core.follow_in_handle(op, from, to).await;
-        if to == OperationState::Approved {
-            core.queue_lapse(op, &record);
-        }
-    }
-    Ok(Some(record))
+    core.follow_row(op).await.map(|_| ())
 }
 
 impl Core {

@@ -170,7 +170,8 @@ impl Core {
             // On a shared store another replica may have moved it first (a cancel, a decision
             // there): the handle follows the row, and this move is judged from where it went.
             if self.db.is_shared()
-                && let Some(record) = super::fleet::follow_locked(self, op)
+                && let Some(record) = self
+                    .follow_row(op)
                     .await
                     .map_err(TransitionFailure::Store)?
                 && record.state != from
@@ -245,6 +246,28 @@ impl Core {
         run_to_end(work)
             .await
             .unwrap_or_else(|err| Err(StoreError::unfinished("the decision", err)))
+    }
+
+    /// Makes `op`'s handle follow its row if another replica moved it (a cancel, a decision,
+    /// an expiry written there: see the `fleet` module), with the counts gate and the
+    /// operation's lock held; the row read, if there is one.
+    pub(crate) async fn follow_row(
+        &self,
+        op: &Arc<LiveOp>,
+    ) -> Result<Option<OperationRecord>, StoreError> {
+        let Some(record) = self.db.get(&op.id).await? else {
+            return Ok(None);
+        };
+        let from = op.stored_state();
+        let to = record.state;
+        // `executing` is only ever written by the owner's own start (this replica's executor).
+        if to != from && to != OperationState::Executing && from.can_move_to(to) {
+            self.follow_in_handle(op, from, to).await;
+            if to == OperationState::Approved {
+                self.queue_lapse(op, &record);
+            }
+        }
+        Ok(Some(record))
     }
 
     /// Applies a move already durable in the store to `op`'s handle (which releases its slots on
