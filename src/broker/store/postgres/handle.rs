@@ -182,6 +182,7 @@ impl PostgresStore {
         let (changes, _) = broadcast::channel(1024);
         let wake = Arc::new(Notify::new());
         let bytes = Arc::new(AtomicU64::new(0));
+        let (listening, mut is_listening) = tokio::sync::watch::channel(false);
         let tasks = vec![
             tokio::spawn(listen::listen(
                 location.config.clone(),
@@ -189,6 +190,7 @@ impl PostgresStore {
                 Arc::clone(&shown),
                 changes.clone(),
                 Arc::clone(&wake),
+                listening,
             )),
             tokio::spawn(listen::assign_positions(
                 pool.clone(),
@@ -213,6 +215,15 @@ impl PostgresStore {
             _tasks: Arc::new(Tasks(tasks)),
         };
         store.measure().await?;
+        // Changes made by others from now on are heard: the listener is connected (or, if it
+        // cannot connect within the timeout, keeps trying and announces "anything may have
+        // changed" once it does).
+        if tokio::time::timeout(settings.timeout, is_listening.wait_for(|on| *on))
+            .await
+            .is_err()
+        {
+            tracing::warn!(database = %store.shown, "the store's listener is not connected yet; changes made elsewhere are heard once it is");
+        }
         Ok(store)
     }
 

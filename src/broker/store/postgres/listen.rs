@@ -45,6 +45,7 @@ pub(super) async fn listen(
     shown: Arc<str>,
     changes: broadcast::Sender<String>,
     wake: Arc<Notify>,
+    listening: tokio::sync::watch::Sender<bool>,
 ) {
     let mut backoff = Duration::from_millis(100);
     let mut was_cut = false;
@@ -73,6 +74,7 @@ pub(super) async fn listen(
                         tracing::info!(database = %shown, "the store's listener is back");
                     }
                     backoff = Duration::from_millis(100);
+                    listening.send_replace(true);
                     // Anything may have changed while no one listened.
                     let _ = changes.send(String::new());
                     wake.notify_one();

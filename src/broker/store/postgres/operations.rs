@@ -11,6 +11,7 @@ use tokio_postgres::types::ToSql;
 use crate::engine::OperationState;
 
 use super::super::error::{InsertError, StoreError};
+use super::super::events::{event_kind, request_status};
 use super::super::records::{
     OperationError, OperationRecord, OperationSummary, PageQuery, Presentation, Recovered,
     StateChange, StoredRequest, now_rfc3339,
@@ -22,6 +23,7 @@ use super::rows::{
     Failed, RECORD_COLUMNS, REQUEST_COLUMNS, SUMMARY_COLUMNS, column, record_of, record_presented,
     stored_request_of, summary_of,
 };
+use super::schema::CHANGES_CHANNEL;
 use super::streams::all_streams;
 
 /// Moves operation `id` from `from` to `to` inside `tx`, writing what `change` carries, +1 on
@@ -156,53 +158,52 @@ impl PostgresStore {
     /// constraint `operations_client_key`, however many replicas insert it at once).
     pub async fn insert(&self, record: OperationRecord) -> Result<(), InsertError> {
         let is_request = self.is_request(&record.operation);
+        let status = request_status(record.state, None);
+        // One statement, so one round trip and one implicit transaction: the row, its
+        // `request.created` event (for a request) and the change's notification commit together
+        // or not at all (a duplicate key fails the whole statement).
         let result: Result<(), Failed> = async {
-            let mut client = self.client().await?;
-            let tx = client.transaction().await?;
-            let insert = tx
+            let client = self.client().await?;
+            let insert = client
                 .prepare_cached(
-                    "INSERT INTO operations (id, client_id, idempotency_key, operation, target, \
-                     arguments, reason, state, created_at, updated_at, revision, title, \
-                     summary, request_digest, pending_expires_at, owner) \
+                    "WITH op AS (INSERT INTO operations (id, client_id, idempotency_key, \
+                     operation, target, arguments, reason, state, created_at, updated_at, \
+                     revision, title, summary, request_digest, pending_expires_at, owner) \
                      VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, 1, $11, $12, $13, $14, \
-                     $15)",
+                     $15) RETURNING id), \
+                     ev AS (INSERT INTO operator_events (kind, request_id, revision, status, \
+                     occurred_at, used_count) SELECT $16, id, 1, $17, $9, $18 FROM op \
+                     WHERE $19::boolean) \
+                     SELECT pg_notify($20, id) FROM op",
                 )
                 .await?;
-            tx.execute(
-                &insert,
-                &[
-                    &record.id,
-                    &record.client_id,
-                    &record.idempotency_key,
-                    &record.operation,
-                    &record.target.to_string(),
-                    &record.arguments.to_string(),
-                    &record.reason,
-                    &record.state.as_str(),
-                    &record.created_at,
-                    &record.updated_at,
-                    &record.presentation.title,
-                    &record.presentation.summary,
-                    &record.request_digest(),
-                    &record.pending_expires_at,
-                    &self.member.get(),
-                ],
-            )
-            .await?;
-            if is_request {
-                append(
-                    &tx,
-                    &record.id,
-                    1,
-                    None,
-                    record.state,
-                    None,
-                    &record.created_at,
+            client
+                .query(
+                    &insert,
+                    &[
+                        &record.id,
+                        &record.client_id,
+                        &record.idempotency_key,
+                        &record.operation,
+                        &record.target.to_string(),
+                        &record.arguments.to_string(),
+                        &record.reason,
+                        &record.state.as_str(),
+                        &record.created_at,
+                        &record.updated_at,
+                        &record.presentation.title,
+                        &record.presentation.summary,
+                        &record.request_digest(),
+                        &record.pending_expires_at,
+                        &self.member.get(),
+                        &event_kind(None, record.state).as_str(),
+                        &status.as_str(),
+                        &(status.used_count() as i64),
+                        &is_request,
+                        &CHANGES_CHANNEL,
+                    ],
                 )
                 .await?;
-            }
-            announce(&tx, &record.id).await?;
-            tx.commit().await?;
             Ok(())
         }
         .await;
