@@ -127,8 +127,8 @@ async fn a_change_on_one_replica_wakes_the_other() {
     one.insert(request(1)).await.unwrap();
     let heard = tokio::time::timeout(Duration::from_secs(5), async {
         loop {
-            let id = changes.recv().await.unwrap();
-            if id == request_id(1) {
+            let change = changes.recv().await.unwrap();
+            if change == format!("{} pending", request_id(1)) {
                 return;
             }
         }

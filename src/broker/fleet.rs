@@ -45,12 +45,19 @@ pub(crate) async fn follow_changes(core: Arc<Core>) {
             _ = shutdown.wait_for(|stop| *stop) => return,
         };
         match heard {
-            Ok(id) if !id.is_empty() => {
-                core.waits.ring(&id);
-                if let Some(op) = core.live_op(&id) {
-                    tokio::spawn(follow_logged(Arc::clone(&core), op));
-                } else if core.stored_streams().contains_key(&id) {
-                    tokio::spawn(follow_stream(Arc::clone(&core), id));
+            Ok(change) if !change.is_empty() => {
+                let (id, state) = match change.split_once(' ') {
+                    Some((id, state)) => (id, OperationState::parse(state)),
+                    None => (change.as_str(), None),
+                };
+                core.waits.ring(id);
+                if let Some(op) = core.live_op(id) {
+                    // This replica's own moves come back too: followed already.
+                    if state != Some(op.stored_state()) {
+                        tokio::spawn(follow_logged(Arc::clone(&core), op));
+                    }
+                } else if core.stored_streams().contains_key(id) {
+                    tokio::spawn(follow_stream(Arc::clone(&core), id.to_owned()));
                 }
             }
             // The feed was cut (or this reader fell behind): anything may have changed.
@@ -87,9 +94,19 @@ async fn follow_stream(core: Arc<Core>, id: String) {
     }
 }
 
+/// [`follow`], tried again every second while the store does not answer (until the operation
+/// is no longer live here, or shutdown).
 async fn follow_logged(core: Arc<Core>, op: Arc<LiveOp>) {
-    if let Err(err) = follow(&core, &op).await {
-        tracing::warn!(operation = %op.id, error = %err, "cannot read a change made on another replica yet");
+    let mut shutdown = core.shutdown.clone();
+    while let Err(err) = follow(&core, &op).await {
+        tracing::warn!(operation = %op.id, error = %err, "cannot read a change made on another replica yet; retrying");
+        tokio::select! {
+            _ = tokio::time::sleep(std::time::Duration::from_secs(1)) => {}
+            _ = shutdown.wait_for(|stop| *stop) => return,
+        }
+        if core.live_op(&op.id).is_none() {
+            return;
+        }
     }
 }
 

@@ -53,8 +53,9 @@ pub trait DurableStore: Send + Sync + 'static {
     /// The directory stream bodies are written to.
     fn streams_dir(&self) -> PathBuf;
 
-    /// Changes of operations made by any process on this store, as they commit (the
-    /// operation's id; an empty string: anything may have changed, e.g. after the feed was cut),
+    /// Changes made by any process on this store, as they commit: an operation's id, a space
+    /// and the state it moved to; a stream's id alone (it was deleted); an empty string:
+    /// anything may have changed (e.g. after the feed was cut),
     /// for waits to wake on a change another replica made. `None` (the default) when only this
     /// process writes the store (SQLite): the broker wakes its own waits as it changes
     /// operations. A receiver that lags behind should re-read what it waits on.

@@ -75,8 +75,8 @@ pub struct PostgresStore {
     pub(super) events: EventBell,
     /// Woken when another process may have written an event (a notification, a reconnect).
     pub(super) wake: Arc<Notify>,
-    /// Operation changes announced by any process (payload: the operation id; empty: anything
-    /// may have changed).
+    /// Changes announced by any process (an operation's id and new state, a stream's id;
+    /// empty: anything may have changed).
     pub(super) changes: broadcast::Sender<String>,
     /// The database's size in bytes, as last measured.
     pub(super) bytes: Arc<AtomicU64>,

@@ -1,5 +1,6 @@
 //! Waking across processes. Every transaction that writes an event or changes an operation
-//! sends `NOTIFY admission_changes, '<operation id>'` (delivered when it commits). Each
+//! sends `NOTIFY admission_changes, '<operation id> <new state>'` (delivered when it commits;
+//! a stream's deletion sends its id). Each
 //! replica keeps one connection of its own (outside the pool) that `LISTEN`s, reconnecting with
 //! a growing pause when it is cut; a notification
 //!

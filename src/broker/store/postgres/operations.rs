@@ -97,7 +97,7 @@ pub(super) async fn change_state(
         )
         .await?;
     }
-    announce(tx, &record.id).await?;
+    announce(tx, &format!("{} {}", record.id, record.state.as_str())).await?;
     Ok(Some(record))
 }
 
@@ -174,7 +174,7 @@ impl PostgresStore {
                      ev AS (INSERT INTO operator_events (kind, request_id, revision, status, \
                      occurred_at, used_count) SELECT $16, id, 1, $17, $9, $18 FROM op \
                      WHERE $19::boolean) \
-                     SELECT pg_notify($20, id) FROM op",
+                     SELECT pg_notify($20, id || ' ' || $8) FROM op",
                 )
                 .await?;
             client

@@ -28,7 +28,8 @@ pub(super) const POSITION_LOCK: i64 = 0x756e_796f_6c6f_0002;
 /// starting at once see each other.
 pub(super) const FLEET_LOCK: i64 = 0x756e_796f_6c6f_0003;
 
-/// The channel every change is announced on (payload: the operation's id).
+/// The channel every change is announced on (payload: an operation's id, a space and its new
+/// state; or a deleted stream's id).
 pub(super) const CHANGES_CHANNEL: &str = "admission_changes";
 
 /// Schema 1, whole.
