@@ -86,6 +86,11 @@ struct ServeArgs {
     /// The quota file (absolute path), re-read on SIGHUP; the defaults when absent.
     #[arg(long, value_name = "PATH")]
     admission_config: Option<PathBuf>,
+    /// A shadow quota file (absolute path, the same rules), re-read with --admission-config on
+    /// SIGHUP: every submission is also judged against it, never changing the real decision
+    /// (verdicts in admission_shadow_decisions_total and GET /admission/v1/shadow).
+    #[arg(long, value_name = "PATH")]
+    shadow_config: Option<PathBuf>,
     /// The broker's name, shown as every operation's `broker` (1 to 64 characters).
     #[arg(long, value_name = "NAME", default_value = "admission", value_parser = broker_name)]
     broker_name: String,
@@ -259,6 +264,7 @@ fn serve(args: ServeArgs) -> ExitCode {
         operator_listen: args.operator_listen,
         operator_secrets: args.operator_secrets,
         admission_config: args.admission_config,
+        shadow_config: args.shadow_config,
         broker_name: args.broker_name,
         connections: unyolo_admission::broker::ConnectionSettings {
             header_timeout: args.header_timeout,
