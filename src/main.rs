@@ -22,7 +22,9 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Validate a quota file against the client identities and print every client's effective
-    /// limits (exit 0), or the first problem found (exit 1).
+    /// limits (exit 0), or the first problem found (exit 1). With --history, replay a store's
+    /// operations through the file's limits instead: exit 0 when it would refuse nothing, 3 when
+    /// it would refuse something.
     Check(CheckArgs),
     /// Print the default configuration as a complete, valid quota file.
     Defaults,
@@ -201,6 +203,14 @@ struct CheckArgs {
     /// A secrets file (`name = secret` per line) whose names are added to the identities.
     #[arg(long, value_name = "FILE")]
     secrets: Option<PathBuf>,
+    /// Judge the file on a store's history: replay the creation, approval and end times of
+    /// every operation stored in this data dir (its SQLite store, read while no broker holds it)
+    /// or PostgreSQL database (postgres://...), and print per client what the file would have
+    /// refused, with which code and when, and the peak counts against each limit. Exit 0 when
+    /// it would refuse nothing, 3 when it would refuse something.
+    #[cfg(feature = "broker")]
+    #[arg(long, value_name = "DATA_DIR|postgres://...")]
+    history: Option<String>,
     /// The quota file: an absolute, normalized path, as a broker would be given.
     #[arg(value_name = "PATH")]
     path: PathBuf,
@@ -314,6 +324,22 @@ fn check(args: CheckArgs) -> ExitCode {
                 return ExitCode::FAILURE;
             }
         }
+    }
+    #[cfg(feature = "broker")]
+    if let Some(store) = &args.history {
+        use unyolo_admission::broker::history;
+        return match history::check(store, &args.path, identities) {
+            Ok(check) => match write_out(&history::render(&check)) {
+                ExitCode::SUCCESS if !check.replay.refusals.is_empty() => {
+                    ExitCode::from(history::EXIT_WOULD_REFUSE)
+                }
+                written => written,
+            },
+            Err(err) => {
+                eprintln!("error: {err}");
+                ExitCode::FAILURE
+            }
+        };
     }
     let config = match Config::from_path(&args.path, identities) {
         Ok(config) => config,

@@ -109,6 +109,7 @@ pub mod drill_replicas;
 pub mod event_streams;
 mod exec;
 mod expiry;
+pub mod history;
 #[doc(hidden)]
 pub mod key_locks;
 #[doc(hidden)]

@@ -23,6 +23,7 @@ use super::super::records::{
     Decided, OperationError, OperationRecord, OperationSummary, PageQuery, Presentation, Recovered,
     StateChange, StoredRequest,
 };
+use super::super::records::{HISTORY_SELECT, OperationTimes};
 use super::database::SqliteStore;
 use super::error::is_unique_violation;
 use super::events;
@@ -338,6 +339,28 @@ impl SqliteStore {
             }
         }
         Ok(created)
+    }
+
+    /// Every stored operation's times, oldest first (blocking; see
+    /// [`DurableStore::history`](crate::broker::store::DurableStore::history)).
+    pub fn history(&self) -> Result<Vec<OperationTimes>, StoreError> {
+        let conn = self.reader()?;
+        let mut stmt = conn.prepare(HISTORY_SELECT)?;
+        let mut rows = stmt.query([])?;
+        let mut history = Vec::new();
+        while let Some(row) = rows.next()? {
+            let columns: [String; 7] = [
+                row.get(0)?,
+                row.get(1)?,
+                row.get(2)?,
+                row.get(3)?,
+                row.get(4)?,
+                row.get(5)?,
+                row.get(6)?,
+            ];
+            history.extend(OperationTimes::from_columns(columns));
+        }
+        Ok(history)
     }
 
     /// How many operation rows exist (blocking; sizes the replay filter).
