@@ -31,11 +31,12 @@ enum Step {
     Submit(&'static str, &'static str),
     /// The agent cancels its request with this key, if it was created.
     Cancel(&'static str),
-    /// The operator denies the request with this key, if it was created.
-    Deny(&'static str),
+    /// The operator approves the request with this key, if it was created (it then executes
+    /// for a minute: past the test's end).
+    Approve(&'static str),
 }
 
-use Step::{Cancel, Deny, Submit};
+use Step::{Approve, Cancel, Submit};
 
 const SEQUENCE: [Step; 13] = [
     Submit(AGENT, "a"),
@@ -43,7 +44,7 @@ const SEQUENCE: [Step; 13] = [
     Cancel("a"),
     Submit(AGENT, "c"),
     Submit(OTHER, "o1"),
-    Deny("c"),
+    Approve("c"),
     Submit(AGENT, "d"),
     Cancel("d"),
     Submit(AGENT, "e"),
@@ -71,7 +72,7 @@ async fn play(server: &Server) -> Answers {
         match *step {
             Submit(client, key) => {
                 let Reply { status, body, .. } = server
-                    .submit(secret(client), &request(key, "demo.request", 0))
+                    .submit(secret(client), &request(key, "demo.request", 60_000))
                     .await;
                 if status == 202 {
                     created.insert(key, body["id"].as_str().unwrap().to_owned());
@@ -85,9 +86,9 @@ async fn play(server: &Server) -> Answers {
                     assert_eq!(server.post(&path, AGENT_SECRET).await.status, 200);
                 }
             }
-            Deny(key) => {
+            Approve(key) => {
                 if let Some(id) = created.get(key) {
-                    let reply = server.operator.deny(id).await;
+                    let reply = server.operator.approve(id).await;
                     assert_eq!(reply.status, 200, "{}", reply.body);
                 }
             }
@@ -216,6 +217,15 @@ async fn a_stricter_shadow_changes_no_answer_and_counts_what_the_candidate_would
     assert_eq!(
         agent["peaks"]["requests_per_window"],
         serde_json::json!({"limit": 5, "peak": 5})
+    );
+    // c starts on the executor's own time: the shadow follows it there.
+    assert!(
+        eventually(async || {
+            let report = shadowed.operator.get("/admission/v1/shadow").await.body;
+            client_of(&report, AGENT)["peaks"]["executing"]["peak"] == 1
+        })
+        .await,
+        "c executes in the shadow too"
     );
     assert_eq!(client_of(&body, OTHER)["refused"], serde_json::json!({}));
     assert!(
