@@ -50,6 +50,17 @@ struct Seen {
     reloaded_at: Option<SystemTime>,
 }
 
+impl Seen {
+    /// What has been seen of `identity`, allocating its entry only the first time.
+    fn client(&mut self, identity: &str) -> &mut ClientSeen {
+        if !self.clients.contains_key(identity) {
+            self.clients
+                .insert(identity.to_owned(), ClientSeen::default());
+        }
+        self.clients.get_mut(identity).expect("inserted just above")
+    }
+}
+
 #[derive(Clone, Copy, Default)]
 struct ClientSeen {
     peaks: ShadowPeaks,
@@ -169,7 +180,7 @@ impl Shadow {
             }
             Err(refusal) => {
                 let mut seen = crate::sync::lock(&self.inner.seen);
-                let client = seen.clients.entry(identity.to_owned()).or_default();
+                let client = seen.client(identity);
                 let first = client.first_refusal.is_none();
                 if first {
                     client.first_refusal = Some((now, refusal.code));
@@ -239,7 +250,7 @@ impl Shadow {
         let mut seen = crate::sync::lock(&self.inner.seen);
         seen.peak_global_active = seen.peak_global_active.max(held.global_active);
         seen.peak_global_executing = seen.peak_global_executing.max(held.global_executing);
-        let peaks = &mut seen.clients.entry(identity.to_owned()).or_default().peaks;
+        let peaks = &mut seen.client(identity).peaks;
         peaks.rate_used = peaks.rate_used.max(rate_used);
         peaks.active = peaks.active.max(held.active);
         peaks.pending = peaks.pending.max(held.pending);
@@ -303,7 +314,9 @@ impl Shadow {
             };
         };
         // Events in time order; at one instant, ends before approvals before creations (an
-        // operation created as another ends finds its slot free, as the broker's would).
+        // operation created as another ends finds its slot free, as the broker's would). An
+        // operation's own approval or end met before its creation (all at one instant) is
+        // applied at its creation.
         let mut events: Vec<(SystemTime, u8, usize)> = Vec::new();
         for (n, op) in history.iter().enumerate() {
             events.push((op.created_at, 2, n));
@@ -316,6 +329,8 @@ impl Shadow {
         }
         events.sort();
         let mut held: Vec<Option<Operation>> = (0..history.len()).map(|_| None).collect();
+        // Per operation: whether its approval, its end, have been met.
+        let mut met = vec![(false, false); history.len()];
         let mut refusals = Vec::new();
         for (at, kind, n) in events {
             let since = at.duration_since(start).unwrap_or(Duration::ZERO);
@@ -325,10 +340,18 @@ impl Shadow {
                 2 => match shadow.judge(&op.client, op.needs_approval, at) {
                     ShadowVerdict::Admitted(permit) => {
                         let operation = permit.commit();
-                        if !op.needs_approval {
+                        let (approved, ended) = met[n];
+                        if approved {
+                            Shadow::follow(&operation, OperationState::Approved);
+                        }
+                        if approved || !op.needs_approval {
                             shadow.start(&operation);
                         }
-                        held[n] = Some(operation);
+                        if ended {
+                            Shadow::follow(&operation, OperationState::Succeeded);
+                        } else {
+                            held[n] = Some(operation);
+                        }
                     }
                     ShadowVerdict::Refused { code, .. } => refusals.push(ReplayedRefusal {
                         client: op.client.clone(),
@@ -337,12 +360,14 @@ impl Shadow {
                     }),
                 },
                 1 => {
+                    met[n].0 = true;
                     if let Some(operation) = &held[n] {
                         Shadow::follow(operation, OperationState::Approved);
                         shadow.start(operation);
                     }
                 }
                 _ => {
+                    met[n].1 = true;
                     if let Some(operation) = held[n].take() {
                         Shadow::follow(&operation, OperationState::Succeeded);
                     }
@@ -389,4 +414,107 @@ pub struct Replay {
     pub refusals: Vec<ReplayedRefusal>,
     /// Per client: admitted, refused by code, peaks against the candidate's limits.
     pub report: ShadowReport,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(pending: u32, rate: u32) -> Config {
+        let text = format!(
+            r#"{{"requests_per_window": {rate}, "window_seconds": 60, "client_active": 5,
+                "client_pending": {pending}, "global_active": 100, "global_executing": 2}}"#
+        );
+        Config::from_bytes(text.as_bytes(), [Identity::new("bot").unwrap()]).unwrap()
+    }
+
+    fn at(seconds: u64) -> SystemTime {
+        SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000 + seconds)
+    }
+
+    fn request(created: u64, approved: Option<u64>, ended: Option<u64>) -> StoredOperation {
+        StoredOperation {
+            client: "bot".to_owned(),
+            needs_approval: true,
+            created_at: at(created),
+            approved_at: approved.map(at),
+            ended_at: ended.map(at),
+        }
+    }
+
+    #[test]
+    fn a_shadow_refusal_holds_nothing_and_is_reported_once_as_first() {
+        let shadow = Shadow::new(Controller::new(config(1, 60)));
+        let ShadowVerdict::Admitted(permit) = shadow.judge("bot", true, at(0)) else {
+            panic!("the first request fits");
+        };
+        let held = permit.commit();
+        for n in 0..2 {
+            match shadow.judge("bot", true, at(n)) {
+                ShadowVerdict::Refused { code, first } => {
+                    assert_eq!(code, RefusalCode::ClientPendingLimit);
+                    assert_eq!(first, n == 0);
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        Shadow::follow(&held, OperationState::Approved);
+        assert!(
+            matches!(shadow.judge("bot", true, at(3)), ShadowVerdict::Admitted(_)),
+            "the approval freed the pending slot in the shadow"
+        );
+        let report = shadow.report();
+        let bot = &report.clients[0];
+        assert_eq!(bot.refused, [(RefusalCode::ClientPendingLimit, 2)]);
+        assert_eq!(
+            bot.first_refusal,
+            Some((at(0), RefusalCode::ClientPendingLimit))
+        );
+        assert_eq!((bot.peaks.pending, bot.peaks.active), (1, 2));
+        Shadow::follow(&held, OperationState::Succeeded);
+        assert_eq!(shadow.engine().snapshot().active, 0, "released at its end");
+    }
+
+    #[test]
+    fn a_replay_refuses_what_the_candidate_would_and_frees_slots_at_each_end() {
+        let history = [
+            request(0, None, Some(10)),
+            request(1, None, None),      // refused: one pending already
+            request(10, Some(12), None), // created as the first ends: admitted
+            request(13, None, None),     // admitted: the third was approved at 12
+            request(14, None, None),     // refused: the fourth is pending
+        ];
+        let replay = Shadow::replay(config(1, 60), &history);
+        let refused: Vec<(RefusalCode, SystemTime)> =
+            replay.refusals.iter().map(|r| (r.code, r.at)).collect();
+        assert_eq!(
+            refused,
+            [
+                (RefusalCode::ClientPendingLimit, at(1)),
+                (RefusalCode::ClientPendingLimit, at(14)),
+            ]
+        );
+        let bot = &replay.report.clients[0];
+        assert_eq!((bot.admitted, bot.peaks.executing), (3, 1));
+        assert!(replay.report.refused_any());
+
+        let roomy = Shadow::replay(config(5, 60), &history);
+        assert!(roomy.refusals.is_empty() && !roomy.report.refused_any());
+        assert_eq!(roomy.report.clients[0].peaks.pending, 3);
+    }
+
+    #[test]
+    fn a_replay_spends_rate_tokens_at_the_stored_times() {
+        // Two a minute: the third within the minute is refused, one 30 s later is not.
+        let history = [
+            request(0, None, Some(0)),
+            request(1, None, Some(1)),
+            request(2, None, Some(2)),
+            request(31, None, Some(31)),
+        ];
+        let replay = Shadow::replay(config(1, 2), &history);
+        let refused: Vec<(RefusalCode, SystemTime)> =
+            replay.refusals.iter().map(|r| (r.code, r.at)).collect();
+        assert_eq!(refused, [(RefusalCode::SubmissionRateLimited, at(2))]);
+    }
 }

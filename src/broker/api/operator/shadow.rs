@@ -10,7 +10,7 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use serde_json::{Map, Value, json};
 
-use super::OperatorName;
+use super::credential::OperatorName;
 use super::error::{ErrorCode, OperatorError, OperatorResult};
 use crate::admission::{ShadowClient, ShadowReport};
 use crate::broker::api::error::json_response;
