@@ -403,16 +403,7 @@ async fn check_history_refuses_what_serve_with_the_candidate_refuses_on_the_same
     std::fs::write(&strict, STRICT).unwrap();
     let (code, stdout, stderr) = check(&["--history", &path_arg(&files.data), &path_arg(&strict)]);
     assert_eq!(code, Some(3), "{stdout}{stderr}");
-    let judged: Vec<(String, String)> = stdout
-        .lines()
-        .filter_map(|line| {
-            let rest = line.strip_prefix("would refuse ")?;
-            let (client, rest) = rest.split_once(" at ")?;
-            let (_, code) = rest.rsplit_once(": ")?;
-            Some((client.to_owned(), code.to_owned()))
-        })
-        .collect();
-    assert_eq!(judged, served, "{stdout}");
+    assert_eq!(judged(&stdout), served, "{stdout}");
     assert!(stdout.contains("replayed 8 stored operations"), "{stdout}");
     assert!(
         stdout.contains("client agent: admitted 5, refused 2"),
@@ -428,6 +419,50 @@ async fn check_history_refuses_what_serve_with_the_candidate_refuses_on_the_same
         stdout.ends_with("the candidate would refuse nothing\n"),
         "{stdout}"
     );
+}
+
+/// The `would refuse CLIENT at TIME: CODE` lines of a `check --history` report.
+fn judged(report: &str) -> Vec<(String, String)> {
+    report
+        .lines()
+        .filter_map(|line| {
+            let rest = line.strip_prefix("would refuse ")?;
+            let (client, rest) = rest.split_once(" at ")?;
+            let (_, code) = rest.rsplit_once(": ")?;
+            Some((client.to_owned(), code.to_owned()))
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_history_reads_a_postgresql_store_as_it_reads_a_data_dir() {
+    let Some(postgres) = support::postgres::PostgresServer::shared() else {
+        return;
+    };
+    let url = postgres.database("shadow_history");
+    let dir = tempfile::tempdir().unwrap();
+    let Setup { files, .. } = setup(dir.path(), LOOSE, None);
+    let mut args = files.args();
+    args.extend(["--store".to_owned(), url.clone()]);
+    let mut server = Server::spawn(None, &args);
+    assert!(refusals(&play(&server).await).is_empty());
+    server.sigterm();
+    assert!(eventually(async || !server.is_alive()).await);
+    drop(server);
+
+    let strict = dir.path().join("strict.json");
+    std::fs::write(&strict, STRICT).unwrap();
+    let (code, stdout, stderr) = check(&["--history", &url, &path_arg(&strict)]);
+    assert_eq!(code, Some(3), "{stdout}{stderr}");
+    assert_eq!(
+        judged(&stdout),
+        [
+            (AGENT.to_owned(), "client_pending_limit".to_owned()),
+            (AGENT.to_owned(), "submission_rate_limited".to_owned()),
+        ],
+        "what the data dir's history gives: {stdout}"
+    );
+    assert!(stdout.contains("replayed 8 stored operations"), "{stdout}");
 }
 
 #[test]
