@@ -389,6 +389,12 @@ async fn check_history_refuses_what_serve_with_the_candidate_refuses_on_the_same
     let mut server = Server::spawn(None, &files.args());
     let stored = play(&server).await;
     assert!(refusals(&stored).is_empty(), "every submission is stored");
+    let strict = dir.path().join("strict.json");
+    std::fs::write(&strict, STRICT).unwrap();
+    // Read beside the serving broker (no lock taken), and again once it has stopped.
+    let (code, while_serving, stderr) =
+        check(&["--history", &path_arg(&files.data), &path_arg(&strict)]);
+    assert_eq!(code, Some(3), "{while_serving}{stderr}");
     server.sigterm();
     assert!(eventually(async || !server.is_alive()).await);
     drop(server);
@@ -399,10 +405,9 @@ async fn check_history_refuses_what_serve_with_the_candidate_refuses_on_the_same
     let served = refusals(&play(&candidate).await);
     drop(candidate);
 
-    let strict = dir.path().join("strict.json");
-    std::fs::write(&strict, STRICT).unwrap();
     let (code, stdout, stderr) = check(&["--history", &path_arg(&files.data), &path_arg(&strict)]);
     assert_eq!(code, Some(3), "{stdout}{stderr}");
+    assert_eq!(judged(&while_serving), judged(&stdout));
     assert_eq!(judged(&stdout), served, "{stdout}");
     assert!(stdout.contains("replayed 8 stored operations"), "{stdout}");
     assert!(

@@ -5,7 +5,8 @@
 //! are read once ([`DurableStore::history`]), their creation, approval and end times replayed in
 //! order through a fresh engine with the candidate's limits ([`Shadow::replay`]), and what it
 //! would have refused — per client, with the code and when — is printed with the peak counts
-//! against each limit. Reads only; nothing is written to the store or beside it.
+//! against each limit. Reads only: a data dir's SQLite file through a read-only connection, so
+//! the dir of a broker that is serving can be read.
 //!
 //! The times are the store's: an approval's is the last decision's (a later revoke or cancel
 //! moves it to then), and work that needs no approval is taken to execute from its creation.
@@ -74,11 +75,20 @@ pub fn check(
     })
 }
 
-/// Every stored operation of the store at `location`. A PostgreSQL store is opened with a data
-/// dir of its own for the call (its lock and streams folder), removed after.
+/// Every stored operation of the store at `location`: a data dir's SQLite file through a
+/// read-only connection (no lock, no migration: a serving broker's dir can be read); a
+/// PostgreSQL store opened with a data dir of its own for the call (its lock and streams
+/// folder), removed after.
 async fn read(location: &StoreLocation) -> Result<Vec<OperationTimes>, String> {
     let scratch = match location {
-        StoreLocation::Dir(dir) => dir.clone(),
+        // Read-only, beside whatever broker serves the dir.
+        StoreLocation::Dir(dir) => {
+            let dir = dir.clone();
+            return tokio::task::spawn_blocking(move || store::SqliteStore::read_history(&dir))
+                .await
+                .map_err(|e| format!("--history: {e}"))?
+                .map_err(|e| format!("--history {location}: {e}"));
+        }
         StoreLocation::Postgres { .. } => std::env::temp_dir().join(format!(
             "admission-history-{}",
             crate::admission::random_id("check")
@@ -95,9 +105,7 @@ async fn read(location: &StoreLocation) -> Result<Vec<OperationTimes>, String> {
         Ok(db) => db.history().await,
         Err(err) => Err(err),
     };
-    if matches!(location, StoreLocation::Postgres { .. }) {
-        let _ = std::fs::remove_dir_all(&scratch);
-    }
+    let _ = std::fs::remove_dir_all(&scratch);
     history.map_err(|e| format!("--history {location}: {e}"))
 }
 
