@@ -204,10 +204,10 @@ struct CheckArgs {
     #[arg(long, value_name = "FILE")]
     secrets: Option<PathBuf>,
     /// Judge the file on a store's history: replay the creation, approval and end times of
-    /// every operation stored in this data dir (its SQLite store, read-only: a serving broker's dir can be read)
-    /// or PostgreSQL database (postgres://...), and print per client what the file would have
-    /// refused, with which code and when, and the peak counts against each limit. Exit 0 when
-    /// it would refuse nothing, 3 when it would refuse something.
+    /// every operation stored in this data dir (its SQLite store, read-only: a serving broker's
+    /// dir can be read) or PostgreSQL database (postgres://...), and print per client what the
+    /// file would have refused, with which code and when, and the peak counts against each
+    /// limit. Exit 0 when it would refuse nothing, 3 when it would refuse something.
     #[cfg(feature = "broker")]
     #[arg(long, value_name = "DATA_DIR|postgres://...")]
     history: Option<String>,
