@@ -189,6 +189,9 @@ pub fn run(options: ServeOptions) -> Result<(), String> {
         ),
         None => None,
     };
+    for warning in shadow.iter().flat_map(Config::warnings) {
+        eprintln!("warning: --shadow-config: {warning}");
+    }
     // Said once the broker serves (a start that fails says only why it failed).
     let short_secrets: Vec<String> = secrets
         .shorter_than_agents_accept()
