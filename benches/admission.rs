@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 use criterion::{Criterion, criterion_group, criterion_main};
 use governor::{Quota, RateLimiter};
 use mutex_baseline::{BaselineLimits, MutexAdmission};
+use unyolo_admission::admission::{Shadow, ShadowVerdict};
 use unyolo_admission::config::{ClientLimits, Config, Identity, Limits};
 use unyolo_admission::fuzzing::RateCheck;
 use unyolo_admission::{Admission, AdmitError, Clock, Controller, RefusalCode};
@@ -418,6 +419,35 @@ fn admission_api(cr: &mut Criterion) {
     g.finish();
 }
 
+/// 8. A shadow quota file's judgement beside the refusal it follows, in the same run: the
+///    in-process `Admission` refusing a spent client, then the same refusal followed by a shadow
+///    engine's judgement (itself a refusal, with the wall-clock reading the broker takes) — what
+///    `serve --shadow-config` adds to every refused submission.
+fn shadow_judgement(cr: &mut Criterion) {
+    let mut g = cr.benchmark_group("8_shadow_judgement");
+    let config = one_a_day();
+    let real = Admission::in_process(
+        Controller::builder(config.clone())
+            .clock(fast_clock())
+            .build(),
+    );
+    drop(ready(real.admit("bot-0", false, None)).expect("the one token"));
+    let shadow = Shadow::new(Controller::builder(config).clock(fast_clock()).build());
+    drop(shadow.judge("bot-0", false, std::time::SystemTime::now()));
+    g.bench_function("admission_refusal", |b| {
+        b.iter(|| ready(real.admit(black_box("bot-0"), false, None)).expect_err("refused"))
+    });
+    g.bench_function("admission_refusal_then_shadow", |b| {
+        b.iter(|| {
+            let refused = ready(real.admit(black_box("bot-0"), false, None)).expect_err("refused");
+            let verdict = shadow.judge(black_box("bot-0"), false, std::time::SystemTime::now());
+            assert!(matches!(verdict, ShadowVerdict::Refused { .. }));
+            refused
+        })
+    });
+    g.finish();
+}
+
 fn config() -> Criterion {
     Criterion::default()
         .warm_up_time(Duration::from_millis(700))
@@ -429,6 +459,6 @@ criterion_group! {
     name = benches;
     config = config();
     targets = full_cycle, rate_check, versus_mutex, scaling, under_reload, refusal_flood,
-        admission_api
+        admission_api, shadow_judgement
 }
 criterion_main!(benches);

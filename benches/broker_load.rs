@@ -1,10 +1,13 @@
 //! A bounded load run of the reference broker on loopback: refusal throughput and latency against
 //! creation throughput and latency, in the same run, with proof that refusals never write to
-//! SQLite (operation rows and the WAL file unchanged).
+//! SQLite (operation rows and the WAL file unchanged); then the refusal flood on that broker and
+//! on a second one judging every submission against a shadow quota file too
+//! (`--shadow-config`), in alternating rounds, with the medians' ratio.
 //!
 //! `cargo bench --bench broker_load` (release build). `LOAD_REQUESTS` (default 20000 refusals,
-//! a tenth as many creations) and `LOAD_CONCURRENCY` (default 32) tune it. Under `cargo test` it
-//! runs a short smoke version with the same assertions.
+//! a tenth as many creations), `LOAD_CONCURRENCY` (default 32) and `LOAD_SHADOW_ROUNDS` (default
+//! 5 rounds of each) tune it. Under `cargo test` it runs a short smoke version with the same
+//! assertions.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -130,6 +133,20 @@ fn wal_bytes(dir: &std::path::Path) -> u64 {
     std::fs::metadata(dir.join("admission.sqlite3-wal")).map_or(0, |m| m.len())
 }
 
+/// The median of `phases`' throughputs.
+fn median_throughput(phases: &[Phase]) -> f64 {
+    let mut rates: Vec<f64> = phases.iter().map(Phase::throughput).collect();
+    rates.sort_by(f64::total_cmp);
+    rates[rates.len() / 2]
+}
+
+/// The median of `phases`' medians (p50 latency).
+fn median_p50(phases: &[Phase]) -> Duration {
+    let mut p50s: Vec<Duration> = phases.iter().map(|p| p.percentile(0.50)).collect();
+    p50s.sort();
+    p50s[p50s.len() / 2]
+}
+
 #[tokio::main(flavor = "multi_thread")]
 async fn main() {
     // `cargo bench` passes `--bench`; under `cargo test --all-targets` a short smoke run checks
@@ -154,13 +171,14 @@ async fn main() {
         grant_global: creations as u64,
         ..StorageCaps::default()
     };
-    let settings = BrokerSettings {
-        config,
+    let settings = |dir: &std::path::Path, shadow: Option<Config>| BrokerSettings {
+        config: config.clone(),
+        shadow,
         storage_caps: caps,
         ..BrokerSettings::new(
             "127.0.0.1:0".parse().unwrap(),
-            dir.path().to_owned(),
-            secrets,
+            dir.to_owned(),
+            secrets.clone(),
             unyolo_admission::config::Operators::single(
                 "bench",
                 "load-operator-secret-0123456789abcdef",
@@ -168,7 +186,7 @@ async fn main() {
             .unwrap(),
         )
     };
-    let (broker, _) = Broker::start(settings).await.unwrap();
+    let (broker, _) = Broker::start(settings(dir.path(), None)).await.unwrap();
     let base = format!("http://{}", broker.local_addr());
     println!(
         "broker on loopback, SQLite WAL synchronous=FULL; concurrency {concurrency}; {} CPUs",
@@ -221,5 +239,55 @@ async fn main() {
         refused.throughput() / created.throughput(),
         100.0 * refused.throughput() / ceiling.throughput()
     );
+
+    // The same flood on a broker with a shadow file (the same limits, so the shadow is at them
+    // too and judges every submission a refusal), in alternating rounds against this one.
+    let shadow_dir = tempfile::tempdir().unwrap();
+    let (shadowed, _) = Broker::start(settings(shadow_dir.path(), Some(config.clone())))
+        .await
+        .unwrap();
+    let shadow_base = format!("http://{}", shadowed.local_addr());
+    let filled = phase(
+        "create",
+        &shadow_base,
+        "create",
+        "demo.request",
+        creations,
+        concurrency,
+    )
+    .await;
+    assert_eq!(filled.statuses.get(&202), Some(&creations));
+    let rounds = env("LOAD_SHADOW_ROUNDS", if full { 5 } else { 1 });
+    let (mut plain, mut shadow) = (Vec::new(), Vec::new());
+    for round in 0..rounds {
+        // Alternating who goes first, so neither always meets a warmer (or busier) machine.
+        for with_shadow in [round % 2 == 1, round % 2 == 0] {
+            let (name, url, phases) = if with_shadow {
+                ("shadow", &shadow_base, &mut shadow)
+            } else {
+                ("plain", &base, &mut plain)
+            };
+            let prefix = format!("{name}-{round}");
+            let flood = phase(name, url, &prefix, "demo.request", refusals, concurrency).await;
+            assert_eq!(flood.statuses.get(&429), Some(&refusals));
+            flood.report();
+            phases.push(flood);
+        }
+    }
+    let judged = shadowed.shadow().expect("a shadow").engine().snapshot();
+    assert_eq!(
+        judged.rejected.iter().sum::<u64>(),
+        (refusals * rounds) as u64,
+        "the shadow judged every refusal"
+    );
+    let (plain_rate, shadow_rate) = (median_throughput(&plain), median_throughput(&shadow));
+    println!(
+        "refusal flood, median of {rounds}: without shadow {plain_rate:.0} req/s (p50 {:.2?}), \
+         with shadow {shadow_rate:.0} req/s (p50 {:.2?}); with/without {:.3}",
+        median_p50(&plain),
+        median_p50(&shadow),
+        shadow_rate / plain_rate
+    );
+    shadowed.shutdown().await;
     broker.shutdown().await;
 }

@@ -22,7 +22,9 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Validate a quota file against the client identities and print every client's effective
-    /// limits (exit 0), or the first problem found (exit 1).
+    /// limits (exit 0), or the first problem found (exit 1). With --history, replay a store's
+    /// operations through the file's limits instead: exit 0 when it would refuse nothing, 3 when
+    /// it would refuse something.
     Check(CheckArgs),
     /// Print the default configuration as a complete, valid quota file.
     Defaults,
@@ -86,6 +88,11 @@ struct ServeArgs {
     /// The quota file (absolute path), re-read on SIGHUP; the defaults when absent.
     #[arg(long, value_name = "PATH")]
     admission_config: Option<PathBuf>,
+    /// A shadow quota file (absolute path, the same rules), re-read with --admission-config on
+    /// SIGHUP: every submission is also judged against it, never changing the real decision
+    /// (verdicts in admission_shadow_decisions_total and GET /admission/v1/shadow).
+    #[arg(long, value_name = "PATH")]
+    shadow_config: Option<PathBuf>,
     /// The broker's name, shown as every operation's `broker` (1 to 64 characters).
     #[arg(long, value_name = "NAME", default_value = "admission", value_parser = broker_name)]
     broker_name: String,
@@ -196,6 +203,14 @@ struct CheckArgs {
     /// A secrets file (`name = secret` per line) whose names are added to the identities.
     #[arg(long, value_name = "FILE")]
     secrets: Option<PathBuf>,
+    /// Judge the file on a store's history: replay the creation, approval and end times of
+    /// every operation stored in this data dir (its SQLite store, read-only: a serving broker's
+    /// dir can be read) or PostgreSQL database (postgres://...), and print per client what the
+    /// file would have refused, with which code and when, and the peak counts against each
+    /// limit. Exit 0 when it would refuse nothing, 3 when it would refuse something.
+    #[cfg(feature = "broker")]
+    #[arg(long, value_name = "DATA_DIR|postgres://...")]
+    history: Option<String>,
     /// The quota file: an absolute, normalized path, as a broker would be given.
     #[arg(value_name = "PATH")]
     path: PathBuf,
@@ -259,6 +274,7 @@ fn serve(args: ServeArgs) -> ExitCode {
         operator_listen: args.operator_listen,
         operator_secrets: args.operator_secrets,
         admission_config: args.admission_config,
+        shadow_config: args.shadow_config,
         broker_name: args.broker_name,
         connections: unyolo_admission::broker::ConnectionSettings {
             header_timeout: args.header_timeout,
@@ -308,6 +324,22 @@ fn check(args: CheckArgs) -> ExitCode {
                 return ExitCode::FAILURE;
             }
         }
+    }
+    #[cfg(feature = "broker")]
+    if let Some(store) = &args.history {
+        use unyolo_admission::broker::history;
+        return match history::check(store, &args.path, identities) {
+            Ok(check) => match write_out(&history::render(&check)) {
+                ExitCode::SUCCESS if !check.replay.refusals.is_empty() => {
+                    ExitCode::from(history::EXIT_WOULD_REFUSE)
+                }
+                written => written,
+            },
+            Err(err) => {
+                eprintln!("error: {err}");
+                ExitCode::FAILURE
+            }
+        };
     }
     let config = match Config::from_path(&args.path, identities) {
         Ok(config) => config,

@@ -296,3 +296,66 @@ fn encode_limits(
             ))),
     )
 }
+
+/// Registers a shadow engine's verdicts in `registry` ([`crate::admission::Shadow::engine`]):
+/// `admission_shadow_decisions_total{client,result,code}` (result `admitted` or `rejected`, code
+/// `none` for an admission) and `admission_shadow_config_reloads_total{result}`, read from the
+/// shadow engine at each scrape.
+pub fn register_shadow(registry: &mut Registry, shadow_engine: &Controller) {
+    registry.register_collector(Box::new(ShadowCollector {
+        controller: shadow_engine.clone(),
+    }));
+}
+
+struct ShadowCollector {
+    controller: Controller,
+}
+
+impl std::fmt::Debug for ShadowCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ShadowCollector")
+    }
+}
+
+impl Collector for ShadowCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let s = self.controller.snapshot();
+        let decisions = s.clients.iter().flat_map(|c| {
+            std::iter::once((
+                [
+                    ("client", c.identity.as_str()),
+                    ("result", "admitted"),
+                    ("code", "none"),
+                ],
+                c.admitted,
+            ))
+            .chain(RefusalCode::ALL[1..].iter().map(|&code| {
+                (
+                    [
+                        ("client", c.identity.as_str()),
+                        ("result", "rejected"),
+                        ("code", code.as_str()),
+                    ],
+                    c.rejected[code as usize],
+                )
+            }))
+        });
+        family(
+            &mut encoder,
+            "admission_shadow_decisions",
+            "What the shadow quota file would have decided, by client, result and refusal code; it never changes the real decision.",
+            MetricType::Counter,
+            decisions,
+        )?;
+        family(
+            &mut encoder,
+            "admission_shadow_config_reloads",
+            "Shadow quota file reloads by result (a rejected file leaves the old shadow in force).",
+            MetricType::Counter,
+            [
+                ([("result", "applied")], s.reloads_applied),
+                ([("result", "rejected")], s.reloads_rejected),
+            ],
+        )
+    }
+}

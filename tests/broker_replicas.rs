@@ -69,6 +69,56 @@ async fn a_clients_pending_limit_holds_across_replicas() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shadow_file_judges_each_replicas_own_submissions_and_changes_no_answer() {
+    let server = redis_or_skip!();
+    // One pending request per client in the candidate; the real file allows two fleet-wide.
+    let candidate = r#"{"requests_per_window": 1000, "window_seconds": 60,
+      "client_active": 4, "client_pending": 1, "global_active": 100, "global_executing": 10}"#;
+    let shadowed = async |dir: &std::path::Path, name: &str| {
+        let mut options = RedisOptions::new(server.url(), name);
+        options.replicas = vec!["r1".to_owned(), "r2".to_owned()];
+        let mut settings = settings(dir, TIGHT, StorageCaps::default());
+        let identities: Vec<_> = settings.config.identities().cloned().collect();
+        settings.shadow =
+            Some(unyolo_admission::Config::from_bytes(candidate.as_bytes(), identities).unwrap());
+        settings.broker_name = name.to_owned();
+        start_shared(settings, options).await
+    };
+    let (d1, d2) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let r1 = shadowed(d1.path(), "r1").await;
+    let r2 = shadowed(d2.path(), "r2").await;
+    let submit = async |replica: &Harness, key: &str| {
+        replica
+            .submit(AGENT_SECRET, &request(key, "demo.request", 0))
+            .await
+    };
+    assert_eq!(submit(&r1, "k1").await.status, 202);
+    assert_eq!(submit(&r2, "k2").await.status, 202);
+    let refused = submit(&r1, "k3").await;
+    assert_eq!(
+        (refused.status, refused.code()),
+        (429, "client_pending_limit"),
+        "the real file decides, fleet-wide"
+    );
+    // Each replica's shadow counts what that replica held: r2's admitted k2 with r1's k1 live
+    // on the other replica.
+    let verdicts = |replica: &Harness| {
+        let report = replica.broker.shadow().expect("a shadow").report();
+        let agent = report
+            .clients
+            .into_iter()
+            .find(|c| c.identity.as_str() == AGENT)
+            .unwrap();
+        (agent.admitted, agent.refused)
+    };
+    use unyolo_admission::RefusalCode::ClientPendingLimit;
+    assert_eq!(verdicts(&r1), (1, vec![(ClientPendingLimit, 1)]));
+    assert_eq!(verdicts(&r2), (1, vec![]));
+    r1.broker.shutdown().await;
+    r2.broker.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_key_on_two_replicas_makes_one_operation() {
     let server = redis_or_skip!();
     let (d1, d2) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());

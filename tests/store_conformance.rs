@@ -60,6 +60,7 @@ store_tests! {
     recovery_fails_executing_work_as_interrupted_and_returns_the_live,
     retention_retires_only_terminal_work_past_the_cutoff_with_its_decisions,
     streams_are_recorded_counted_and_deleted,
+    the_history_is_every_operation_with_its_state_and_times_oldest_first,
 }
 
 /// Which house a test runs against.
@@ -930,4 +931,75 @@ async fn streams_are_recorded_counted_and_deleted(kind: Kind) {
     );
     assert!(db.ping().await.is_ok());
     assert!(!db.sizes().is_empty());
+}
+
+async fn the_history_is_every_operation_with_its_state_and_times_oldest_first(kind: Kind) {
+    let house = house!(kind, "history");
+    let db = &house.store;
+    assert!(db.history().await.unwrap().is_empty());
+    let mut inserted = Vec::new();
+    for i in 0..3 {
+        let record = request(i, REQUEST);
+        inserted.push(record.clone());
+        db.insert(record).await.unwrap();
+    }
+    let run = OperationRecord {
+        client_id: "bot-8".to_owned(),
+        ..record("op_run", "run")
+    };
+    db.insert(run.clone()).await.unwrap();
+    use OperationState as S;
+    db.set_state(
+        &request_id(1),
+        S::Pending,
+        S::Approved,
+        StateChange::default(),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    db.set_state(
+        &request_id(2),
+        S::Pending,
+        S::Denied,
+        StateChange::default(),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+
+    let history = db.history().await.unwrap();
+    let rows: Vec<_> = history
+        .iter()
+        .map(|h| {
+            (
+                h.client_id.as_str(),
+                h.operation.as_str(),
+                h.state,
+                h.created_at.as_str(),
+            )
+        })
+        .collect();
+    let mut expected: Vec<_> = inserted
+        .iter()
+        .chain([&run])
+        .map(|r| {
+            (
+                r.client_id.as_str(),
+                r.operation.as_str(),
+                r.state,
+                r.created_at.as_str(),
+            )
+        })
+        .collect();
+    expected[1].2 = S::Approved;
+    expected[2].2 = S::Denied;
+    // Oldest first: by creation time (each written by `now_rfc3339`), then by id.
+    expected.sort_by_key(|(_, _, _, at)| *at);
+    assert_eq!(rows, expected);
+    for h in &history {
+        assert_eq!(h.terminal_at.is_some(), h.state.is_terminal(), "{h:?}");
+        let ended = (h.state == S::Denied).then_some(S::Pending);
+        assert_eq!(h.ended_from, ended, "{h:?}");
+    }
 }

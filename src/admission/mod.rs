@@ -32,6 +32,8 @@
 //! - `backend`: the only place that knows whether this build has the Redis backend.
 //! - `exposition`: the backend's metrics.
 //! - `id`: operation ids.
+//! - `shadow`: a candidate quota file judging the same traffic without binding ([`Shadow`]),
+//!   and replaying a store's history.
 
 mod backend;
 mod exposition;
@@ -40,6 +42,7 @@ pub(crate) mod id;
 pub(crate) mod options;
 pub(crate) mod outcome;
 pub(crate) mod recovery;
+pub(crate) mod shadow;
 
 use std::path::Path;
 
@@ -55,6 +58,10 @@ pub use outcome::{
     Unavailable, UnavailableReason,
 };
 pub use recovery::{KeyRecord, RecoverySource, SourceFuture};
+pub use shadow::{
+    Replay, ReplayedRefusal, Shadow, ShadowClient, ShadowPeaks, ShadowReport, ShadowVerdict,
+    StoredOperation,
+};
 
 use self::backend::SharedController;
 use crate::config::{Config, ConfigError, Identity};

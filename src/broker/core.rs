@@ -29,8 +29,8 @@ use super::keys::KeyFilter;
 use super::registry::duration_ms;
 use super::store::{DurableStore, OperationRecord};
 use super::waits::Waits;
-use crate::admission::{Admission, OperationHandle};
-use crate::engine::{Controller, StoredObject};
+use crate::admission::{Admission, OperationHandle, Shadow, ShadowVerdict};
+use crate::engine::{Controller, Operation, StoredObject};
 
 /// The `broker_submissions_total{result}` label set.
 pub(crate) type SubmissionLabels = [(&'static str, &'static str); 1];
@@ -43,6 +43,9 @@ pub(crate) struct Core {
     /// Admission, in-process or shared with other replicas: every submission, transition and
     /// start goes through it.
     pub(crate) admission: Admission,
+    /// The shadow quota file's engine (`--shadow-config`), judging every submission after the
+    /// real decision; in-process only, whatever the admission's backend.
+    pub(crate) shadow: Option<Shadow>,
     pub(crate) db: Arc<dyn DurableStore>,
     /// Non-terminal operations by id.
     pub(crate) live: Mutex<HashMap<String, Arc<LiveOp>>>,
@@ -226,6 +229,39 @@ impl Core {
         (newest > 0).then(|| super::store::events::encode_cursor(newest))
     }
 
+    /// Judges a submission the real admission has just decided (`real_admitted`) against the
+    /// shadow file, if one is set: the shadow's permit when it would admit and the real answer
+    /// admitted (commit or refund it with the real one). The first would-be refusal of each
+    /// client is logged. In-process only: no store, no Redis, nothing awaited.
+    pub(crate) fn judge_in_shadow(
+        &self,
+        client: &str,
+        needs_approval: bool,
+        real_admitted: bool,
+    ) -> Option<crate::engine::Permit> {
+        match self
+            .shadow
+            .as_ref()?
+            .judge(client, needs_approval, SystemTime::now())
+        {
+            // Refused for real, the shadow's permit is dropped: its slots return (there is no
+            // operation to follow) and its rate token stays spent, as the candidate's would.
+            ShadowVerdict::Admitted(permit) => real_admitted.then_some(permit),
+            ShadowVerdict::Refused { code, first } => {
+                if first {
+                    tracing::warn!(
+                        client,
+                        code = code.as_str(),
+                        real = if real_admitted { "admitted" } else { "refused" },
+                        "the shadow admission config would refuse this client (its first \
+                         would-be refusal; the real decision stands)"
+                    );
+                }
+                None
+            }
+        }
+    }
+
     /// Waits for the lock serializing submissions of `client` with idempotency `key`.
     pub(crate) async fn key_lock(&self, client: &str, key: &str) -> KeyGuard {
         self.key_locks.lock(client, key).await
@@ -241,6 +277,9 @@ pub(crate) struct LiveOp {
     pub(crate) duration: Duration,
     /// Its lifecycle handle (in-process, or mirrored to the replicas' shared counts).
     pub(crate) handle: OperationHandle,
+    /// Its handle in the shadow engine, when a shadow file is set and would have admitted it;
+    /// taken out at its end.
+    pub(crate) shadow: Mutex<Option<Operation>>,
     /// Held across a transition's store write and its handle update.
     pub(crate) lock: tokio::sync::Mutex<()>,
     /// When it was created (its row's `created_at`; now, if that does not parse).
@@ -282,6 +321,37 @@ impl LiveOp {
 }
 
 impl LiveOp {
+    /// The same operation, held in the shadow engine by `shadow` too.
+    pub(crate) fn shadowed(self, shadow: Option<Operation>) -> LiveOp {
+        *crate::sync::lock(&self.shadow) = shadow;
+        self
+    }
+
+    /// Follows a move of the real operation (already made) in the shadow, if the shadow holds
+    /// it: a start takes a shadow execution slot if the candidate has one free; a terminal move
+    /// releases what the shadow holds.
+    pub(crate) fn follow_in_shadow(
+        &self,
+        shadow: Option<&Shadow>,
+        to: crate::engine::OperationState,
+    ) {
+        let Some(shadow) = shadow else {
+            return;
+        };
+        let mut held = crate::sync::lock(&self.shadow);
+        let Some(operation) = held.as_ref() else {
+            return;
+        };
+        if to == crate::engine::OperationState::Executing {
+            shadow.start(operation);
+        } else {
+            Shadow::follow(operation, to);
+        }
+        if to.is_terminal() {
+            *held = None;
+        }
+    }
+
     pub(crate) fn new(record: &OperationRecord, handle: OperationHandle) -> LiveOp {
         LiveOp {
             id: record.id.clone(),
@@ -289,6 +359,7 @@ impl LiveOp {
             key: record.idempotency_key.clone(),
             duration: Duration::from_millis(duration_ms(&record.arguments).unwrap_or(0)),
             handle,
+            shadow: Mutex::new(None),
             lock: tokio::sync::Mutex::new(()),
             created_at: humantime::parse_rfc3339(&record.created_at)
                 .unwrap_or_else(|_| SystemTime::now()),

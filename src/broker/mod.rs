@@ -110,6 +110,7 @@ pub mod event_streams;
 mod exec;
 mod expiry;
 mod fleet;
+pub mod history;
 #[doc(hidden)]
 pub mod key_locks;
 #[doc(hidden)]
@@ -173,6 +174,10 @@ pub struct BrokerSettings {
     pub pending_timeout: Duration,
     /// The admission limits (validated for the identities of `secrets`).
     pub config: Config,
+    /// A shadow quota file's limits (`--shadow-config`), validated for the same identities:
+    /// every submission is judged against them too, after the real decision, never changing
+    /// it (see [`crate::admission::Shadow`]). `None` by default.
+    pub shadow: Option<Config>,
     /// The stream, sealed-payload and pending-grant store caps.
     pub storage_caps: StorageCaps,
     /// The Retry-After hint for capacity refusals.
@@ -261,6 +266,7 @@ impl BrokerSettings {
             operators,
             pending_timeout: DEFAULT_PENDING_TIMEOUT,
             config,
+            shadow: None,
             storage_caps: StorageCaps::default(),
             capacity_retry: DEFAULT_CAPACITY_RETRY,
             drift_interval: DEFAULT_DRIFT_INTERVAL,
@@ -469,6 +475,33 @@ impl Broker {
     /// invalid file leaves the old configuration in force and is counted.
     pub fn reload_from_path(&self, path: &Path) -> Result<(), ConfigError> {
         reload(&self.core, path)
+    }
+
+    /// Re-reads the shadow quota file at `path` (see [`BrokerSettings::shadow`]); an invalid
+    /// file leaves the old shadow in force and is counted. Nothing without a shadow.
+    pub fn reload_shadow_from_path(&self, path: &Path) -> Result<(), ConfigError> {
+        reload_shadow(&self.core, path)
+    }
+
+    /// The shadow judging every submission against a candidate file, if one is set.
+    pub fn shadow(&self) -> Option<&crate::admission::Shadow> {
+        self.core.shadow.as_ref()
+    }
+}
+
+fn reload_shadow(core: &Core, path: &Path) -> Result<(), ConfigError> {
+    let Some(shadow) = &core.shadow else {
+        return Ok(());
+    };
+    match shadow.reload_from_path(path) {
+        Ok(()) => {
+            tracing::info!(path = %path.display(), "shadow admission config reloaded");
+            Ok(())
+        }
+        Err(err) => {
+            tracing::warn!(error = %err, "shadow admission config rejected; the old shadow stays");
+            Err(err)
+        }
     }
 }
 

@@ -309,10 +309,11 @@ impl Core {
         self.changed(op, from, to);
     }
 
-    /// Logs a state change (already durable) and follows it up: waiters on the operation are
+    /// Logs a state change (already durable) and follows it up: the shadow follows it, waiters on the operation are
     /// woken, approved work is queued, terminal work forgotten (its slots are already released)
     /// and the executor woken.
     pub(crate) fn changed(&self, op: &Arc<LiveOp>, from: OperationState, to: OperationState) {
+        op.follow_in_shadow(self.shadow.as_ref(), to);
         self.waits.ring(&op.id);
         tracing::info!(
             operation = %op.id,

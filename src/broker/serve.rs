@@ -104,6 +104,9 @@ pub struct ServeOptions {
     pub operator_secrets: Option<PathBuf>,
     /// The quota file, re-read on `SIGHUP`; the defaults when absent.
     pub admission_config: Option<PathBuf>,
+    /// A shadow quota file (`--shadow-config`), re-read with the quota file on `SIGHUP`: every
+    /// submission is judged against it too, never changing the real decision.
+    pub shadow_config: Option<PathBuf>,
     /// The broker's name, shown as every operation's `broker`.
     pub broker_name: String,
     /// Header, body and idle timeouts and the connection cap.
@@ -126,6 +129,11 @@ pub struct ServeOptions {
 
 /// Runs the broker until `SIGINT` or `SIGTERM`. Prints `listening on ADDR` once it serves.
 pub fn run(options: ServeOptions) -> Result<(), String> {
+    // Before anything is created: the shadow file's path, size and readability (its contents
+    // are judged below, once the identities are known).
+    if let Some(path) = &options.shadow_config {
+        crate::config::read_quota_file(path).map_err(|e| format!("--shadow-config: {e}"))?;
+    }
     std::fs::create_dir_all(&options.data_dir)
         .map_err(|e| format!("cannot create {}: {e}", options.data_dir.display()))?;
     if let Some(problem) = options.connections.problem() {
@@ -168,11 +176,21 @@ pub fn run(options: ServeOptions) -> Result<(), String> {
     }
     let identities: Vec<_> = secrets.identities().cloned().collect();
     let config = match &options.admission_config {
-        Some(path) => Config::from_path(path, identities).map_err(|e| e.to_string())?,
-        None => Config::defaults(identities),
+        Some(path) => Config::from_path(path, identities.clone()).map_err(|e| e.to_string())?,
+        None => Config::defaults(identities.clone()),
     };
     for warning in config.warnings() {
         eprintln!("warning: {warning}");
+    }
+    let shadow = match &options.shadow_config {
+        Some(path) => Some(
+            Config::from_path(path, identities.clone())
+                .map_err(|e| format!("--shadow-config: {e}"))?,
+        ),
+        None => None,
+    };
+    for warning in shadow.iter().flat_map(Config::warnings) {
+        eprintln!("warning: --shadow-config: {warning}");
     }
     // Said once the broker serves (a start that fails says only why it failed).
     let short_secrets: Vec<String> = secrets
@@ -195,6 +213,7 @@ pub fn run(options: ServeOptions) -> Result<(), String> {
     init_tracing();
     let settings = BrokerSettings {
         config,
+        shadow,
         storage_caps: StorageCaps::default(),
         broker_name: options.broker_name.clone(),
         connections: options.connections,
@@ -215,12 +234,22 @@ pub fn run(options: ServeOptions) -> Result<(), String> {
     let mut settings = settings;
     settings.replicas = options.redis;
     settings.store = options.store;
-    runtime.block_on(serve(settings, options.admission_config, short_secrets))
+    let files = ConfigFiles {
+        admission: options.admission_config,
+        shadow: options.shadow_config,
+    };
+    runtime.block_on(serve(settings, files, short_secrets))
+}
+
+/// The files `SIGHUP` re-reads: the quota file and the shadow quota file.
+struct ConfigFiles {
+    admission: Option<PathBuf>,
+    shadow: Option<PathBuf>,
 }
 
 async fn serve(
     settings: BrokerSettings,
-    admission_config: Option<PathBuf>,
+    files: ConfigFiles,
     warnings: Vec<String>,
 ) -> Result<(), String> {
     use tokio::signal::unix::{SignalKind, signal};
@@ -263,12 +292,19 @@ async fn serve(
     let _ = std::io::stdout().flush();
     loop {
         tokio::select! {
-            _ = hangup.recv() => match &admission_config {
-                Some(path) => {
-                    let _ = broker.reload_from_path(path);
+            _ = hangup.recv() => {
+                match &files.admission {
+                    Some(path) => {
+                        let _ = broker.reload_from_path(path);
+                    }
+                    None => tracing::warn!("SIGHUP: no --admission-config to reload"),
                 }
-                None => tracing::warn!("SIGHUP: no --admission-config to reload"),
-            },
+                // Each file on its own: an invalid one leaves its old limits in force, whatever
+                // the other's fate.
+                if let Some(path) = &files.shadow {
+                    let _ = broker.reload_shadow_from_path(path);
+                }
+            }
             _ = terminate.recv() => break,
             _ = interrupt.recv() => break,
         }

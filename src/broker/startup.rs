@@ -32,8 +32,8 @@ use super::{
     validate_broker_name,
 };
 use crate::OperationState;
-use crate::admission::{Admission, ReplicaOptions, RestoredOperation};
-use crate::config::Identity;
+use crate::admission::{Admission, ReplicaOptions, RestoredOperation, Shadow};
+use crate::config::{Config, Identity};
 use crate::engine::Controller;
 use crate::fairness::{ByteBudget, Fairness};
 
@@ -67,7 +67,12 @@ impl Broker {
                  lowered (raise the limit, ulimit -n, to allow more)"
             );
         }
-        let rate_window = settings.config.longest_window();
+        let rate_window = settings.config.longest_window().max(
+            settings
+                .shadow
+                .as_ref()
+                .map_or(Duration::ZERO, Config::longest_window),
+        );
         let member = membership_name(&settings)?;
         let agent_bind = |e| BrokerError::Bind(ListenAddr::Tcp(settings.listen), e);
         let listener = listener::bind(settings.listen).map_err(agent_bind)?;
@@ -86,6 +91,15 @@ impl Broker {
             // row; the lifetime is only a net under that, a day past the retention.
             options.idempotency_ttl = Some(keep + Duration::from_secs(24 * 3600));
         }
+        // The shadow: a second engine of the same kind, in-process whatever the backend.
+        let shadow = settings.shadow.clone().map(|config| {
+            Shadow::new(
+                Controller::builder(config)
+                    .storage_caps(settings.storage_caps)
+                    .capacity_retry(settings.capacity_retry)
+                    .build(),
+            )
+        });
         let admission = Admission::new(controller, replicas)
             .map_err(|e| BrokerError::Settings(e.to_string()))?;
         let data_dir = settings.data_dir.clone();
@@ -129,6 +143,9 @@ impl Broker {
         // After Redis forgets, this replica's store gives back its keys and recent admissions.
         admission.set_recovery_source(Arc::new(super::recovery::StoreSource::new(db.clone())));
         admission.register_metrics(&mut registry);
+        if let Some(shadow) = &shadow {
+            crate::metrics::register_shadow(&mut registry, shadow.engine());
+        }
         let drift = Gauge::default();
         registry.register(
             "admission_store_drift",
@@ -197,6 +214,7 @@ impl Broker {
         let (stop, shutdown) = watch::channel(false);
         let core = Arc::new(Core {
             admission,
+            shadow,
             db,
             live: Mutex::new(HashMap::new()),
             streams: Mutex::new(HashMap::new()),
@@ -231,6 +249,9 @@ impl Broker {
                 )
             }
             Err(err) => tracing::warn!(error = %err, "start-up drift check failed"),
+        }
+        if let Some(shadow) = &core.shadow {
+            restore_rates(shadow.engine(), created.clone(), SystemTime::now());
         }
         restore_rates(core.controller(), created, SystemTime::now());
 
@@ -416,7 +437,11 @@ async fn restore(core: &Arc<Core>, recovered: store::Recovered) -> RestoreSummar
                 continue;
             }
         };
-        let op = Arc::new(LiveOp::new(&record, handle));
+        let shadowed = core.shadow.as_ref().and_then(|shadow| {
+            let identity = handle.identity();
+            shadow.restore(identity, record.state)
+        });
+        let op = Arc::new(LiveOp::new(&record, handle).shadowed(shadowed));
         core.add_live(&op, &record);
         match record.state {
             OperationState::Approved => {

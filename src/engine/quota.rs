@@ -124,3 +124,35 @@ impl QuotaStatus {
         }
     }
 }
+
+/// The slots one client and the whole engine hold at one moment (each count exactly, the set
+/// not as one atomic picture): what a shadow engine's peaks are taken from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Held {
+    /// The client's live operations.
+    pub(crate) active: u64,
+    /// The client's operations awaiting approval.
+    pub(crate) pending: u64,
+    /// The client's operations executing.
+    pub(crate) executing: u64,
+    /// Every client's live operations.
+    pub(crate) global_active: u64,
+    /// Every client's operations executing.
+    pub(crate) global_executing: u64,
+}
+
+impl Controller {
+    /// The slots `identity` and the engine hold now; `None` for an identity with no state.
+    /// Loads only, like [`Controller::quota`].
+    pub(crate) fn held(&self, identity: &str) -> Option<Held> {
+        let client = self.client(identity)?;
+        let global = self.shared().global.get();
+        Some(Held {
+            active: client.active.get(),
+            pending: client.pending.get(),
+            executing: client.executing.get(),
+            global_active: global.active,
+            global_executing: global.executing,
+        })
+    }
+}

@@ -35,7 +35,7 @@ use crate::broker::store::{
     StoredRequest, now_rfc3339, request_digest,
 };
 use crate::config::Identity;
-use crate::engine::OperationState;
+use crate::engine::{OperationState, Permit};
 
 /// Largest operation submission body, in bytes.
 pub const MAX_BODY_BYTES: usize = 1 << 20;
@@ -235,7 +235,10 @@ pub(crate) async fn submit(
             .await;
         match admitted {
             Ok(permit) => break (permit, quiet),
-            Err(AdmitError::Refused(refusal)) => return Ok(refused(&core, &client, refusal)),
+            Err(AdmitError::Refused(refusal)) => {
+                core.judge_in_shadow(client.as_str(), needs_approval, false);
+                return Ok(refused(&core, &client, refusal));
+            }
             Err(AdmitError::Replay { operation, replica }) => {
                 drop(quiet);
                 match replayed_elsewhere(&core, &client, &request, &operation, &replica).await? {
@@ -254,7 +257,9 @@ pub(crate) async fn submit(
             }
         }
     };
-    let creation = create(Arc::clone(&core), client, request, permit);
+    // The shadow judges after the real decision, which it never changes.
+    let shadow = core.judge_in_shadow(client.as_str(), needs_approval, true);
+    let creation = create(Arc::clone(&core), client, request, permit, shadow);
     detached(async move {
         let _same_key = same_key;
         let _quiet = quiet;
@@ -410,13 +415,15 @@ async fn unbind(
         .map_err(|unavailable| admission_unavailable(core, client, &unavailable))
 }
 
-/// The creation of an admitted operation: durable row, replay filter, permit commit (or refund),
+/// The creation of an admitted operation: durable row, replay filter, permit commit (or refund;
+/// the shadow's permit, if any, with it),
 /// live map, executor hand-off. Runs detached, under the per-key lock and the counts gate.
 pub(crate) async fn create(
     core: Arc<Core>,
     client: Identity,
     request: Submission,
     permit: AdmissionPermit,
+    shadow: Option<Permit>,
 ) -> ApiResult {
     let now = now_rfc3339();
     // Fixed now, as upstream fixes each grant's: a later timeout moves no deadline shown.
@@ -465,6 +472,9 @@ pub(crate) async fn create(
         Err(InsertError::Duplicate) => {
             // Another process or path created it first: this request is a replay after all.
             permit.refund().await;
+            if let Some(shadow) = shadow {
+                shadow.refund();
+            }
             let vanished = || ApiError::from(StoreError::new("duplicate key vanished"));
             let existing = core
                 .db
@@ -477,12 +487,15 @@ pub(crate) async fn create(
         }
         Err(InsertError::Store(err)) => {
             permit.refund().await;
+            if let Some(shadow) = shadow {
+                shadow.refund();
+            }
             return Err(err.into());
         }
     }
     // Replicated, the answer's quota fields are the shared decision's (every replica's counts).
     let decided = permit.quota();
-    let op = Arc::new(LiveOp::new(&record, permit.commit()));
+    let op = Arc::new(LiveOp::new(&record, permit.commit()).shadowed(shadow.map(Permit::commit)));
     core.add_live(&op, &record);
     core.count_submission("created");
     tracing::info!(

@@ -16,8 +16,8 @@ use super::error::{InsertError, StoreError};
 use super::events::{EventPage, StoredEvent};
 use super::maintenance::{Retiring, StoredCounts};
 use super::records::{
-    OperationRecord, OperationSummary, PageQuery, Presentation, Recovered, StateChange,
-    StoredRequest,
+    OperationRecord, OperationSummary, OperationTimes, PageQuery, Presentation, Recovered,
+    StateChange, StoredRequest,
 };
 use super::requests::RequestQuery;
 use super::streams::StreamRecord;
@@ -143,6 +143,10 @@ pub trait DurableStore: Send + Sync + 'static {
         &self,
         since: SystemTime,
     ) -> Result<Vec<(String, SystemTime)>, StoreError>;
+
+    /// Every stored operation's client, operation, state and times, oldest first: the history
+    /// `admission check --history` replays. Reads only.
+    async fn history(&self) -> Result<Vec<OperationTimes>, StoreError>;
 
     /// How many operation rows exist (sizes the replay filter).
     async fn key_count(&self) -> Result<u64, StoreError>;

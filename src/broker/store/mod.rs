@@ -51,7 +51,7 @@ pub use open::{StoreLocation, open};
 pub use postgres::{PostgresSettings, PostgresStore, redact_url};
 pub use records::{
     DEFAULT_BROKER_NAME, Decided, DecisionMark, OperationError, OperationRecord, OperationSummary,
-    PageQuery, Presentation, Recovered, StateChange, StoredRequest, now_rfc3339,
+    OperationTimes, PageQuery, Presentation, Recovered, StateChange, StoredRequest, now_rfc3339,
 };
 pub use requests::{RequestQuery, StateFilter};
 pub use sqlite::{DATABASE_FILE, MIN_FREE_BYTES, READERS, SCHEMA_VERSION, SqliteStore};

@@ -280,3 +280,54 @@ pub struct PageQuery {
     /// At most this many.
     pub limit: u32,
 }
+
+/// The columns of one stored operation that a history replay reads (`admission check
+/// --history`): whose it was, what it asked for, its state and its times as stored (RFC 3339,
+/// UTC; `None` where the column is empty).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OperationTimes {
+    /// The client that submitted it.
+    pub client_id: String,
+    /// The registered operation name (whether it needed approval follows from it).
+    pub operation: String,
+    /// Its state now.
+    pub state: OperationState,
+    /// When it was created.
+    pub created_at: String,
+    /// When the last decision about it was made (an approval, a denial, a revoke, a cancel).
+    pub decided_at: Option<String>,
+    /// When it reached a terminal state.
+    pub terminal_at: Option<String>,
+    /// The state a terminal operation left, where recorded.
+    pub ended_from: Option<OperationState>,
+}
+
+/// The columns [`OperationTimes::from_columns`] reads, in order, each as text (`''` for none).
+pub(crate) const HISTORY_SELECT: &str = "SELECT client_id, operation, state, created_at, \
+     COALESCE(decided_at, ''), COALESCE(terminal_at, ''), COALESCE(ended_from, '') \
+     FROM operations ORDER BY created_at, id";
+
+impl OperationTimes {
+    /// One row of [`HISTORY_SELECT`]; `None` for a state that does not parse.
+    pub(crate) fn from_columns(columns: [String; 7]) -> Option<OperationTimes> {
+        let [
+            client_id,
+            operation,
+            state,
+            created_at,
+            decided_at,
+            terminal_at,
+            ended_from,
+        ] = columns;
+        let some = |text: String| (!text.is_empty()).then_some(text);
+        Some(OperationTimes {
+            client_id,
+            operation,
+            state: OperationState::parse(&state)?,
+            created_at,
+            decided_at: some(decided_at),
+            terminal_at: some(terminal_at),
+            ended_from: OperationState::parse(&ended_from),
+        })
+    }
+}

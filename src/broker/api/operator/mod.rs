@@ -1,6 +1,6 @@
 //! The operator listener's routes: unYOLO's **Operator V1** (discovery, health, readiness, the
-//! request list, one request, decisions), `/metrics` and admission's own drift reading
-//! (`/admission/v1/drift`). Nothing here is mounted on the agent listener.
+//! request list, one request, decisions), `/metrics` and admission's own readings: drift
+//! (`/admission/v1/drift`) and the shadow quota file's verdicts (`/admission/v1/shadow`). Nothing here is mounted on the agent listener.
 //!
 //! Every response carries `Cache-Control: no-store`, `X-Content-Type-Options: nosniff` and
 //! `X-Correlation-ID` (22 characters, base64url of 16 random bytes), set by one layer
@@ -9,7 +9,7 @@
 //!
 //! Files: `error` (the envelope), `credential` (the operator a request's credential names),
 //! `projection` (an operation as a `BrokerRequest`), `requests` (the list and one request),
-//! `decisions` (approve, deny, revoke).
+//! `decisions` (approve, deny, revoke), `shadow` (the shadow file's verdicts).
 //!
 //! The order of checks is the contract's: route → path and query (400) → the operator's
 //! credential (401) → the action (404) → the body (415, 400) → idempotency → lookup (404) →
@@ -20,6 +20,7 @@ pub mod decisions;
 pub mod error;
 pub(crate) mod projection;
 pub mod requests;
+pub(crate) mod shadow;
 
 use std::sync::Arc;
 
@@ -58,6 +59,7 @@ pub(crate) fn router(core: Arc<Core>) -> Router {
         )
         .route("/metrics", get(metrics))
         .route("/admission/v1/drift", get(drift))
+        .route("/admission/v1/shadow", get(shadow::shadow))
         .fallback(|| async { OperatorError::no_route() })
         .method_not_allowed_fallback(|| async {
             OperatorError::new(

@@ -62,6 +62,7 @@ use super::durable::{Derive, DurableStore, Judge, Render};
 use super::error::{InsertError, StoreError};
 use super::events::{EventPage, StoredEvent};
 use super::maintenance::{Retiring, StoredCounts};
+use super::records::{HISTORY_SELECT, OperationTimes};
 use super::records::{
     OperationRecord, OperationSummary, PageQuery, Recovered, StateChange, StoredRequest,
 };
@@ -179,6 +180,15 @@ impl DurableStore for PostgresStore {
         since: SystemTime,
     ) -> Result<Vec<(String, SystemTime)>, StoreError> {
         PostgresStore::created_since(self, since).await
+    }
+
+    async fn history(&self) -> Result<Vec<OperationTimes>, StoreError> {
+        let rows = self.strings(HISTORY_SELECT, 7).await?;
+        Ok(rows
+            .into_iter()
+            .filter_map(|row| <[String; 7]>::try_from(row).ok())
+            .filter_map(OperationTimes::from_columns)
+            .collect())
     }
 
     async fn key_count(&self) -> Result<u64, StoreError> {

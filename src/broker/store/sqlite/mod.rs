@@ -40,6 +40,7 @@ use super::durable::{Derive, DurableStore, Judge, Render};
 use super::error::{InsertError, StoreError};
 use super::events::{EventPage, StoredEvent};
 use super::maintenance::{Retiring, StoredCounts};
+use super::records::OperationTimes;
 use super::records::{
     OperationRecord, OperationSummary, PageQuery, Recovered, StateChange, StoredRequest,
 };
@@ -96,6 +97,10 @@ impl DurableStore for SqliteStore {
         since: SystemTime,
     ) -> Result<Vec<(String, SystemTime)>, StoreError> {
         blocking(self, move |db| db.created_since(since)).await
+    }
+
+    async fn history(&self) -> Result<Vec<OperationTimes>, StoreError> {
+        blocking(self, SqliteStore::history).await
     }
 
     async fn key_count(&self) -> Result<u64, StoreError> {

@@ -23,6 +23,7 @@ use super::super::records::{
     Decided, OperationError, OperationRecord, OperationSummary, PageQuery, Presentation, Recovered,
     StateChange, StoredRequest,
 };
+use super::super::records::{HISTORY_SELECT, OperationTimes};
 use super::database::SqliteStore;
 use super::error::is_unique_violation;
 use super::events;
@@ -340,6 +341,49 @@ impl SqliteStore {
         Ok(created)
     }
 
+    /// Every stored operation's times, oldest first (blocking; see
+    /// [`DurableStore::history`](crate::broker::store::DurableStore::history)).
+    pub fn history(&self) -> Result<Vec<OperationTimes>, StoreError> {
+        history_of(&*self.reader()?)
+    }
+
+    /// [`SqliteStore::history`] of the store in `dir` without opening it as a broker does:
+    /// through one read-only connection of its own, so no lock is taken, nothing is migrated or
+    /// written, and a store a broker is serving can be read (a WAL reader never blocks its
+    /// writer). For `admission check --history`.
+    pub fn read_history(dir: &std::path::Path) -> Result<Vec<OperationTimes>, StoreError> {
+        use rusqlite::OpenFlags;
+        let path = dir.join(super::DATABASE_FILE);
+        let conn = rusqlite::Connection::open_with_flags(
+            &path,
+            OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+        )?;
+        conn.busy_timeout(std::time::Duration::from_secs(5))?;
+        history_of(&conn)
+    }
+}
+
+/// The rows of [`HISTORY_SELECT`] through `conn`.
+fn history_of(conn: &rusqlite::Connection) -> Result<Vec<OperationTimes>, StoreError> {
+    let mut stmt = conn.prepare(HISTORY_SELECT)?;
+    let mut rows = stmt.query([])?;
+    let mut history = Vec::new();
+    while let Some(row) = rows.next()? {
+        let columns: [String; 7] = [
+            row.get(0)?,
+            row.get(1)?,
+            row.get(2)?,
+            row.get(3)?,
+            row.get(4)?,
+            row.get(5)?,
+            row.get(6)?,
+        ];
+        history.extend(OperationTimes::from_columns(columns));
+    }
+    Ok(history)
+}
+
+impl SqliteStore {
     /// How many operation rows exist (blocking; sizes the replay filter).
     pub fn key_count(&self) -> Result<u64, StoreError> {
         let conn = self.reader()?;
