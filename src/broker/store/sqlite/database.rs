@@ -205,6 +205,17 @@ impl SqliteStore {
         .map_err(|e| StoreError::unfinished("the store task", e))?
     }
 
+    /// Runs `f` on the write connection in the next group commit (its own savepoint of the
+    /// batch's transaction), answered once the batch is committed; `committed` runs after a
+    /// commit that kept `f`'s value, whether or not the caller still waits. See `group`.
+    pub(super) async fn write_grouped<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
+        committed: impl FnOnce(&T) + Send + 'static,
+    ) -> Result<T, StoreError> {
+        self.group.write(&self.writer, f, committed).await
+    }
+
     /// Runs `f` on a pooled reader connection, off the async threads; `f` gets the broker name
     /// records show.
     pub(super) async fn read<T: Send + 'static>(

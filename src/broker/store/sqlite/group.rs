@@ -16,13 +16,12 @@
 
 use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use rusqlite::{Connection, Transaction};
 
 use super::super::error::StoreError;
-use super::database::SqliteStore;
 
 /// The default most jobs committed in one transaction.
 pub const DEFAULT_COMMIT_BATCH: usize = 64;
@@ -103,13 +102,14 @@ fn in_savepoint<T>(
     Ok(value)
 }
 
-impl SqliteStore {
-    /// Runs `f` on the write connection in the next batch (its own savepoint of the batch's
-    /// transaction) and answers once the batch is committed: `f`'s value, `f`'s error (the
-    /// others in the batch unaffected), or the commit's error. `committed` runs after a commit
-    /// that kept `f`'s value, whether or not the caller still waits (to ring the event bell).
-    pub(super) async fn write_grouped<T: Send + 'static>(
-        &self,
+impl GroupCommit {
+    /// Runs `f` on `writer` in the next batch (its own savepoint of the batch's transaction) and
+    /// answers once the batch is committed: `f`'s value, `f`'s error (the others in the batch
+    /// unaffected), or the commit's error. `committed` runs after a commit that kept `f`'s value,
+    /// whether or not the caller still waits (to ring the event bell).
+    pub(super) async fn write<T: Send + 'static>(
+        self: &Arc<Self>,
+        writer: &Arc<Mutex<Connection>>,
         f: impl FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
         committed: impl FnOnce(&T) + Send + 'static,
     ) -> Result<T, StoreError> {
@@ -133,13 +133,13 @@ impl SqliteStore {
             })
         });
         let start = {
-            let mut queue = crate::sync::lock(&self.group.queue);
+            let mut queue = crate::sync::lock(&self.queue);
             queue.jobs.push_back(job);
             !std::mem::replace(&mut queue.committing, true)
         };
         if start {
-            let store = self.clone();
-            tokio::task::spawn_blocking(move || store.commit_queued());
+            let (group, writer) = (Arc::clone(self), Arc::clone(writer));
+            tokio::task::spawn_blocking(move || group.commit_queued(&writer));
         }
         answered.await.unwrap_or_else(|_| {
             Err(StoreError::Inconsistent(
@@ -148,19 +148,20 @@ impl SqliteStore {
         })
     }
 
-    /// The committer: commits batches of queued jobs until the queue is empty (blocking).
-    fn commit_queued(&self) {
+    /// The committer: commits batches of queued jobs on `writer` until the queue is empty
+    /// (blocking).
+    fn commit_queued(&self, writer: &Mutex<Connection>) {
         loop {
             // The writer first, then the queue: the jobs that arrived while the writer was busy
             // join this batch.
-            let mut conn = self.writer();
+            let mut conn = crate::sync::lock(writer);
             let batch: Vec<Job> = {
-                let mut queue = crate::sync::lock(&self.group.queue);
+                let mut queue = crate::sync::lock(&self.queue);
                 if queue.jobs.is_empty() {
                     queue.committing = false;
                     return;
                 }
-                let n = queue.jobs.len().min(self.group.most);
+                let n = queue.jobs.len().min(self.most);
                 queue.jobs.drain(..n).collect()
             };
             let delivers: Vec<Deliver>;
@@ -170,7 +171,7 @@ impl SqliteStore {
                     let commit = tx.commit().err();
                     if commit.is_none() {
                         // Relaxed: a count, publishing nothing else.
-                        self.group.commits.fetch_add(1, Ordering::Relaxed);
+                        self.commits.fetch_add(1, Ordering::Relaxed);
                     }
                     commit
                 }
@@ -192,24 +193,50 @@ impl SqliteStore {
 #[cfg(test)]
 #[allow(clippy::await_holding_lock)]
 mod tests {
-    use std::sync::Arc;
     use std::sync::atomic::AtomicUsize;
 
     use super::*;
 
-    fn store(most: usize) -> (tempfile::TempDir, SqliteStore) {
+    /// A writer connection on a file of one table, and its group commit.
+    #[derive(Clone)]
+    struct Store {
+        group: Arc<GroupCommit>,
+        writer: Arc<Mutex<Connection>>,
+    }
+
+    impl Store {
+        fn writer(&self) -> std::sync::MutexGuard<'_, Connection> {
+            crate::sync::lock(&self.writer)
+        }
+
+        async fn write_grouped<T: Send + 'static>(
+            &self,
+            f: impl FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
+            committed: impl FnOnce(&T) + Send + 'static,
+        ) -> Result<T, StoreError> {
+            self.group.write(&self.writer, f, committed).await
+        }
+
+        fn rows(&self) -> i64 {
+            self.writer()
+                .query_row("SELECT COUNT(*) FROM t", [], |r| r.get(0))
+                .unwrap()
+        }
+    }
+
+    fn store(most: usize) -> (tempfile::TempDir, Store) {
         let dir = tempfile::tempdir().unwrap();
-        let store = SqliteStore::open(dir.path())
-            .unwrap()
-            .with_commit_batch(most);
-        store
-            .writer()
-            .execute_batch("CREATE TABLE t (k TEXT UNIQUE)")
+        let conn = Connection::open(dir.path().join("t.sqlite3")).unwrap();
+        conn.execute_batch("PRAGMA journal_mode = WAL; CREATE TABLE t (k TEXT UNIQUE)")
             .unwrap();
+        let store = Store {
+            group: Arc::new(GroupCommit::new(most)),
+            writer: Arc::new(Mutex::new(conn)),
+        };
         (dir, store)
     }
 
-    fn commits(store: &SqliteStore) -> u64 {
+    fn commits(store: &Store) -> u64 {
         store.group.commits()
     }
 
@@ -248,12 +275,7 @@ mod tests {
         assert_eq!(duplicates, 1, "{answers:?}");
         assert_eq!(answers.iter().filter(|a| a.is_ok()).count(), 3);
         assert_eq!(commits(&store), 1, "the four were one batch");
-        let rows: i64 = store
-            .reader()
-            .unwrap()
-            .query_row("SELECT COUNT(*) FROM t", [], |r| r.get(0))
-            .unwrap();
-        assert_eq!(rows, 3);
+        assert_eq!(store.rows(), 3);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -323,12 +345,7 @@ mod tests {
             )
             .await
             .unwrap();
-        let rows: i64 = store
-            .reader()
-            .unwrap()
-            .query_row("SELECT COUNT(*) FROM t", [], |r| r.get(0))
-            .unwrap();
-        assert_eq!(rows, 2);
+        assert_eq!(store.rows(), 2);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
