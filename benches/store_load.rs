@@ -1,14 +1,17 @@
 //! Creation on the two stores, side by side in one run: the same broker, the same load (new
-//! `demo.run` keys from concurrent clients over loopback HTTP), once on SQLite (WAL,
-//! `synchronous=FULL`) and once on PostgreSQL (`fsync` on, a server this bench starts), with
-//! creations per second and p50/p99 at each concurrency. Then a refusal flood on the
+//! `demo.run` keys from concurrent clients over loopback HTTP), on SQLite (WAL,
+//! `synchronous=FULL`) committing each write alone (`commit_batch` 1, the baseline), on SQLite
+//! with group commit (the default), and on PostgreSQL (`fsync` on, a server this bench starts),
+//! with creations per second and p50/p99 at each concurrency, and the ratios of group commit to
+//! the baseline. Then a refusal flood on the
 //! PostgreSQL-backed broker, with the database's committed transactions
 //! (`pg_stat_database.xact_commit`) read before and after: a refusal never touches PostgreSQL, so
 //! the difference is the broker's own background work (membership renewals, numbering rounds),
 //! not one per refusal.
 //!
 //! `cargo bench --bench store_load` (release build). `LOAD_CREATIONS` (default 2000 per
-//! concurrency) and `LOAD_CONCURRENCY` (default `1,8,32,128`) tune it. Under `cargo test` it runs
+//! concurrency) and `LOAD_CONCURRENCY` (default `1,8,32,128`) tune it; `LOAD_POSTGRES=0` measures
+//! SQLite alone. Under `cargo test` it runs
 //! a short smoke version with the same assertions. Without PostgreSQL it measures SQLite alone
 //! and says so.
 
@@ -18,7 +21,7 @@ mod support;
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use unyolo_admission::broker::store::StoreLocation;
+use unyolo_admission::broker::store::{self, StoreLocation};
 use unyolo_admission::broker::{Broker, BrokerSettings};
 use unyolo_admission::config::{Identity, Operators, Secrets};
 use unyolo_admission::fairness::FairnessConfig;
@@ -110,7 +113,12 @@ async fn load(
     }
 }
 
-fn settings(dir: &std::path::Path, store: Option<StoreLocation>, n: usize) -> BrokerSettings {
+fn settings(
+    dir: &std::path::Path,
+    store: Option<StoreLocation>,
+    n: usize,
+    commit_batch: usize,
+) -> BrokerSettings {
     let secrets = Secrets::parse(&format!("agent = {SECRET}\n")).unwrap();
     let identities: Vec<Identity> = secrets.identities().cloned().collect();
     // Nothing binds while creating: `demo.run` needs no approval and runs at once (0 ms).
@@ -128,6 +136,7 @@ fn settings(dir: &std::path::Path, store: Option<StoreLocation>, n: usize) -> Br
             per_client_units: 400,
             ..FairnessConfig::default()
         },
+        commit_batch,
         ..BrokerSettings::new(
             "127.0.0.1:0".parse().unwrap(),
             dir.to_owned(),
@@ -141,11 +150,12 @@ fn settings(dir: &std::path::Path, store: Option<StoreLocation>, n: usize) -> Br
 async fn creations(
     name: &str,
     store: Option<StoreLocation>,
+    commit_batch: usize,
     per_level: usize,
     levels: &[usize],
 ) -> Vec<(usize, f64, Duration, Duration)> {
     let dir = tempfile::tempdir().unwrap();
-    let (broker, _) = Broker::start(settings(dir.path(), store, 1_000_000))
+    let (broker, _) = Broker::start(settings(dir.path(), store, 1_000_000, commit_batch))
         .await
         .unwrap();
     let base = format!("http://{}", broker.local_addr());
@@ -200,14 +210,35 @@ async fn main() {
         "creations on loopback, {per_level} per concurrency level; {} CPUs",
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
-    let sqlite = creations("sqlite", None, per_level, &levels).await;
+    let alone = creations("sqlite-1", None, 1, per_level, &levels).await;
+    let sqlite = creations(
+        "sqlite",
+        None,
+        store::DEFAULT_COMMIT_BATCH,
+        per_level,
+        &levels,
+    )
+    .await;
+    for ((concurrency, one, one50, one99), (_, grouped, g50, g99)) in alone.iter().zip(&sqlite) {
+        println!(
+            "{concurrency:>4} clients: group commit/one per commit creations {:.2}x, \
+             p50 {:.2}x, p99 {:.2}x",
+            grouped / one,
+            g50.as_secs_f64() / one50.as_secs_f64(),
+            g99.as_secs_f64() / one99.as_secs_f64()
+        );
+    }
+    if env("LOAD_POSTGRES", "1") == "0" {
+        println!("LOAD_POSTGRES=0: SQLite alone was measured");
+        return;
+    }
     let Some(server) = support::postgres::PostgresServer::start() else {
         println!("PostgreSQL cannot be run here: SQLite alone was measured");
         return;
     };
     let url = server.database("store_load");
     let store = Some(StoreLocation::parse(&url).unwrap());
-    let postgres = creations("postgres", store, per_level, &levels).await;
+    let postgres = creations("postgres", store, 1, per_level, &levels).await;
     for ((concurrency, s, _, s99), (_, p, _, p99)) in sqlite.iter().zip(&postgres) {
         println!(
             "{concurrency:>4} clients: postgres/sqlite creations {:.2}x, p99 {:.2}x",
@@ -224,6 +255,7 @@ async fn main() {
     let (broker, _) = Broker::start(settings(
         dir.path(),
         Some(StoreLocation::parse(&url).unwrap()),
+        1,
         1,
     ))
     .await

@@ -210,6 +210,29 @@ fn distinct_secrets_start() {
     assert!(settings.validate().is_ok());
 }
 
+#[test]
+fn a_commit_batch_of_zero_is_refused_and_one_commits_each_write_alone() {
+    use unyolo_admission::broker::BrokerSettings;
+    let settings = BrokerSettings::new(
+        "127.0.0.1:0".parse().unwrap(),
+        std::env::temp_dir(),
+        secrets(),
+        operators(),
+    );
+    assert!(settings.commit_batch > 1, "group commit is on by default");
+    let alone = BrokerSettings {
+        commit_batch: 1,
+        ..settings.clone()
+    };
+    assert!(alone.validate().is_ok());
+    let none = BrokerSettings {
+        commit_batch: 0,
+        ..settings
+    };
+    let err = none.validate().unwrap_err().to_string();
+    assert!(err.contains("commit batch must be at least 1"), "{err}");
+}
+
 /// A client secret shorter than unYOLO's agent clients accept (32 bytes: its Go client refuses
 /// to send one) starts, with a warning naming the client and the length, never the secret; a
 /// long one draws none.

@@ -7,9 +7,9 @@
 //!   after each response while a keep-alive connection idles. A connection that sends nothing, or
 //!   half a head, is closed when it expires. So it is also the keep-alive idle timeout: HTTP/1
 //!   has no other idle state, and a separate longer idle setting could never take effect.
-//! - **Body timeout** (tower-http's `RequestBodyTimeout`): the longest wait for the next piece of
-//!   a request body once its head is in; the handler then sees a body that could not be read.
-//! - **Body deadline and minimum rate** (ours, in `listener/body.rs`): the whole body must arrive within a
+//! - **Body timeout, body deadline and minimum rate** (ours, in `listener/body.rs`, one timer a
+//!   body armed only while it waits for the client): the longest wait for the next piece of a
+//!   request body once its head is in (the handler then sees a body that could not be read); the whole body must arrive within a
 //!   deadline and, past a grace period, at an average rate above a minimum, counted from when the
 //!   handler first reads it; otherwise the handler sees a body that could not be read
 //!   ([`BodyCutOff`] in its source chain), and each cut-off is counted in
@@ -63,7 +63,6 @@ use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
 use tokio::sync::{Notify, Semaphore, watch};
-use tower_http::timeout::RequestBodyTimeout;
 
 mod body;
 #[cfg(test)]
@@ -398,7 +397,7 @@ pub(crate) async fn serve_counted<A: Acceptor>(
     http.timer(TokioTimer::new())
         .header_read_timeout(settings.header_timeout)
         .keep_alive(true);
-    let service = TowerToHyperService::new(RequestBodyTimeout::new(app, settings.body_timeout));
+    let service = TowerToHyperService::new(app);
     let cap = pool.cap;
     let permits = Arc::clone(&pool.permits);
     let open = Arc::clone(&pool.open);
@@ -459,7 +458,14 @@ pub(crate) async fn serve_counted<A: Acceptor>(
             let nth = busy.bodies.fetch_add(1, Ordering::Relaxed);
             let request = request.map(|body| {
                 let progress = Arc::clone(&busy.body);
-                LimitedBody::new(body, limits, progress, nth, body_metrics.clone())
+                LimitedBody::new(
+                    body,
+                    limits,
+                    settings.body_timeout,
+                    progress,
+                    nth,
+                    body_metrics.clone(),
+                )
             });
             let response = hyper::service::Service::call(&service, request);
             async move {

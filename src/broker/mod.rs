@@ -206,6 +206,10 @@ pub struct BrokerSettings {
     pub buffered_bytes: usize,
     /// How many Operator V1 event streams may be open at once, per operator and in total.
     pub event_streams: EventStreamLimits,
+    /// The most creations and state changes a SQLite store commits in one transaction, one
+    /// `fsync` (group commit: those that reach the writer together);
+    /// [`store::DEFAULT_COMMIT_BATCH`] by default, 1 to commit each alone. Not zero.
+    pub commit_batch: usize,
 }
 
 /// The default [`BrokerSettings::operator_listen`]: `127.0.0.1:8081`.
@@ -242,6 +246,7 @@ impl std::fmt::Debug for BrokerSettings {
             .field("buffered_bytes", &self.buffered_bytes)
             .field("pending_timeout", &self.pending_timeout)
             .field("event_streams", &self.event_streams)
+            .field("commit_batch", &self.commit_batch)
             .finish()
     }
 }
@@ -277,6 +282,7 @@ impl BrokerSettings {
             fairness: FairnessConfig::default(),
             buffered_bytes: DEFAULT_BUFFERED_BYTES,
             event_streams: EventStreamLimits::default(),
+            commit_batch: store::DEFAULT_COMMIT_BATCH,
         }
     }
 
@@ -298,6 +304,11 @@ impl BrokerSettings {
         }
         if let Some(problem) = self.fairness.problem() {
             return Err(BrokerError::Settings(format!("fairness: {problem}")));
+        }
+        if self.commit_batch == 0 {
+            return Err(BrokerError::Settings(
+                "the commit batch must be at least 1 (1 commits each write alone)".to_owned(),
+            ));
         }
         if self.pending_timeout.is_zero() {
             return Err(BrokerError::Settings(

@@ -108,11 +108,12 @@ impl Broker {
             .store
             .clone()
             .unwrap_or_else(|| store::StoreLocation::Dir(data_dir.clone()));
-        let db = store::open(
+        let db = store::open_batched(
             &location,
             &broker_name,
             super::registry::approval_operations(),
             &data_dir,
+            settings.commit_batch,
         )
         .await?;
         join_the_store(&*db, &member, settings.replicas.is_some()).await?;

@@ -123,6 +123,11 @@ impl ByteBudget {
         wait: Duration,
     ) -> Result<BytesReservation, BudgetRefusal> {
         let permits = self.permits_for(bytes)?;
+        // Room now (the usual case) arms no timer; `try_acquire` fails while others wait, so
+        // the room still goes in order.
+        if let Ok(permit) = Arc::clone(&self.shared.room).try_acquire_many_owned(permits) {
+            return Ok(self.reserved_with(permit));
+        }
         let acquire = Arc::clone(&self.shared.room).acquire_many_owned(permits);
         match tokio::time::timeout(wait, acquire).await {
             Ok(Ok(permit)) => Ok(self.reserved_with(permit)),

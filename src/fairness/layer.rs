@@ -20,7 +20,8 @@ type RefusalResponse = dyn Fn(&FairnessRefusal) -> Response<Bytes> + Send + Sync
 /// A [`tower::Layer`] that puts [`Fairness`] in front of a service: `classify` says what each
 /// request is (exempt, whose, what it costs) from its head; a refused request gets the
 /// [`FairnessLayer::refusal_response`] (by default [`default_refusal_response`]) without reaching
-/// the service.
+/// the service. A request let through carries its [`Class`] in its extensions, so the service
+/// learns whose it is without authenticating it a second time.
 pub struct FairnessLayer<C> {
     fairness: Fairness,
     classify: Arc<C>,
@@ -109,8 +110,10 @@ where
     }
 
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
-        let (parts, body) = request.into_parts();
+        let (mut parts, body) = request.into_parts();
         let class = (self.layer.classify)(&parts);
+        // The service reads who the request was classified as, instead of asking again.
+        parts.extensions.insert(class.clone());
         let request = Request::from_parts(parts, body);
         // The clone goes back into `self`; the instance taken is the one this call drives.
         let clone = self.inner.clone();

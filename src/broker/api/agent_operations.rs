@@ -7,6 +7,8 @@
 //! and the refusal answers, and read as one sequence.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::SystemTime;
 
 use axum::body::Body;
 use axum::extract::State;
@@ -615,18 +617,59 @@ async fn terminal_answer(core: &Core, client: &Identity, id: &str, room: usize) 
     Ok(rendered(StatusCode::OK, record.into_json(), reservation))
 }
 
-/// A refused submission as the client sees it: counted, logged, and answered with its code,
-/// Retry-After and the quota fields of the decision that refused it (the in-process and the
-/// shared backend alike).
+/// The pace of the refusal log: at most one line a second, saying how many refusals went
+/// unlogged before it. A flood of refusals is the path that exists to be cheap, and a line a
+/// refusal (formatted, then written to stderr under its lock) was the largest part of its cost;
+/// every refusal is still counted (`broker_submissions_total{result="rejected"}`).
+struct RefusalLog {
+    /// The second (of the Unix epoch) of the last line logged.
+    second: AtomicU64,
+    /// Refusals not logged since that line.
+    unlogged: AtomicU64,
+}
+
+static REFUSAL_LOG: RefusalLog = RefusalLog {
+    second: AtomicU64::new(0),
+    unlogged: AtomicU64::new(0),
+};
+
+impl RefusalLog {
+    /// Whether this refusal is logged, and if it is, how many went unlogged before it.
+    fn take(&self, now: SystemTime) -> Option<u64> {
+        let second = now
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(0, |since| since.as_secs());
+        // Relaxed: the second and the count are independent numbers; a line that reports a
+        // refusal a moment late or early is still true about the second.
+        let last = self.second.load(Ordering::Relaxed);
+        if last != second
+            && self
+                .second
+                .compare_exchange(last, second, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            return Some(self.unlogged.swap(0, Ordering::Relaxed));
+        }
+        self.unlogged.fetch_add(1, Ordering::Relaxed);
+        None
+    }
+}
+
+/// A refused submission as the client sees it: counted, logged (at most a line a second:
+/// [`RefusalLog`]), and answered with its code, Retry-After and the quota fields of the decision
+/// that refused it (the in-process and the shared backend alike).
 fn refused(core: &Core, client: &Identity, refused: Refused) -> axum::response::Response {
     let refusal = refused.refusal;
     core.count_submission("rejected");
-    tracing::info!(
-        client = %client,
-        code = refusal.code.as_str(),
-        retry_after = refusal.retry_after_secs(),
-        "submission refused"
-    );
+    if let Some(unlogged) = REFUSAL_LOG.take(SystemTime::now()) {
+        tracing::info!(
+            client = %client,
+            code = refusal.code.as_str(),
+            retry_after = refusal.retry_after_secs(),
+            unlogged_before = unlogged,
+            "submission refused"
+        );
+    }
     let response = ApiError::refused(refusal).into_response();
     match refused.quota {
         Some(quota) => ratelimit::with_status(response, &quota, Some(&refusal)),
@@ -685,5 +728,27 @@ mod tests {
             );
         }
         assert!(validate(&body("why")).is_ok());
+    }
+}
+
+#[cfg(test)]
+mod refusal_log_tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    #[test]
+    fn the_refusal_log_writes_a_line_a_second_counting_those_it_left_out() {
+        let log = RefusalLog {
+            second: AtomicU64::new(0),
+            unlogged: AtomicU64::new(0),
+        };
+        let at = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000);
+        assert_eq!(log.take(at), Some(0));
+        assert_eq!(log.take(at + Duration::from_millis(300)), None);
+        assert_eq!(log.take(at + Duration::from_millis(900)), None);
+        assert_eq!(log.take(at + Duration::from_secs(1)), Some(2));
+        assert_eq!(log.take(at + Duration::from_secs(1)), None);
+        assert_eq!(log.take(at + Duration::from_secs(5)), Some(1));
     }
 }

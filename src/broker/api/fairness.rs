@@ -35,17 +35,14 @@ const MAX_SIZE_COST: u32 = 16;
 /// exempt; a client's cancel is exempt for that client (up to its share of them in flight); any
 /// other request whose bearer token names a client is that client's; any other is unkeyed.
 pub(crate) fn classify(core: &Core, head: &Parts) -> Class {
-    let path = head.uri.path();
-    let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
-    if matches!(segments.as_slice(), ["healthz" | "readyz"]) {
+    let mut split = [""; SEGMENTS];
+    let segments = segments_of(head.uri.path(), &mut split);
+    if matches!(segments, ["healthz" | "readyz"]) {
         return Class::Exempt;
     }
     let cancel = head.method == Method::POST
-        && matches!(
-            segments.as_slice(),
-            ["api", "agent", "v1", "operations", _, "cancel"]
-        );
-    let cost = cost(head, &segments);
+        && matches!(segments, ["api", "agent", "v1", "operations", _, "cancel"]);
+    let cost = cost(head, segments);
     let client = head
         .headers
         .get(header::AUTHORIZATION)
@@ -53,11 +50,31 @@ pub(crate) fn classify(core: &Core, head: &Parts) -> Class {
         .and_then(|token| core.auth.client(token));
     match client {
         Some(identity) if cancel => Class::ExemptClient {
-            key: identity.as_str().into(),
+            key: core.auth.key_of(identity),
         },
-        Some(identity) => Class::client(identity.as_str(), cost),
+        Some(identity) => Class::Client {
+            key: core.auth.key_of(identity),
+            cost,
+        },
         None => Class::Unkeyed { cost },
     }
+}
+
+/// The most path segments a classified route has, and one more.
+const SEGMENTS: usize = 7;
+
+/// `path`'s segments, split into `split` without allocating; a path of more segments than any
+/// route has is none (it matches no route the classifier knows).
+fn segments_of<'a>(path: &'a str, split: &'a mut [&'a str; SEGMENTS]) -> &'a [&'a str] {
+    let mut n = 0;
+    for segment in path.trim_matches('/').split('/') {
+        if n == SEGMENTS {
+            return &[];
+        }
+        split[n] = segment;
+        n += 1;
+    }
+    &split[..n]
 }
 
 /// The units the request with head `head` (its path split into `segments`) costs.
@@ -116,6 +133,21 @@ mod tests {
     }
 
     #[test]
+    fn a_path_splits_into_its_segments_and_a_longer_one_than_any_route_into_none() {
+        let mut split = [""; SEGMENTS];
+        assert_eq!(
+            segments_of("/api/agent/v1/operations/op_1/cancel", &mut split),
+            ["api", "agent", "v1", "operations", "op_1", "cancel"]
+        );
+        let mut split = [""; SEGMENTS];
+        assert_eq!(segments_of("/healthz", &mut split), ["healthz"]);
+        let mut split = [""; SEGMENTS];
+        assert!(segments_of("/a/b/c/d/e/f/g/h", &mut split).is_empty());
+        let mut split = [""; SEGMENTS];
+        assert_eq!(segments_of("/a/b/c/d/e/f/g", &mut split).len(), 7);
+    }
+
+    #[test]
     fn a_body_costs_one_more_unit_per_64_kib_it_declares_up_to_a_whole_submission() {
         // Chunked, it may be a whole submission: the handler holds room for one.
         assert_eq!(size_cost(&head(None)), MAX_SIZE_COST);
@@ -136,8 +168,8 @@ mod tests {
                 request = request.header(header::CONTENT_LENGTH, length);
             }
             let head = request.body(()).unwrap().into_parts().0;
-            let segments: Vec<&str> = head.uri.path().trim_matches('/').split('/').collect();
-            cost(&head, &segments)
+            let mut split = [""; SEGMENTS];
+            cost(&head, segments_of(head.uri.path(), &mut split))
         };
         let page = "/api/agent/v1/operations?limit=50";
         assert_eq!(of(Method::GET, page, None), 6);

@@ -127,8 +127,9 @@ pub(crate) fn insert_fields(
 ) {
     let (policy, limit) = fields(status, refusal);
     for (name, value) in [(POLICY_FIELD, policy), (LIMIT_FIELD, limit)] {
-        // A serialized structured field is visible ASCII, always a valid header value.
-        if let Ok(value) = HeaderValue::from_str(&value) {
+        // A serialized structured field is visible ASCII, always a valid header value; taken
+        // from the `String` it was written into, without a copy.
+        if let Ok(value) = HeaderValue::try_from(value) {
             headers.insert(HeaderName::from_static(name), value);
         }
     }

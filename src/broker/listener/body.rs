@@ -1,7 +1,9 @@
-//! The whole-request deadline and the minimum rate of a request body.
+//! The pause between two parts of a request body, its whole-request deadline and its minimum
+//! rate.
 //!
-//! tower-http's body timeout bounds the pause between two parts of a body; a client that sends
-//! one byte just before each pause ends keeps its connection forever. [`LimitedBody`] bounds the
+//! The body timeout bounds the pause between two parts of a body (a pause past it is an error the
+//! handler answers as a body it could not read, not a cut-off); a client that sends one byte just
+//! before each pause ends would keep its connection forever, so [`LimitedBody`] also bounds the
 //! whole: once the handler starts reading, the body must end within the deadline, and past a
 //! grace period its average rate must stay at or above the minimum. A body that breaks either
 //! ends in a [`BodyCutOff`] error, which the handler answers as any body it could not read; the
@@ -9,6 +11,9 @@
 //!
 //! The clock starts when the handler first asks for the body, not when the head arrived: time a
 //! request spends waiting for the broker (a lock, a fairness queue) is not the client's.
+//!
+//! One timer at most per body, armed only when the body has to wait for the client: a body that
+//! is already in (most are, whole, with their head) is read without touching tokio's timer wheel.
 
 use std::error::Error;
 use std::fmt;
@@ -114,6 +119,26 @@ impl fmt::Display for BodyCutOff {
 }
 
 impl Error for BodyCutOff {}
+
+/// The error a handler reads from a request body that paused longer than the body timeout
+/// between two of its parts (or before its first): not a cut-off, a body that could not be read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct BodyPaused {
+    /// The pause allowed.
+    pub(crate) timeout: Duration,
+}
+
+impl fmt::Display for BodyPaused {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "the request body paused longer than {:.1} s",
+            self.timeout.as_secs_f64()
+        )
+    }
+}
+
+impl Error for BodyPaused {}
 
 /// The [`BodyCutOff`] somewhere in `err`'s source chain (as wrapped by axum, tower-http or
 /// `http_body_util::Limited`), if the body failed because it was cut off.
@@ -242,6 +267,12 @@ impl BodyProgress {
 pub(crate) struct LimitedBody<B> {
     inner: B,
     limits: BodyLimits,
+    /// The longest pause before the next part of the body.
+    pause: Duration,
+    /// Since when the body has been waiting for its next part (`None` while it is not).
+    last: Option<Instant>,
+    /// Set once the body paused too long: every later poll repeats it.
+    paused: bool,
     progress: Arc<BodyProgress>,
     metrics: BodyMetrics,
     body: u64,
@@ -258,6 +289,7 @@ impl<B> LimitedBody<B> {
     pub(crate) fn new(
         inner: B,
         limits: BodyLimits,
+        pause: Duration,
         progress: Arc<BodyProgress>,
         body: u64,
         metrics: BodyMetrics,
@@ -265,6 +297,9 @@ impl<B> LimitedBody<B> {
         LimitedBody {
             inner,
             limits,
+            pause,
+            last: None,
+            paused: false,
             progress,
             metrics,
             body,
@@ -283,9 +318,10 @@ impl<B> LimitedBody<B> {
         }
     }
 
-    /// Cuts the body off if it breaks a limit now; polls the next check's timer otherwise, so
-    /// this task wakes when it is due.
-    fn enforce(&mut self, cx: &mut Context<'_>, started: Instant) -> Option<BodyCutOff> {
+    /// Cuts the body off if it breaks a limit now, or ends it if it paused too long; polls the
+    /// next check's timer otherwise, so this task wakes when it is due.
+    fn enforce(&mut self, cx: &mut Context<'_>, started: Instant) -> Option<BoxError> {
+        let last = self.last.unwrap_or(started);
         loop {
             let now = Instant::now();
             let elapsed = now.saturating_duration_since(started);
@@ -301,11 +337,19 @@ impl<B> LimitedBody<B> {
                 }
                 self.end();
                 self.cut = Some(cut.clone());
-                return Some(cut);
+                return Some(Box::new(cut));
+            }
+            if now.saturating_duration_since(last) >= self.pause {
+                self.end();
+                self.paused = true;
+                return Some(Box::new(BodyPaused {
+                    timeout: self.pause,
+                }));
             }
             let due = self
                 .limits
                 .next_check(started, self.bytes)
+                .min(last + self.pause)
                 .max(now + RECHECK);
             let due = tokio::time::Instant::from_std(due);
             let check = self
@@ -337,6 +381,11 @@ where
         if let Some(cut) = &this.cut {
             return Poll::Ready(Some(Err(Box::new(cut.clone()))));
         }
+        if this.paused {
+            return Poll::Ready(Some(Err(Box::new(BodyPaused {
+                timeout: this.pause,
+            }))));
+        }
         let started = *this.started.get_or_insert_with(|| {
             let now = Instant::now();
             this.progress.begin(this.body, now);
@@ -344,6 +393,7 @@ where
         });
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
+                this.last = None;
                 if let Some(data) = frame.data_ref() {
                     this.bytes += data.len() as u64;
                     this.progress.add(this.body, data.len() as u64);
@@ -361,10 +411,14 @@ where
                 this.end();
                 Poll::Ready(None)
             }
-            Poll::Pending => match this.enforce(cx, started) {
-                Some(cut) => Poll::Ready(Some(Err(Box::new(cut)))),
-                None => Poll::Pending,
-            },
+            Poll::Pending => {
+                // The pause counts from the first poll of this wait that found nothing.
+                this.last.get_or_insert_with(Instant::now);
+                match this.enforce(cx, started) {
+                    Some(err) => Poll::Ready(Some(Err(err))),
+                    None => Poll::Pending,
+                }
+            }
         }
     }
 

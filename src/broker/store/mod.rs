@@ -47,12 +47,14 @@ pub use durable::{Derive, DurableStore, Judge, Render};
 pub use error::{InsertError, StoreError};
 pub use events::{EventKind, EventPage, RequestStatus, StoredEvent, request_status};
 pub use maintenance::{Retiring, StoredCounts};
-pub use open::{StoreLocation, open};
+pub use open::{StoreLocation, open, open_batched};
 pub use postgres::{PostgresSettings, PostgresStore, redact_url};
 pub use records::{
     DEFAULT_BROKER_NAME, Decided, DecisionMark, OperationError, OperationRecord, OperationSummary,
     OperationTimes, PageQuery, Presentation, Recovered, StateChange, StoredRequest, now_rfc3339,
 };
 pub use requests::{RequestQuery, StateFilter};
-pub use sqlite::{DATABASE_FILE, MIN_FREE_BYTES, READERS, SCHEMA_VERSION, SqliteStore};
+pub use sqlite::{
+    DATABASE_FILE, DEFAULT_COMMIT_BATCH, MIN_FREE_BYTES, READERS, SCHEMA_VERSION, SqliteStore,
+};
 pub use streams::StreamRecord;

@@ -8,7 +8,7 @@ use super::dir_lock::lock_data_dir;
 use super::durable::DurableStore;
 use super::error::StoreError;
 use super::postgres::{PostgresStore, is_postgres_url, redact_url};
-use super::sqlite::SqliteStore;
+use super::sqlite::{DEFAULT_COMMIT_BATCH, SqliteStore};
 
 /// Where a store lives. Its `Display` (and `Debug`) never shows a password.
 #[derive(Clone, PartialEq, Eq)]
@@ -73,13 +73,27 @@ pub async fn open(
     requests: impl IntoIterator<Item = &str>,
     data_dir: &Path,
 ) -> Result<Arc<dyn DurableStore>, StoreError> {
+    open_batched(location, broker, requests, data_dir, DEFAULT_COMMIT_BATCH).await
+}
+
+/// [`open`], a SQLite store committing at most `commit_batch` creations and state changes in one
+/// transaction (group commit; 1 commits each alone). A PostgreSQL store commits each alone.
+pub async fn open_batched(
+    location: &StoreLocation,
+    broker: &str,
+    requests: impl IntoIterator<Item = &str>,
+    data_dir: &Path,
+    commit_batch: usize,
+) -> Result<Arc<dyn DurableStore>, StoreError> {
     let requests: Vec<String> = requests.into_iter().map(str::to_owned).collect();
     match location {
         StoreLocation::Dir(dir) => {
             let (dir, broker) = (dir.clone(), broker.to_owned());
             let store = tokio::task::spawn_blocking(move || {
-                SqliteStore::open_as(&dir, &broker)
-                    .map(|db| db.with_requests(requests.iter().map(String::as_str)))
+                SqliteStore::open_as(&dir, &broker).map(|db| {
+                    db.with_requests(requests.iter().map(String::as_str))
+                        .with_commit_batch(commit_batch)
+                })
             })
             .await
             .map_err(|e| StoreError::unfinished("opening the store", e))??;

@@ -12,6 +12,7 @@ use super::super::bell::EventBell;
 use super::super::dir_lock::lock_data_dir;
 use super::super::error::StoreError;
 use super::super::records::DEFAULT_BROKER_NAME;
+use super::group::{DEFAULT_COMMIT_BATCH, GroupCommit};
 use super::schema;
 
 /// How many reader connections serve gets, list pages and waits.
@@ -34,6 +35,8 @@ pub const MIN_FREE_BYTES: u64 = 8 * 1024 * 1024;
 #[derive(Clone)]
 pub struct SqliteStore {
     pub(super) writer: Arc<Mutex<Connection>>,
+    /// The creations and state changes waiting to be committed together on `writer`.
+    pub(super) group: Arc<GroupCommit>,
     pub(super) readers: r2d2::Pool<SqliteConnectionManager>,
     pub(super) dir: PathBuf,
     /// The broker name operations show.
@@ -120,6 +123,7 @@ impl SqliteStore {
         let events = super::bell::open_bell(&writer)?;
         Ok(SqliteStore {
             writer: Arc::new(Mutex::new(writer)),
+            group: Arc::new(GroupCommit::new(DEFAULT_COMMIT_BATCH)),
             readers,
             broker: Arc::from(broker),
             requests: Arc::from([]),
@@ -134,6 +138,13 @@ impl SqliteStore {
     /// passes them at start-up; the store knows no operation by name.
     pub fn with_requests<'a>(mut self, requests: impl IntoIterator<Item = &'a str>) -> SqliteStore {
         self.requests = requests.into_iter().map(str::to_owned).collect();
+        self
+    }
+
+    /// This handle, committing at most `most` creations and state changes in one transaction
+    /// ([`DEFAULT_COMMIT_BATCH`] by default; 1 commits each alone). Call it before the first write.
+    pub fn with_commit_batch(mut self, most: usize) -> SqliteStore {
+        self.group = Arc::new(GroupCommit::new(most));
         self
     }
 
@@ -192,6 +203,17 @@ impl SqliteStore {
         })
         .await
         .map_err(|e| StoreError::unfinished("the store task", e))?
+    }
+
+    /// Runs `f` on the write connection in the next group commit (its own savepoint of the
+    /// batch's transaction), answered once the batch is committed; `committed` runs after a
+    /// commit that kept `f`'s value, whether or not the caller still waits. See `group`.
+    pub(super) async fn write_grouped<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
+        committed: impl FnOnce(&T) + Send + 'static,
+    ) -> Result<T, StoreError> {
+        self.group.write(&self.writer, f, committed).await
     }
 
     /// Runs `f` on a pooled reader connection, off the async threads; `f` gets the broker name

@@ -12,6 +12,8 @@
 //! - `database`: the handle (opening, the data dir's lock, the write connection and the reader
 //!   pool);
 //! - `schema`: the tables, their indexes and the migrations from older files;
+//! - `group`: group commit, the creations and state changes that reach the writer together
+//!   committed in one transaction;
 //! - `operations`: the operation rows (insert, lookups, state changes, listing pages, start-up
 //!   recovery);
 //! - `streams`, `decisions`, `requests`, `events`, `maintenance`: the statements of each
@@ -23,6 +25,7 @@ mod database;
 mod decisions;
 mod error;
 mod events;
+mod group;
 mod maintenance;
 mod operations;
 mod requests;
@@ -49,6 +52,7 @@ use super::streams::StreamRecord;
 use crate::engine::OperationState;
 
 pub use database::{DATABASE_FILE, MIN_FREE_BYTES, READERS, SqliteStore};
+pub use group::DEFAULT_COMMIT_BATCH;
 pub use schema::SCHEMA_VERSION;
 
 /// Runs blocking store work off the async threads.

@@ -170,7 +170,7 @@ pub(super) const SELECT_OPERATION: &str = "SELECT id, client_id, idempotency_key
 /// the caller's transaction: transitions, starts, decisions, recovery, expiry. The caller rings
 /// the event bell ([`SqliteStore::rang`]) after its commit.
 pub(super) fn change_state(
-    tx: &rusqlite::Transaction<'_>,
+    tx: &rusqlite::Connection,
     db: &SqliteStore,
     id: &str,
     from: OperationState,
@@ -422,16 +422,17 @@ impl SqliteStore {
         let is_request = self.is_request(&record.operation);
         let bell = self.events.clone();
         let result = self
-            .write(move |conn| {
-                let tx = conn.transaction()?;
-                tx.execute(
-                    "INSERT INTO operations (id, client_id, idempotency_key, operation, target, \
-                     arguments, reason, state, created_at, updated_at, terminal_at, error_code, \
-                     error_message, revision, title, summary, request_digest, \
-                     pending_expires_at) \
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, NULL, NULL, NULL, 1, ?11, \
-                     ?12, ?13, ?14)",
-                    params![
+            .write_grouped(
+                move |tx| {
+                    tx.prepare_cached(
+                        "INSERT INTO operations (id, client_id, idempotency_key, operation, \
+                         target, arguments, reason, state, created_at, updated_at, terminal_at, \
+                         error_code, error_message, revision, title, summary, request_digest, \
+                         pending_expires_at) \
+                         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, NULL, NULL, NULL, 1, \
+                         ?11, ?12, ?13, ?14)",
+                    )?
+                    .execute(params![
                         record.id,
                         record.client_id,
                         record.idempotency_key,
@@ -446,30 +447,30 @@ impl SqliteStore {
                         record.presentation.summary,
                         record.request_digest(),
                         record.pending_expires_at,
-                    ],
-                )?;
-                let seq = is_request
-                    .then(|| {
-                        events::append(
-                            &tx,
-                            &record.id,
-                            1,
-                            None,
-                            record.state,
-                            None,
-                            &record.created_at,
-                        )
-                    })
-                    .transpose()?;
-                tx.commit()?;
-                if let Some(seq) = seq {
-                    bell.rang(seq, 1);
-                }
-                Ok(())
-            })
+                    ])?;
+                    is_request
+                        .then(|| {
+                            events::append(
+                                tx,
+                                &record.id,
+                                1,
+                                None,
+                                record.state,
+                                None,
+                                &record.created_at,
+                            )
+                        })
+                        .transpose()
+                },
+                move |seq| {
+                    if let Some(seq) = *seq {
+                        bell.rang(seq, 1);
+                    }
+                },
+            )
             .await;
         match result {
-            Ok(()) => Ok(()),
+            Ok(_) => Ok(()),
             Err(err) if is_unique_violation(&err) => Err(InsertError::Duplicate),
             Err(err) => Err(InsertError::Store(err)),
         }
@@ -640,18 +641,18 @@ impl SqliteStore {
     ) -> Result<Option<OperationRecord>, StoreError> {
         let id = id.to_owned();
         let db = self.clone();
-        self.write(move |conn| {
-            let tx = conn.transaction()?;
-            let changed = change_state(&tx, &db, &id, from, to, &change)?;
-            tx.commit()?;
-            Ok(changed.map(|(record, seq)| {
-                if let Some(seq) = seq {
-                    db.events.rang(seq, 1);
-                }
-                record
-            }))
-        })
-        .await
+        let bell = self.events.clone();
+        let changed = self
+            .write_grouped(
+                move |tx| change_state(tx, &db, &id, from, to, &change),
+                move |changed| {
+                    if let Some((_, Some(seq))) = changed {
+                        bell.rang(*seq, 1);
+                    }
+                },
+            )
+            .await?;
+        Ok(changed.map(|(record, _)| record))
     }
 
     /// Writes `records` as they are (state, times, revision included) in one transaction
