@@ -2,7 +2,7 @@
 //! history a store holds before it meets live traffic.
 //!
 //! The store's operations (every one still stored: retention decides how far back that goes)
-//! are read once ([`DurableStore::history`]), their creation, approval and end times replayed in
+//! are read once ([`DurableStore::history`](super::store::DurableStore::history)), their creation, approval and end times replayed in
 //! order through a fresh engine with the candidate's limits ([`Shadow::replay`]), and what it
 //! would have refused — per client, with the code and when — is printed with the peak counts
 //! against each limit. Reads only: a data dir's SQLite file through a read-only connection, so
