@@ -382,7 +382,11 @@ async fn sweeps_racing_uploads_never_take_a_stored_stream() {
     assert_eq!((rows, files), (0, 0), "over {sweeps} sweeps");
     let streams = dir.path().join("streams");
     for id in &stored {
-        assert!(streams.join(id).exists(), "{id}: its file is gone");
+        // On PostgreSQL the body is in the row (its staged file is gone once it is recorded).
+        assert!(
+            support::broker::on_postgres() || streams.join(id).exists(),
+            "{id}: its file is gone"
+        );
         assert!(
             h.broker.database().get_stream(id).await.unwrap().is_some(),
             "{id}: its row is gone"
@@ -394,6 +398,11 @@ async fn sweeps_racing_uploads_never_take_a_stored_stream() {
 
 #[tokio::test]
 async fn stream_rows_without_files_and_files_without_rows_are_reconciled() {
+    if !support::broker::sqlite_only(
+        "a stream's body is a file only on SQLite (PostgreSQL keeps it in the row)",
+    ) {
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
     let clock = TestClock::default();
     let h = start_with(retaining(dir.path(), Keep::For(DAY), &clock)).await;

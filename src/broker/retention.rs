@@ -471,8 +471,8 @@ pub(crate) async fn sweep(
     Ok(report)
 }
 
-/// Stream rows whose file is gone, and files with neither a row nor an upload in progress.
-/// Returns (rows removed, files removed).
+/// Stream rows whose file is gone (where the file is the body), and files with neither a row nor
+/// an upload in progress. Returns (rows removed, files removed).
 ///
 /// Uploads run beside this (the counts gate is held shared by both), so what is read is read in
 /// the order an upload moves: an upload is recorded before its file exists and stays recorded
@@ -498,8 +498,14 @@ async fn reconcile_streams(core: &Arc<Core>) -> Result<(u64, u64), StoreError> {
     let uploading: std::collections::HashSet<String> = core.uploads().keys().cloned().collect();
     let rows = core.db.stream_ids().await?;
     let mut rows_removed = 0;
+    // A store that keeps the bodies in its rows has no file for a row to miss (its files are
+    // uploads being staged, or leftovers of one that never got its row).
+    let bodies_in_rows = core.db.keeps_stream_bodies();
     for (id, client) in &rows {
-        if files.contains(id) || tokio::fs::try_exists(dir.join(id)).await.unwrap_or(true) {
+        if bodies_in_rows
+            || files.contains(id)
+            || tokio::fs::try_exists(dir.join(id)).await.unwrap_or(true)
+        {
             continue;
         }
         if core.db.delete_stream(id).await? {

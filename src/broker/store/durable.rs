@@ -53,6 +53,13 @@ pub trait DurableStore: Send + Sync + 'static {
     /// The directory stream bodies are written to.
     fn streams_dir(&self) -> PathBuf;
 
+    /// Whether a recorded stream's body lives in the store itself (moved there from
+    /// [`streams_dir`](DurableStore::streams_dir) by [`insert_stream`](DurableStore::insert_stream)),
+    /// so a row has no file to miss. `false` (the default): the file is the body.
+    fn keeps_stream_bodies(&self) -> bool {
+        false
+    }
+
     /// Changes made by any process on this store, as they commit: an operation's id, a space
     /// and the state it moved to; a stream's id alone (it was deleted); an empty string:
     /// anything may have changed (e.g. after the feed was cut),

@@ -163,6 +163,10 @@ impl DurableStore for PostgresStore {
         true
     }
 
+    fn keeps_stream_bodies(&self) -> bool {
+        true
+    }
+
     async fn live_members(&self) -> Result<Vec<String>, StoreError> {
         PostgresStore::live_members(self).await
     }
