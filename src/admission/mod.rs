@@ -312,6 +312,26 @@ impl Admission {
         &self,
         operations: impl IntoIterator<Item = RestoredOperation>,
     ) -> Restored {
+        self.count_again(operations, Registering::Replace).await
+    }
+
+    /// Takes over operations another replica held (it died: its lease lapsed, and the durable
+    /// store made its work this replica's): each counts here from now on, as a restored one
+    /// does (even above a limit). Replicated, one registration moves each operation's shared
+    /// record from the replica that held it to this one (or counts it again if its holdings
+    /// were already released), so it is counted once; if Redis does not answer, the heartbeat
+    /// registers them as soon as it does ([`Restored::deferred`] says so).
+    pub async fn adopt(&self, operations: impl IntoIterator<Item = RestoredOperation>) -> Restored {
+        self.count_again(operations, Registering::Add).await
+    }
+
+    /// [`Admission::restore`] and [`Admission::adopt`]: each operation counted here (even above
+    /// a limit), then, replicated, registered as `registering` says.
+    async fn count_again(
+        &self,
+        operations: impl IntoIterator<Item = RestoredOperation>,
+        registering: Registering,
+    ) -> Restored {
         let mut restored = Vec::new();
         let mut to_share = Vec::new();
         for op in operations {
@@ -330,56 +350,10 @@ impl Admission {
         let (mut shared, deferred) = match &self.shared {
             None => (std::collections::HashMap::new(), None),
             Some(controller) => {
-                let (handles, deferred) = controller.register_or_defer(to_share).await;
-                let handles = handles
-                    .into_iter()
-                    .map(|handle| (handle.id().to_owned(), handle))
-                    .collect();
-                (handles, deferred)
-            }
-        };
-        let operations = restored
-            .into_iter()
-            .map(|(op, local)| {
-                local.map(|local| {
-                    OperationHandle::restored(
-                        OperationId::stored(&op.id),
-                        local,
-                        shared.remove(&op.id),
-                    )
-                })
-            })
-            .collect();
-        Restored {
-            operations,
-            deferred,
-        }
-    }
-
-    /// Takes over operations another replica held (it died: its lease lapsed, and the durable
-    /// store made its work this replica's): each counts here from now on, as a restored one
-    /// does (even above a limit). Replicated, one registration moves each operation's shared
-    /// record from the replica that held it to this one (or counts it again if its holdings
-    /// were already released), so it is counted once; if Redis does not answer, the heartbeat
-    /// registers them as soon as it does ([`Restored::deferred`] says so).
-    pub async fn adopt(&self, operations: impl IntoIterator<Item = RestoredOperation>) -> Restored {
-        let mut restored = Vec::new();
-        let mut to_share = Vec::new();
-        for op in operations {
-            if self.shared.is_some() && !id::shareable(&op.id) {
-                restored.push((op, Err(RestoreError::UnshareableId)));
-                continue;
-            }
-            let local = self.local.restore(&op.identity, op.state);
-            if local.is_ok() {
-                to_share.push(op.clone());
-            }
-            restored.push((op, local));
-        }
-        let (mut shared, deferred) = match &self.shared {
-            None => (std::collections::HashMap::new(), None),
-            Some(controller) => {
-                let (handles, deferred) = controller.adopt(to_share).await;
+                let (handles, deferred) = match registering {
+                    Registering::Replace => controller.register_or_defer(to_share).await,
+                    Registering::Add => controller.adopt(to_share).await,
+                };
                 let handles = handles
                     .into_iter()
                     .map(|handle| (handle.id().to_owned(), handle))
@@ -613,4 +587,13 @@ impl From<StartError> for NotStarted {
             StartError::NotApproved(state) => NotStarted::NotApproved(state),
         }
     }
+}
+
+/// How operations counted again are registered with the shared store (see `Admission::count_again`).
+#[derive(Clone, Copy)]
+enum Registering {
+    /// At start-up: they replace whatever this replica held.
+    Replace,
+    /// Taken over while running: they join what it holds.
+    Add,
 }

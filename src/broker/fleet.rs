@@ -25,10 +25,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::core::{Core, LiveOp};
-use super::operations::TransitionFailure;
+use super::operations::{TransitionFailure, to_count_again};
 use super::store::{OperationRecord, StateChange, StoreError};
-use crate::admission::RestoredOperation;
-use crate::config::Identity;
 use crate::engine::OperationState;
 
 /// Follows the store's change feed until shutdown: rings the waits of every operation changed
@@ -191,39 +189,13 @@ pub(crate) async fn take_over(core: &Arc<Core>, lease: Duration) -> Result<usize
     if taken.live.is_empty() {
         return Ok(0);
     }
-    let mut records = Vec::new();
-    let mut adopting = Vec::new();
-    for record in taken.live {
-        let Ok(identity) = Identity::new(&record.client_id) else {
-            tracing::error!(operation = %record.id, "stored operation has an invalid client id; not taken over");
-            continue;
-        };
-        adopting.push(RestoredOperation {
-            id: record.id.clone(),
-            identity,
-            state: record.state,
-        });
-        records.push(record);
-    }
+    let (records, adopting) = to_count_again(taken.live, "not taken over");
     let adopted = {
         let _quiet = core.hold_counts().await;
         let adopted = core.admission.adopt(adopting).await;
-        let mut taken = 0;
-        for (record, handle) in records.iter().zip(adopted.operations) {
-            let handle = match handle {
-                Ok(handle) => handle,
-                Err(err) => {
-                    tracing::error!(operation = %record.id, error = %err, "not taken over");
-                    continue;
-                }
-            };
-            let op = Arc::new(LiveOp::new(record, handle));
-            core.add_live(&op, record);
-            if record.state == OperationState::Approved {
-                core.executor.enqueue(op);
-            }
-            taken += 1;
-        }
+        let taken = core
+            .make_live(records, adopted.operations, "not taken over")
+            .len();
         if let Some(err) = adopted.deferred {
             tracing::warn!(error = %err, "redis does not count the work taken over yet; the heartbeat registers it");
         }

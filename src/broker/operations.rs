@@ -15,7 +15,9 @@ use super::store::{
     DecidedMove, DecisionCommand, DecisionOutcome, OperationError, OperationRecord, StateChange,
     StoreError,
 };
-use crate::engine::{CancelOutcome, OperationState, TransitionError};
+use crate::admission::{OperationHandle, RestoredOperation};
+use crate::config::Identity;
+use crate::engine::{CancelOutcome, OperationState, RestoreError, TransitionError};
 
 /// What an expiry from `from` (pending: nobody decided in time; approved: the approval lapsed
 /// before the work started) writes.
@@ -31,6 +33,30 @@ pub(crate) fn expiry_change(from: OperationState) -> StateChange {
     }))
 }
 
+/// The live records as admission counts them again (`Admission::restore`, `Admission::adopt`):
+/// those whose client id is valid, each with what admission needs; the others are logged
+/// (`not_counted` says what did not happen to them) and left out.
+pub(crate) fn to_count_again(
+    records: Vec<OperationRecord>,
+    not_counted: &str,
+) -> (Vec<OperationRecord>, Vec<RestoredOperation>) {
+    let mut kept = Vec::new();
+    let mut restoring = Vec::new();
+    for record in records {
+        let Ok(identity) = Identity::new(&record.client_id) else {
+            tracing::error!(operation = %record.id, "stored operation has an invalid client id; {not_counted}");
+            continue;
+        };
+        restoring.push(RestoredOperation {
+            id: record.id.clone(),
+            identity,
+            state: record.state,
+        });
+        kept.push(record);
+    }
+    (kept, restoring)
+}
+
 /// Why a transition did not happen.
 #[derive(Debug)]
 pub(crate) enum TransitionFailure {
@@ -41,6 +67,39 @@ pub(crate) enum TransitionFailure {
 }
 
 impl Core {
+    /// Makes live here each of `records` whose handle admission gave back (`handles`, in the
+    /// same order; a refused one is logged, `not_counted` saying what did not happen): in the
+    /// live map, followed by the shadow file's engine if there is one, approved work queued to
+    /// run. The states of those made live.
+    pub(crate) fn make_live(
+        &self,
+        records: Vec<OperationRecord>,
+        handles: Vec<Result<OperationHandle, RestoreError>>,
+        not_counted: &str,
+    ) -> Vec<OperationState> {
+        let mut live = Vec::new();
+        for (record, handle) in records.into_iter().zip(handles) {
+            let handle = match handle {
+                Ok(handle) => handle,
+                Err(err) => {
+                    tracing::error!(operation = %record.id, error = %err, "{not_counted}");
+                    continue;
+                }
+            };
+            let shadowed = self
+                .shadow
+                .as_ref()
+                .and_then(|shadow| shadow.restore(handle.identity(), record.state));
+            let op = Arc::new(LiveOp::new(&record, handle).shadowed(shadowed));
+            self.add_live(&op, &record);
+            if record.state == OperationState::Approved {
+                self.executor.enqueue(op);
+            }
+            live.push(record.state);
+        }
+        live
+    }
+
     /// The live operation `id`, if it is not terminal.
     pub(crate) fn live_op(&self, id: &str) -> Option<Arc<LiveOp>> {
         self.live_ops().get(id).cloned()

@@ -20,7 +20,7 @@ use prometheus_client::registry::Registry;
 use tokio::sync::watch;
 
 use super::auth::Auth;
-use super::core::{Core, DecisionLabels, ExecQueue, LiveOp, PendingExpiries, SubmissionLabels};
+use super::core::{Core, DecisionLabels, ExecQueue, PendingExpiries, SubmissionLabels};
 use super::event_streams::EventStreams;
 use super::keys::KeyFilter;
 use super::listener::{ConnectionPool, ConnectionSettings, ListenAddr, UnixSocket};
@@ -32,7 +32,7 @@ use super::{
     validate_broker_name,
 };
 use crate::OperationState;
-use crate::admission::{Admission, ReplicaOptions, RestoredOperation, Shadow};
+use crate::admission::{Admission, ReplicaOptions, Shadow};
 use crate::config::{Config, Identity};
 use crate::engine::Controller;
 use crate::fairness::{ByteBudget, Fairness};
@@ -415,40 +415,11 @@ async fn restore(core: &Arc<Core>, recovered: store::Recovered) -> RestoreSummar
             "operation state changed"
         );
     }
-    let mut records = Vec::new();
-    let mut restoring = Vec::new();
-    for record in recovered.live {
-        let Ok(identity) = Identity::new(&record.client_id) else {
-            tracing::error!(operation = %record.id, "stored operation has an invalid client id; not restored");
-            continue;
-        };
-        restoring.push(RestoredOperation {
-            id: record.id.clone(),
-            identity,
-            state: record.state,
-        });
-        records.push(record);
-    }
+    let (records, restoring) = super::operations::to_count_again(recovered.live, "not restored");
     let restored = core.admission.restore(restoring).await;
-    for (record, handle) in records.into_iter().zip(restored.operations) {
-        let handle = match handle {
-            Ok(handle) => handle,
-            Err(err) => {
-                tracing::error!(operation = %record.id, error = %err, "not restored");
-                continue;
-            }
-        };
-        let shadowed = core.shadow.as_ref().and_then(|shadow| {
-            let identity = handle.identity();
-            shadow.restore(identity, record.state)
-        });
-        let op = Arc::new(LiveOp::new(&record, handle).shadowed(shadowed));
-        core.add_live(&op, &record);
-        match record.state {
-            OperationState::Approved => {
-                summary.approved += 1;
-                core.executor.enqueue(op);
-            }
+    for state in core.make_live(records, restored.operations, "not restored") {
+        match state {
+            OperationState::Approved => summary.approved += 1,
             _ => summary.pending += 1,
         }
     }
