@@ -188,6 +188,23 @@ pub(crate) async fn replay(
     ))
 }
 
+/// The answer to `request` if the store holds an operation under its client and key (see
+/// [`replay`]); `None` if it holds none (or it was retired meanwhile).
+async fn stored_replay(
+    core: &Core,
+    client: &Identity,
+    request: &Submission,
+) -> Result<Option<axum::response::Response>, ApiError> {
+    match core
+        .db
+        .request_by_key(client.as_str(), &request.idempotency_key)
+        .await?
+    {
+        Some(existing) => replay(core, &existing, request).await,
+        None => Ok(None),
+    }
+}
+
 pub(crate) async fn submit(
     State(core): State<Arc<Core>>,
     Client(client): Client,
@@ -210,11 +227,7 @@ pub(crate) async fn submit(
     if core
         .keys
         .may_contain(client.as_str(), &request.idempotency_key)
-        && let Some(existing) = core
-            .db
-            .request_by_key(client.as_str(), &request.idempotency_key)
-            .await?
-        && let Some(answer) = replay(&core, &existing, &request).await?
+        && let Some(answer) = stored_replay(&core, &client, &request).await?
     {
         return Ok(answer);
     }
@@ -305,12 +318,7 @@ async fn replayed_elsewhere(
     operation: &str,
     replica: &str,
 ) -> Result<Elsewhere, ApiError> {
-    if let Some(existing) = core
-        .db
-        .request_by_key(client.as_str(), &request.idempotency_key)
-        .await?
-        && let Some(answer) = replay(core, &existing, request).await?
-    {
+    if let Some(answer) = stored_replay(core, client, request).await? {
         return Ok(Elsewhere::Answer(Ok(answer)));
     }
     // Under the key's lock no creation for this key is under way here, so an operation of this
@@ -348,12 +356,7 @@ async fn replayed_from_the_fleet(
             .any(|member| member == replica)
         {
             // Read the store once more: it may have committed just before it stopped.
-            if let Some(existing) = core
-                .db
-                .request_by_key(client.as_str(), &request.idempotency_key)
-                .await?
-                && let Some(answer) = replay(core, &existing, request).await?
-            {
+            if let Some(answer) = stored_replay(core, client, request).await? {
                 return Ok(Elsewhere::Answer(Ok(answer)));
             }
             return Ok(Elsewhere::Stale);
@@ -362,12 +365,7 @@ async fn replayed_from_the_fleet(
             break;
         }
         tokio::time::sleep(std::time::Duration::from_millis(25)).await;
-        if let Some(existing) = core
-            .db
-            .request_by_key(client.as_str(), &request.idempotency_key)
-            .await?
-            && let Some(answer) = replay(core, &existing, request).await?
-        {
+        if let Some(answer) = stored_replay(core, client, request).await? {
             return Ok(Elsewhere::Answer(Ok(answer)));
         }
     }
