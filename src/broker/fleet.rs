@@ -25,7 +25,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::core::{Core, LiveOp};
-use super::operations::{TransitionFailure, to_count_again};
+use super::operations::{TransitionFailure, log_interrupted, to_count_again};
 use super::store::{OperationRecord, StateChange, StoreError};
 use crate::engine::OperationState;
 
@@ -176,16 +176,10 @@ impl Core {
 /// ones are queued to run. How many were taken.
 pub(crate) async fn take_over(core: &Arc<Core>, lease: Duration) -> Result<usize, StoreError> {
     let taken = core.db.take_over_lapsed(lease).await?;
-    for record in &taken.interrupted {
-        tracing::warn!(
-            operation = %record.id,
-            client = %record.client_id,
-            from = "executing",
-            to = "failed",
-            error = "execution_interrupted",
-            "operation state changed (its replica's membership lapsed while it executed)"
-        );
-    }
+    log_interrupted(
+        &taken.interrupted,
+        "its replica's membership lapsed while it executed",
+    );
     if taken.live.is_empty() {
         return Ok(0);
     }

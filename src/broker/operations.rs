@@ -33,6 +33,21 @@ pub(crate) fn expiry_change(from: OperationState) -> StateChange {
     }))
 }
 
+/// Logs each of `interrupted` (found executing by recovery or a takeover: failed with
+/// `execution_interrupted`, never run twice) as the state change it is; `why` says whose.
+pub(crate) fn log_interrupted(interrupted: &[OperationRecord], why: &str) {
+    for record in interrupted {
+        tracing::warn!(
+            operation = %record.id,
+            client = %record.client_id,
+            from = "executing",
+            to = "failed",
+            error = "execution_interrupted",
+            "operation state changed ({why})"
+        );
+    }
+}
+
 /// The live records as admission counts them again (`Admission::restore`, `Admission::adopt`):
 /// those whose client id is valid, each with what admission needs; the others are logged
 /// (`not_counted` says what did not happen to them) and left out.

@@ -405,16 +405,10 @@ async fn restore(core: &Arc<Core>, recovered: store::Recovered) -> RestoreSummar
         interrupted: recovered.interrupted.len(),
         ..RestoreSummary::default()
     };
-    for record in &recovered.interrupted {
-        tracing::warn!(
-            operation = %record.id,
-            client = %record.client_id,
-            from = "executing",
-            to = "failed",
-            error = "execution_interrupted",
-            "operation state changed"
-        );
-    }
+    super::operations::log_interrupted(
+        &recovered.interrupted,
+        "the broker stopped while it executed",
+    );
     let (records, restoring) = super::operations::to_count_again(recovered.live, "not restored");
     let restored = core.admission.restore(restoring).await;
     for state in core.make_live(records, restored.operations, "not restored") {

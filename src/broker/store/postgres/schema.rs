@@ -150,27 +150,11 @@ pub(super) async fn migrate(
         .await
         .map_err(sort)?
         .get(0);
-    match found {
-        None => {
-            tx.batch_execute(SCHEMA_1).await.map_err(sort)?;
-            tx.batch_execute(MIGRATE_2).await.map_err(sort)?;
-            tx.execute(
-                "INSERT INTO schema_version (version) VALUES ($1)",
-                &[&SCHEMA_VERSION],
-            )
-            .await
-            .map_err(sort)?;
-        }
-        Some(1) => {
-            tx.batch_execute(MIGRATE_2).await.map_err(sort)?;
-            tx.execute(
-                "INSERT INTO schema_version (version) VALUES ($1)",
-                &[&SCHEMA_VERSION],
-            )
-            .await
-            .map_err(sort)?;
-        }
-        Some(SCHEMA_VERSION) => {}
+    // The steps from the version found up to this one, each from the version below it.
+    let steps: &[&str] = match found {
+        None => &[SCHEMA_1, MIGRATE_2],
+        Some(1) => &[MIGRATE_2],
+        Some(SCHEMA_VERSION) => &[],
         Some(found) => {
             return Err(StoreError::UnknownSchema {
                 store: format!("the database {shown}"),
@@ -178,6 +162,17 @@ pub(super) async fn migrate(
                 supported: SCHEMA_VERSION,
             });
         }
+    };
+    if !steps.is_empty() {
+        for step in steps {
+            tx.batch_execute(step).await.map_err(sort)?;
+        }
+        tx.execute(
+            "INSERT INTO schema_version (version) VALUES ($1)",
+            &[&SCHEMA_VERSION],
+        )
+        .await
+        .map_err(sort)?;
     }
     tx.commit().await.map_err(sort)
 }
