@@ -1,13 +1,12 @@
 //! Creation on the two stores, side by side in one run: the same broker, the same load (new
 //! `demo.run` keys from concurrent clients over loopback HTTP), on SQLite (WAL,
-//! `synchronous=FULL`) committing each write alone (`commit_batch` 1, the baseline), on SQLite
-//! with group commit (the default), and on PostgreSQL (`fsync` on, a server this bench starts),
-//! with creations per second and p50/p99 at each concurrency, and the ratios of group commit to
-//! the baseline. Then a refusal flood on the
-//! PostgreSQL-backed broker, with the database's committed transactions
-//! (`pg_stat_database.xact_commit`) read before and after: a refusal never touches PostgreSQL, so
-//! the difference is the broker's own background work (membership renewals, numbering rounds),
-//! not one per refusal.
+//! `synchronous=FULL`) and on PostgreSQL (`fsync` on, a server this bench starts), each
+//! committing every write alone (`commit_batch` 1, the baseline) and with group commit (the
+//! default), with creations per second and p50/p99 at each concurrency and the ratios between
+//! them. Then a refusal flood on the PostgreSQL-backed broker, with the database's committed
+//! transactions (`pg_stat_database.xact_commit`) read before and after: a refusal never touches
+//! PostgreSQL, so the difference is the broker's own background work (membership renewals,
+//! numbering rounds), not one per refusal.
 //!
 //! `cargo bench --bench store_load` (release build). `LOAD_CREATIONS` (default 2000 per
 //! concurrency) and `LOAD_CONCURRENCY` (default `1,8,32,128`) tune it; `LOAD_POSTGRES=0` measures
@@ -236,14 +235,33 @@ async fn main() {
         println!("PostgreSQL cannot be run here: SQLite alone was measured");
         return;
     };
-    let url = server.database("store_load");
-    let store = Some(StoreLocation::parse(&url).unwrap());
-    let postgres = creations("postgres", store, 1, per_level, &levels).await;
-    for ((concurrency, s, _, s99), (_, p, _, p99)) in sqlite.iter().zip(&postgres) {
+    let database = |name: &str| Some(StoreLocation::parse(&server.database(name)).unwrap());
+    let postgres_alone = creations(
+        "postgres-1",
+        database("store_load_alone"),
+        1,
+        per_level,
+        &levels,
+    )
+    .await;
+    let postgres = creations(
+        "postgres",
+        database("store_load"),
+        store::DEFAULT_COMMIT_BATCH,
+        per_level,
+        &levels,
+    )
+    .await;
+    for (((concurrency, s, _, s99), (_, p, _, p99)), (_, one, _, one99)) in
+        sqlite.iter().zip(&postgres).zip(&postgres_alone)
+    {
         println!(
-            "{concurrency:>4} clients: postgres/sqlite creations {:.2}x, p99 {:.2}x",
+            "{concurrency:>4} clients: postgres/sqlite (both group commit) creations {:.2}x, \
+             p99 {:.2}x; postgres group commit/one per commit {:.2}x, p99 {:.2}x",
             p / s,
-            p99.as_secs_f64() / s99.as_secs_f64()
+            p99.as_secs_f64() / s99.as_secs_f64(),
+            p / one,
+            p99.as_secs_f64() / one99.as_secs_f64()
         );
     }
 

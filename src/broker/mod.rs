@@ -206,8 +206,8 @@ pub struct BrokerSettings {
     pub buffered_bytes: usize,
     /// How many Operator V1 event streams may be open at once, per operator and in total.
     pub event_streams: EventStreamLimits,
-    /// The most creations and state changes a SQLite store commits in one transaction, one
-    /// `fsync` (group commit: those that reach the writer together);
+    /// The most creations and state changes the store commits in one transaction, one commit
+    /// flush (group commit: those that reach the store together), on SQLite and PostgreSQL;
     /// [`store::DEFAULT_COMMIT_BATCH`] by default, 1 to commit each alone. Not zero.
     pub commit_batch: usize,
 }

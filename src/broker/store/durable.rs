@@ -22,6 +22,10 @@ use super::records::{
 use super::requests::RequestQuery;
 use super::streams::StreamRecord;
 
+/// The default most creations and state changes a store commits in one transaction (group
+/// commit: those that reach it together share one commit flush).
+pub const DEFAULT_COMMIT_BATCH: usize = 64;
+
 /// How the presentation of an older row is derived from its request (operation, target,
 /// arguments, reason), for [`DurableStore::fill_derived`].
 pub type Derive = fn(&str, &Value, &Value, &str) -> Presentation;

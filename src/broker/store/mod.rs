@@ -43,7 +43,7 @@ pub use bell::EventBell;
 pub use decisions::{DecidedMove, DecisionCommand, DecisionOutcome, DecisionScope};
 pub use digest::request_digest;
 pub use dir_lock::LOCK_FILE;
-pub use durable::{Derive, DurableStore, Judge, Render};
+pub use durable::{DEFAULT_COMMIT_BATCH, Derive, DurableStore, Judge, Render};
 pub use error::{InsertError, StoreError};
 pub use events::{EventKind, EventPage, RequestStatus, StoredEvent, request_status};
 pub use maintenance::{Retiring, StoredCounts};
@@ -54,7 +54,5 @@ pub use records::{
     OperationTimes, PageQuery, Presentation, Recovered, StateChange, StoredRequest, now_rfc3339,
 };
 pub use requests::{RequestQuery, StateFilter};
-pub use sqlite::{
-    DATABASE_FILE, DEFAULT_COMMIT_BATCH, MIN_FREE_BYTES, READERS, SCHEMA_VERSION, SqliteStore,
-};
+pub use sqlite::{DATABASE_FILE, MIN_FREE_BYTES, READERS, SCHEMA_VERSION, SqliteStore};
 pub use streams::StreamRecord;

@@ -5,10 +5,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use super::dir_lock::lock_data_dir;
+use super::durable::DEFAULT_COMMIT_BATCH;
 use super::durable::DurableStore;
 use super::error::StoreError;
-use super::postgres::{PostgresStore, is_postgres_url, redact_url};
-use super::sqlite::{DEFAULT_COMMIT_BATCH, SqliteStore};
+use super::postgres::{PostgresSettings, PostgresStore, is_postgres_url, redact_url};
+use super::sqlite::SqliteStore;
 
 /// Where a store lives. Its `Display` (and `Debug`) never shows a password.
 #[derive(Clone, PartialEq, Eq)]
@@ -76,8 +77,8 @@ pub async fn open(
     open_batched(location, broker, requests, data_dir, DEFAULT_COMMIT_BATCH).await
 }
 
-/// [`open`], a SQLite store committing at most `commit_batch` creations and state changes in one
-/// transaction (group commit; 1 commits each alone). A PostgreSQL store commits each alone.
+/// [`open`], the store committing at most `commit_batch` creations and state changes in one
+/// transaction (group commit; 1 commits each alone).
 pub async fn open_batched(
     location: &StoreLocation,
     broker: &str,
@@ -104,11 +105,15 @@ pub async fn open_batched(
             let lock = tokio::task::spawn_blocking(move || lock_data_dir(&dir))
                 .await
                 .map_err(|e| StoreError::unfinished("locking the data dir", e))??;
-            let store = PostgresStore::connect(
+            let store = PostgresStore::connect_with(
                 url,
                 broker,
                 requests.iter().map(String::as_str),
                 data_dir.join("streams"),
+                PostgresSettings {
+                    commit_batch,
+                    ..PostgresSettings::default()
+                },
             )
             .await?;
             Ok(Arc::new(store.holding(lock)))

@@ -6,7 +6,7 @@
 //! for good. So an event is numbered after it commits, in an order no later commit can fall
 //! under:
 //!
-//! - **Writing** (`append`): the row records the transaction that writes it (`xid`,
+//! - **Writing** (in the statement of the change it records: `operations`): the row records the transaction that writes it (`xid`,
 //!   `pg_current_xact_id()`) and an internal `seq`; its public `position` (the cursor) is
 //!   `NULL`. The same transaction sends `NOTIFY` (delivered on commit), so every replica's
 //!   listener knows to number it.
@@ -29,50 +29,12 @@
 
 use tokio_postgres::Row;
 
-use crate::engine::OperationState;
-
 use super::super::error::StoreError;
-use super::super::events::{
-    EventKind, EventPage, RequestStatus, StoredEvent, event_kind, request_status,
-};
+use super::super::events::{EventKind, EventPage, RequestStatus, StoredEvent};
 use super::error::corrupt;
 use super::handle::PostgresStore;
 use super::numbering::{Assigner, assign};
 use super::schema::CHANGES_CHANNEL;
-
-/// Appends the event of request `request_id`'s move from `from` (`None`: its creation) to `to`
-/// at `revision`, inside the caller's transaction; unnumbered until it commits (see the module
-/// docs). `ended_from` is the row's `ended_from` after the move.
-pub(super) async fn append(
-    tx: &deadpool_postgres::Transaction<'_>,
-    request_id: &str,
-    revision: u64,
-    from: Option<OperationState>,
-    to: OperationState,
-    ended_from: Option<OperationState>,
-    occurred_at: &str,
-) -> Result<(), tokio_postgres::Error> {
-    let status = request_status(to, ended_from);
-    let insert = tx
-        .prepare_cached(
-            "INSERT INTO operator_events (kind, request_id, revision, status, occurred_at, \
-             used_count) VALUES ($1, $2, $3, $4, $5, $6)",
-        )
-        .await?;
-    tx.execute(
-        &insert,
-        &[
-            &event_kind(from, to).as_str(),
-            &request_id,
-            &i64::try_from(revision).unwrap_or(i64::MAX),
-            &status.as_str(),
-            &occurred_at,
-            &(status.used_count() as i64),
-        ],
-    )
-    .await?;
-    Ok(())
-}
 
 /// Announces a change of operation `id` to every replica's listener, inside the caller's
 /// transaction (delivered only if it commits).

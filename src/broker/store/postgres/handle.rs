@@ -13,8 +13,10 @@ use tokio::sync::{Notify, broadcast};
 use tokio::task::JoinHandle;
 
 use super::super::bell::EventBell;
+use super::super::durable::DEFAULT_COMMIT_BATCH;
 use super::super::error::StoreError;
 use super::error::{sort, sort_pool};
+use super::group::GroupCommit;
 use super::location::Location;
 use super::numbering::{Assigner, assign};
 use super::{listen, schema, tls};
@@ -38,6 +40,9 @@ pub struct PostgresSettings {
     /// How long a call waits for a connection before it fails as
     /// [`StoreError::Unavailable`] (and how long opening one may take).
     pub timeout: Duration,
+    /// The most creations and state changes committed in one transaction (group commit: those
+    /// that reach the store together); 1 commits each alone.
+    pub commit_batch: usize,
 }
 
 impl Default for PostgresSettings {
@@ -45,6 +50,7 @@ impl Default for PostgresSettings {
         PostgresSettings {
             max_connections: DEFAULT_MAX_CONNECTIONS,
             timeout: DEFAULT_POOL_TIMEOUT,
+            commit_batch: DEFAULT_COMMIT_BATCH,
         }
     }
 }
@@ -82,6 +88,8 @@ pub struct PostgresStore {
     pub(super) bytes: Arc<AtomicU64>,
     /// Where this replica writes stream bodies.
     pub(super) streams: Arc<PathBuf>,
+    /// Where creations and state changes queue to be committed together.
+    pub(super) group: Arc<GroupCommit>,
     /// The replica this process serves the store as, once it joined the fleet
     /// (`join_fleet`): the owner its new operations name, and whose work it recovers, starts
     /// and takes over. Unset, it owns every row (a store opened outside a broker).
@@ -200,7 +208,13 @@ impl PostgresStore {
                 Arc::clone(&bytes),
             )),
         ];
+        let group = Arc::new(GroupCommit::new(
+            pool.clone(),
+            Arc::clone(&shown),
+            settings.commit_batch,
+        ));
         let store = PostgresStore {
+            group,
             pool,
             shown,
             broker: Arc::from(broker),

@@ -36,6 +36,7 @@ mod decisions;
 mod error;
 mod events;
 mod fleet;
+mod group;
 mod handle;
 mod listen;
 mod location;

@@ -3,6 +3,7 @@
 //! a get and a wait make, state changes (`change_state`, the one place a state changes),
 //! listing pages and start-up recovery. The records they read back are `rows`'.
 
+use std::sync::LazyLock;
 use std::time::SystemTime;
 
 use serde_json::Value;
@@ -17,7 +18,7 @@ use super::super::records::{
     StateChange, StoredRequest, now_rfc3339,
 };
 use super::error::{corrupt, is_duplicate_key};
-use super::events::{announce, append};
+use super::group::Write;
 use super::handle::PostgresStore;
 use super::rows::{
     Failed, RECORD_COLUMNS, REQUEST_COLUMNS, SUMMARY_COLUMNS, column, record_of, record_presented,
@@ -26,12 +27,84 @@ use super::rows::{
 use super::schema::CHANGES_CHANNEL;
 use super::streams::all_streams;
 
+/// Every state change of an operation, as one statement: moves the row from `$2` to `$3` (only
+/// if it is in `$2`, and for a start claimed by replica `$13` only if that replica still owns
+/// it and its membership is live), +1 on its revision, writes its Operator V1 event (for the
+/// operations named in `$17`, the requests) and announces the change; the updated row, or none.
+static CHANGE_STATE: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "WITH up AS (UPDATE operations SET state = $3, updated_at = $4, terminal_at = $5, \
+         error_code = $6, error_message = $7, revision = revision + 1, \
+         decided_at = CASE WHEN $8::text IS NULL THEN decided_at ELSE $4 END, \
+         decided_by = CASE WHEN $8::text IS NULL THEN decided_by ELSE $8 END, \
+         decided_on_behalf_of = CASE WHEN $8::text IS NULL THEN decided_on_behalf_of \
+         ELSE $9::text END, \
+         revoked = CASE WHEN $8::text IS NULL THEN revoked ELSE $10::boolean END, \
+         ended_from = $11, \
+         active_expires_at = COALESCE($12::text, active_expires_at) \
+         WHERE id = $1 AND state = $2 AND ($13::text IS NULL OR ((owner IS NULL OR owner = $13) \
+         AND EXISTS (SELECT 1 FROM replicas WHERE name = $13 \
+         AND lease_until >= clock_timestamp()))) \
+         RETURNING {RECORD_COLUMNS}), \
+         ev AS (INSERT INTO operator_events (kind, request_id, revision, status, occurred_at, \
+         used_count) SELECT $14, id, revision, $15, $4, $16 FROM up \
+         WHERE operation = ANY($17::text[])) \
+         SELECT {RECORD_COLUMNS}, pg_notify($18, id || ' ' || state) FROM up"
+    )
+});
+
+/// The statement and parameters of moving operation `id` from `from` to `to`, writing what
+/// `change` carries; a start claimed by replica `claim` (see [`CHANGE_STATE`]).
+fn state_change(
+    db: &PostgresStore,
+    id: &str,
+    from: OperationState,
+    to: OperationState,
+    change: &StateChange,
+    claim: Option<&str>,
+) -> Write {
+    let now = now_rfc3339();
+    let terminal_at = to.is_terminal().then(|| now.clone());
+    let ended_from = to.is_terminal().then_some(from);
+    let decision = change.decision.as_ref();
+    let lasts = decision
+        .and_then(|d| d.lasts)
+        .and_then(|lasts| humantime::parse_rfc3339(&now).ok().map(|at| at + lasts))
+        .map(|at| humantime::format_rfc3339_millis(at).to_string());
+    let status = request_status(to, ended_from);
+    let owned = |s: Option<&str>| s.map(str::to_owned);
+    Write {
+        sql: CHANGE_STATE.as_str(),
+        params: vec![
+            Box::new(id.to_owned()),
+            Box::new(from.as_str()),
+            Box::new(to.as_str()),
+            Box::new(now),
+            Box::new(terminal_at),
+            Box::new(owned(change.error.as_ref().map(|e| e.code.as_str()))),
+            Box::new(owned(change.error.as_ref().map(|e| e.message.as_str()))),
+            Box::new(owned(decision.map(|d| d.by.as_str()))),
+            Box::new(owned(decision.and_then(|d| d.on_behalf_of.as_deref()))),
+            Box::new(decision.map(|d| d.revoked)),
+            Box::new(ended_from.map(OperationState::as_str)),
+            Box::new(lasts),
+            Box::new(owned(claim)),
+            Box::new(event_kind(Some(from), to).as_str()),
+            Box::new(status.as_str()),
+            Box::new(status.used_count() as i64),
+            Box::new(db.requests.to_vec()),
+            Box::new(CHANGES_CHANNEL),
+        ],
+    }
+}
+
 /// Moves operation `id` from `from` to `to` inside `tx`, writing what `change` carries, +1 on
 /// its revision, its Operator V1 event (for a request) and the change's notification; the
 /// updated record, or `None` if the row was not in `from`. **Every** state change of an
-/// operation goes through here (a row is created in its first state, with its own event), in
-/// the caller's transaction: transitions, starts, decisions, recovery, expiry. Whether an event
-/// was written is `db.is_request(&record.operation)`.
+/// operation is [`CHANGE_STATE`] (a row is created in its first state, with its own event):
+/// here in the caller's transaction (decisions, recovery, expiry), or in a group commit's
+/// (`PostgresStore::set_state`). Whether an event was written is
+/// `db.is_request(&record.operation)`.
 pub(super) async fn change_state(
     tx: &deadpool_postgres::Transaction<'_>,
     db: &PostgresStore,
@@ -40,101 +113,58 @@ pub(super) async fn change_state(
     to: OperationState,
     change: &StateChange,
 ) -> Result<Option<OperationRecord>, Failed> {
-    let now = now_rfc3339();
-    let terminal_at = to.is_terminal().then_some(now.as_str());
-    let ended_from = to.is_terminal().then_some(from.as_str());
-    let decision = change.decision.as_ref();
-    let lasts = decision
-        .and_then(|d| d.lasts)
-        .and_then(|lasts| humantime::parse_rfc3339(&now).ok().map(|at| at + lasts))
-        .map(|at| humantime::format_rfc3339_millis(at).to_string());
-    let update = tx
-        .prepare_cached(&format!(
-            "UPDATE operations SET state = $3, updated_at = $4, terminal_at = $5, \
-             error_code = $6, error_message = $7, revision = revision + 1, \
-             decided_at = CASE WHEN $8::text IS NULL THEN decided_at ELSE $4 END, \
-             decided_by = CASE WHEN $8::text IS NULL THEN decided_by ELSE $8 END, \
-             decided_on_behalf_of = CASE WHEN $8::text IS NULL THEN decided_on_behalf_of \
-             ELSE $9::text END, \
-             revoked = CASE WHEN $8::text IS NULL THEN revoked ELSE $10::boolean END, \
-             ended_from = $11, \
-             active_expires_at = COALESCE($12::text, active_expires_at) \
-             WHERE id = $1 AND state = $2 RETURNING {RECORD_COLUMNS}"
-        ))
-        .await?;
-    let row = tx
-        .query_opt(
-            &update,
-            &[
-                &id,
-                &from.as_str(),
-                &to.as_str(),
-                &now,
-                &terminal_at,
-                &change.error.as_ref().map(|e| e.code.as_str()),
-                &change.error.as_ref().map(|e| e.message.as_str()),
-                &decision.map(|d| d.by.as_str()),
-                &decision.and_then(|d| d.on_behalf_of.as_deref()),
-                &decision.map(|d| d.revoked),
-                &ended_from,
-                &lasts,
-            ],
+    let write = state_change(db, id, from, to, change, None);
+    let statement = tx.prepare_cached(write.sql).await?;
+    let row = tx.query_opt(&statement, &write.refs()).await?;
+    Ok(row.map(|row| record_of(&row, &db.broker)).transpose()?)
+}
+
+/// Why a start claimed by `me` moved nothing (read after it): the row is not in `from`, another
+/// replica owns it, or `me`'s membership had lapsed.
+enum NotStarted {
+    /// The row is not in `from` (or is gone).
+    NotThere,
+    /// Refused: taken over ([`StoreError::TakenOver`]), or a membership still lapsed (a
+    /// transient [`StoreError::Unavailable`]: the start waits until it is renewed, or the work
+    /// is taken over).
+    Refused(StoreError),
+    /// Lapsed when the start was tried, renewed since: try again.
+    Renewed,
+}
+
+/// Reads why a start claimed by `me` of operation `id` (from `from`) moved nothing.
+async fn why_not_started(
+    db: &PostgresStore,
+    id: &str,
+    from: OperationState,
+    me: &str,
+) -> Result<NotStarted, StoreError> {
+    let row = db
+        .query_opt_cached(
+            "SELECT state, owner IS NULL OR owner = $2, \
+             EXISTS (SELECT 1 FROM replicas WHERE name = $2 AND lease_until >= clock_timestamp()) \
+             FROM operations WHERE id = $1",
+            &[&id, &me],
         )
         .await?;
     let Some(row) = row else {
-        return Ok(None);
+        return Ok(NotStarted::NotThere);
     };
-    let record = record_of(&row, &db.broker)?;
-    if db.is_request(&record.operation) {
-        append(
-            tx,
-            &record.id,
-            record.revision,
-            Some(from),
-            to,
-            record.ended_from,
-            &now,
-        )
-        .await?;
-    }
-    announce(tx, &format!("{} {}", record.id, record.state.as_str())).await?;
-    Ok(Some(record))
-}
-
-/// The claim a start makes (inside its transaction, the row locked): `me` may start operation
-/// `id` only if it still owns it and its membership is live. Another owner: it was taken over
-/// ([`StoreError::TakenOver`]). A lapsed membership: the start waits (a transient
-/// [`StoreError::Unavailable`]) until the membership is renewed, or the work is taken over.
-async fn refuse_claim(
-    tx: &deadpool_postgres::Transaction<'_>,
-    db: &PostgresStore,
-    id: &str,
-    me: &str,
-) -> Result<Option<StoreError>, Failed> {
-    let claim = tx
-        .prepare_cached(
-            "SELECT owner IS NULL OR owner = $2, \
-             EXISTS (SELECT 1 FROM replicas WHERE name = $2 AND lease_until >= clock_timestamp()) \
-             FROM operations WHERE id = $1 FOR UPDATE",
-        )
-        .await?;
-    let Some(row) = tx.query_opt(&claim, &[&id, &me]).await? else {
-        // No row: `change_state` finds nothing to move.
-        return Ok(None);
-    };
-    let (owned, member): (bool, bool) = (row.get(0), row.get(1));
-    Ok(if !owned {
-        Some(StoreError::TakenOver { id: id.to_owned() })
-    } else if !member {
-        Some(StoreError::Unavailable {
+    let (state, owned, member): (String, bool, bool) = (row.get(0), row.get(1), row.get(2));
+    Ok(if state != from.as_str() {
+        NotStarted::NotThere
+    } else if !owned {
+        NotStarted::Refused(StoreError::TakenOver { id: id.to_owned() })
+    } else if member {
+        NotStarted::Renewed
+    } else {
+        NotStarted::Refused(StoreError::Unavailable {
             database: db.shown.to_string(),
             source: format!(
                 "the membership of replica {me} has lapsed: it starts no work until it is renewed"
             )
             .into(),
         })
-    } else {
-        None
     })
 }
 
@@ -154,61 +184,58 @@ enum Taking {
 
 impl PostgresStore {
     /// Inserts a new operation (and, for a request, its `request.created` event) in one
-    /// transaction; [`InsertError::Duplicate`] when the client already has the key (the
-    /// constraint `operations_client_key`, however many replicas insert it at once).
+    /// statement, in the group commit forming now; [`InsertError::Duplicate`] when the client
+    /// already has the key (the constraint `operations_client_key`, however many replicas
+    /// insert it at once).
     pub async fn insert(&self, record: OperationRecord) -> Result<(), InsertError> {
         let is_request = self.is_request(&record.operation);
         let status = request_status(record.state, None);
-        // One statement, so one round trip and one implicit transaction: the row, its
+        let (digest, target, arguments) = (
+            record.request_digest(),
+            record.target.to_string(),
+            record.arguments.to_string(),
+        );
+        // One statement, so it means the same alone or in a batch: the row, its
         // `request.created` event (for a request) and the change's notification commit together
-        // or not at all (a duplicate key fails the whole statement).
-        let result: Result<(), Failed> = async {
-            let client = self.client().await?;
-            let insert = client
-                .prepare_cached(
-                    "WITH op AS (INSERT INTO operations (id, client_id, idempotency_key, \
-                     operation, target, arguments, reason, state, created_at, updated_at, \
-                     revision, title, summary, request_digest, pending_expires_at, owner) \
-                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, 1, $11, $12, $13, $14, \
-                     $15) RETURNING id), \
-                     ev AS (INSERT INTO operator_events (kind, request_id, revision, status, \
-                     occurred_at, used_count) SELECT $16, id, 1, $17, $9, $18 FROM op \
-                     WHERE $19::boolean) \
-                     SELECT pg_notify($20, id || ' ' || $8) FROM op",
-                )
-                .await?;
-            client
-                .query(
-                    &insert,
-                    &[
-                        &record.id,
-                        &record.client_id,
-                        &record.idempotency_key,
-                        &record.operation,
-                        &record.target.to_string(),
-                        &record.arguments.to_string(),
-                        &record.reason,
-                        &record.state.as_str(),
-                        &record.created_at,
-                        &record.updated_at,
-                        &record.presentation.title,
-                        &record.presentation.summary,
-                        &record.request_digest(),
-                        &record.pending_expires_at,
-                        &self.member.get(),
-                        &event_kind(None, record.state).as_str(),
-                        &status.as_str(),
-                        &(status.used_count() as i64),
-                        &is_request,
-                        &CHANGES_CHANNEL,
-                    ],
-                )
-                .await?;
-            Ok(())
-        }
-        .await;
-        match result {
-            Ok(()) => {
+        // or not at all. A key already taken inserts nothing and returns no row (not an error,
+        // which would abort the batch's other writes).
+        let write = Write {
+            sql: "WITH op AS (INSERT INTO operations (id, client_id, idempotency_key, \
+                  operation, target, arguments, reason, state, created_at, updated_at, \
+                  revision, title, summary, request_digest, pending_expires_at, owner) \
+                  VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, 1, $11, $12, $13, $14, \
+                  $15) ON CONFLICT ON CONSTRAINT operations_client_key DO NOTHING \
+                  RETURNING id), \
+                  ev AS (INSERT INTO operator_events (kind, request_id, revision, status, \
+                  occurred_at, used_count) SELECT $16, id, 1, $17, $9, $18 FROM op \
+                  WHERE $19::boolean) \
+                  SELECT pg_notify($20, id || ' ' || $8) FROM op",
+            params: vec![
+                Box::new(record.id),
+                Box::new(record.client_id),
+                Box::new(record.idempotency_key),
+                Box::new(record.operation),
+                Box::new(target),
+                Box::new(arguments),
+                Box::new(record.reason),
+                Box::new(record.state.as_str()),
+                Box::new(record.created_at),
+                Box::new(record.updated_at),
+                Box::new(record.presentation.title),
+                Box::new(record.presentation.summary),
+                Box::new(digest),
+                Box::new(record.pending_expires_at),
+                Box::new(self.member.get().cloned()),
+                Box::new(event_kind(None, record.state).as_str()),
+                Box::new(status.as_str()),
+                Box::new(status.used_count() as i64),
+                Box::new(is_request),
+                Box::new(CHANGES_CHANNEL),
+            ],
+        };
+        match self.group.write(write).await {
+            Ok(rows) if rows.is_empty() => Err(InsertError::Duplicate),
+            Ok(_) => {
                 if is_request {
                     self.wrote(1);
                 }
@@ -219,7 +246,9 @@ impl PostgresStore {
         }
     }
 
-    /// Moves operation `id` from `from` to `to` (see `change_state`) in one transaction.
+    /// Moves operation `id` from `from` to `to` (see `change_state`), in the group commit
+    /// forming now. A start (approved to executing) in a fleet is this replica's claim: see
+    /// `why_not_started`.
     pub async fn set_state(
         &self,
         id: &str,
@@ -230,26 +259,41 @@ impl PostgresStore {
         let claim = (from == OperationState::Approved && to == OperationState::Executing)
             .then(|| self.member.get())
             .flatten();
-        let changed: Result<_, Failed> = async {
-            let mut client = self.client().await?;
-            let tx = client.transaction().await?;
-            if let Some(me) = claim
-                && let Some(refused) = refuse_claim(&tx, self, id, me).await?
-            {
-                return Err(Failed::Store(refused));
+        // A start refused by a membership renewed meanwhile is tried once more.
+        for _ in 0..2 {
+            let rows = self
+                .group
+                .write(state_change(
+                    self,
+                    id,
+                    from,
+                    to,
+                    &change,
+                    claim.map(String::as_str),
+                ))
+                .await
+                .map_err(|f| self.failed(f))?;
+            if let Some(row) = rows.first() {
+                let record = record_of(row, &self.broker)?;
+                if self.is_request(&record.operation) {
+                    self.wrote(1);
+                }
+                return Ok(Some(record));
             }
-            let changed = change_state(&tx, self, id, from, to, &change).await?;
-            tx.commit().await?;
-            Ok(changed)
+            let Some(me) = claim else {
+                return Ok(None);
+            };
+            match why_not_started(self, id, from, me).await? {
+                NotStarted::NotThere => return Ok(None),
+                NotStarted::Refused(refused) => return Err(refused),
+                NotStarted::Renewed => continue,
+            }
         }
-        .await;
-        let changed = changed.map_err(|f| self.failed(f))?;
-        if let Some(record) = &changed
-            && self.is_request(&record.operation)
-        {
-            self.wrote(1);
-        }
-        Ok(changed)
+        Err(StoreError::Unavailable {
+            database: self.shown.to_string(),
+            source: "the replica's membership lapsed and was renewed while the start was tried"
+                .into(),
+        })
     }
 
     /// Start-up recovery: of this replica's operations and those no live replica owns

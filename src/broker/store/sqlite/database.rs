@@ -10,9 +10,10 @@ use std::sync::{Arc, Mutex};
 
 use super::super::bell::EventBell;
 use super::super::dir_lock::lock_data_dir;
+use super::super::durable::DEFAULT_COMMIT_BATCH;
 use super::super::error::StoreError;
 use super::super::records::DEFAULT_BROKER_NAME;
-use super::group::{DEFAULT_COMMIT_BATCH, GroupCommit};
+use super::group::GroupCommit;
 use super::schema;
 
 /// How many reader connections serve gets, list pages and waits.

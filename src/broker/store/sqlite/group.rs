@@ -23,9 +23,6 @@ use rusqlite::{Connection, Transaction};
 
 use super::super::error::StoreError;
 
-/// The default most jobs committed in one transaction.
-pub const DEFAULT_COMMIT_BATCH: usize = 64;
-
 /// What a job does once its batch's commit returned: answers its caller (with the commit's
 /// error, if any).
 type Deliver = Box<dyn FnOnce(Option<&rusqlite::Error>) + Send>;

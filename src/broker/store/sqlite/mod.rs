@@ -52,7 +52,6 @@ use super::streams::StreamRecord;
 use crate::engine::OperationState;
 
 pub use database::{DATABASE_FILE, MIN_FREE_BYTES, READERS, SqliteStore};
-pub use group::DEFAULT_COMMIT_BATCH;
 pub use schema::SCHEMA_VERSION;
 
 /// Runs blocking store work off the async threads.
