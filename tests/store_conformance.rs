@@ -419,7 +419,7 @@ async fn a_target_filter_matches_numbers_by_value_strings_by_text_and_flags_as_t
     let house = house!(kind, "target_filters");
     let db = &house.store;
     // Each target as a client wrote it: the store keeps a number's text as written.
-    let targets = [
+    let targets: [&str; 21] = [
         r#"{"n": 1.50}"#,
         r#"{"n": 1.5}"#,
         r#"{"n": "1.5"}"#,
@@ -439,6 +439,9 @@ async fn a_target_filter_matches_numbers_by_value_strings_by_text_and_flags_as_t
         r#"{"n": 0}"#,
         r#"{"n": 1e-400}"#,
         r#"{"n": 9007199254740993}"#,
+        // Past the bounds a filter compares: matched by nothing, refused by no store.
+        r#"{"n": 1e-1000}"#,
+        &format!(r#"{{"n": 1{}}}"#, "0".repeat(1000)),
     ];
     for (i, target) in targets.iter().enumerate() {
         let target: serde_json::Value = serde_json::from_str(target).unwrap();
@@ -498,6 +501,8 @@ async fn a_target_filter_matches_numbers_by_value_strings_by_text_and_flags_as_t
         (".5", vec![]),
         ("1e400", vec![]),
         ("[1.5]", vec![]),
+        (&format!("1{}", "0".repeat(1000)), vec![]),
+        ("1e1000", vec![]),
     ] {
         assert_eq!(matching(value).await, expected, "target.n={value}");
     }
