@@ -52,6 +52,7 @@ store_tests! {
     a_listing_page_reads_no_request_and_a_lookup_no_request_text,
     listing_pages_walk_newest_first_and_filter_by_key_and_state,
     request_pages_filter_by_state_requester_target_and_position,
+    a_target_filter_matches_numbers_by_value_strings_by_text_and_flags_as_themselves,
     each_change_of_a_request_writes_one_event_and_other_work_none,
     trimming_keeps_the_newest_as_a_gapless_suffix_and_older_cursors_expire,
     a_decision_commits_once_and_its_retry_replays_or_conflicts,
@@ -410,6 +411,101 @@ async fn request_pages_filter_by_state_requester_target_and_position(kind: Kind)
         .await
         .unwrap();
     assert_eq!(ids(after), [1, 0].map(request_id));
+}
+
+async fn a_target_filter_matches_numbers_by_value_strings_by_text_and_flags_as_themselves(
+    kind: Kind,
+) {
+    let house = house!(kind, "target_filters");
+    let db = &house.store;
+    // Each target as a client wrote it: the store keeps a number's text as written.
+    let targets: [&str; 21] = [
+        r#"{"n": 1.50}"#,
+        r#"{"n": 1.5}"#,
+        r#"{"n": "1.5"}"#,
+        r#"{"n": 15e-1}"#,
+        r#"{"n": 10}"#,
+        r#"{"n": 1e1}"#,
+        r#"{"n": -3}"#,
+        r#"{"n": -3.0}"#,
+        r#"{"n": "1.50"}"#,
+        r#"{"n": true}"#,
+        r#"{"n": "true"}"#,
+        r#"{"n": null}"#,
+        r#"{"m": 1}"#,
+        r#"{"n": 1}"#,
+        r#"{"n": [1.5]}"#,
+        r#"{"n": 1e400}"#,
+        r#"{"n": 0}"#,
+        r#"{"n": 1e-400}"#,
+        r#"{"n": 9007199254740993}"#,
+        // Past the bounds a filter compares: matched by nothing, refused by no store.
+        r#"{"n": 1e-1000}"#,
+        &format!(r#"{{"n": 1{}}}"#, "0".repeat(1000)),
+    ];
+    for (i, target) in targets.iter().enumerate() {
+        let target: serde_json::Value = serde_json::from_str(target).unwrap();
+        db.insert(OperationRecord {
+            target,
+            created_at: format!("2026-01-01T00:00:{i:02}.000Z"),
+            ..request(i, REQUEST)
+        })
+        .await
+        .unwrap();
+    }
+    let matching = |value: &str| {
+        let query = RequestQuery {
+            operations: vec![REQUEST.to_owned()],
+            target: vec![("n".to_owned(), vec![value.to_owned()])],
+            limit: 100,
+            ..RequestQuery::default()
+        };
+        async move {
+            let mut found: Vec<usize> = db
+                .request_page(query)
+                .await
+                .unwrap()
+                .into_iter()
+                .map(|r| r.id["op_".len()..].parse::<usize>().unwrap())
+                .collect();
+            found.sort_unstable();
+            found
+        }
+    };
+    for (value, expected) in [
+        // A number by its value, however either is written; a string by its text.
+        ("1.5", vec![0, 1, 2, 3]),
+        ("1.50", vec![0, 1, 3, 8]),
+        ("15e-1", vec![0, 1, 3]),
+        ("10", vec![4, 5]),
+        ("1e1", vec![4, 5]),
+        ("10.0", vec![4, 5]),
+        ("1E+1", vec![4, 5]),
+        ("-3", vec![6, 7]),
+        ("-3.00", vec![6, 7]),
+        ("3", vec![]),
+        ("-1.5", vec![]),
+        // An integer is a number, not `true`; `true` is the flag or the string.
+        ("1", vec![13]),
+        ("true", vec![9, 10]),
+        ("false", vec![]),
+        // `null` is the field holding null, not a field that is missing.
+        ("null", vec![11]),
+        // Zero, and what is too small for a double to tell from it.
+        ("0", vec![16, 17]),
+        ("-0.0", vec![16, 17]),
+        // As doubles: the nearest to 2^53 + 1 is 2^53.
+        ("9007199254740992", vec![18]),
+        // Text that is no JSON number matches no number; one past a double matches nothing.
+        ("+1.5", vec![]),
+        (".5", vec![]),
+        ("1e400", vec![]),
+        ("[1.5]", vec![]),
+        (&format!("1{}", "0".repeat(1000)), vec![]),
+        ("1e1000", vec![]),
+    ] {
+        assert_eq!(matching(value).await, expected, "target.n={value}");
+    }
 }
 
 /// Waits (at most 5 s) until every event written is in the log. SQLite's are at once;

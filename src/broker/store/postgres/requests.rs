@@ -7,7 +7,7 @@ use tokio_postgres::types::ToSql;
 
 use super::super::error::StoreError;
 use super::super::records::OperationRecord;
-use super::super::requests::{RequestQuery, StateFilter};
+use super::super::requests::{NUMBER_TEXT_MAX, RequestQuery, StateFilter, filter_number};
 use super::handle::PostgresStore;
 use super::rows::{RECORD_COLUMNS, record_of};
 
@@ -41,16 +41,32 @@ fn page_sql(query: &RequestQuery) -> (String, Vec<Box<dyn ToSql + Sync + Send>>)
             sql.push_str(" AND false");
             continue;
         }
-        // A string by its value, any other scalar by its JSON text (`json` keeps a number's
-        // text as stored).
+        // As `RequestQuery::target` says, and as the SQLite store compares: a string by its
+        // text; a number by its value as a double, its JSON text (`json` keeps it as written)
+        // read as an exact `numeric` only when that is safe (the bounds of `filter_number`),
+        // and turned into a double only between the two limits (beyond them `float8` refuses
+        // it: at least 2^1024 - 2^970 is infinite, at most 2^-1075 is zero); `true`, `false`
+        // and `null` by their JSON text.
         values.push(Box::new(field.clone()));
         let name = values.len();
         values.push(Box::new(wanted[0].clone()));
-        let value = values.len();
+        let text = values.len();
+        values.push(Box::new(filter_number(&wanted[0])));
+        let number = values.len();
         sql.push_str(&format!(
-            " AND (CASE json_typeof(target::json -> ${name}) \
-             WHEN 'string' THEN target::json ->> ${name} \
-             ELSE (target::json -> ${name})::text END) = ${value}"
+            " AND (SELECT CASE json_typeof(v) \
+             WHEN 'string' THEN v #>> '{{}}' = ${text} \
+             WHEN 'number' THEN CASE \
+               WHEN length(v::text) > {NUMBER_TEXT_MAX} \
+                 OR v::text ~ '[eE][-+]?0*[1-9][0-9]{{3}}' THEN false \
+               WHEN abs(v::text::numeric) >= 2::numeric ^ 1024 - 2::numeric ^ 970 THEN false \
+               WHEN abs(v::text::numeric) <= 5::numeric ^ 1075 * 1e-1075 \
+                 THEN 0::float8 = ${number} \
+               ELSE v::text::numeric::float8 = ${number} END \
+             WHEN 'boolean' THEN v::text = ${text} \
+             WHEN 'null' THEN v::text = ${text} \
+             ELSE false END \
+             FROM (SELECT target::json -> ${name} AS v) AS field)"
         ));
     }
     if let Some((created_at, id)) = &query.before {

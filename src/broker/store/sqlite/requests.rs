@@ -9,9 +9,19 @@ use crate::engine::OperationState;
 
 use super::super::error::StoreError;
 use super::super::records::OperationRecord;
-use super::super::requests::{RequestQuery, StateFilter};
+use super::super::requests::{NUMBER_TEXT_MAX, RequestQuery, StateFilter, filter_number};
 use super::database::SqliteStore;
 use super::operations::SELECT_OPERATION;
+
+/// Whether the JSON text of a number, `raw`, is one a filter compares: at most
+/// `NUMBER_TEXT_MAX` characters, its exponent (what follows the `e`, less its sign and leading
+/// zeros) under four digits.
+fn comparable_number(raw: &str) -> String {
+    format!(
+        "(length({raw}) <= {NUMBER_TEXT_MAX} AND (instr(lower({raw}), 'e') = 0 \
+         OR length(ltrim(substr({raw}, instr(lower({raw}), 'e') + 1), '+-0')) < 4))"
+    )
+}
 
 /// The SQL of `query` and its parameters, in order.
 fn page_sql(query: &RequestQuery) -> (String, Vec<SqlValue>) {
@@ -49,17 +59,25 @@ fn page_sql(query: &RequestQuery) -> (String, Vec<SqlValue>) {
             sql.push_str(" AND 0");
             continue;
         }
-        // A string by its value, any other scalar by its JSON text: SQLite's `json_extract`
-        // gives `true` as 1 and `null` as NULL, so those are named by their type.
-        // The path is bound once and named twice by its number (the next `?` numbers on).
-        let (path, value) = (values.len() + 1, values.len() + 2);
+        // As `RequestQuery::target` says: a string by its text, a number by its value as a
+        // double (a number's JSON text, `target -> path`, bounds which are compared), `true`,
+        // `false` and `null` by their JSON type's name (`json_extract` gives `true` as 1).
+        // The path is bound once and named by its number (the next `?` numbers on).
+        let (path, text, number) = (values.len() + 1, values.len() + 2, values.len() + 3);
+        let same_number = format!(
+            "{} AND CAST(json_extract(target, ?{path}) AS REAL) = ?{number}",
+            comparable_number(&format!("(target -> ?{path})"))
+        );
         sql.push_str(&format!(
-            " AND (CASE json_type(target, ?{path}) WHEN 'true' THEN 'true' \
-             WHEN 'false' THEN 'false' WHEN 'null' THEN 'null' \
-             ELSE CAST(json_extract(target, ?{path}) AS TEXT) END) = ?{value}"
+            " AND (CASE json_type(target, ?{path}) \
+             WHEN 'text' THEN json_extract(target, ?{path}) = ?{text} \
+             WHEN 'integer' THEN {same_number} WHEN 'real' THEN {same_number} \
+             WHEN 'true' THEN ?{text} = 'true' WHEN 'false' THEN ?{text} = 'false' \
+             WHEN 'null' THEN ?{text} = 'null' ELSE 0 END)"
         ));
         values.push(SqlValue::Text(format!("$.\"{field}\"")));
         values.push(SqlValue::Text(wanted[0].clone()));
+        values.push(filter_number(&wanted[0]).map_or(SqlValue::Null, SqlValue::Real));
     }
     if let Some((created_at, id)) = &query.before {
         // A row value, so SQLite seeks the index to the position instead of walking to it.

@@ -1,0 +1,345 @@
+//! A PostgreSQL store written by a schema-1 broker, opened by this one: migrated to schema 2
+//! once, its rows kept as they were, its work recovered. (A database newer than this broker
+//! is refused in `postgres_fleet.rs`.) One PostgreSQL serves the binary's tests while they
+//! run, a database for each; each test skips, saying why, only when PostgreSQL cannot be run
+//! here.
+
+mod support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use support::postgres::PostgresServer;
+use unyolo_admission::OperationState;
+use unyolo_admission::broker::store::{self, EventKind, EventPage, RequestStatus, StreamRecord};
+
+/// The operation whose changes are requests.
+const REQUEST: &str = "demo.request";
+
+/// Schema 1 as a schema-1 broker created it (`store/postgres/schema.rs` from `serve --store`
+/// until schema 2), kept here as it was so the migration is tested from what is in the field,
+/// not from today's copy of it. A schema-1 broker created `schema_version` first, then this,
+/// then wrote its version, in one transaction.
+const SCHEMA_1: &str = r#"
+CREATE TABLE IF NOT EXISTS schema_version (version bigint NOT NULL);
+CREATE TABLE operations (
+    seq                  bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    id                   text COLLATE "C" NOT NULL UNIQUE,
+    client_id            text COLLATE "C" NOT NULL,
+    idempotency_key      text COLLATE "C" NOT NULL,
+    operation            text COLLATE "C" NOT NULL,
+    target               text NOT NULL,
+    arguments            text NOT NULL,
+    reason               text NOT NULL,
+    state                text COLLATE "C" NOT NULL,
+    created_at           text COLLATE "C" NOT NULL,
+    updated_at           text COLLATE "C" NOT NULL,
+    terminal_at          text COLLATE "C",
+    error_code           text,
+    error_message        text,
+    revision             bigint NOT NULL DEFAULT 1,
+    title                text,
+    summary              text,
+    request_digest       text,
+    decided_at           text COLLATE "C",
+    decided_by           text,
+    decided_on_behalf_of text,
+    revoked              boolean NOT NULL DEFAULT false,
+    ended_from           text,
+    active_expires_at    text COLLATE "C",
+    pending_expires_at   text COLLATE "C",
+    CONSTRAINT operations_client_key UNIQUE (client_id, idempotency_key)
+);
+CREATE INDEX operations_by_state ON operations (state);
+CREATE INDEX operations_by_client ON operations (client_id, seq);
+CREATE INDEX operations_by_client_state ON operations (client_id, state, seq);
+CREATE INDEX operations_by_created_at ON operations (created_at);
+CREATE INDEX operations_retiring ON operations (terminal_at) WHERE terminal_at IS NOT NULL;
+CREATE INDEX operations_requests ON operations (operation, created_at, id);
+CREATE INDEX operations_requests_by_state ON operations (operation, state, created_at, id);
+CREATE INDEX operations_underived ON operations (seq) WHERE request_digest IS NULL;
+
+CREATE TABLE streams (
+    seq        bigint GENERATED ALWAYS AS IDENTITY,
+    id         text COLLATE "C" PRIMARY KEY,
+    client_id  text COLLATE "C" NOT NULL,
+    size       bigint NOT NULL,
+    created_at text COLLATE "C" NOT NULL
+);
+
+CREATE TABLE operator_decisions (
+    request_id      text COLLATE "C" NOT NULL,
+    action          text COLLATE "C" NOT NULL,
+    idempotency_key text COLLATE "C" NOT NULL,
+    command_hash    text NOT NULL,
+    operator        text NOT NULL,
+    committed       text NOT NULL,
+    created_at      text COLLATE "C" NOT NULL,
+    PRIMARY KEY (request_id, action, idempotency_key)
+);
+
+CREATE TABLE operator_events (
+    seq         bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    xid         xid8 NOT NULL DEFAULT pg_current_xact_id(),
+    position    bigint UNIQUE,
+    kind        text NOT NULL,
+    request_id  text COLLATE "C" NOT NULL,
+    revision    bigint NOT NULL,
+    status      text NOT NULL,
+    occurred_at text COLLATE "C" NOT NULL,
+    used_count  bigint NOT NULL
+);
+CREATE INDEX operator_events_unpositioned ON operator_events (xid, seq) WHERE position IS NULL;
+CREATE INDEX operator_events_by_request ON operator_events (request_id, seq);
+
+CREATE TABLE replicas (
+    name        text COLLATE "C" PRIMARY KEY,
+    lease_until timestamptz NOT NULL,
+    joined_at   timestamptz NOT NULL
+);
+
+CREATE TABLE event_positions (
+    one        boolean PRIMARY KEY DEFAULT true CHECK (one),
+    high_water bigint NOT NULL
+);
+INSERT INTO event_positions (high_water) VALUES (0);
+INSERT INTO schema_version (version) VALUES (1);
+"#;
+
+/// What a schema-1 broker had written: a pending, an approved, an executing and a succeeded
+/// request, the approval's decision record, the first request's event (numbered), and a
+/// stream (its body in the replica's staged file, as schema 1 kept it).
+const ROWS_1: &str = r#"
+INSERT INTO operations (id, client_id, idempotency_key, operation, target, arguments, reason,
+    state, created_at, updated_at, terminal_at, revision, title, summary, request_digest,
+    decided_at, decided_by, ended_from, active_expires_at, pending_expires_at)
+VALUES
+    ('op_pending', 'bot-7', 'k1', 'demo.request', '{"repo": "demo", "n": 1.50}',
+     '{"duration_ms": 5}', 'first', 'pending', '2026-01-01T00:00:01.000Z',
+     '2026-01-01T00:00:01.000Z', NULL, 1, 'Request 1', NULL, 'sha256:01', NULL, NULL, NULL,
+     NULL, '2099-01-01T00:00:00.000Z'),
+    ('op_approved', 'bot-7', 'k2', 'demo.request', '{"repo": "demo"}', '{}', 'second',
+     'approved', '2026-01-01T00:00:02.000Z', '2026-01-01T00:00:03.000Z', NULL, 2,
+     'Request 2', 'to approve', 'sha256:02', '2026-01-01T00:00:03.000Z', 'alice', NULL,
+     '2099-01-01T00:00:00.000Z', '2099-01-01T00:00:00.000Z'),
+    ('op_executing', 'bot-8', 'k3', 'demo.request', '{}', '{}', 'third', 'executing',
+     '2026-01-01T00:00:04.000Z', '2026-01-01T00:00:06.000Z', NULL, 3, 'Request 3', NULL,
+     'sha256:03', '2026-01-01T00:00:05.000Z', 'alice', NULL, '2099-01-01T00:00:00.000Z',
+     '2099-01-01T00:00:00.000Z'),
+    ('op_succeeded', 'bot-8', 'k4', 'demo.request', '{}', '{}', 'fourth', 'succeeded',
+     '2026-01-01T00:00:07.000Z', '2026-01-01T00:00:09.000Z', '2026-01-01T00:00:09.000Z', 4,
+     'Request 4', NULL, 'sha256:04', '2026-01-01T00:00:08.000Z', 'bob', 'executing',
+     '2099-01-01T00:00:00.000Z', '2099-01-01T00:00:00.000Z');
+INSERT INTO operator_decisions (request_id, action, idempotency_key, command_hash, operator,
+    committed, created_at)
+VALUES ('op_approved', 'approve', 'd1', 'h1', 'alice', '{"id": "op_approved"}',
+    '2026-01-01T00:00:03.000Z');
+INSERT INTO operator_events (position, kind, request_id, revision, status, occurred_at,
+    used_count)
+VALUES (1, 'request.created', 'op_pending', 1, 'pending', '2026-01-01T00:00:01.000Z', 0);
+UPDATE event_positions SET high_water = 1;
+INSERT INTO streams (id, client_id, size, created_at)
+VALUES ('st_1', 'bot-7', 12, '2026-01-01T00:00:10.000Z');
+"#;
+
+/// Every table's schema-1 columns, row by row, oldest first: what the migration must keep.
+const READ_1: &str = "SELECT * FROM (\
+     SELECT 'operations', row_to_json(o)::text FROM (SELECT seq, id, client_id, \
+     idempotency_key, operation, target, arguments, reason, state, created_at, updated_at, \
+     terminal_at, error_code, error_message, revision, title, summary, request_digest, \
+     decided_at, decided_by, decided_on_behalf_of, revoked, ended_from, active_expires_at, \
+     pending_expires_at FROM operations) o \
+     UNION ALL SELECT 'streams', row_to_json(s)::text FROM (SELECT seq, id, client_id, size, \
+     created_at FROM streams) s \
+     UNION ALL SELECT 'operator_decisions', row_to_json(d)::text FROM operator_decisions d \
+     UNION ALL SELECT 'operator_events', row_to_json(e)::text FROM operator_events e \
+     UNION ALL SELECT 'event_positions', row_to_json(p)::text FROM event_positions p\
+     ) AS rows ORDER BY 1, 2";
+
+/// The shape of a database's tables: every column (type, nullability, collation) and index.
+const SHAPE: &str = "SELECT table_name || '.' || column_name || ' ' || data_type || ' ' || \
+     is_nullable || ' ' || coalesce(collation_name, '-') FROM information_schema.columns \
+     WHERE table_schema = 'public' \
+     UNION ALL SELECT indexdef FROM pg_indexes WHERE schemaname = 'public' ORDER BY 1";
+
+/// The shared server and a fresh database's name and URL, or `None` (having said why).
+fn database(name: &str) -> Option<(Arc<PostgresServer>, String)> {
+    let server = PostgresServer::shared()?;
+    let url = server.database(name);
+    Some((server, url))
+}
+
+async fn connect(url: &str, streams: &std::path::Path) -> store::PostgresStore {
+    store::PostgresStore::connect(url, "admission", [REQUEST], streams.to_owned())
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_schema_1_database_is_migrated_once_keeping_its_rows_and_its_work_is_recovered() {
+    let Some((server, url)) = database("schema_one") else {
+        return;
+    };
+    server.psql("schema_one", &format!("BEGIN; {SCHEMA_1} {ROWS_1} COMMIT;"));
+    let written = server.psql("schema_one", READ_1);
+    assert_eq!(written.lines().count(), 8, "{written}");
+    let dir = tempfile::tempdir().unwrap();
+
+    let db = connect(&url, dir.path()).await;
+    assert_eq!(
+        server.psql(
+            "schema_one",
+            "SELECT version FROM schema_version ORDER BY version"
+        ),
+        "1\n2",
+        "migrated to 2, one version row written"
+    );
+    assert_eq!(
+        server.psql("schema_one", READ_1),
+        written,
+        "every row of schema 1 is there, unchanged"
+    );
+    assert_eq!(
+        server.psql(
+            "schema_one",
+            "SELECT (SELECT count(*) FROM operations WHERE owner IS NULL) || ' ' || \
+             (SELECT count(*) FROM streams WHERE owner IS NULL AND body IS NULL)"
+        ),
+        "4 1",
+        "rows of schema 1 own no replica; a stream's body stays in its staged file"
+    );
+    // The migrated database is the one this broker creates afresh.
+    let (_, fresh) = database("schema_two").unwrap();
+    drop(connect(&fresh, dir.path()).await);
+    assert_eq!(
+        server.psql("schema_one", SHAPE),
+        server.psql("schema_two", SHAPE)
+    );
+
+    // The store reads them as they were written.
+    let approved = db.get("op_approved").await.unwrap().unwrap();
+    assert_eq!(
+        (
+            approved.state,
+            approved.revision,
+            approved.client_id.as_str()
+        ),
+        (OperationState::Approved, 2, "bot-7")
+    );
+    assert_eq!(
+        approved.decided.as_ref().map(|d| d.by.as_str()),
+        Some("alice")
+    );
+    let pending = db.get("op_pending").await.unwrap().unwrap();
+    assert_eq!(
+        pending.target,
+        serde_json::from_str::<serde_json::Value>(r#"{"repo": "demo", "n": 1.50}"#).unwrap()
+    );
+    assert_eq!(db.count_decisions().await.unwrap(), 1);
+    let EventPage::Events { events, .. } = db.events_after(None, 10).await.unwrap() else {
+        panic!("the event log of schema 1 is kept");
+    };
+    assert_eq!(
+        events
+            .iter()
+            .map(|e| (e.seq, e.kind, e.request_id.as_str(), e.status))
+            .collect::<Vec<_>>(),
+        [(
+            1,
+            EventKind::RequestCreated,
+            "op_pending",
+            RequestStatus::Pending
+        )]
+    );
+    assert_eq!(
+        db.get_stream("st_1").await.unwrap(),
+        Some(StreamRecord {
+            id: "st_1".to_owned(),
+            client_id: "bot-7".to_owned(),
+            size: 12
+        })
+    );
+
+    // The first replica to recover takes the work of schema 1: the executing request was cut
+    // off (it ends failed, interrupted), the pending and approved ones and the stream are its.
+    db.join_fleet("replica-a", Duration::from_secs(30))
+        .await
+        .unwrap();
+    let recovered = db.recover().await.unwrap();
+    assert_eq!(
+        recovered
+            .interrupted
+            .iter()
+            .map(|r| (
+                r.id.as_str(),
+                r.state,
+                r.error.as_ref().map(|e| e.code.as_str())
+            ))
+            .collect::<Vec<_>>(),
+        [(
+            "op_executing",
+            OperationState::Failed,
+            Some("execution_interrupted")
+        )]
+    );
+    assert_eq!(
+        recovered
+            .live
+            .iter()
+            .map(|r| (r.id.as_str(), r.state))
+            .collect::<Vec<_>>(),
+        [
+            ("op_pending", OperationState::Pending),
+            ("op_approved", OperationState::Approved)
+        ]
+    );
+    assert_eq!(
+        recovered
+            .streams
+            .iter()
+            .map(|s| s.id.as_str())
+            .collect::<Vec<_>>(),
+        ["st_1"]
+    );
+    assert_eq!(
+        server.psql(
+            "schema_one",
+            "SELECT id || ' ' || state || ' ' || coalesce(owner, '-') FROM operations \
+             ORDER BY seq"
+        ),
+        "op_pending pending replica-a\nop_approved approved replica-a\n\
+         op_executing failed -\nop_succeeded succeeded -"
+    );
+    assert_eq!(
+        server.psql("schema_one", "SELECT owner FROM streams"),
+        "replica-a"
+    );
+    let mut failed = db.get("op_executing").await.unwrap().unwrap();
+    assert_eq!(
+        (failed.revision, failed.ended_from),
+        (4, Some(OperationState::Executing))
+    );
+    failed = db.get("op_succeeded").await.unwrap().unwrap();
+    assert_eq!(
+        (failed.state, failed.revision),
+        (OperationState::Succeeded, 4)
+    );
+    db.leave_fleet("replica-a").await.unwrap();
+    drop(db);
+
+    // A second start finds schema 2 and migrates nothing.
+    let after_first = server.psql("schema_one", READ_1);
+    let again = connect(&url, dir.path()).await;
+    assert_eq!(
+        server.psql(
+            "schema_one",
+            "SELECT version FROM schema_version ORDER BY version"
+        ),
+        "1\n2"
+    );
+    assert_eq!(server.psql("schema_one", READ_1), after_first);
+    assert_eq!(
+        again.get("op_approved").await.unwrap().unwrap().state,
+        OperationState::Approved
+    );
+}
