@@ -62,6 +62,7 @@ store_tests! {
     retention_retires_only_terminal_work_past_the_cutoff_with_its_decisions,
     streams_are_recorded_counted_and_deleted,
     the_history_is_every_operation_with_its_state_and_times_oldest_first,
+    writes_queued_together_commit_together_each_answering_for_itself,
 }
 
 /// Which house a test runs against.
@@ -121,6 +122,16 @@ impl House {
                     },
                     _dir: dir,
                 })
+            }
+        }
+    }
+
+    /// The store's write lock, held from another connection until released: writes queue.
+    fn lock(&self) -> support::faults::StoreLock {
+        match &self.raw {
+            Raw::Sqlite(path) => support::faults::StoreLock::take_file(path),
+            Raw::Postgres { server, database } => {
+                support::faults::StoreLock::take_postgres(&server.url(database))
             }
         }
     }
@@ -1098,4 +1109,117 @@ async fn the_history_is_every_operation_with_its_state_and_times_oldest_first(ki
         let ended = (h.state == S::Denied).then_some(S::Pending);
         assert_eq!(h.ended_from, ended, "{h:?}");
     }
+}
+
+/// What a write queued behind the store's lock answered.
+#[derive(Debug)]
+enum Answer {
+    Inserted(Result<(), InsertError>),
+    Moved(Result<Option<OperationRecord>, StoreError>),
+}
+
+/// Queues `writes` behind the store's write lock (held from another connection), lets it go,
+/// and returns each write's answer in order: the writes reach the store together, as a burst's
+/// do, and are committed in as few transactions as the store's group commit makes.
+async fn behind_the_lock(house: &House, writes: Vec<Option<OperationRecord>>) -> Vec<Answer> {
+    let lock = house.lock();
+    let tasks: Vec<_> = writes
+        .into_iter()
+        .map(|write| {
+            let db = Arc::clone(&house.store);
+            tokio::spawn(async move {
+                match write {
+                    Some(record) => Answer::Inserted(db.insert(record).await),
+                    None => Answer::Moved(
+                        db.set_state(
+                            "op_moving",
+                            OperationState::Approved,
+                            OperationState::Executing,
+                            StateChange::default(),
+                        )
+                        .await,
+                    ),
+                }
+            })
+        })
+        .collect();
+    // Long enough for every write to queue (none can commit while the lock is held).
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    lock.release();
+    let mut answers = Vec::new();
+    for task in tasks {
+        answers.push(task.await.unwrap());
+    }
+    answers
+}
+
+async fn writes_queued_together_commit_together_each_answering_for_itself(kind: Kind) {
+    let house = house!(kind, "group_commit");
+    let db = &house.store;
+    db.insert(record("op_taken", "taken")).await.unwrap();
+    db.insert(OperationRecord {
+        state: OperationState::Approved,
+        ..record("op_moving", "moving")
+    })
+    .await
+    .unwrap();
+
+    // A burst: twenty creations, a key already taken, and a state change.
+    let mut writes: Vec<_> = (0..20)
+        .map(|n| Some(record(&format!("op_g{n}"), &format!("g{n}"))))
+        .collect();
+    writes.insert(7, Some(record("op_again", "taken")));
+    writes.insert(13, None);
+    let answers = behind_the_lock(&house, writes).await;
+    for (n, answer) in answers.iter().enumerate() {
+        match (n, answer) {
+            (7, Answer::Inserted(Err(InsertError::Duplicate))) => {}
+            (13, Answer::Moved(Ok(Some(moved)))) => {
+                assert_eq!(
+                    (moved.state, moved.revision),
+                    (OperationState::Executing, 2)
+                );
+            }
+            (n, Answer::Inserted(Ok(()))) if n != 7 && n != 13 => {}
+            (n, other) => panic!("write {n} answered {other:?}"),
+        }
+    }
+    assert_eq!(db.count_operations().await.unwrap(), 22);
+    assert!(db.get("op_again").await.unwrap().is_none());
+    if let Raw::Postgres { server, database } = &house.raw {
+        // Each row records the transaction that wrote it: the burst shared a few.
+        let transactions: usize = server
+            .psql(
+                database,
+                "SELECT count(DISTINCT xmin::text) FROM operations WHERE idempotency_key LIKE 'g%'",
+            )
+            .parse()
+            .unwrap();
+        assert!(
+            transactions <= 10,
+            "20 creations queued together committed in {transactions} transactions"
+        );
+    }
+
+    // A write that fails (an id already stored, under a new key: SQLite reads any uniqueness as
+    // the key's, PostgreSQL fails the statement) among others: it answers its error alone, the
+    // others commit.
+    let mut writes: Vec<_> = (0..10)
+        .map(|n| Some(record(&format!("op_h{n}"), &format!("h{n}"))))
+        .collect();
+    writes.insert(4, Some(record("op_g3", "fresh")));
+    let answers = behind_the_lock(&house, writes).await;
+    for (n, answer) in answers.iter().enumerate() {
+        match (n, answer) {
+            (4, Answer::Inserted(Err(_))) => {}
+            (n, Answer::Inserted(Ok(()))) if n != 4 => {}
+            (n, other) => panic!("write {n} answered {other:?}"),
+        }
+    }
+    assert_eq!(db.count_operations().await.unwrap(), 32);
+    assert_eq!(
+        db.get("op_g3").await.unwrap().unwrap().idempotency_key,
+        "g3",
+        "the failed write changed nothing"
+    );
 }

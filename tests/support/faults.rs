@@ -246,7 +246,7 @@ impl StoreLock {
     }
 
     /// Locks the broker's tables in the PostgreSQL database at `url` in one transaction.
-    fn take_postgres(url: &str) -> StoreLock {
+    pub fn take_postgres(url: &str) -> StoreLock {
         let url = url.to_owned();
         let (locked, is_locked) = std::sync::mpsc::channel();
         let (release, released) = std::sync::mpsc::channel::<()>();
