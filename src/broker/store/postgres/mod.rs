@@ -27,10 +27,9 @@
 //! - `numbering`: a round of numbering the event log;
 //! - `fleet`: who serves the store (each replica's membership lease);
 //! - `listen`: the `LISTEN` connection, and the task that numbers events when woken;
+//! - `group`: group commit, the creations and state changes that reach the store together in
+//!   one pipelined transaction;
 //! - `error`: PostgreSQL's errors sorted into the store's.
-//!
-//! Not yet for a fleet: start-up recovery fails every `executing` operation (as one process
-//! must), not only a dead replica's; stream bodies live in a directory of each replica's own.
 
 mod decisions;
 mod error;
