@@ -36,7 +36,7 @@ use super::rows::Failed;
 /// The most committers (connections writing batches) at once: while one batch is on its way to
 /// disk the next can be executing, and a write waiting for a row lock another session holds
 /// (a decision, a takeover) holds up only its own batch.
-pub(super) const COMMITTERS: usize = 2;
+pub(super) const COMMITTERS: usize = 4;
 
 /// A statement parameter the write owns (it outlives its caller, who may stop waiting).
 pub(super) type Param = Box<dyn ToSql + Send + Sync>;
