@@ -40,7 +40,11 @@ pub struct KeyGuard {
 fn name(client: &str, key: &str) -> Arc<str> {
     use std::fmt::Write;
     let mut name = String::with_capacity(client.len() + key.len() + 4);
-    let _ = write!(name, "{}:{client}{key}", client.len());
+    // Only the length goes through the formatter; writing to a `String` cannot fail.
+    let _ = write!(name, "{}", client.len());
+    name.push(':');
+    name.push_str(client);
+    name.push_str(key);
     Arc::from(name)
 }
 

@@ -20,7 +20,9 @@ use prometheus_client::registry::Registry;
 use tokio::sync::watch;
 
 use super::auth::Auth;
-use super::core::{Core, DecisionLabels, ExecQueue, PendingExpiries, SubmissionLabels};
+use super::core::{
+    Core, DecisionLabels, ExecQueue, PendingExpiries, SubmissionCounters, SubmissionLabels,
+};
 use super::event_streams::EventStreams;
 use super::keys::KeyFilter;
 use super::listener::{ConnectionPool, ConnectionSettings, ListenAddr, UnixSocket};
@@ -169,9 +171,7 @@ impl Broker {
             operator_decisions.clone(),
         );
         let submissions = Family::<SubmissionLabels, Counter>::default();
-        for result in ["created", "replayed", "rejected"] {
-            let _ = submissions.get_or_create(&[("result", result)]);
-        }
+        let submission_counters = SubmissionCounters::of(&submissions);
         registry.register(
             "broker_submissions",
             "Operation submissions by result: created, replayed, or rejected by admission.",
@@ -222,7 +222,7 @@ impl Broker {
             executor: ExecQueue::default(),
             auth: Auth::new(&settings.secrets, &settings.operators),
             registry,
-            submissions,
+            submissions: submission_counters,
             store_ready,
             keys,
             key_locks: Arc::default(),

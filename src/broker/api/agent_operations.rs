@@ -29,7 +29,7 @@ use super::projection::OperationJson;
 use super::ratelimit;
 use crate::admission::{AdmissionPermit, AdmitError, KeyRecord, Refused, Unavailable};
 use crate::broker::core::LiveOp;
-use crate::broker::core::{Core, run_to_end};
+use crate::broker::core::{Core, Submitted, run_to_end};
 use crate::broker::operations::TransitionFailure;
 use crate::broker::registry::{self, NotRunnable};
 use crate::broker::store::{
@@ -177,7 +177,7 @@ pub(crate) async fn replay(
     let Some(response) = render_operation(core, existing, StatusCode::OK).await? else {
         return Ok(None);
     };
-    core.count_submission("replayed");
+    core.count_submission(Submitted::Replayed);
     // The quota as the deciding backend sees it now: replicated, every replica's counts and the
     // shared bucket (a replay decides nothing, so there is no decision's reading to carry).
     Ok(Some(
@@ -285,7 +285,7 @@ pub(crate) async fn submit(
 
 /// 503 `admission_unavailable`: the shared quota store cannot decide now.
 fn admission_unavailable(core: &Core, client: &Identity, unavailable: &Unavailable) -> ApiError {
-    core.count_submission("rejected");
+    core.count_submission(Submitted::Rejected);
     tracing::warn!(client = %client, error = %unavailable, "admission unavailable");
     ApiError::new(
         StatusCode::SERVICE_UNAVAILABLE,
@@ -497,7 +497,7 @@ pub(crate) async fn create(
     let decided = permit.quota();
     let op = Arc::new(LiveOp::new(&record, permit.commit()).shadowed(shadow.map(Permit::commit)));
     core.add_live(&op, &record);
-    core.count_submission("created");
+    core.count_submission(Submitted::Created);
     tracing::info!(
         operation = %record.id,
         client = %client,
@@ -658,7 +658,7 @@ impl RefusalLog {
 /// that refused it (the in-process and the shared backend alike).
 fn refused(core: &Core, client: &Identity, refused: Refused) -> axum::response::Response {
     let refusal = refused.refusal;
-    core.count_submission("rejected");
+    core.count_submission(Submitted::Rejected);
     if let Some(unlogged) = REFUSAL_LOG.take(SystemTime::now()) {
         tracing::info!(
             client = %client,

@@ -5,9 +5,12 @@
 //! examples do) and the engine's refusal, and nothing of the routes. Every handler, extractor and
 //! the router import it; it imports none of them.
 
+use std::borrow::Cow;
+
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use serde_json::{Value, json};
+use serde::Serialize;
+use serde_json::Value;
 
 use crate::broker::listener::{CutOffReason, body_cut_off};
 use crate::broker::store::StoreError;
@@ -24,7 +27,9 @@ const MAX_MESSAGE_CHARS: usize = 500;
 pub struct ApiError {
     status: StatusCode,
     code: &'static str,
-    message: String,
+    /// Borrowed when it is one of the broker's own sentences (every refusal's), so answering
+    /// one copies nothing.
+    message: Cow<'static, str>,
     retry_after: Option<u64>,
 }
 
@@ -34,7 +39,7 @@ impl ApiError {
     pub(crate) fn new(
         status: StatusCode,
         code: &'static str,
-        message: impl Into<String>,
+        message: impl Into<Cow<'static, str>>,
     ) -> ApiError {
         let mut message = message.into();
         if message.contains(char::is_control) {
@@ -48,8 +53,9 @@ impl ApiError {
                 .collect();
         }
         if message.chars().count() > MAX_MESSAGE_CHARS {
-            message = message.chars().take(MAX_MESSAGE_CHARS - 1).collect();
-            message.push('…');
+            let mut cut: String = message.chars().take(MAX_MESSAGE_CHARS - 1).collect();
+            cut.push('…');
+            message = cut.into();
         }
         ApiError {
             status,
@@ -60,7 +66,7 @@ impl ApiError {
     }
 
     /// A 400 `invalid_request`.
-    pub(crate) fn invalid(message: impl Into<String>) -> ApiError {
+    pub(crate) fn invalid(message: impl Into<Cow<'static, str>>) -> ApiError {
         ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", message)
     }
 
@@ -79,9 +85,9 @@ impl ApiError {
         }
         let message = match refusal.code {
             RefusalCode::StreamStorageLimit | RefusalCode::SealedPayloadStorageLimit => {
-                format!("{}.", refusal.message())
+                Cow::Owned(format!("{}.", refusal.message()))
             }
-            _ => REFUSAL_MESSAGE.to_owned(),
+            _ => Cow::Borrowed(REFUSAL_MESSAGE),
         };
         ApiError {
             status,
@@ -165,19 +171,43 @@ impl From<StoreError> for ApiError {
     }
 }
 
+/// The error envelope as it is written: `{"error":{"code","message"}}`.
+#[derive(Serialize)]
+struct Envelope<'a> {
+    error: EnvelopeError<'a>,
+}
+
+#[derive(Serialize)]
+struct EnvelopeError<'a> {
+    code: &'a str,
+    message: &'a str,
+}
+
+/// The envelope's JSON text for `code` and `message`.
+fn envelope(code: &str, message: &str) -> Vec<u8> {
+    let envelope = Envelope {
+        error: EnvelopeError { code, message },
+    };
+    serde_json::to_vec(&envelope).unwrap_or_default()
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = json!({"error": {"code": self.code, "message": self.message}});
-        let mut response = (self.status, axum::Json(body)).into_response();
+        // Written straight from the two strings (one buffer, no JSON value built first): every
+        // refusal of a flood is answered here.
+        let body = envelope(self.code, &self.message);
+        let mut response = Response::new(axum::body::Body::from(body));
+        *response.status_mut() = self.status;
+        let headers = response.headers_mut();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
         if let Some(secs) = self.retry_after {
-            response
-                .headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }
         if self.status == StatusCode::UNAUTHORIZED {
-            response
-                .headers_mut()
-                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
         response
     }
@@ -210,6 +240,24 @@ mod tests {
         assert_eq!(
             quoted.message,
             "unknown field `a\\nb\\u{1b}[2J`, expected `reason`"
+        );
+    }
+
+    #[test]
+    fn the_envelope_is_the_json_object_of_its_code_and_message() {
+        for message in [
+            REFUSAL_MESSAGE,
+            "quote \" backslash \\ tab \t é 🦀 </script>",
+        ] {
+            let written: Value = serde_json::from_slice(&envelope("a_code", message)).unwrap();
+            assert_eq!(
+                written,
+                serde_json::json!({"error": {"code": "a_code", "message": message}})
+            );
+        }
+        assert_eq!(
+            envelope("client_operation_limit", REFUSAL_MESSAGE),
+            br#"{"error":{"code":"client_operation_limit","message":"Operation admission limit reached"}}"#
         );
     }
 }

@@ -1,6 +1,6 @@
 //! The quota a submission answer tells its client: the IETF httpapi `RateLimit-Policy` and
 //! `RateLimit` fields (draft-ietf-httpapi-ratelimit-headers, the two-field syntax of drafts 08 to
-//! 10), written as structured fields (RFC 9651) by the `sfv` crate.
+//! 10), written as structured fields (RFC 9651).
 //!
 //! Three policies, each a String item with parameters:
 //!
@@ -16,10 +16,18 @@
 //! at the decision, so the two fields always agree. Refusals of a global dimension (global active,
 //! the execution pool, the global pending-grant store) belong to no client policy: Retry-After
 //! alone speaks for them.
+//!
+//! The two fields are written straight into one buffer each: every item is one of the constant
+//! strings below (plain printable ASCII, nothing to escape) and every parameter a non-negative
+//! integer saturated at the largest structured-field integer, so there is nothing a general
+//! serializer would check. Every submission answer carries them, refusals included, and a
+//! refusal flood is the path that exists to be cheap. The tests here and
+//! `tests/broker_ratelimit_headers.rs` parse them back with a structured-field parser.
+
+use std::fmt::Write as _;
 
 use axum::http::{HeaderName, HeaderValue};
 use axum::response::Response;
-use sfv::{KeyRef, ListSerializer, StringRef};
 
 use crate::broker::core::Core;
 use crate::engine::{Controller, QuotaStatus, Refusal, RefusalCode};
@@ -29,43 +37,49 @@ pub const POLICY_FIELD: &str = "ratelimit-policy";
 /// The `RateLimit` field name.
 pub const LIMIT_FIELD: &str = "ratelimit";
 
-const RATE: &StringRef = StringRef::constant("rate");
-const ACTIVE: &StringRef = StringRef::constant("active");
-const PENDING: &StringRef = StringRef::constant("pending");
-const QUOTA: &KeyRef = KeyRef::constant("q");
-const QUOTA_UNIT: &KeyRef = KeyRef::constant("qu");
-const WINDOW: &KeyRef = KeyRef::constant("w");
-const REMAINING: &KeyRef = KeyRef::constant("r");
-const RESET: &KeyRef = KeyRef::constant("t");
-const CONCURRENT: &StringRef = StringRef::constant("concurrent-requests");
+/// The two field names, made once (a static name's clone copies nothing).
+static POLICY_NAME: HeaderName = HeaderName::from_static(POLICY_FIELD);
+static LIMIT_NAME: HeaderName = HeaderName::from_static(LIMIT_FIELD);
+
+/// The policies' names, as structured-field Strings (quoted).
+const RATE: &str = "\"rate\"";
+const ACTIVE: &str = "\"active\"";
+const PENDING: &str = "\"pending\"";
+/// The capacity policies' quota unit parameter.
+const CONCURRENT: &str = ";qu=\"concurrent-requests\"";
+
+/// The largest structured-field Integer (15 decimal digits, RFC 9651 section 3.3.1).
+const SF_INTEGER_MAX: u64 = 999_999_999_999_999;
+
+/// Room for either field of the largest values (every integer at 15 digits), so writing one
+/// never grows its buffer.
+const FIELD_CAPACITY: usize = 160;
 
 /// The two field values for `status`; `refusal` when answering a 429.
 pub fn fields(status: &QuotaStatus, refusal: Option<&Refusal>) -> (String, String) {
-    let mut policy = ListSerializer::new();
-    let _ = policy
-        .bare_item(RATE)
-        .parameter(QUOTA, status.rate.quota)
-        .parameter(WINDOW, status.rate.window_seconds);
+    let mut policy = String::with_capacity(FIELD_CAPACITY);
+    policy.push_str(RATE);
+    parameter(&mut policy, "q", u64::from(status.rate.quota));
+    parameter(&mut policy, "w", u64::from(status.rate.window_seconds));
     for (name, capacity) in [(ACTIVE, status.active), (PENDING, status.pending)] {
-        let _ = policy
-            .bare_item(name)
-            .parameter(QUOTA, sf_integer(capacity.limit))
-            .parameter(QUOTA_UNIT, CONCURRENT);
+        policy.push_str(", ");
+        policy.push_str(name);
+        parameter(&mut policy, "q", capacity.limit);
+        policy.push_str(CONCURRENT);
     }
 
-    let refused = refusal.map(|r| (r.code, sf_integer(r.retry_after_secs().max(1))));
+    let refused = refusal.map(|r| (r.code, r.retry_after_secs().max(1)));
     let reset_if_refused = |code: RefusalCode| {
         refused.and_then(|(refused_code, secs)| (refused_code == code).then_some(secs))
     };
-    let capacity_retry = sf_integer(status.capacity_retry.as_secs().max(1));
+    let capacity_retry = status.capacity_retry.as_secs().max(1);
 
-    let mut limit = ListSerializer::new();
+    let mut limit = String::with_capacity(FIELD_CAPACITY);
     let rate_reset = reset_if_refused(RefusalCode::SubmissionRateLimited)
-        .unwrap_or_else(|| sf_integer(status.rate.next_token_secs()));
-    let _ = limit
-        .bare_item(RATE)
-        .parameter(REMAINING, sf_integer(status.rate.remaining))
-        .parameter(RESET, rate_reset);
+        .unwrap_or_else(|| status.rate.next_token_secs());
+    limit.push_str(RATE);
+    parameter(&mut limit, "r", status.rate.remaining);
+    parameter(&mut limit, "t", rate_reset);
     let pending_refusal = reset_if_refused(RefusalCode::ClientPendingLimit).or_else(|| {
         // The per-client pending-grant cap is part of the pending policy's limit.
         reset_if_refused(RefusalCode::PendingGrantLimit).filter(|_| status.pending.remaining() == 0)
@@ -79,19 +93,26 @@ pub fn fields(status: &QuotaStatus, refusal: Option<&Refusal>) -> (String, Strin
         (PENDING, status.pending, pending_refusal),
     ] {
         let remaining = capacity.remaining();
-        let item = limit
-            .bare_item(name)
-            .parameter(REMAINING, sf_integer(remaining));
+        limit.push_str(", ");
+        limit.push_str(name);
+        parameter(&mut limit, "r", remaining);
         if let Some(secs) = refused_here {
-            let _ = item.parameter(RESET, secs);
+            parameter(&mut limit, "t", secs);
         } else if remaining == 0 {
-            let _ = item.parameter(RESET, capacity_retry);
+            parameter(&mut limit, "t", capacity_retry);
         }
     }
-    (
-        policy.finish().expect("three policies were written"),
-        limit.finish().expect("three limits were written"),
-    )
+    (policy, limit)
+}
+
+/// Appends the parameter `;key=n` to `field`, `n` as a structured-field Integer (saturated at the
+/// largest one).
+fn parameter(field: &mut String, key: &str, n: u64) {
+    field.push(';');
+    field.push_str(key);
+    field.push('=');
+    // Writing to a `String` cannot fail.
+    let _ = write!(field, "{}", n.min(SF_INTEGER_MAX));
 }
 
 /// `response` with the quota fields of `identity` added (unchanged for an identity that has no
@@ -126,11 +147,11 @@ pub(crate) fn insert_fields(
     refusal: Option<&Refusal>,
 ) {
     let (policy, limit) = fields(status, refusal);
-    for (name, value) in [(POLICY_FIELD, policy), (LIMIT_FIELD, limit)] {
+    for (name, value) in [(&POLICY_NAME, policy), (&LIMIT_NAME, limit)] {
         // A serialized structured field is visible ASCII, always a valid header value; taken
         // from the `String` it was written into, without a copy.
         if let Ok(value) = HeaderValue::try_from(value) {
-            headers.insert(HeaderName::from_static(name), value);
+            headers.insert(name.clone(), value);
         }
     }
 }
@@ -143,11 +164,6 @@ pub(crate) fn answer(
     refusal: Option<&Refusal>,
 ) -> Response {
     with_quota(response, core.controller(), identity, refusal)
-}
-
-/// `n` as a structured-field integer, saturated at the largest one (15 decimal digits).
-fn sf_integer(n: u64) -> sfv::Integer {
-    sfv::Integer::try_from(n).unwrap_or(sfv::Integer::MAX)
 }
 
 #[cfg(test)]
@@ -204,5 +220,27 @@ mod tests {
         };
         let (_, limit) = fields(&status(0, 6_000_000_001, 1, 0), Some(&refusal));
         assert_eq!(limit, r#""rate";r=0;t=7, "active";r=24, "pending";r=10"#);
+    }
+
+    #[test]
+    fn the_largest_values_saturate_and_still_parse_as_structured_field_lists() {
+        let mut largest = status(u64::MAX, u64::MAX, 0, 0);
+        largest.rate.quota = u32::MAX;
+        largest.rate.window_seconds = u32::MAX;
+        largest.active.limit = u64::MAX;
+        largest.pending.limit = u64::MAX;
+        let (policy, limit) = fields(&largest, None);
+        assert!(policy.len() <= FIELD_CAPACITY && limit.len() <= FIELD_CAPACITY);
+        assert_eq!(
+            limit,
+            format!(
+                r#""rate";r=999999999999999;t={}, "active";r=999999999999999, "pending";r=999999999999999"#,
+                largest.rate.next_token_secs()
+            )
+        );
+        for field in [policy, limit] {
+            let parsed: sfv::List = sfv::Parser::new(&field).parse().expect("a list");
+            assert_eq!(parsed.len(), 3, "{field}");
+        }
     }
 }
