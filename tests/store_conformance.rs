@@ -1115,7 +1115,7 @@ async fn the_history_is_every_operation_with_its_state_and_times_oldest_first(ki
 #[derive(Debug)]
 enum Answer {
     Inserted(Result<(), InsertError>),
-    Moved(Result<Option<OperationRecord>, StoreError>),
+    Moved(Box<Result<Option<OperationRecord>, StoreError>>),
 }
 
 /// Queues `writes` behind the store's write lock (held from another connection), lets it go,
@@ -1130,7 +1130,7 @@ async fn behind_the_lock(house: &House, writes: Vec<Option<OperationRecord>>) ->
             tokio::spawn(async move {
                 match write {
                     Some(record) => Answer::Inserted(db.insert(record).await),
-                    None => Answer::Moved(
+                    None => Answer::Moved(Box::new(
                         db.set_state(
                             "op_moving",
                             OperationState::Approved,
@@ -1138,7 +1138,7 @@ async fn behind_the_lock(house: &House, writes: Vec<Option<OperationRecord>>) ->
                             StateChange::default(),
                         )
                         .await,
-                    ),
+                    )),
                 }
             })
         })
@@ -1174,12 +1174,13 @@ async fn writes_queued_together_commit_together_each_answering_for_itself(kind: 
     for (n, answer) in answers.iter().enumerate() {
         match (n, answer) {
             (7, Answer::Inserted(Err(InsertError::Duplicate))) => {}
-            (13, Answer::Moved(Ok(Some(moved)))) => {
-                assert_eq!(
+            (13, Answer::Moved(moved)) => match moved.as_ref() {
+                Ok(Some(moved)) => assert_eq!(
                     (moved.state, moved.revision),
                     (OperationState::Executing, 2)
-                );
-            }
+                ),
+                other => panic!("the state change answered {other:?}"),
+            },
             (n, Answer::Inserted(Ok(()))) if n != 7 && n != 13 => {}
             (n, other) => panic!("write {n} answered {other:?}"),
         }
