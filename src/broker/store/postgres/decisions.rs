@@ -8,9 +8,10 @@ use super::super::decisions::{DecisionCommand, DecisionOutcome};
 use super::super::durable::{Judge, Render};
 use super::super::error::StoreError;
 use super::super::records::{DecisionMark, OperationError, StateChange, now_rfc3339};
+use super::error::Failed;
 use super::handle::PostgresStore;
 use super::operations::change_state;
-use super::rows::{Failed, RECORD_COLUMNS, column, record_of};
+use super::rows::{RECORD_COLUMNS, column, record_of};
 
 impl PostgresStore {
     /// Judges and commits `command` in one transaction (see the module docs); a judge's refusal

@@ -78,3 +78,23 @@ pub(super) fn is_duplicate_key(err: &tokio_postgres::Error) -> bool {
 pub(super) fn corrupt(what: impl Into<String>) -> StoreError {
     StoreError::CorruptRow(what.into().into())
 }
+
+/// Why a transaction's work stopped: a statement failed, or a row did not read back.
+pub(super) enum Failed {
+    /// A statement failed.
+    Statement(tokio_postgres::Error),
+    /// A row did not read back, or no connection came.
+    Store(StoreError),
+}
+
+impl From<tokio_postgres::Error> for Failed {
+    fn from(err: tokio_postgres::Error) -> Failed {
+        Failed::Statement(err)
+    }
+}
+
+impl From<StoreError> for Failed {
+    fn from(err: StoreError) -> Failed {
+        Failed::Store(err)
+    }
+}

@@ -30,8 +30,7 @@ use tokio_postgres::Row;
 use tokio_postgres::types::ToSql;
 
 use super::super::error::StoreError;
-use super::error::sort_pool;
-use super::rows::Failed;
+use super::error::{Failed, sort_pool};
 
 /// The most committers (connections writing batches) at once: while one batch is on its way to
 /// disk the next can be executing, and a write waiting for a row lock another session holds

@@ -17,11 +17,11 @@ use super::super::records::{
     OperationError, OperationRecord, OperationSummary, PageQuery, Presentation, Recovered,
     StateChange, StoredRequest, now_rfc3339,
 };
-use super::error::{corrupt, is_duplicate_key};
+use super::error::{Failed, corrupt, is_duplicate_key};
 use super::group::Write;
 use super::handle::PostgresStore;
 use super::rows::{
-    Failed, RECORD_COLUMNS, REQUEST_COLUMNS, SUMMARY_COLUMNS, column, record_of, record_presented,
+    RECORD_COLUMNS, REQUEST_COLUMNS, SUMMARY_COLUMNS, column, record_of, record_presented,
     stored_request_of, summary_of,
 };
 use super::schema::CHANGES_CHANNEL;

@@ -1,6 +1,7 @@
 //! The projections of rows into the store's records, in one place: the columns each record
 //! reads (`RECORD_COLUMNS`, ...) beside the function that reads them, every value that does
-//! not convert reported as a corrupt row. Also `Failed`, what stops a transaction's work.
+//! not convert reported as a corrupt row, and how a transaction's stop (`error::Failed`) reads as
+//! the store's error.
 
 use serde_json::Value;
 use tokio_postgres::Row;
@@ -11,7 +12,7 @@ use super::super::error::StoreError;
 use super::super::records::{
     Decided, OperationError, OperationRecord, OperationSummary, Presentation, StoredRequest,
 };
-use super::error::corrupt;
+use super::error::{Failed, corrupt};
 use super::handle::PostgresStore;
 
 /// The columns of an [`OperationRecord`].
@@ -142,26 +143,6 @@ pub(super) fn stored_request_of(row: &Row) -> Result<StoredRequest, StoreError> 
         revision: column::<i64>(row, "revision")?.max(1) as u64,
         terminal: column(row, "terminal")?,
     })
-}
-
-/// Why a transaction's work stopped: a statement failed, or a row did not read back.
-pub(super) enum Failed {
-    /// A statement failed.
-    Statement(tokio_postgres::Error),
-    /// A row did not read back, or no connection came.
-    Store(StoreError),
-}
-
-impl From<tokio_postgres::Error> for Failed {
-    fn from(err: tokio_postgres::Error) -> Failed {
-        Failed::Statement(err)
-    }
-}
-
-impl From<StoreError> for Failed {
-    fn from(err: StoreError) -> Failed {
-        Failed::Store(err)
-    }
 }
 
 impl PostgresStore {

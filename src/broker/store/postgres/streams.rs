@@ -27,7 +27,7 @@ fn stream_of(row: &Row) -> Result<StreamRecord, StoreError> {
 pub(super) async fn all_streams(
     tx: &deadpool_postgres::Transaction<'_>,
     me: Option<&str>,
-) -> Result<Vec<StreamRecord>, super::rows::Failed> {
+) -> Result<Vec<StreamRecord>, super::error::Failed> {
     let rows = match me {
         None => {
             tx.query("SELECT id, client_id, size FROM streams ORDER BY seq", &[])
