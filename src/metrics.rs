@@ -75,6 +75,34 @@ impl std::fmt::Debug for ControllerCollector {
     }
 }
 
+/// Each client's decisions as counter samples labelled `client`, `result` and `code`: its
+/// admissions (result `admitted_as`, code `none`) and its refusals by code (`rejected`).
+fn decisions_by_client<'a>(
+    s: &'a crate::engine::Snapshot,
+    admitted_as: &'static str,
+) -> impl Iterator<Item = ([(&'static str, &'a str); 3], u64)> + 'a {
+    s.clients.iter().flat_map(move |c| {
+        std::iter::once((
+            [
+                ("client", c.identity.as_str()),
+                ("result", admitted_as),
+                ("code", "none"),
+            ],
+            c.admitted,
+        ))
+        .chain(RefusalCode::ALL[1..].iter().map(|&code| {
+            (
+                [
+                    ("client", c.identity.as_str()),
+                    ("result", "rejected"),
+                    ("code", code.as_str()),
+                ],
+                c.rejected[code as usize],
+            )
+        }))
+    })
+}
+
 fn family<L: prometheus_client::encoding::EncodeLabelSet>(
     encoder: &mut DescriptorEncoder<'_>,
     name: &str,
@@ -150,26 +178,7 @@ impl Collector for ControllerCollector {
             MetricType::Gauge,
             per_client,
         )?;
-        let client_requests = s.clients.iter().flat_map(|c| {
-            std::iter::once((
-                [
-                    ("client", c.identity.as_str()),
-                    ("result", "accepted"),
-                    ("code", "none"),
-                ],
-                c.admitted,
-            ))
-            .chain(RefusalCode::ALL[1..].iter().map(|&code| {
-                (
-                    [
-                        ("client", c.identity.as_str()),
-                        ("result", "rejected"),
-                        ("code", code.as_str()),
-                    ],
-                    c.rejected[code as usize],
-                )
-            }))
-        });
+        let client_requests = decisions_by_client(&s, "accepted");
         family(
             &mut encoder,
             "admission_client_requests",
@@ -320,26 +329,7 @@ impl std::fmt::Debug for ShadowCollector {
 impl Collector for ShadowCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let s = self.controller.snapshot();
-        let decisions = s.clients.iter().flat_map(|c| {
-            std::iter::once((
-                [
-                    ("client", c.identity.as_str()),
-                    ("result", "admitted"),
-                    ("code", "none"),
-                ],
-                c.admitted,
-            ))
-            .chain(RefusalCode::ALL[1..].iter().map(|&code| {
-                (
-                    [
-                        ("client", c.identity.as_str()),
-                        ("result", "rejected"),
-                        ("code", code.as_str()),
-                    ],
-                    c.rejected[code as usize],
-                )
-            }))
-        });
+        let decisions = decisions_by_client(&s, "admitted");
         family(
             &mut encoder,
             "admission_shadow_decisions",
