@@ -420,3 +420,212 @@ async fn a_drift_between_redis_and_the_store_that_persists_heals_from_the_store(
     assert!(report.is_clean(), "{report:?}");
     h1.broker.shutdown().await;
 }
+
+/// A replica of a fleet that names no `replicas` list: the store's membership is its fleet.
+async fn unlisted_replica(
+    redis: &str,
+    url: &str,
+    dir: &std::path::Path,
+    name: &str,
+    lease: Duration,
+) -> Harness {
+    let mut options = RedisOptions::new(redis.to_owned(), name);
+    options.call_timeout = Duration::from_millis(500);
+    options.lease_ttl = lease;
+    options.heartbeat = lease / 3;
+    let mut settings = settings(dir, FLEET, StorageCaps::default());
+    settings.store = Some(StoreLocation::parse(url).unwrap());
+    start_shared(settings, options).await
+}
+
+/// What Redis records for operation `id` (`"<state> <replica> <client>"`), if anything.
+async fn record_of(conn: &mut redis::aio::MultiplexedConnection, id: &str) -> Option<String> {
+    redis::cmd("HGET")
+        .arg("{admission}:ops")
+        .arg(id)
+        .query_async(conn)
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_redis_forgets_one_replica_counts_the_work_of_a_replica_that_died_from_the_store() {
+    let Some(redis) = support::redis::RedisServer::start() else {
+        eprintln!("SKIPPED: redis-server cannot be started here");
+        return;
+    };
+    let Some(server) = PostgresServer::shared() else {
+        return;
+    };
+    let url = server.database("fleet_rebuild");
+    let lease = Duration::from_secs(10);
+    let (d1, d2) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let g1 = unlisted_replica(&redis.url(), &url, d1.path(), "g1", lease).await;
+    // g2 runs in a runtime of its own, so that it can die as a crash leaves it: its tasks gone
+    // at once, nothing given up (its store membership and its work stay as they were).
+    let (made, pending) = std::sync::mpsc::channel();
+    let (kill, killed) = std::sync::mpsc::channel::<()>();
+    let (redis_url, store_url, dir) = (redis.url(), url.clone(), d2.path().to_owned());
+    let g2 = std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let g2 = runtime.block_on(async {
+            let g2 = unlisted_replica(&redis_url, &store_url, &dir, "g2", lease).await;
+            let reply = g2
+                .submit(AGENT_SECRET, &request("g2-pending", "demo.request", 0))
+                .await;
+            assert_eq!(reply.status, 202, "{:?}", reply.body);
+            let other = g2
+                .submit(AGENT_SECRET, &request("g2-denied", "demo.request", 0))
+                .await;
+            assert_eq!(other.status, 202, "{:?}", other.body);
+            made.send((reply.id(), other.id())).unwrap();
+            g2
+        });
+        killed.recv().unwrap();
+        // Nothing of g2 runs any more; its handles are never dropped (no goodbye either).
+        std::mem::forget(g2);
+        runtime.shutdown_background();
+    });
+    let (pending, denied) = tokio::task::spawn_blocking(move || pending.recv().unwrap())
+        .await
+        .unwrap();
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    assert_eq!(
+        record_of(&mut conn, &pending).await.as_deref(),
+        Some("p g2 agent")
+    );
+    kill.send(()).unwrap();
+    g2.join().unwrap();
+    // Redis forgets, a moment after g2 died: nobody will register g2's work again.
+    let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await.unwrap();
+    // g1 finds out at its next call and registers again; from the store it counts g2's work
+    // under g2's name, long before g2's membership lapses and g1 takes the work over.
+    let refused = g1
+        .submit(AGENT_SECRET, &request("during", "demo.request", 0))
+        .await;
+    assert_eq!(refused.status, 503, "{:?}", refused.body);
+    assert_eventually_within(
+        Duration::from_secs(5),
+        "g2's pending request is counted again, as g2's",
+        async || record_of(&mut conn, &pending).await.as_deref() == Some("p g2 agent"),
+    )
+    .await;
+    assert_eq!(
+        record_of(&mut conn, &denied).await.as_deref(),
+        Some("p g2 agent")
+    );
+    let counts = g1.broker.admission().counts().await.unwrap();
+    assert_eq!(counts.clients.get("agent"), Some(&(2, 2, 0)), "{counts:?}");
+    // An operator denies one of them on g1 while g2 is gone: written to the store; its owner,
+    // dead, never follows it in the counts.
+    let reply = g1.operator.deny(&denied).await;
+    assert_eq!(reply.status, 200, "{:?}", reply.body);
+    // g2's membership lapses and g1 takes the live one over (moved in Redis, not counted
+    // twice); g2's rebuilt lease lapses and what it held besides (the denied one) is released.
+    assert_eventually_within(
+        Duration::from_secs(30),
+        "g1 takes g2's request over, and g2's lapsed lease frees the denied one",
+        async || {
+            record_of(&mut conn, &pending).await.as_deref() == Some("p g1 agent")
+                && record_of(&mut conn, &denied).await.is_none()
+                && g1
+                    .broker
+                    .admission()
+                    .counts()
+                    .await
+                    .is_ok_and(|counts| counts.clients.get("agent") == Some(&(1, 1, 0)))
+        },
+    )
+    .await;
+    // The recovery window closed with the lease at the latest, and the request ends once.
+    let reply = g1.operator.deny(&pending).await;
+    assert_eq!(reply.status, 200, "{:?}", reply.body);
+    assert_eventually_within(
+        Duration::from_secs(15),
+        "the counts are back to zero",
+        async || {
+            g1.broker
+                .admission()
+                .counts()
+                .await
+                .is_ok_and(|c| c.is_idle())
+        },
+    )
+    .await;
+    assert_eventually_within(
+        Duration::from_secs(15),
+        "admitted again once the window closed",
+        async || {
+            g1.submit(AGENT_SECRET, &request("after", "demo.request", 0))
+                .await
+                .status
+                == 202
+        },
+    )
+    .await;
+    let drift = g1.broker.check_drift().await.unwrap();
+    assert_eq!(drift.total(), 0, "{drift:?}");
+    g1.broker.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_redis_forgets_the_store_names_the_fleet_so_admissions_resume_once_all_registered() {
+    let Some(redis) = support::redis::RedisServer::start() else {
+        eprintln!("SKIPPED: redis-server cannot be started here");
+        return;
+    };
+    let Some(server) = PostgresServer::shared() else {
+        return;
+    };
+    let url = server.database("fleet_window");
+    // A lease far longer than the test waits: a window that lasted it would fail the test.
+    let lease = Duration::from_secs(120);
+    let (d1, d2) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let w1 = unlisted_replica(&redis.url(), &url, d1.path(), "w1", lease).await;
+    let w2 = unlisted_replica(&redis.url(), &url, d2.path(), "w2", lease).await;
+    let first = w2
+        .submit(AGENT_SECRET, &request("w2-pending", "demo.request", 0))
+        .await;
+    assert_eq!(first.status, 202, "{:?}", first.body);
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await.unwrap();
+    // Each finds out at its next call and registers again. Neither lists the fleet, yet the
+    // store's membership names both, so the window closes once both are back.
+    let during = w1
+        .submit(AGENT_SECRET, &request("during", "demo.request", 0))
+        .await;
+    assert_eq!(during.status, 503, "{:?}", during.body);
+    let _ = w2
+        .submit(AGENT_SECRET, &request("during-2", "demo.request", 0))
+        .await;
+    assert_eventually_within(
+        Duration::from_secs(20),
+        "admitted again, long before the lease",
+        async || {
+            w1.submit(AGENT_SECRET, &request("after", "demo.request", 0))
+                .await
+                .status
+                == 202
+        },
+    )
+    .await;
+    let counts = w1.broker.admission().counts().await.unwrap();
+    // w2's request (counted once, whoever counted it first) and w1's new one.
+    assert_eq!(
+        counts.clients.get("agent").map(|c| c.1),
+        Some(2),
+        "{counts:?}"
+    );
+    for harness in [&w1, &w2] {
+        let drift = harness.broker.check_drift().await.unwrap();
+        assert_eq!(drift.total(), 0, "{drift:?}");
+    }
+    w1.broker.shutdown().await;
+    w2.broker.shutdown().await;
+}

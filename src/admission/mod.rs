@@ -57,7 +57,7 @@ pub use outcome::{
     AdmitError, BackendStats, DeploymentCounts, NotStarted, Refused, RestoredOperation, SetupError,
     Unavailable, UnavailableReason,
 };
-pub use recovery::{KeyRecord, RecoverySource, SourceFuture};
+pub use recovery::{FleetReading, KeyRecord, RecoverySource, SourceFuture};
 pub use shadow::{
     Replay, ReplayedRefusal, Shadow, ShadowClient, ShadowPeaks, ShadowReport, ShadowVerdict,
     StoredOperation,

@@ -44,7 +44,9 @@ pub struct ReplicaOptions {
     /// again and every replica listed (and every one Redis listed before) has too: then
     /// admissions resume at once. Without it no replica can know the whole deployment (one
     /// started a moment before Redis forgot may be unknown to all the others), so the wait is
-    /// always the whole lease period: the list only shortens it.
+    /// always the whole lease period: the list only shortens it. A recovery source over a store
+    /// the whole fleet shares ([`crate::admission::RecoverySource::fleet`]) names the fleet as this list
+    /// does.
     pub replicas: Vec<String>,
     /// Consecutive failed calls that open the circuit (default 3).
     pub circuit_threshold: u32,

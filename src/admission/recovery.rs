@@ -5,7 +5,9 @@
 
 use std::time::Duration;
 
+use super::outcome::RestoredOperation;
 use crate::config::Identity;
+use crate::engine::OperationState;
 
 /// One idempotency record: the client's key bound to its operation.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -31,6 +33,46 @@ pub trait RecoverySource: Send + Sync + 'static {
     /// longer than it was at start-up: read it from here, never a window kept from before.
     /// Admissions older than `within` may be included; they are ignored.
     fn recent_admissions(&self, within: Duration) -> SourceFuture<'_, Vec<(Identity, Duration)>>;
+
+    /// For a store the whole fleet shares (every replica's operations in one database): what it
+    /// knows of every replica, so that one replica rebuilds, after Redis forgot, the work of the
+    /// replicas that have not registered again (a replica that died a moment before, say),
+    /// instead of leaving it uncounted until its work is taken over. `within` is as for
+    /// [`recent_admissions`](RecoverySource::recent_admissions). `None` (the default) for a store
+    /// that holds only this replica's operations: then each replica registers its own work, and
+    /// only the [`ReplicaOptions::replicas`](crate::ReplicaOptions::replicas) list tells who the
+    /// fleet is. A source that answers `Some` must answer
+    /// [`states`](RecoverySource::states) too.
+    fn fleet(&self, within: Duration) -> SourceFuture<'_, Option<FleetReading>> {
+        let _ = within;
+        Box::pin(async { Ok(None) })
+    }
+
+    /// The stored state of each of `ids` now, read after a rebuild from [`fleet`]'s reading was
+    /// counted, so that what moved in between (a decision taken on another replica, say) is
+    /// moved in the counts too. An id missing from the answer has no row any more. The default
+    /// (for a source without [`fleet`]) cannot tell, and says so.
+    ///
+    /// [`fleet`]: RecoverySource::fleet
+    fn states(&self, ids: Vec<String>) -> SourceFuture<'_, Vec<(String, OperationState)>> {
+        let _ = ids;
+        Box::pin(async { Err("this recovery source reads no fleet".to_owned()) })
+    }
+}
+
+/// What a store the whole fleet shares knows of it ([`RecoverySource::fleet`]).
+#[derive(Clone, Debug, Default)]
+pub struct FleetReading {
+    /// The replicas serving the store now (their membership live), this one included: the whole
+    /// fleet. A replica not named here holds no permit that could still be committed, so the
+    /// recovery window after Redis forgot waits for these only.
+    pub members: Vec<String>,
+    /// Every live operation in the store (pending, approved or executing), with the replica
+    /// that owns it.
+    pub live: Vec<(String, RestoredOperation)>,
+    /// The admissions within the window asked for, each with the replica that made it (owns
+    /// it), its client and its age.
+    pub admissions: Vec<(String, Identity, Duration)>,
 }
 
 /// What a [`RecoverySource`] answers: its reading, or why it could not be read.

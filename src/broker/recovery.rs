@@ -2,15 +2,19 @@
 //! deployment, what this replica's store holds goes back to Redis with its holdings — the
 //! idempotency key of every operation it keeps (live and retained), and its clients' admissions
 //! within the longest rate window in force (read from the creation times, as a restart rebuilds
-//! the in-process buckets: no extra write per admission).
+//! the in-process buckets: no extra write per admission). A store the fleet shares
+//! (PostgreSQL) also answers for every replica ([`RecoverySource::fleet`]): its members, every
+//! owned live operation and every owned recent admission, so one replica rebuilds the work of
+//! those that have not registered again.
 
 use std::time::{Duration, SystemTime};
 
 use std::sync::Arc;
 
 use super::store::DurableStore;
-use crate::admission::{KeyRecord, RecoverySource, SourceFuture};
+use crate::admission::{FleetReading, KeyRecord, RecoverySource, RestoredOperation, SourceFuture};
 use crate::config::Identity;
+use crate::engine::OperationState;
 
 /// The store, read for a recovery.
 pub(crate) struct StoreSource {
@@ -58,5 +62,49 @@ impl RecoverySource for StoreSource {
                 })
                 .collect())
         })
+    }
+
+    fn fleet(&self, within: Duration) -> SourceFuture<'_, Option<FleetReading>> {
+        Box::pin(async move {
+            let now = SystemTime::now();
+            let since = now.checked_sub(within).unwrap_or(SystemTime::UNIX_EPOCH);
+            let Some(rows) = self.db.fleet_rows(since).await.map_err(|e| e.to_string())? else {
+                return Ok(None);
+            };
+            // A client id or state that would not be a valid identity is not admission's to
+            // count (it never admitted one); skipped, as the single-replica reading skips them.
+            let live = rows
+                .live
+                .into_iter()
+                .filter_map(|(owner, id, client, state)| {
+                    let identity = Identity::new(&client).ok()?;
+                    Some((
+                        owner,
+                        RestoredOperation {
+                            id,
+                            identity,
+                            state,
+                        },
+                    ))
+                })
+                .collect();
+            let admissions = rows
+                .created
+                .into_iter()
+                .filter_map(|(owner, client, at)| {
+                    let age = now.duration_since(at).unwrap_or(Duration::ZERO);
+                    Some((owner, Identity::new(&client).ok()?, age))
+                })
+                .collect();
+            Ok(Some(FleetReading {
+                members: rows.members,
+                live,
+                admissions,
+            }))
+        })
+    }
+
+    fn states(&self, ids: Vec<String>) -> SourceFuture<'_, Vec<(String, OperationState)>> {
+        Box::pin(async move { self.db.states_of(&ids).await.map_err(|e| e.to_string()) })
     }
 }

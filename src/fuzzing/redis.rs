@@ -6,7 +6,8 @@ use ::redis::Value;
 use crate::engine::RefusalCode;
 use crate::redis::reply::{
     AdmitReply, Asked, ClientReading, Decided, LeaseReply, Reading, TransitionReply, parse_admit,
-    parse_batch, parse_client_reading, parse_lease, parse_pair, parse_reaped, parse_transition,
+    parse_batch, parse_client_reading, parse_lease, parse_pair, parse_reaped, parse_rebuilt,
+    parse_transition,
 };
 
 /// Deepest nesting a decoded reply has (the batch script returns one flat array).
@@ -301,6 +302,20 @@ pub fn redis_reply(data: &[u8]) {
         Err(err) => assert_error_message(&err),
     }
 
+    // The rebuild's reply is the reap's, or `moved`.
+    match parse_rebuilt(&value) {
+        Ok(None) => assert!(
+            matches!(&value, Value::BulkString(b) if b == b"moved")
+                || matches!(&value, Value::SimpleString(s) if s == "moved"),
+            "only `moved` is nothing done: {value:?}"
+        ),
+        Ok(Some(counted)) => assert_eq!(parse_reaped(&value), Ok(counted)),
+        Err(err) => {
+            assert_error_message(&err);
+            assert!(parse_reaped(&value).is_err(), "{value:?}");
+        }
+    }
+
     match parse_client_reading(&value) {
         Ok(reading) => {
             assert_eq!(
@@ -419,6 +434,7 @@ pub fn redis_reply_accepted(data: &[u8]) -> bool {
         || parse_lease(&value).is_ok()
         || parse_pair(&value).is_ok()
         || parse_reaped(&value).is_ok()
+        || parse_rebuilt(&value).is_ok()
         || parse_client_reading(&value).is_ok()
 }
 

@@ -60,7 +60,12 @@
 //!   opens a recovery window (`{prefix}:recovery`, one lease long) in which no replica admits or
 //!   starts work. It closes early only once a replica that knows the whole deployment (its
 //!   [`ReplicaOptions::replicas`] list) has registered and every replica named has registered
-//!   again; otherwise it lasts its whole lease period (`scripts/replace.lua`).
+//!   again; otherwise it lasts its whole lease period (`scripts/replace.lua`). A store the whole
+//!   fleet shares ([`RecoverySource::fleet`]) names the fleet (its live members) as such a list
+//!   does, and what each replica owns: the first replica to register again counts the work and
+//!   rate debts of every replica not yet registered in the new epoch under that one's name
+//!   (`rebuild`, `scripts/rebuild.lua`), so a replica that died just before is counted at once;
+//!   a live one replaces it with its own registration.
 //!
 //! - **Refusals from memory.** A refusal Redis gave is remembered (`memory`) and answers the
 //!   client's next submissions here, without a call, until it can have changed: its next token,
@@ -90,6 +95,8 @@
 //!   `registration`: taking it with what this replica holds, at start-up and after a loss;
 //!   `recovery`: what Redis gets back from the embedder's store when it forgot (the key records,
 //!   and how they are kept true; the clients' rate debts);
+//!   `rebuild`: the other replicas' work, counted from a store the whole fleet shares once this
+//!   replica has registered after Redis forgot;
 //! - `memory` and `notices`: refusals answered from memory, and the notices that end them;
 //! - `readings`: the shared counts, this replica's holdings and its statistics, read without
 //!   deciding; `units`: Redis's units.
@@ -109,6 +116,7 @@ pub(crate) mod memory;
 mod notices;
 mod quota;
 mod readings;
+mod rebuild;
 mod recovery;
 mod registration;
 mod releases;
@@ -123,7 +131,7 @@ pub use crate::admission::outcome::{
     AdmitError, BackendStats, DeploymentCounts, NotStarted, Refused, RestoredOperation, SetupError,
     Unavailable, UnavailableReason,
 };
-pub use crate::admission::recovery::{KeyRecord, RecoverySource, SourceFuture};
+pub use crate::admission::recovery::{FleetReading, KeyRecord, RecoverySource, SourceFuture};
 pub(crate) use handles::{RedisOperation, RedisPermit};
 pub(crate) use replica::RedisController;
 #[doc(hidden)]

@@ -259,6 +259,7 @@ impl Inner {
         let source = self.source.get().cloned();
         for _ in 0..REGISTRATION_TRIES {
             let mut debts = Vec::new();
+            let mut fleet = None;
             // '-': nothing to restore; '': Redis held this replica's part when checked.
             let mut keyed = String::from("-");
             if let Some(source) = &source {
@@ -309,9 +310,23 @@ impl Inner {
                         .map(|(_, client, u)| (client.clone(), u.at.elapsed())),
                 );
                 debts = rate_debts(&config, &admissions);
+                // A store the fleet shares names the whole fleet, and what each replica owns.
+                fleet = source.fleet(within).await.map_err(|e| {
+                    self.unavailable(UnavailableReason::Reply(format!(
+                        "the store's reading of the fleet could not be read: {e}"
+                    )))
+                })?;
             }
-            let _alone = self.registration.write().await;
-            if self.replace_locked(&debts, &keyed).await? {
+            let members = fleet.as_ref().map(|f| f.members.as_slice());
+            let registered = {
+                let _alone = self.registration.write().await;
+                self.replace_locked(&debts, &keyed, members).await?
+            };
+            if registered {
+                if let (Some(source), Some(fleet)) = (&source, fleet) {
+                    let config = self.config.load_full();
+                    self.rebuild_others(&**source, fleet, &config).await;
+                }
                 return Ok(());
             }
         }
@@ -339,15 +354,24 @@ impl Inner {
     }
 
     /// The replace script with what `held` says now and `debts` (applied only if Redis lacks this
-    /// replica's admissions for its epoch). The caller holds `registration` alone.
-    async fn replace_locked(&self, debts: &[RateDebt], keyed: &str) -> Result<bool, Unavailable> {
+    /// replica's admissions for its epoch). `members`: the whole fleet, when a store the fleet
+    /// shares says who it is. The caller holds `registration` alone.
+    async fn replace_locked(
+        &self,
+        debts: &[RateDebt],
+        keyed: &str,
+        members: Option<&[String]>,
+    ) -> Result<bool, Unavailable> {
         let sent = Instant::now();
         let replica = &self.options.replica;
         let fresh = random_hex();
-        let known: Vec<String> = crate::sync::lock(&self.known_replicas)
-            .iter()
-            .cloned()
-            .collect();
+        let known: Vec<String> = match members {
+            Some(members) => members.to_vec(),
+            None => crate::sync::lock(&self.known_replicas)
+                .iter()
+                .cloned()
+                .collect(),
+        };
         let mut invocation = self.scripts.replace.prepare_invoke();
         invocation
             .key(&self.keys.counts)
@@ -366,9 +390,11 @@ impl Inner {
             .arg(self.epoch().unwrap_or_default())
             .arg(&fresh)
             .arg(keyed)
-            // Whether `known` is the whole deployment: only a given list says so. Heard of is
-            // not known: a replica started just before Redis forgot may be unknown to all.
-            .arg(if self.options.replicas.is_empty() {
+            // Whether `known` is the whole deployment: only a given list, or the store the
+            // fleet shares, says so. Heard of is not known: a replica started just before Redis
+            // forgot may be unknown to all. (A replica joins the store's membership before it
+            // registers here, so one the store does not name holds nothing yet.)
+            .arg(if self.options.replicas.is_empty() && members.is_none() {
                 "0"
             } else {
                 "1"

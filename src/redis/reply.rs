@@ -440,6 +440,17 @@ pub fn parse_reaped(value: &Value) -> Result<Vec<(String, u64)>, ReplyError> {
         .collect()
 }
 
+/// Parses the rebuild script's reply: each replica whose work it counted and how many
+/// operations, or `None` for `moved` (nothing done: Redis holds another epoch).
+pub fn parse_rebuilt(value: &Value) -> Result<Option<Vec<(String, u64)>>, ReplyError> {
+    if text(value) == Some("moved") {
+        return Ok(None);
+    }
+    parse_reaped(value)
+        .map(Some)
+        .map_err(|_| bad("rebuild", value))
+}
+
 /// A client's rate bucket as its field of the buckets hash holds it: `"<TAT> <interval> <span>"`
 /// (µs), or a bare TAT from an older build, whose rate is unknown.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -26,6 +26,18 @@ use super::streams::StreamRecord;
 /// commit: those that reach it together share one commit flush).
 pub const DEFAULT_COMMIT_BATCH: usize = 64;
 
+/// What a store the fleet shares knows of every replica ([`DurableStore::fleet_rows`]).
+#[derive(Clone, Debug, Default)]
+pub struct FleetRows {
+    /// The replicas whose membership is live now.
+    pub members: Vec<String>,
+    /// Every live operation that a replica owns: (owner, id, client, state).
+    pub live: Vec<(String, String, String, OperationState)>,
+    /// Every operation created at or after the time asked for that a replica owns: (owner,
+    /// client, creation time).
+    pub created: Vec<(String, String, SystemTime)>,
+}
+
 /// How the presentation of an older row is derived from its request (operation, target,
 /// arguments, reason), for [`DurableStore::fill_derived`].
 pub type Derive = fn(&str, &Value, &Value, &str) -> Presentation;
@@ -83,6 +95,22 @@ pub trait DurableStore: Send + Sync + 'static {
 
     /// The replicas whose membership is live now (none for a store one process owns).
     async fn live_members(&self) -> Result<Vec<String>, StoreError> {
+        Ok(Vec::new())
+    }
+
+    /// In a fleet: what the store knows of every replica, read by a replica that rebuilds the
+    /// others' work in Redis after it forgot (see [`FleetRows`]); `None` (the default) for a
+    /// store one process owns, which knows only its own work.
+    async fn fleet_rows(&self, since: SystemTime) -> Result<Option<FleetRows>, StoreError> {
+        let _ = since;
+        Ok(None)
+    }
+
+    /// The state each of `ids` has now; an id without a row is left out. Read after a rebuild
+    /// from [`fleet_rows`](DurableStore::fleet_rows), so only a store that answers that one
+    /// needs it (the default answers nothing).
+    async fn states_of(&self, ids: &[String]) -> Result<Vec<(String, OperationState)>, StoreError> {
+        let _ = ids;
         Ok(Vec::new())
     }
 

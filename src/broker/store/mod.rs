@@ -43,7 +43,7 @@ pub use bell::EventBell;
 pub use decisions::{DecidedMove, DecisionCommand, DecisionOutcome, DecisionScope};
 pub use digest::request_digest;
 pub use dir_lock::LOCK_FILE;
-pub use durable::{DEFAULT_COMMIT_BATCH, Derive, DurableStore, Judge, Render};
+pub use durable::{DEFAULT_COMMIT_BATCH, Derive, DurableStore, FleetRows, Judge, Render};
 pub use error::{InsertError, StoreError};
 pub use events::{EventKind, EventPage, RequestStatus, StoredEvent, request_status};
 pub use maintenance::{Retiring, StoredCounts};

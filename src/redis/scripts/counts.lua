@@ -96,3 +96,15 @@ end
 local function write_tat(base, client, tat, interval, span)
   redis.call('HSET', base .. ':buckets', client, string.format('%d %d %d', tat, interval, span))
 end
+
+-- Adds a client's rate debt (µs of its window its admissions used, replayed from a store) to
+-- its bucket, never past a whole span from now: a debt only ever empties a bucket.
+local function owe(base, now, client, interval, span, debt)
+  if debt > 0 then
+    local tat = read_tat(base, client)
+    local next_tat = math.min(math.max(tat, now) + debt, now + span)
+    if next_tat > tat then
+      write_tat(base, client, next_tat, interval, span)
+    end
+  end
+end

@@ -84,15 +84,7 @@ local now = now_micros()
 if restored then
   for j = 0, debts - 1 do
     local k = i + 1 + j * 4
-    local client, interval, span, debt = ARGV[k], tonumber(ARGV[k + 1]), tonumber(ARGV[k + 2]),
-      tonumber(ARGV[k + 3])
-    if debt > 0 then
-      local tat = read_tat(base, client)
-      local next_tat = math.min(math.max(tat, now) + debt, now + span)
-      if next_tat > tat then
-        write_tat(base, client, next_tat, interval, span)
-      end
-    end
+    owe(base, now, ARGV[k], tonumber(ARGV[k + 1]), tonumber(ARGV[k + 2]), tonumber(ARGV[k + 3]))
   end
 end
 i = i + 1 + debts * 4

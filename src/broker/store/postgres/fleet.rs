@@ -3,10 +3,12 @@
 //! while it runs and given up when it stops. Joining runs under an advisory lock
 //! (`schema::FLEET_LOCK`), so of two replicas starting at once the second sees the first.
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
+use super::super::durable::FleetRows;
 use super::super::error::StoreError;
 use super::handle::PostgresStore;
+use super::rows::{column, state_column};
 use super::schema::FLEET_LOCK;
 
 /// A lease as PostgreSQL's `interval` input: whole milliseconds.
@@ -122,5 +124,71 @@ impl PostgresStore {
         // No live member at all (the lease lapsed with the server away): this one, once it
         // renews, is as good as any.
         Ok(first.is_none_or(|first| &first == me))
+    }
+}
+
+impl PostgresStore {
+    /// What this store knows of every replica, for one rebuilding the others' work in Redis
+    /// (`DurableStore::fleet_rows`): the live members, every owned live operation, and every
+    /// owned operation created at or after `since`. Rows no replica owns (written by schema 1)
+    /// are left out: the first recovery takes them, and counts them then.
+    pub async fn fleet_rows(&self, since: SystemTime) -> Result<FleetRows, StoreError> {
+        let members = self.live_members().await?;
+        let since = humantime::format_rfc3339_millis(since).to_string();
+        let client = self.client().await?;
+        let live = client
+            .query(
+                "SELECT owner, id, client_id, state FROM operations \
+                 WHERE state IN ('pending', 'approved', 'executing') AND owner IS NOT NULL",
+                &[],
+            )
+            .await
+            .map_err(|e| self.sorted(e))?;
+        let created = client
+            .query(
+                "SELECT owner, client_id, created_at FROM operations \
+                 WHERE created_at >= $1 AND owner IS NOT NULL",
+                &[&since],
+            )
+            .await
+            .map_err(|e| self.sorted(e))?;
+        let mut rows = FleetRows {
+            members,
+            ..FleetRows::default()
+        };
+        for row in &live {
+            rows.live.push((
+                column(row, "owner")?,
+                column(row, "id")?,
+                column(row, "client_id")?,
+                state_column(row, "state")?,
+            ));
+        }
+        for row in &created {
+            let at: String = column(row, "created_at")?;
+            if let Ok(at) = humantime::parse_rfc3339(&at) {
+                rows.created
+                    .push((column(row, "owner")?, column(row, "client_id")?, at));
+            }
+        }
+        Ok(rows)
+    }
+
+    /// The state each of `ids` has now; an id without a row is left out.
+    pub async fn states_of(
+        &self,
+        ids: &[String],
+    ) -> Result<Vec<(String, crate::engine::OperationState)>, StoreError> {
+        let client = self.client().await?;
+        let rows = client
+            .query(
+                "SELECT id, state FROM operations WHERE id = ANY($1)",
+                &[&ids],
+            )
+            .await
+            .map_err(|e| self.sorted(e))?;
+        rows.iter()
+            .map(|row| Ok((column(row, "id")?, state_column(row, "state")?)))
+            .collect()
     }
 }

@@ -58,7 +58,7 @@ use crate::engine::OperationState;
 
 use super::bell::EventBell;
 use super::decisions::{DecisionCommand, DecisionOutcome};
-use super::durable::{Derive, DurableStore, Judge, Render};
+use super::durable::{Derive, DurableStore, FleetRows, Judge, Render};
 use super::error::{InsertError, StoreError};
 use super::events::{EventPage, StoredEvent};
 use super::maintenance::{Retiring, StoredCounts};
@@ -169,6 +169,14 @@ impl DurableStore for PostgresStore {
 
     async fn live_members(&self) -> Result<Vec<String>, StoreError> {
         PostgresStore::live_members(self).await
+    }
+
+    async fn fleet_rows(&self, since: SystemTime) -> Result<Option<FleetRows>, StoreError> {
+        PostgresStore::fleet_rows(self, since).await.map(Some)
+    }
+
+    async fn states_of(&self, ids: &[String]) -> Result<Vec<(String, OperationState)>, StoreError> {
+        PostgresStore::states_of(self, ids).await
     }
 
     async fn leads_fleet(&self) -> Result<bool, StoreError> {
