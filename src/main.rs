@@ -153,7 +153,8 @@ struct ServeArgs {
     /// Every replica of the deployment, this one included (comma-separated). At a deployment's
     /// first start and after Redis forgets it (a restart without persistence, a flush), no
     /// replica admits for one lease period unless this list names the whole fleet: then
-    /// admissions resume as soon as all of them have registered.
+    /// admissions resume as soon as all of them have registered. With --store, the store's
+    /// membership names the fleet and this list is not needed.
     #[arg(
         long,
         value_name = "NAME,NAME,...",
