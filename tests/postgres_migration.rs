@@ -1,5 +1,6 @@
-//! A PostgreSQL store written by a schema-1 broker, opened by this one: migrated to schema 2
-//! once, its rows kept as they were, its work recovered. (A database newer than this broker
+//! A PostgreSQL store written by a schema-1 broker, opened by this one: migrated to the current
+//! schema once, its rows kept as they were, its work recovered; and one written by a schema-2
+//! broker, migrated to schema 3 once (its indexes, not its rows). (A database newer than this broker
 //! is refused in `postgres_fleet.rs`.) One PostgreSQL serves the binary's tests while they
 //! run, a database for each; each test skips, saying why, only when PostgreSQL cannot be run
 //! here.
@@ -11,7 +12,9 @@ use std::time::Duration;
 
 use support::postgres::PostgresServer;
 use unyolo_admission::OperationState;
-use unyolo_admission::broker::store::{self, EventKind, EventPage, RequestStatus, StreamRecord};
+use unyolo_admission::broker::store::{
+    self, EventKind, EventPage, PageQuery, RequestStatus, StreamRecord,
+};
 
 /// The operation whose changes are requests.
 const REQUEST: &str = "demo.request";
@@ -106,6 +109,17 @@ INSERT INTO event_positions (high_water) VALUES (0);
 INSERT INTO schema_version (version) VALUES (1);
 "#;
 
+/// Schema 2 over 1 as a schema-2 broker wrote it (`store/postgres/schema.rs` until schema 3),
+/// kept as it was, with the version row that broker wrote after it.
+const MIGRATE_2: &str = r#"
+ALTER TABLE operations ADD COLUMN owner text COLLATE "C";
+ALTER TABLE streams ADD COLUMN owner text COLLATE "C";
+ALTER TABLE streams ADD COLUMN body bytea;
+CREATE INDEX operations_live_by_owner ON operations (owner, seq)
+    WHERE state IN ('pending', 'approved', 'executing');
+INSERT INTO schema_version (version) VALUES (2);
+"#;
+
 /// What a schema-1 broker had written: a pending, an approved, an executing and a succeeded
 /// request, the approval's decision record, the first request's event (numbered), and a
 /// stream (its body in the replica's staged file, as schema 1 kept it).
@@ -191,8 +205,8 @@ async fn a_schema_1_database_is_migrated_once_keeping_its_rows_and_its_work_is_r
             "schema_one",
             "SELECT version FROM schema_version ORDER BY version"
         ),
-        "1\n2",
-        "migrated to 2, one version row written"
+        "1\n3",
+        "migrated to 3, one version row written"
     );
     assert_eq!(
         server.psql("schema_one", READ_1),
@@ -209,11 +223,11 @@ async fn a_schema_1_database_is_migrated_once_keeping_its_rows_and_its_work_is_r
         "rows of schema 1 own no replica; a stream's body stays in its staged file"
     );
     // The migrated database is the one this broker creates afresh.
-    let (_, fresh) = database("schema_two").unwrap();
+    let (_, fresh) = database("schema_fresh").unwrap();
     drop(connect(&fresh, dir.path()).await);
     assert_eq!(
         server.psql("schema_one", SHAPE),
-        server.psql("schema_two", SHAPE)
+        server.psql("schema_fresh", SHAPE)
     );
 
     // The store reads them as they were written.
@@ -327,7 +341,7 @@ async fn a_schema_1_database_is_migrated_once_keeping_its_rows_and_its_work_is_r
     db.leave_fleet("replica-a").await.unwrap();
     drop(db);
 
-    // A second start finds schema 2 and migrates nothing.
+    // A second start finds schema 3 and migrates nothing.
     let after_first = server.psql("schema_one", READ_1);
     let again = connect(&url, dir.path()).await;
     assert_eq!(
@@ -335,11 +349,80 @@ async fn a_schema_1_database_is_migrated_once_keeping_its_rows_and_its_work_is_r
             "schema_one",
             "SELECT version FROM schema_version ORDER BY version"
         ),
-        "1\n2"
+        "1\n3"
     );
     assert_eq!(server.psql("schema_one", READ_1), after_first);
     assert_eq!(
         again.get("op_approved").await.unwrap().unwrap().state,
         OperationState::Approved
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_schema_2_database_is_migrated_to_3_once_its_indexes_not_its_rows() {
+    let Some((server, url)) = database("schema_two") else {
+        return;
+    };
+    server.psql(
+        "schema_two",
+        &format!("BEGIN; {SCHEMA_1} {ROWS_1} {MIGRATE_2} COMMIT;"),
+    );
+    let written = server.psql("schema_two", READ_1);
+    let dir = tempfile::tempdir().unwrap();
+
+    let db = connect(&url, dir.path()).await;
+    let versions = "SELECT version FROM schema_version ORDER BY version";
+    assert_eq!(server.psql("schema_two", versions), "1\n2\n3");
+    assert_eq!(server.psql("schema_two", READ_1), written, "no row changed");
+    // The indexes of schema 3: three dropped, the terminal rows' one by client added.
+    let indexes = "SELECT string_agg(indexname, ' ' ORDER BY indexname) FROM pg_indexes \
+         WHERE tablename = 'operations'";
+    assert_eq!(
+        server.psql("schema_two", indexes),
+        "operations_by_client operations_by_created_at operations_client_key \
+         operations_ended_by_client operations_id_key operations_live_by_owner operations_pkey \
+         operations_requests operations_retiring operations_underived"
+    );
+    // The same as this broker creates afresh.
+    let (_, fresh) = database("schema_three").unwrap();
+    drop(connect(&fresh, dir.path()).await);
+    assert_eq!(
+        server.psql("schema_two", SHAPE),
+        server.psql("schema_three", SHAPE)
+    );
+
+    // A client's listing by a terminal state, by a live one, and by none.
+    let listed = |state: Option<OperationState>| {
+        let db = &db;
+        async move {
+            db.list_page(
+                "bot-8",
+                PageQuery {
+                    state,
+                    limit: 10,
+                    ..PageQuery::default()
+                },
+            )
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|(_, summary)| summary.id)
+            .collect::<Vec<_>>()
+        }
+    };
+    assert_eq!(
+        listed(Some(OperationState::Succeeded)).await,
+        ["op_succeeded"]
+    );
+    assert_eq!(
+        listed(Some(OperationState::Executing)).await,
+        ["op_executing"]
+    );
+    assert_eq!(listed(None).await, ["op_succeeded", "op_executing"]);
+    drop(db);
+
+    // A second start finds schema 3 and migrates nothing.
+    drop(connect(&url, dir.path()).await);
+    assert_eq!(server.psql("schema_two", versions), "1\n2\n3");
+    assert_eq!(server.psql("schema_two", READ_1), written);
 }

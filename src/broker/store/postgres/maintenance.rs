@@ -8,9 +8,7 @@ use super::super::error::StoreError;
 use super::super::maintenance::{Retiring, StoredCounts};
 use super::handle::PostgresStore;
 use super::rows::{column, state_column};
-
-/// The terminal states, as SQL.
-const TERMINAL: &str = "('succeeded', 'failed', 'denied', 'canceled', 'expired')";
+use super::schema::TERMINAL;
 
 impl PostgresStore {
     /// The counts the controller's must equal, read in one snapshot; refreshes the database's

@@ -1,7 +1,8 @@
 //! The operators' request pages on PostgreSQL: operations that need an operator's approval,
 //! newest first (`created_at`, ties by id, both descending, in the `C` collation), filtered by
-//! state, client, operation and target fields, after a position; each shape walks the
-//! `operations_requests` indexes.
+//! state, client, operation and target fields, after a position; each shape walks
+//! `operations_requests` or `operations_by_created_at` (newest first), or for live states only
+//! reads the live rows' partial index and sorts them.
 
 use tokio_postgres::types::ToSql;
 
@@ -10,6 +11,7 @@ use super::super::records::OperationRecord;
 use super::super::requests::{NUMBER_TEXT_MAX, RequestQuery, StateFilter, filter_number};
 use super::handle::PostgresStore;
 use super::rows::{RECORD_COLUMNS, record_of};
+use super::schema::LIVE;
 
 /// The SQL of `query` and its parameters, in order.
 fn page_sql(query: &RequestQuery) -> (String, Vec<Box<dyn ToSql + Sync + Send>>) {
@@ -24,6 +26,11 @@ fn page_sql(query: &RequestQuery) -> (String, Vec<Box<dyn ToSql + Sync + Send>>)
         StateFilter::In(list) => {
             values.push(Box::new(states(list)));
             sql.push_str(&format!(" AND state = ANY(${})", values.len()));
+            // Live states only (pending, active): named as such, so a plan made for any list
+            // may read the live rows' partial index (`schema::MIGRATE_3`).
+            if list.iter().all(|s| !s.is_terminal()) {
+                sql.push_str(&format!(" AND state IN {LIVE}"));
+            }
         }
         StateFilter::NotIn(list) => {
             values.push(Box::new(states(list)));
