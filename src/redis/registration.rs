@@ -273,7 +273,8 @@ impl Inner {
                 // unbound after the read, its row then deleted, would be bound again here to an
                 // operation no store holds (and answered "elsewhere" on every other replica).
                 let restoring = self.restoring.write().await;
-                if self.lacks_this_replica().await? {
+                let lacking = self.lacks_this_replica().await?;
+                if lacking {
                     let mut records = source.key_records().await.map_err(|e| {
                         self.unavailable(UnavailableReason::Reply(format!(
                             "the store's key records could not be read: {e}"
@@ -310,12 +311,17 @@ impl Inner {
                         .map(|(_, client, u)| (client.clone(), u.at.elapsed())),
                 );
                 debts = rate_debts(&config, &admissions);
-                // A store the fleet shares names the whole fleet, and what each replica owns.
-                fleet = source.fleet(within).await.map_err(|e| {
-                    self.unavailable(UnavailableReason::Reply(format!(
-                        "the store's reading of the fleet could not be read: {e}"
-                    )))
-                })?;
+                // A store the fleet shares names the whole fleet, and what each replica owns:
+                // read when Redis lacks this replica's part (a new epoch: others may lack theirs
+                // too), not at every registration (a takeover's, a drift's heal), since it
+                // reads every replica's recent admissions.
+                if lacking {
+                    fleet = source.fleet(within).await.map_err(|e| {
+                        self.unavailable(UnavailableReason::Reply(format!(
+                            "the store's reading of the fleet could not be read: {e}"
+                        )))
+                    })?;
+                }
             }
             let members = fleet.as_ref().map(|f| f.members.as_slice());
             let registered = {
