@@ -422,6 +422,31 @@ async fn request_pages_filter_by_state_requester_target_and_position(kind: Kind)
         .await
         .unwrap();
     assert_eq!(ids(after), [1, 0].map(request_id));
+    // Two kinds of request: both, newest first, still without other work.
+    db.insert(OperationRecord {
+        created_at: "2026-01-01T00:00:05.000Z".to_owned(),
+        ..request(5, "demo.review")
+    })
+    .await
+    .unwrap();
+    let two_kinds = |states, before| RequestQuery {
+        operations: vec![REQUEST.to_owned(), "demo.review".to_owned()],
+        before,
+        ..query(states, None, vec![])
+    };
+    let both = db
+        .request_page(two_kinds(StateFilter::Any, None))
+        .await
+        .unwrap();
+    assert_eq!(ids(both.clone()), [5, 3, 2, 1, 0].map(request_id));
+    let pending_after = db
+        .request_page(two_kinds(
+            StateFilter::In(vec![OperationState::Pending]),
+            Some((both[1].created_at.clone(), both[1].id.clone())),
+        ))
+        .await
+        .unwrap();
+    assert_eq!(ids(pending_after), [2, 1].map(request_id));
 }
 
 async fn a_target_filter_matches_numbers_by_value_strings_by_text_and_flags_as_themselves(

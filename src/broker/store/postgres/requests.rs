@@ -16,8 +16,19 @@ use super::schema::LIVE;
 /// The SQL of `query` and its parameters, in order.
 fn page_sql(query: &RequestQuery) -> (String, Vec<Box<dyn ToSql + Sync + Send>>) {
     let mut values: Vec<Box<dyn ToSql + Sync + Send>> = Vec::new();
-    let mut sql = format!("SELECT {RECORD_COLUMNS} FROM operations WHERE operation = ANY($1)");
-    values.push(Box::new(query.operations.clone()));
+    // One operation (the usual registry: one kind of request) is named as such, so the page is
+    // read from `operations_requests` in its order and stops at the limit; an array on the
+    // index's first column gives no order, and the page would filter every newer row instead.
+    let mut sql = match query.operations.as_slice() {
+        [one] => {
+            values.push(Box::new(one.clone()));
+            format!("SELECT {RECORD_COLUMNS} FROM operations WHERE operation = $1")
+        }
+        _ => {
+            values.push(Box::new(query.operations.clone()));
+            format!("SELECT {RECORD_COLUMNS} FROM operations WHERE operation = ANY($1)")
+        }
+    };
     let states = |list: &[crate::engine::OperationState]| -> Vec<String> {
         list.iter().map(|s| s.as_str().to_owned()).collect()
     };
