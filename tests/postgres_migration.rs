@@ -176,6 +176,41 @@ const SHAPE: &str = "SELECT table_name || '.' || column_name || ' ' || data_type
      WHERE table_schema = 'public' \
      UNION ALL SELECT indexdef FROM pg_indexes WHERE schemaname = 'public' ORDER BY 1";
 
+/// The `replicas` table of [`SCHEMA_1`]: a few unreleased commits wrote schema 1 without it.
+const REPLICAS_1: &str = r#"CREATE TABLE replicas (
+    name        text COLLATE "C" PRIMARY KEY,
+    lease_until timestamptz NOT NULL,
+    joined_at   timestamptz NOT NULL
+);"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_schema_1_database_written_before_the_replicas_table_is_migrated_to_the_same_shape() {
+    let Some((server, url)) = database("schema_one_early") else {
+        return;
+    };
+    let early = SCHEMA_1.replace(REPLICAS_1, "");
+    assert_ne!(early, SCHEMA_1, "the replicas table is taken out");
+    server.psql(
+        "schema_one_early",
+        &format!("BEGIN; {early} {ROWS_1} COMMIT;"),
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let db = connect(&url, dir.path()).await;
+    // A replica can join the fleet of the migrated database.
+    assert_eq!(
+        db.join_fleet("r1", std::time::Duration::from_secs(10))
+            .await
+            .unwrap(),
+        Vec::<String>::new()
+    );
+    let (_, fresh) = database("schema_fresh_early").unwrap();
+    drop(connect(&fresh, dir.path()).await);
+    assert_eq!(
+        server.psql("schema_one_early", SHAPE),
+        server.psql("schema_fresh_early", SHAPE)
+    );
+}
+
 /// The shared server and a fresh database's name and URL, or `None` (having said why).
 fn database(name: &str) -> Option<(Arc<PostgresServer>, String)> {
     let server = PostgresServer::shared()?;
@@ -338,6 +373,16 @@ async fn a_schema_1_database_is_migrated_once_keeping_its_rows_and_its_work_is_r
         (failed.state, failed.revision),
         (OperationState::Succeeded, 4)
     );
+    // The recovery's event is numbered in the background: settled before the rows are read
+    // for the second start to compare with (which would number it otherwise).
+    let numbered = support::eventually::eventually(async || {
+        server.psql(
+            "schema_one",
+            "SELECT count(*) FROM operator_events WHERE position IS NULL",
+        ) == "0"
+    })
+    .await;
+    assert!(numbered, "the recovery's event is never numbered");
     db.leave_fleet("replica-a").await.unwrap();
     drop(db);
 

@@ -128,8 +128,14 @@ INSERT INTO event_positions (high_water) VALUES (0);
 /// created it, or took it over when that one's membership lapsed), so a fleet's replicas
 /// recover, start and take over only their own work. Rows of schema 1 own no replica: the
 /// first replica to recover takes them. A stream keeps its body (`body`), so no replica's disk
-/// holds what the fleet stored.
+/// holds what the fleet stored. (`replicas` is created if missing: schema 1 as first written,
+/// for a few unreleased commits, had no such table.)
 const MIGRATE_2: &str = r#"
+CREATE TABLE IF NOT EXISTS replicas (
+    name        text COLLATE "C" PRIMARY KEY,
+    lease_until timestamptz NOT NULL,
+    joined_at   timestamptz NOT NULL
+);
 ALTER TABLE operations ADD COLUMN owner text COLLATE "C";
 ALTER TABLE streams ADD COLUMN owner text COLLATE "C";
 ALTER TABLE streams ADD COLUMN body bytea;
