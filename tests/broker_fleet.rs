@@ -334,6 +334,24 @@ async fn a_replica_that_stops_leaves_its_work_to_the_others_and_nothing_runs_twi
     r3.broker.shutdown().await;
 }
 
+/// A `redis-server` of its own and a fresh database named `name` on the shared PostgreSQL
+/// server (its URL), or `None` having said which cannot be run here.
+fn redis_and_database(
+    name: &str,
+) -> Option<(
+    support::redis::RedisServer,
+    std::sync::Arc<PostgresServer>,
+    String,
+)> {
+    let Some(redis) = support::redis::RedisServer::start() else {
+        eprintln!("SKIPPED: redis-server cannot be started here");
+        return None;
+    };
+    let server = PostgresServer::shared()?;
+    let url = server.database(name);
+    Some((redis, server, url))
+}
+
 /// `assert_eventually` with a longer patience (a takeover waits out leases).
 async fn assert_eventually_within(
     patience: Duration,
@@ -352,14 +370,9 @@ async fn assert_eventually_within(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drift_between_redis_and_the_store_that_persists_heals_from_the_store() {
-    let Some(redis) = support::redis::RedisServer::start() else {
-        eprintln!("SKIPPED: redis-server cannot be started here");
+    let Some((redis, _server, url)) = redis_and_database("fleet_heals") else {
         return;
     };
-    let Some(server) = PostgresServer::shared() else {
-        return;
-    };
-    let url = server.database("fleet_heals");
     let dir = tempfile::tempdir().unwrap();
     let mut options = RedisOptions::new(redis.url(), "h1");
     options.replicas = vec!["h1".to_owned()];
@@ -450,14 +463,9 @@ async fn record_of(conn: &mut redis::aio::MultiplexedConnection, id: &str) -> Op
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_redis_forgets_one_replica_counts_the_work_of_a_replica_that_died_from_the_store() {
-    let Some(redis) = support::redis::RedisServer::start() else {
-        eprintln!("SKIPPED: redis-server cannot be started here");
+    let Some((redis, _server, url)) = redis_and_database("fleet_rebuild") else {
         return;
     };
-    let Some(server) = PostgresServer::shared() else {
-        return;
-    };
-    let url = server.database("fleet_rebuild");
     let lease = Duration::from_secs(10);
     let (d1, d2) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let g1 = unlisted_replica(&redis.url(), &url, d1.path(), "g1", lease).await;
@@ -575,14 +583,9 @@ async fn after_redis_forgets_one_replica_counts_the_work_of_a_replica_that_died_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_redis_forgets_the_store_names_the_fleet_so_admissions_resume_once_all_registered() {
-    let Some(redis) = support::redis::RedisServer::start() else {
-        eprintln!("SKIPPED: redis-server cannot be started here");
+    let Some((redis, _server, url)) = redis_and_database("fleet_window") else {
         return;
     };
-    let Some(server) = PostgresServer::shared() else {
-        return;
-    };
-    let url = server.database("fleet_window");
     // A lease far longer than the test waits: a window that lasted it would fail the test.
     let lease = Duration::from_secs(120);
     let (d1, d2) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());

@@ -14,23 +14,13 @@
 //! answers, never applied twice).
 
 use super::decision::{Kept, Target};
-use super::recovery::rate_debts;
+use super::recovery::{held_state, push_debts, rate_debts};
 use super::replica::Inner;
 use super::reply;
 use super::units::ttl_millis;
 use crate::admission::recovery::{FleetReading, RecoverySource};
 use crate::config::Config;
 use crate::engine::OperationState;
-
-/// The store's states to send to Redis: only the live ones are held.
-fn held_state(state: OperationState) -> Option<&'static str> {
-    match state {
-        OperationState::Pending => Some("p"),
-        OperationState::Approved => Some("a"),
-        OperationState::Executing => Some("e"),
-        _ => None,
-    }
-}
 
 /// What a move from `held` to `now` is in the counts (`None`: nothing to move).
 fn moved(held: OperationState, now: Option<OperationState>) -> Option<Target> {
@@ -91,15 +81,8 @@ impl Inner {
             .arg(&epoch)
             .arg(ttl_millis(self.options.lease_ttl));
         for (owner, work) in &by_owner {
-            let debts = rate_debts(config, &work.admissions);
-            invocation.arg(*owner).arg(debts.len());
-            for debt in &debts {
-                invocation
-                    .arg(debt.client.as_str())
-                    .arg(debt.interval)
-                    .arg(debt.span)
-                    .arg(debt.micros);
-            }
+            invocation.arg(*owner);
+            push_debts(&mut invocation, &rate_debts(config, &work.admissions));
             invocation.arg(work.live.len());
             for (op, state) in &work.live {
                 invocation.arg(&op.id).arg(op.identity.as_str()).arg(*state);

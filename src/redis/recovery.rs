@@ -275,6 +275,31 @@ pub(super) struct RateDebt {
     pub(super) micros: u64,
 }
 
+/// Appends `debts` to a script's arguments as the registration scripts read them: how many,
+/// then per debt its client, interval, span and debt (µs).
+pub(super) fn push_debts(invocation: &mut redis::ScriptInvocation<'_>, debts: &[RateDebt]) {
+    invocation.arg(debts.len());
+    for debt in debts {
+        invocation
+            .arg(debt.client.as_str())
+            .arg(debt.interval)
+            .arg(debt.span)
+            .arg(debt.micros);
+    }
+}
+
+/// A live state as the scripts record it (`p`, `a` or `e`); `None` for a terminal one, which
+/// holds nothing.
+pub(super) fn held_state(state: crate::engine::OperationState) -> Option<&'static str> {
+    use crate::engine::OperationState;
+    match state {
+        OperationState::Pending => Some("p"),
+        OperationState::Approved => Some("a"),
+        OperationState::Executing => Some("e"),
+        _ => None,
+    }
+}
+
 /// Each client's debt from its admissions `ago`: GCRA replayed over them, oldest first, as the
 /// in-process engine's `restore_rate` does (an admission a whole window old counts nothing).
 pub(super) fn rate_debts(config: &Config, admissions: &[(Identity, Duration)]) -> Vec<RateDebt> {

@@ -11,13 +11,12 @@ use std::time::Instant;
 use super::handles::RedisOperation;
 use super::held::{Held, Uncommitted};
 use super::notices;
-use super::recovery::{RateDebt, rate_debts};
+use super::recovery::{RateDebt, held_state, push_debts, rate_debts};
 use super::replica::{Inner, RedisController, random_hex};
 use super::reply::{self, Replaced};
 use super::units::ttl_millis;
 use crate::admission::outcome::{RestoredOperation, Unavailable, UnavailableReason};
 use crate::config::Identity;
-use crate::engine::OperationState;
 
 /// An operation id the scripts can record: 1 to 128 visible ASCII characters.
 use crate::admission::id::shareable as valid_op_id;
@@ -409,14 +408,7 @@ impl Inner {
         for name in &known {
             invocation.arg(name);
         }
-        invocation.arg(debts.len());
-        for debt in debts {
-            invocation
-                .arg(debt.client.as_str())
-                .arg(debt.interval)
-                .arg(debt.span)
-                .arg(debt.micros);
-        }
+        push_debts(&mut invocation, debts);
         // Kept releases before this point are for operations no longer held here (each left
         // `held` before it was kept): once Redis holds exactly `held` for this replica they are
         // moot, unless they free an idempotency key. Those kept while the script runs are not.
@@ -431,11 +423,8 @@ impl Inner {
             0
         };
         for cell in self.lock_held().values() {
-            let state = match cell.state() {
-                OperationState::Pending => "p",
-                OperationState::Approved => "a",
-                OperationState::Executing => "e",
-                _ => continue,
+            let Some(state) = held_state(cell.state()) else {
+                continue;
             };
             invocation
                 .arg(&cell.id)
