@@ -15,10 +15,10 @@ use support::events::open;
 use support::eventually::assert_eventually;
 use support::http::request;
 use support::postgres::PostgresServer;
-use support::secrets::{AGENT_SECRET, OPERATOR_SECRET};
-use unyolo_admission::StorageCaps;
+use support::secrets::{AGENT_SECRET, OPERATOR_SECRET, OTHER_SECRET};
 use unyolo_admission::broker::store::StoreLocation;
 use unyolo_admission::redis::RedisOptions;
+use unyolo_admission::{RefusalCode, StorageCaps, StoreCaps};
 
 /// Room for everything the tests submit, one execution slot at a time fleet-wide.
 const FLEET: &str = r#"{"requests_per_window": 1000, "window_seconds": 60,
@@ -32,11 +32,12 @@ async fn replica(
     url: &str,
     dir: &std::path::Path,
     name: &str,
+    caps: StorageCaps,
 ) -> Harness {
     let mut options = RedisOptions::new(redis.url(), name);
     options.replicas = NAMES.iter().map(|r| r.to_string()).collect();
     options.call_timeout = Duration::from_millis(500);
-    let mut settings = settings(dir, FLEET, StorageCaps::default());
+    let mut settings = settings(dir, FLEET, caps);
     settings.store = Some(StoreLocation::parse(url).unwrap());
     start_shared(settings, options).await
 }
@@ -49,6 +50,11 @@ struct Fleet {
 }
 
 async fn fleet(database: &str) -> Option<(Fleet, String)> {
+    fleet_with(database, StorageCaps::default()).await
+}
+
+/// [`fleet`] with the storage caps `caps`.
+async fn fleet_with(database: &str, caps: StorageCaps) -> Option<(Fleet, String)> {
     let _ = tracing_subscriber::fmt()
         .with_env_filter("warn")
         .with_test_writer()
@@ -60,7 +66,7 @@ async fn fleet(database: &str) -> Option<(Fleet, String)> {
     let mut dirs = Vec::new();
     for name in NAMES {
         let dir = tempfile::tempdir().unwrap();
-        replicas.push(replica(&redis, &url, dir.path(), name).await);
+        replicas.push(replica(&redis, &url, dir.path(), name, caps).await);
         dirs.push(dir);
     }
     // The Redis server lives as long as the test process: leaked on purpose.
@@ -631,4 +637,111 @@ async fn after_redis_forgets_the_store_names_the_fleet_so_admissions_resume_once
     }
     w1.broker.shutdown().await;
     w2.broker.shutdown().await;
+}
+
+/// An upload of `n` bytes on `harness` as the client of `token`.
+async fn upload(harness: &Harness, token: &str, n: usize) -> support::http::Reply {
+    let body = Some(vec![7u8; n].into());
+    harness
+        .send("POST", "/api/agent/v1/streams", Some(token), body)
+        .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_stream_caps_count_the_streams_and_uploads_of_every_replica() {
+    // A client may hold two streams and the fleet four, whichever replicas took them.
+    let caps = StorageCaps {
+        stream: StoreCaps {
+            global_files: 4,
+            global_bytes: 1 << 20,
+            client_files: 2,
+            client_bytes: 1 << 20,
+        },
+        ..StorageCaps::default()
+    };
+    let Some((fleet, url)) = fleet_with("fleet_stream_caps", caps).await else {
+        eprintln!("SKIPPED: needs redis-server and postgres");
+        return;
+    };
+    let database = url.rsplit('/').next().unwrap();
+    let count = |table: &str| {
+        fleet
+            ._server
+            .psql(database, &format!("SELECT count(*) FROM {table}"))
+    };
+    let [r1, r2, r3] = [&fleet.replicas[0], &fleet.replicas[1], &fleet.replicas[2]];
+    let first = upload(r1, AGENT_SECRET, 100).await;
+    assert_eq!(first.status, 201, "{}", first.body);
+    assert_eq!(upload(r2, AGENT_SECRET, 100).await.status, 201);
+
+    // The agent's third, on a replica holding none of its streams: refused before a byte is
+    // read, and nothing kept: no row, no upload, no staged file, no room on r3.
+    let refused = upload(r3, AGENT_SECRET, 100).await;
+    assert_eq!(
+        (refused.status, refused.code()),
+        (429, "stream_storage_limit"),
+        "{}",
+        refused.body
+    );
+    assert!(refused.retry_after().is_some_and(|s| s >= 1));
+    assert_eq!(
+        (count("streams"), count("stream_uploads")),
+        ("2".into(), "0".into())
+    );
+    let staged = fleet._dirs[2].path().join("streams");
+    assert!(
+        std::fs::read_dir(&staged).map_or(true, |mut files| files.next().is_none()),
+        "nothing staged in {staged:?}"
+    );
+    let on_r3 = r3.snapshot();
+    assert_eq!((on_r3.storage[0].files, on_r3.storage[0].bytes), (0, 0));
+    assert_eq!(on_r3.rejected(RefusalCode::StreamStorageLimit), 1);
+
+    // Deleted on r3, the first stream's room is the agent's again on every replica.
+    let path = format!("/api/agent/v1/streams/{}", first.id());
+    assert_eq!(
+        r3.send("DELETE", &path, Some(AGENT_SECRET), None)
+            .await
+            .status,
+        200
+    );
+    assert_eq!(upload(r3, AGENT_SECRET, 100).await.status, 201);
+
+    // An upload left behind by a replica that is gone holds no room.
+    fleet._server.psql(
+        database,
+        "INSERT INTO stream_uploads (id, client_id, size, owner, started_at) \
+         VALUES ('st_gone', 'other', 100, 'gone', '2026-01-01T00:00:00.000Z')",
+    );
+    // The fleet holds 2 of its 4; the other client sends 6 at once, two to each replica:
+    // exactly 2 are stored, whichever replicas they reached.
+    let uploads = fleet
+        .replicas
+        .iter()
+        .cycle()
+        .take(6)
+        .map(|harness| upload(harness, OTHER_SECRET, 10));
+    let replies = futures_util::future::join_all(uploads).await;
+    let mut statuses: Vec<u16> = replies.iter().map(|r| r.status).collect();
+    statuses.sort();
+    let bodies: Vec<String> = replies.iter().map(|r| r.body.to_string()).collect();
+    assert_eq!(statuses, [201, 201, 429, 429, 429, 429], "{bodies:?}");
+    assert_eq!(
+        (count("streams"), count("stream_uploads")),
+        ("4".into(), "0".into())
+    );
+
+    let held: u64 = fleet
+        .replicas
+        .iter()
+        .map(|h| h.snapshot().storage[0].files)
+        .sum();
+    assert_eq!(held, 4, "each stream is counted by one replica");
+    for harness in &fleet.replicas {
+        let drift = harness.broker.check_drift().await.unwrap();
+        assert_eq!(drift.total(), 0, "{drift:?}");
+    }
+    for harness in fleet.replicas {
+        harness.broker.shutdown().await;
+    }
 }

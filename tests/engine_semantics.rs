@@ -234,6 +234,28 @@ fn storage_is_reserved_settled_and_released() {
 }
 
 #[test]
+fn a_reservation_the_whole_store_refuses_gives_everything_back_and_counts_the_refusal() {
+    let c = Controller::builder(config(Limits::DEFAULT, &[], &["a"]))
+        .clock(ManualClock::new())
+        .build();
+    let kept = c
+        .reserve_storage("a", Store::Stream, 7)
+        .unwrap()
+        .settle(7)
+        .unwrap();
+    let reservation = c.reserve_storage("a", Store::Stream, 300).unwrap();
+    assert_eq!(c.snapshot().storage[0].files, 2);
+    let refusal = reservation.refuse();
+    assert_eq!(refusal.code, RefusalCode::StreamStorageLimit);
+    assert_eq!(refusal.retry_after, c.capacity_retry());
+    let after = c.snapshot();
+    assert_eq!((after.storage[0].files, after.storage[0].bytes), (1, 7));
+    assert_eq!(after.rejected(RefusalCode::StreamStorageLimit), 1);
+    drop(kept);
+    assert!(c.snapshot().is_idle());
+}
+
+#[test]
 fn prometheus_exposition_names_the_contract_metrics() {
     let (c, _) = one_client(1, 60, 5, 5);
     let _op = c.admit("bot", true).unwrap().commit();

@@ -170,7 +170,7 @@ async fn a_database_from_a_newer_broker_is_refused_naming_it_without_the_passwor
             err,
             StoreError::UnknownSchema {
                 found: 99,
-                supported: 3,
+                supported: 4,
                 ..
             }
         ),
@@ -179,7 +179,7 @@ async fn a_database_from_a_newer_broker_is_refused_naming_it_without_the_passwor
     let text = err.to_string();
     assert!(text.contains("admission:***@127.0.0.1"), "{text}");
     assert!(text.contains("/newer_schema"), "{text}");
-    assert!(text.contains("99") && text.contains("version 3"), "{text}");
+    assert!(text.contains("99") && text.contains("version 4"), "{text}");
     assert!(!text.contains("hunter2"), "{text}");
 }
 
@@ -214,7 +214,7 @@ async fn start_up_from_many_replicas_at_once_creates_the_schema_once() {
     }
     assert_eq!(
         server.psql("many_starts", "SELECT version FROM schema_version"),
-        "3"
+        "4"
     );
     let shown = format!("{:?}", stores[0]);
     assert!(

@@ -1,6 +1,7 @@
 //! A PostgreSQL store written by a schema-1 broker, opened by this one: migrated to the current
-//! schema once, its rows kept as they were, its work recovered; and one written by a schema-2
-//! broker, migrated to schema 3 once (its indexes, not its rows). (A database newer than this broker
+//! schema once, its rows kept as they were, its work recovered; one written by a schema-2
+//! broker, migrated through schema 3 once (its indexes, not its rows); and one written by a
+//! schema-3 broker, given the table of uploads in progress. (A database newer than this broker
 //! is refused in `postgres_fleet.rs`.) One PostgreSQL serves the binary's tests while they
 //! run, a database for each; each test skips, saying why, only when PostgreSQL cannot be run
 //! here.
@@ -118,6 +119,17 @@ ALTER TABLE streams ADD COLUMN body bytea;
 CREATE INDEX operations_live_by_owner ON operations (owner, seq)
     WHERE state IN ('pending', 'approved', 'executing');
 INSERT INTO schema_version (version) VALUES (2);
+"#;
+
+/// Schema 3 over 2 as a schema-3 broker wrote it (`store/postgres/schema.rs` until schema 4),
+/// with its version row.
+const MIGRATE_3: &str = r#"
+CREATE INDEX operations_ended_by_client ON operations (client_id, state, seq)
+    WHERE state IN ('succeeded', 'failed', 'denied', 'canceled', 'expired');
+DROP INDEX operations_by_state;
+DROP INDEX operations_by_client_state;
+DROP INDEX operations_requests_by_state;
+INSERT INTO schema_version (version) VALUES (3);
 "#;
 
 /// What a schema-1 broker had written: a pending, an approved, an executing and a succeeded
@@ -240,8 +252,8 @@ async fn a_schema_1_database_is_migrated_once_keeping_its_rows_and_its_work_is_r
             "schema_one",
             "SELECT version FROM schema_version ORDER BY version"
         ),
-        "1\n3",
-        "migrated to 3, one version row written"
+        "1\n4",
+        "migrated to 4, one version row written"
     );
     assert_eq!(
         server.psql("schema_one", READ_1),
@@ -386,7 +398,7 @@ async fn a_schema_1_database_is_migrated_once_keeping_its_rows_and_its_work_is_r
     db.leave_fleet("replica-a").await.unwrap();
     drop(db);
 
-    // A second start finds schema 3 and migrates nothing.
+    // A second start finds schema 4 and migrates nothing.
     let after_first = server.psql("schema_one", READ_1);
     let again = connect(&url, dir.path()).await;
     assert_eq!(
@@ -394,7 +406,7 @@ async fn a_schema_1_database_is_migrated_once_keeping_its_rows_and_its_work_is_r
             "schema_one",
             "SELECT version FROM schema_version ORDER BY version"
         ),
-        "1\n3"
+        "1\n4"
     );
     assert_eq!(server.psql("schema_one", READ_1), after_first);
     assert_eq!(
@@ -404,7 +416,7 @@ async fn a_schema_1_database_is_migrated_once_keeping_its_rows_and_its_work_is_r
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_schema_2_database_is_migrated_to_3_once_its_indexes_not_its_rows() {
+async fn a_schema_2_database_is_migrated_through_3_once_its_indexes_not_its_rows() {
     let Some((server, url)) = database("schema_two") else {
         return;
     };
@@ -417,7 +429,7 @@ async fn a_schema_2_database_is_migrated_to_3_once_its_indexes_not_its_rows() {
 
     let db = connect(&url, dir.path()).await;
     let versions = "SELECT version FROM schema_version ORDER BY version";
-    assert_eq!(server.psql("schema_two", versions), "1\n2\n3");
+    assert_eq!(server.psql("schema_two", versions), "1\n2\n4");
     assert_eq!(server.psql("schema_two", READ_1), written, "no row changed");
     // The indexes of schema 3: three dropped, the terminal rows' one by client added.
     let indexes = "SELECT string_agg(indexname, ' ' ORDER BY indexname) FROM pg_indexes \
@@ -466,8 +478,79 @@ async fn a_schema_2_database_is_migrated_to_3_once_its_indexes_not_its_rows() {
     assert_eq!(listed(None).await, ["op_succeeded", "op_executing"]);
     drop(db);
 
-    // A second start finds schema 3 and migrates nothing.
+    // A second start finds schema 4 and migrates nothing.
     drop(connect(&url, dir.path()).await);
-    assert_eq!(server.psql("schema_two", versions), "1\n2\n3");
+    assert_eq!(server.psql("schema_two", versions), "1\n2\n4");
     assert_eq!(server.psql("schema_two", READ_1), written);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_schema_3_database_gets_the_uploads_table_and_its_streams_count_against_the_caps() {
+    let Some((server, url)) = database("schema_three_old") else {
+        return;
+    };
+    server.psql(
+        "schema_three_old",
+        &format!("BEGIN; {SCHEMA_1} {ROWS_1} {MIGRATE_2} {MIGRATE_3} COMMIT;"),
+    );
+    let written = server.psql("schema_three_old", READ_1);
+    let dir = tempfile::tempdir().unwrap();
+    let db = connect(&url, dir.path()).await;
+    let versions = "SELECT version FROM schema_version ORDER BY version";
+    assert_eq!(server.psql("schema_three_old", versions), "1\n2\n3\n4");
+    assert_eq!(
+        server.psql("schema_three_old", READ_1),
+        written,
+        "no row changed"
+    );
+    let (_, fresh) = database("schema_four").unwrap();
+    drop(connect(&fresh, dir.path()).await);
+    assert_eq!(
+        server.psql("schema_three_old", SHAPE),
+        server.psql("schema_four", SHAPE)
+    );
+
+    // The stream schema 1 wrote (bot-7's, 12 bytes) counts: bot-7 may hold one stream, so it
+    // gets no room; bot-8 gets room, held as the replica's upload until it starts again.
+    db.join_fleet("r1", Duration::from_secs(30)).await.unwrap();
+    let caps = unyolo_admission::StoreCaps {
+        global_files: 10,
+        global_bytes: 1 << 20,
+        client_files: 1,
+        client_bytes: 1 << 20,
+    };
+    assert!(
+        !db.take_stream_room("up_1", "bot-7", 5, &caps)
+            .await
+            .unwrap()
+    );
+    assert!(
+        db.take_stream_room("up_2", "bot-8", 5, &caps)
+            .await
+            .unwrap()
+    );
+    assert!(
+        !db.take_stream_room("up_3", "bot-8", 5, &caps)
+            .await
+            .unwrap(),
+        "bot-8's upload in progress counts"
+    );
+    let uploads = "SELECT string_agg(id || ' ' || client_id || ' ' || size || ' ' || owner, ',') \
+         FROM stream_uploads";
+    assert_eq!(server.psql("schema_three_old", uploads), "up_2 bot-8 5 r1");
+    drop(db);
+    // Started again, the replica's uploads in progress are over: their room is let go.
+    let again = connect(&url, dir.path()).await;
+    again
+        .join_fleet("r1", Duration::from_secs(30))
+        .await
+        .unwrap();
+    again.recover().await.unwrap();
+    assert_eq!(server.psql("schema_three_old", uploads), "");
+    assert!(
+        again
+            .take_stream_room("up_4", "bot-8", 5, &caps)
+            .await
+            .unwrap()
+    );
 }

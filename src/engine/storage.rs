@@ -91,6 +91,15 @@ impl StorageReservation {
         self.bytes
     }
 
+    /// The room fits this process's counts but not the store's as a whole (a store several
+    /// processes write, which counts their objects too): releases everything and returns the
+    /// store's refusal, counted as any of this store's refusals is.
+    pub fn refuse(self) -> Refusal {
+        let settings = self.client.shared.settings.load();
+        refusal(&self.client, self.store, &settings)
+        // Dropping `self` releases the reservation.
+    }
+
     /// The write is done and took `real_bytes`: keep exactly that. Shrinking always succeeds;
     /// growing past the reservation must fit under the caps, else everything is released and the
     /// store's refusal returned.

@@ -16,7 +16,7 @@ use super::extract::{Client, OperationId, content_length};
 use crate::broker::core::{Core, new_id};
 use crate::broker::store::{StoreError, StreamRecord};
 use crate::config::Identity;
-use crate::engine::{StorageReservation, Store};
+use crate::engine::{Refusal, StorageReservation, Store};
 
 pub(crate) async fn upload_stream(
     State(core): State<Arc<Core>>,
@@ -65,18 +65,31 @@ async fn store_stream(core: Arc<Core>, client: Identity, declared: u64, body: Bo
     // recorded as an upload in progress in the same gated step, so drift counts it as stored.
     let reservation = {
         let _quiet = core.hold_counts().await;
+        let refused = |refusal: Refusal| {
+            tracing::info!(
+                client = %client,
+                code = refusal.code.as_str(),
+                retry_after = refusal.retry_after_secs(),
+                "stream refused"
+            );
+            ApiError::refused(refusal)
+        };
         let reservation = core
             .controller()
             .reserve_storage(client.as_str(), Store::Stream, declared)
-            .map_err(|refusal| {
-                tracing::info!(
-                    client = %client,
-                    code = refusal.code.as_str(),
-                    retry_after = refusal.retry_after_secs(),
-                    "stream refused"
-                );
-                ApiError::refused(refusal)
-            })?;
+            .map_err(refused)?;
+        // This process's counts allow it; a store the fleet shares counts every replica's
+        // streams and uploads too.
+        let caps = core.controller().storage_caps().stream;
+        match core
+            .db
+            .take_stream_room(&id, client.as_str(), declared, &caps)
+            .await
+        {
+            Ok(true) => {}
+            Ok(false) => return Err(refused(reservation.refuse())),
+            Err(err) => return Err(err.into()),
+        }
         core.uploads()
             .insert(id.clone(), (client.to_string(), declared));
         reservation
@@ -90,8 +103,31 @@ async fn store_stream(core: Arc<Core>, client: Identity, declared: u64, body: Bo
     // file's row only once the file has no upload) never takes a stored stream's file.
     let _quiet = core.hold_counts().await;
     let answer = settle(&core, &client, &id, &path, written, reservation).await;
+    if answer.is_err() {
+        give_back_room(&core, &id).await;
+    }
     core.uploads().remove(&id);
     answer
+}
+
+/// Lets go of the room upload `id` took in the store. If the store cannot be reached now, it
+/// is tried again in the background for a while (until then the room counts against the
+/// caps, refusing more, never admitting more); this replica's next start lets go of it too.
+async fn give_back_room(core: &Arc<Core>, id: &str) {
+    let Err(err) = core.db.give_back_stream_room(id).await else {
+        return;
+    };
+    tracing::warn!(upload = %id, error = %err, "an upload's room could not be given back; retrying");
+    let (db, id) = (Arc::clone(&core.db), id.to_owned());
+    tokio::spawn(async move {
+        for _ in 0..60 {
+            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            if db.give_back_stream_room(&id).await.is_ok() {
+                return;
+            }
+        }
+        tracing::warn!(upload = %id, "an upload's room is held until this replica restarts");
+    });
 }
 
 /// Settles upload `id` whose body was `written` to `path`: the row in, the room kept, 201; or

@@ -8,7 +8,7 @@ use std::time::SystemTime;
 use async_trait::async_trait;
 use serde_json::Value;
 
-use crate::engine::OperationState;
+use crate::engine::{OperationState, StoreCaps};
 
 use super::bell::EventBell;
 use super::decisions::{DecidedMove, DecisionCommand, DecisionOutcome};
@@ -274,9 +274,35 @@ pub trait DurableStore: Send + Sync + 'static {
 
     // --- Streams.
 
+    /// Takes room for upload `id` (one stream of `client`, `bytes` long) among the streams every
+    /// process on this store holds, if `caps` allow it counting every stream recorded and every
+    /// upload in progress of a live process; `false` if they do not, and nothing is taken. The
+    /// room is this upload's until [`insert_stream`](DurableStore::insert_stream) records it or
+    /// [`give_back_stream_room`](DurableStore::give_back_stream_room) lets it go.
+    ///
+    /// A store only this process writes (the default) takes nothing and answers `true`: this
+    /// process's own counts, checked before, are the whole store's.
+    async fn take_stream_room(
+        &self,
+        id: &str,
+        client: &str,
+        bytes: u64,
+        caps: &StoreCaps,
+    ) -> Result<bool, StoreError> {
+        let _ = (id, client, bytes, caps);
+        Ok(true)
+    }
+
+    /// Lets go of the room taken for upload `id`, whose stream was not recorded.
+    async fn give_back_stream_room(&self, id: &str) -> Result<(), StoreError> {
+        let _ = id;
+        Ok(())
+    }
+
     /// Records a stream whose body is already written to [`streams_dir`](DurableStore::streams_dir)
-    /// under its id. A store several replicas share moves the body into the store (removing
-    /// the file), so no replica's disk holds what the fleet stored.
+    /// under its id (and the room its upload took becomes the stream's). A store several
+    /// replicas share moves the body into the store (removing the file), so no replica's disk
+    /// holds what the fleet stored.
     async fn insert_stream(&self, stream: StreamRecord) -> Result<(), StoreError>;
 
     /// The stream `id`.

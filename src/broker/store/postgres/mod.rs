@@ -54,7 +54,7 @@ use std::time::SystemTime;
 use async_trait::async_trait;
 use tokio::sync::broadcast;
 
-use crate::engine::OperationState;
+use crate::engine::{OperationState, StoreCaps};
 
 use super::bell::EventBell;
 use super::decisions::{DecisionCommand, DecisionOutcome};
@@ -308,6 +308,20 @@ impl DurableStore for PostgresStore {
         batch: u32,
     ) -> Result<u64, StoreError> {
         PostgresStore::trim_events(self, keep, cutoff, batch).await
+    }
+
+    async fn take_stream_room(
+        &self,
+        id: &str,
+        client: &str,
+        bytes: u64,
+        caps: &StoreCaps,
+    ) -> Result<bool, StoreError> {
+        PostgresStore::take_stream_room(self, id, client, bytes, caps).await
+    }
+
+    async fn give_back_stream_room(&self, id: &str) -> Result<(), StoreError> {
+        PostgresStore::give_back_stream_room(self, id).await
     }
 
     async fn insert_stream(&self, stream: StreamRecord) -> Result<(), StoreError> {

@@ -16,7 +16,7 @@
 use super::super::error::StoreError;
 
 /// The schema version this code writes (the row of `schema_version`).
-pub const SCHEMA_VERSION: i64 = 3;
+pub const SCHEMA_VERSION: i64 = 4;
 
 /// The advisory lock start-up holds while it creates or migrates the schema.
 pub(super) const MIGRATION_LOCK: i64 = 0x756e_796f_6c6f_0001;
@@ -27,6 +27,10 @@ pub(super) const POSITION_LOCK: i64 = 0x756e_796f_6c6f_0002;
 /// The advisory lock a replica holds while it joins the fleet (see `fleet`), so two replicas
 /// starting at once see each other.
 pub(super) const FLEET_LOCK: i64 = 0x756e_796f_6c6f_0003;
+
+/// The advisory lock an upload holds while it counts the fleet's streams and takes its room
+/// (see `streams`), so two uploads on two replicas never both take the last room.
+pub(super) const STREAM_ROOM_LOCK: i64 = 0x756e_796f_6c6f_0004;
 
 /// The channel every change is announced on (payload: an operation's id, a space and its new
 /// state; or a deleted stream's id).
@@ -185,6 +189,20 @@ DROP INDEX operations_by_client_state;
 DROP INDEX operations_requests_by_state;
 "#;
 
+/// Schema 4 over 3: the uploads in progress (`stream_uploads`), each holding the room it
+/// declared until its stream is recorded or it fails, so the stream caps count across the
+/// fleet: an upload on one replica sees the streams and uploads of every other (`streams`).
+/// An upload of a replica whose membership lapsed holds nothing.
+const MIGRATE_4: &str = r#"
+CREATE TABLE stream_uploads (
+    id         text COLLATE "C" PRIMARY KEY,
+    client_id  text COLLATE "C" NOT NULL,
+    size       bigint NOT NULL,
+    owner      text COLLATE "C",
+    started_at text COLLATE "C" NOT NULL
+);
+"#;
+
 /// Brings the database to [`SCHEMA_VERSION`] in one transaction under [`MIGRATION_LOCK`]:
 /// creates it when empty, refuses a newer one ([`StoreError::UnknownSchema`], naming `shown`).
 /// Each version's step runs from the version below it.
@@ -207,9 +225,10 @@ pub(super) async fn migrate(
         .get(0);
     // The steps from the version found up to this one, each from the version below it.
     let steps: &[&str] = match found {
-        None => &[SCHEMA_1, MIGRATE_2, MIGRATE_3],
-        Some(1) => &[MIGRATE_2, MIGRATE_3],
-        Some(2) => &[MIGRATE_3],
+        None => &[SCHEMA_1, MIGRATE_2, MIGRATE_3, MIGRATE_4],
+        Some(1) => &[MIGRATE_2, MIGRATE_3, MIGRATE_4],
+        Some(2) => &[MIGRATE_3, MIGRATE_4],
+        Some(3) => &[MIGRATE_4],
         Some(SCHEMA_VERSION) => &[],
         Some(found) => {
             return Err(StoreError::UnknownSchema {

@@ -13,6 +13,8 @@ use super::super::records::now_rfc3339;
 use super::super::streams::StreamRecord;
 use super::handle::PostgresStore;
 use super::rows::column;
+use super::schema::STREAM_ROOM_LOCK;
+use crate::engine::StoreCaps;
 
 fn stream_of(row: &Row) -> Result<StreamRecord, StoreError> {
     Ok(StreamRecord {
@@ -24,10 +26,16 @@ fn stream_of(row: &Row) -> Result<StreamRecord, StoreError> {
 
 /// Every stream `me` owns (with none, every stream), and those whose owner is no live
 /// replica (made `me`'s), oldest first, in the caller's transaction: what start-up restores.
+/// The uploads `me` had in progress when it stopped are over: their room is let go.
 pub(super) async fn all_streams(
     tx: &deadpool_postgres::Transaction<'_>,
     me: Option<&str>,
 ) -> Result<Vec<StreamRecord>, super::error::Failed> {
+    tx.execute(
+        "DELETE FROM stream_uploads WHERE $1::text IS NULL OR owner = $1",
+        &[&me],
+    )
+    .await?;
     let rows = match me {
         None => {
             tx.query("SELECT id, client_id, size FROM streams ORDER BY seq", &[])
@@ -64,9 +72,10 @@ impl PostgresStore {
         let body = tokio::fs::read(&staged)
             .await
             .map_err(|e| StoreError::io("open", &staged, e))?;
-        let client = self.client().await?;
-        client
-            .execute(
+        let mut client = self.client().await?;
+        let recorded: Result<(), tokio_postgres::Error> = async {
+            let tx = client.transaction().await?;
+            tx.execute(
                 "INSERT INTO streams (id, client_id, size, created_at, owner, body) \
                  VALUES ($1, $2, $3, $4, $5, $6)",
                 &[
@@ -78,9 +87,82 @@ impl PostgresStore {
                     &body,
                 ],
             )
+            .await?;
+            // The upload's room is the stream's now.
+            tx.execute("DELETE FROM stream_uploads WHERE id = $1", &[&stream.id])
+                .await?;
+            tx.commit().await
+        }
+        .await;
+        recorded.map_err(|e| self.sorted(e))?;
+        let _ = tokio::fs::remove_file(&staged).await;
+        Ok(())
+    }
+
+    /// Takes room for upload `id` among the fleet's streams (see
+    /// `DurableStore::take_stream_room`): under `STREAM_ROOM_LOCK`, so uploads on every replica
+    /// take room one at a time, it forgets the uploads of replicas whose membership lapsed,
+    /// counts every stream and upload (the client's and all), and records this upload as
+    /// this replica's if one more file of `bytes` fits `caps`.
+    pub async fn take_stream_room(
+        &self,
+        id: &str,
+        client_id: &str,
+        bytes: u64,
+        caps: &StoreCaps,
+    ) -> Result<bool, StoreError> {
+        let size = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+        let mut client = self.client().await?;
+        let taken: Result<bool, tokio_postgres::Error> = async {
+            let tx = client.transaction().await?;
+            tx.execute("SELECT pg_advisory_xact_lock($1)", &[&STREAM_ROOM_LOCK])
+                .await?;
+            tx.execute(
+                "DELETE FROM stream_uploads u WHERE NOT EXISTS (SELECT 1 FROM replicas r \
+                 WHERE r.name = u.owner AND r.lease_until >= clock_timestamp())",
+                &[],
+            )
+            .await?;
+            let row = tx
+                .query_opt(
+                    "WITH held AS (SELECT client_id, size FROM streams \
+                     UNION ALL SELECT client_id, size FROM stream_uploads), \
+                     totals AS (SELECT count(*) AS files, COALESCE(sum(size), 0) AS bytes, \
+                     count(*) FILTER (WHERE client_id = $2::text) AS mine, \
+                     COALESCE(sum(size) FILTER (WHERE client_id = $2::text), 0) AS my_bytes \
+                     FROM held) \
+                     INSERT INTO stream_uploads (id, client_id, size, owner, started_at) \
+                     SELECT $1::text, $2::text, $3::bigint, $4::text, $5::text FROM totals \
+                     WHERE files < $6::bigint AND bytes + $3::bigint <= $7::bigint \
+                     AND mine < $8::bigint AND my_bytes + $3::bigint <= $9::bigint \
+                     RETURNING id",
+                    &[
+                        &id,
+                        &client_id,
+                        &size(bytes),
+                        &self.member.get(),
+                        &now_rfc3339(),
+                        &size(caps.global_files),
+                        &size(caps.global_bytes),
+                        &size(caps.client_files),
+                        &size(caps.client_bytes),
+                    ],
+                )
+                .await?;
+            tx.commit().await?;
+            Ok(row.is_some())
+        }
+        .await;
+        taken.map_err(|e| self.sorted(e))
+    }
+
+    /// Lets go of the room upload `id` took (its stream was not recorded).
+    pub async fn give_back_stream_room(&self, id: &str) -> Result<(), StoreError> {
+        let client = self.client().await?;
+        client
+            .execute("DELETE FROM stream_uploads WHERE id = $1", &[&id])
             .await
             .map_err(|e| self.sorted(e))?;
-        let _ = tokio::fs::remove_file(&staged).await;
         Ok(())
     }
 
