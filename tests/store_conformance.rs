@@ -447,6 +447,27 @@ async fn request_pages_filter_by_state_requester_target_and_position(kind: Kind)
         .await
         .unwrap();
     assert_eq!(ids(pending_after), [2, 1].map(request_id));
+    // The limit bounds the merged page, and a kind named twice is read once.
+    let first_two = db
+        .request_page(RequestQuery {
+            limit: 2,
+            ..two_kinds(StateFilter::Any, None)
+        })
+        .await
+        .unwrap();
+    assert_eq!(ids(first_two), [5, 3].map(request_id));
+    let named_twice = db
+        .request_page(RequestQuery {
+            operations: vec![
+                "demo.review".to_owned(),
+                REQUEST.to_owned(),
+                "demo.review".to_owned(),
+            ],
+            ..two_kinds(StateFilter::Any, None)
+        })
+        .await
+        .unwrap();
+    assert_eq!(ids(named_twice), [5, 3, 2, 1, 0].map(request_id));
 }
 
 async fn a_target_filter_matches_numbers_by_value_strings_by_text_and_flags_as_themselves(

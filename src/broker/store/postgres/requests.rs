@@ -1,8 +1,8 @@
 //! The operators' request pages on PostgreSQL: operations that need an operator's approval,
 //! newest first (`created_at`, ties by id, both descending, in the `C` collation), filtered by
-//! state, client, operation and target fields, after a position; each shape walks
-//! `operations_requests` or `operations_by_created_at` (newest first), or for live states only
-//! reads the live rows' partial index and sorts them.
+//! state, client, operation and target fields, after a position; each kind of request's rows
+//! are walked newest first in `operations_requests` (several kinds: a page of each, merged), or
+//! for live states only the live rows' partial index is read and sorted.
 
 use tokio_postgres::types::ToSql;
 
@@ -16,19 +16,9 @@ use super::schema::LIVE;
 /// The SQL of `query` and its parameters, in order.
 fn page_sql(query: &RequestQuery) -> (String, Vec<Box<dyn ToSql + Sync + Send>>) {
     let mut values: Vec<Box<dyn ToSql + Sync + Send>> = Vec::new();
-    // One operation (the usual registry: one kind of request) is named as such, so the page is
-    // read from `operations_requests` in its order and stops at the limit; an array on the
-    // index's first column gives no order, and the page would filter every newer row instead.
-    let mut sql = match query.operations.as_slice() {
-        [one] => {
-            values.push(Box::new(one.clone()));
-            format!("SELECT {RECORD_COLUMNS} FROM operations WHERE operation = $1")
-        }
-        _ => {
-            values.push(Box::new(query.operations.clone()));
-            format!("SELECT {RECORD_COLUMNS} FROM operations WHERE operation = ANY($1)")
-        }
-    };
+    // The filters every kind of request shares, written once: each kind's branch names the
+    // same parameters.
+    let mut sql = String::new();
     let states = |list: &[crate::engine::OperationState]| -> Vec<String> {
         list.iter().map(|s| s.as_str().to_owned()).collect()
     };
@@ -97,10 +87,30 @@ fn page_sql(query: &RequestQuery) -> (String, Vec<Box<dyn ToSql + Sync + Send>>)
         ));
     }
     values.push(Box::new(i64::from(query.limit)));
-    sql.push_str(&format!(
-        " ORDER BY created_at DESC, id DESC LIMIT ${}",
-        values.len()
-    ));
+    let limit = values.len();
+    // Each kind of request is named as such (`operation = $n`), so its rows are read from
+    // `operations_requests` in page order and the read stops at the limit; an array on the
+    // index's first column (`operation = ANY(..)`) gives no order, and the page would filter
+    // every newer row of the table instead. Several kinds: a page of each, merged.
+    let order = format!(" ORDER BY created_at DESC, id DESC LIMIT ${limit}");
+    let mut branches = Vec::new();
+    let mut kinds: Vec<&String> = query.operations.iter().collect();
+    kinds.sort();
+    kinds.dedup();
+    for operation in kinds {
+        values.push(Box::new(operation.clone()));
+        branches.push(format!(
+            "SELECT {RECORD_COLUMNS} FROM operations WHERE operation = ${}{sql}{order}",
+            values.len()
+        ));
+    }
+    let sql = match branches.as_slice() {
+        [one] => one.clone(),
+        _ => format!(
+            "SELECT * FROM (({})) AS page{order}",
+            branches.join(") UNION ALL (")
+        ),
+    };
     (sql, values)
 }
 
