@@ -233,6 +233,24 @@ async fn while_postgres_is_down_submissions_are_503_with_retry_after_and_nothing
     assert_eq!(broker.get("/healthz", None).await.status, 200);
     // Nothing was counted for the refused submission.
     assert_eq!(broker.snapshot().pending, 1);
+    // An upload cannot take its room in the store: 503 before a byte is read, no room held.
+    let upload = broker
+        .send(
+            "POST",
+            "/api/agent/v1/streams",
+            Some(AGENT_SECRET),
+            Some(vec![1u8; 64].into()),
+        )
+        .await;
+    assert_eq!(
+        (upload.status, upload.code()),
+        (503, "store_unavailable"),
+        "{:?}",
+        upload.body
+    );
+    assert!(upload.retry_after().is_some(), "a 503 says when to retry");
+    let streams = broker.snapshot().storage[0];
+    assert_eq!((streams.files, streams.bytes), (0, 0));
 
     server.restart();
     support::eventually::assert_eventually("ready again", async || {
@@ -250,6 +268,20 @@ async fn while_postgres_is_down_submissions_are_503_with_retry_after_and_nothing
     assert_eq!(replay.status, 200, "{:?}", replay.body);
     assert_eq!(broker.rows().await, 2);
     assert_eq!(broker.snapshot().pending, 2);
+    let uploaded = broker
+        .send(
+            "POST",
+            "/api/agent/v1/streams",
+            Some(AGENT_SECRET),
+            Some(vec![1u8; 64].into()),
+        )
+        .await;
+    assert_eq!(uploaded.status, 201, "{:?}", uploaded.body);
+    assert_eq!(
+        server.psql("faults", "SELECT count(*) FROM stream_uploads"),
+        "0",
+        "the upload's room is its stream's"
+    );
     let drift = broker.broker.check_drift().await.unwrap();
     assert_eq!(drift.total(), 0, "counts equal rows: {drift:?}");
     broker.broker.shutdown().await;
