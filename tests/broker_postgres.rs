@@ -234,14 +234,13 @@ async fn while_postgres_is_down_submissions_are_503_with_retry_after_and_nothing
     // Nothing was counted for the refused submission.
     assert_eq!(broker.snapshot().pending, 1);
     // An upload cannot take its room in the store: 503 before a byte is read, no room held.
-    let upload = broker
-        .send(
-            "POST",
-            "/api/agent/v1/streams",
-            Some(AGENT_SECRET),
-            Some(vec![1u8; 64].into()),
-        )
-        .await;
+    let upload_64_bytes = async || {
+        let body = Some(vec![1u8; 64].into());
+        broker
+            .send("POST", "/api/agent/v1/streams", Some(AGENT_SECRET), body)
+            .await
+    };
+    let upload = upload_64_bytes().await;
     assert_eq!(
         (upload.status, upload.code()),
         (503, "store_unavailable"),
@@ -268,14 +267,7 @@ async fn while_postgres_is_down_submissions_are_503_with_retry_after_and_nothing
     assert_eq!(replay.status, 200, "{:?}", replay.body);
     assert_eq!(broker.rows().await, 2);
     assert_eq!(broker.snapshot().pending, 2);
-    let uploaded = broker
-        .send(
-            "POST",
-            "/api/agent/v1/streams",
-            Some(AGENT_SECRET),
-            Some(vec![1u8; 64].into()),
-        )
-        .await;
+    let uploaded = upload_64_bytes().await;
     assert_eq!(uploaded.status, 201, "{:?}", uploaded.body);
     assert_eq!(
         server.psql("faults", "SELECT count(*) FROM stream_uploads"),
