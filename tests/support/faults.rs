@@ -262,7 +262,7 @@ impl StoreLock {
                 tokio::spawn(connection);
                 let tx = client.transaction().await.unwrap();
                 tx.batch_execute(
-                    "LOCK TABLE operations, streams, operator_events, operator_decisions \
+                    "LOCK TABLE operations, streams, stream_uploads, operator_events, operator_decisions \
                      IN EXCLUSIVE MODE",
                 )
                 .await
