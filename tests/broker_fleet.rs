@@ -745,3 +745,123 @@ async fn the_stream_caps_count_the_streams_and_uploads_of_every_replica() {
         harness.broker.shutdown().await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uploads_and_deletes_on_every_replica_at_once_never_hold_more_than_the_caps() {
+    // A client may hold three streams and the fleet five; two clients upload and delete on the
+    // three replicas at once while a watcher reads what the store holds.
+    let caps = StorageCaps {
+        stream: StoreCaps {
+            global_files: 5,
+            global_bytes: 1 << 20,
+            client_files: 3,
+            client_bytes: 1 << 20,
+        },
+        ..StorageCaps::default()
+    };
+    let Some((fleet, url)) = fleet_with("fleet_stream_stress", caps).await else {
+        eprintln!("SKIPPED: needs redis-server and postgres");
+        return;
+    };
+    let database = url.rsplit('/').next().unwrap().to_owned();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watcher = {
+        let (server, stop, database) = (
+            std::sync::Arc::clone(&fleet._server),
+            std::sync::Arc::clone(&stop),
+            database.clone(),
+        );
+        // Stored streams and uploads in progress, per client, in one snapshot.
+        let held = "SELECT client_id || ' ' || count(*) FROM (SELECT client_id FROM streams \
+                    UNION ALL SELECT client_id FROM stream_uploads) AS held GROUP BY client_id";
+        std::thread::spawn(move || {
+            let mut readings = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let mut total = 0;
+                for line in server.psql(&database, held).lines() {
+                    let (client, n) = line.split_once(' ').unwrap();
+                    let n: u64 = n.parse().unwrap();
+                    assert!(n <= 3, "{client} holds {n} streams and uploads");
+                    total += n;
+                }
+                assert!(total <= 5, "the fleet holds {total} streams and uploads");
+                readings += 1;
+            }
+            readings
+        })
+    };
+    let replicas = &fleet.replicas;
+    let work = [AGENT_SECRET, OTHER_SECRET].into_iter().flat_map(|token| {
+        (0..3).map(move |first| async move {
+            let (mut stored, mut refused) = (0, 0);
+            for round in 0..8 {
+                let reply = upload(&replicas[(first + round) % 3], token, 50).await;
+                match reply.status {
+                    201 => stored += 1,
+                    429 => {
+                        assert_eq!(reply.code(), "stream_storage_limit");
+                        refused += 1;
+                        continue;
+                    }
+                    status => panic!("{status}: {}", reply.body),
+                }
+                // Every other stream is deleted at once, on another replica.
+                if round % 2 == 0 {
+                    let path = format!("/api/agent/v1/streams/{}", reply.id());
+                    let deleted = replicas[(first + round + 1) % 3]
+                        .send("DELETE", &path, Some(token), None)
+                        .await;
+                    assert_eq!(deleted.status, 200, "{}", deleted.body);
+                }
+            }
+            (stored, refused)
+        })
+    });
+    let outcomes = futures_util::future::join_all(work).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let readings = watcher.join().unwrap();
+    let stored: u32 = outcomes.iter().map(|o| o.0).sum();
+    let refused: u32 = outcomes.iter().map(|o| o.1).sum();
+    eprintln!("{stored} stored, {refused} refused, {readings} readings of the store");
+    assert!(
+        stored > 5 && refused > 0,
+        "the caps were reached and room came back"
+    );
+    assert!(readings > 0);
+
+    // Everything left is deleted, from any replica; nothing is held anywhere after.
+    let left = fleet
+        ._server
+        .psql(&database, "SELECT id || ' ' || client_id FROM streams");
+    for line in left.lines() {
+        let (id, client) = line.split_once(' ').unwrap();
+        let token = if client == "agent" {
+            AGENT_SECRET
+        } else {
+            OTHER_SECRET
+        };
+        let path = format!("/api/agent/v1/streams/{id}");
+        let deleted = replicas[0].send("DELETE", &path, Some(token), None).await;
+        assert_eq!(deleted.status, 200, "{}", deleted.body);
+    }
+    let count = |table: &str| {
+        fleet
+            ._server
+            .psql(&database, &format!("SELECT count(*) FROM {table}"))
+    };
+    assert_eq!(
+        (count("streams"), count("stream_uploads")),
+        ("0".into(), "0".into())
+    );
+    assert_eventually("every replica lets its streams' room go", async || {
+        replicas.iter().all(|h| h.snapshot().storage[0].files == 0)
+    })
+    .await;
+    for harness in replicas {
+        let drift = harness.broker.check_drift().await.unwrap();
+        assert_eq!(drift.total(), 0, "{drift:?}");
+    }
+    for harness in fleet.replicas {
+        harness.broker.shutdown().await;
+    }
+}
