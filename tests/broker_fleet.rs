@@ -49,6 +49,39 @@ struct Fleet {
     _server: std::sync::Arc<PostgresServer>,
 }
 
+impl Fleet {
+    /// Rows in `table` of the fleet's database `database`, as psql prints the count.
+    fn count(&self, database: &str, table: &str) -> String {
+        self._server
+            .psql(database, &format!("SELECT count(*) FROM {table}"))
+    }
+
+    /// Checks that no replica's counts drift from the store, then shuts every replica down.
+    async fn end_without_drift(self) {
+        for harness in &self.replicas {
+            let drift = harness.broker.check_drift().await.unwrap();
+            assert_eq!(drift.total(), 0, "{drift:?}");
+        }
+        for harness in self.replicas {
+            harness.broker.shutdown().await;
+        }
+    }
+}
+
+/// Storage caps whose stream store holds `client_files` streams a client and `global_files`
+/// in all (bytes never bind).
+fn stream_caps(client_files: u64, global_files: u64) -> StorageCaps {
+    StorageCaps {
+        stream: StoreCaps {
+            global_files,
+            global_bytes: 1 << 20,
+            client_files,
+            client_bytes: 1 << 20,
+        },
+        ..StorageCaps::default()
+    }
+}
+
 async fn fleet(database: &str) -> Option<(Fleet, String)> {
     fleet_with(database, StorageCaps::default()).await
 }
@@ -248,13 +281,7 @@ async fn any_replica_serves_any_request_and_the_fleet_has_one_inbox_and_one_even
         r1.broker.check_drift().await.unwrap().total() == 0 && r1.snapshot().storage[0].files == 0
     })
     .await;
-    for harness in &fleet.replicas {
-        let drift = harness.broker.check_drift().await.unwrap();
-        assert_eq!(drift.total(), 0, "{drift:?}");
-    }
-    for harness in fleet.replicas {
-        harness.broker.shutdown().await;
-    }
+    fleet.end_without_drift().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -650,25 +677,13 @@ async fn upload(harness: &Harness, token: &str, n: usize) -> support::http::Repl
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_stream_caps_count_the_streams_and_uploads_of_every_replica() {
     // A client may hold two streams and the fleet four, whichever replicas took them.
-    let caps = StorageCaps {
-        stream: StoreCaps {
-            global_files: 4,
-            global_bytes: 1 << 20,
-            client_files: 2,
-            client_bytes: 1 << 20,
-        },
-        ..StorageCaps::default()
-    };
+    let caps = stream_caps(2, 4);
     let Some((fleet, url)) = fleet_with("fleet_stream_caps", caps).await else {
         eprintln!("SKIPPED: needs redis-server and postgres");
         return;
     };
     let database = url.rsplit('/').next().unwrap();
-    let count = |table: &str| {
-        fleet
-            ._server
-            .psql(database, &format!("SELECT count(*) FROM {table}"))
-    };
+    let count = |table: &str| fleet.count(database, table);
     let [r1, r2, r3] = [&fleet.replicas[0], &fleet.replicas[1], &fleet.replicas[2]];
     let first = upload(r1, AGENT_SECRET, 100).await;
     assert_eq!(first.status, 201, "{}", first.body);
@@ -737,28 +752,14 @@ async fn the_stream_caps_count_the_streams_and_uploads_of_every_replica() {
         .map(|h| h.snapshot().storage[0].files)
         .sum();
     assert_eq!(held, 4, "each stream is counted by one replica");
-    for harness in &fleet.replicas {
-        let drift = harness.broker.check_drift().await.unwrap();
-        assert_eq!(drift.total(), 0, "{drift:?}");
-    }
-    for harness in fleet.replicas {
-        harness.broker.shutdown().await;
-    }
+    fleet.end_without_drift().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn uploads_and_deletes_on_every_replica_at_once_never_hold_more_than_the_caps() {
     // A client may hold three streams and the fleet five; two clients upload and delete on the
     // three replicas at once while a watcher reads what the store holds.
-    let caps = StorageCaps {
-        stream: StoreCaps {
-            global_files: 5,
-            global_bytes: 1 << 20,
-            client_files: 3,
-            client_bytes: 1 << 20,
-        },
-        ..StorageCaps::default()
-    };
+    let caps = stream_caps(3, 5);
     let Some((fleet, url)) = fleet_with("fleet_stream_stress", caps).await else {
         eprintln!("SKIPPED: needs redis-server and postgres");
         return;
@@ -844,11 +845,7 @@ async fn uploads_and_deletes_on_every_replica_at_once_never_hold_more_than_the_c
         let deleted = replicas[0].send("DELETE", &path, Some(token), None).await;
         assert_eq!(deleted.status, 200, "{}", deleted.body);
     }
-    let count = |table: &str| {
-        fleet
-            ._server
-            .psql(&database, &format!("SELECT count(*) FROM {table}"))
-    };
+    let count = |table: &str| fleet.count(&database, table);
     assert_eq!(
         (count("streams"), count("stream_uploads")),
         ("0".into(), "0".into())
@@ -857,11 +854,5 @@ async fn uploads_and_deletes_on_every_replica_at_once_never_hold_more_than_the_c
         replicas.iter().all(|h| h.snapshot().storage[0].files == 0)
     })
     .await;
-    for harness in replicas {
-        let drift = harness.broker.check_drift().await.unwrap();
-        assert_eq!(drift.total(), 0, "{drift:?}");
-    }
-    for harness in fleet.replicas {
-        harness.broker.shutdown().await;
-    }
+    fleet.end_without_drift().await;
 }

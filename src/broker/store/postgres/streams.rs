@@ -16,6 +16,11 @@ use super::rows::column;
 use super::schema::STREAM_ROOM_LOCK;
 use crate::engine::StoreCaps;
 
+/// A size or count as a `bigint` (one past `i64::MAX` is more than any cap or file).
+fn bigint(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
 fn stream_of(row: &Row) -> Result<StreamRecord, StoreError> {
     Ok(StreamRecord {
         id: column(row, "id")?,
@@ -81,7 +86,7 @@ impl PostgresStore {
                 &[
                     &stream.id,
                     &stream.client_id,
-                    &i64::try_from(stream.size).unwrap_or(i64::MAX),
+                    &bigint(stream.size),
                     &now_rfc3339(),
                     &self.member.get(),
                     &body,
@@ -111,7 +116,6 @@ impl PostgresStore {
         bytes: u64,
         caps: &StoreCaps,
     ) -> Result<bool, StoreError> {
-        let size = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
         let mut client = self.client().await?;
         let taken: Result<bool, tokio_postgres::Error> = async {
             let tx = client.transaction().await?;
@@ -139,13 +143,13 @@ impl PostgresStore {
                     &[
                         &id,
                         &client_id,
-                        &size(bytes),
+                        &bigint(bytes),
                         &self.member.get(),
                         &now_rfc3339(),
-                        &size(caps.global_files),
-                        &size(caps.global_bytes),
-                        &size(caps.client_files),
-                        &size(caps.client_bytes),
+                        &bigint(caps.global_files),
+                        &bigint(caps.global_bytes),
+                        &bigint(caps.client_files),
+                        &bigint(caps.client_bytes),
                     ],
                 )
                 .await?;
