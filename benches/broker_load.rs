@@ -2,11 +2,14 @@
 //! creation throughput and latency, in the same run, with proof that refusals never write to
 //! SQLite (operation rows and the WAL file unchanged); then the refusal flood on that broker and
 //! on a second one judging every submission against a shadow quota file too
-//! (`--shadow-config`), in alternating rounds, with the medians' ratio.
+//! (`--shadow-config`), in alternating rounds, with the medians' ratio; and the floor: a bare
+//! axum server in the same process that answers the broker's own 429 and `/healthz` bytes with
+//! nothing behind them, flooded by the same clients in turns with the broker, so the broker's
+//! refusals/`/healthz` ratio is read beside the most any server on this stack reaches here.
 //!
 //! `cargo bench --bench broker_load` (release build). `LOAD_REQUESTS` (default 20000 refusals,
-//! a tenth as many creations), `LOAD_CONCURRENCY` (default 32) and `LOAD_SHADOW_ROUNDS` (default
-//! 5 rounds of each) tune it. Under `cargo test` it runs a short smoke version with the same
+//! a tenth as many creations), `LOAD_CONCURRENCY` (default 32), `LOAD_FLOOR_ROUNDS` (default 3)
+//! and `LOAD_SHADOW_ROUNDS` (default 5 rounds of each) tune it. Under `cargo test` it runs a short smoke version with the same
 //! assertions.
 
 use std::sync::Arc;
@@ -147,6 +150,144 @@ fn median_p50(phases: &[Phase]) -> Duration {
     p50s[p50s.len() / 2]
 }
 
+/// A refusal as the broker answers it, kept to be answered again byte for byte by the floor.
+#[derive(Clone)]
+struct Answer {
+    status: axum::http::StatusCode,
+    headers: axum::http::HeaderMap,
+    body: bytes::Bytes,
+}
+
+impl Answer {
+    async fn of(response: reqwest::Response) -> Answer {
+        let status = axum::http::StatusCode::from_u16(response.status().as_u16()).unwrap();
+        let mut headers = axum::http::HeaderMap::new();
+        for (name, value) in response.headers() {
+            // hyper writes its own `date` and `content-length`, as it does for the broker.
+            if name != "date" && name != "content-length" {
+                headers.append(
+                    axum::http::HeaderName::from_bytes(name.as_str().as_bytes()).unwrap(),
+                    axum::http::HeaderValue::from_bytes(value.as_bytes()).unwrap(),
+                );
+            }
+        }
+        let body = response.bytes().await.unwrap();
+        Answer {
+            status,
+            headers,
+            body,
+        }
+    }
+
+    fn response(&self) -> axum::response::Response {
+        let mut response = axum::response::Response::new(axum::body::Body::from(self.body.clone()));
+        *response.status_mut() = self.status;
+        *response.headers_mut() = self.headers.clone();
+        response
+    }
+}
+
+/// The floor: a bare axum server on the broker's own stack (hyper's HTTP/1, tokio) with nothing
+/// behind its routes. A submission's body is read and parsed as JSON (a refusal must tell a bad
+/// body from a good one) and answered with the broker's own refusal, bytes and headers; a
+/// `/healthz` with the broker's own `/healthz`. What the broker's refusal costs beyond this is
+/// its own; what this one costs beyond its `/healthz` no server on this stack escapes.
+async fn floor(refusal: Answer, healthz: Answer) -> (String, tokio::task::JoinHandle<()>) {
+    use axum::response::IntoResponse;
+    use axum::routing::{get, post};
+    let app = axum::Router::new()
+        .route(
+            "/healthz",
+            get(move || {
+                let healthz = healthz.clone();
+                async move { healthz.response() }
+            }),
+        )
+        .route(
+            "/api/agent/v1/operations",
+            post(move |headers: axum::http::HeaderMap, body: bytes::Bytes| {
+                let refusal = refusal.clone();
+                async move {
+                    let parsed = serde_json::from_slice::<serde_json::Value>(&body);
+                    match (headers.get("authorization"), parsed) {
+                        (Some(_), Ok(submission)) => {
+                            std::hint::black_box(submission);
+                            refusal.response()
+                        }
+                        _ => axum::http::StatusCode::BAD_REQUEST.into_response(),
+                    }
+                }
+            }),
+        );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let server = tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    (base, server)
+}
+
+/// One floor round and one broker round of `/healthz` then refusals, in turns (who goes first
+/// alternating); each side's refusals/`/healthz` ratio by median over the rounds.
+async fn against_floor(base: &str, refusals: usize, concurrency: usize, rounds: usize) {
+    let http = reqwest::Client::new();
+    let refused = http
+        .post(format!("{base}/api/agent/v1/operations"))
+        .bearer_auth(SECRET)
+        .json(&json!({
+            "idempotency_key": "floor-sample",
+            "operation": "demo.request",
+            "target": {"repo": "unyolo/load"},
+            "arguments": {},
+            "reason": "load run",
+        }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 429);
+    let refusal = Answer::of(refused).await;
+    let healthz = Answer::of(http.get(format!("{base}/healthz")).send().await.unwrap()).await;
+    let (floor_base, server) = floor(refusal, healthz).await;
+    let (mut broker_ratios, mut floor_ratios) = (Vec::new(), Vec::new());
+    for round in 0..rounds {
+        for on_floor in [round % 2 == 1, round % 2 == 0] {
+            let (url, ratios, name) = if on_floor {
+                (&floor_base, &mut floor_ratios, "floor")
+            } else {
+                (&base.to_owned(), &mut broker_ratios, "broker")
+            };
+            let prefix = format!("{name}-{round}");
+            let ceiling = phase("healthz", url, "-", "healthz", refusals, concurrency).await;
+            let flood = phase(
+                "refuse",
+                url,
+                &prefix,
+                "demo.request",
+                refusals,
+                concurrency,
+            )
+            .await;
+            assert_eq!(flood.statuses.get(&429), Some(&refusals));
+            let ratio = flood.throughput() / ceiling.throughput();
+            println!(
+                "{name:<6} round {round}: healthz {:>7.0} req/s, refusals {:>7.0} req/s, ratio {ratio:.3}",
+                ceiling.throughput(),
+                flood.throughput()
+            );
+            ratios.push(ratio);
+        }
+    }
+    server.abort();
+    let median = |ratios: &mut Vec<f64>| {
+        ratios.sort_by(f64::total_cmp);
+        ratios[ratios.len() / 2]
+    };
+    let (broker, floor) = (median(&mut broker_ratios), median(&mut floor_ratios));
+    println!(
+        "refusals/healthz, median of {rounds}: broker {broker:.3}, bare axum floor {floor:.3}; \
+         the broker holds {:.0}% of the floor's ratio",
+        100.0 * broker / floor
+    );
+}
+
 #[tokio::main(flavor = "multi_thread")]
 async fn main() {
     // `cargo bench` passes `--bench`; under `cargo test --all-targets` a short smoke run checks
@@ -239,6 +380,9 @@ async fn main() {
         refused.throughput() / created.throughput(),
         100.0 * refused.throughput() / ceiling.throughput()
     );
+
+    let floor_rounds = env("LOAD_FLOOR_ROUNDS", if full { 3 } else { 1 });
+    against_floor(&base, refusals, concurrency, floor_rounds).await;
 
     // The same flood on a broker with a shadow file (the same limits, so the shadow is at them
     // too and judges every submission a refusal), in alternating rounds against this one.
