@@ -58,6 +58,7 @@ semantic_tests! {
     every_refusal_consumes_no_token_and_no_slot,
     retry_after_is_the_largest_hint_among_exhausted_dimensions,
     dropped_permit_returns_slots_but_keeps_the_token_spent,
+    a_handed_over_operation_is_let_go_here_and_released_nowhere,
     refunded_permit_returns_slots_and_the_token,
     lifecycle_moves_counts_between_pending_queued_and_executing,
     transitions_the_contract_forbids_are_refused_and_change_nothing,
@@ -669,6 +670,43 @@ async fn dropped_operation_handles_release_their_slots_as_if_failed(kind: Kind) 
         assert_eq!(c.snapshot().dropped_operations, 3);
     }
     kept.expire().await.unwrap();
+    assert!(b.counts().await.is_idle());
+}
+
+/// What a replica does with work another replica took over (SPEC section 9): its handle lets go
+/// here, and the shared store is told nothing, since it now counts the work as the other
+/// replica's (a release by the operation's id would free what that replica holds).
+async fn a_handed_over_operation_is_let_go_here_and_released_nowhere(kind: Kind) {
+    let Some(b) = one_client(kind, 10, HOUR, 5, 5).await else {
+        return;
+    };
+    let taken = b.admit_op("bot", true).await;
+    let kept = b.admit_op("bot", false).await;
+    assert!(taken.hand_over());
+    assert!(!taken.hand_over(), "handed over once");
+    assert_eq!(
+        taken.approve().await,
+        Err(TransitionError {
+            from: OperationState::Failed,
+            to: OperationState::Approved
+        })
+    );
+    drop(taken);
+    b.settle().await;
+    let mut counts = b.counts().await;
+    if b.kind() == Kind::Redis {
+        // Nothing was sent: Redis counts it still, and only a count of this replica's holdings
+        // taken again (a re-registration, a heal) leaves it out.
+        assert_eq!(counts.client("bot").all(), (2, 1, 1, 0), "{counts:?}");
+        b.admission.recount_shared().await.unwrap();
+        counts = b.counts().await;
+    }
+    assert_eq!(counts.client("bot").all(), (1, 0, 1, 0), "{counts:?}");
+    if let Some(c) = b.in_process() {
+        assert_eq!(c.snapshot().dropped_operations, 0, "not dropped live");
+    }
+    kept.fail().await.unwrap();
+    b.settle().await;
     assert!(b.counts().await.is_idle());
 }
 

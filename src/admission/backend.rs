@@ -190,5 +190,8 @@ mod absent {
         pub(crate) async fn try_start(&self) -> Result<(), NotStarted> {
             match *self {}
         }
+        pub(crate) fn hand_over(&self) -> bool {
+            match *self {}
+        }
     }
 }

@@ -201,6 +201,23 @@ impl OperationHandle {
         Ok(())
     }
 
+    /// Lets a live operation go here because another replica took it over: the shared store
+    /// records it as that replica's and counts it there once, so nothing is sent to it (a
+    /// release by this operation's id would free what the other replica now holds). This
+    /// process's slots are given back, and the shared half stops holding it (a re-registration
+    /// no longer counts it here). `false` if it was terminal already. A handle with no shared
+    /// half has no other replica to hand over to: it only gives this process's slots back, as a
+    /// failure would.
+    pub fn hand_over(&self) -> bool {
+        if self.local.fail().is_err() {
+            return false;
+        }
+        if let Some(shared) = &self.shared {
+            shared.hand_over();
+        }
+        true
+    }
+
     /// Takes an execution slot and moves `approved` → `executing`, or says why not: the pool is
     /// full (it stays queued), the shared store did not answer (it stays queued), or it is no
     /// longer approved.

@@ -268,6 +268,37 @@ impl RedisOperation {
     }
 }
 
+impl RedisOperation {
+    /// Lets the operation go here without a word to Redis: another replica took it over, and
+    /// Redis records it as that replica's (moved there in the registration that counted it), so
+    /// a release sent from here would free what the other now holds. This replica stops
+    /// holding it (a re-registration no longer counts it here) and its memory forgets it.
+    /// Whether it was live here.
+    pub(crate) fn hand_over(&self) -> bool {
+        let mut current = self.cell.state.load(Ordering::Acquire);
+        loop {
+            if OperationState::ALL[usize::from(current)].is_terminal() {
+                return false;
+            }
+            // AcqRel: as in the lifecycle's transitions; the winner, and only it, lets go.
+            match self.cell.state.compare_exchange(
+                current,
+                OperationState::Failed as u8,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => break,
+                Err(actual) => current = actual,
+            }
+        }
+        forget(&self.inner, &self.cell);
+        self.inner
+            .memory
+            .released_here(self.cell.identity.as_str(), false);
+        true
+    }
+}
+
 /// No longer held by this replica: re-registration must not count it.
 fn forget(inner: &Inner, cell: &Held) {
     inner.lock_held().remove(&cell.id);
