@@ -614,6 +614,101 @@ async fn after_redis_forgets_one_replica_counts_the_work_of_a_replica_that_died_
     g1.broker.shutdown().await;
 }
 
+/// What replica `harness`'s own controller counts for `client`: (active, pending).
+fn counted_here(harness: &Harness, client: &str) -> (u64, u64) {
+    let snapshot = harness.broker.controller().snapshot();
+    let counted = snapshot
+        .clients
+        .iter()
+        .find(|c| c.identity.as_str() == client);
+    counted.map_or((0, 0), |c| (c.active, c.pending))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_whose_work_was_taken_over_while_it_was_cut_off_lets_it_go_without_a_release() {
+    let Some((redis, server, url)) = redis_and_database("fleet_cut_off") else {
+        return;
+    };
+    let lease = Duration::from_secs(10);
+    let (d1, d2) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let c1 = unlisted_replica(&redis.url(), &url, d1.path(), "c1", lease).await;
+    let c2 = unlisted_replica(&redis.url(), &url, d2.path(), "c2", lease).await;
+    let reply = c1
+        .submit(AGENT_SECRET, &request("held", "demo.request", 0))
+        .await;
+    assert_eq!(reply.status, 202, "{:?}", reply.body);
+    let id = reply.id();
+    // c1 is cut off from the store's membership while it keeps serving (and Redis): its
+    // renewals are swallowed and its lease lapses, so c2 takes its work over.
+    server.psql(
+        "fleet_cut_off",
+        "CREATE FUNCTION cut_off() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+         IF NEW.name = 'c1' AND NEW.lease_until > clock_timestamp() THEN RETURN NULL; END IF; \
+         RETURN NEW; END $$; \
+         CREATE TRIGGER cut_off BEFORE INSERT OR UPDATE ON replicas \
+         FOR EACH ROW EXECUTE FUNCTION cut_off(); \
+         UPDATE replicas SET lease_until = clock_timestamp() - interval '1 minute' \
+         WHERE name = 'c1'",
+    );
+    let owner = format!("SELECT owner FROM operations WHERE id = '{id}'");
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    assert_eventually_within(
+        Duration::from_secs(30),
+        "c2 takes c1's request over, in the store and in Redis",
+        async || {
+            server.psql("fleet_cut_off", &owner) == "c2"
+                && record_of(&mut conn, &id).await.as_deref() == Some("p c2 agent")
+        },
+    )
+    .await;
+    // c1 lets its handle go (its counts, its drift) and releases nothing in Redis: the request
+    // stays counted once, as c2's.
+    assert_eventually_within(
+        Duration::from_secs(15),
+        "c1 lets go of the request taken from it",
+        async || {
+            counted_here(&c1, "agent") == (0, 0)
+                && c1.broker.check_drift().await.unwrap().total() == 0
+        },
+    )
+    .await;
+    assert_eq!(counted_here(&c2, "agent"), (1, 1));
+    assert_eq!(
+        record_of(&mut conn, &id).await.as_deref(),
+        Some("p c2 agent")
+    );
+    let counts = c1.broker.admission().counts().await.unwrap();
+    assert_eq!(counts.clients.get("agent"), Some(&(1, 1, 0)), "{counts:?}");
+    // c1 is back: it serves as before, and the request ends once, decided on c1.
+    server.psql("fleet_cut_off", "DROP TRIGGER cut_off ON replicas");
+    let reply = c1.operator.deny(&id).await;
+    assert_eq!(reply.status, 200, "{:?}", reply.body);
+    assert_eventually_within(
+        Duration::from_secs(15),
+        "the counts are back to zero",
+        async || {
+            c1.broker
+                .admission()
+                .counts()
+                .await
+                .is_ok_and(|c| c.is_idle())
+                && counted_here(&c2, "agent") == (0, 0)
+        },
+    )
+    .await;
+    let again = c1
+        .submit(AGENT_SECRET, &request("after", "demo.request", 0))
+        .await;
+    assert_eq!(again.status, 202, "{:?}", again.body);
+    for harness in [&c1, &c2] {
+        let drift = harness.broker.check_drift().await.unwrap();
+        assert_eq!(drift.total(), 0, "{drift:?}");
+    }
+    c1.broker.shutdown().await;
+    c2.broker.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_redis_forgets_the_store_names_the_fleet_so_admissions_resume_once_all_registered() {
     let Some((redis, _server, url)) = redis_and_database("fleet_window") else {

@@ -16,7 +16,9 @@
 //!   work of replicas whose membership lapsed ([`take_over`]): their executing operations end
 //!   `failed` `execution_interrupted` (never run twice), their pending and approved ones become
 //!   its own, counted here and moved to it in Redis in one registration, and approved work is
-//!   queued to run here.
+//!   queued to run here. A replica whose work was taken while it was cut off lets its handles
+//!   of that work go when it reads its rows again ([`let_go_of_taken`]), releasing nothing in
+//!   Redis, where the taker counts it.
 //!
 //! A store one process owns (SQLite) has no change feed and nothing to take over: none of this
 //! runs there.
@@ -200,4 +202,70 @@ pub(crate) async fn take_over(core: &Arc<Core>, lease: Duration) -> Result<usize
         "took over the work of replicas whose membership of the store lapsed"
     );
     Ok(adopted)
+}
+
+/// Lets go of this replica's handles of work another replica took over while this one's
+/// membership had lapsed (a replica cut off from the store for longer than a lease, still
+/// serving): their rows are live and owned elsewhere, and the taker counts them, in Redis too
+/// (moved there). Each handle here is handed over ([`OperationHandle::hand_over`]): this
+/// replica's counts let go of it and nothing is released in Redis. Without this, such a handle
+/// held its counts here (drift on this replica, its clients refused sooner) until its row ended.
+///
+/// Which are taken over: the operations live here are listed first, this replica's live rows
+/// read second. An operation enters the live map only once its row is this replica's (created,
+/// recovered or taken over here), so one listed first and missing from the rows read after has
+/// ended, or been taken over (work is only ever taken from a lapsed replica, never given back
+/// to it while it runs); its row, read under its lock, tells which. A start this replica took
+/// but could not record is left to end with its row, as before (`exec`). How many were let go.
+///
+/// [`OperationHandle::hand_over`]: crate::admission::OperationHandle::hand_over
+pub(crate) async fn let_go_of_taken(core: &Arc<Core>) -> Result<usize, StoreError> {
+    let listed: Vec<Arc<LiveOp>> = core.live_ops().values().cloned().collect();
+    if listed.is_empty() {
+        return Ok(0);
+    }
+    let mine: std::collections::HashSet<String> = core
+        .db
+        .live_states()
+        .await?
+        .into_iter()
+        .map(|(id, _)| id)
+        .collect();
+    let candidates = listed.into_iter().filter(|op| {
+        !mine.contains(&op.id)
+            && !op
+                .start_unrecorded
+                .load(std::sync::atomic::Ordering::Acquire)
+    });
+    let mut let_go = 0;
+    for op in candidates {
+        let _quiet = core.hold_counts().await;
+        let _guard = op.lock.lock().await;
+        if core.live_op(&op.id).is_none() {
+            continue;
+        }
+        match core.db.get(&op.id).await? {
+            // Ended (here or elsewhere): its handle follows its row, as for any change heard.
+            Some(record) if record.state.is_terminal() => {
+                core.follow_row(&op).await?;
+            }
+            // Live, and not this replica's: taken over.
+            Some(record) if op.handle.hand_over() => {
+                core.live_ops().remove(&op.id);
+                core.waits.ring(&op.id);
+                core.executor.wake();
+                let_go += 1;
+                tracing::warn!(
+                    operation = %op.id,
+                    client = %op.client_id,
+                    state = %record.state,
+                    "another replica took this operation over while this one's membership \
+                     of the store had lapsed; let go here"
+                );
+            }
+            // Its handle ended here meanwhile, or its row is gone.
+            Some(_) | None => {}
+        }
+    }
+    Ok(let_go)
 }

@@ -545,7 +545,8 @@ async fn join_the_store(
 }
 
 /// Renews `member`'s membership of the store every third of its lease until shutdown, taking
-/// over the work of replicas whose membership lapsed on the way (`fleet::take_over`), then gives
+/// over the work of replicas whose membership lapsed on the way (`fleet::take_over`) and letting
+/// go of its own work another replica took over (`fleet::let_go_of_taken`), then gives
 /// the membership up, so a broker started next on the store need not wait for the lease to lapse.
 async fn keep_membership(core: Arc<Core>, member: String) {
     let db = Arc::clone(&core.db);
@@ -564,6 +565,11 @@ async fn keep_membership(core: Arc<Core>, member: String) {
             && let Err(err) = super::fleet::take_over(&core, MEMBERSHIP_LEASE).await
         {
             tracing::warn!(error = %err, "the work of lapsed replicas could not be taken over; retrying");
+        }
+        if db.is_shared()
+            && let Err(err) = super::fleet::let_go_of_taken(&core).await
+        {
+            tracing::warn!(error = %err, "the work taken over from this replica could not be let go yet; retrying");
         }
     }
     if let Err(err) = db.leave_fleet(&member).await {
