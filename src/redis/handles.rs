@@ -275,27 +275,35 @@ impl RedisOperation {
     /// holding it (a re-registration no longer counts it here) and its memory forgets it.
     /// Whether it was live here.
     pub(crate) fn hand_over(&self) -> bool {
-        let mut current = self.cell.state.load(Ordering::Acquire);
-        loop {
-            if OperationState::ALL[usize::from(current)].is_terminal() {
-                return false;
-            }
-            // AcqRel: as in the lifecycle's transitions; the winner, and only it, lets go.
-            match self.cell.state.compare_exchange(
-                current,
-                OperationState::Failed as u8,
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            ) {
-                Ok(_) => break,
-                Err(actual) => current = actual,
-            }
+        if !fail_if_live(&self.cell) {
+            return false;
         }
         forget(&self.inner, &self.cell);
         self.inner
             .memory
             .released_here(self.cell.identity.as_str(), false);
         true
+    }
+}
+
+/// Moves a live operation to `failed` here; whether this call did (the winning
+/// compare-and-swap, and only it, lets go of the operation after). `false` once terminal.
+fn fail_if_live(cell: &Held) -> bool {
+    let mut current = cell.state.load(Ordering::Acquire);
+    loop {
+        if OperationState::ALL[usize::from(current)].is_terminal() {
+            return false;
+        }
+        // AcqRel: as in the lifecycle's transitions.
+        match cell.state.compare_exchange(
+            current,
+            OperationState::Failed as u8,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        ) {
+            Ok(_) => return true,
+            Err(actual) => current = actual,
+        }
     }
 }
 
@@ -322,21 +330,8 @@ async fn finish(inner: &Inner, cell: &Held, target: Target, key: Option<String>)
 
 impl Drop for RedisOperation {
     fn drop(&mut self) {
-        let mut current = self.cell.state.load(Ordering::Acquire);
-        loop {
-            let from = OperationState::ALL[usize::from(current)];
-            if from.is_terminal() {
-                return;
-            }
-            match self.cell.state.compare_exchange(
-                current,
-                OperationState::Failed as u8,
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            ) {
-                Ok(_) => break,
-                Err(actual) => current = actual,
-            }
+        if !fail_if_live(&self.cell) {
+            return;
         }
         forget(&self.inner, &self.cell);
         self.inner.keep(Kept {
