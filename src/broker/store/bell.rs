@@ -43,7 +43,10 @@ impl EventBell {
         self.written.inc_by(written);
     }
 
-    /// A receiver of the newest committed sequence.
+    /// A receiver of the newest committed sequence. Let go of what it lends at once (read the
+    /// number out of `borrow()` or `wait_for(..)`, do not keep the `watch::Ref` across an
+    /// `.await`): while one is kept, the next ring waits for it, blocking the thread that rings,
+    /// which on PostgreSQL is a numbering round holding the fleet's numbering lock.
     pub fn subscribe(&self) -> watch::Receiver<i64> {
         self.newest.subscribe()
     }
