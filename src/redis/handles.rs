@@ -266,9 +266,7 @@ impl RedisOperation {
         }
         Ok(from)
     }
-}
 
-impl RedisOperation {
     /// Lets the operation go here without a word to Redis: another replica took it over, and
     /// Redis records it as that replica's (moved there in the registration that counted it), so
     /// a release sent from here would free what the other now holds. This replica stops
