@@ -18,7 +18,7 @@ use unyolo_admission::admission::{
     SourceFuture, UnavailableReason,
 };
 use unyolo_admission::config::{ClientLimits, Limits};
-use unyolo_admission::{Config, Controller, Identity, RefusalCode};
+use unyolo_admission::{Config, Controller, Identity, OperationState, RefusalCode};
 
 const REPLICAS: [&str; 3] = ["r1", "r2", "r3"];
 
@@ -56,11 +56,13 @@ fn config() -> Config {
     Config::new(limits, overrides, [amy, bob]).unwrap()
 }
 
-/// What a replica's store would hold: its operations' keys and its admissions' times.
+/// What a replica's store would hold: its operations' keys and its admissions' times, and, once
+/// a test says so, which live rows it still owns.
 #[derive(Default)]
 struct MemoryStore {
     keys: Mutex<Vec<KeyRecord>>,
     admitted: Mutex<Vec<(Identity, Instant)>>,
+    owned: Mutex<Option<Vec<(String, OperationState)>>>,
 }
 
 impl RecoverySource for MemoryStore {
@@ -79,6 +81,11 @@ impl RecoverySource for MemoryStore {
             .filter(|(_, age)| *age < within)
             .collect();
         Box::pin(async move { Ok(admitted) })
+    }
+
+    fn owned_live(&self) -> SourceFuture<'_, Option<Vec<(String, OperationState)>>> {
+        let owned = self.owned.lock().unwrap().clone();
+        Box::pin(async move { Ok(owned) })
     }
 }
 
@@ -855,4 +862,56 @@ async fn a_replica_restarting_with_rows_lost_unbinds_the_keys_its_store_does_not
     );
     r1.shutdown().await;
     r2.shutdown().await;
+}
+
+/// A replica paused past its lease while its request was decided and run on another replica
+/// (its store says it no longer owns that row) registers again with only the work whose rows it
+/// still owns: the request that ended elsewhere is not counted under its name, and ending its
+/// handle afterwards (as the broker does once it reads the row) releases nothing twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registration_counts_only_the_work_whose_rows_this_replica_still_owns() {
+    let Some(server) = RedisServer::start() else {
+        eprintln!("SKIPPED: redis-server cannot be started here");
+        return;
+    };
+    let mut replicas = three_replicas(&server).await;
+    let r1 = &mut replicas[0];
+    let kept = r1.submit("amy", true, "kept").await.unwrap();
+    let ended = r1.submit("amy", true, "ended-elsewhere").await.unwrap();
+    let (kept_id, ended_id) = (
+        r1.live[kept].id().to_string(),
+        r1.live[ended].id().to_string(),
+    );
+    *r1.store.owned.lock().unwrap() = Some(vec![(kept_id.clone(), OperationState::Pending)]);
+    // A permit admitted and not yet committed has no row yet: it is counted whatever the store says.
+    let uncommitted = r1
+        .admission
+        .admit("amy", false, Some("in-flight"))
+        .await
+        .unwrap();
+    let uncommitted_id = uncommitted.id().to_string();
+
+    r1.admission.recount_shared().await.unwrap();
+    let holdings = r1.admission.shared_holdings().await.unwrap().unwrap();
+    let held: Vec<&String> = holdings.keys().collect();
+    let mut expected = vec![&kept_id, &uncommitted_id];
+    expected.sort();
+    assert_eq!(
+        held, expected,
+        "only the owned row and the uncommitted permit"
+    );
+    assert!(!holdings.contains_key(&ended_id));
+    let counts = r1.admission.counts().await.unwrap();
+    assert_eq!(counts.clients.get("amy"), Some(&(2, 1, 0)), "{counts:?}");
+
+    // The broker reads the ended row and ends its handle: nothing more is released.
+    r1.live[ended].fail().await.unwrap();
+    let counts = r1.admission.counts().await.unwrap();
+    assert_eq!(counts.clients.get("amy"), Some(&(2, 1, 0)), "{counts:?}");
+    uncommitted.refund().await;
+    r1.live[kept].cancel().await.unwrap();
+    assert_eventually("the deployment is idle", async || {
+        r1.admission.counts().await.unwrap().is_idle()
+    })
+    .await;
 }

@@ -48,6 +48,25 @@ pub trait RecoverySource: Send + Sync + 'static {
         Box::pin(async { Ok(None) })
     }
 
+    /// The live operations (pending, approved or executing) whose rows this replica owns in the
+    /// store now, each in its stored state; `None` (the default) when the store cannot tell,
+    /// and then a registration counts everything this replica holds, as it always did.
+    ///
+    /// Read at every registration after the operations this replica holds are listed (at
+    /// start-up, after a lapsed lease, after Redis forgot, at a takeover, at a drift's heal): an
+    /// operation it held committed when the list was taken, and that this answer lacks, has
+    /// ended or is another replica's now (decided and run elsewhere, or taken over while this
+    /// one was paused or cut off past its lease), so the registration does not count it under
+    /// this replica's name. Its handle is still live here until the embedder lets it go: end it
+    /// if its row ended ([`OperationHandle::fail`](crate::OperationHandle::fail) releases
+    /// everything), or [`OperationHandle::hand_over`](crate::OperationHandle::hand_over) it if
+    /// another replica owns it now. Answer from the store as it is at the call, and commit a
+    /// permit only once its row is written (the order the crate asks anyway), or a commit
+    /// between the list and this reading would be taken for an operation that ended.
+    fn owned_live(&self) -> SourceFuture<'_, Option<Vec<(String, OperationState)>>> {
+        Box::pin(async { Ok(None) })
+    }
+
     /// The stored state of each of `ids` now, read after a rebuild from [`fleet`]'s reading was
     /// counted, so that what moved in between (a decision taken on another replica, say) is
     /// moved in the counts too. An id missing from the answer has no row any more. The default

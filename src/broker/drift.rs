@@ -40,6 +40,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::sync::Arc;
 
 use serde_json::{Value, json};
 
@@ -309,8 +310,17 @@ fn compare(snapshot: &Snapshot, stored: &StoredCounts, uploading: &[(String, u64
 }
 
 /// Takes one reading: holds the counts gate exclusively while it reads the store and the
-/// controller, then exports the total and logs every difference.
-pub(crate) async fn check(core: &Core) -> Result<DriftReport, StoreError> {
+/// controller, then exports the total and logs every difference. On a store the fleet shares,
+/// this replica's handles first follow the rows that moved without it hearing
+/// ([`super::fleet::let_go_of_taken`]: work taken over or ended elsewhere while it was paused),
+/// so what a reading reports is what this replica could not catch up with, not a pause it has
+/// come back from.
+pub(crate) async fn check(core: &Arc<Core>) -> Result<DriftReport, StoreError> {
+    if core.db.is_shared()
+        && let Err(err) = super::fleet::let_go_of_taken(core).await
+    {
+        tracing::warn!(error = %err, "this replica's handles could not follow their rows before the drift reading");
+    }
     let report = {
         let _quiet = core.counts_gate.write().await;
         let uploading = core.uploads_in_progress();

@@ -124,12 +124,10 @@ async fn try_start(core: &Arc<Core>, op: &Arc<LiveOp>) -> Tried {
         }
         Err(StoreError::TakenOver { .. }) => {
             // Another replica took this work over while this one's membership had lapsed: it
-            // runs there, never here. Its handle follows its row from here on (`fleet`).
-            // Until its row ends there, this replica's handle keeps the slot it took (counted
-            // as a start not recorded: still `approved` here), then lets it go as its row ends.
+            // runs there, never here. Let go at once, the slot just taken with it: nothing is
+            // released in Redis, where the taker counts it (and will find its start made).
             tracing::warn!(operation = %op.id, "not started: taken over by another replica");
-            op.start_unrecorded
-                .store(true, std::sync::atomic::Ordering::Release);
+            core.let_go_here(op, OperationState::Approved);
         }
         Err(err) => {
             // The store is unavailable (locked past its busy timeout, say): the work has not run
@@ -196,9 +194,11 @@ async fn record_start(core: Arc<Core>, op: Arc<LiveOp>) {
                 abandon_start(&core, &op, "the stored operation is no longer approved").await;
                 return;
             }
-            // Taken over by another replica meanwhile: its handle lets the slot go as its row
-            // ends there (see `try_start`).
-            Err(StoreError::TakenOver { .. }) => return,
+            // Taken over by another replica meanwhile: let go here (see `try_start`).
+            Err(StoreError::TakenOver { .. }) => {
+                core.let_go_here(&op, OperationState::Approved);
+                return;
+            }
             Err(err) => {
                 tracing::warn!(operation = %op.id, error = %err, "cannot record the start yet; retrying");
             }

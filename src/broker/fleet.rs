@@ -16,9 +16,14 @@
 //!   work of replicas whose membership lapsed ([`take_over`]): their executing operations end
 //!   `failed` `execution_interrupted` (never run twice), their pending and approved ones become
 //!   its own, counted here and moved to it in Redis in one registration, and approved work is
-//!   queued to run here. A replica whose work was taken while it was cut off lets its handles
-//!   of that work go when it reads its rows again ([`let_go_of_taken`]), releasing nothing in
-//!   Redis, where the taker counts it.
+//!   queued to run here.
+//! - **No handle outlives its row**: a replica whose work was taken over, or decided and run
+//!   elsewhere, while it was paused or cut off past its lease finds it when it reads its rows
+//!   again ([`let_go_of_taken`], every third of a lease and before every drift reading): a
+//!   handle of work taken over is let go, releasing nothing in Redis, where the taker counts
+//!   it; one whose row ended follows it, releasing everything. And it never counts such work
+//!   under its name in Redis again: each registration counts only the work whose rows it still
+//!   owns (`RecoverySource::owned_live`).
 //!
 //! A store one process owns (SQLite) has no change feed and nothing to take over: none of this
 //! runs there.
@@ -204,19 +209,26 @@ pub(crate) async fn take_over(core: &Arc<Core>, lease: Duration) -> Result<usize
     Ok(adopted)
 }
 
-/// Lets go of this replica's handles of work another replica took over while this one's
-/// membership had lapsed (a replica cut off from the store for longer than a lease, still
-/// serving): their rows are live and owned elsewhere, and the taker counts them, in Redis too
-/// (moved there). Each handle here is handed over ([`OperationHandle::hand_over`]): this
-/// replica's counts let go of it and nothing is released in Redis. Without this, such a handle
-/// held its counts here (drift on this replica, its clients refused sooner) until its row ended.
+/// Makes this replica's handles follow rows that moved without it hearing (see the module doc):
+/// work another replica took over while this one's membership had lapsed (a replica cut off from
+/// the store, or paused, for longer than a lease), and work that ended elsewhere meanwhile
+/// (decided on one replica, taken over and run on another). Run every third of a lease and
+/// before every drift reading, so no count of this replica, here or in Redis, outlives its row
+/// past the next reading.
 ///
-/// Which are taken over: the operations live here are listed first, this replica's live rows
-/// read second. An operation enters the live map only once its row is this replica's (created,
-/// recovered or taken over here), so one listed first and missing from the rows read after has
-/// ended, or been taken over (work is only ever taken from a lapsed replica, never given back
-/// to it while it runs); its row, read under its lock, tells which. A start this replica took
-/// but could not record is left to end with its row, as before (`exec`). How many were let go.
+/// - **Taken over**, its row live and another replica's: the handle is handed over
+///   ([`OperationHandle::hand_over`]): this replica's counts let go of it and nothing is
+///   released in Redis, where the taker counts it. That includes a start this replica took but
+///   could not record (the store refused it as taken over): the work never ran here.
+/// - **Ended**, its row terminal: the handle follows its row from whatever state it is in
+///   ([`Core::follow_row`]), releasing everything it holds here and, by its id, in Redis.
+///
+/// Which to look at: the operations live here are listed first, this replica's live rows read
+/// second. An operation enters the live map only once its row was written as this replica's
+/// (created, recovered or taken over here), so one listed first and missing from the rows read
+/// after has ended, or been taken over (work is only ever taken from a lapsed replica, never
+/// given back to it while it runs); its row, read under its lock, tells which. How many handles
+/// were let go or ended.
 ///
 /// [`OperationHandle::hand_over`]: crate::admission::OperationHandle::hand_over
 pub(crate) async fn let_go_of_taken(core: &Arc<Core>) -> Result<usize, StoreError> {
@@ -231,41 +243,51 @@ pub(crate) async fn let_go_of_taken(core: &Arc<Core>) -> Result<usize, StoreErro
         .into_iter()
         .map(|(id, _)| id)
         .collect();
-    let candidates = listed.into_iter().filter(|op| {
-        !mine.contains(&op.id)
-            && !op
-                .start_unrecorded
-                .load(std::sync::atomic::Ordering::Acquire)
-    });
-    let mut let_go = 0;
-    for op in candidates {
+    let mut followed = 0;
+    for op in listed.into_iter().filter(|op| !mine.contains(&op.id)) {
         let _quiet = core.hold_counts().await;
         let _guard = op.lock.lock().await;
         if core.live_op(&op.id).is_none() {
             continue;
         }
         match core.db.get(&op.id).await? {
-            // Ended (here or elsewhere): its handle follows its row, as for any change heard.
+            // Ended (here or elsewhere): its handle follows its row.
             Some(record) if record.state.is_terminal() => {
                 core.follow_row(&op).await?;
+                followed += 1;
             }
             // Live, and not this replica's: taken over.
-            Some(record) if op.handle.hand_over() => {
-                core.live_ops().remove(&op.id);
-                core.waits.ring(&op.id);
-                core.executor.wake();
-                let_go += 1;
-                tracing::warn!(
-                    operation = %op.id,
-                    client = %op.client_id,
-                    state = %record.state,
-                    "another replica took this operation over while this one's membership \
-                     of the store had lapsed; let go here"
-                );
-            }
-            // Its handle ended here meanwhile, or its row is gone.
+            Some(record) if core.let_go_here(&op, record.state) => followed += 1,
+            // Its handle ended here meanwhile, or its row is gone (retired).
             Some(_) | None => {}
         }
     }
-    Ok(let_go)
+    Ok(followed)
+}
+
+impl Core {
+    /// Lets go of `op` here because another replica took it over (its row, in `stored`, is
+    /// that replica's): its handle is handed over (this replica's counts give it back, nothing
+    /// is released in Redis, where the taker counts it), it leaves the live map, and its waits
+    /// and the executor are woken. Called with the counts gate and the operation's lock held.
+    /// Whether it was live here.
+    pub(crate) fn let_go_here(&self, op: &Arc<LiveOp>, stored: OperationState) -> bool {
+        if !op.handle.hand_over() {
+            return false;
+        }
+        op.start_unrecorded
+            .store(false, std::sync::atomic::Ordering::Release);
+        op.follow_in_shadow(self.shadow.as_ref(), OperationState::Failed);
+        self.live_ops().remove(&op.id);
+        self.waits.ring(&op.id);
+        self.executor.wake();
+        tracing::warn!(
+            operation = %op.id,
+            client = %op.client_id,
+            state = %stored,
+            "another replica took this operation over while this one's membership of the \
+             store had lapsed; let go here"
+        );
+        true
+    }
 }

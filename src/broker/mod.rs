@@ -122,6 +122,7 @@ pub(crate) mod registry;
 pub mod retention;
 pub mod serve;
 mod startup;
+mod stops;
 pub mod store;
 pub mod waits;
 

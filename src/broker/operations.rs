@@ -335,7 +335,23 @@ impl Core {
         let from = op.stored_state();
         let to = record.state;
         // `executing` is only ever written by the owner's own start (this replica's executor).
-        if to != from && to != OperationState::Executing && from.can_move_to(to) {
+        // A row that ended is followed from whatever state the handle is in: it may have ended
+        // through moves this replica never saw (decided, taken over and run elsewhere while it
+        // was paused past its lease).
+        if to != from
+            && to != OperationState::Executing
+            && (from.can_move_to(to) || to.is_terminal())
+        {
+            if !from.can_move_to(to) {
+                tracing::warn!(
+                    operation = %op.id,
+                    client = %op.client_id,
+                    held = %from,
+                    stored = %to,
+                    "this operation ended elsewhere while this replica did not follow it (paused \
+                     or cut off past its lease); every slot it held here is let go"
+                );
+            }
             self.follow_in_handle(op, from, to).await;
             if to == OperationState::Approved {
                 self.queue_lapse(op, &record);
@@ -368,6 +384,10 @@ impl Core {
             {
                 op.handle.fail().await
             }
+            // A row that ended through moves this handle never saw (see `follow_row`): every
+            // slot it holds is released, as for a failure, here and in Redis by its id (the row
+            // ended: no replica may count it any more).
+            _ if to.is_terminal() && !from.can_move_to(to) => op.handle.fail().await,
             // Under the lock the handle is live, so the cancel must be this call's own.
             OperationState::Canceled => match op.handle.cancel().await {
                 Ok(CancelOutcome::Canceled { .. }) => Ok(()),

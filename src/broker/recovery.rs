@@ -5,7 +5,9 @@
 //! the in-process buckets: no extra write per admission). A store the fleet shares
 //! (PostgreSQL) also answers for every replica ([`RecoverySource::fleet`]): its members, every
 //! owned live operation and every owned recent admission, so one replica rebuilds the work of
-//! those that have not registered again.
+//! those that have not registered again. At every registration it says which live rows are
+//! still this replica's own ([`RecoverySource::owned_live`]), so work that ended or was taken
+//! over elsewhere while this replica was paused is not counted under its name again.
 
 use std::time::{Duration, SystemTime};
 
@@ -101,6 +103,16 @@ impl RecoverySource for StoreSource {
                 live,
                 admissions,
             }))
+        })
+    }
+
+    fn owned_live(&self) -> SourceFuture<'_, Option<Vec<(String, OperationState)>>> {
+        Box::pin(async move {
+            self.db
+                .live_states()
+                .await
+                .map(Some)
+                .map_err(|e| e.to_string())
         })
     }
 

@@ -1,9 +1,11 @@
-//! Registration: what this replica holds replaces whatever Redis held under its name, and the
-//! lease is taken, in one atomic step (`scripts/replace.lua`) — at start-up
+//! Registration: what this replica holds (of its committed work, only what its store says it
+//! still owns: `RecoverySource::owned_live`) replaces whatever Redis held under its name, and
+//! the lease is taken, in one atomic step (`scripts/replace.lua`) — at start-up
 //! ([`RedisController::register_or_defer`], deferred to the heartbeat while Redis does not
 //! answer), after a lapsed lease, and after Redis forgot ([`Inner::register_again`]: the key
 //! records go back first, then the holdings with the clients' rate debts).
 
+use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -16,6 +18,7 @@ use super::replica::{Inner, RedisController, random_hex};
 use super::reply::{self, Replaced};
 use super::units::ttl_millis;
 use crate::admission::outcome::{RestoredOperation, Unavailable, UnavailableReason};
+use crate::admission::recovery::RecoverySource;
 use crate::config::Identity;
 
 /// An operation id the scripts can record: 1 to 128 visible ASCII characters.
@@ -232,18 +235,51 @@ impl RedisController {
 }
 
 impl Inner {
-    /// The permits this replica admitted and has not committed: (id, client, what Redis needs
-    /// again). Read once the admissions in flight have answered (they hold the registration
-    /// lock shared), so none is missed.
-    async fn uncommitted(&self) -> Vec<(String, Identity, Uncommitted)> {
+    /// What this replica holds, listed once the admissions in flight have answered (they hold
+    /// the registration lock shared), so none is missed: the permits it admitted and has not
+    /// committed (id, client, what Redis needs again), and the ids of the operations committed.
+    async fn listed(&self) -> (Vec<(String, Identity, Uncommitted)>, HashSet<String>) {
         let _alone = self.registration.write().await;
-        self.lock_held()
-            .values()
-            .filter_map(|cell| {
-                let u = crate::sync::lock(&cell.uncommitted).clone()?;
-                Some((cell.id.clone(), cell.identity.clone(), u))
-            })
-            .collect()
+        let mut uncommitted = Vec::new();
+        let mut committed = HashSet::new();
+        for cell in self.lock_held().values() {
+            match crate::sync::lock(&cell.uncommitted).clone() {
+                Some(u) => uncommitted.push((cell.id.clone(), cell.identity.clone(), u)),
+                None => {
+                    committed.insert(cell.id.clone());
+                }
+            }
+        }
+        (uncommitted, committed)
+    }
+
+    /// Of `committed` (listed before `source` was read), the operations whose rows this
+    /// replica no longer owns live: ended, or another replica's now. Empty when the source
+    /// cannot tell ([`RecoverySource::owned_live`]).
+    async fn disowned(
+        &self,
+        source: &dyn RecoverySource,
+        mut committed: HashSet<String>,
+    ) -> Result<HashSet<String>, Unavailable> {
+        let owned = source.owned_live().await.map_err(|e| {
+            self.unavailable(UnavailableReason::Reply(format!(
+                "the store's live operations could not be read: {e}"
+            )))
+        })?;
+        let Some(owned) = owned else {
+            return Ok(HashSet::new());
+        };
+        for (id, _) in owned {
+            committed.remove(&id);
+        }
+        if !committed.is_empty() {
+            tracing::info!(
+                operations = committed.len(),
+                "not counted again under this replica: their rows ended or are another \
+                 replica's now (decided, run or taken over elsewhere while its lease had lapsed)"
+            );
+        }
+        Ok(committed)
     }
 
     /// Registers this replica again (at start-up, after a lapsed lease, after Redis forgot): if
@@ -259,6 +295,7 @@ impl Inner {
         for _ in 0..REGISTRATION_TRIES {
             let mut debts = Vec::new();
             let mut fleet = None;
+            let mut disowned = HashSet::new();
             // '-': nothing to restore; '': Redis held this replica's part when checked.
             let mut keyed = String::from("-");
             if let Some(source) = &source {
@@ -267,7 +304,7 @@ impl Inner {
                 // their keys and admissions come from here. Read first (once the admissions in
                 // flight have their cells), then the store, so a permit committed in between is
                 // in one or both (a token counted twice can only refuse, never admit).
-                let uncommitted = self.uncommitted().await;
+                let (uncommitted, committed) = self.listed().await;
                 // No retirement between reading the key records and writing them back: a key
                 // unbound after the read, its row then deleted, would be bound again here to an
                 // operation no store holds (and answered "elsewhere" on every other replica).
@@ -310,6 +347,10 @@ impl Inner {
                         .map(|(_, client, u)| (client.clone(), u.at.elapsed())),
                 );
                 debts = rate_debts(&config, &admissions);
+                // Only work whose row this replica still owns, read after the list above: an
+                // operation committed here before it was listed has its row written, so one
+                // the store does not give back as this replica's has ended or moved since.
+                disowned = self.disowned(&**source, committed).await?;
                 // A store the fleet shares names the whole fleet, and what each replica owns:
                 // read when Redis lacks this replica's part (a new epoch: others may lack theirs
                 // too), not at every registration (a takeover's, a drift's heal), since it
@@ -325,7 +366,8 @@ impl Inner {
             let members = fleet.as_ref().map(|f| f.members.as_slice());
             let registered = {
                 let _alone = self.registration.write().await;
-                self.replace_locked(&debts, &keyed, members).await?
+                self.replace_locked(&debts, &keyed, members, &disowned)
+                    .await?
             };
             if registered {
                 if let (Some(source), Some(fleet)) = (&source, fleet) {
@@ -360,12 +402,14 @@ impl Inner {
 
     /// The replace script with what `held` says now and `debts` (applied only if Redis lacks this
     /// replica's admissions for its epoch). `members`: the whole fleet, when a store the fleet
-    /// shares says who it is. The caller holds `registration` alone.
+    /// shares says who it is. `disowned`: operations held here whose rows are no longer this
+    /// replica's (not counted). The caller holds `registration` alone.
     async fn replace_locked(
         &self,
         debts: &[RateDebt],
         keyed: &str,
         members: Option<&[String]>,
+        disowned: &HashSet<String>,
     ) -> Result<bool, Unavailable> {
         let sent = Instant::now();
         let replica = &self.options.replica;
@@ -426,6 +470,9 @@ impl Inner {
             let Some(state) = held_state(cell.state()) else {
                 continue;
             };
+            if disowned.contains(&cell.id) {
+                continue;
+            }
             invocation
                 .arg(&cell.id)
                 .arg(cell.identity.as_str())

@@ -154,7 +154,19 @@ impl Server {
         log_filter: &str,
         args: &[impl AsRef<str>],
     ) -> Server {
-        let mut child = command(file_limit, log_filter, args)
+        Server::launch(command(file_limit, log_filter, args))
+    }
+
+    /// [`Server::spawn`] with more environment variables (the debug build's stops, say:
+    /// `ADMISSION_TEST_STOP_AFTER_INSERT`).
+    pub fn spawn_with_env(env: &[(&str, &str)], args: &[impl AsRef<str>]) -> Server {
+        let mut command = command(None, "info", args);
+        command.envs(env.iter().copied());
+        Server::launch(command)
+    }
+
+    fn launch(mut command: Command) -> Server {
+        let mut child = command
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -253,6 +265,34 @@ impl Server {
             .status()
             .unwrap();
         assert!(status.success());
+    }
+
+    /// Sends SIGSTOP: the whole process pauses where it is, as a stalled machine would.
+    pub fn pause(&self) {
+        self.signal("-STOP");
+    }
+
+    /// Sends SIGCONT: a paused process goes on from where it stopped.
+    pub fn resume(&self) {
+        self.signal("-CONT");
+    }
+
+    /// Whether the process is stopped (`T` in `/proc/PID/stat`): by [`Server::pause`], or by
+    /// itself at one of the debug build's stops.
+    pub fn is_stopped(&self) -> bool {
+        let stat =
+            std::fs::read_to_string(format!("/proc/{}/stat", self.pid())).unwrap_or_default();
+        // The state follows the command's name, which is in parentheses.
+        stat.rsplit_once(") ")
+            .is_some_and(|(_, rest)| rest.starts_with('T'))
+    }
+
+    fn signal(&self, signal: &str) {
+        let status = Command::new("kill")
+            .args([signal, &self.pid().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success(), "kill {signal}");
     }
 
     /// Sends SIGHUP (reload the admission config).

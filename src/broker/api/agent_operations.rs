@@ -493,6 +493,7 @@ pub(crate) async fn create(
             return Err(err.into());
         }
     }
+    crate::broker::stops::after_insert(&request.idempotency_key);
     // Replicated, the answer's quota fields are the shared decision's (every replica's counts).
     let decided = permit.quota();
     let op = Arc::new(LiveOp::new(&record, permit.commit()).shadowed(shadow.map(Permit::commit)));
