@@ -1,13 +1,13 @@
-//! The bodies of the cargo-fuzz targets in `fuzz/`, kept in the library so that a plain
+//! The bodies of the library's cargo-fuzz targets in `fuzz/` (the quota file, the secrets files,
+//! the controller's operations, Redis's replies and notices), kept in the library so that a plain
 //! `cargo test` (`tests/fuzz_corpus_replay.rs`) replays every committed corpus file through exactly
 //! the code the fuzzer runs. Not part of the public API, and behind the cargo feature `fuzzing`:
 //! `fuzz/` turns it on, and so do this package's tests (through its dev-dependency on itself), while
-//! a plain build of the library or the binary leaves this module out.
+//! a plain build of the library leaves this module out. The broker's parsers have theirs in the
+//! broker crate (`unyolo_admission_broker::fuzzing`).
 //!
 //! Every function panics (through `assert!`) when an invariant of the contract breaks; that panic
-//! is what the fuzzer reports as a crash and what the replay test reports as a failure. The
-//! broker's parsers (query strings, cursors, submission bodies) are in the `broker` submodule,
-//! re-exported here, so that this file stays about the library.
+//! is what the fuzzer reports as a crash and what the replay test reports as a failure.
 //!
 //! Past the usual size because each target's invariants are spelled out in full beside it; they are
 //! one list of what the contract promises of each parser.
@@ -57,22 +57,6 @@ pub fn config_parse(data: &[u8]) {
         }
     }
 }
-
-#[cfg(feature = "broker")]
-mod broker;
-#[cfg(feature = "broker")]
-pub use broker::{
-    agent_query, agent_query_accepted, event_cursor, event_cursor_accepted, submission,
-    submission_accepted,
-};
-
-#[cfg(feature = "broker")]
-mod operator;
-#[cfg(feature = "broker")]
-pub use operator::{
-    operator_decision, operator_decision_accepted, operator_list_query,
-    operator_list_query_accepted,
-};
 
 #[cfg(feature = "redis")]
 mod redis;

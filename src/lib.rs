@@ -1,5 +1,5 @@
 #![forbid(unsafe_code)]
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 //! Admission control for agent brokers.
 //!
 //! A broker executes operations that coding agents ask for, some only after a human operator
@@ -23,9 +23,13 @@
 //! - [`clock`]: where time comes from (`quanta` in production, [`ManualClock`] in tests), clamped
 //!   so time as the engine sees it never goes back.
 //! - [`metrics`]: the Prometheus exposition of the engine's lock-free [`Snapshot`] of every count.
-//! - `broker` (cargo feature `broker`, on by default): the reference broker behind `admission
-//!   serve`, an HTTP server with a SQLite store, written on [`Admission`]. The library ends where
-//!   it begins.
+//! - `redis` (cargo feature `redis`, on by default): the shared backend replicas decide on, one
+//!   atomic script per decision; reached only through [`Admission`].
+//!
+//! The reference broker behind `admission serve` (an HTTP server on a SQLite or PostgreSQL
+//! store, and the `admission` command) is a crate of its own, `unyolo-admission-broker`, written
+//! on [`Admission`] through this crate's public API only: the library ends where it begins, and
+//! none of its dependencies (a web server, database drivers, a CLI parser) come with this one.
 //!
 //! # The broker-side sequence
 //!
@@ -163,13 +167,15 @@
 //! and admit), or the loser of a race between duplicates holds a permit it must
 //! [`refund`](Permit::refund) — never drop.
 //!
-//! `examples/axum_broker.rs` is a complete broker written this way in about 500 lines: bearer
-//! authentication ([`config::Secrets::identify`]), replay under a per-key lock (another request
-//! under the key is a conflict), admission and creation in a detached task, decisions (approve,
-//! deny, and cancel by its [`CancelOutcome`]) whose store writes are retried until they land,
-//! an executor that waits for a slot ([`Operation::start`]), restore at start-up (what to do
-//! with rows found `executing`; the rate buckets rebuilt with [`Controller::restore_rate`]; an
-//! [`admission::RecoverySource`] for when Redis forgets), reload on `SIGHUP`
+//! `broker/examples/axum_broker.rs` is a complete broker written this way in about 580 lines:
+//! bearer authentication ([`config::Secrets::identify`]), replay under a per-key lock (another
+//! request under the key is a conflict), admission and creation in a detached task, decisions
+//! (approve, deny, and cancel by its [`CancelOutcome`]) whose store writes are retried until
+//! they land, an executor that waits for a slot without holding the operation's lock
+//! ([`OperationHandle::slot_freed`], then [`OperationHandle::try_start`] under it), restore at
+//! start-up (what to do with rows found `executing`; the rate buckets rebuilt with
+//! [`Controller::restore_rate`], before or after [`Admission::restore`]: the two are
+//! independent; an [`admission::RecoverySource`] for when Redis forgets), reload on `SIGHUP`
 //! ([`Admission::reload_from_optional_path`]), and `/metrics` in the embedder's own registry
 //! ([`Admission::register_metrics`]). Its tests hang clients up mid-request and check the counts
 //! against the store, lock the store under a decision, restart it, and flush Redis under it.
@@ -180,13 +186,9 @@
 //! bug in it.
 
 pub mod admission;
-#[cfg(feature = "broker")]
-pub mod broker;
 pub mod clock;
 pub mod config;
 pub mod engine;
-#[cfg(feature = "broker")]
-pub mod fairness;
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;

@@ -1,5 +1,6 @@
-//! Replays every committed fuzz corpus file (`fuzz/corpus/<target>/*`) through the same function
-//! the cargo-fuzz target calls, so CI covers the corpora on stable without a fuzzer.
+//! Replays every committed fuzz corpus file of the library's targets (`fuzz/corpus/<target>/*`)
+//! through the same function the cargo-fuzz target calls, so CI covers the corpora on stable
+//! without a fuzzer. The broker's targets are replayed by its own `fuzz_corpus_replay`.
 
 use std::path::Path;
 
@@ -7,23 +8,8 @@ use unyolo_admission::config::secrets::Secrets;
 use unyolo_admission::config::{Config, Identity};
 use unyolo_admission::fuzzing;
 
-fn replay(target: &str, run: fn(&[u8])) -> usize {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("fuzz/corpus")
-        .join(target);
-    let mut files: Vec<_> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
-        .map(|entry| entry.expect("readable corpus entry").path())
-        .filter(|path| path.is_file())
-        .collect();
-    files.sort();
-    for path in &files {
-        let data = std::fs::read(path).expect("readable corpus file");
-        let outcome = std::panic::catch_unwind(|| run(&data));
-        assert!(outcome.is_ok(), "{} fails {target}", path.display());
-    }
-    files.len()
-}
+mod support;
+use support::corpus::{corpus_root, judge_seeds, replay};
 
 #[test]
 fn every_config_parse_corpus_file_holds_the_invariants() {
@@ -40,63 +26,10 @@ fn every_secrets_parse_corpus_file_holds_the_invariants() {
     assert!(replay("secrets_parse", fuzzing::secrets_parse) >= 12);
 }
 
-#[cfg(feature = "broker")]
-#[test]
-fn every_agent_query_corpus_file_holds_the_invariants() {
-    assert!(replay("agent_query", fuzzing::agent_query) >= 12);
-}
-
-#[cfg(feature = "broker")]
-#[test]
-fn every_submission_corpus_file_holds_the_invariants() {
-    assert!(replay("submission", fuzzing::submission) >= 12);
-}
-
-#[cfg(feature = "broker")]
-#[test]
-fn every_operator_decision_corpus_file_holds_the_invariants() {
-    assert!(replay("operator_decision", fuzzing::operator_decision) >= 12);
-}
-
-#[cfg(feature = "broker")]
-#[test]
-fn every_operator_list_query_corpus_file_holds_the_invariants() {
-    assert!(replay("operator_list_query", fuzzing::operator_list_query) >= 12);
-}
-
-#[cfg(feature = "broker")]
-#[test]
-fn every_event_cursor_corpus_file_holds_the_invariants() {
-    assert!(replay("event_cursor", fuzzing::event_cursor) >= 12);
-}
-
 #[cfg(feature = "redis")]
 #[test]
 fn every_redis_reply_corpus_file_holds_the_invariants() {
     assert!(replay("redis_reply", fuzzing::redis_reply) >= 12);
-}
-
-/// Seed files named `valid_*` must be accepted and `invalid_*` refused (by `accepts`), so the
-/// seeds reach both the round-trip checks and the error paths they were written for. Returns how
-/// many of each there are.
-fn judge_seeds(target: &str, accepts: impl Fn(&[u8]) -> bool) -> (usize, usize) {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("fuzz/corpus")
-        .join(target);
-    let (mut valid, mut invalid) = (0, 0);
-    for entry in std::fs::read_dir(dir).expect("corpus exists") {
-        let path = entry.expect("entry").path();
-        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
-        let data = std::fs::read(&path).expect("readable");
-        if name.starts_with("valid_") {
-            assert!(accepts(&data), "{target}/{name} was refused");
-            valid += 1;
-        } else if name.starts_with("invalid_") {
-            assert!(!accepts(&data), "{target}/{name} was accepted");
-            invalid += 1;
-        }
-    }
-    (valid, invalid)
 }
 
 #[test]
@@ -120,54 +53,6 @@ fn secrets_seeds_are_judged_as_their_names_say() {
     );
 }
 
-#[cfg(feature = "broker")]
-#[test]
-fn agent_query_seeds_are_judged_as_their_names_say() {
-    let (valid, invalid) = judge_seeds("agent_query", fuzzing::agent_query_accepted);
-    assert!(
-        valid >= 3 && invalid >= 3,
-        "{valid} valid, {invalid} invalid"
-    );
-}
-
-#[cfg(feature = "broker")]
-#[test]
-fn event_cursor_seeds_are_judged_as_their_names_say() {
-    let (valid, invalid) = judge_seeds("event_cursor", fuzzing::event_cursor_accepted);
-    assert!(
-        valid >= 3 && invalid >= 3,
-        "{valid} valid, {invalid} invalid"
-    );
-}
-
-#[cfg(feature = "broker")]
-#[test]
-fn submission_seeds_are_judged_as_their_names_say() {
-    let (valid, invalid) = judge_seeds("submission", fuzzing::submission_accepted);
-    assert!(
-        valid >= 3 && invalid >= 3,
-        "{valid} valid, {invalid} invalid"
-    );
-}
-
-#[cfg(feature = "broker")]
-#[test]
-fn operator_seeds_are_judged_as_their_names_say() {
-    for (target, accepted) in [
-        (
-            "operator_decision",
-            fuzzing::operator_decision_accepted as fn(&[u8]) -> bool,
-        ),
-        ("operator_list_query", fuzzing::operator_list_query_accepted),
-    ] {
-        let (valid, invalid) = judge_seeds(target, accepted);
-        assert!(
-            valid >= 3 && invalid >= 3,
-            "{target}: {valid} valid, {invalid} invalid"
-        );
-    }
-}
-
 #[cfg(feature = "redis")]
 #[test]
 fn every_refusal_notices_corpus_file_holds_the_invariants() {
@@ -184,8 +69,8 @@ fn redis_reply_seeds_are_judged_as_their_names_say() {
     );
 }
 
-/// Thousands of pseudo-random replies, so a plain `cargo test` explores beyond the corpus.
 #[cfg(feature = "redis")]
+/// Thousands of pseudo-random replies, so a plain `cargo test` explores beyond the corpus.
 #[test]
 fn pseudo_random_redis_replies_hold_the_invariants() {
     let mut state: u64 = 0x2545_F491_4F6C_DD1D;
@@ -207,8 +92,7 @@ fn pseudo_random_redis_replies_hold_the_invariants() {
 
 #[test]
 fn every_corpus_directory_has_a_replay() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus");
-    for entry in std::fs::read_dir(root).expect("fuzz/corpus exists") {
+    for entry in std::fs::read_dir(corpus_root()).expect("fuzz/corpus exists") {
         let name = entry.expect("entry").file_name();
         assert!(
             [

@@ -1,6 +1,10 @@
-//! House rules that the compiler does not check: imports between the files of `src/` run one
-//! way (no file reaches back, directly or around a circle, to a file that imports it), and no
-//! file of `src/` grows past 1,000 lines.
+//! House rules that the compiler does not check, for both crates of the workspace (the library
+//! under `src/`, the reference broker under `broker/src/`): imports between the files of a crate
+//! run one way (no file reaches back, directly or around a circle, to a file that imports it); no
+//! Rust file of the repository grows past 1,000 lines; the broker reaches the library through its
+//! public API only (it is another crate: the compiler enforces that, and this checks that
+//! nothing brings the broker back inside the library); and no public item of the library goes
+//! undocumented (`#![deny(missing_docs)]` at its root, which the compiler enforces).
 //!
 //! The import graph is built from the source, parsed with `syn`. File A depends on file B when A
 //! names an item through a path — a `use` tree, or a path anywhere else (a type, an expression, a
@@ -21,21 +25,39 @@ use std::path::{Path, PathBuf};
 use proc_macro2::{TokenStream, TokenTree};
 use syn::visit::Visit;
 
-/// The most lines a file of `src/` may have.
+/// The most lines a Rust file of the repository may have.
 const MOST_LINES: usize = 1_000;
 
-/// A module's path from its crate's root: `["broker", "api", "events"]`.
+/// The source folders of the workspace's crates, from the repository root (this package's).
+const CRATE_SOURCES: [&str; 2] = ["src", "broker/src"];
+
+/// A module's path from its crate's root: `["store", "postgres", "events"]`.
 type ModulePath = Vec<String>;
 
-/// Every `.rs` file under `src/`, as (path relative to the package, contents), sorted.
-fn src_files() -> Vec<(String, String)> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+/// The repository root: this package's manifest dir (the library is the workspace's root).
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Every `.rs` file under `dir` (from the repository root), as (path from the root, contents),
+/// sorted.
+fn rust_files(dir: &str) -> Vec<(String, String)> {
+    let root = root();
     let mut files = Vec::new();
-    let mut dirs = vec![root.join("src")];
+    let mut dirs = vec![root.join(dir)];
     while let Some(dir) = dirs.pop() {
-        for entry in std::fs::read_dir(&dir).unwrap() {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for entry in entries {
             let path: PathBuf = entry.unwrap().path();
             if path.is_dir() {
+                if path
+                    .file_name()
+                    .is_some_and(|n| n == "target" || n == "corpus")
+                {
+                    continue;
+                }
                 dirs.push(path);
             } else if path.extension().is_some_and(|e| e == "rs") {
                 let name = path.strip_prefix(root).unwrap().to_string_lossy();
@@ -48,10 +70,15 @@ fn src_files() -> Vec<(String, String)> {
     files
 }
 
-/// The crate (`lib` or `main`) a file belongs to and its module path in it, from where it lies:
-/// `src/a/b.rs` and `src/a/b/mod.rs` are both `a::b` of the library.
+/// The crate (`lib` or `main`) a file of a crate's source folder belongs to and its module path
+/// in it, from where it lies: `src/a/b.rs` and `src/a/b/mod.rs` are both `a::b` of the library,
+/// as `broker/src/a/b.rs` is `a::b` of the broker.
 fn module_of(file: &str) -> (&'static str, ModulePath) {
-    let rel = file.strip_prefix("src/").expect("a file of src/");
+    let rel = CRATE_SOURCES
+        .iter()
+        .rev()
+        .find_map(|dir| file.strip_prefix(dir).and_then(|r| r.strip_prefix('/')))
+        .expect("a file of a crate's source folder");
     let rel = rel.strip_suffix(".rs").expect("a .rs file");
     if rel == "main" {
         return ("main", Vec::new());
@@ -430,27 +457,33 @@ fn short(file: &str) -> &str {
 }
 
 #[test]
-fn src_files_import_one_way() {
-    let circles = find_circles(&import_edges(&src_files()));
-    let report: Vec<String> = circles
-        .iter()
-        .map(|circle| {
+fn each_crates_files_import_one_way() {
+    let mut report: Vec<String> = Vec::new();
+    for dir in CRATE_SOURCES {
+        let files = rust_files(dir);
+        assert!(files.len() > 10, "{dir} is read");
+        for circle in find_circles(&import_edges(&files)) {
             let files: Vec<&str> = circle.iter().map(|f| short(f)).collect();
-            files.join(" -> ")
-        })
-        .collect();
+            report.push(files.join(" -> "));
+        }
+    }
     assert!(
         report.is_empty(),
-        "{} import circle(s) between files of src/ (a type two files share moves to a file both \
-         import, or to a small leaf):\n{}",
+        "{} import circle(s) between files of one crate (a type two files share moves to a file \
+         both import, or to a small leaf):\n{}",
         report.len(),
         report.join("\n"),
     );
 }
 
 #[test]
-fn no_src_file_over_1000_lines() {
-    let long: Vec<String> = src_files()
+fn no_rust_file_over_1000_lines() {
+    let mut files = Vec::new();
+    for dir in ["src", "benches", "broker", "fuzz/fuzz_targets"] {
+        files.extend(rust_files(dir));
+    }
+    assert!(files.len() > 100, "the repository is read");
+    let long: Vec<String> = files
         .iter()
         .filter_map(|(file, source)| {
             let lines = source.lines().count();
@@ -459,9 +492,44 @@ fn no_src_file_over_1000_lines() {
         .collect();
     assert!(
         long.is_empty(),
-        "src/ files over {MOST_LINES} lines:\n{}",
+        "Rust files over {MOST_LINES} lines (split by concern):\n{}",
         long.join("\n")
     );
+}
+
+#[test]
+fn the_library_documents_every_public_item_and_knows_nothing_of_the_broker() {
+    let lib = std::fs::read_to_string(root().join("src/lib.rs")).unwrap();
+    assert!(
+        lib.lines().any(|l| l.trim() == "#![deny(missing_docs)]"),
+        "src/lib.rs denies missing docs"
+    );
+    let manifest = std::fs::read_to_string(root().join("Cargo.toml")).unwrap();
+    let library = manifest
+        .split("[dev-dependencies]")
+        .next()
+        .expect("the library's manifest");
+    for dependency in [
+        "axum",
+        "hyper",
+        "rusqlite",
+        "tokio-postgres",
+        "reqwest",
+        "clap",
+        "unyolo-admission-broker",
+    ] {
+        assert!(
+            !library.lines().any(|l| l.starts_with(dependency)),
+            "the library depends on {dependency}"
+        );
+    }
+    for (file, source) in rust_files("src") {
+        let named = source
+            .lines()
+            .filter(|line| !line.trim_start().starts_with("//"))
+            .any(|line| line.contains("unyolo_admission_broker"));
+        assert!(!named, "{file} names the broker crate");
+    }
 }
 
 fn synthetic(files: &[(&str, &str)]) -> Vec<(String, String)> {

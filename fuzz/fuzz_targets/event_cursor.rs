@@ -1,8 +1,8 @@
 //! Arbitrary bytes as the start of an Operator V1 event stream (a cursor, the `cursor` query,
-//! the `Last-Event-ID` header); see `unyolo_admission::fuzzing::event_cursor` for the
+//! the `Last-Event-ID` header); see `unyolo_admission_broker::fuzzing::event_cursor` for the
 //! invariants checked.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
 
-fuzz_target!(|data: &[u8]| unyolo_admission::fuzzing::event_cursor(data));
+fuzz_target!(|data: &[u8]| unyolo_admission_broker::fuzzing::event_cursor(data));

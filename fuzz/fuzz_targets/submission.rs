@@ -1,7 +1,7 @@
 //! Arbitrary bytes as an operation submission body; see
-//! `unyolo_admission::fuzzing::submission` for the invariants checked.
+//! `unyolo_admission_broker::fuzzing::submission` for the invariants checked.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
 
-fuzz_target!(|data: &[u8]| unyolo_admission::fuzzing::submission(data));
+fuzz_target!(|data: &[u8]| unyolo_admission_broker::fuzzing::submission(data));

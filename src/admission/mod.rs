@@ -48,10 +48,9 @@ use std::path::Path;
 
 pub use handles::{AdmissionPermit, OperationHandle};
 pub use id::{OperationId, random_id};
-#[cfg(feature = "broker")]
-pub(crate) use options::{BareUser, redact_url_with};
 pub use options::{
-    DEFAULT_CLIENT_DECISIONS_IN_FLIGHT, DEFAULT_DECISIONS_IN_FLIGHT, ReplicaOptions,
+    BareUser, DEFAULT_CLIENT_DECISIONS_IN_FLIGHT, DEFAULT_DECISIONS_IN_FLIGHT, ReplicaOptions,
+    redact_url_with,
 };
 pub use outcome::{
     AdmitError, BackendStats, DeploymentCounts, NotStarted, Refused, RestoredOperation, SetupError,

@@ -223,9 +223,10 @@ fn redact_url(url: &str) -> String {
     redact_url_with(url, BareUser::Password)
 }
 
-/// What the user part of a URL without a `:` (`scheme://NAME@host`) is.
+/// What the user part of a URL without a `:` (`scheme://NAME@host`) is, for
+/// [`redact_url_with`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum BareUser {
+pub enum BareUser {
     /// A password (Redis: `redis://SECRET@host`): redacted.
     Password,
     /// A user name (libpq: `postgres://ROLE@host`): shown.
@@ -234,8 +235,9 @@ pub(crate) enum BareUser {
 
 /// `url` with its password, if any, replaced by `***`: in the user part (`user:PASSWORD@`, or
 /// the whole user part when `bare` says it is a password) and in a `pass` or `password` query
-/// parameter. The one redaction for every URL the crate prints (Redis's, PostgreSQL's).
-pub(crate) fn redact_url_with(url: &str, bare: BareUser) -> String {
+/// parameter. The one redaction for every URL the crate prints (Redis's), and for a broker's own
+/// (the reference broker's PostgreSQL URL), so no log line, error or `--help` shows a password.
+pub fn redact_url_with(url: &str, bare: BareUser) -> String {
     let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
     let split = rest.find(['/', '?']).unwrap_or(rest.len());
     let (authority, tail) = rest.split_at(split);

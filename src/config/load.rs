@@ -157,8 +157,11 @@ fn is_directory(path: &Path) -> ConfigError {
     }
 }
 
-/// Reads a quota file from `path` after checking the path; contents errors name the file.
-pub(crate) fn read_quota_file(path: &Path) -> Result<Vec<u8>, ConfigError> {
+/// Reads a quota file's bytes from `path` after the checks [`Config::from_path`](super::Config)
+/// makes of the path and the size (absolute and normalized, a file, at most
+/// [`MAX_FILE_BYTES`]), without judging its contents: for a caller that judges them itself (a
+/// candidate file replayed against history, a shadow file). Errors name the file.
+pub fn read_quota_file(path: &Path) -> Result<Vec<u8>, ConfigError> {
     check_path(path)?;
     let bytes = read_bounded(path, MAX_FILE_BYTES)?;
     if bytes.len() > MAX_FILE_BYTES {

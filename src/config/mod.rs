@@ -18,9 +18,7 @@ pub use identity::{Identity, IdentityError};
 pub use limits::{
     ClientLimits, Limits, MAX_FILE_BYTES, MAX_LIMIT, MAX_WINDOW_SECONDS, PENDING_GRANT_CLIENT_CAP,
 };
-pub use load::check_path;
-#[cfg(feature = "broker")]
-pub(crate) use load::read_quota_file;
+pub use load::{check_path, read_quota_file};
 pub use secrets::{Operators, Secrets, SecretsError};
 
 use std::collections::{BTreeMap, BTreeSet};

@@ -194,7 +194,7 @@ impl std::error::Error for StartError {}
 /// this happens when the handle lives in a request handler's future and the client hangs up: the
 /// future is dropped at whatever `.await` it waits on. Keep handles in a place a request does not
 /// own (a map of live operations), and make every change in a task a disconnect cannot cancel
-/// (`examples/axum_broker.rs` shows how). Each such drop is counted in
+/// (`broker/examples/axum_broker.rs` shows how). Each such drop is counted in
 /// [`Snapshot::dropped_operations`](crate::Snapshot::dropped_operations) and exported as
 /// `admission_dropped_operations_total`; anything but zero is a bug in the embedding.
 pub struct Operation {

@@ -1,9 +1,11 @@
 //! A real `redis-server` for one test: a free loopback port, no persistence, its own directory,
-//! stopped when dropped. Tests skip (and say why) only when the binary cannot be run at all.
+//! stopped with every process it forked when dropped (hold it for the whole test: a server
+//! leaked with `mem::forget` outlives the test run, and CI fails on it). Tests skip (and say why) only when the binary cannot be run at all.
 
 use std::ffi::OsString;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
+use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
@@ -87,9 +89,13 @@ impl RedisServer {
 
     fn start_with(port: u16, extra: &[&str]) -> Option<RedisServer> {
         let dir = tempfile::tempdir().expect("a temporary directory");
+        // A process group of its own, so a stop reaches the children it forks too (a
+        // replication sync's `redis-rdb-to-slaves`), and a stop of the test process group (a
+        // Ctrl-C) does not reach it half-way through a test.
         let child = Command::new("redis-server")
             .args(server_args(port, dir.path()))
             .args(extra)
+            .process_group(0)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -146,13 +152,10 @@ impl RedisServer {
         self.signal("-CONT");
     }
 
+    /// Sends `sig` to the server and every process it forked (its process group).
     fn signal(&self, sig: &str) {
-        let status = Command::new("kill")
-            .arg(sig)
-            .arg(self.child.id().to_string())
-            .status()
-            .expect("kill runs");
-        assert!(status.success(), "kill {sig} failed");
+        let status = signal_group(sig, self.child.id());
+        assert!(status.is_ok_and(|s| s.success()), "kill {sig} failed");
     }
 }
 
@@ -345,13 +348,22 @@ pub fn installed() -> bool {
     ok
 }
 
+/// `kill SIG -PGID`: `sig` to every process of the group `leader` leads.
+fn signal_group(sig: &str, leader: u32) -> std::io::Result<std::process::ExitStatus> {
+    Command::new("kill")
+        .arg(sig)
+        .arg("--")
+        .arg(format!("-{leader}"))
+        .stderr(Stdio::null())
+        .status()
+}
+
 impl Drop for RedisServer {
     fn drop(&mut self) {
-        // A paused server must be thawed to die promptly on SIGKILL's reaping.
-        let _ = Command::new("kill")
-            .arg("-CONT")
-            .arg(self.child.id().to_string())
-            .status();
+        // The whole group: a child the server forked (a replication sync) outlives a SIGKILL
+        // of the server alone. A paused server is thawed first, so it dies promptly.
+        let _ = signal_group("-CONT", self.child.id());
+        let _ = signal_group("-KILL", self.child.id());
         let _ = self.child.kill();
         let _ = self.child.wait();
     }

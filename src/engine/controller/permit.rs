@@ -24,7 +24,7 @@ use crate::sync::{Arc, lock};
 /// awaits the store between `admit` and `commit` — the future is dropped at that `.await`, the
 /// permit with it, and a row the store may already have written is counted nowhere. So run
 /// everything from `admit` to `commit` (or `refund`) in a task a disconnect cannot cancel
-/// (`tokio::spawn`, and have the handler only await its outcome); `examples/axum_broker.rs` shows
+/// (`tokio::spawn`, and have the handler only await its outcome); `broker/examples/axum_broker.rs` shows
 /// the whole pattern. Each drop is counted in
 /// [`Snapshot::dropped_permits`](crate::Snapshot::dropped_permits) and exported as
 /// `admission_dropped_permits_total`; anything but zero is a bug in the embedding.
