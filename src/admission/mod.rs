@@ -197,12 +197,11 @@ impl Admission {
     /// Decides one submission by `identity`, in the contract's order (client configured → rate
     /// token → client active → if it needs approval, client pending and the pending grants →
     /// global active → global executing). Replicated, with an `idempotency_key`, a key already
-    /// bound to an operation on any replica answers [`AdmitError::Replay`] and reserves nothing
-    /// — once Redis decides: while this replica answers the client from its refusal memory
-    /// ([`ReplicaOptions::refusal_memory`]), the remembered refusal comes first, and a key bound
-    /// on another replica is answered `Replay` only when that refusal has ended (at its
-    /// `Retry-After` at the latest). Replay from your own store before admitting, as the crate
-    /// docs' sequence does, and a key bound on this replica never meets the memory.
+    /// bound to an operation on any replica answers [`AdmitError::Replay`] and reserves nothing,
+    /// before any refusal: also while this replica answers the client from its refusal memory
+    /// ([`ReplicaOptions::refusal_memory`]), which reads the key's binding first (one `GET`, no
+    /// script), so a client retrying correctly with a stable key is never refused for the
+    /// retry. Replay from your own store before admitting, as the crate docs' sequence does.
     ///
     /// In-process this completes at its first poll and dropping it is harmless. Replicated, it
     /// awaits Redis; dropped mid-way (its client hung up), whatever the script reserved is

@@ -69,8 +69,9 @@ impl RedisController {
         };
         let identity = Identity::new(identity).expect("a configured identity is valid");
         let (interval, span) = rate_micros(limits.requests_per_window, limits.window_seconds);
+        let idem_key = idempotency_key.map(|k| inner.keys.idempotency(identity.as_str(), k));
         if let Some(refused) = inner.recall(identity.as_str(), needs_approval) {
-            return Err(AdmitError::Refused(refused));
+            return Err(inner.remembered(refused, idem_key.as_deref(), id).await);
         }
         if !valid_op_id(id) {
             return Err(AdmitError::Unavailable(inner.unavailable(
@@ -107,7 +108,7 @@ impl RedisController {
         };
         // A refusal that came back while this call waited answers it too.
         if let Some(refused) = inner.recall(identity.as_str(), needs_approval) {
-            return Err(AdmitError::Refused(refused));
+            return Err(inner.remembered(refused, idem_key.as_deref(), id).await);
         }
         if let Gate::Open(_) = inner.circuit.enter() {
             return Err(AdmitError::Unavailable(
@@ -116,7 +117,6 @@ impl RedisController {
         }
         let caps = inner.options.caps;
         let global = config.limits();
-        let idem_key = idempotency_key.map(|k| inner.keys.idempotency(identity.as_str(), k));
         let decision = decision::Decision::Admit {
             id: id.to_string(),
             client: identity.as_str().to_string(),
@@ -290,6 +290,37 @@ impl Inner {
                 &recalled.reading,
             )),
         })
+    }
+
+    /// The answer to a submission this replica refuses from memory: the remembered `refused`,
+    /// unless the submission's idempotency key (`key`, its Redis key) is bound to another
+    /// operation, on any replica: then that operation is the answer ([`AdmitError::Replay`]), as
+    /// Redis's decision would have answered it before any limit. A client retrying correctly
+    /// with a stable key is never refused for the retry. One `GET` of the key's record, no
+    /// script; a Redis that does not answer it in time leaves the remembered refusal standing
+    /// (the memory only ever refuses).
+    async fn remembered(&self, refused: Refused, key: Option<&str>, id: &str) -> AdmitError {
+        let Some(key) = key else {
+            return AdmitError::Refused(refused);
+        };
+        let mut conn = self.conn.clone();
+        let read = tokio::time::timeout(
+            self.options.call_timeout,
+            redis::cmd("GET")
+                .arg(key)
+                .query_async::<Option<String>>(&mut conn),
+        )
+        .await;
+        match read {
+            Ok(Ok(Some(bound))) => match bound.split_once(' ') {
+                Some((operation, replica)) if operation != id => AdmitError::Replay {
+                    operation: operation.to_owned(),
+                    replica: replica.to_owned(),
+                },
+                _ => AdmitError::Refused(refused),
+            },
+            _ => AdmitError::Refused(refused),
+        }
     }
 
     /// With [`ReplicaOptions::wait_replicas`], waits (`WAIT`, on the connection the admission

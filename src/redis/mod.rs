@@ -71,7 +71,9 @@
 //!   client's next submissions here, without a call, until it can have changed: its next token,
 //!   its hint, or a release or refund heard on the deployment's notices channel (`notices`: the
 //!   scripts `PUBLISH` whenever they lower a count; one subscriber connection per replica). The
-//!   memory only ever refuses; a lost subscription forgets it all.
+//!   memory only ever refuses, and never for a key bound elsewhere: a submission with an
+//!   idempotency key reads the key's binding first (one `GET`), so a retry is answered as a
+//!   replay before any limit, as the script would. A lost subscription forgets it all.
 //! - **Bounded calls.** Admission decisions in flight to Redis are bounded per replica and per
 //!   client (semaphores, waited for briefly, then [`UnavailableReason::Busy`]); releases,
 //!   transitions and heartbeats never wait for them. With `wait_replicas`, an admission is
