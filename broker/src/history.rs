@@ -5,8 +5,8 @@
 //! are read once ([`DurableStore::history`](super::store::DurableStore::history)), their creation, approval and end times replayed in
 //! order through a fresh engine with the candidate's limits ([`Shadow::replay`]), and what it
 //! would have refused — per client, with the code and when — is printed with the peak counts
-//! against each limit. Reads only: a data dir's SQLite file through a read-only connection, so
-//! the dir of a broker that is serving can be read.
+//! against each limit. Reads only: a data dir's SQLite file through a read-only connection (so
+//! the dir of a broker that is serving can be read), or a PostgreSQL database by plain `SELECT`s.
 //!
 //! The times are the store's: an approval's is the last decision's (a later revoke or cancel
 //! moves it to then), and work that needs no approval is taken to execute from its creation.

@@ -4,7 +4,7 @@
 //!
 //! Replay comes before admission, so every submission, refused or not, must learn whether its key
 //! was used before. Almost always it was not, and answering that from memory keeps refusals off
-//! SQLite. A "maybe" (a key that was used, or a false positive) falls through to the store, so
+//! the store (SQLite's file or PostgreSQL's server). A "maybe" (a key that was used, or a false positive) falls through to the store, so
 //! the filter only ever saves work and never changes an answer, as long as it never says "no"
 //! for a stored key.
 //!

@@ -8,9 +8,9 @@
 //!
 //! 1. deletes terminal operations whose `terminal_at` is older than the retention, at most
 //!    [`BATCH`] rows per write transaction, so a submission waits at most one small batch for
-//!    the store (SQLite's one write lock; on PostgreSQL, only writes to those rows). Each batch holds the counts gate (`Core::hold_counts`) like every other
-//!    change, though deleting terminal rows changes no count. Non-terminal operations are never
-//!    touched, however old;
+//!    the store (SQLite's one write lock; on PostgreSQL, only writes to those rows). Each batch
+//!    holds the counts gate (`Core::hold_counts`) like every other change, though deleting
+//!    terminal rows changes no count. Non-terminal operations are never touched, however old;
 //! 2. trims the Operator V1 event log to its newest [`MAX_EVENTS`] and to none older than the
 //!    retention, oldest first, [`BATCH`] events per write transaction;
 //! 3. returns freed pages to the filesystem ([`VACUUM_STEP`] pages per transaction: the SQLite
