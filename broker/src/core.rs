@@ -124,6 +124,9 @@ pub(crate) struct Core {
     pub(crate) expiries: PendingExpiries,
     /// The open Operator V1 event streams and their bounds.
     pub(crate) event_streams: EventStreams,
+    /// Held while operations this replica's live map lacks are made live from their rows (a
+    /// takeover, an orphan taken up: the `fleet` module), so no row is counted twice.
+    pub(crate) adopting: tokio::sync::Mutex<()>,
 }
 
 /// How long a readiness check waits for the store before counting it not ready.

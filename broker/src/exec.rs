@@ -162,10 +162,21 @@ async fn record_start(core: Arc<Core>, op: Arc<LiveOp>) {
         if op.handle.state().is_terminal() {
             return;
         }
+        // A write of the start that committed while its answer was lost (the connection cut at
+        // the commit: a store's failover) left the row `executing`, and only this replica's own
+        // start writes that: the start is recorded, and the work, which has not run, runs now.
+        let recorded = match core.db.get(&op.id).await {
+            Ok(Some(row)) => row.state == OperationState::Executing,
+            Ok(None) => false,
+            Err(err) => {
+                tracing::warn!(operation = %op.id, error = %err, "cannot record the start yet; retrying");
+                continue;
+            }
+        };
         // The work has not run: an approval that lapsed meanwhile ends it `expired` through the
         // one expiry every lapse takes (its row is still `approved`: see `LiveOp::stored_state`),
         // which takes the gate and the lock itself.
-        if op.lapsed(std::time::SystemTime::now()) {
+        if !recorded && op.lapsed(std::time::SystemTime::now()) {
             drop(guard);
             drop(quiet);
             match core
@@ -179,9 +190,16 @@ async fn record_start(core: Arc<Core>, op: Arc<LiveOp>) {
                 }
             }
         }
-        let written = record_start_in_store(&core, &op).await;
+        let written = if recorded {
+            tracing::warn!(operation = %op.id, "its start was recorded though the store did not answer it; it runs now");
+            Ok(Some(()))
+        } else {
+            record_start_in_store(&core, &op)
+                .await
+                .map(|row| row.map(|_| ()))
+        };
         match written {
-            Ok(Some(_)) => {
+            Ok(Some(())) => {
                 op.start_unrecorded
                     .store(false, std::sync::atomic::Ordering::Release);
                 core.changed(&op, OperationState::Approved, OperationState::Executing);

@@ -182,6 +182,7 @@ impl Core {
 /// their pending and approved operations are counted here and live here from now on; approved
 /// ones are queued to run. How many were taken.
 pub(crate) async fn take_over(core: &Arc<Core>, lease: Duration) -> Result<usize, StoreError> {
+    let _adopting = core.adopting.lock().await;
     let taken = core.db.take_over_lapsed(lease).await?;
     log_interrupted(
         &taken.interrupted,
@@ -233,9 +234,6 @@ pub(crate) async fn take_over(core: &Arc<Core>, lease: Duration) -> Result<usize
 /// [`OperationHandle::hand_over`]: unyolo_admission::admission::OperationHandle::hand_over
 pub(crate) async fn let_go_of_taken(core: &Arc<Core>) -> Result<usize, StoreError> {
     let listed: Vec<Arc<LiveOp>> = core.live_ops().values().cloned().collect();
-    if listed.is_empty() {
-        return Ok(0);
-    }
     let mine: std::collections::HashSet<String> = core
         .db
         .live_states()
@@ -243,7 +241,14 @@ pub(crate) async fn let_go_of_taken(core: &Arc<Core>) -> Result<usize, StoreErro
         .into_iter()
         .map(|(id, _)| id)
         .collect();
+    let listed_ids: std::collections::HashSet<&str> =
+        listed.iter().map(|op| op.id.as_str()).collect();
     let mut followed = 0;
+    for id in mine.iter().filter(|id| !listed_ids.contains(id.as_str())) {
+        if take_up_orphan(core, id).await? {
+            followed += 1;
+        }
+    }
     for op in listed.into_iter().filter(|op| !mine.contains(&op.id)) {
         let _quiet = core.hold_counts().await;
         let _guard = op.lock.lock().await;
@@ -263,6 +268,73 @@ pub(crate) async fn let_go_of_taken(core: &Arc<Core>) -> Result<usize, StoreErro
         }
     }
     Ok(followed)
+}
+
+/// Takes up operation `id`, whose live row this replica owns while nothing here holds it: a
+/// creation whose commit's answer was lost (a failover cut the connection at the commit: its
+/// client was answered `503`, its permit refunded, and the row committed all the same), or a
+/// start recorded likewise. An operation being created holds its key's lock until it is live,
+/// so that is waited out first. A pending or approved one is counted here (and in Redis) and
+/// made live, as a takeover makes work live; an executing one, which nothing here runs, may
+/// have run: it ends `failed` `execution_interrupted`, never run twice. Whether it was taken up.
+async fn take_up_orphan(core: &Arc<Core>, id: &str) -> Result<bool, StoreError> {
+    let Some(record) = core.db.get(id).await? else {
+        return Ok(false);
+    };
+    if record.state.is_terminal() || core.live_once_created(&record).await.is_some() {
+        return Ok(false);
+    }
+    let _adopting = core.adopting.lock().await;
+    let _quiet = core.hold_counts().await;
+    // Read again under the gate: decided, ended or taken over meanwhile?
+    let Some(record) = core.db.get(id).await? else {
+        return Ok(false);
+    };
+    let still_mine = core
+        .db
+        .live_states()
+        .await?
+        .iter()
+        .any(|(mine, _)| mine == id);
+    if core.live_op(id).is_some() || !still_mine {
+        return Ok(false);
+    }
+    match record.state {
+        OperationState::Executing => {
+            let change = StateChange::error(Some(super::store::OperationError::interrupted()));
+            let failed = core
+                .db
+                .set_state(
+                    id,
+                    OperationState::Executing,
+                    OperationState::Failed,
+                    change,
+                )
+                .await?;
+            if failed.is_some() {
+                log_interrupted(
+                    std::slice::from_ref(&record),
+                    "found executing here with nobody running it, after a store fault",
+                );
+            }
+            Ok(failed.is_some())
+        }
+        OperationState::Pending | OperationState::Approved => {
+            let (records, adopting) = to_count_again(vec![record], "not taken up");
+            let adopted = core.admission.adopt(adopting).await;
+            let taken = core.make_live(records, adopted.operations, "not taken up");
+            if let Some(err) = adopted.deferred {
+                tracing::warn!(error = %err, "redis does not count the operation taken up yet; the heartbeat registers it");
+            }
+            tracing::warn!(
+                operation = %id,
+                "this replica's row of a live operation had no handle here (its creation's \
+                 commit was not answered: a store fault); counted and live here now"
+            );
+            Ok(!taken.is_empty())
+        }
+        _ => Ok(false),
+    }
 }
 
 impl Core {

@@ -241,6 +241,7 @@ impl Broker {
             operator_decisions,
             expiries: PendingExpiries::default(),
             event_streams,
+            adopting: tokio::sync::Mutex::new(()),
         });
         let summary = restore(&core, recovered).await;
         match drift::check(&core).await {

@@ -31,6 +31,17 @@ pub struct OperationError {
 }
 
 impl OperationError {
+    /// The error of an operation found executing with nobody running it (the broker stopped, or
+    /// its replica's membership lapsed, while it executed): it may have run, so it is never run
+    /// again.
+    pub fn interrupted() -> OperationError {
+        OperationError {
+            code: "execution_interrupted".to_owned(),
+            message: "The broker stopped while the operation was executing; it was not run again."
+                .to_owned(),
+        }
+    }
+
     /// The error an operation ends with when it is ended before it ran by a decision, as
     /// upstream's Agent V1 runtime reports it: denied → `operation_approval_denied`; canceled
     /// (by its client, or its approval revoked by an operator) → `operation_canceled`. `None`

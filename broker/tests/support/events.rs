@@ -24,6 +24,13 @@ pub struct EventStream {
     raw: Arc<Mutex<Vec<u8>>>,
 }
 
+/// What [`EventStream::next_or_end`] read.
+pub enum Next {
+    Event(Value),
+    Ended,
+    Quiet,
+}
+
 /// How opening a stream went: a stream (200) or a refusal before it (JSON).
 pub enum Opened {
     Stream(EventStream),
@@ -116,6 +123,22 @@ impl EventStream {
         operator_contract::check("BrokerEvent", &data);
         assert_eq!(data["cursor"], event.id.as_str(), "the id is the cursor");
         Some(data)
+    }
+
+    /// What comes next within `wait`, for a reader that outlives a cut stream (a failover):
+    /// an event (checked as [`EventStream::next_event`] checks it), the end of the stream (it
+    /// ended, or was cut: reopen it with the last cursor), or nothing yet.
+    pub async fn next_or_end(&mut self, wait: std::time::Duration) -> Next {
+        match tokio::time::timeout(wait, self.events.next()).await {
+            Err(_) => Next::Quiet,
+            Ok(None) | Ok(Some(Err(_))) => Next::Ended,
+            Ok(Some(Ok(event))) => {
+                let data: Value = serde_json::from_str(&event.data).expect("data is JSON");
+                operator_contract::check("BrokerEvent", &data);
+                assert_eq!(data["cursor"], event.id.as_str(), "the id is the cursor");
+                Next::Event(data)
+            }
+        }
     }
 
     /// The next `n` events (fails the test if the stream ends first).

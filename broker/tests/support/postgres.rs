@@ -148,6 +148,79 @@ impl PostgresServer {
         String::from_utf8_lossy(&out.stdout).trim().to_string()
     }
 
+    /// A streaming standby of this server (`pg_basebackup -R` into a temporary directory, on a
+    /// free port of its own), read-only until [`PostgresServer::promote`]d; waits until it
+    /// streams. With `synchronous`, this server then commits only once the standby has the
+    /// commit (`synchronous_standby_names = '*'`, `synchronous_commit = on`): no commit a
+    /// client saw is lost when the standby takes over.
+    pub fn start_standby(&self, synchronous: bool) -> PostgresServer {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        if let Some((uid, gid)) = self.user {
+            std::os::unix::fs::chown(dir.path(), Some(uid), Some(gid))
+                .expect("the standby's directory is given to the postgres user");
+        }
+        let data = dir.path().join("data");
+        let backup = as_user(Command::new(self.bin.join("pg_basebackup")), self.user)
+            .args(["-h", "127.0.0.1", "-p", &self.port.to_string(), "-U", ROLE])
+            .arg("-D")
+            .arg(&data)
+            .args(["-R", "-X", "stream", "--no-sync", "--checkpoint=fast"])
+            .stdout(Stdio::null())
+            .output()
+            .expect("pg_basebackup runs");
+        assert!(
+            backup.status.success(),
+            "pg_basebackup failed: {}",
+            String::from_utf8_lossy(&backup.stderr)
+        );
+        let mut standby = PostgresServer {
+            child: None,
+            port: 0,
+            bin: self.bin.clone(),
+            user: self.user,
+            dir,
+        };
+        let started = (0..5).any(|_| {
+            standby.port = free_port();
+            standby.run()
+        });
+        assert!(started, "the standby did not start");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while self.psql(
+            "postgres",
+            "SELECT count(*) FROM pg_stat_replication WHERE state = 'streaming'",
+        ) == "0"
+        {
+            assert!(Instant::now() < deadline, "the standby never streamed");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        if synchronous {
+            self.psql(
+                "postgres",
+                "ALTER SYSTEM SET synchronous_standby_names = '*'",
+            );
+            self.psql("postgres", "SELECT pg_reload_conf()");
+            while self.psql(
+                "postgres",
+                "SELECT count(*) FROM pg_stat_replication WHERE sync_state = 'sync'",
+            ) == "0"
+            {
+                assert!(
+                    Instant::now() < deadline,
+                    "the standby never became synchronous"
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        standby
+    }
+
+    /// Promotes this standby to a primary (`pg_promote`, waiting until it takes writes), as a
+    /// failover does.
+    pub fn promote(&self) {
+        assert_eq!(self.psql("postgres", "SELECT pg_promote(true, 30)"), "t");
+    }
+
     /// Stops the server at once (`kill -9`: no shutdown, no checkpoint), then starts it again on
     /// the same port and files, as a crashed PostgreSQL recovers from its WAL.
     pub fn crash_and_restart(&mut self) {

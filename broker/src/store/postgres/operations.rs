@@ -344,11 +344,7 @@ impl PostgresStore {
     /// [`PostgresStore::take_over_lapsed`]), under the fleet's lock so two replicas never take
     /// the same work.
     async fn take_over(&self, taking: Taking) -> Result<Recovered, StoreError> {
-        let error = OperationError {
-            code: "execution_interrupted".to_owned(),
-            message: "The broker stopped while the operation was executing; it was not run again."
-                .to_owned(),
-        };
+        let error = OperationError::interrupted();
         let me = self.member.get().map(String::as_str);
         // Whose work: all of it outside a fleet; in one, this replica's own (at start-up) and
         // that of owners no longer live.

@@ -263,11 +263,7 @@ impl SqliteStore {
     pub fn recover(&self) -> Result<Recovered, StoreError> {
         let mut conn = self.writer();
         let tx = conn.transaction()?;
-        let error = OperationError {
-            code: "execution_interrupted".to_owned(),
-            message: "The broker stopped while the operation was executing; it was not run again."
-                .to_owned(),
-        };
+        let error = OperationError::interrupted();
         let interrupted = {
             let mut stmt = tx.prepare(&format!(
                 "{SELECT_OPERATION} WHERE state = 'executing' ORDER BY rowid"
