@@ -179,14 +179,15 @@ impl Controller {
     }
 
     fn client_or_insert(&self, identity: &Identity) -> Arc<ClientState> {
-        if let Some(client) = self.client(identity.as_str()) {
-            return client;
+        loop {
+            if let Some(client) = self.client(identity.as_str()) {
+                return client;
+            }
+            // The configuration in force when it is applied (not read here: a reload in between
+            // would be undone). Until the state is found (and so held), a reload racing this one
+            // may forget it again as unheld: then it is tracked again.
+            self.apply(None, Some(identity));
         }
-        // The configuration in force when it is applied (not read here: a reload in between
-        // would be undone).
-        self.apply(None, Some(identity));
-        self.client(identity.as_str())
-            .expect("apply tracks the extra identity")
     }
 
     /// What every handle shares: limits, global counts, time.
