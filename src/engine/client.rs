@@ -13,7 +13,9 @@ use super::caps::StorageCaps;
 use super::gauge::Gauge;
 use super::gcra::{Bucket, Rate};
 use super::global::GlobalCounts;
+use super::holding::Holding;
 use super::refusal::RefusalCode;
+use super::share::PoolRule;
 use super::tally::Tally;
 use crate::clock::MonotonicClock;
 use crate::config::{Config, Identity};
@@ -24,9 +26,10 @@ pub(crate) struct Shared {
     pub(crate) global: CachePadded<GlobalCounts>,
     pub(crate) storage: [StoreGauges; 2],
     pub(crate) settings: ArcSwap<Settings>,
-    /// `global_executing` of the settings in force, mirrored so starting an operation reads one
+    /// `global_executing` and the execution pool's fair share in force, one packed
+    /// [`PoolSettings`](super::share::PoolSettings) mirrored so starting an operation reads one
     /// word rather than loading the whole settings.
-    pub(crate) executing_limit: StdAtomicU64,
+    pub(crate) executing_pool: StdAtomicU64,
     pub(crate) clock: MonotonicClock,
     /// Held by a reload from its first bucket rescale until its settings are swapped in, and by
     /// a refund while it reads the rate in force and gives its token back, so a refund always
@@ -62,6 +65,9 @@ pub(crate) struct Settings {
     pub(crate) clients: Box<[ClientSettings]>,
     pub(crate) global_active: u64,
     pub(crate) global_executing: u64,
+    /// Each pool's fair share ([`PoolRule::FIRST_COME`] without one).
+    pub(crate) active_rule: PoolRule,
+    pub(crate) executing_rule: PoolRule,
     pub(crate) capacity_retry: Duration,
     pub(crate) caps: StorageCaps,
 }
@@ -130,9 +136,9 @@ pub(crate) struct ClientSettings {
 #[repr(C)]
 pub(crate) struct ClientState {
     pub(crate) bucket: Bucket,
-    pub(crate) active: Gauge,
+    pub(crate) active: Holding,
     pub(crate) pending: Gauge,
-    pub(crate) executing: Gauge,
+    pub(crate) executing: Holding,
     pub(crate) admitted: StdAtomicU64,
     pub(crate) slot: usize,
     pub(crate) shared: Arc<Shared>,

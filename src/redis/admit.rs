@@ -54,6 +54,7 @@ impl RedisController {
                     retry_after: Duration::ZERO,
                 },
                 quota: None,
+                fair_share: None,
             }))
         };
         if inner.config.load().effective(identity).is_none() {
@@ -244,6 +245,7 @@ impl RedisController {
                 Err(AdmitError::Refused(Refused {
                     refusal: Refusal::after_nanos(code, wait_nanos),
                     quota: Some(quota(limits, &inner.options, (interval, span), &reading)),
+                    fair_share: None,
                 }))
             }
         }
@@ -289,6 +291,7 @@ impl Inner {
                 recalled.rate,
                 &recalled.reading,
             )),
+            fair_share: None,
         })
     }
 

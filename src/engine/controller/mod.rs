@@ -2,12 +2,14 @@
 //!
 //! The controller holds one [`ClientState`] per configured identity in a hash table (created from
 //! configuration, never from traffic, so memory is bounded by the quota file), the global counts in
-//! one packed, cache-padded word ([`GlobalCounts`]), and the validated limits in an `arc-swap` so a
+//! two packed words on one cache-padded line ([`GlobalCounts`]: each pool's counts and holders),
+//! and the validated limits in an `arc-swap` so a
 //! reload never blocks an admission. A decision reads one consistent limits snapshot, checks every
 //! dimension without writing (a refusal ends there), then reserves each by compare-and-swap in the
 //! contract's order — the client's token, its active and pending counts
-//! ([`Gauge`](super::gauge::Gauge)), then the global counts in one step — rolling back everything
-//! reserved so far at the first that fails.
+//! ([`Holding`](super::holding::Holding), [`Gauge`](super::gauge::Gauge)), then the global counts
+//! in one step, where each pool's fair share is decided — rolling back everything reserved so far
+//! at the first that fails.
 //!
 //! The client table changes only on reload, so it is immutable and swapped in with the limits, in
 //! the same [`Settings`]: one load finds the client and its limits, and they always agree. (A
@@ -38,7 +40,8 @@ use crossbeam_utils::CachePadded;
 use super::caps::StorageCaps;
 use super::client::{ClientState, ClientTable, Settings, Shared, StoreGauges};
 use super::global::GlobalCounts;
-use super::refusal::retry_after;
+use super::refusal::{FairShareRefusal, retry_after};
+use super::share::PoolRule;
 use super::tally::Tally;
 use crate::clock::{Clock, MonotonicClock, QuantaClock, duration_nanos};
 use crate::config::{Config, Identity};
@@ -59,6 +62,8 @@ struct Inner {
     /// each other; admissions never take it.
     reloading: Mutex<Reloading>,
     unconfigured_refusals: Tally<1>,
+    /// Refusals the pools' fair share made, indexed like [`FairShareRefusal::ALL`].
+    fair_share_refusals: Tally<{ FairShareRefusal::ALL.len() }>,
     reloads_ok: StdAtomicU64,
     reloads_failed: StdAtomicU64,
 }
@@ -121,6 +126,8 @@ impl ControllerBuilder {
             clients: Box::new([]),
             global_active: 0,
             global_executing: 0,
+            active_rule: PoolRule::FIRST_COME,
+            executing_rule: PoolRule::FIRST_COME,
             capacity_retry: retry_after(duration_nanos(self.capacity_retry)),
             caps: self.caps,
             config: Config::defaults([]),
@@ -129,7 +136,7 @@ impl ControllerBuilder {
             global: CachePadded::new(GlobalCounts::new()),
             storage: [StoreGauges::new(), StoreGauges::new()],
             settings: ArcSwap::from_pointee(settings),
-            executing_limit: StdAtomicU64::new(0),
+            executing_pool: StdAtomicU64::new(0),
             clock,
             rescaling: Mutex::new(()),
             slot_freed: Event::new(),
@@ -141,6 +148,7 @@ impl ControllerBuilder {
                 shared,
                 reloading: Mutex::new(Reloading::default()),
                 unconfigured_refusals: Tally::default(),
+                fair_share_refusals: Tally::default(),
                 reloads_ok: StdAtomicU64::new(0),
                 reloads_failed: StdAtomicU64::new(0),
             }),

@@ -69,6 +69,9 @@ impl Controller {
             pending: global.pending,
             queued: clients.iter().map(|c| c.queued).sum(),
             executing: global.executing,
+            active_holders: global.active_holders,
+            executing_holders: global.executing_holders,
+            fair_share_refusals: std::array::from_fn(|i| self.inner.fair_share_refusals.read(i)),
             storage: std::array::from_fn(|i| StoreSnapshot {
                 store: Store::ALL[i],
                 files: shared.storage[i].files.get(),
