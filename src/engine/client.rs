@@ -14,7 +14,7 @@ use super::gauge::Gauge;
 use super::gcra::{Bucket, Rate};
 use super::global::GlobalCounts;
 use super::holding::Holding;
-use super::refusal::RefusalCode;
+use super::refusal::{FairShareRefusal, RefusalCode};
 use super::share::PoolRule;
 use super::tally::Tally;
 use crate::clock::MonotonicClock;
@@ -145,9 +145,27 @@ pub(crate) struct ClientState {
     pub(crate) identity: Identity,
     pub(crate) storage: [StoreGauges; 2],
     /// Refusals by code, indexed like [`RefusalCode::ALL`] less one: an unconfigured identity has
-    /// no state, so `ClientUnconfigured` is never counted here. Striped by thread, so a flood of
-    /// refusals on several threads writes no line twice from two cores.
-    pub(crate) rejected: Tally<{ RefusalCode::ALL.len() - 1 }>,
+    /// no state, so `ClientUnconfigured` is never counted here. Those a pool's fair share made
+    /// are counted in places of their own after the codes (see [`rejected_index`]), so a refusal
+    /// is one count whatever made it. Striped by thread, so a flood of refusals on several
+    /// threads writes no line twice from two cores.
+    pub(crate) rejected: Tally<REJECTED_COUNTERS>,
+}
+
+/// The counters of [`ClientState::rejected`]: one per refusal code a client can be refused
+/// with, then one per fair-share refusal (a pool and a reason).
+pub(crate) const REJECTED_COUNTERS: usize =
+    RefusalCode::ALL.len() - 1 + FairShareRefusal::ALL.len();
+
+/// Where a refusal with `code` is counted in [`ClientState::rejected`]: a fair-share refusal in
+/// its own place (its code's count is the sum of its place and the code's), any other in its
+/// code's. Never `ClientUnconfigured`: that client has no state.
+#[inline]
+pub(crate) fn rejected_index(code: RefusalCode, fair: Option<FairShareRefusal>) -> usize {
+    match fair {
+        Some(fair) => RefusalCode::ALL.len() - 1 + fair.index(),
+        None => code.index() - 1,
+    }
 }
 
 impl ClientState {

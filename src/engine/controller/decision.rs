@@ -9,7 +9,7 @@ use super::permit::Permit;
 use crate::clock::duration_nanos;
 use crate::config::Pool;
 use crate::engine::caps::{StorageCaps, Store};
-use crate::engine::client::{ClientKey, ClientSettings, ClientState, Settings};
+use crate::engine::client::{ClientKey, ClientSettings, ClientState, Settings, rejected_index};
 use crate::engine::global::{GlobalLimits, GlobalRefusal, Held};
 use crate::engine::refusal::{FairShareReason, FairShareRefusal, Refusal, RefusalCode};
 use crate::engine::storage::StorageReservation;
@@ -151,8 +151,8 @@ impl Controller {
         Err(self.refuse(&client, &settings, code, fair, rate_wait, needs_approval))
     }
 
-    /// The refusal for `code` (made by a pool's fair share if `fair`), counted (see the free
-    /// [`refuse`]) with the fair-share refusals beside.
+    /// The refusal for `code` (made by a pool's fair share if `fair`), counted: see the free
+    /// [`refuse`].
     #[inline]
     fn refuse(
         &self,
@@ -163,10 +163,7 @@ impl Controller {
         rate_wait: u64,
         needs_approval: bool,
     ) -> (Refusal, Option<FairShareRefusal>) {
-        if let Some(fair) = fair {
-            self.inner.fair_share_refusals.bump(fair.index());
-        }
-        let refusal = refuse(client, settings, code, rate_wait, needs_approval);
+        let refusal = refuse(client, settings, code, fair, rate_wait, needs_approval);
         (refusal, fair)
     }
 
@@ -211,9 +208,6 @@ impl Controller {
         code: RefusalCode,
         fair: Option<FairShareRefusal>,
     ) {
-        if let Some(fair) = fair {
-            self.inner.fair_share_refusals.bump(fair.index());
-        }
         // Borrowed from the settings, as `admit` reads it: a counted refusal clones no `Arc`
         // (no shared reference count written under a refusal flood).
         let settings = self.inner.shared.settings.load();
@@ -221,7 +215,7 @@ impl Controller {
             (RefusalCode::ClientUnconfigured, _) | (_, None) => {
                 self.inner.unconfigured_refusals.bump(0);
             }
-            (code, Some(ClientKey(client))) => client.rejected.bump(code.index() - 1),
+            (code, Some(ClientKey(client))) => client.rejected.bump(rejected_index(code, fair)),
         }
     }
 
@@ -309,17 +303,18 @@ fn global_code(refusal: GlobalRefusal) -> (RefusalCode, Option<FairShareRefusal>
 }
 
 /// The refusal for `code`, with the largest Retry-After among every exhausted dimension (the
-/// client's bucket waits `rate_wait` for a token), counted in the client's metrics. Reads only;
-/// reserves nothing.
+/// client's bucket waits `rate_wait` for a token), counted in the client's metrics (one count,
+/// in its fair-share refusal's place if `fair`). Reads only; reserves nothing.
 fn refuse(
     client: &ClientState,
     settings: &Settings,
     code: RefusalCode,
+    fair: Option<FairShareRefusal>,
     rate_wait: u64,
     needs_approval: bool,
 ) -> Refusal {
     // `code` is never ClientUnconfigured here: refusals of unknown identities have no client.
-    client.rejected.bump(code.index() - 1);
+    client.rejected.bump(rejected_index(code, fair));
     let limits = client.settings(settings);
     let capacity_retry = duration_nanos(settings.capacity_retry);
     if rate_wait >= capacity_retry {

@@ -40,7 +40,7 @@ use crossbeam_utils::CachePadded;
 use super::caps::StorageCaps;
 use super::client::{ClientState, ClientTable, Settings, Shared, StoreGauges};
 use super::global::GlobalCounts;
-use super::refusal::{FairShareRefusal, retry_after};
+use super::refusal::retry_after;
 use super::share::PoolRule;
 use super::tally::Tally;
 use crate::clock::{Clock, MonotonicClock, QuantaClock, duration_nanos};
@@ -62,8 +62,6 @@ struct Inner {
     /// each other; admissions never take it.
     reloading: Mutex<Reloading>,
     unconfigured_refusals: Tally<1>,
-    /// Refusals the pools' fair share made, indexed like [`FairShareRefusal::ALL`].
-    fair_share_refusals: Tally<{ FairShareRefusal::ALL.len() }>,
     reloads_ok: StdAtomicU64,
     reloads_failed: StdAtomicU64,
 }
@@ -148,7 +146,6 @@ impl ControllerBuilder {
                 shared,
                 reloading: Mutex::new(Reloading::default()),
                 unconfigured_refusals: Tally::default(),
-                fair_share_refusals: Tally::default(),
                 reloads_ok: StdAtomicU64::new(0),
                 reloads_failed: StdAtomicU64::new(0),
             }),
