@@ -454,3 +454,66 @@ async fn on_redis_a_fair_share_decision_is_one_script_call() {
     }
     assert!(admission.counts().await.unwrap().is_idle());
 }
+
+/// A shadow file and a history replay (`admission check --history`) judge a candidate's fair
+/// share as the engine they are built on decides it: where the real, first-come file admits a
+/// batch client into the reserve, the candidate refuses it, and still admits the small client.
+#[test]
+fn a_shadow_and_a_history_replay_judge_the_fair_share_like_any_limit() {
+    use std::time::{Duration, SystemTime};
+    use unyolo_admission::Controller;
+    use unyolo_admission::admission::{Shadow, ShadowVerdict, StoredOperation};
+    let candidate = config(10, 4, Some(share((2, 2), (1, 1))));
+    let shadow = Shadow::new(Controller::new(candidate.clone()));
+    let now = SystemTime::now();
+    let mut held = Vec::new();
+    for _ in 0..8 {
+        match shadow.judge("batch-a", true, now) {
+            ShadowVerdict::Admitted(permit) => held.push(permit.commit()),
+            other => panic!("{other:?}"),
+        }
+    }
+    assert!(matches!(
+        shadow.judge("batch-a", true, now),
+        ShadowVerdict::Refused {
+            code: RefusalCode::GlobalOperationLimit,
+            first: true
+        }
+    ));
+    assert!(matches!(
+        shadow.judge("ui", true, now),
+        ShadowVerdict::Admitted(_)
+    ));
+    assert_eq!(
+        shadow.engine().snapshot().fair_share_refusals,
+        [1, 0, 0, 0],
+        "the shadow engine counts it by pool and reason"
+    );
+    // The same traffic as stored history: nine requests of batch-a awaiting approval, then one
+    // of ui's. First come, first served admits all; the candidate refuses batch-a's ninth.
+    let at = |s: u64| now + Duration::from_secs(s);
+    let request = |client: &str, s| StoredOperation {
+        client: client.to_owned(),
+        needs_approval: true,
+        created_at: at(s),
+        approved_at: None,
+        ended_at: None,
+    };
+    let mut history: Vec<StoredOperation> = (0..9).map(|s| request("batch-a", s)).collect();
+    history.push(request("ui", 9));
+    assert!(
+        Shadow::replay(config(10, 4, None), &history)
+            .refusals
+            .is_empty()
+    );
+    let refusals = Shadow::replay(candidate, &history).refusals;
+    assert_eq!(refusals.len(), 1, "{refusals:?}");
+    assert_eq!(
+        (
+            refusals[0].client.as_str(),
+            refusals[0].code,
+            refusals[0].at
+        ),
+        ("batch-a", RefusalCode::GlobalOperationLimit, at(8))
+    );
+}
