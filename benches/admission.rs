@@ -22,7 +22,9 @@ use mutex_baseline::{BaselineLimits, MutexAdmission};
 use unyolo_admission::admission::{Shadow, ShadowVerdict};
 use unyolo_admission::config::{ClientLimits, Config, Identity, Limits};
 use unyolo_admission::fuzzing::RateCheck;
-use unyolo_admission::{Admission, AdmitError, Clock, Controller, RefusalCode};
+use unyolo_admission::{
+    Admission, AdmitError, Clock, Controller, FairShare, Operation, PoolShare, RefusalCode,
+};
 
 /// Production's clock source, read the same way, running 100× fast.
 struct FastQuanta {
@@ -448,6 +450,185 @@ fn shadow_judgement(cr: &mut Criterion) {
     g.finish();
 }
 
+/// `config` with both pools shared: a reserve of a tenth, a floor of one.
+fn fair(config: Config) -> Config {
+    let limits = *config.limits();
+    let pool = |limit: u32| PoolShare {
+        reserve: limit / 10,
+        floor: 1,
+    };
+    config
+        .with_fair_share(Some(FairShare {
+            active: pool(limits.global_active),
+            executing: pool(limits.global_executing),
+        }))
+        .expect("a valid fair share")
+}
+
+/// One operation of `client` executing on `c`, held for a whole bench: from then on the client
+/// holds in both pools, so each cycle's admission and start are judged by the whole rule (not
+/// waved through as a small client's) and nobody's count crosses zero.
+fn holding(c: &Controller, client: &str) -> Operation {
+    let op = c.admit(client, false).expect("admitted").commit();
+    op.try_start().expect("started");
+    op
+}
+
+/// `bot-0`, whose one request a day (`config` is [`one_a_day`], with or without a fair share) is
+/// spent: every admission is a rate refusal.
+fn spent(config: Config) -> Controller {
+    let refusing = Controller::builder(config).clock(fast_clock()).build();
+    drop(refusing.admit("bot-0", false).expect("the one token"));
+    refusing
+}
+
+/// A pool of 10 live operations refusing `bot-0`, which holds 9 of them: first come, first
+/// served because `bot-1` holds the tenth (the pool is full); the fair share (a reserve of 1)
+/// because only the reserve is left. A capacity refusal of the active pool either way, the
+/// fair share's arithmetic on top in the second.
+fn pool_refusing(fair_share: bool) -> (Controller, Vec<Operation>) {
+    let ids = CLIENTS.map(|c| Identity::new(c).expect("valid"));
+    let limits = Limits {
+        client_active: 10,
+        client_pending: 10,
+        global_active: 10,
+        global_executing: 10,
+        ..roomy_limits()
+    };
+    let mut config = Config::new(limits, BTreeMap::new(), ids).expect("valid config");
+    if fair_share {
+        config = fair(config);
+    }
+    let c = Controller::builder(config).clock(fast_clock()).build();
+    let mut held: Vec<Operation> = (0..9)
+        .map(|_| c.admit("bot-0", false).expect("room").commit())
+        .collect();
+    if !fair_share {
+        held.push(c.admit("bot-1", false).expect("room").commit());
+    }
+    (c, held)
+}
+
+/// Nanoseconds per call of `a` and of `b`, each the median over `rounds` rounds of `iters`
+/// calls, the two measured in turns (a round runs `a` then `b`, the next `b` then `a`), so a
+/// machine whose load changes under the run (other builds on a shared VM) weighs on both alike.
+fn in_turns(rounds: usize, iters: u32, mut a: impl FnMut(), mut b: impl FnMut()) -> (f64, f64) {
+    let time = |f: &mut dyn FnMut()| {
+        let start = Instant::now();
+        for _ in 0..iters {
+            f();
+        }
+        start.elapsed().as_nanos() as f64 / f64::from(iters)
+    };
+    let (mut ta, mut tb) = (Vec::with_capacity(rounds), Vec::with_capacity(rounds));
+    for round in 0..rounds {
+        if round % 2 == 0 {
+            ta.push(time(&mut a));
+            tb.push(time(&mut b));
+        } else {
+            tb.push(time(&mut b));
+            ta.push(time(&mut a));
+        }
+    }
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    (median(ta), median(tb))
+}
+
+/// 9. The fair share of the global pools against first come, first served, in the same run: the
+///    full cycle of a client already holding in both pools (each decision judged by the whole
+///    rule), the cycle of an idle client (each one counting it in and out of the holders, which
+///    both keep), a rate refusal, and a capacity refusal of the active pool (full, against only
+///    its reserve left). Each pair is also measured in turns, and its medians and ratio printed
+///    (`fair_share/first_come`): on a shared machine, the figure to read.
+fn fair_share(cr: &mut Criterion) {
+    let mut g = cr.benchmark_group("9_fair_share");
+    let build = |config: Config| Controller::builder(config).clock(fast_clock()).build();
+    let (plain, fair_c) = (build(roomy_config()), build(fair(roomy_config())));
+    let (plain_spent, fair_spent) = (spent(one_a_day()), spent(fair(one_a_day())));
+    let ((plain_full, plain_held), (fair_full, fair_held)) =
+        (pool_refusing(false), pool_refusing(true));
+    let refuse_pool = |c: &Controller| {
+        let refused = c.admit(black_box("bot-0"), false).expect_err("refused");
+        assert_eq!(refused.code, RefusalCode::GlobalOperationLimit);
+    };
+    let refuse_rate = |c: &Controller| {
+        c.admit(black_box("bot-0"), false).expect_err("refused");
+    };
+    for (name, c, refusing, full) in [
+        ("first_come", &plain, &plain_spent, &plain_full),
+        ("fair_share", &fair_c, &fair_spent, &fair_full),
+    ] {
+        g.bench_function(format!("cycle_idle_client_{name}"), |b| {
+            b.iter(|| cycle(c, black_box("bot-0")))
+        });
+        let held = holding(c, "bot-1");
+        g.bench_function(format!("cycle_holding_client_{name}"), |b| {
+            b.iter(|| cycle(c, black_box("bot-1")))
+        });
+        held.succeed().expect("succeeded");
+        g.bench_function(format!("refusal_rate_limited_{name}"), |b| {
+            b.iter(|| refuse_rate(refusing))
+        });
+        g.bench_function(format!("refusal_global_operation_limit_{name}"), |b| {
+            b.iter(|| refuse_pool(full))
+        });
+    }
+    g.finish();
+    let held = [holding(&plain, "bot-1"), holding(&fair_c, "bot-1")];
+    let pairs: [(&str, (f64, f64)); 4] = [
+        (
+            "cycle_idle_client",
+            in_turns(
+                101,
+                20_000,
+                || cycle(&plain, black_box("bot-0")),
+                || cycle(&fair_c, black_box("bot-0")),
+            ),
+        ),
+        (
+            "cycle_holding_client",
+            in_turns(
+                101,
+                20_000,
+                || cycle(&plain, black_box("bot-1")),
+                || cycle(&fair_c, black_box("bot-1")),
+            ),
+        ),
+        (
+            "refusal_rate_limited",
+            in_turns(
+                101,
+                50_000,
+                || refuse_rate(&plain_spent),
+                || refuse_rate(&fair_spent),
+            ),
+        ),
+        (
+            "refusal_global_operation_limit",
+            in_turns(
+                101,
+                50_000,
+                || refuse_pool(&plain_full),
+                || refuse_pool(&fair_full),
+            ),
+        ),
+    ];
+    for (name, (first_come, fair_share)) in pairs {
+        println!(
+            "9_fair_share in turns: {name}: first_come {first_come:.1} ns, fair_share \
+             {fair_share:.1} ns, fair_share/first_come {:.3}",
+            fair_share / first_come
+        );
+    }
+    for op in held {
+        op.succeed().expect("succeeded");
+    }
+    drop((plain_held, fair_held));
+}
+
 fn config() -> Criterion {
     Criterion::default()
         .warm_up_time(Duration::from_millis(700))
@@ -459,6 +640,6 @@ criterion_group! {
     name = benches;
     config = config();
     targets = full_cycle, rate_check, versus_mutex, scaling, under_reload, refusal_flood,
-        admission_api, shadow_judgement
+        admission_api, shadow_judgement, fair_share
 }
 criterion_main!(benches);

@@ -44,7 +44,8 @@ pub fn config_parse(data: &[u8]) {
                 config.overrides().clone(),
                 config.identities().cloned(),
             )
-            .expect("Config::new refuses what the parser accepted");
+            .and_then(|c| c.with_fair_share(config.fair_share()))
+            .expect("Config::new or with_fair_share refuses what the parser accepted");
             assert_eq!(rebuilt, config);
         }
         Err(err) => {
@@ -209,6 +210,22 @@ fn assert_config_invariants(config: &Config) {
         );
         assert!(o.pending <= o.active, "{identity}: {o:?}");
         assert!(o.active <= l.global_active, "{identity}: {o:?}");
+    }
+    if let Some(share) = config.fair_share() {
+        for (pool, global) in [
+            (share.active, l.global_active),
+            (share.executing, l.global_executing),
+        ] {
+            assert!(pool.reserve < global, "{share:?} against {l:?}");
+            assert!((1..=MAX_LIMIT).contains(&pool.floor), "{share:?}");
+            assert!(pool.floor <= l.client_active, "{share:?} against {l:?}");
+            for (identity, o) in config.overrides() {
+                assert!(
+                    pool.floor <= o.active,
+                    "{share:?} against {identity}: {o:?}"
+                );
+            }
+        }
     }
     for identity in config.identities() {
         let effective = config.effective(identity.as_str()).expect("configured");

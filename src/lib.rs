@@ -14,8 +14,8 @@
 //!   environment variable. A [`Config`] can only exist validated.
 //! - [`engine`]: where admission is decided. [`Controller::admit`] checks a client's rate token
 //!   bucket (GCRA on one atomic word), its active and pending counts, the pending-grant store, and
-//!   the global active and executing counts — each a compare-and-swap reservation, rolled back
-//!   whole at the first refusal. A [`Permit`] becomes an [`Operation`] whose terminal transition
+//!   the global active and executing counts (with each pool's fair share, when the quota file
+//!   sets one) — each a compare-and-swap reservation, rolled back whole at the first refusal. A [`Permit`] becomes an [`Operation`] whose terminal transition
 //!   releases its slots exactly once. Storage quotas use the same primitive.
 //! - [`admission`]: the one API a broker uses, for one process or many: [`Admission`] wraps the
 //!   engine in-process, or composes it with the counts every replica shares in Redis (cargo
@@ -206,10 +206,10 @@ pub use admission::{
     ReplicaOptions, RestoredOperation, Unavailable,
 };
 pub use clock::{Clock, ManualClock, QuantaClock};
-pub use config::{ClientLimits, Config, Identity, Limits};
+pub use config::{ClientLimits, Config, FairShare, Identity, Limits, PoolShare};
 pub use engine::Snapshot;
 pub use engine::{
-    CancelOutcome, CapacityQuota, Controller, ControllerBuilder, Operation, OperationState, Permit,
-    QuotaStatus, RateQuota, Refusal, RefusalCode, StartError, StorageCaps, StorageReservation,
-    Store, StoreCaps, StoredObject, TransitionError,
+    CancelOutcome, CapacityQuota, Controller, ControllerBuilder, FairShareReason, FairShareRefusal,
+    Operation, OperationState, Permit, QuotaStatus, RateQuota, Refusal, RefusalCode, StartError,
+    StorageCaps, StorageReservation, Store, StoreCaps, StoredObject, TransitionError,
 };

@@ -19,8 +19,9 @@ use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::registry::Registry;
 
+use crate::config::Pool;
 pub use crate::engine::{ClientSnapshot, Snapshot, StoreSnapshot};
-use crate::engine::{Controller, RefusalCode, Store};
+use crate::engine::{Controller, FairShareRefusal, RefusalCode, Store};
 
 /// Registers the controller's metrics in `registry`; they are read from the controller at each
 /// scrape.
@@ -161,6 +162,34 @@ impl Collector for ControllerCollector {
             "Operations by state across all clients: pending approval, queued for execution, executing, and all active.",
             MetricType::Gauge,
             depths.map(|(state, n)| ([("state", state)], n)),
+        )?;
+        family(
+            &mut encoder,
+            "admission_fair_share_refusals",
+            "Refusals a global pool's fair share made where first come, first served would have admitted, by pool (active, executing) and reason (reserve: only the pool's reserve was free; share: the client held its share). Each is also counted in admission_requests_total under its pool's code.",
+            MetricType::Counter,
+            FairShareRefusal::ALL.map(|refusal| {
+                (
+                    [
+                        ("pool", refusal.pool.as_str()),
+                        ("reason", refusal.reason.as_str()),
+                    ],
+                    s.fair_share_refused(refusal),
+                )
+            }),
+        )?;
+        family(
+            &mut encoder,
+            "admission_pool_holders",
+            "Clients holding at least one slot of each global pool (active: a live operation; executing: an executing one): how many a pool's fair share is divided among.",
+            MetricType::Gauge,
+            Pool::ALL.map(|pool| {
+                let holders = match pool {
+                    Pool::Active => s.active_holders,
+                    Pool::Executing => s.executing_holders,
+                };
+                ([("pool", pool.as_str())], holders)
+            }),
         )?;
         let per_client = s.clients.iter().flat_map(|c| {
             [

@@ -5,16 +5,17 @@
 //! Counts read while threads race are not one instant (a snapshot reads one gauge after
 //! another), so the racing monitor checks bounds only. Exact checks — each client's executing,
 //! pending, queued and active counts equal to the states of the handles the workers hold,
-//! executing never above active — run at checkpoints where every worker is between batches:
-//! workers hold a read lock on a gate while they work a batch, the checker takes its write lock.
+//! executing never above active, each pool's holders equal to the clients holding there — run
+//! at checkpoints where every worker is between batches: workers hold a read lock on a gate
+//! while they work a batch, the checker takes its write lock.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 use unyolo_admission::{
-    ClientLimits, Config, Controller, Identity, Limits, ManualClock, Operation, OperationState,
-    StorageCaps, Store,
+    ClientLimits, Config, Controller, FairShare, Identity, Limits, ManualClock, Operation,
+    OperationState, PoolShare, StorageCaps, Store,
 };
 
 const CLIENTS: [&str; 4] = ["a", "b", "c", "d"];
@@ -171,9 +172,16 @@ fn tally_operations<'a>(tally: &mut Tally, ops: impl IntoIterator<Item = &'a Arc
 }
 
 /// At a checkpoint (no worker mid-batch): every count, per client and global, is exactly what the
-/// held handles say, and no client executes more than it has active.
+/// held handles say, no client executes more than it has active, and each pool's holders are
+/// the clients holding there.
 fn check_exact(c: &Controller, tally: &Tally) {
     let s = c.snapshot();
+    let holding = |f: fn(&Held) -> u64| tally.values().filter(|held| f(held) > 0).count() as u64;
+    assert_eq!(
+        (s.active_holders, s.executing_holders),
+        (holding(|h| h.active), holding(|h| h.executing)),
+        "the pools' holders against the clients holding"
+    );
     let mut total = Held::default();
     for client in &s.clients {
         let name = client.identity.as_str();
@@ -410,6 +418,30 @@ fn many_threads_never_push_a_count_past_its_limit_and_all_return_to_zero() {
 #[test]
 fn reloads_under_concurrent_admissions_keep_every_invariant() {
     hammer(Some([config(5, 3, 12, 4), config(2, 1, 6, 2)]));
+}
+
+/// A fair share of both pools, given to `config`.
+fn fair(config: Config, active_reserve: u32, executing_reserve: u32) -> Config {
+    let pool = |reserve| PoolShare { reserve, floor: 1 };
+    config
+        .with_fair_share(Some(FairShare {
+            active: pool(active_reserve),
+            executing: pool(executing_reserve),
+        }))
+        .unwrap()
+}
+
+#[test]
+fn a_fair_share_under_many_threads_keeps_every_count_and_holder_exact() {
+    hammer(Some([
+        fair(config(5, 3, 12, 4), 3, 1),
+        fair(config(5, 3, 12, 4), 5, 2),
+    ]));
+}
+
+#[test]
+fn reloads_turning_the_fair_share_on_and_off_under_concurrent_admissions_keep_every_invariant() {
+    hammer(Some([fair(config(5, 3, 12, 4), 3, 1), config(2, 1, 6, 2)]));
 }
 
 /// Base identities, admitted by workers, plus extra identities that reloads add and remove by the

@@ -35,6 +35,9 @@ enum Step {
     ),
     /// id, target, global executing limit, key to free.
     Move(&'static str, &'static str, u32, &'static str),
+    /// A step decided on a fair share: the `F` record (the active pool's reserve and floor, the
+    /// executing pool's) written just before it.
+    Fair([u32; 4], &'static Step),
 }
 
 const GLOBAL_ACTIVE: u32 = 7;
@@ -72,6 +75,11 @@ fn write_step(prefix: &str, step: &Step, args: &mut Vec<String>) {
                 key(k),
                 "0".to_string(),
             ]);
+        }
+        Step::Fair(share, step) => {
+            args.push("F".to_string());
+            args.extend(share.map(|n| n.to_string()));
+            write_step(prefix, step, args);
         }
         Step::Move(id, to, limit, k) => {
             args.extend(["T".to_string(), id.to_string(), to.to_string(), key(k)]);
@@ -135,8 +143,8 @@ fn split(items: &[Value], steps: &[Step]) -> Vec<Value> {
     let mut replies = Vec::new();
     for step in steps {
         let kind = match step {
-            Step::Admit(..) => Asked::Admit,
-            Step::Move(..) => Asked::Transition,
+            Step::Admit(..) | Step::Fair(_, Step::Admit(..)) => Asked::Admit,
+            _ => Asked::Transition,
         };
         let len = match &items[at] {
             Value::BulkString(word) => kind.reply_len(std::str::from_utf8(word).unwrap()),
@@ -170,6 +178,13 @@ fn timeless(value: &Value) -> Value {
                         && !matches!(&items[2], Value::BulkString(b) if b == b"0");
                     items[2] = Value::Int(i64::from(waits));
                     items.drain(4..6);
+                }
+                // The same, its reason after the code.
+                Some(b"refused_fair") => {
+                    let waits = !matches!(&items[3], Value::Int(0))
+                        && !matches!(&items[3], Value::BulkString(b) if b == b"0");
+                    items[3] = Value::Int(i64::from(waits));
+                    items.drain(5..7);
                 }
                 _ => {}
             }
@@ -312,6 +327,109 @@ async fn a_batch_of_mixed_decisions_gets_the_replies_and_counts_of_one_call_each
     let calls_before = redis_support::script_calls(server.port);
     run(&mut conn, "again", &steps, steps.len()).await;
     assert_eq!(redis_support::script_calls(server.port), calls_before + 1);
+}
+
+/// The fair share of both pools (a reserve of 1, a floor of 1): against the global active limit
+/// of 7 a shared part of 6; against the global executing limit of 2, a shared part of 1.
+const FAIR: [u32; 4] = [1, 1, 1, 1];
+
+/// Decisions on a fair share, where each depends on the counts and holders the earlier ones in
+/// the batch left (the reserve reached, a client counted in and out, a share halved by a second
+/// holder): one call for all gets the replies, counts and holders of one call each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_on_a_fair_share_gets_the_replies_counts_and_holders_of_one_call_each() {
+    let server = redis_or_skip!();
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    use Step::{Admit, Fair, Move};
+    const ROOMY: (u64, u64) = (1000, 3600);
+    let steps = [
+        Fair(FAIR, &Admit("amy", "f1", false, ROOMY, 7, 2, "")),
+        Fair(FAIR, &Admit("amy", "f2", false, ROOMY, 7, 2, "")),
+        Fair(FAIR, &Admit("amy", "f3", false, ROOMY, 7, 2, "")),
+        Fair(FAIR, &Admit("amy", "f4", false, ROOMY, 7, 2, "")),
+        Fair(FAIR, &Admit("amy", "f5", false, ROOMY, 7, 2, "")),
+        Fair(FAIR, &Admit("amy", "f6", false, ROOMY, 7, 2, "")),
+        Fair(FAIR, &Admit("amy", "f7", false, ROOMY, 7, 2, "")), // only the reserve is left
+        Fair(FAIR, &Admit("bob", "b1", false, ROOMY, 7, 2, "")), // bob holds nothing: the reserve is his
+        Fair(FAIR, &Admit("bob", "b2", false, ROOMY, 7, 2, "")), // the pool is full
+        Move("f1", "t", GLOBAL_EXECUTING, ""),
+        Fair(FAIR, &Admit("amy", "f8", false, ROOMY, 7, 2, "")), // the reserve again
+        Move("f2", "t", GLOBAL_EXECUTING, ""),
+        Fair(FAIR, &Admit("amy", "f9", false, ROOMY, 7, 2, "")), // 4 of 6 shared among 2: above amy's share
+        Fair(FAIR, &Admit("bob", "b3", false, ROOMY, 7, 2, "")), // bob below his
+        Fair(FAIR, &Move("b1", "e", GLOBAL_EXECUTING, "")), // bob executes nothing: the reserve
+        Fair(FAIR, &Move("b3", "e", GLOBAL_EXECUTING, "")), // saturated for bob
+        Fair(FAIR, &Move("f3", "e", GLOBAL_EXECUTING, "")), // amy executes nothing
+        Fair(FAIR, &Admit("amy", "f10", false, ROOMY, 7, 2, "")), // the active pool (6 of 7 taken) refuses amy first
+        Move("f4", "t", GLOBAL_EXECUTING, ""),
+        Move("f3", "t", GLOBAL_EXECUTING, ""),
+        Fair(FAIR, &Admit("bob", "b4", false, ROOMY, 7, 2, "")), // the execution pool's reserve refuses bob's submission
+        Fair(FAIR, &Move("b3", "e", GLOBAL_EXECUTING, "")),      // and his start
+        Move("b1", "t", GLOBAL_EXECUTING, ""),
+        Move("b3", "t", GLOBAL_EXECUTING, ""),
+        Move("f5", "t", GLOBAL_EXECUTING, ""),
+        Move("f6", "t", GLOBAL_EXECUTING, ""),
+    ];
+    let alone = run(&mut conn, "fair-alone", &steps, 1).await;
+    let together = run(&mut conn, "fair-together", &steps, steps.len()).await;
+    let alone: Vec<Value> = alone.iter().map(timeless).collect();
+    let together: Vec<Value> = together.iter().map(timeless).collect();
+    for (n, (a, t)) in alone.iter().zip(&together).enumerate() {
+        assert_eq!(a, t, "decision {n}");
+    }
+    let word = |v: &Value| match v {
+        Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+        other => panic!("{other:?}"),
+    };
+    let heads: Vec<String> = together
+        .iter()
+        .map(|v| match v {
+            Value::Array(items) => match word(&items[0]).as_str() {
+                "refused" => word(&items[1]),
+                "refused_fair" => format!("{} {}", word(&items[1]), word(&items[2])),
+                head => head.to_owned(),
+            },
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    let mut expected = vec!["admitted"; 6];
+    expected.extend([
+        "global_operation_limit reserve",
+        "admitted",
+        "global_operation_limit",
+        "moved",
+        "global_operation_limit reserve",
+        "moved",
+        "global_operation_limit share",
+        "admitted",
+        "moved",
+        "saturated",
+        "moved",
+        "global_operation_limit reserve",
+        "moved",
+        "moved",
+        "global_execution_limit reserve",
+        "saturated",
+        "moved",
+        "moved",
+        "moved",
+        "moved",
+    ]);
+    assert_eq!(heads, expected);
+    assert_eq!(
+        state(&mut conn, "fair-alone").await,
+        state(&mut conn, "fair-together").await
+    );
+    // Everything released: no count and no holder left.
+    for prefix in ["fair-alone", "fair-together"] {
+        let counts: HashMap<String, String> = redis::cmd("HGETALL")
+            .arg(format!("{{{prefix}}}:counts"))
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        assert!(counts.is_empty(), "{prefix}: {counts:?}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

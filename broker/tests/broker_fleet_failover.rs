@@ -83,7 +83,7 @@ struct Answer {
 /// The operation of load key `key`: every third a request that needs an approval.
 fn operation_of(key: &str) -> &'static str {
     let n: u64 = key.rsplit('-').next().unwrap().parse().unwrap();
-    if n % 3 == 0 {
+    if n.is_multiple_of(3) {
         "demo.request"
     } else {
         "demo.run"

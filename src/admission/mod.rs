@@ -218,16 +218,17 @@ impl Admission {
         let Some(shared) = &self.shared else {
             // In-process: the engine alone, at the first poll; the quota an answer carries is
             // the engine's, read just after its decision (as the shared backend's is Redis's).
-            return match self.local.admit(identity, needs_approval) {
+            return match self.local.admit_explained(identity, needs_approval) {
                 Ok(local) => Ok(AdmissionPermit {
                     id: OperationId::new(),
                     quota: self.local.quota(identity),
                     local,
                     shared: None,
                 }),
-                Err(refusal) => Err(AdmitError::Refused(Refused {
+                Err((refusal, fair_share)) => Err(AdmitError::Refused(Refused {
                     refusal,
                     quota: self.local.quota(identity),
+                    fair_share,
                 })),
             };
         };
@@ -238,13 +239,19 @@ impl Admission {
                 .await;
         let shared = match decided {
             Ok(permit) => permit,
-            Err(AdmitError::Refused(Refused { refusal, quota })) => {
+            Err(AdmitError::Refused(Refused {
+                refusal,
+                quota,
+                fair_share,
+            })) => {
                 // Counted here too, so this replica's statistics and `admission_requests_total`
-                // count the refusals it answered, not only its admissions.
-                self.local.count_refusal(identity, refusal.code);
+                // (and `admission_fair_share_refusals_total`) count the refusals it answered,
+                // not only its admissions.
+                self.local.count_refusal(identity, refusal.code, fair_share);
                 return Err(AdmitError::Refused(Refused {
                     refusal,
                     quota: quota.or_else(|| self.local.quota(identity)),
+                    fair_share,
                 }));
             }
             Err(other) => return Err(other),
@@ -252,14 +259,14 @@ impl Admission {
         // Replicated, the quota is the shared decision's (the deployment's counts and bucket);
         // this process's own only where Redis gave none.
         let shared_quota = shared.quota();
-        match self.local.admit(identity, needs_approval) {
+        match self.local.admit_explained(identity, needs_approval) {
             Ok(local) => Ok(AdmissionPermit {
                 id,
                 quota: shared_quota.or_else(|| self.local.quota(identity)),
                 local,
                 shared: Some(shared),
             }),
-            Err(refusal) => {
+            Err((refusal, fair_share)) => {
                 Box::pin(shared.refund()).await;
                 // This engine refused (the rare case above): its own quota is the one that
                 // explains the refusal (the shared reading still counts the reservation just
@@ -267,6 +274,7 @@ impl Admission {
                 Err(AdmitError::Refused(Refused {
                     refusal,
                     quota: self.local.quota(identity),
+                    fair_share,
                 }))
             }
         }
@@ -567,6 +575,8 @@ impl From<&Snapshot> for DeploymentCounts {
             active: s.active,
             pending: s.pending,
             executing: s.executing,
+            active_holders: s.active_holders,
+            executing_holders: s.executing_holders,
             clients: s
                 .clients
                 .iter()

@@ -7,7 +7,7 @@ use std::fmt;
 use std::time::Duration;
 
 use crate::config::Identity;
-use crate::engine::{OperationState, QuotaStatus, Refusal};
+use crate::engine::{FairShareRefusal, OperationState, QuotaStatus, Refusal};
 
 /// A refused submission: the refusal (code and Retry-After) and the client's quota as the backend
 /// that decided saw it, for the answer's quota fields (`RateLimit-Policy`, `RateLimit`).
@@ -19,6 +19,9 @@ pub struct Refused {
     /// Redis's reading when Redis refused (the deployment's counts), this process's engine's
     /// when the engine did.
     pub quota: Option<QuotaStatus>,
+    /// Set when a global pool's fair share made the refusal (where first come, first served
+    /// would have admitted): which pool and why. The code is still the pool's.
+    pub fair_share: Option<FairShareRefusal>,
 }
 
 /// Why [`Admission::admit`](super::Admission::admit) gave no permit. Nothing is held for any of
@@ -219,6 +222,10 @@ pub struct DeploymentCounts {
     pub pending: u64,
     /// Operations executing.
     pub executing: u64,
+    /// Clients holding at least one live operation (the active pool's holders).
+    pub active_holders: u64,
+    /// Clients holding at least one executing operation (the executing pool's holders).
+    pub executing_holders: u64,
     /// Per client: (active, pending, executing), only clients holding something.
     pub clients: BTreeMap<String, (u64, u64, u64)>,
     /// Operations recorded (every live operation of every replica).
@@ -231,6 +238,8 @@ impl DeploymentCounts {
         self.active == 0
             && self.pending == 0
             && self.executing == 0
+            && self.active_holders == 0
+            && self.executing_holders == 0
             && self.clients.is_empty()
             && self.operations == 0
     }

@@ -46,6 +46,12 @@ pub enum Rule {
     ExecutingAboveGlobalActive,
     /// An override key that is not exactly a configured identity.
     UnknownIdentity,
+    /// A fair-share `reserve` not below its pool's global limit (`global_active` or
+    /// `global_executing`): nothing of the pool would be left to share.
+    ReserveNotBelowGlobal,
+    /// A fair-share `floor` above some client's own limit for the pool (its `active`): that
+    /// client would always count as small.
+    FloorAboveClientLimit,
     /// The file path is not absolute.
     PathNotAbsolute,
     /// The file path has `.`, `..`, repeated or trailing separators.
@@ -79,6 +85,8 @@ impl Rule {
             Rule::ActiveAboveGlobalActive => "active-above-global-active",
             Rule::ExecutingAboveGlobalActive => "executing-above-global-active",
             Rule::UnknownIdentity => "unknown-identity",
+            Rule::ReserveNotBelowGlobal => "reserve-not-below-global",
+            Rule::FloorAboveClientLimit => "floor-above-client-limit",
             Rule::PathNotAbsolute => "path-not-absolute",
             Rule::PathNotNormalized => "path-not-normalized",
             Rule::FileNotFound => "file-not-found",

@@ -6,6 +6,7 @@
 //! error names the JSON path and the rule it broke.
 
 mod error;
+mod fair_share;
 mod identity;
 mod limits;
 mod load;
@@ -14,6 +15,7 @@ mod validate;
 mod wire;
 
 pub use error::{ConfigError, Rule};
+pub use fair_share::{FairShare, Pool, PoolShare};
 pub use identity::{Identity, IdentityError};
 pub use limits::{
     ClientLimits, Limits, MAX_FILE_BYTES, MAX_LIMIT, MAX_WINDOW_SECONDS, PENDING_GRANT_CLIENT_CAP,
@@ -35,6 +37,8 @@ pub struct Config {
     limits: Limits,
     overrides: BTreeMap<Identity, ClientLimits>,
     identities: BTreeSet<Identity>,
+    /// How the global pools are shared; `None`: first come, first served.
+    fair_share: Option<FairShare>,
 }
 
 impl Config {
@@ -51,7 +55,38 @@ impl Config {
             limits,
             overrides,
             identities,
+            fair_share: None,
         })
+    }
+
+    /// The same configuration with the global pools shared as `fair_share` says (`None`: first
+    /// come, first served), checked as a quota file's `fair_share` is: each `reserve` below its
+    /// pool's global limit, each `floor` at least one and at most every client's own limit for
+    /// the pool. An error names the JSON path a file would have (`fair_share.active.floor`).
+    ///
+    /// ```
+    /// use unyolo_admission::config::{Config, FairShare, Identity, PoolShare};
+    ///
+    /// let config = Config::defaults([Identity::new("bot-7").unwrap()]);
+    /// let share = |reserve, floor| PoolShare { reserve, floor };
+    /// let err = config
+    ///     .clone()
+    ///     .with_fair_share(Some(FairShare { active: share(32, 2), executing: share(64, 1) }))
+    ///     .unwrap_err();
+    /// assert_eq!(
+    ///     err.to_string(),
+    ///     "fair_share.executing.reserve: 64 is not below global_executing 64"
+    /// );
+    /// let fair = config
+    ///     .with_fair_share(Some(FairShare { active: share(32, 2), executing: share(4, 1) }))
+    ///     .unwrap();
+    /// assert_eq!(fair.fair_share().unwrap().executing.reserve, 4);
+    /// ```
+    pub fn with_fair_share(self, fair_share: Option<FairShare>) -> Result<Config, ConfigError> {
+        if let Some(share) = &fair_share {
+            validate::validate_fair_share(&self.limits, &self.overrides, share)?;
+        }
+        Ok(Config { fair_share, ..self })
     }
 
     /// Parses and validates the bytes of a quota file for the given client identities.
@@ -76,8 +111,8 @@ impl Config {
         identities: I,
     ) -> Result<Config, ConfigError> {
         let identities: BTreeSet<Identity> = identities.into_iter().collect();
-        let (limits, overrides) = wire::parse(bytes, &identities)?;
-        Config::new(limits, overrides, identities)
+        let (limits, overrides, fair_share) = wire::parse(bytes, &identities)?;
+        Config::new(limits, overrides, identities)?.with_fair_share(fair_share)
     }
 
     /// Reads and validates the quota file at `path`, which must be absolute and normalized (see
@@ -142,7 +177,7 @@ impl Config {
     /// The configuration as a complete quota file, pretty-printed and ending in a newline;
     /// [`Config::from_bytes`] with the same identities gives back an equal `Config`.
     pub fn to_json(&self) -> String {
-        wire::write(&self.limits, &self.overrides)
+        wire::write(&self.limits, &self.overrides, self.fair_share)
     }
 
     /// Where a store cap binds before a configured limit, so the limit can never be reached: the
@@ -194,6 +229,7 @@ impl Config {
             limits: Limits::DEFAULT,
             overrides: BTreeMap::new(),
             identities: identities.into_iter().collect(),
+            fair_share: None,
         }
     }
 
@@ -205,6 +241,12 @@ impl Config {
     /// The configured client identities, in order.
     pub fn identities(&self) -> impl ExactSizeIterator<Item = &Identity> + '_ {
         self.identities.iter()
+    }
+
+    /// How the global pools are shared (the quota file's `fair_share`); `None` when they are
+    /// served first come, first served.
+    pub fn fair_share(&self) -> Option<FairShare> {
+        self.fair_share
     }
 
     /// The per-client overrides, in order.

@@ -1,5 +1,6 @@
 //! The rules of the quota file that hold across values: bounds, pending within active, a client
-//! within the globals, overrides only for configured identities.
+//! within the globals, overrides only for configured identities, and a fair share that leaves
+//! each pool something to share and no client always small.
 //!
 //! These rules apply however a [`Config`](super::Config) is made — from a file or from values in
 //! code — so both paths call the same functions here, and an error from code names the same JSON
@@ -8,8 +9,14 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use super::error::{ConfigError, Rule, join_path, nearest};
+use super::fair_share::{FairShare, Pool, PoolShare};
 use super::identity::Identity;
 use super::limits::{ClientLimits, Limits, MAX_LIMIT, MAX_WINDOW_SECONDS};
+
+/// The JSON path of `field` in `pool`'s entry of `fair_share`, e.g. `fair_share.executing.floor`.
+pub(crate) fn share_path(pool: Pool, field: &str) -> String {
+    join_path(&join_path("fair_share", pool.as_str()), field)
+}
 
 /// The largest value `field` may take.
 pub(crate) fn maximum_for(field: &str) -> u32 {
@@ -144,6 +151,77 @@ pub(crate) fn validate(
                     o.active, limits.global_active
                 ),
             ));
+        }
+    }
+    Ok(())
+}
+
+/// Checks a fair share against the limits and overrides it would apply with (themselves valid):
+/// per pool, in the contract's order, `reserve` at most the maximum and below the pool's global
+/// limit, then `floor` at least one, at most the maximum, and at most every client's own limit
+/// for the pool (an override's `active` for both pools; `client_active` for clients on the
+/// defaults).
+pub(crate) fn validate_fair_share(
+    limits: &Limits,
+    overrides: &BTreeMap<Identity, ClientLimits>,
+    share: &FairShare,
+) -> Result<(), ConfigError> {
+    for pool in Pool::ALL {
+        let PoolShare { reserve, floor } = share.pool(pool);
+        let global = match pool {
+            Pool::Active => limits.global_active,
+            Pool::Executing => limits.global_executing,
+        };
+        let path = share_path(pool, "reserve");
+        if reserve > MAX_LIMIT {
+            return Err(ConfigError::invalid(
+                path,
+                Rule::AboveMaximum,
+                format!("{reserve} is above the maximum {MAX_LIMIT}"),
+            ));
+        }
+        if reserve >= global {
+            return Err(ConfigError::invalid(
+                path,
+                Rule::ReserveNotBelowGlobal,
+                format!("{reserve} is not below {} {global}", pool.limit_name()),
+            ));
+        }
+        let path = share_path(pool, "floor");
+        if floor == 0 {
+            return Err(ConfigError::invalid(
+                path,
+                Rule::Zero,
+                "0 is not allowed; a floor is a positive integer",
+            ));
+        }
+        if floor > MAX_LIMIT {
+            return Err(ConfigError::invalid(
+                path,
+                Rule::AboveMaximum,
+                format!("{floor} is above the maximum {MAX_LIMIT}"),
+            ));
+        }
+        let always_small = "; that client would always count as small";
+        if floor > limits.client_active {
+            return Err(ConfigError::invalid(
+                path,
+                Rule::FloorAboveClientLimit,
+                format!(
+                    "{floor} is above client_active {}{always_small}",
+                    limits.client_active
+                ),
+            ));
+        }
+        for (identity, o) in overrides {
+            if floor > o.active {
+                let active = join_path(&join_path("clients", identity.as_str()), "active");
+                return Err(ConfigError::invalid(
+                    path,
+                    Rule::FloorAboveClientLimit,
+                    format!("{floor} is above {active} {}{always_small}", o.active),
+                ));
+            }
         }
     }
     Ok(())

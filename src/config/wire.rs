@@ -20,6 +20,7 @@ use serde::de::{Deserialize, Deserializer, MapAccess, Visitor};
 use serde_json::value::RawValue;
 
 use super::error::{ConfigError, Rule, join_path, nearest};
+use super::fair_share::{FairShare, POOL_FIELDS, Pool, PoolShare};
 use super::identity::Identity;
 use super::limits::{ClientLimits, Limits, MAX_FILE_BYTES};
 use super::validate::{check_limit, check_override_key};
@@ -36,6 +37,15 @@ pub(crate) const TOP_LEVEL_FIELDS: [&str; 6] = [
 
 /// The optional top-level field holding the overrides.
 const CLIENTS: &str = "clients";
+
+/// The optional top-level field holding the fair share of the global pools.
+const FAIR_SHARE: &str = "fair_share";
+
+/// The two fields of `fair_share`, one per pool.
+const POOLS: [&str; 2] = [Pool::ALL[0].as_str(), Pool::ALL[1].as_str()];
+
+/// What a quota file sets: the limits, the overrides and the fair share (if it has one).
+pub(crate) type Parsed = (Limits, BTreeMap<Identity, ClientLimits>, Option<FairShare>);
 
 /// The four fields of an override.
 pub(crate) const OVERRIDE_FIELDS: [&str; 4] =
@@ -191,10 +201,7 @@ impl<'de: 'a, 'a> Deserialize<'de> for RawEntries<'a> {
 /// Parses a quota file and checks every per-field rule, against the configured `identities`:
 /// the limits and the overrides it sets. The single entry point for untrusted bytes; the rules
 /// across fields are [`Config::new`](super::Config::new)'s.
-pub(crate) fn parse(
-    bytes: &[u8],
-    identities: &BTreeSet<Identity>,
-) -> Result<(Limits, BTreeMap<Identity, ClientLimits>), ConfigError> {
+pub(crate) fn parse(bytes: &[u8], identities: &BTreeSet<Identity>) -> Result<Parsed, ConfigError> {
     if bytes.len() > MAX_FILE_BYTES {
         return Err(ConfigError::invalid(
             "",
@@ -305,21 +312,22 @@ fn find_duplicate_key(node: &Node, path: &str) -> Result<(), ConfigError> {
 }
 
 /// Walks the top level: every field known, every required field present, every value in range.
-fn read_file(
-    root: &Node,
-    identities: &BTreeSet<Identity>,
-) -> Result<(Limits, BTreeMap<Identity, ClientLimits>), ConfigError> {
+fn read_file(root: &Node, identities: &BTreeSet<Identity>) -> Result<Parsed, ConfigError> {
     let entries = expect_object(root, "", "the top level of a quota file")?;
     let mut values: [Option<u32>; 6] = [None; 6];
     let mut overrides = BTreeMap::new();
+    let mut fair_share = None;
     for (key, value) in entries {
         let path = join_path("", key);
         if let Some(i) = TOP_LEVEL_FIELDS.iter().position(|f| f == key) {
             values[i] = Some(read_limit(value, &path, key)?);
         } else if key == CLIENTS {
             overrides = read_clients(value, &path, identities)?;
+        } else if key == FAIR_SHARE {
+            fair_share = Some(read_fair_share(value, &path)?);
         } else {
-            return Err(unknown_field(path, key, &TOP_LEVEL_FIELDS, Some(CLIENTS)));
+            let optional = [CLIENTS, FAIR_SHARE];
+            return Err(unknown_field(path, key, &TOP_LEVEL_FIELDS, &optional));
         }
     }
     let [
@@ -349,7 +357,74 @@ fn read_file(
         global_active,
         global_executing,
     };
-    Ok((limits, overrides))
+    Ok((limits, overrides, fair_share))
+}
+
+/// Walks `fair_share`: both pools, each with both of its fields, nothing else. The rules across
+/// fields (a reserve below its pool, a floor within every client's limit) are
+/// [`validate_fair_share`](super::validate::validate_fair_share)'s.
+fn read_fair_share(node: &Node, path: &str) -> Result<FairShare, ConfigError> {
+    if let Node::Null = node {
+        return Err(ConfigError::invalid(
+            path,
+            Rule::Null,
+            "null is not allowed; omit fair_share to serve the pools first come, first served",
+        ));
+    }
+    let entries = expect_object(node, path, "fair_share")?;
+    let mut pools: [Option<PoolShare>; 2] = [None; 2];
+    for (key, value) in entries {
+        let child = join_path(path, key);
+        match POOLS.iter().position(|f| f == key) {
+            Some(i) => pools[i] = Some(read_pool_share(value, &child)?),
+            None => return Err(unknown_field(child, key, &POOLS, &[])),
+        }
+    }
+    let [Some(active), Some(executing)] = pools else {
+        let missing = POOLS[pools.iter().position(Option::is_none).unwrap_or(0)];
+        return Err(ConfigError::invalid(
+            join_path(path, missing),
+            Rule::MissingField,
+            format!(
+                "missing required field; fair_share needs both pools, {}",
+                POOLS.join(" and ")
+            ),
+        ));
+    };
+    Ok(FairShare { active, executing })
+}
+
+/// Walks one pool's entry of `fair_share`: `reserve` (zero allowed) and `floor`, nothing else.
+fn read_pool_share(node: &Node, path: &str) -> Result<PoolShare, ConfigError> {
+    if let Node::Null = node {
+        return Err(ConfigError::invalid(
+            path,
+            Rule::Null,
+            "null is not allowed; a pool's entry is a JSON object with reserve and floor",
+        ));
+    }
+    let entries = expect_object(node, path, "a pool's entry")?;
+    let mut values: [Option<u32>; 2] = [None; 2];
+    for (key, value) in entries {
+        let child = join_path(path, key);
+        match POOL_FIELDS.iter().position(|f| f == key) {
+            Some(0) => values[0] = Some(read_count(value, &child, key, Kind::Reserve)?),
+            Some(i) => values[i] = Some(read_count(value, &child, key, Kind::Floor)?),
+            None => return Err(unknown_field(child, key, &POOL_FIELDS, &[])),
+        }
+    }
+    let [Some(reserve), Some(floor)] = values else {
+        let missing = first_missing(&values, &POOL_FIELDS);
+        return Err(ConfigError::invalid(
+            join_path(path, missing),
+            Rule::MissingField,
+            format!(
+                "missing required field; a pool's entry needs both {}",
+                POOL_FIELDS.join(" and ")
+            ),
+        ));
+    };
+    Ok(PoolShare { reserve, floor })
 }
 
 /// Walks `clients`: each key a configured identity, each value a complete override.
@@ -391,7 +466,7 @@ fn read_override(node: &Node, path: &str) -> Result<ClientLimits, ConfigError> {
         let child = join_path(path, key);
         match OVERRIDE_FIELDS.iter().position(|f| f == key) {
             Some(i) => values[i] = Some(read_limit(value, &child, key)?),
-            None => return Err(unknown_field(child, key, &OVERRIDE_FIELDS, None)),
+            None => return Err(unknown_field(child, key, &OVERRIDE_FIELDS, &[])),
         }
     }
     let [
@@ -421,8 +496,43 @@ fn read_override(node: &Node, path: &str) -> Result<ClientLimits, ConfigError> {
 
 /// Reads one limit: a positive JSON integer literal within the field's bound.
 fn read_limit(node: &Node, path: &str, field: &str) -> Result<u32, ConfigError> {
+    read_count(node, path, field, Kind::Limit)
+}
+
+/// What a count in the file is, for what it may be and how an error says so.
+#[derive(Clone, Copy)]
+enum Kind {
+    /// A limit: positive.
+    Limit,
+    /// A fair-share `reserve`: zero or more.
+    Reserve,
+    /// A fair-share `floor`: positive.
+    Floor,
+}
+
+impl Kind {
+    /// What a value of this kind is, after "expected".
+    fn expected(self) -> &'static str {
+        match self {
+            Kind::Reserve => "zero or a positive integer",
+            Kind::Limit | Kind::Floor => "a positive integer",
+        }
+    }
+
+    /// The rule, as an error's last words.
+    fn rule(self) -> &'static str {
+        match self {
+            Kind::Limit => "limits are positive integers",
+            Kind::Reserve => "a reserve is zero or a positive integer",
+            Kind::Floor => "a floor is a positive integer",
+        }
+    }
+}
+
+/// Reads a JSON integer literal within the field's bound, as `kind` allows.
+fn read_count(node: &Node, path: &str, field: &str, kind: Kind) -> Result<u32, ConfigError> {
     match node {
-        Node::Number(literal) => read_integer(literal, path, field),
+        Node::Number(literal) => read_integer(literal, path, field, kind),
         Node::String(s) => Err(ConfigError::invalid(
             path,
             Rule::NotAnInteger,
@@ -431,19 +541,22 @@ fn read_limit(node: &Node, path: &str, field: &str) -> Result<u32, ConfigError> 
         Node::Null => Err(ConfigError::invalid(
             path,
             Rule::Null,
-            "null is not allowed; every limit is a positive integer",
+            match kind {
+                Kind::Limit => "null is not allowed; every limit is a positive integer".to_owned(),
+                _ => format!("null is not allowed; {}", kind.rule()),
+            },
         )),
         other => Err(ConfigError::invalid(
             path,
             Rule::NotAnInteger,
-            format!("expected a positive integer, found {}", other.kind()),
+            format!("expected {}, found {}", kind.expected(), other.kind()),
         )),
     }
 }
 
-/// Reads a number literal as a limit: an integer literal (`-0` is zero; one of any length above
-/// the maximum is above it), else not an integer (`60.0`, `6e1`), quoted as written.
-fn read_integer(literal: &str, path: &str, field: &str) -> Result<u32, ConfigError> {
+/// Reads a number literal as a count of `kind`: an integer literal (`-0` is zero; one of any
+/// length above the maximum is above it), else not an integer (`60.0`, `6e1`), quoted as written.
+fn read_integer(literal: &str, path: &str, field: &str, kind: Kind) -> Result<u32, ConfigError> {
     let maximum = super::validate::maximum_for(field);
     let (negative, digits) = match literal.strip_prefix('-') {
         Some(digits) => (true, digits),
@@ -459,17 +572,20 @@ fn read_integer(literal: &str, path: &str, field: &str) -> Result<u32, ConfigErr
         ));
     }
     if digits.bytes().all(|b| b == b'0') {
+        if let Kind::Reserve = kind {
+            return Ok(0);
+        }
         return Err(ConfigError::invalid(
             path,
             Rule::Zero,
-            format!("{literal} is not allowed; limits are positive integers"),
+            format!("{literal} is not allowed; {}", kind.rule()),
         ));
     }
     if negative {
         return Err(ConfigError::invalid(
             path,
             Rule::Negative,
-            format!("{literal} is negative; limits are positive integers"),
+            format!("{literal} is negative; {}", kind.rule()),
         ));
     }
     match digits.parse::<u64>() {
@@ -511,17 +627,18 @@ fn first_missing<'f>(values: &[Option<u32>], fields: &[&'f str]) -> &'f str {
 }
 
 /// An unknown-field error, suggesting the field probably meant.
-fn unknown_field(path: String, key: &str, fields: &[&str], extra: Option<&str>) -> ConfigError {
-    let candidates = fields.iter().copied().chain(extra);
+fn unknown_field(path: String, key: &str, fields: &[&str], extra: &[&str]) -> ConfigError {
+    let candidates = fields.iter().chain(extra).copied();
+    let top_level = extra.contains(&CLIENTS);
     let hint = match nearest(key, candidates) {
         Some(field) => format!(" (did you mean {field}?)"),
         None => match key {
-            "active" | "pending" if extra.is_some() => {
+            "active" | "pending" if top_level => {
                 format!(
                     " (the defaults are client_{key}; active and pending belong in an override)"
                 )
             }
-            "client_active" | "client_pending" if extra.is_none() => format!(
+            "client_active" | "client_pending" if fields == &OVERRIDE_FIELDS[..] => format!(
                 " (an override uses {}; {key} is a top-level default)",
                 &key["client_".len()..]
             ),
@@ -535,8 +652,8 @@ fn unknown_field(path: String, key: &str, fields: &[&str], extra: Option<&str>) 
             "unknown field{hint}; allowed: {}",
             fields
                 .iter()
-                .copied()
                 .chain(extra)
+                .copied()
                 .collect::<Vec<_>>()
                 .join(", ")
         ),
@@ -552,7 +669,30 @@ struct FileOut<'a> {
     client_pending: u32,
     global_active: u32,
     global_executing: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    fair_share: Option<FairShareOut>,
     clients: BTreeMap<&'a str, OverrideOut>,
+}
+
+#[derive(Serialize)]
+struct FairShareOut {
+    active: PoolShareOut,
+    executing: PoolShareOut,
+}
+
+#[derive(Serialize)]
+struct PoolShareOut {
+    reserve: u32,
+    floor: u32,
+}
+
+impl From<PoolShare> for PoolShareOut {
+    fn from(share: PoolShare) -> PoolShareOut {
+        PoolShareOut {
+            reserve: share.reserve,
+            floor: share.floor,
+        }
+    }
 }
 
 #[derive(Serialize)]
@@ -563,8 +703,13 @@ struct OverrideOut {
     pending: u32,
 }
 
-/// Writes a complete quota file of `limits` and `overrides`, pretty-printed, ending in a newline.
-pub(crate) fn write(limits: &Limits, overrides: &BTreeMap<Identity, ClientLimits>) -> String {
+/// Writes a complete quota file of `limits`, `overrides` and `fair_share` (left out when there is
+/// none), pretty-printed, ending in a newline.
+pub(crate) fn write(
+    limits: &Limits,
+    overrides: &BTreeMap<Identity, ClientLimits>,
+    fair_share: Option<FairShare>,
+) -> String {
     let file = FileOut {
         requests_per_window: limits.requests_per_window,
         window_seconds: limits.window_seconds,
@@ -572,6 +717,10 @@ pub(crate) fn write(limits: &Limits, overrides: &BTreeMap<Identity, ClientLimits
         client_pending: limits.client_pending,
         global_active: limits.global_active,
         global_executing: limits.global_executing,
+        fair_share: fair_share.map(|share| FairShareOut {
+            active: share.active.into(),
+            executing: share.executing.into(),
+        }),
         clients: overrides
             .iter()
             .map(|(identity, o)| {

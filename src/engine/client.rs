@@ -13,7 +13,9 @@ use super::caps::StorageCaps;
 use super::gauge::Gauge;
 use super::gcra::{Bucket, Rate};
 use super::global::GlobalCounts;
-use super::refusal::RefusalCode;
+use super::holding::Holding;
+use super::refusal::{FairShareRefusal, RefusalCode};
+use super::share::PoolRule;
 use super::tally::Tally;
 use crate::clock::MonotonicClock;
 use crate::config::{Config, Identity};
@@ -24,9 +26,10 @@ pub(crate) struct Shared {
     pub(crate) global: CachePadded<GlobalCounts>,
     pub(crate) storage: [StoreGauges; 2],
     pub(crate) settings: ArcSwap<Settings>,
-    /// `global_executing` of the settings in force, mirrored so starting an operation reads one
+    /// `global_executing` and the execution pool's fair share in force, one packed
+    /// [`PoolSettings`](super::share::PoolSettings) mirrored so starting an operation reads one
     /// word rather than loading the whole settings.
-    pub(crate) executing_limit: StdAtomicU64,
+    pub(crate) executing_pool: StdAtomicU64,
     pub(crate) clock: MonotonicClock,
     /// Held by a reload from its first bucket rescale until its settings are swapped in, and by
     /// a refund while it reads the rate in force and gives its token back, so a refund always
@@ -62,6 +65,9 @@ pub(crate) struct Settings {
     pub(crate) clients: Box<[ClientSettings]>,
     pub(crate) global_active: u64,
     pub(crate) global_executing: u64,
+    /// Each pool's fair share ([`PoolRule::FIRST_COME`] without one).
+    pub(crate) active_rule: PoolRule,
+    pub(crate) executing_rule: PoolRule,
     pub(crate) capacity_retry: Duration,
     pub(crate) caps: StorageCaps,
 }
@@ -130,18 +136,36 @@ pub(crate) struct ClientSettings {
 #[repr(C)]
 pub(crate) struct ClientState {
     pub(crate) bucket: Bucket,
-    pub(crate) active: Gauge,
+    pub(crate) active: Holding,
     pub(crate) pending: Gauge,
-    pub(crate) executing: Gauge,
+    pub(crate) executing: Holding,
     pub(crate) admitted: StdAtomicU64,
     pub(crate) slot: usize,
     pub(crate) shared: Arc<Shared>,
     pub(crate) identity: Identity,
     pub(crate) storage: [StoreGauges; 2],
     /// Refusals by code, indexed like [`RefusalCode::ALL`] less one: an unconfigured identity has
-    /// no state, so `ClientUnconfigured` is never counted here. Striped by thread, so a flood of
-    /// refusals on several threads writes no line twice from two cores.
-    pub(crate) rejected: Tally<{ RefusalCode::ALL.len() - 1 }>,
+    /// no state, so `ClientUnconfigured` is never counted here. Those a pool's fair share made
+    /// are counted in places of their own after the codes (see [`rejected_index`]), so a refusal
+    /// is one count whatever made it. Striped by thread, so a flood of refusals on several
+    /// threads writes no line twice from two cores.
+    pub(crate) rejected: Tally<REJECTED_COUNTERS>,
+}
+
+/// The counters of [`ClientState::rejected`]: one per refusal code a client can be refused
+/// with, then one per fair-share refusal (a pool and a reason).
+pub(crate) const REJECTED_COUNTERS: usize =
+    RefusalCode::ALL.len() - 1 + FairShareRefusal::ALL.len();
+
+/// Where a refusal with `code` is counted in [`ClientState::rejected`]: a fair-share refusal in
+/// its own place (its code's count is the sum of its place and the code's), any other in its
+/// code's. Never `ClientUnconfigured`: that client has no state.
+#[inline]
+pub(crate) fn rejected_index(code: RefusalCode, fair: Option<FairShareRefusal>) -> usize {
+    match fair {
+        Some(fair) => RefusalCode::ALL.len() - 1 + fair.index(),
+        None => code.index() - 1,
+    }
 }
 
 impl ClientState {

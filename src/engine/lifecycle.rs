@@ -8,14 +8,19 @@
 //! The loom models of these transitions live beside them, in `lifecycle/loom_models.rs`: they
 //! drive real operations made by a real controller, which this file, below the controller, does
 //! not import.
+//!
+//! A little past the usual size because the states, their handle and its transitions are one
+//! contract (which call releases what, exactly once), read best whole.
 
 use std::fmt;
 
 use super::client::ClientState;
 use super::global::Counts;
 use super::refusal::{Refusal, RefusalCode};
+use super::share::PoolSettings;
 use crate::clock::duration_nanos;
 use crate::config::Identity;
+use crate::config::Pool;
 use crate::sync::{Arc, AtomicU8, EventListener, Ordering};
 
 /// The Agent V1 operation states.
@@ -329,32 +334,41 @@ impl Operation {
     }
 
     /// Takes a global execution slot and moves `approved` → `executing`. If every slot is taken
-    /// the operation stays `approved` (queued) and the call can be retried — or use
-    /// [`Operation::start`], which waits for a slot.
+    /// (or, with a fair share, none is this client's: see
+    /// [`Config::fair_share`](crate::Config::fair_share)) the operation stays `approved` (queued)
+    /// and the call can be retried — or use [`Operation::start`], which waits for a slot.
     pub fn try_start(&self) -> Result<(), StartError> {
-        let shared = &self.client.shared;
+        let client = &*self.client;
+        let shared = &client.shared;
         let current = self.state();
         if current != OperationState::Approved {
             return Err(StartError::NotApproved(current));
         }
-        // Relaxed: a lone value mirrored from the settings in force.
-        if !shared
+        // Relaxed: a lone word mirrored from the settings in force (limit and rule together).
+        let pool = PoolSettings::unpack(shared.executing_pool.load(Ordering::Relaxed));
+        // The client's executing count rises first: the fair share judges the start by what the
+        // client held before it (the count its take found, 0: this start makes it a holder,
+        // counted in the compare-and-swap that takes the global slot). It also rises *before*
+        // the state says `executing`: from the instant the state does, a `succeed` or `fail` on
+        // another thread may release it, and a release that came first would find nothing to
+        // release (saturating at zero) and leave this start's count behind for good. (The take
+        // is AcqRel, see `holding`; the state change below is AcqRel too, and a finish acquires
+        // it before it releases the count, so its release comes after this take.)
+        let found = client.executing.take();
+        if shared
             .global
-            .try_start(shared.executing_limit.load(Ordering::Relaxed))
+            .try_start(pool.limit, pool.rule, found)
+            .is_err()
         {
+            shared
+                .global
+                .give_back_refused(&client.executing, found, Pool::Executing);
             let hint = duration_nanos(shared.settings.load().capacity_retry);
             return Err(StartError::Saturated(Refusal::after_nanos(
                 RefusalCode::GlobalExecutionLimit,
                 hint,
             )));
         }
-        // The client's executing count rises *before* the state says `executing`: from the
-        // instant the state does, a `succeed` or `fail` on another thread may release it, and a
-        // release that came first would find nothing to release (saturating at zero) and leave
-        // this start's count behind for good. Relaxed is enough for the count: the increment is
-        // sequenced before the AcqRel state change, and a finish acquires that change before it
-        // releases the count, so its release comes after this increment.
-        self.client.executing.force_acquire(1);
         // AcqRel: see `transition`.
         match self.state.compare_exchange(
             OperationState::Approved as u8,
@@ -365,8 +379,7 @@ impl Operation {
             Ok(_) => Ok(()),
             Err(actual) => {
                 // Lost to a cancel, expiry or failure: neither slot was ever the operation's.
-                self.client.executing.release(1);
-                shared.global.release(Counts::EXECUTING);
+                self.give_back_execution_slot();
                 // A waiter refused while this slot was briefly taken must hear it is free again.
                 shared.execution_slot_freed();
                 Err(StartError::NotApproved(OperationState::from_u8(actual)))
@@ -396,9 +409,19 @@ impl Operation {
         {
             return false;
         }
-        self.client.executing.release(1);
-        self.client.shared.global.release(Counts::EXECUTING);
+        self.give_back_execution_slot();
         true
+    }
+
+    /// Gives back one execution slot, the global one and then the client's (and the client's
+    /// place among the executing pool's holders if it was its last): in that order, as
+    /// `account` does.
+    fn give_back_execution_slot(&self) {
+        let global = &self.client.shared.global;
+        global.release(Counts::EXECUTING);
+        if self.client.executing.give_back() {
+            global.release(Counts::holder(Pool::Executing));
+        }
     }
 
     /// Moves to `to` if the contract allows it from the current state; returns the state left.
@@ -430,25 +453,33 @@ impl Operation {
     fn account(&self, from: OperationState, to: OperationState) {
         let client = &*self.client;
         // What the state left held globally, and what the new one no longer holds: released in
-        // one step on the global word.
+        // one step per global word, *before* the client's own counts, so a fair-share decision
+        // racing this never judges the client by fewer than the pool still counts for it. Then
+        // the client's place among a pool's holders, where this was its last slot there.
         let mut global = Counts::default();
         match from {
             OperationState::Pending => {
                 client.pending.release(1);
                 global.pending = 1;
             }
-            OperationState::Executing => {
-                client.executing.release(1);
-                global.executing = 1;
-            }
+            OperationState::Executing => global = global.plus(Counts::EXECUTING),
             _ => {}
         }
         if to.is_terminal() {
-            client.active.release(1);
-            global.active = 1;
+            global = global.plus(Counts::ACTIVE);
         }
         if global != Counts::default() {
             client.shared.global.release(global);
+        }
+        let mut left = Counts::default();
+        if from == OperationState::Executing {
+            left = left.joining(Pool::Executing, client.executing.give_back());
+        }
+        if to.is_terminal() {
+            left = left.joining(Pool::Active, client.active.give_back());
+        }
+        if left != Counts::default() {
+            client.shared.global.release(left);
         }
         if from == OperationState::Executing {
             client.shared.execution_slot_freed();

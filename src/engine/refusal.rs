@@ -4,6 +4,7 @@ use std::fmt;
 use std::time::Duration;
 
 use crate::clock::whole_seconds_up;
+use crate::config::Pool;
 
 /// The stable reason for a refusal. [`RefusalCode::as_str`] gives the wire code.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -115,6 +116,103 @@ impl RefusalCode {
 impl fmt::Display for RefusalCode {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())
+    }
+}
+
+/// Why the fair share of a global pool refused a client a slot that first come, first served
+/// would have given it (see [`FairShare`](crate::config::FairShare)).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum FairShareReason {
+    /// Only the pool's reserve is free, and the client holds at least the floor: the reserve is
+    /// kept for clients holding less.
+    Reserve,
+    /// The client holds at least its share: the pool less its reserve, divided among the clients
+    /// holding in it.
+    Share,
+}
+
+impl FairShareReason {
+    /// The metric label: `reserve` or `share`.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            FairShareReason::Reserve => "reserve",
+            FairShareReason::Share => "share",
+        }
+    }
+
+    /// Parses a label.
+    pub fn parse(label: &str) -> Option<FairShareReason> {
+        [FairShareReason::Reserve, FairShareReason::Share]
+            .into_iter()
+            .find(|r| r.as_str() == label)
+    }
+}
+
+impl fmt::Display for FairShareReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A refusal that the fair share of a global pool made: which pool, and why. The refusal's code
+/// stays the pool's ([`FairShareRefusal::code`]) and its Retry-After the capacity hint; this is
+/// what `admission_fair_share_refusals_total{pool,reason}` counts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct FairShareRefusal {
+    /// The pool that refused.
+    pub pool: Pool,
+    /// Why.
+    pub reason: FairShareReason,
+}
+
+impl FairShareRefusal {
+    /// Every pool and reason, in the order [`Snapshot::fair_share_refusals`](crate::Snapshot)
+    /// counts them.
+    pub const ALL: [FairShareRefusal; 4] = [
+        FairShareRefusal::new(Pool::Active, FairShareReason::Reserve),
+        FairShareRefusal::new(Pool::Active, FairShareReason::Share),
+        FairShareRefusal::new(Pool::Executing, FairShareReason::Reserve),
+        FairShareRefusal::new(Pool::Executing, FairShareReason::Share),
+    ];
+
+    /// The refusal of `pool` for `reason`.
+    pub const fn new(pool: Pool, reason: FairShareReason) -> FairShareRefusal {
+        FairShareRefusal { pool, reason }
+    }
+
+    /// The refusal code it is answered with: the pool's.
+    pub const fn code(self) -> RefusalCode {
+        match self.pool {
+            Pool::Active => RefusalCode::GlobalOperationLimit,
+            Pool::Executing => RefusalCode::GlobalExecutionLimit,
+        }
+    }
+
+    /// The fair-share refusal a refusal with `code` is, for `reason` (`None`: `code` is not a
+    /// global pool's).
+    pub const fn of(code: RefusalCode, reason: FairShareReason) -> Option<FairShareRefusal> {
+        match code {
+            RefusalCode::GlobalOperationLimit => Some(FairShareRefusal::new(Pool::Active, reason)),
+            RefusalCode::GlobalExecutionLimit => {
+                Some(FairShareRefusal::new(Pool::Executing, reason))
+            }
+            _ => None,
+        }
+    }
+
+    /// Its place in [`FairShareRefusal::ALL`].
+    pub const fn index(self) -> usize {
+        let pool = match self.pool {
+            Pool::Active => 0,
+            Pool::Executing => 2,
+        };
+        pool + self.reason as usize
+    }
+}
+
+impl fmt::Display for FairShareRefusal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} pool's {}", self.pool, self.reason)
     }
 }
 
@@ -235,6 +333,21 @@ mod tests {
                 Some(3)
             );
         }
+    }
+
+    #[test]
+    fn each_fair_share_refusal_has_its_place_and_its_pools_code() {
+        for (i, refusal) in FairShareRefusal::ALL.into_iter().enumerate() {
+            assert_eq!(refusal.index(), i);
+            assert_eq!(
+                FairShareRefusal::of(refusal.code(), refusal.reason),
+                Some(refusal)
+            );
+        }
+        assert_eq!(
+            FairShareRefusal::of(RefusalCode::ClientOperationLimit, FairShareReason::Share),
+            None
+        );
     }
 
     #[test]

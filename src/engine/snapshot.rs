@@ -5,7 +5,7 @@
 use crate::config::Identity;
 
 use super::caps::Store;
-use super::refusal::RefusalCode;
+use super::refusal::{FairShareRefusal, RefusalCode};
 
 /// Every count the controller keeps, read at one moment (each count exactly, the set not as one
 /// atomic picture).
@@ -25,6 +25,18 @@ pub struct Snapshot {
     pub queued: u64,
     /// Operations executing.
     pub executing: u64,
+    /// Clients holding at least one live operation: the active pool's holders, among whom its
+    /// fair share is divided (`admission_pool_holders{pool="active"}`). Kept with or without a
+    /// fair share in force.
+    pub active_holders: u64,
+    /// Clients holding at least one executing operation: the executing pool's holders
+    /// (`admission_pool_holders{pool="executing"}`).
+    pub executing_holders: u64,
+    /// Refusals a pool's fair share made where first come, first served would have admitted,
+    /// indexed like [`FairShareRefusal::ALL`]
+    /// (`admission_fair_share_refusals_total{pool,reason}`). Each is also counted in `rejected`
+    /// under its pool's code.
+    pub fair_share_refusals: [u64; FairShareRefusal::ALL.len()],
     /// Files and bytes in each capped store, indexed like [`Store::ALL`].
     pub storage: [StoreSnapshot; 2],
     /// Reloads applied (`admission_config_reloads_total{result="applied"}`).
@@ -51,6 +63,11 @@ impl Snapshot {
         self.rejected[code as usize]
     }
 
+    /// Refusals the fair share `refusal` (a pool and a reason) made.
+    pub fn fair_share_refused(&self, refusal: FairShareRefusal) -> u64 {
+        self.fair_share_refusals[refusal.index()]
+    }
+
     /// The client `identity`, if tracked.
     pub fn client(&self, identity: &str) -> Option<&ClientSnapshot> {
         self.clients
@@ -58,12 +75,14 @@ impl Snapshot {
             .find(|c| c.identity.as_str() == identity)
     }
 
-    /// Whether every operation count and storage count is zero.
+    /// Whether every operation count, holder count and storage count is zero.
     pub fn is_idle(&self) -> bool {
         self.active == 0
             && self.pending == 0
             && self.queued == 0
             && self.executing == 0
+            && self.active_holders == 0
+            && self.executing_holders == 0
             && self.storage.iter().all(|s| s.files == 0 && s.bytes == 0)
             && self.clients.iter().all(ClientSnapshot::is_idle)
     }

@@ -3,7 +3,7 @@
 
 use ::redis::Value;
 
-use crate::engine::RefusalCode;
+use crate::engine::{FairShareRefusal, RefusalCode};
 use crate::redis::reply::{
     AdmitReply, Asked, ClientReading, Decided, LeaseReply, Reading, TransitionReply, parse_admit,
     parse_batch, parse_client_reading, parse_lease, parse_pair, parse_reaped, parse_rebuilt,
@@ -143,13 +143,17 @@ fn encode_admit(reply: &AdmitReply) -> Vec<Value> {
             rate_wait_micros,
             capacity,
             reading,
+            fair_share,
         } => {
-            let mut items = vec![
-                bulk("refused"),
-                bulk(code.as_str()),
-                int(*rate_wait_micros),
-                Value::Int(i64::from(*capacity)),
-            ];
+            let mut items = match fair_share {
+                None => vec![bulk("refused"), bulk(code.as_str())],
+                Some(reason) => vec![
+                    bulk("refused_fair"),
+                    bulk(code.as_str()),
+                    bulk(reason.as_str()),
+                ],
+            };
+            items.extend([int(*rate_wait_micros), Value::Int(i64::from(*capacity))]);
             items.extend(encode_reading(reading));
             items
         }
@@ -229,10 +233,19 @@ pub fn redis_reply(data: &[u8]) {
         Ok(reply) => {
             accepted_by += 1;
             match &reply {
-                AdmitReply::Refused { code, capacity, .. } => {
+                AdmitReply::Refused {
+                    code,
+                    capacity,
+                    fair_share,
+                    ..
+                } => {
                     assert!(RefusalCode::ALL.contains(code));
                     assert_ne!(*code, RefusalCode::ClientUnconfigured);
                     assert!(*capacity || !code.is_capacity(), "{reply:?}");
+                    // Only a global pool's refusal has a fair-share reason.
+                    if let Some(reason) = fair_share {
+                        assert!(FairShareRefusal::of(*code, *reason).is_some(), "{reply:?}");
+                    }
                 }
                 AdmitReply::Replay { id, replica } => {
                     assert!(!id.is_empty() && !replica.is_empty(), "{reply:?}");
@@ -465,6 +478,7 @@ pub fn refusal_notices(data: &[u8]) {
             ticket,
             Answer {
                 code,
+                fair_share: None,
                 needs_approval: false,
                 rate_wait_micros: 3_600_000_000,
                 capacity_hint: code.is_capacity().then_some(Duration::from_secs(3600)),

@@ -20,7 +20,7 @@ use super::reply::{AdmitReply, Decided};
 use super::units::{rate_micros, secs_at_least_one, ttl_millis};
 use crate::admission::outcome::{AdmitError, Refused, UnavailableReason};
 use crate::config::{Config, Identity};
-use crate::engine::{OperationState, Refusal, RefusalCode};
+use crate::engine::{FairShareRefusal, OperationState, Refusal, RefusalCode};
 
 /// An operation id the scripts can record: 1 to 128 visible ASCII characters.
 use crate::admission::id::shareable as valid_op_id;
@@ -54,6 +54,7 @@ impl RedisController {
                     retry_after: Duration::ZERO,
                 },
                 quota: None,
+                fair_share: None,
             }))
         };
         if inner.config.load().effective(identity).is_none() {
@@ -130,6 +131,7 @@ impl RedisController {
                 global_active: global.global_active,
                 global_executing: global.global_executing,
                 remembered_millis: inner.remembered_millis(),
+                fair_share: config.fair_share(),
             },
             key: idem_key.clone(),
             key_ttl_millis: inner.options.idempotency_ttl.map_or(0, ttl_millis),
@@ -220,7 +222,9 @@ impl RedisController {
                 rate_wait_micros,
                 capacity,
                 reading,
+                fair_share,
             } => {
+                let fair_share = fair_share.and_then(|reason| FairShareRefusal::of(code, reason));
                 let capacity_hint =
                     capacity.then(|| secs_at_least_one(inner.options.capacity_retry));
                 let wait_nanos = rate_wait_micros
@@ -232,6 +236,7 @@ impl RedisController {
                         ticket,
                         Answer {
                             code,
+                            fair_share,
                             needs_approval,
                             rate_wait_micros,
                             capacity_hint,
@@ -244,6 +249,7 @@ impl RedisController {
                 Err(AdmitError::Refused(Refused {
                     refusal: Refusal::after_nanos(code, wait_nanos),
                     quota: Some(quota(limits, &inner.options, (interval, span), &reading)),
+                    fair_share,
                 }))
             }
         }
@@ -289,6 +295,7 @@ impl Inner {
                 recalled.rate,
                 &recalled.reading,
             )),
+            fair_share: recalled.fair_share,
         })
     }
 

@@ -19,7 +19,7 @@ use std::sync::Weak;
 
 use tokio::sync::{mpsc, oneshot};
 
-use super::decision::{Decision, Job, MOST_PER_BATCH};
+use super::decision::{Decision, InForce, Job, MOST_PER_BATCH};
 use super::replica::Inner;
 use super::reply;
 use super::reply::Decided;
@@ -118,9 +118,9 @@ impl Inner {
             .arg(&self.token)
             .arg(self.epoch().unwrap_or_default());
         let mut asked = Vec::with_capacity(MOST_PER_BATCH);
-        let mut last = None;
+        let mut in_force = InForce::default();
         for decision in decisions {
-            decision.write(&mut invocation, &mut last);
+            decision.write(&mut invocation, &mut in_force);
             asked.push(decision.asked());
         }
         let value = match self.call(&invocation).await {

@@ -8,6 +8,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::reply::{Asked, Decided};
 use crate::admission::outcome::UnavailableReason;
+use crate::config::FairShare;
 
 /// The most decisions one script call carries.
 pub(crate) const MOST_PER_BATCH: usize = 64;
@@ -28,6 +29,9 @@ pub(crate) struct AdmitLimits {
     /// none): how long the script keeps the refusal marker that makes every later release
     /// publish its notice.
     pub(crate) remembered_millis: u64,
+    /// The pools' fair share (sent as an `F` record when it is not the one in force in the
+    /// call: see [`write_fair_share`]).
+    pub(crate) fair_share: Option<FairShare>,
 }
 
 impl AdmitLimits {
@@ -45,6 +49,37 @@ impl AdmitLimits {
             .arg(self.global_executing)
             .arg(self.remembered_millis);
     }
+}
+
+/// Writes the `F` record of `fair_share` (both pools' reserve and floor; floors of 0 for none)
+/// if it is not the one in force in this call (`last`, which starts as none, as the script's
+/// does; `last` is then updated). The admissions and starts after it are decided on it.
+fn write_fair_share(
+    invocation: &mut ScriptInvocation<'_>,
+    fair_share: Option<FairShare>,
+    last: &mut Option<FairShare>,
+) {
+    if *last == fair_share {
+        return;
+    }
+    let [active, executing] = fair_share.map_or([(0, 0); 2], |share| {
+        [share.active, share.executing].map(|pool| (pool.reserve, pool.floor))
+    });
+    invocation
+        .arg("F")
+        .arg(active.0)
+        .arg(active.1)
+        .arg(executing.0)
+        .arg(executing.1);
+    *last = fair_share;
+}
+
+/// What the records of one call have put in force so far: the limits of the last `L` record
+/// and the fair share of the last `F` record (none before the first).
+#[derive(Default)]
+pub(super) struct InForce {
+    limits: Option<AdmitLimits>,
+    fair_share: Option<FairShare>,
 }
 
 /// One decision for the batch script, with every argument it is decided on.
@@ -65,6 +100,8 @@ pub(crate) enum Decision {
         id: String,
         target: Target,
         global_executing: u32,
+        /// The pools' fair share a start is decided on (sent as for an admission).
+        fair_share: Option<FairShare>,
         /// The idempotency record to free if it still names this operation.
         key: Option<String>,
     },
@@ -79,12 +116,9 @@ impl Decision {
     }
 
     /// Writes the decision's record, preceded by an `L` record when its limits are not the
-    /// `last` ones written in this call (`last` is then updated).
-    pub(super) fn write(
-        &self,
-        invocation: &mut ScriptInvocation<'_>,
-        last: &mut Option<AdmitLimits>,
-    ) {
+    /// last ones written in this call, and by an `F` record when it is decided on a fair share
+    /// other than the one in force (`in_force` is then updated).
+    pub(super) fn write(&self, invocation: &mut ScriptInvocation<'_>, in_force: &mut InForce) {
         match self {
             Decision::Admit {
                 id,
@@ -94,10 +128,11 @@ impl Decision {
                 key,
                 key_ttl_millis,
             } => {
-                if last.as_ref() != Some(limits) {
+                if in_force.limits.as_ref() != Some(limits) {
                     limits.write(invocation);
-                    *last = Some(*limits);
+                    in_force.limits = Some(*limits);
                 }
+                write_fair_share(invocation, limits.fair_share, &mut in_force.fair_share);
                 invocation
                     .arg("A")
                     .arg(id)
@@ -110,8 +145,12 @@ impl Decision {
                 id,
                 target,
                 global_executing,
+                fair_share,
                 key,
             } => {
+                if let Target::Executing = target {
+                    write_fair_share(invocation, *fair_share, &mut in_force.fair_share);
+                }
                 invocation
                     .arg("T")
                     .arg(id)

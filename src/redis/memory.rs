@@ -52,7 +52,7 @@ use std::time::{Duration, Instant};
 
 use super::reply::Reading;
 use crate::config::ClientLimits;
-use crate::engine::RefusalCode;
+use crate::engine::{FairShareRefusal, RefusalCode};
 
 /// Why remembered refusals were forgotten, in the order of the metric's `reason` labels
 /// ([`crate::admission::outcome::BackendStats::FORGOTTEN_REASONS`]).
@@ -121,6 +121,8 @@ pub(crate) struct Ticket {
 #[derive(Clone, Copy, Debug)]
 struct Entry {
     code: RefusalCode,
+    /// Whether a pool's fair share made it.
+    fair_share: Option<FairShareRefusal>,
     scope: Scope,
     seen: Ticket,
     /// Until when it answers (the next token, or the capacity hint).
@@ -140,6 +142,7 @@ struct Entry {
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Recalled {
     pub(crate) code: RefusalCode,
+    pub(crate) fair_share: Option<FairShareRefusal>,
     pub(crate) wait_left: Duration,
     pub(crate) limits: ClientLimits,
     pub(crate) rate: (u64, u64),
@@ -149,6 +152,8 @@ pub(crate) struct Recalled {
 /// What Redis answered, to remember.
 pub(crate) struct Answer {
     pub(crate) code: RefusalCode,
+    /// Whether a pool's fair share made it.
+    pub(crate) fair_share: Option<FairShareRefusal>,
     pub(crate) needs_approval: bool,
     /// Until the next token (µs after the decision).
     pub(crate) rate_wait_micros: u64,
@@ -247,6 +252,7 @@ impl RefusalMemory {
             .saturating_add(u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX));
         Some(Recalled {
             code: entry.code,
+            fair_share: entry.fair_share,
             // As Redis would answer now: the time to the next token, or the capacity hint if
             // that is longer (the largest hint wins).
             wait_left: entry
@@ -323,6 +329,7 @@ impl RefusalMemory {
         }
         let entry = Entry {
             code: answer.code,
+            fair_share: answer.fair_share,
             scope,
             seen: ticket,
             until,
@@ -492,6 +499,7 @@ mod tests {
     fn answer(code: RefusalCode, needs_approval: bool) -> Answer {
         Answer {
             code,
+            fair_share: None,
             needs_approval,
             rate_wait_micros: if code == RefusalCode::SubmissionRateLimited {
                 5_000_000

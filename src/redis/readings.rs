@@ -35,6 +35,8 @@ impl RedisController {
                     "active" => counts.active = n,
                     "pending" => counts.pending = n,
                     "executing" => counts.executing = n,
+                    "active_holders" => counts.active_holders = n,
+                    "executing_holders" => counts.executing_holders = n,
                     _ => {}
                 },
                 Some((kind, client)) => {

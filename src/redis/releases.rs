@@ -56,12 +56,15 @@ impl Inner {
         target: Target,
         key: Option<&str>,
     ) -> Result<TransitionReply, UnavailableReason> {
+        let config = self.config.load();
         let decision = Decision::Move {
             id: id.to_string(),
             target,
-            global_executing: self.config.load().limits().global_executing,
+            global_executing: config.limits().global_executing,
+            fair_share: config.fair_share(),
             key: key.map(str::to_string),
         };
+        drop(config);
         match self.decide(decision).await? {
             Decided::Transition(reply) => Ok(reply),
             Decided::Admit(_) => Err(UnavailableReason::Reply(

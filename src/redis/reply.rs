@@ -3,14 +3,14 @@
 //! free slots twice).
 //!
 //! Past the usual size only because its tests, for every shape each script returns and for the
-//! malformed ones, live beside the parser; the parser itself is about 510 lines, one strict reading
+//! malformed ones, live beside the parser; the parser itself is about 545 lines, one strict reading
 //! per script, which the fuzz target drives whole.
 
 use std::fmt;
 
 use redis::Value;
 
-use crate::engine::RefusalCode;
+use crate::engine::{FairShareReason, FairShareRefusal, RefusalCode};
 
 /// The client's bucket and counts just after an admission decision, as the script read them:
 /// what its quota is made of.
@@ -55,6 +55,9 @@ pub enum AdmitReply {
         capacity: bool,
         /// The client's bucket and counts (unchanged by the refusal).
         reading: Reading,
+        /// Set when the pool of `code` (a global pool's) refused by its fair share, and why: the
+        /// script's `refused_fair` reply.
+        fair_share: Option<FairShareReason>,
     },
 }
 
@@ -197,6 +200,7 @@ fn admit_len(head: &str) -> Option<usize> {
     match head {
         "admitted" => Some(5),
         "refused" => Some(8),
+        "refused_fair" => Some(9),
         "replay" => Some(3),
         "duplicate" | "lease" | "recovering" => Some(1),
         _ => None,
@@ -237,15 +241,28 @@ pub fn parse_admit(items: &[Value]) -> Result<AdmitReply, ReplyError> {
             }
             _ => return Err(bad_items("admit replay", items)),
         },
-        Some("refused") => {
+        Some(head @ ("refused" | "refused_fair")) => {
             let code = text(&items[1]).and_then(refusal_code);
-            let wait = int(&items[2]);
-            let capacity = match int(&items[3]) {
+            // `refused_fair`: the reason comes after the code, and only a global pool's code
+            // has one.
+            let (fair_share, rest) = if head == "refused_fair" {
+                let reason = text(&items[2]).and_then(FairShareReason::parse);
+                match (code, reason) {
+                    (Some(code), Some(reason)) if FairShareRefusal::of(code, reason).is_some() => {
+                        (Some(reason), &items[3..])
+                    }
+                    _ => return Err(bad_items("admit refusal", items)),
+                }
+            } else {
+                (None, &items[2..])
+            };
+            let wait = int(&rest[0]);
+            let capacity = match int(&rest[1]) {
                 Some(0) => Some(false),
                 Some(1) => Some(true),
                 _ => None,
             };
-            match (code, wait, capacity, reading(&items[4..])) {
+            match (code, wait, capacity, reading(&rest[2..])) {
                 // A capacity code always means a capacity dimension is exhausted.
                 (Some(code), Some(rate_wait_micros), Some(capacity), Some(reading))
                     if capacity || !code.is_capacity() =>
@@ -255,6 +272,7 @@ pub fn parse_admit(items: &[Value]) -> Result<AdmitReply, ReplyError> {
                         rate_wait_micros,
                         capacity,
                         reading,
+                        fair_share,
                     }
                 }
                 _ => return Err(bad_items("admit refusal", items)),
@@ -625,7 +643,69 @@ mod tests {
                 rate_wait_micros: 0,
                 capacity: true,
                 reading: read,
+                fair_share: None,
             })
+        );
+        assert_eq!(
+            ok(with(
+                vec![
+                    bulk("refused_fair"),
+                    bulk("global_execution_limit"),
+                    bulk("share"),
+                    bulk("0"),
+                    Value::Int(1),
+                ],
+                at("1700000020000000", "1700000000000000", 2, 1)
+            )),
+            Ok(AdmitReply::Refused {
+                code: RefusalCode::GlobalExecutionLimit,
+                rate_wait_micros: 0,
+                capacity: true,
+                reading: read,
+                fair_share: Some(FairShareReason::Share),
+            })
+        );
+        let fair = |code: &str, reason: &str| {
+            with(
+                vec![
+                    bulk("refused_fair"),
+                    bulk(code),
+                    bulk(reason),
+                    bulk("0"),
+                    Value::Int(1),
+                ],
+                at("1", "1", 1, 0),
+            )
+        };
+        assert!(ok(fair("global_operation_limit", "reserve")).is_ok());
+        // A reason only a global pool's code has, and only the two reasons there are.
+        assert!(ok(fair("client_operation_limit", "reserve")).is_err());
+        assert!(ok(fair("global_operation_limit", "fair")).is_err());
+        // A plain refusal never carries one, nor a fair one lacks it.
+        assert!(
+            ok(with(
+                vec![
+                    bulk("refused"),
+                    bulk("global_operation_limit"),
+                    bulk("share"),
+                    bulk("0"),
+                    Value::Int(1),
+                ],
+                at("1", "1", 1, 0)
+            ))
+            .is_err()
+        );
+        assert!(
+            ok(with(
+                vec![
+                    bulk("refused_fair"),
+                    bulk("global_operation_limit"),
+                    bulk("0"),
+                    Value::Int(1),
+                ],
+                at("1", "1", 1, 0)
+            ))
+            .is_err()
         );
         let refused = |code: &str, wait: &str, capacity: i64| {
             vec![

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use unyolo_admission::admission::{
-    Admission, AdmitError, DeploymentCounts, ReplicaOptions, RestoredOperation,
+    Admission, AdmitError, DeploymentCounts, Refused, ReplicaOptions, RestoredOperation,
 };
 pub use unyolo_admission::admission::{
     AdmissionPermit as AnyPermit, OperationHandle as AnyOperation,
@@ -40,6 +40,7 @@ impl Kind {
             config,
             caps: StorageCaps::default(),
             capacity_retry: DEFAULT_CAPACITY_RETRY,
+            refusal_memory: true,
         }
     }
 }
@@ -50,6 +51,7 @@ pub struct Setup {
     config: Config,
     caps: StorageCaps,
     capacity_retry: Duration,
+    refusal_memory: bool,
 }
 
 /// Distinct key prefixes (and operation ids) for the tests sharing the process's Redis.
@@ -70,6 +72,14 @@ impl Setup {
     /// The Retry-After of capacity refusals.
     pub fn capacity_retry(mut self, hint: Duration) -> Setup {
         self.capacity_retry = hint;
+        self
+    }
+
+    /// On Redis, no refusal answered from memory: for a test that asks again right after a
+    /// release, whose notice (which ends a remembered refusal) arrives on a connection of its
+    /// own, a moment later.
+    pub fn without_refusal_memory(mut self) -> Setup {
+        self.refusal_memory = false;
         self
     }
 
@@ -103,6 +113,7 @@ impl Setup {
                 options.call_timeout = Duration::from_secs(5);
                 options.lease_ttl = Duration::from_secs(60);
                 options.heartbeat = Duration::from_secs(20);
+                options.refusal_memory = self.refusal_memory;
                 // The engine on real time, as a replica's is: its rate bucket then agrees with
                 // Redis's (the shared decision binds; the local one follows it).
                 let admission =
@@ -225,6 +236,29 @@ impl Backend {
             Err(AdmitError::Refused(refused)) => Err(refused.refusal),
             Err(other) => panic!("admission neither admitted nor refused: {other}"),
         }
+    }
+
+    /// The whole answer to a submission expected to be refused (the refusal, the quota, and
+    /// whether a pool's fair share made it).
+    pub async fn refused(&self, client: &str, needs_approval: bool) -> Refused {
+        match self.admission.admit(client, needs_approval, None).await {
+            Ok(permit) => panic!("{client} admitted ({permit:?}), expected a refusal"),
+            Err(AdmitError::Refused(refused)) => refused,
+            Err(other) => panic!("admission neither admitted nor refused: {other}"),
+        }
+    }
+
+    /// Each pool's holders now, (active, executing): the whole deployment's (Redis's), or the
+    /// engine's in-process.
+    pub async fn holders(&self) -> (u64, u64) {
+        let c: DeploymentCounts = self.admission.counts().await.expect("redis answers");
+        (c.active_holders, c.executing_holders)
+    }
+
+    /// The fair-share refusals this process answered, by pool and reason (indexed like
+    /// `FairShareRefusal::ALL`): counted by its engine on both backends.
+    pub fn fair_share_refusals(&self) -> [u64; 4] {
+        self.admission.snapshot().fair_share_refusals
     }
 
     /// Admits and commits, failing the test on a refusal.

@@ -2,12 +2,14 @@
 //!
 //! The controller holds one [`ClientState`] per configured identity in a hash table (created from
 //! configuration, never from traffic, so memory is bounded by the quota file), the global counts in
-//! one packed, cache-padded word ([`GlobalCounts`]), and the validated limits in an `arc-swap` so a
+//! two packed words on one cache-padded line ([`GlobalCounts`]: each pool's counts and holders),
+//! and the validated limits in an `arc-swap` so a
 //! reload never blocks an admission. A decision reads one consistent limits snapshot, checks every
 //! dimension without writing (a refusal ends there), then reserves each by compare-and-swap in the
 //! contract's order — the client's token, its active and pending counts
-//! ([`Gauge`](super::gauge::Gauge)), then the global counts in one step — rolling back everything
-//! reserved so far at the first that fails.
+//! ([`Holding`](super::holding::Holding), [`Gauge`](super::gauge::Gauge)), then the global counts
+//! in one step, where each pool's fair share is decided — rolling back everything reserved so far
+//! at the first that fails.
 //!
 //! The client table changes only on reload, so it is immutable and swapped in with the limits, in
 //! the same [`Settings`]: one load finds the client and its limits, and they always agree. (A
@@ -39,6 +41,7 @@ use super::caps::StorageCaps;
 use super::client::{ClientState, ClientTable, Settings, Shared, StoreGauges};
 use super::global::GlobalCounts;
 use super::refusal::retry_after;
+use super::share::PoolRule;
 use super::tally::Tally;
 use crate::clock::{Clock, MonotonicClock, QuantaClock, duration_nanos};
 use crate::config::{Config, Identity};
@@ -121,6 +124,8 @@ impl ControllerBuilder {
             clients: Box::new([]),
             global_active: 0,
             global_executing: 0,
+            active_rule: PoolRule::FIRST_COME,
+            executing_rule: PoolRule::FIRST_COME,
             capacity_retry: retry_after(duration_nanos(self.capacity_retry)),
             caps: self.caps,
             config: Config::defaults([]),
@@ -129,7 +134,7 @@ impl ControllerBuilder {
             global: CachePadded::new(GlobalCounts::new()),
             storage: [StoreGauges::new(), StoreGauges::new()],
             settings: ArcSwap::from_pointee(settings),
-            executing_limit: StdAtomicU64::new(0),
+            executing_pool: StdAtomicU64::new(0),
             clock,
             rescaling: Mutex::new(()),
             slot_freed: Event::new(),
@@ -179,14 +184,15 @@ impl Controller {
     }
 
     fn client_or_insert(&self, identity: &Identity) -> Arc<ClientState> {
-        if let Some(client) = self.client(identity.as_str()) {
-            return client;
+        loop {
+            if let Some(client) = self.client(identity.as_str()) {
+                return client;
+            }
+            // The configuration in force when it is applied (not read here: a reload in between
+            // would be undone). Until the state is found (and so held), a reload racing this one
+            // may forget it again as unheld: then it is tracked again.
+            self.apply(None, Some(identity));
         }
-        // The configuration in force when it is applied (not read here: a reload in between
-        // would be undone).
-        self.apply(None, Some(identity));
-        self.client(identity.as_str())
-            .expect("apply tracks the extra identity")
     }
 
     /// What every handle shares: limits, global counts, time.

@@ -4,7 +4,7 @@
 
 use std::sync::atomic::Ordering;
 
-use crate::config::Identity;
+use crate::config::{Identity, Pool};
 use crate::engine::client::ClientState;
 use crate::engine::gcra::Rate;
 use crate::engine::global::Counts;
@@ -90,18 +90,20 @@ impl Permit {
     }
 }
 
-/// Returns what an uncommitted admission holds.
+/// Returns what an uncommitted admission holds: the global slots first, then the client's (and
+/// its place among the active pool's holders, if this was its last live operation), as an
+/// operation's end does.
 fn release_admission(client: &ClientState, needs_approval: bool) {
+    let global = &client.shared.global;
     if needs_approval {
-        client
-            .shared
-            .global
-            .release(Counts::ACTIVE.plus(Counts::PENDING));
+        global.release(Counts::ACTIVE.plus(Counts::PENDING));
         client.pending.release(1);
     } else {
-        client.shared.global.release(Counts::ACTIVE);
+        global.release(Counts::ACTIVE);
     }
-    client.active.release(1);
+    if client.active.give_back() {
+        global.release(Counts::holder(Pool::Active));
+    }
 }
 
 impl Drop for Permit {

@@ -11,6 +11,8 @@ use crate::engine::client::{
 };
 use crate::engine::gauge::Gauge;
 use crate::engine::gcra::{Bucket, Rate};
+use crate::engine::holding::Holding;
+use crate::engine::share::{PoolRule, PoolSettings};
 use crate::engine::tally::Tally;
 use crate::sync::{Arc, lock};
 
@@ -22,7 +24,9 @@ impl Controller {
     /// Live counts are kept; each bucket keeps its fill level scaled to its new capacity; new
     /// identities get full buckets; removed identities are refused from now on while their live
     /// operations still release correctly. A limit lowered below current usage refuses new work
-    /// until usage drains.
+    /// until usage drains. A fair share turned on, off or changed applies from the next decision
+    /// on the counts and holders as they are (they are kept whether or not one is in force);
+    /// nothing held is taken back.
     pub fn reload(&self, config: Config) {
         self.apply(Some(config), None);
         // Relaxed: a statistic.
@@ -207,23 +211,32 @@ impl Controller {
         }
         let unused = client_settings(config.limits().client_defaults(), false);
         let limits = *config.limits();
-        // Relaxed: a lone value; a start racing the reload may use either limit, as it may the
-        // settings themselves.
+        let fair_share = config.fair_share();
+        let active_rule = PoolRule::of(fair_share.map(|share| share.active));
+        let executing_rule = PoolRule::of(fair_share.map(|share| share.executing));
+        let executing_pool = PoolSettings {
+            limit: u64::from(limits.global_executing),
+            rule: executing_rule,
+        };
+        // Relaxed: a lone word (limit and rule together); a start racing the reload may use
+        // either, as it may the settings themselves.
         shared
-            .executing_limit
-            .store(u64::from(limits.global_executing), Ordering::Relaxed);
+            .executing_pool
+            .store(executing_pool.pack(), Ordering::Relaxed);
         tracked.extend(new_states.into_iter().map(Arc::new));
         *retired = Some(shared.settings.swap(Arc::new(Settings {
             table: table_of(&tracked),
             clients: slots.into_iter().map(|s| s.unwrap_or(unused)).collect(),
             global_active: u64::from(limits.global_active),
             global_executing: u64::from(limits.global_executing),
+            active_rule,
+            executing_rule,
             config,
             capacity_retry: current.capacity_retry,
             caps: current.caps,
         })));
         drop(rescaling);
-        // A raised `global_executing` may let waiting operations start.
+        // A raised `global_executing` (or a fair share changed) may let waiting operations start.
         shared.slot_freed.notify(usize::MAX);
     }
 
@@ -294,9 +307,9 @@ impl Controller {
     fn new_client_state(&self, identity: Identity, slot: usize) -> ClientState {
         ClientState {
             bucket: Bucket::new(),
-            active: Gauge::new(),
+            active: Holding::new(),
             pending: Gauge::new(),
-            executing: Gauge::new(),
+            executing: Holding::new(),
             slot,
             identity,
             shared: Arc::clone(&self.inner.shared),

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use super::Controller;
 use crate::clock::duration_nanos;
-use crate::config::Identity;
+use crate::config::{Identity, Pool};
 use crate::engine::caps::Store;
 use crate::engine::global::Counts;
 use crate::engine::lifecycle::{Operation, OperationState};
@@ -51,19 +51,23 @@ impl Controller {
         let identity = &identity;
         let client = self.client_or_insert(identity);
         let global = &self.inner.shared.global;
-        client.active.force_acquire(1);
+        // Each count whose take found 0 counts the client among that pool's holders, in the
+        // same step as the global count.
+        let joined = client.active.take() == 0;
+        let mut add = Counts::ACTIVE.joining(Pool::Active, joined);
         match state {
             OperationState::Pending => {
                 client.pending.force_acquire(1);
-                global.force(Counts::ACTIVE.plus(Counts::PENDING));
+                add = add.plus(Counts::PENDING);
             }
-            OperationState::Approved => global.force(Counts::ACTIVE),
+            OperationState::Approved => {}
             OperationState::Executing => {
-                client.executing.force_acquire(1);
-                global.force(Counts::ACTIVE.plus(Counts::EXECUTING));
+                let joined = client.executing.take() == 0;
+                add = add.plus(Counts::EXECUTING.joining(Pool::Executing, joined));
             }
             _ => unreachable!("terminal states returned above"),
         }
+        global.force(add);
         Ok(Operation::new(client, state))
     }
 

@@ -3,7 +3,8 @@
 
 use super::Controller;
 use crate::engine::caps::Store;
-use crate::engine::refusal::RefusalCode;
+use crate::engine::client::rejected_index;
+use crate::engine::refusal::{FairShareRefusal, RefusalCode};
 use crate::engine::snapshot::{ClientSnapshot, Snapshot, StoreSnapshot};
 
 use std::sync::atomic::Ordering;
@@ -40,9 +41,20 @@ impl Controller {
                     executing,
                     tokens: c.bucket.available(now, limits.rate),
                     admitted: c.admitted.load(Ordering::Relaxed),
-                    rejected: std::array::from_fn(|i| match i.checked_sub(1) {
-                        Some(i) => c.rejected.read(i),
-                        None => 0,
+                    rejected: std::array::from_fn(|i| {
+                        let code = RefusalCode::ALL[i];
+                        match i.checked_sub(1) {
+                            // A code's own count, and its pool's fair-share refusals.
+                            Some(i) => {
+                                FairShareRefusal::ALL
+                                    .into_iter()
+                                    .filter(|fair| fair.code() == code)
+                                    .map(|fair| c.rejected.read(rejected_index(code, Some(fair))))
+                                    .sum::<u64>()
+                                    + c.rejected.read(i)
+                            }
+                            None => 0,
+                        }
                     }),
                     storage: std::array::from_fn(|i| StoreSnapshot {
                         store: Store::ALL[i],
@@ -61,6 +73,14 @@ impl Controller {
                 *total += n;
             }
         }
+        let fair_share_refusals = std::array::from_fn(|i| {
+            let fair = FairShareRefusal::ALL[i];
+            settings
+                .table
+                .iter()
+                .map(|key| key.0.rejected.read(rejected_index(fair.code(), Some(fair))))
+                .sum()
+        });
         let global = shared.global.get();
         Snapshot {
             admitted: clients.iter().map(|c| c.admitted).sum(),
@@ -69,6 +89,9 @@ impl Controller {
             pending: global.pending,
             queued: clients.iter().map(|c| c.queued).sum(),
             executing: global.executing,
+            active_holders: global.active_holders,
+            executing_holders: global.executing_holders,
+            fair_share_refusals,
             storage: std::array::from_fn(|i| StoreSnapshot {
                 store: Store::ALL[i],
                 files: shared.storage[i].files.get(),

@@ -49,6 +49,11 @@ fn assert_counts(c: &Controller, state: OperationState) {
         (live, pending, queued, executing),
         "global counts for a {state} operation"
     );
+    assert_eq!(
+        (s.active_holders, s.executing_holders),
+        (live, executing),
+        "the pools' holders for a {state} operation"
+    );
 }
 
 /// The executor starts an approved operation while the operation is finished from elsewhere
@@ -273,5 +278,67 @@ fn loom_cancel_racing_approve_and_start_leaves_every_count_right() {
             op.succeed().unwrap();
         }
         assert!(c.snapshot().is_idle());
+    });
+}
+
+/// With a fair share of the execution pool (two slots, one in reserve), a client's second
+/// start races its running operation's finish and another client's start: whichever wins, the
+/// pool never runs more than two, a start refused leaves its operation queued, and each pool's
+/// holders end equal to the clients holding there.
+#[test]
+fn loom_fair_starts_racing_a_finish_keep_the_holders_exact() {
+    loom::model(|| {
+        use crate::config::{FairShare, Limits, PoolShare};
+        let limits = Limits {
+            global_executing: 2,
+            ..Limits::default()
+        };
+        let pool = |reserve| PoolShare { reserve, floor: 1 };
+        let config = Config::new(
+            limits,
+            Default::default(),
+            ["a", "b"].map(|n| Identity::new(n).unwrap()),
+        )
+        .unwrap()
+        .with_fair_share(Some(FairShare {
+            active: pool(0),
+            executing: pool(1),
+        }))
+        .unwrap();
+        let c = Controller::builder(config)
+            .clock(ManualClock::new())
+            .build();
+        // Admitted first: once `a` runs its share, the execution pool refuses its submissions.
+        let running = Arc::new(c.admit("a", false).unwrap().commit());
+        let second = Arc::new(c.admit("a", false).unwrap().commit());
+        let other = c.admit("b", false).unwrap().commit();
+        running.try_start().unwrap();
+        let starter = {
+            let second = second.clone();
+            thread::spawn(move || second.try_start().is_ok())
+        };
+        let finisher = {
+            let running = running.clone();
+            thread::spawn(move || running.succeed().unwrap())
+        };
+        let other_started = other.try_start().is_ok();
+        let second_started = starter.join().unwrap();
+        finisher.join().unwrap();
+        // `b` holds nothing executing: the reserve is its, whatever `a` holds.
+        assert!(other_started);
+        let s = c.snapshot();
+        let executing = 1 + u64::from(second_started);
+        assert_eq!(s.executing, executing);
+        assert!(s.executing <= 2);
+        assert_eq!(s.executing_holders, 1 + u64::from(second_started));
+        assert_eq!(s.active_holders, 2);
+        assert_eq!(
+            second.state(),
+            if second_started {
+                OperationState::Executing
+            } else {
+                OperationState::Approved
+            }
+        );
     });
 }

@@ -30,6 +30,9 @@
 --     executing limit, and how long past its rate wait the sending replica may remember a
 --     refusal (ms; 0: it remembers none): what every admission after it is decided on, until
 --     the next `L` (an admission before any `L` is an error, and the batch does nothing);
+--   a fair share, 5 fields: `F`, the active pool's reserve and floor, the executing pool's
+--     reserve and floor (a floor of 0: that pool is first come, first served): what every
+--     admission and start after it is decided on, until the next `F` (before any, none);
 --   an admission, 6 fields: `A`, operation id, client, needs approval (0/1), the idempotency
 --     record's key (empty for none), its lifetime (ms; 0 for none: it lives until its operation
 --     is retired);
@@ -44,13 +47,16 @@
 --   An admission: `admitted, reading` | `duplicate` (this id was admitted before: a retry) |
 --     `replay, id, replica` | `lease` (this replica does not hold its lease, or not in the
 --     deployment's epoch) | `recovering` (Redis forgot the deployment and the replicas are
---     registering again) | `refused, code, rate wait µs, capacity exhausted 0/1, reading`,
+--     registering again) | `refused, code, rate wait µs, capacity exhausted 0/1, reading` |
+--     `refused_fair, code, reason, rate wait µs, 1, reading` (a global pool's fair share refused
+--     where first come, first served would admit: the pool's code, and `reserve` or `share`),
 --     where reading is `TAT µs, now µs, client active, client pending`: the client's bucket and
 --     counts just after the decision, for the client's quota as the deployment sees it. Numbers
 --     in a reply are Lua numbers (Redis answers them as integers: exact below 2^53, and a TAT
 --     in µs is ~2^51), not formatted strings.
 --   A transition: `moved, from` | `same` | `absent` (released already) | `not_allowed, from` |
---     `saturated` (no execution slot: the operation stays approved) | `recounting` (a start
+--     `saturated` (no execution slot, or none for this client by the fair share: the operation
+--     stays approved) | `recounting` (a start
 --     while the recovery marker stands: Redis forgot the deployment, and until every replica
 --     has registered again the executing count is not the deployment's, so no slot is taken;
 --     the operation stays approved).
@@ -70,13 +76,22 @@ local max, min, floor = math.max, math.min, math.floor
 -- client active, client pending, grant client, grant global, global active, global executing,
 -- the rate as a bucket stores it, how long past its wait a refusal may be remembered (ms)}), the
 -- ids transitions name, and what the batch must read.
-local at, ids, limits, moved = {}, {}, {}, {}
+local at, ids, limits, shares, moved = {}, {}, {}, {}, {}
 local admits, refunds, starts = 0, 0, 0
-local current
+-- The fair share in force ({active reserve, active floor, executing reserve, executing floor}, or
+-- nil: first come, first served), and whether any admission is decided on an executing floor
+-- (then the admitting clients' executing counts are read).
+local current, share
+local executing_shared = false
 local i, last = 5, #ARGV
 while i <= last do
   local kind = ARGV[i]
-  if kind == 'L' then
+  if kind == 'F' then
+    share = {tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3]),
+      tonumber(ARGV[i + 4])}
+    if share[2] == 0 and share[4] == 0 then share = nil end
+    i = i + 5
+  elseif kind == 'L' then
     current = {
       tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3]), tonumber(ARGV[i + 4]),
       tonumber(ARGV[i + 5]), tonumber(ARGV[i + 6]), tonumber(ARGV[i + 7]), tonumber(ARGV[i + 8]),
@@ -90,13 +105,15 @@ while i <= last do
       if not current then
         return redis.error_reply('batch: an admission before any limits, at ARGV[' .. i .. ']')
       end
-      limits[n] = current
+      limits[n], shares[n] = current, share
+      if share and share[4] > 0 then executing_shared = true end
       admits = admits + 1
       i = i + 6
     elseif kind == 'T' then
       moved[ARGV[i + 1]] = true
       local to = ARGV[i + 2]
       if to == 'e' then
+        shares[n] = share
         starts = starts + 1
         i = i + 5
       elseif to == 'r' then
@@ -125,14 +142,15 @@ for n = 1, #ids do
 end
 
 -- The clients the batch touches: the admissions', and those of the operations it moves; a
--- client maps to whether a transition may move its executing count (it is the client of an
--- operation a transition names, read or admitted in this batch).
+-- client maps to whether its executing count is read: a transition may move it (it is the
+-- client of an operation a transition names, read or admitted in this batch), or an admission's
+-- fair share of the executing pool judges it.
 local clients, client_list = {}, {}
 for n = 1, #at do
   local j = at[n]
   local client, moves
   if ARGV[j] == 'A' then
-    client, moves = ARGV[j + 2], moved[ARGV[j + 1]] == true
+    client, moves = ARGV[j + 2], moved[ARGV[j + 1]] == true or executing_shared
   elseif records[ARGV[j + 1]] then
     client, moves = match(records[ARGV[j + 1]], '^%a %S+ (%S+)$'), true
   end
@@ -192,10 +210,12 @@ if admits > 0 or refunds > 0 then
 end
 
 -- Every count the batch touches, in one call: `was` as read, `cur` as the decisions change it,
--- both by position: the global active, pending and executing counts first, then each client's
--- active and pending from `slot[client]` on, and its executing count at `eslot[client]` if a
--- transition may move it (none else: a move of an unread count is an error, never another's).
-local fields, slot, eslot = {'active', 'pending', 'executing'}, {}, {}
+-- both by position: the global active, pending and executing counts and the two pools' holders
+-- first, then each client's active and pending from `slot[client]` on, and its executing count
+-- at `eslot[client]` if it is read (none else: a move of an unread count is an error, never
+-- another's).
+local fields, slot, eslot = {'active', 'pending', 'executing', 'active_holders',
+  'executing_holders'}, {}, {}
 for n = 1, #client_list do
   local c = client_list[n]
   local k = #fields + 1
@@ -292,8 +312,9 @@ for n = 1, #at do
       local client_active, client_pending = lim[3], lim[4]
       local grant_global, global_active, global_executing = lim[6], lim[7], lim[8]
       local pending_cap = min(client_pending, lim[5])
+      local fair = shares[n]
 
-      local code
+      local code, reason
       if next_tat - now > span then
         code = 'submission_rate_limited'
       elseif a >= client_active then
@@ -308,8 +329,19 @@ for n = 1, #at do
         code = 'pending_grant_limit'
       elseif ga >= global_active then
         code = 'global_operation_limit'
+      elseif fair and fair[2] > 0 and a >= fair[2]
+        and (ga >= global_active - fair[1] or a * cur[4] >= global_active - fair[1]) then
+        -- The active pool's fair share (a ≥ floor ≥ 1: the client is among the holders).
+        code = 'global_operation_limit'
+        if ga >= global_active - fair[1] then reason = 'reserve' else reason = 'share' end
       elseif ge >= global_executing then
         code = 'global_execution_limit'
+      elseif fair and fair[4] > 0 and cur[eslot[client]] >= fair[4]
+        and (ge >= global_executing - fair[3]
+          or cur[eslot[client]] * cur[5] >= global_executing - fair[3]) then
+        -- The executing pool is saturated for this client: it could not start now.
+        code = 'global_execution_limit'
+        if ge >= global_executing - fair[3] then reason = 'reserve' else reason = 'share' end
       end
 
       if code then
@@ -331,7 +363,13 @@ for n = 1, #at do
           local until_ = now + rate_wait + lim[10] * 1000
           if not refused_until or until_ > refused_until then refused_until = until_ end
         end
-        out[o + 1], out[o + 2], out[o + 3], out[o + 4] = 'refused', code, rate_wait, capacity
+        if reason then
+          out[o + 1], out[o + 2], out[o + 3] = 'refused_fair', code, reason
+          o = o + 1
+        else
+          out[o + 1], out[o + 2] = 'refused', code
+        end
+        out[o + 3], out[o + 4] = rate_wait, capacity
         out[o + 5], out[o + 6], out[o + 7], out[o + 8] = tat, now, a, p
         o = o + 8
         break
@@ -345,6 +383,7 @@ for n = 1, #at do
       -- that took it out also ended the lease checked above.)
       local state = 'a'
       cur[1], cur[k] = ga + 1, a + 1
+      if a == 0 then cur[4] = cur[4] + 1 end
       if approval then
         state = 'p'
         p = p + 1
@@ -388,11 +427,13 @@ for n = 1, #at do
       if to == 't' or to == 'r' then
         -- Release everything it holds, once: its record goes with its counts.
         local k = slot[client]
+        if cur[k] == 1 then cur[4] = max(cur[4] - 1, 0) end
         cur[1], cur[k] = max(cur[1] - 1, 0), max(cur[k] - 1, 0)
         if state == 'p' then
           cur[2], cur[k + 1] = max(cur[2] - 1, 0), max(cur[k + 1] - 1, 0)
         elseif state == 'e' then
           local e = eslot[client]
+          if cur[e] == 1 then cur[5] = max(cur[5] - 1, 0) end
           cur[3], cur[e] = max(cur[3] - 1, 0), max(cur[e] - 1, 0)
         end
         records[id] = false
@@ -439,13 +480,16 @@ for n = 1, #at do
           out[o] = 'recounting'
           break
         end
-        if cur[3] >= tonumber(ARGV[j + 4]) then
+        local limit, e, fair = tonumber(ARGV[j + 4]), eslot[client], shares[n]
+        local held = cur[e]
+        if cur[3] >= limit or (fair and fair[4] > 0 and held >= fair[4]
+          and (cur[3] >= limit - fair[3] or held * cur[5] >= limit - fair[3])) then
           o = o + 1
           out[o] = 'saturated'
           break
         end
-        local e = eslot[client]
-        cur[3], cur[e] = cur[3] + 1, cur[e] + 1
+        if held == 0 then cur[5] = cur[5] + 1 end
+        cur[3], cur[e] = cur[3] + 1, held + 1
       else
         out[o + 1], out[o + 2] = 'not_allowed', state
         o = o + 2

@@ -1,8 +1,11 @@
 -- Shared by the registration and reap scripts (prepended at build time, after shared.lua). The
--- counts live in one hash, KEYS[1]: `active`, `pending`, `executing` (global) and `a:<client>`,
--- `p:<client>`, `e:<client>`; operations are fields of KEYS[2] (see shared.lua). Counts never
--- fall below zero, and a count that reaches zero is removed, so an idle deployment leaves an
--- empty hash. (The batch script keeps the same rules on its own reads and writes.)
+-- counts live in one hash, KEYS[1]: `active`, `pending`, `executing` (global), `active_holders`
+-- and `executing_holders` (the clients whose `a:` and `e:` counts are above zero: each pool's
+-- holders, among whom its fair share is divided), and `a:<client>`, `p:<client>`, `e:<client>`;
+-- operations are fields of KEYS[2] (see shared.lua). Counts never fall below zero, and a count
+-- that reaches zero is removed, so an idle deployment leaves an empty hash; a change that takes
+-- a client's `a:` or `e:` count from or to zero moves its pool's holders with it, in the same
+-- write. (The batch script keeps the same rules on its own reads and writes.)
 
 -- The counts `fields` as numbers (an absent one is 0), in one read.
 local function counts(fields)
@@ -14,18 +17,51 @@ local function counts(fields)
   return values
 end
 
--- Adds `delta` to each of `fields` in one read (skipped when `known` has them already) and at
--- most two writes: a count never falls below zero, and one that reaches zero is removed.
-local function adjust(fields, delta, known)
-  local values = known or counts(fields)
-  local set, gone = {}, {}
+-- The pool holders a client count belongs to (`a:<client>`, `e:<client>`), or nil.
+local function holders_of(field)
+  local kind = string.sub(field, 1, 2)
+  if kind == 'a:' then
+    return 'active_holders'
+  elseif kind == 'e:' then
+    return 'executing_holders'
+  end
+  return nil
+end
+
+-- Adds `delta` to each of `fields` in one read and at most two writes: a count never falls
+-- below zero, and one that reaches zero is removed; a client count that leaves or reaches zero
+-- moves its pool's holders by one.
+local function adjust(fields, delta)
+  local read = {'active_holders', 'executing_holders'}
   for _, field in ipairs(fields) do
-    local v = (values[field] or 0) + delta
-    if v <= 0 then
-      gone[#gone + 1] = field
-    else
-      set[#set + 1] = field
-      set[#set + 1] = string.format('%.0f', v)
+    read[#read + 1] = field
+  end
+  local values = counts(read)
+  local changed = {}
+  for _, field in ipairs(fields) do
+    local was = values[field] or 0
+    local v = math.max(was + delta, 0)
+    local holders = holders_of(field)
+    if holders and (was > 0) ~= (v > 0) then
+      local moved = 1
+      if v == 0 then moved = -1 end
+      values[holders] = math.max(values[holders] + moved, 0)
+      changed[#changed + 1] = holders
+    end
+    values[field] = v
+    changed[#changed + 1] = field
+  end
+  local set, gone, seen = {}, {}, {}
+  for _, field in ipairs(changed) do
+    if not seen[field] then
+      seen[field] = true
+      local v = values[field]
+      if v <= 0 then
+        gone[#gone + 1] = field
+      else
+        set[#set + 1] = field
+        set[#set + 1] = string.format('%.0f', v)
+      end
     end
   end
   if #set > 0 then
@@ -47,10 +83,9 @@ local function fields_of(state, client)
 end
 
 -- Counts an operation in `state` for `client`, held by `replica` (no limit checked: admission
--- checked them, or it is restored work, which counts even above a limit). `known`: the counts
--- already read, if any.
-local function hold(id, state, replica, client, known)
-  adjust(fields_of(state, client), 1, known)
+-- checked them, or it is restored work, which counts even above a limit).
+local function hold(id, state, replica, client)
+  adjust(fields_of(state, client), 1)
   redis.call('HSET', KEYS[2], id, state .. ' ' .. replica .. ' ' .. client)
 end
 
@@ -105,6 +140,33 @@ local function owe(base, now, client, interval, span, debt)
     local next_tat = math.min(math.max(tat, now) + debt, now + span)
     if next_tat > tat then
       write_tat(base, client, next_tat, interval, span)
+    end
+  end
+end
+
+-- Counts each pool's holders again from the client counts themselves (one read of the counts
+-- hash, bounded by the clients): registration does, so a deployment whose counts were written
+-- by a build that kept no holders (or restored from an older snapshot) has them exact again.
+local function recount_holders()
+  local all = redis.call('HGETALL', KEYS[1])
+  local found = {active_holders = 0, executing_holders = 0}
+  local stored = {}
+  for n = 1, #all, 2 do
+    local field, v = all[n], tonumber(all[n + 1]) or 0
+    local holders = holders_of(field)
+    if holders and v > 0 then
+      found[holders] = found[holders] + 1
+    elseif found[field] then
+      stored[field] = v
+    end
+  end
+  for field, n in pairs(found) do
+    if n ~= (stored[field] or 0) then
+      if n > 0 then
+        redis.call('HSET', KEYS[1], field, string.format('%d', n))
+      else
+        redis.call('HDEL', KEYS[1], field)
+      end
     end
   end
 end

@@ -107,6 +107,9 @@ for k = i, #ARGV, 3 do
   hold(id, state, replica, client)
   counted = counted + 1
 end
+-- The holders, from the counts as they now stand (every script keeps them, but a build that did
+-- not may have written the counts).
+recount_holders()
 redis.call('SET', KEYS[4], ARGV[3], 'PX', lease_ms)
 redis.call('SADD', KEYS[5], replica)
 redis.call('HSET', KEYS[9], replica, epoch)
