@@ -25,29 +25,6 @@ use unyolo_admission::{
     PoolShare, RefusalCode,
 };
 
-/// Writes `mod in_process` and `mod redis`, each with one test per name that runs the async
-/// function of that name against its backend.
-macro_rules! semantic_tests {
-    ($($name:ident),* $(,)?) => {
-        mod in_process {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(super::Kind::InProcess).await
-                }
-            )*
-        }
-        mod redis {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(super::Kind::Redis).await
-                }
-            )*
-        }
-    };
-}
-
 semantic_tests! {
     the_reserve_admits_a_small_client_beside_a_batch_client_filling_the_pool,
     freed_slots_go_to_the_client_below_its_share_not_to_the_one_at_it,

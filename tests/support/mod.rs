@@ -4,6 +4,7 @@
 //!
 //! - [`eventually`]: polling until a condition holds, with one bound for every test.
 //! - [`redis`]: a real `redis-server` on loopback (restarted empty or flushed on demand).
+//! - [`replicas`]: quota files and registered replicas for the replica tests.
 //! - [`rng`]: the deterministic generator of the model tests.
 //! - [`semantics`]: one face for the in-process and the Redis admission backends.
 //!
@@ -13,6 +14,8 @@
 pub mod corpus;
 pub mod eventually;
 pub mod redis;
+#[cfg(feature = "redis")]
+pub mod replicas;
 pub mod rng;
 #[cfg(feature = "redis")]
 pub mod semantics;

@@ -20,7 +20,8 @@ pub use unyolo_admission::admission::{
 };
 use unyolo_admission::engine::DEFAULT_CAPACITY_RETRY;
 use unyolo_admission::{
-    Config, Controller, Identity, ManualClock, OperationState, Refusal, RefusalCode, StorageCaps,
+    ClientLimits, Config, Controller, Identity, Limits, ManualClock, OperationState, Refusal,
+    RefusalCode, StorageCaps,
 };
 
 use super::redis as redis_support;
@@ -381,4 +382,83 @@ impl Backend {
         }
         spent
     }
+}
+
+/// Writes `mod in_process` and `mod redis`, each with one test per name that runs the async
+/// function of that name against its backend.
+#[macro_export]
+macro_rules! semantic_tests {
+    ($($name:ident),* $(,)?) => {
+        mod in_process {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::Kind::InProcess).await
+                }
+            )*
+        }
+        mod redis {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::Kind::Redis).await
+                }
+            )*
+        }
+    };
+}
+
+/// An hour: a token of `limits(10, HOUR, ..)` takes six minutes to come back.
+pub const HOUR: u32 = 3600;
+/// A day: the longest window the configuration allows.
+pub const DAY: u32 = 86_400;
+
+/// The identity `name`.
+pub fn id(name: &str) -> Identity {
+    Identity::new(name).unwrap()
+}
+
+/// A client's limits: `n` tokens per `w` seconds, `active`, `pending`.
+pub fn limits(n: u32, w: u32, active: u32, pending: u32) -> ClientLimits {
+    ClientLimits {
+        requests_per_window: n,
+        window_seconds: w,
+        active,
+        pending,
+    }
+}
+
+/// The global limits `ga` active and `ge` executing, the rest the defaults.
+pub fn global(ga: u32, ge: u32) -> Limits {
+    let client_active = ga.min(25);
+    Limits {
+        global_active: ga,
+        global_executing: ge,
+        client_active,
+        client_pending: client_active.min(10),
+        ..Limits::DEFAULT
+    }
+}
+
+/// A configuration of `globals`, the `overrides`, and the identities `names`.
+pub fn config(globals: Limits, overrides: &[(&str, ClientLimits)], names: &[&str]) -> Config {
+    let overrides: BTreeMap<Identity, ClientLimits> =
+        overrides.iter().map(|(n, l)| (id(n), *l)).collect();
+    Config::new(globals, overrides, names.iter().map(|n| id(n))).unwrap()
+}
+
+/// `bot` with its own limits, `other` on the defaults, everything global roomy.
+pub fn one_client_config(n: u32, w: u32, active: u32, pending: u32) -> Config {
+    config(
+        Limits::DEFAULT,
+        &[("bot", limits(n, w, active, pending))],
+        &["bot", "other"],
+    )
+}
+
+/// A backend of [`one_client_config`], started (`None` when it cannot run here).
+pub async fn one_client(kind: Kind, n: u32, w: u32, active: u32, pending: u32) -> Option<Backend> {
+    kind.with(one_client_config(n, w, active, pending))
+        .start()
+        .await
 }
