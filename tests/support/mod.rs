@@ -15,6 +15,8 @@
 //! - [`serve`]: the `admission serve` binary as a process, and the files it reads.
 //! - [`quota`]: the quota fields of a submission answer, parsed back.
 //! - [`redis`]: a real `redis-server` on loopback (restarted empty or flushed on demand).
+//! - [`redis_ha`]: Redis highly available on loopback: a primary, its replicas and three
+//!   Sentinels, or a three-primary Redis Cluster, every process stopped with its test.
 //! - [`postgres`]: a real PostgreSQL (`initdb` in a temporary directory) on loopback.
 //! - [`rng`]: the deterministic generator of the model tests.
 //! - [`semantics`]: one face for the in-process and the Redis admission backends.
@@ -43,6 +45,8 @@ pub mod postgres;
 #[cfg(feature = "broker")]
 pub mod quota;
 pub mod redis;
+#[cfg(feature = "redis")]
+pub mod redis_ha;
 pub mod rng;
 pub mod secrets;
 #[cfg(feature = "redis")]

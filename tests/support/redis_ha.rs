@@ -1,0 +1,510 @@
+//! Highly available Redis for one test, on loopback: a primary with Redis replicas watched by
+//! three `redis-server --sentinel`s ([`SentinelSet`]), and a Redis Cluster of three primaries,
+//! each with a replica ([`Cluster`]). Every process is [`Watched`]: stopped when the test drops
+//! it (a panic included), and by a watchdog when the test process is gone however it ended (a
+//! killed test binary leaves no server behind). Tests skip (and say why) only when
+//! `redis-server` cannot be run at all.
+
+use std::ffi::OsString;
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use super::redis::{cli, free_port, installed};
+
+/// One process run under a watchdog shell: the shell starts it, says its pid, and kills it
+/// (`kill -9`) once its stdin (a pipe held by this test process) closes: when this is dropped,
+/// or when the test process ends, however it ends.
+pub struct Watched {
+    shell: Child,
+    pub pid: u32,
+}
+
+impl Watched {
+    pub fn spawn(program: &str, args: &[OsString]) -> Watched {
+        // fd 3 is the pipe; the program gets none of it (nor the shell's stdout), the watcher in
+        // the background keeps it until the test's end closes it.
+        let script = r#"exec 3<&0
+"$@" 3<&- </dev/null >/dev/null 2>&1 & pid=$!
+echo "$pid"
+exec >/dev/null
+(cat <&3 >/dev/null; kill -9 "$pid" 2>/dev/null) &
+exec 3<&-
+wait "$pid""#;
+        let mut shell = Command::new("sh")
+            .arg("-c")
+            .arg(script)
+            .arg("sh")
+            .arg(program)
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("sh starts");
+        let mut line = String::new();
+        BufReader::new(shell.stdout.take().expect("the shell's stdout"))
+            .read_line(&mut line)
+            .expect("the shell says the pid");
+        let pid = line.trim().parse().expect("a pid");
+        Watched { shell, pid }
+    }
+
+    /// Whether the process still runs.
+    pub fn alive(&self) -> bool {
+        Path::new(&format!("/proc/{}", self.pid)).exists()
+            && !std::fs::read_to_string(format!("/proc/{}/stat", self.pid))
+                .is_ok_and(|stat| stat.split(' ').nth(2) == Some("Z"))
+    }
+
+    /// Sends `sig` (`-STOP`, `-CONT`, `-KILL`).
+    pub fn signal(&self, sig: &str) {
+        let _ = Command::new("kill")
+            .arg(sig)
+            .arg(self.pid.to_string())
+            .stderr(Stdio::null())
+            .status();
+    }
+
+    /// `kill -9`, and waits until it is gone.
+    pub fn kill(&mut self) {
+        self.signal("-CONT");
+        self.signal("-KILL");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.alive() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for Watched {
+    fn drop(&mut self) {
+        self.kill();
+        // The watcher ends with its pipe.
+        drop(self.shell.stdin.take());
+        let _ = self.shell.wait();
+    }
+}
+
+/// A `redis-server` (or Sentinel) on a loopback port, with its own directory.
+pub struct Node {
+    pub port: u16,
+    process: Watched,
+    _dir: tempfile::TempDir,
+}
+
+impl Node {
+    /// `redis-server` on `port` with no persistence and `extra` flags, once it answers PING.
+    fn start(port: u16, extra: &[&str]) -> Option<Node> {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let mut args: Vec<OsString> = [
+            "--port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+        ]
+        .map(OsString::from)
+        .into();
+        args.push(dir.path().into());
+        args.extend(extra.iter().map(OsString::from));
+        Node::run(port, dir, args)
+    }
+
+    /// A Sentinel on `port` with `config` (its monitor lines) in its own file, which it rewrites.
+    fn sentinel(port: u16, config: &str) -> Option<Node> {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let path = dir.path().join("sentinel.conf");
+        let config = format!(
+            "port {port}\nbind 127.0.0.1\nprotected-mode no\ndir {}\n{config}",
+            dir.path().display()
+        );
+        std::fs::write(&path, config).expect("the config is written");
+        Node::run(port, dir, vec![path.into(), "--sentinel".into()])
+    }
+
+    fn run(port: u16, dir: tempfile::TempDir, args: Vec<OsString>) -> Option<Node> {
+        let process = Watched::spawn("redis-server", &args);
+        let node = Node {
+            port,
+            process,
+            _dir: dir,
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if !node.process.alive() {
+                return None;
+            }
+            if try_cli(port, &["PING"]).is_some_and(|o| o.trim() == "PONG") {
+                return Some(node);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+
+    pub fn alive(&self) -> bool {
+        self.process.alive()
+    }
+
+    /// `kill -9`: gone at once, as a crashed server is.
+    pub fn kill(&mut self) {
+        self.process.kill();
+    }
+
+    pub fn pause(&self) {
+        self.process.signal("-STOP");
+    }
+
+    pub fn resume(&self) {
+        self.process.signal("-CONT");
+    }
+
+    /// The first word of `ROLE`: `master`, `slave` or `sentinel` (`None`: no answer).
+    pub fn role(&self) -> Option<String> {
+        try_cli(self.port, &["ROLE"])?
+            .lines()
+            .next()
+            .map(str::to_owned)
+    }
+}
+
+/// `redis-cli -p port args...`'s output, or `None` if it failed (a server down).
+pub fn try_cli(port: u16, args: &[&str]) -> Option<String> {
+    let out = Command::new("redis-cli")
+        .arg("-p")
+        .arg(port.to_string())
+        .args(args)
+        .stderr(Stdio::null())
+        .output()
+        .ok()?;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    (out.status.success() && !text.starts_with("Could not connect")).then_some(text)
+}
+
+/// Polls `check` every 20 ms for up to `within`; whether it held.
+pub fn wait_until(within: Duration, mut check: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + within;
+    while Instant::now() < deadline {
+        if check() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    check()
+}
+
+/// A starter that tries five free ports (one taken between choosing and binding is retried).
+fn on_free_ports<S>(mut start: impl FnMut(u16) -> Option<S>, port: fn() -> u16) -> S {
+    for _ in 0..5 {
+        if let Some(started) = start(port()) {
+            return started;
+        }
+    }
+    panic!("redis-server did not start on any of five loopback ports");
+}
+
+/// A primary, its Redis replicas, and three Sentinels monitoring it as one service.
+pub struct SentinelSet {
+    pub service: String,
+    /// The Redis servers: the first started as the primary, the others as its replicas.
+    pub servers: Vec<Node>,
+    pub sentinels: Vec<Node>,
+}
+
+impl SentinelSet {
+    /// A primary with `replicas` Redis replicas in sync, and three Sentinels (quorum 2) that
+    /// know all of them and each other; a primary silent for `down_after` is failed over.
+    /// `None` (having said why) when `redis-server` is not installed.
+    pub fn start(replicas: usize, down_after: Duration) -> Option<SentinelSet> {
+        if !installed() {
+            return None;
+        }
+        let service = "hot".to_owned();
+        let primary = on_free_ports(|port| Node::start(port, &[]), free_port);
+        let primary_port = primary.port.to_string();
+        let mut servers = vec![primary];
+        for _ in 0..replicas {
+            let replica = on_free_ports(
+                |port| Node::start(port, &["--replicaof", "127.0.0.1", &primary_port]),
+                free_port,
+            );
+            servers.push(replica);
+        }
+        assert!(
+            wait_until(Duration::from_secs(30), || servers[1..].iter().all(|r| {
+                try_cli(r.port, &["INFO", "replication"])
+                    .is_some_and(|i| i.contains("master_link_status:up"))
+            })),
+            "the replicas never synced"
+        );
+        let config = format!(
+            "sentinel monitor {service} 127.0.0.1 {primary_port} 2\n\
+             sentinel down-after-milliseconds {service} {}\n\
+             sentinel failover-timeout {service} 4000\n\
+             sentinel parallel-syncs {service} {replicas}\n",
+            down_after.as_millis()
+        );
+        let sentinels: Vec<Node> = (0..3)
+            .map(|_| on_free_ports(|port| Node::sentinel(port, &config), free_port))
+            .collect();
+        let set = SentinelSet {
+            service,
+            servers,
+            sentinels,
+        };
+        // A failover needs each Sentinel to know the others (they meet through the primary's
+        // hello channel, every 2 s) and the replicas (from the primary's INFO).
+        assert!(
+            wait_until(Duration::from_secs(30), || set.sentinels.iter().all(|s| {
+                let others = try_cli(s.port, &["SENTINEL", "SENTINELS", &set.service]);
+                let known = try_cli(s.port, &["SENTINEL", "REPLICAS", &set.service]);
+                others.is_some_and(|o| o.matches("runid").count() == 2)
+                    && known.is_some_and(|k| k.matches("runid").count() == replicas)
+            })),
+            "the sentinels never met each other and the replicas"
+        );
+        Some(set)
+    }
+
+    /// `redis+sentinel://127.0.0.1:S1,127.0.0.1:S2,127.0.0.1:S3/SERVICE`.
+    pub fn url(&self) -> String {
+        let hosts: Vec<String> = self
+            .sentinels
+            .iter()
+            .map(|s| format!("127.0.0.1:{}", s.port))
+            .collect();
+        format!("redis+sentinel://{}/{}", hosts.join(","), self.service)
+    }
+
+    /// The port of the primary the (first answering) Sentinel names.
+    pub fn primary_port(&self) -> u16 {
+        for sentinel in &self.sentinels {
+            if let Some(out) = try_cli(
+                sentinel.port,
+                &["SENTINEL", "GET-MASTER-ADDR-BY-NAME", &self.service],
+            ) && let Some(port) = out.lines().nth(1).and_then(|p| p.trim().parse().ok())
+            {
+                return port;
+            }
+        }
+        panic!("no sentinel names a primary");
+    }
+
+    /// The server on `port`.
+    pub fn server(&mut self, port: u16) -> &mut Node {
+        self.servers
+            .iter_mut()
+            .find(|s| s.port == port)
+            .expect("a server of this set")
+    }
+}
+
+/// A free loopback port whose cluster bus port (the port + 10000) is free too.
+fn free_cluster_port() -> u16 {
+    loop {
+        let port = free_port();
+        if port <= 55535 && TcpListener::bind(("127.0.0.1", port + 10000)).is_ok() {
+            return port;
+        }
+    }
+}
+
+/// A Redis Cluster of three primaries, each with one replica, every slot covered.
+pub struct Cluster {
+    pub nodes: Vec<Node>,
+}
+
+impl Cluster {
+    /// `None` (having said why) when `redis-server` is not installed. A primary silent for
+    /// `node_timeout` is failed over by its replica.
+    pub fn start(node_timeout: Duration) -> Option<Cluster> {
+        if !installed() {
+            return None;
+        }
+        let timeout = node_timeout.as_millis().to_string();
+        let nodes: Vec<Node> = (0..6)
+            .map(|_| {
+                on_free_ports(
+                    |port| {
+                        Node::start(
+                            port,
+                            &[
+                                "--cluster-enabled",
+                                "yes",
+                                "--cluster-config-file",
+                                "nodes.conf",
+                                "--cluster-node-timeout",
+                                &timeout,
+                            ],
+                        )
+                    },
+                    free_cluster_port,
+                )
+            })
+            .collect();
+        let mut create = Command::new("redis-cli");
+        create.arg("--cluster").arg("create");
+        for node in &nodes {
+            create.arg(format!("127.0.0.1:{}", node.port));
+        }
+        let out = create
+            .args(["--cluster-replicas", "1", "--cluster-yes"])
+            .output()
+            .expect("redis-cli runs");
+        assert!(
+            out.status.success(),
+            "redis-cli --cluster create failed: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        let cluster = Cluster { nodes };
+        cluster.wait_settled();
+        Some(cluster)
+    }
+
+    /// Waits until every live node says the cluster is ok and `redis-cli --cluster check`
+    /// finds every node agreeing on every slot.
+    pub fn wait_settled(&self) {
+        let live: Vec<u16> = self
+            .nodes
+            .iter()
+            .filter(|n| n.alive())
+            .map(|n| n.port)
+            .collect();
+        assert!(
+            wait_until(Duration::from_secs(60), || {
+                live.iter().all(|&port| {
+                    try_cli(port, &["CLUSTER", "INFO"])
+                        .is_some_and(|i| i.contains("cluster_state:ok"))
+                }) && Command::new("redis-cli")
+                    .args(["--cluster", "check", &format!("127.0.0.1:{}", live[0])])
+                    .output()
+                    .is_ok_and(|o| {
+                        let text = String::from_utf8_lossy(&o.stdout);
+                        text.contains("All nodes agree about slots configuration")
+                            && text.contains("All 16384 slots covered")
+                            && !text.contains("[WARNING]")
+                    })
+            }),
+            "the cluster never settled"
+        );
+    }
+
+    /// `redis+cluster://127.0.0.1:P1,127.0.0.1:P2,127.0.0.1:P3` (three nodes to start from).
+    pub fn url(&self) -> String {
+        let hosts: Vec<String> = self.nodes[..3]
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
+        format!("redis+cluster://{}", hosts.join(","))
+    }
+
+    /// The slot of `key` (`CLUSTER KEYSLOT`, asked of a live node).
+    pub fn keyslot(&self, key: &str) -> u16 {
+        let port = self.live_port();
+        cli(port, &["CLUSTER", "KEYSLOT", key])
+            .trim()
+            .parse()
+            .expect("a slot")
+    }
+
+    /// `(node id, port)` of the primary serving `slot`, as a live node sees it.
+    pub fn owner(&self, slot: u16) -> (String, u16) {
+        let port = self.live_port();
+        for line in cli(port, &["CLUSTER", "NODES"]).lines() {
+            let fields: Vec<&str> = line.split(' ').collect();
+            if fields.len() < 9 || !fields[2].contains("master") || fields[2].contains("fail") {
+                continue;
+            }
+            let serves = fields[8..].iter().any(|range| match range.split_once('-') {
+                Some((a, b)) => {
+                    a.parse::<u16>().is_ok_and(|a| a <= slot)
+                        && b.parse::<u16>().is_ok_and(|b| slot <= b)
+                }
+                None => range.parse::<u16>().is_ok_and(|s| s == slot),
+            });
+            if serves {
+                let port = fields[1]
+                    .split('@')
+                    .next()
+                    .and_then(|a| a.rsplit_once(':'))
+                    .and_then(|(_, p)| p.parse().ok())
+                    .expect("a node address");
+                return (fields[0].to_owned(), port);
+            }
+        }
+        panic!("no primary serves slot {slot}");
+    }
+
+    /// The port of a replica of the primary `id`.
+    pub fn replica_of(&self, id: &str) -> u16 {
+        let port = self.live_port();
+        for line in cli(port, &["CLUSTER", "NODES"]).lines() {
+            let fields: Vec<&str> = line.split(' ').collect();
+            if fields.len() > 3 && fields[2].contains("slave") && fields[3] == id {
+                return fields[1]
+                    .split('@')
+                    .next()
+                    .and_then(|a| a.rsplit_once(':'))
+                    .and_then(|(_, p)| p.parse().ok())
+                    .expect("a node address");
+            }
+        }
+        panic!("no replica of {id}");
+    }
+
+    /// The node id of the node on `port`.
+    pub fn id(&self, port: u16) -> String {
+        cli(port, &["CLUSTER", "MYID"]).trim().to_owned()
+    }
+
+    /// The node on `port`.
+    pub fn node(&mut self, port: u16) -> &mut Node {
+        self.nodes
+            .iter_mut()
+            .find(|n| n.port == port)
+            .expect("a node of this cluster")
+    }
+
+    /// Moves `slot` with every key in it from its primary to the primary on `to`, in one
+    /// `MIGRATE` (nothing may write to the slot meanwhile: see the test), then tells the two
+    /// nodes. `between` runs after the keys moved and before the slot's new home is settled:
+    /// meanwhile the old primary answers `ASK` for the slot's keys.
+    pub fn migrate(&self, slot: u16, to: u16, between: impl FnOnce()) {
+        let slot_s = slot.to_string();
+        let (from_id, from) = self.owner(slot);
+        let to_id = self.id(to);
+        cli(to, &["CLUSTER", "SETSLOT", &slot_s, "IMPORTING", &from_id]);
+        cli(from, &["CLUSTER", "SETSLOT", &slot_s, "MIGRATING", &to_id]);
+        let keys: Vec<String> = cli(from, &["CLUSTER", "GETKEYSINSLOT", &slot_s, "100000"])
+            .lines()
+            .map(str::to_owned)
+            .filter(|k| !k.is_empty())
+            .collect();
+        if !keys.is_empty() {
+            let to_s = to.to_string();
+            let mut args = vec!["MIGRATE", "127.0.0.1", &to_s, "", "0", "10000", "KEYS"];
+            args.extend(keys.iter().map(String::as_str));
+            let out = cli(from, &args);
+            assert!(out.trim() == "OK", "MIGRATE: {out}");
+        }
+        between();
+        for port in [to, from] {
+            cli(port, &["CLUSTER", "SETSLOT", &slot_s, "NODE", &to_id]);
+        }
+    }
+
+    fn live_port(&self) -> u16 {
+        self.nodes
+            .iter()
+            .find(|n| n.alive() && try_cli(n.port, &["PING"]).is_some())
+            .expect("a live node")
+            .port
+    }
+}
