@@ -442,21 +442,30 @@ impl Cluster {
         panic!("no primary serves slot {slot}");
     }
 
-    /// The port of a replica of the primary `id`.
+    /// The port of a replica of the primary `id` (waited for: a replica is told whom it
+    /// follows after the slots are assigned, and the others learn it by gossip).
     pub fn replica_of(&self, id: &str) -> u16 {
-        let port = self.live_port();
-        for line in cli(port, &["CLUSTER", "NODES"]).lines() {
-            let fields: Vec<&str> = line.split(' ').collect();
-            if fields.len() > 3 && fields[2].contains("slave") && fields[3] == id {
-                return fields[1]
-                    .split('@')
-                    .next()
-                    .and_then(|a| a.rsplit_once(':'))
-                    .and_then(|(_, p)| p.parse().ok())
-                    .expect("a node address");
-            }
-        }
-        panic!("no replica of {id}");
+        let mut found = None;
+        let heard = wait_until(Duration::from_secs(30), || {
+            let nodes = try_cli(self.live_port(), &["CLUSTER", "NODES"]).unwrap_or_default();
+            found = nodes.lines().find_map(|line| {
+                let fields: Vec<&str> = line.split(' ').collect();
+                (fields.len() > 3 && fields[2].contains("slave") && fields[3] == id)
+                    .then(|| {
+                        fields[1]
+                            .split('@')
+                            .next()?
+                            .rsplit_once(':')?
+                            .1
+                            .parse()
+                            .ok()
+                    })
+                    .flatten()
+            });
+            found.is_some()
+        });
+        assert!(heard, "no replica of {id}");
+        found.unwrap()
     }
 
     /// The node id of the node on `port`.
@@ -472,11 +481,11 @@ impl Cluster {
             .expect("a node of this cluster")
     }
 
-    /// Moves `slot` with every key in it from its primary to the primary on `to`, in one
-    /// `MIGRATE` (nothing may write to the slot meanwhile: see the test), then tells the two
-    /// nodes. `between` runs after the keys moved and before the slot's new home is settled:
-    /// meanwhile the old primary answers `ASK` for the slot's keys.
-    pub fn migrate(&self, slot: u16, to: u16, between: impl FnOnce()) {
+    /// Starts moving `slot` with every key in it from its primary to the primary on `to`: the
+    /// slot is marked migrating there and importing here, and its keys go in one `MIGRATE`
+    /// (nothing may write to the slot meanwhile: see the test). Until [`Migration::finish`], the
+    /// old primary answers `ASK` for the slot's keys.
+    pub fn begin_migration(&self, slot: u16, to: u16) -> Migration {
         let slot_s = slot.to_string();
         let (from_id, from) = self.owner(slot);
         let to_id = self.id(to);
@@ -494,10 +503,61 @@ impl Cluster {
             let out = cli(from, &args);
             assert!(out.trim() == "OK", "MIGRATE: {out}");
         }
-        between();
-        for port in [to, from] {
-            cli(port, &["CLUSTER", "SETSLOT", &slot_s, "NODE", &to_id]);
+        Migration {
+            slot,
+            from,
+            to,
+            to_id,
+            others: self
+                .nodes
+                .iter()
+                .filter(|n| n.alive())
+                .map(|n| n.port)
+                .collect(),
         }
+    }
+
+    /// Starts one more Redis replica of the primary `id` and waits until it is in sync.
+    pub fn add_replica(&mut self, id: &str) -> u16 {
+        let timeout = try_cli(self.live_port(), &["CONFIG", "GET", "cluster-node-timeout"])
+            .and_then(|o| o.lines().nth(1).map(str::to_owned))
+            .expect("the node timeout");
+        let node = on_free_ports(
+            |port| {
+                Node::start(
+                    port,
+                    &[
+                        "--cluster-enabled",
+                        "yes",
+                        "--cluster-config-file",
+                        "nodes.conf",
+                        "--cluster-node-timeout",
+                        &timeout,
+                    ],
+                )
+            },
+            free_cluster_port,
+        );
+        let port = node.port;
+        let seed = self.live_port().to_string();
+        cli(port, &["CLUSTER", "MEET", "127.0.0.1", &seed]);
+        assert!(
+            wait_until(Duration::from_secs(30), || {
+                try_cli(port, &["CLUSTER", "NODES"]).is_some_and(|n| n.contains(id))
+            }),
+            "the new node never met the cluster"
+        );
+        cli(port, &["CLUSTER", "REPLICATE", id]);
+        assert!(
+            wait_until(Duration::from_secs(30), || {
+                try_cli(port, &["INFO", "replication"])
+                    .is_some_and(|i| i.contains("master_link_status:up"))
+            }),
+            "the new replica never synced"
+        );
+        self.nodes.push(node);
+        self.wait_settled();
+        port
     }
 
     fn live_port(&self) -> u16 {
@@ -506,5 +566,198 @@ impl Cluster {
             .find(|n| n.alive() && try_cli(n.port, &["PING"]).is_some())
             .expect("a live node")
             .port
+    }
+}
+
+/// Admissions and releases on several replicas at once, through a failover: each worker admits
+/// for one of the clients (a fresh idempotency key each time), holds the operation a few
+/// milliseconds and fails it, and what it saw is kept ([`Seen`]).
+pub struct Load {
+    seen: std::sync::Arc<std::sync::Mutex<Seen>>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    unavailable: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    workers: Vec<tokio::task::JoinHandle<()>>,
+}
+
+/// What a [`Load`] saw.
+pub struct Seen {
+    client_active: u32,
+    global_active: u32,
+    live: std::collections::BTreeMap<&'static str, u32>,
+    /// Each moment more was held than a limit allows (empty when none was).
+    pub over: Vec<String>,
+    /// When each admission was asked for and when it was answered.
+    pub admitted_at: Vec<(Instant, Instant)>,
+    /// Each (client, idempotency key) admitted.
+    pub acknowledged: Vec<(&'static str, String)>,
+    /// Answers `Unavailable`.
+    pub unavailable: u64,
+}
+
+impl Seen {
+    /// Counted as soon as the admission is answered, uncounted before its release is sent: what
+    /// is counted here is never more than Redis holds.
+    fn admitted(&mut self, client: &'static str, key: String, asked: Instant) {
+        *self.live.entry(client).or_default() += 1;
+        let total: u32 = self.live.values().sum();
+        if self.live[client] > self.client_active || total > self.global_active {
+            self.over
+                .push(format!("{:?} at {:?}", self.live, Instant::now()));
+        }
+        self.admitted_at.push((asked, Instant::now()));
+        self.acknowledged.push((client, key));
+    }
+
+    fn released(&mut self, client: &'static str) {
+        *self.live.get_mut(client).expect("admitted before") -= 1;
+    }
+
+    /// When the first admission asked for after `at` was answered (one asked for before may
+    /// be answered after, from a primary that died meanwhile).
+    pub fn first_after(&self, at: Instant) -> Option<Instant> {
+        self.admitted_at
+            .iter()
+            .filter(|(asked, _)| *asked > at)
+            .map(|(_, answered)| *answered)
+            .min()
+    }
+
+    /// The names of the key records of every admission acknowledged, under `prefix`.
+    pub fn key_records(&self, prefix: &str) -> Vec<String> {
+        self.acknowledged
+            .iter()
+            .map(|(client, key)| format!("{{{prefix}}}:key:{client}:{key}"))
+            .collect()
+    }
+}
+
+impl Load {
+    /// Three workers per replica on `clients`, whose limits are `client_active` each and
+    /// `global_active` in all.
+    pub fn start(
+        replicas: &[unyolo_admission::admission::Admission],
+        clients: &'static [&'static str],
+        client_active: u32,
+        global_active: u32,
+    ) -> Load {
+        use std::sync::atomic::Ordering;
+        use unyolo_admission::admission::AdmitError;
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Seen {
+            client_active,
+            global_active,
+            live: Default::default(),
+            over: Vec::new(),
+            admitted_at: Vec::new(),
+            acknowledged: Vec::new(),
+            unavailable: 0,
+        }));
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let unavailable = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let mut workers = Vec::new();
+        for worker in 0..replicas.len() * 3 {
+            let admission = replicas[worker % replicas.len()].clone();
+            let seen = std::sync::Arc::clone(&seen);
+            let stop = std::sync::Arc::clone(&stop);
+            let unavailable = std::sync::Arc::clone(&unavailable);
+            workers.push(tokio::spawn(async move {
+                let mut round = 0usize;
+                while !stop.load(Ordering::Relaxed) {
+                    round += 1;
+                    let client = clients[(worker + round) % clients.len()];
+                    let key = format!("w{worker}-{round}");
+                    let asked = Instant::now();
+                    match admission.admit(client, false, Some(&key)).await {
+                        Ok(permit) => {
+                            let op = permit.commit();
+                            seen.lock().unwrap().admitted(client, key, asked);
+                            let hold = 5 + (round % 4) as u64 * 5;
+                            tokio::time::sleep(Duration::from_millis(hold)).await;
+                            seen.lock().unwrap().released(client);
+                            op.fail().await.unwrap();
+                        }
+                        Err(AdmitError::Refused(_)) => {
+                            tokio::time::sleep(Duration::from_millis(5)).await;
+                        }
+                        Err(AdmitError::Unavailable(_)) => {
+                            // Relaxed: a count read once the workers ended.
+                            unavailable.fetch_add(1, Ordering::Relaxed);
+                            tokio::time::sleep(Duration::from_millis(20)).await;
+                        }
+                        Err(other) => panic!("{other:?}"),
+                    }
+                }
+            }));
+        }
+        Load {
+            seen,
+            stop,
+            unavailable,
+            workers,
+        }
+    }
+
+    /// Admissions answered so far.
+    pub fn admitted(&self) -> usize {
+        self.seen.lock().unwrap().admitted_at.len()
+    }
+
+    /// Stops the workers (each releases what it holds first); what they saw.
+    pub async fn stop(self) -> Seen {
+        use std::sync::atomic::Ordering;
+        self.stop.store(true, Ordering::Relaxed);
+        for worker in self.workers {
+            worker.await.unwrap();
+        }
+        let mut seen = std::sync::Arc::try_unwrap(self.seen)
+            .ok()
+            .expect("the workers ended")
+            .into_inner()
+            .unwrap();
+        seen.unavailable = self.unavailable.load(Ordering::Relaxed);
+        seen
+    }
+}
+
+/// Of `names`, those `conn` holds no value for (MGET, 500 at a time).
+pub async fn missing(conn: &mut impl redis::aio::ConnectionLike, names: &[String]) -> Vec<String> {
+    let mut missing = Vec::new();
+    for chunk in names.chunks(500) {
+        let values: Vec<Option<String>> = redis::cmd("MGET")
+            .arg(chunk)
+            .query_async(conn)
+            .await
+            .unwrap();
+        missing.extend(
+            chunk
+                .iter()
+                .zip(values)
+                .filter(|(_, v)| v.is_none())
+                .map(|(name, _)| name.clone()),
+        );
+    }
+    missing
+}
+
+/// A slot on its way from one primary to another ([`Cluster::begin_migration`]).
+pub struct Migration {
+    slot: u16,
+    from: u16,
+    to: u16,
+    to_id: String,
+    others: Vec<u16>,
+}
+
+impl Migration {
+    /// The slot's new home, told to both primaries and then to every other node.
+    pub fn finish(self) {
+        let slot = self.slot.to_string();
+        for port in [self.to, self.from] {
+            cli(port, &["CLUSTER", "SETSLOT", &slot, "NODE", &self.to_id]);
+        }
+        for port in self.others {
+            if port != self.to && port != self.from {
+                let _ = try_cli(port, &["CLUSTER", "SETSLOT", &slot, "NODE", &self.to_id]);
+            }
+        }
     }
 }
