@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use redis::Value;
 use support::eventually::assert_eventually;
 use support::redis::cli;
-use support::redis_ha::{Cluster, Load, missing, try_cli, wait_until};
+use support::redis_ha::{Cluster, Load, errors, missing, try_cli, wait_until};
 use unyolo_admission::admission::{
     Admission, AdmitError, KeyRecord, OperationHandle, RecoverySource, ReplicaOptions, SourceFuture,
 };
@@ -297,16 +297,6 @@ async fn a_script_sent_again_after_a_lost_reply_counts_once() {
     );
 }
 
-/// `INFO errorstats`'s count of `kind` errors (`ASK`, `MOVED`) a node answered.
-fn errors(port: u16, kind: &str) -> u64 {
-    try_cli(port, &["INFO", "errorstats"])
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix(&format!("errorstat_{kind}:count=")))
-        .and_then(|n| n.trim().parse().ok())
-        .unwrap_or(0)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_slot_moving_to_another_primary_pauses_admissions_while_it_moves_and_is_followed_after()
 {
@@ -454,6 +444,9 @@ async fn the_slots_primary_killed_under_load_is_followed_to_its_promoted_replica
         resume.as_secs_f64(),
         RESUME_WITHIN.as_secs()
     );
+    // The promoted primary's script cache was empty (Redis does not replicate it): the
+    // scripts were loaded again on NOSCRIPT.
+    assert!(errors(new, "NOSCRIPT") > 0, "no script was loaded again");
     // Nothing acknowledged is lost: every key record is on the promoted primary.
     let mut conn = redis::Client::open(format!("redis://127.0.0.1:{new}/"))
         .unwrap()

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use support::eventually::assert_eventually;
-use support::redis_ha::{Load, SentinelSet, missing, try_cli};
+use support::redis_ha::{Load, SentinelSet, errors, missing, try_cli};
 use unyolo_admission::admission::{Admission, AdmitError, ReplicaOptions};
 use unyolo_admission::config::Limits;
 use unyolo_admission::{Config, Controller, Identity, RefusalCode};
@@ -186,6 +186,9 @@ async fn a_primary_killed_under_load_is_followed_to_the_promoted_replica_within_
         "admissions went on after the first"
     );
 
+    // The promoted primary's script cache was empty (Redis does not replicate it): the
+    // scripts were loaded again on NOSCRIPT.
+    assert!(errors(new, "NOSCRIPT") > 0, "no script was loaded again");
     // Nothing acknowledged is lost: every admission answered, before the failover or after,
     // still has its key record on the new primary (one lost would be admitted again).
     let mut conn = redis::Client::open(format!("redis://127.0.0.1:{new}/"))
@@ -301,4 +304,48 @@ async fn a_promoted_replica_without_the_deployments_state_is_redis_forgetting_an
     for r in &replicas {
         r.shutdown().await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_password_in_any_url_form_is_in_no_error_debug_output_or_metric() {
+    use prometheus_client::registry::Registry;
+    use support::redis::free_port;
+    // Nothing answers on these ports: every attempt fails, and says why.
+    let (a, b) = (free_port(), free_port());
+    for url in [
+        format!("redis://:hunter2@127.0.0.1:{a}/0"),
+        format!("redis://ops:hunter2@127.0.0.1:{a}"),
+        format!("redis+sentinel://:hunter2@127.0.0.1:{a},127.0.0.1:{b}/hot/1"),
+        format!("redis+sentinel://ops:hunter2@127.0.0.1:{a}/hot"),
+        format!("redis+cluster://:hunter2@127.0.0.1:{a},127.0.0.1:{b}"),
+    ] {
+        let mut options = ReplicaOptions::new(url.clone(), "p1");
+        options.call_timeout = Duration::from_millis(200);
+        assert!(!format!("{options:?}").contains("hunter2"), "{url}");
+        assert!(!options.url_redacted().contains("hunter2"), "{url}");
+        let admission = Admission::new(Controller::new(config()), Some(options)).unwrap();
+        let restored = admission.restore(Vec::new()).await;
+        let deferred = restored.deferred.expect("nothing answers");
+        let mut said = vec![deferred.to_string(), format!("{deferred:?}")];
+        assert!(
+            deferred.to_string().contains("refused"),
+            "{url}: says why: {deferred}"
+        );
+        let refused = admission.admit("amy", false, None).await.unwrap_err();
+        said.extend([refused.to_string(), format!("{refused:?}")]);
+        let mut registry = Registry::default();
+        admission.register_metrics(&mut registry);
+        let mut metrics = String::new();
+        prometheus_client::encoding::text::encode(&mut metrics, &registry).unwrap();
+        said.push(metrics);
+        for text in said {
+            assert!(!text.contains("hunter2"), "{url}: {text}");
+        }
+        admission.shutdown().await;
+    }
+    // A malformed URL stops the replica at setup, redacted.
+    let bad = ReplicaOptions::new("redis+sentinel://:hunter2@127.0.0.1:x/hot", "p1");
+    let err = Admission::new(Controller::new(config()), Some(bad)).unwrap_err();
+    assert!(err.to_string().contains("bad port"), "{err}");
+    assert!(!format!("{err} {err:?}").contains("hunter2"), "{err}");
 }

@@ -188,6 +188,17 @@ pub fn try_cli(port: u16, args: &[&str]) -> Option<String> {
     (out.status.success() && !text.starts_with("Could not connect")).then_some(text)
 }
 
+/// How many `kind` errors (`ASK`, `MOVED`, `NOSCRIPT`, `TRYAGAIN`) the server on `port` has
+/// answered (`INFO errorstats`).
+pub fn errors(port: u16, kind: &str) -> u64 {
+    try_cli(port, &["INFO", "errorstats"])
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("errorstat_{kind}:count=")))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or(0)
+}
+
 /// Polls `check` every 20 ms for up to `within`; whether it held.
 pub fn wait_until(within: Duration, mut check: impl FnMut() -> bool) -> bool {
     let deadline = Instant::now() + within;
