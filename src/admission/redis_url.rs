@@ -26,6 +26,7 @@ pub(crate) enum RedisTarget {
 }
 
 /// `redis+sentinel://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]/SERVICE[/DB]`.
+#[derive(Clone)]
 #[cfg_attr(not(feature = "redis"), allow(dead_code))]
 pub(crate) struct SentinelTarget {
     /// The Sentinels, in the URL's order.

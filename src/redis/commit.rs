@@ -142,6 +142,9 @@ impl Inner {
         } else {
             self.conn.clone()
         };
+        // A write acknowledged while a failover began (or the primary changed) may be lost
+        // with the old primary: not taken for acknowledged.
+        let turns = conn.turns();
         let value = match self.call_on(&mut conn, &invocation).await {
             Ok(value) => value,
             Err(reason) => return vec![Err(reason); asked.len()],
@@ -159,7 +162,7 @@ impl Inner {
         };
         if waits
             && answers.iter().any(admitted)
-            && let Err(reason) = self.acknowledged(&mut conn).await
+            && let Err(reason) = self.acknowledged(&mut conn, turns).await
         {
             for answer in answers.iter_mut().filter(|a| admitted(a)) {
                 *answer = Err(reason.clone());
@@ -170,8 +173,14 @@ impl Inner {
 
     /// Waits (`WAIT`, on `conn`, the pinned connection the batch was written on) until
     /// [`crate::admission::ReplicaOptions::wait_replicas`] Redis replicas hold every write made
-    /// on it so far, for half the call timeout at most.
-    async fn acknowledged(&self, conn: &mut Connection) -> Result<(), UnavailableReason> {
+    /// on it so far, for half the call timeout at most; and then, that no failover began since
+    /// the batch was sent (`turns`, see [`Connection::turns`]): a primary failed over alive has
+    /// its writes acknowledged by replicas that then drop them.
+    async fn acknowledged(
+        &self,
+        conn: &mut Connection,
+        turns: u64,
+    ) -> Result<(), UnavailableReason> {
         let wanted = self.options.wait_replicas;
         // Redis answers WAIT after half the call timeout at most, well within the connection's
         // own reply timeout (the call timeout).
@@ -185,6 +194,9 @@ impl Inner {
         )
         .await;
         match acked {
+            Ok(Ok(_)) if conn.turns() != turns => Err(UnavailableReason::Redis(
+                "a failover began while the admission was acknowledged".to_owned(),
+            )),
             Ok(Ok(n)) if n >= u64::from(wanted) => Ok(()),
             Ok(Ok(n)) => Err(UnavailableReason::Redis(format!(
                 "{n} of {wanted} redis replicas acknowledged the admission in time"

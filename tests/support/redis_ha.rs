@@ -96,7 +96,9 @@ pub struct Node {
 }
 
 impl Node {
-    /// `redis-server` on `port` with no persistence and `extra` flags, once it answers PING.
+    /// `redis-server` on `port` with no persistence and `extra` flags, once it answers PING. A
+    /// replica that must sync in full (one ahead of the replica promoted) is sent the data at
+    /// once, not after the 5 s Redis waits by default for more replicas to share the transfer.
     fn start(port: u16, extra: &[&str]) -> Option<Node> {
         let dir = tempfile::tempdir().expect("a temporary directory");
         let mut args: Vec<OsString> = [
@@ -108,6 +110,8 @@ impl Node {
             "",
             "--appendonly",
             "no",
+            "--repl-diskless-sync-delay",
+            "0",
             "--dir",
         ]
         .map(OsString::from)
@@ -603,6 +607,8 @@ pub struct Seen {
     pub acknowledged: Vec<(&'static str, String)>,
     /// Answers `Unavailable`.
     pub unavailable: u64,
+    /// Why the last few answers `Unavailable` were (for a failure's message).
+    pub why_unavailable: Vec<String>,
 }
 
 impl Seen {
@@ -633,6 +639,19 @@ impl Seen {
             .min()
     }
 
+    /// The longest time without an admission answered, from `since` to the last answer.
+    pub fn longest_pause(&self, since: Instant) -> Duration {
+        let mut answered: Vec<Instant> = self.admitted_at.iter().map(|(_, at)| *at).collect();
+        answered.sort();
+        let mut last = since;
+        let mut longest = Duration::ZERO;
+        for at in answered.into_iter().filter(|at| *at > since) {
+            longest = longest.max(at - last);
+            last = at;
+        }
+        longest
+    }
+
     /// The names of the key records of every admission acknowledged, under `prefix`.
     pub fn key_records(&self, prefix: &str) -> Vec<String> {
         self.acknowledged
@@ -661,6 +680,7 @@ impl Load {
             admitted_at: Vec::new(),
             acknowledged: Vec::new(),
             unavailable: 0,
+            why_unavailable: Vec::new(),
         }));
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let unavailable = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
@@ -689,9 +709,16 @@ impl Load {
                         Err(AdmitError::Refused(_)) => {
                             tokio::time::sleep(Duration::from_millis(5)).await;
                         }
-                        Err(AdmitError::Unavailable(_)) => {
+                        Err(AdmitError::Unavailable(why)) => {
                             // Relaxed: a count read once the workers ended.
                             unavailable.fetch_add(1, Ordering::Relaxed);
+                            {
+                                let mut seen = seen.lock().unwrap();
+                                if seen.why_unavailable.len() == 8 {
+                                    seen.why_unavailable.remove(0);
+                                }
+                                seen.why_unavailable.push(why.to_string());
+                            }
                             tokio::time::sleep(Duration::from_millis(20)).await;
                         }
                         Err(other) => panic!("{other:?}"),

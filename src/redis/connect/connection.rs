@@ -29,12 +29,14 @@ pub(crate) enum Connection {
 impl Connection {
     /// The connection `url` names (made on first use, not now), each call at most `timeout`;
     /// `period`: how often a subscription with nothing to say is pinged and a cluster slot's
-    /// primary read. `hash_tag`: the deployment's `{prefix}`. The error never quotes the URL.
+    /// primary read; `longest_failover`: how long a failover the Sentinels began holds calls
+    /// back at most. `hash_tag`: the deployment's `{prefix}`. The error never quotes the URL.
     pub(crate) fn open(
         url: &str,
         hash_tag: &str,
         timeout: Duration,
         period: Duration,
+        longest_failover: Duration,
     ) -> Result<Connection, String> {
         let config = AsyncConnectionConfig::new()
             .set_connection_timeout(Some(timeout))
@@ -45,7 +47,11 @@ impl Connection {
                 Ok(Connection::Primary(Following::server(client, config)))
             }
             RedisTarget::Sentinel(target) => Ok(Connection::Primary(Following::sentinel(
-                target, config, period, timeout,
+                target,
+                config,
+                period,
+                timeout,
+                longest_failover,
             ))),
             RedisTarget::Cluster(target) => ClusterSlot::new(target, hash_tag, timeout, period)
                 .map(Connection::Cluster)
@@ -72,6 +78,16 @@ impl Connection {
             Connection::Primary(following) => following.subscriber().await,
             Connection::Pinned(pinned) => pinned.subscriber().await,
             Connection::Cluster(slot) => slot.subscriber().await,
+        }
+    }
+
+    /// Counts the failovers begun (as the Sentinels announce them) and the changes of primary:
+    /// a write acknowledged (`WAIT`) while this changed may be lost with the old primary.
+    pub(crate) fn turns(&self) -> u64 {
+        match self {
+            Connection::Primary(following) => following.turns(),
+            Connection::Pinned(pinned) => pinned.turns(),
+            Connection::Cluster(slot) => *slot.changes().borrow(),
         }
     }
 

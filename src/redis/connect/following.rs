@@ -1,16 +1,25 @@
 //! One primary, followed: a multiplexed connection made on first use, and made again — the
 //! primary found again — after a connection error or a `READONLY` answer (a primary demoted
 //! under the connection). Where the primary is comes from the URL (one server) or from its
-//! Sentinels (`sentinel`), which are also heard: their `+switch-master` for the service moves
-//! the connection to the new primary at once, before any call fails on the old one.
+//! Sentinels (`sentinel`), which are also heard, each of them: their `+switch-master` for the
+//! service moves the connection to the new primary at once, before any call fails on the old
+//! one.
+//!
+//! From the moment a Sentinel says it is failing the primary over (`+try-failover`) until the
+//! connection is on the new primary (or the failover was abandoned, or a lease passed),
+//! nothing is sent: a primary failed over alive (`SENTINEL FAILOVER`, or cut off from the
+//! Sentinels only) goes on taking writes, and its replicas acknowledging them (`WAIT`), until
+//! it is demoted, and all of them are lost when its replicas resync from the new primary. The
+//! count of those moments and of the changes of primary ([`Following::turns`]) lets a write
+//! acknowledged across one be taken for unacknowledged.
 //!
 //! Connecting is an `attempt` (on a task of its own, shared by the callers that wait on it). A
 //! connection error reaches only the callers of that one connection: each call names the
 //! attempt it used, and only a failure on the current one starts the next.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use redis::aio::{MultiplexedConnection, PubSub};
@@ -18,7 +27,7 @@ use redis::{AsyncConnectionConfig, ConnectionInfo, ErrorKind, RedisError, Server
 use tokio::sync::watch;
 
 use super::attempt::{self, Attempt};
-use super::sentinel;
+use super::sentinel::{self, Announcement};
 use crate::admission::redis_url::{HostPort, SentinelTarget};
 
 /// How long after a lost subscription to a Sentinel the next is tried.
@@ -54,10 +63,16 @@ struct Shared {
     primary: Mutex<Option<String>>,
     /// Counts the moves to another primary.
     changes: watch::Sender<u64>,
-    /// The Sentinel to ask first: the last that answered.
-    first: AtomicUsize,
-    /// The task hearing the Sentinels' announcements (ended with the last clone).
-    heard: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// Counts the failovers begun and the moves to another primary.
+    turns: AtomicU64,
+    /// A failover under way: since when, and from which primary.
+    failing_over: Mutex<Option<(Instant, Option<String>)>>,
+    /// The longest a failover holds calls back.
+    longest_failover: Duration,
+    /// The primary a Sentinel just announced, tried first by the next connection.
+    announced: Mutex<Option<HostPort>>,
+    /// The tasks hearing the Sentinels' announcements, one each (ended with the last clone).
+    heard: Mutex<Vec<tokio::task::JoinHandle<()>>>,
 }
 
 struct Link {
@@ -69,28 +84,29 @@ struct Link {
 impl Following {
     /// The URL's one server.
     pub(crate) fn server(client: redis::Client, config: AsyncConnectionConfig) -> Following {
-        Following::new(Finder::Server(client), config)
+        Following::new(Finder::Server(client), config, Duration::ZERO)
     }
 
-    /// The service its Sentinels name; their announcements are heard from now on (pinging a
-    /// quiet subscription every `quiet`, taking no answer within `timeout` for a lost one).
+    /// The service its Sentinels name; each Sentinel's announcements are heard from now on
+    /// (pinging a quiet subscription every `quiet`, taking no answer within `timeout` for a
+    /// lost one). A failover holds calls back for `longest_failover` at most.
     pub(crate) fn sentinel(
         target: SentinelTarget,
         config: AsyncConnectionConfig,
         quiet: Duration,
         timeout: Duration,
+        longest_failover: Duration,
     ) -> Following {
-        let following = Following::new(Finder::Sentinel(target), config);
-        let task = tokio::spawn(hear_switches(
-            Arc::downgrade(&following.shared),
-            quiet,
-            timeout,
-        ));
-        *crate::sync::lock(&following.shared.heard) = Some(task);
+        let sentinels = target.sentinels.len();
+        let following = Following::new(Finder::Sentinel(target), config, longest_failover);
+        let tasks = (0..sentinels)
+            .map(|n| tokio::spawn(hear(Arc::downgrade(&following.shared), n, quiet, timeout)))
+            .collect();
+        *crate::sync::lock(&following.shared.heard) = tasks;
         following
     }
 
-    fn new(finder: Finder, config: AsyncConnectionConfig) -> Following {
+    fn new(finder: Finder, config: AsyncConnectionConfig, longest_failover: Duration) -> Following {
         Following {
             shared: Arc::new(Shared {
                 finder,
@@ -98,8 +114,11 @@ impl Following {
                 current: ArcSwap::from_pointee(Attempt::new()),
                 primary: Mutex::new(None),
                 changes: watch::channel(0).0,
-                first: AtomicUsize::new(0),
-                heard: Mutex::new(None),
+                turns: AtomicU64::new(0),
+                failing_over: Mutex::new(None),
+                longest_failover,
+                announced: Mutex::new(None),
+                heard: Mutex::new(Vec::new()),
             }),
         }
     }
@@ -133,6 +152,13 @@ impl Following {
         self.shared.changes.subscribe()
     }
 
+    /// Counts the failovers begun and the moves to another primary: a write acknowledged
+    /// while it changed may be lost.
+    pub(crate) fn turns(&self) -> u64 {
+        // Acquire: pairs with the Release of `begun` and `connect`.
+        self.shared.turns.load(Ordering::Acquire)
+    }
+
     pub(crate) async fn send(&self, cmd: &redis::Cmd) -> Result<redis::Value, RedisError> {
         self.pinned().await?.send(cmd).await
     }
@@ -149,6 +175,7 @@ impl Following {
 
 impl Pinned {
     pub(crate) async fn send(&self, cmd: &redis::Cmd) -> Result<redis::Value, RedisError> {
+        self.shared.not_failing_over()?;
         let mut conn = self.link.conn.clone();
         let result = conn.send_packed_command(cmd).await;
         self.judge(&result);
@@ -161,6 +188,7 @@ impl Pinned {
         offset: usize,
         count: usize,
     ) -> Result<Vec<redis::Value>, RedisError> {
+        self.shared.not_failing_over()?;
         let mut conn = self.link.conn.clone();
         let result = conn.send_packed_commands(pipeline, offset, count).await;
         self.judge(&result);
@@ -176,6 +204,11 @@ impl Pinned {
 
     pub(crate) fn changes(&self) -> watch::Receiver<u64> {
         self.shared.changes.subscribe()
+    }
+
+    pub(crate) fn turns(&self) -> u64 {
+        // Acquire: pairs with the Release of `begun` and `connect`.
+        self.shared.turns.load(Ordering::Acquire)
     }
 
     /// After a connection error, or a primary that became a replica, the next call finds the
@@ -219,10 +252,8 @@ impl Shared {
                 }
             }
             Finder::Sentinel(target) => {
-                let first = self.first.load(Ordering::Relaxed);
-                let found = sentinel::primary(target, &self.config, first).await?;
-                // Relaxed: a hint of where to start next time.
-                self.first.store(found.sentinel, Ordering::Relaxed);
+                let announced = crate::sync::lock(&self.announced).take();
+                let found = sentinel::primary(target, &self.config, announced).await?;
                 Link {
                     conn: found.conn,
                     at: found.at.to_string(),
@@ -230,10 +261,23 @@ impl Shared {
                 }
             }
         };
+        // On another primary than the one being failed over: the failover is behind us (before
+        // the change is told, so what it wakes is not held back).
+        {
+            let mut failing_over = crate::sync::lock(&self.failing_over);
+            if failing_over
+                .as_ref()
+                .is_some_and(|(_, from)| from.as_deref() != Some(link.at.as_str()))
+            {
+                *failing_over = None;
+            }
+        }
         let mut primary = crate::sync::lock(&self.primary);
         if primary.as_deref() != Some(link.at.as_str()) {
             if let Some(was) = primary.as_deref() {
                 tracing::warn!(from = was, to = %link.at, "redis primary changed: following it");
+                // Release: a write acknowledged before this is judged by its `turns`.
+                self.turns.fetch_add(1, Ordering::Release);
                 self.changes.send_modify(|n| *n = n.wrapping_add(1));
             }
             *primary = Some(link.at.clone());
@@ -241,37 +285,77 @@ impl Shared {
         Ok(link)
     }
 
-    /// The Sentinels announced (or say) that the primary is `to`: connect there now, unless
-    /// the connection is there already.
+    /// The Sentinels announced (or say) that the primary is `to`: connect there now (it
+    /// first), unless the connection is there already.
     fn follow(self: &Arc<Self>, to: &HostPort) {
         if crate::sync::lock(&self.primary).as_deref() == Some(to.to_string().as_str()) {
+            let mut failing_over = crate::sync::lock(&self.failing_over);
+            if failing_over
+                .as_ref()
+                .is_some_and(|(_, from)| from.as_deref() != Some(to.to_string().as_str()))
+            {
+                *failing_over = None;
+            }
             return;
         }
+        *crate::sync::lock(&self.announced) = Some(to.clone());
         let seen = self.current.load_full();
         if let Some(fresh) = self.again(&seen) {
             fresh.start(|| self.connecting());
+        }
+    }
+
+    /// A Sentinel began failing the primary over: nothing is sent until the connection is on
+    /// another primary (or the failover is abandoned, or `longest_failover` passed).
+    fn begun(&self) {
+        let mut failing_over = crate::sync::lock(&self.failing_over);
+        if failing_over.is_none() {
+            let from = crate::sync::lock(&self.primary).clone();
+            *failing_over = Some((Instant::now(), from));
+            // Release: a write acknowledged before this is judged by its `turns`.
+            self.turns.fetch_add(1, Ordering::Release);
+        }
+    }
+
+    fn abandoned(&self) {
+        *crate::sync::lock(&self.failing_over) = None;
+    }
+
+    /// An error while a failover is under way.
+    fn not_failing_over(&self) -> Result<(), RedisError> {
+        let mut failing_over = crate::sync::lock(&self.failing_over);
+        match *failing_over {
+            Some((since, _)) if since.elapsed() < self.longest_failover => Err(RedisError::from((
+                ErrorKind::Client,
+                "the Sentinels are failing the primary over",
+            ))),
+            Some(_) => {
+                *failing_over = None;
+                Ok(())
+            }
+            None => Ok(()),
         }
     }
 }
 
 impl Drop for Shared {
     fn drop(&mut self) {
-        if let Some(task) = self
+        for task in self
             .heard
             .get_mut()
             .unwrap_or_else(|p| p.into_inner())
-            .take()
+            .drain(..)
         {
             task.abort();
         }
     }
 }
 
-/// Hears one Sentinel at a time (round the list) for `+switch-master`, and follows each
-/// announcement for the service. After each (re)subscription the Sentinels are asked once
-/// where the primary is, so a switch announced while none was heard is followed too.
-async fn hear_switches(shared: Weak<Shared>, quiet: Duration, timeout: Duration) {
-    let mut next = 0usize;
+/// Hears the `n`th Sentinel (again after each lost subscription) for what it announces about
+/// the service: a failover begun, abandoned, or the new primary. After each subscription the
+/// Sentinels are asked once where the primary is, so a switch announced while this one was not
+/// heard is followed too.
+async fn hear(shared: Weak<Shared>, n: usize, quiet: Duration, timeout: Duration) {
     loop {
         let (sentinel, credentials, service) = {
             let Some(shared) = shared.upgrade() else {
@@ -280,22 +364,20 @@ async fn hear_switches(shared: Weak<Shared>, quiet: Duration, timeout: Duration)
             let Finder::Sentinel(target) = &shared.finder else {
                 return;
             };
-            let sentinel = target.sentinels[next % target.sentinels.len()].clone();
+            let sentinel = target.sentinels[n].clone();
             (sentinel, target.credentials.clone(), target.service.clone())
         };
-        next = next.wrapping_add(1);
         if let Ok(Ok(pubsub)) =
-            tokio::time::timeout(timeout, sentinel::switches(&sentinel, &credentials)).await
+            tokio::time::timeout(timeout, sentinel::announcements(&sentinel, &credentials)).await
         {
             {
                 let Some(shared) = shared.upgrade() else {
                     return;
                 };
-                if let Finder::Sentinel(target) = &shared.finder {
-                    let first = shared.first.load(Ordering::Relaxed);
-                    if let Some(at) = sentinel::named(target, &shared.config, first).await {
-                        shared.follow(&at);
-                    }
+                if let Finder::Sentinel(target) = &shared.finder
+                    && let Some(at) = sentinel::named(target, &shared.config).await
+                {
+                    shared.follow(&at);
                 }
             }
             let (mut sink, mut stream) = pubsub.split();
@@ -304,17 +386,27 @@ async fn hear_switches(shared: Weak<Shared>, quiet: Duration, timeout: Duration)
                     futures_core::Stream::poll_next(std::pin::Pin::new(&mut stream), cx)
                 });
                 tokio::select! {
-                    message = next_message => match message {
-                        Some(message) => {
-                            let Some(to) = sentinel::switched_to(message.get_payload_bytes(), &service) else {
-                                continue;
-                            };
-                            let Some(shared) = shared.upgrade() else { return };
-                            tracing::warn!(to = %to, sentinel = %sentinel, "the sentinels switched the redis primary");
-                            shared.follow(&to);
+                    message = next_message => {
+                        let Some(message) = message else { break };
+                        let said = sentinel::announcement(
+                            message.get_channel_name(),
+                            message.get_payload_bytes(),
+                            &service,
+                        );
+                        let Some(said) = said else { continue };
+                        let Some(shared) = shared.upgrade() else { return };
+                        match said {
+                            Announcement::Begun => {
+                                tracing::warn!(sentinel = %sentinel, "the sentinels are failing the redis primary over: calls held back");
+                                shared.begun();
+                            }
+                            Announcement::Abandoned => shared.abandoned(),
+                            Announcement::Switched(to) => {
+                                tracing::warn!(to = %to, sentinel = %sentinel, "the sentinels switched the redis primary");
+                                shared.follow(&to);
+                            }
                         }
-                        None => break,
-                    },
+                    }
                     _ = tokio::time::sleep(quiet) => {
                         let pong = tokio::time::timeout(timeout, sink.ping::<redis::Value>()).await;
                         if !matches!(pong, Ok(Ok(_))) {

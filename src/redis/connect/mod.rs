@@ -68,6 +68,7 @@ impl RedisController {
             &keys.base,
             options.call_timeout,
             options.heartbeat,
+            options.lease_ttl,
         )
         .map_err(|e| SetupError::Redis(format!("{}: {e}", options.url_redacted())))?;
         let mut token_bytes = [0u8; 16];
