@@ -30,8 +30,8 @@ impl<L: Clone + Send + Sync + 'static> Attempt<L> {
     where
         F: Future<Output = Result<L, RedisError>> + Send + 'static,
     {
-        // AcqRel: one starter; the outcome itself is published through the channel.
-        if self.started.swap(true, Ordering::AcqRel) {
+        // Acquire/AcqRel: one starter; the outcome itself is published through the channel.
+        if self.started.load(Ordering::Acquire) || self.started.swap(true, Ordering::AcqRel) {
             return;
         }
         let attempt = Arc::clone(self);
@@ -50,6 +50,10 @@ impl<L: Clone + Send + Sync + 'static> Attempt<L> {
     where
         F: Future<Output = Result<L, RedisError>> + Send + 'static,
     {
+        // Made already: every call but the first few of a connection.
+        if let Some(Ok(made)) = &*self.outcome.borrow() {
+            return Ok(made.clone());
+        }
         self.start(connect);
         let mut outcome = self.outcome.subscribe();
         let seen = outcome.wait_for(Option::is_some).await;
