@@ -17,7 +17,7 @@
 //! connection error reaches only the callers of that one connection: each call names the
 //! attempt it used, and only a failure on the current one starts the next.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -67,6 +67,8 @@ struct Shared {
     turns: AtomicU64,
     /// A failover under way: since when, and from which primary.
     failing_over: Mutex<Option<(Instant, Option<String>)>>,
+    /// Whether `failing_over` holds one: read by every call, without the lock.
+    held_back: AtomicBool,
     /// The longest a failover holds calls back.
     longest_failover: Duration,
     /// The primary a Sentinel just announced, tried first by the next connection.
@@ -116,6 +118,7 @@ impl Following {
                 changes: watch::channel(0).0,
                 turns: AtomicU64::new(0),
                 failing_over: Mutex::new(None),
+                held_back: AtomicBool::new(false),
                 longest_failover,
                 announced: Mutex::new(None),
                 heard: Mutex::new(Vec::new()),
@@ -263,15 +266,7 @@ impl Shared {
         };
         // On another primary than the one being failed over: the failover is behind us (before
         // the change is told, so what it wakes is not held back).
-        {
-            let mut failing_over = crate::sync::lock(&self.failing_over);
-            if failing_over
-                .as_ref()
-                .is_some_and(|(_, from)| from.as_deref() != Some(link.at.as_str()))
-            {
-                *failing_over = None;
-            }
-        }
+        self.failed_over_unless_at(&link.at);
         let mut primary = crate::sync::lock(&self.primary);
         if primary.as_deref() != Some(link.at.as_str()) {
             if let Some(was) = primary.as_deref() {
@@ -288,14 +283,9 @@ impl Shared {
     /// The Sentinels announced (or say) that the primary is `to`: connect there now (it
     /// first), unless the connection is there already.
     fn follow(self: &Arc<Self>, to: &HostPort) {
-        if crate::sync::lock(&self.primary).as_deref() == Some(to.to_string().as_str()) {
-            let mut failing_over = crate::sync::lock(&self.failing_over);
-            if failing_over
-                .as_ref()
-                .is_some_and(|(_, from)| from.as_deref() != Some(to.to_string().as_str()))
-            {
-                *failing_over = None;
-            }
+        let to_text = to.to_string();
+        if crate::sync::lock(&self.primary).as_deref() == Some(to_text.as_str()) {
+            self.failed_over_unless_at(&to_text);
             return;
         }
         *crate::sync::lock(&self.announced) = Some(to.clone());
@@ -312,17 +302,40 @@ impl Shared {
         if failing_over.is_none() {
             let from = crate::sync::lock(&self.primary).clone();
             *failing_over = Some((Instant::now(), from));
+            // Release: a call that reads it set sees the failover recorded. One that read it
+            // clear just before is judged by `turns`.
+            self.held_back.store(true, Ordering::Release);
             // Release: a write acknowledged before this is judged by its `turns`.
             self.turns.fetch_add(1, Ordering::Release);
         }
     }
 
     fn abandoned(&self) {
-        *crate::sync::lock(&self.failing_over) = None;
+        let mut failing_over = crate::sync::lock(&self.failing_over);
+        *failing_over = None;
+        // Relaxed: under the lock that orders it with `begun`.
+        self.held_back.store(false, Ordering::Relaxed);
+    }
+
+    /// The connection is on `at`: a failover away from another primary is behind it.
+    fn failed_over_unless_at(&self, at: &str) {
+        let mut failing_over = crate::sync::lock(&self.failing_over);
+        if failing_over
+            .as_ref()
+            .is_some_and(|(_, from)| from.as_deref() != Some(at))
+        {
+            *failing_over = None;
+            // Relaxed: under the lock that orders it with `begun`.
+            self.held_back.store(false, Ordering::Relaxed);
+        }
     }
 
     /// An error while a failover is under way.
     fn not_failing_over(&self) -> Result<(), RedisError> {
+        // Acquire: pairs with `begun`'s Release.
+        if !self.held_back.load(Ordering::Acquire) {
+            return Ok(());
+        }
         let mut failing_over = crate::sync::lock(&self.failing_over);
         match *failing_over {
             Some((since, _)) if since.elapsed() < self.longest_failover => Err(RedisError::from((
@@ -331,6 +344,8 @@ impl Shared {
             ))),
             Some(_) => {
                 *failing_over = None;
+                // Relaxed: under the lock that orders it with `begun`.
+                self.held_back.store(false, Ordering::Relaxed);
                 Ok(())
             }
             None => Ok(()),

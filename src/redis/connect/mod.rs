@@ -11,7 +11,8 @@
 //!   its `WAIT`; the notices' subscriber; the count of primary changes).
 //! - `following`: one primary, connected on first use and again after a connection error or a
 //!   `READONLY`: the URL's one server, or the primary its Sentinels name (`sentinel`: asking
-//!   them, confirming with `ROLE`, hearing `+switch-master`).
+//!   them, the newest answer confirmed with `ROLE`; hearing each of them, calls held back from
+//!   `+try-failover` until the connection is on the primary `+switch-master` names).
 //! - `cluster`: the deployment's one slot of a Redis Cluster, through the redis crate's cluster
 //!   client (which follows `MOVED` and `ASK`).
 //! - `attempt`: one connection attempt, on a task of its own, its outcome shared; `node`: how to
