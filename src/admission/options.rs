@@ -82,9 +82,12 @@ pub struct ReplicaOptions {
     /// [`super::Unavailable`] ([`super::UnavailableReason::Busy`]; default 250 ms).
     pub decision_wait: Duration,
     /// After each admission, wait until this many Redis replicas acknowledged its write
-    /// (`WAIT`; default 0: do not wait). With 1, a failover to an acknowledging Redis replica
-    /// loses no admission that was answered; an admission whose acknowledgement did not come
-    /// within the call timeout is given back and answered [`super::Unavailable`].
+    /// (`WAIT`, asked on the connection the write went on, once per batch; default 0: do not
+    /// wait). With 1, a failover to an acknowledging Redis replica loses no admission that was
+    /// answered; an admission whose acknowledgement did not come within the call timeout, or
+    /// came while the Sentinels began a failover, is given back and answered
+    /// [`super::Unavailable`]. The primary needs that many replicas after a failover too (run
+    /// one more than this).
     pub wait_replicas: u32,
 }
 
