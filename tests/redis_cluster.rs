@@ -16,7 +16,9 @@ use std::time::{Duration, Instant};
 use redis::Value;
 use support::eventually::assert_eventually;
 use support::redis::cli;
-use support::redis_ha::{Cluster, Load, errors, missing, try_cli, wait_until};
+use support::redis_ha::{
+    Cluster, Load, assert_notices_heard, errors, missing, try_cli, wait_until,
+};
 use unyolo_admission::admission::{
     Admission, AdmitError, KeyRecord, OperationHandle, RecoverySource, ReplicaOptions, SourceFuture,
 };
@@ -480,6 +482,8 @@ async fn failover_under_load(failover: Failover) {
         .unwrap();
     let lost = missing(&mut conn, &seen.key_records("admission")).await;
     assert!(lost.is_empty(), "acknowledged and lost: {lost:?}");
+    // Refusals are remembered, and forgotten on the notices the new primary publishes.
+    assert_notices_heard(&replicas, "amy", CLIENT_ACTIVE).await;
     for r in &replicas {
         assert!(r.flush().await);
     }

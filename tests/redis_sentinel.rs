@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use support::eventually::assert_eventually;
-use support::redis_ha::{Load, SentinelSet, errors, missing, try_cli};
+use support::redis_ha::{Load, SentinelSet, assert_notices_heard, errors, missing, try_cli};
 use unyolo_admission::admission::{Admission, AdmitError, ReplicaOptions};
 use unyolo_admission::config::Limits;
 use unyolo_admission::{Config, Controller, Identity, RefusalCode};
@@ -248,6 +248,8 @@ async fn failover_under_load(redis_replicas: usize, failover: Failover) {
     let lost = missing(&mut conn, &seen.key_records("admission")).await;
     assert!(lost.is_empty(), "acknowledged and lost: {lost:?}");
 
+    // Refusals are remembered, and forgotten on the notices the new primary publishes.
+    assert_notices_heard(&replicas, "amy", CLIENT_ACTIVE).await;
     for r in &replicas {
         assert!(r.flush().await);
     }

@@ -799,3 +799,41 @@ impl Migration {
         }
     }
 }
+
+/// The refusal memory works on the Redis the replicas use now: each hears the deployment's
+/// notices, and a refusal one of them remembers ends when another releases (the release's
+/// notice heard, not the refusal's hint waited out). `client` may hold `limit` operations and
+/// holds none now.
+pub async fn assert_notices_heard(
+    replicas: &[unyolo_admission::admission::Admission],
+    client: &str,
+    limit: u32,
+) {
+    use unyolo_admission::admission::{AdmitError, BackendStats};
+    let release = BackendStats::FORGOTTEN_REASONS
+        .iter()
+        .position(|r| *r == "release")
+        .expect("a reason named release");
+    super::eventually::assert_eventually("every replica hears the notices", async || {
+        replicas.iter().all(|r| r.stats().notices_live)
+    })
+    .await;
+    let (holder, refused) = (&replicas[0], &replicas[1]);
+    let mut held = Vec::new();
+    for _ in 0..limit {
+        held.push(holder.admit(client, false, None).await.unwrap().commit());
+    }
+    assert!(matches!(
+        refused.admit(client, false, None).await,
+        Err(AdmitError::Refused(_))
+    ));
+    let before = refused.stats().refusals_forgotten[release];
+    held.pop().unwrap().fail().await.unwrap();
+    super::eventually::assert_eventually("the release's notice is heard", async || {
+        refused.stats().refusals_forgotten[release] > before
+    })
+    .await;
+    for op in held {
+        op.fail().await.unwrap();
+    }
+}
