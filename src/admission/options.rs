@@ -346,6 +346,22 @@ mod redaction {
             assert!(!format!("{options:?}").contains("hunter2"), "{url}");
         }
     }
+
+    #[test]
+    fn a_libpq_multi_host_url_keeps_its_hosts_and_role_and_loses_its_password() {
+        for (url, shown) in [
+            (
+                "postgres://admission:hunter2@db1:5432,db2:5432/fleet?target_session_attrs=read-write",
+                "postgres://admission:***@db1:5432,db2:5432/fleet?target_session_attrs=read-write",
+            ),
+            (
+                "postgres://admission@db1,db2/fleet?password=hunter2",
+                "postgres://admission@db1,db2/fleet?password=***",
+            ),
+        ] {
+            assert_eq!(redact_url_with(url, BareUser::Name), shown, "{url}");
+        }
+    }
 }
 
 #[cfg(test)]
