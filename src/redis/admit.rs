@@ -168,9 +168,8 @@ impl RedisController {
             }
             Err(reason) => return Err(AdmitError::Unavailable(inner.unavailable(reason))),
         };
-        // (Asked to, an admission is answered only once a Redis replica holds it: one not
-        // acknowledged in time came back above as unavailable, and its armed undo keeps its
-        // release. See `commit`.)
+        // With `wait_replicas`, an admission no Redis replica acknowledged came back above as
+        // unavailable (`commit` waits for them), and its armed undo keeps its release.
         // A definite answer: the permit below takes the reservation over, or nothing was made.
         undo.disarm();
         match reply {
