@@ -27,7 +27,8 @@
 //! of an old admission).
 //!
 //! - `outcome`: refusals, unavailability, starts that did not happen, the deployment's counts.
-//! - `options`: what a replica needs to know ([`ReplicaOptions`]).
+//! - `options`: what a replica needs to know ([`ReplicaOptions`]); `redis_url`: what its Redis
+//!   URL names (one server, a Sentinel service, a Cluster), read without connecting.
 //! - `handles`: the permit and the lifecycle handle.
 //! - `backend`: the only place that knows whether this build has the Redis backend.
 //! - `exposition`: the backend's metrics.
@@ -42,6 +43,7 @@ pub(crate) mod id;
 pub(crate) mod options;
 pub(crate) mod outcome;
 pub(crate) mod recovery;
+pub(crate) mod redis_url;
 pub(crate) mod shadow;
 
 use std::path::Path;

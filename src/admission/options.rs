@@ -17,7 +17,12 @@ pub const DEFAULT_CLIENT_DECISIONS_IN_FLIGHT: usize = 1;
 /// in it replaced ([`ReplicaOptions::url_redacted`]).
 #[derive(Clone)]
 pub struct ReplicaOptions {
-    /// `redis://host:port/db`.
+    /// Where Redis is: one server (`redis://[:PASSWORD@]HOST:PORT/DB`), the primary a set of
+    /// Sentinels watch (`redis+sentinel://[:PASSWORD@]HOST:PORT[,HOST:PORT...]/SERVICE[/DB]`:
+    /// found through them, and followed to the replica they promote when it fails), or a Redis
+    /// Cluster (`redis+cluster://[:PASSWORD@]HOST:PORT[,HOST:PORT...]`: the deployment's keys
+    /// all live in the one slot of its hash tag, followed through resharding and failovers).
+    /// A password in it is never shown ([`ReplicaOptions::url_redacted`]).
     pub url: String,
     /// Starts every key, as the hash tag `{prefix}` (default `admission`). Two deployments sharing
     /// a Redis use two prefixes.
@@ -77,9 +82,12 @@ pub struct ReplicaOptions {
     /// [`super::Unavailable`] ([`super::UnavailableReason::Busy`]; default 250 ms).
     pub decision_wait: Duration,
     /// After each admission, wait until this many Redis replicas acknowledged its write
-    /// (`WAIT`; default 0: do not wait). With 1, a failover to an acknowledging Redis replica
-    /// loses no admission that was answered; an admission whose acknowledgement did not come
-    /// within the call timeout is given back and answered [`super::Unavailable`].
+    /// (`WAIT`, asked on the connection the write went on, once per batch; default 0: do not
+    /// wait). With 1, a failover to an acknowledging Redis replica loses no admission that was
+    /// answered; an admission whose acknowledgement did not come within the call timeout, or
+    /// came while the Sentinels began a failover, is given back and answered
+    /// [`super::Unavailable`]. The primary needs that many replicas after a failover too (run
+    /// one more than this).
     pub wait_replicas: u32,
 }
 
@@ -144,6 +152,12 @@ impl ReplicaOptions {
 
     /// Why these options cannot work, if they cannot: the message names the option.
     pub fn check(&self) -> Result<(), SetupError> {
+        if let Err(problem) = super::redis_url::parse(&self.url) {
+            return Err(SetupError::Options(format!(
+                "url {}: {problem}",
+                self.url_redacted()
+            )));
+        }
         if Identity::new(&self.replica).is_err() {
             return Err(SetupError::Options(format!(
                 "replica {:?} must match ^[A-Za-z0-9][A-Za-z0-9._@-]{{0,63}}$",
@@ -235,19 +249,28 @@ pub enum BareUser {
 
 /// `url` with its password, if any, replaced by `***`: in the user part (`user:PASSWORD@`, or
 /// the whole user part when `bare` says it is a password) and in a `pass` or `password` query
-/// parameter. The one redaction for every URL the crate prints (Redis's), and for a broker's own
-/// (the reference broker's PostgreSQL URL), so no log line, error or `--help` shows a password.
+/// parameter. The one redaction for every URL the crate prints (Redis's, through one server, its
+/// Sentinels or a Cluster, and PostgreSQL's, with one host or several).
+///
+/// The user part ends at the *last* `@`: a password may hold `@`, `/`, `?` or `#` unescaped, so
+/// whatever comes before that `@` is treated as the user part. One that holds `/`, `?` or `#`
+/// is not told apart from a path or query with an `@` in it and is hidden whole.
 pub fn redact_url_with(url: &str, bare: BareUser) -> String {
     let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
-    let split = rest.find(['/', '?']).unwrap_or(rest.len());
-    let (authority, tail) = rest.split_at(split);
-    let authority = match authority.rsplit_once('@') {
-        Some((user, host)) => match user.split_once(':') {
-            Some((name, _)) => format!("{name}:***@{host}"),
-            None if bare == BareUser::Name => format!("{user}@{host}"),
-            None => format!("***@{host}"),
+    let (user, after) = match rest.rsplit_once('@') {
+        Some((user, after)) => (Some(user), after),
+        None => (None, rest),
+    };
+    let split = after.find(['/', '?']).unwrap_or(after.len());
+    let (hosts, tail) = after.split_at(split);
+    let user = match user {
+        None => String::new(),
+        Some(user) if user.contains(['/', '?', '#']) => "***@".to_owned(),
+        Some(user) => match user.split_once(':') {
+            Some((name, _)) => format!("{name}:***@"),
+            None if bare == BareUser::Name => format!("{user}@"),
+            None => "***@".to_owned(),
         },
-        None => authority.to_owned(),
     };
     let tail = match tail.split_once('?') {
         Some((path, query)) => {
@@ -263,9 +286,9 @@ pub fn redact_url_with(url: &str, bare: BareUser) -> String {
         None => tail.to_owned(),
     };
     if scheme.is_empty() && !url.contains("://") {
-        format!("{authority}{tail}")
+        format!("{user}{hosts}{tail}")
     } else {
-        format!("{scheme}://{authority}{tail}")
+        format!("{scheme}://{user}{hosts}{tail}")
     }
 }
 
@@ -289,10 +312,55 @@ mod redaction {
                 "redis://host/0?password=hunter2",
                 "redis://host/0?password=***",
             ),
+            // A password with `/`, `?` or `@` in it, unescaped.
+            ("redis://:hun/ter2@host:6379/0", "redis://***@host:6379/0"),
+            ("redis://:hunter2?x@host/0", "redis://***@host/0"),
+            ("redis://:hunter2@@host/0", "redis://:***@host/0"),
+            // Through Sentinels, and to a Cluster.
+            (
+                "redis+sentinel://:hunter2@10.0.0.1:26379,10.0.0.2:26379/mymaster/1",
+                "redis+sentinel://:***@10.0.0.1:26379,10.0.0.2:26379/mymaster/1",
+            ),
+            (
+                "redis+sentinel://ops:hunter2@[::1]:26379/mymaster",
+                "redis+sentinel://ops:***@[::1]:26379/mymaster",
+            ),
+            (
+                "redis+sentinel://hunter2@s1,s2/mymaster",
+                "redis+sentinel://***@s1,s2/mymaster",
+            ),
+            (
+                "redis+sentinel://s1:26379/mymaster",
+                "redis+sentinel://s1:26379/mymaster",
+            ),
+            (
+                "redis+cluster://:hunter2@n1:7000,n2:7001,n3:7002",
+                "redis+cluster://:***@n1:7000,n2:7001,n3:7002",
+            ),
+            (
+                "redis+cluster://ops:hun@ter2@n1:7000/",
+                "redis+cluster://ops:***@n1:7000/",
+            ),
         ] {
             let options = ReplicaOptions::new(url, "r1");
             assert_eq!(options.url_redacted(), shown, "{url}");
             assert!(!format!("{options:?}").contains("hunter2"), "{url}");
+        }
+    }
+
+    #[test]
+    fn a_libpq_multi_host_url_keeps_its_hosts_and_role_and_loses_its_password() {
+        for (url, shown) in [
+            (
+                "postgres://admission:hunter2@db1:5432,db2:5432/fleet?target_session_attrs=read-write",
+                "postgres://admission:***@db1:5432,db2:5432/fleet?target_session_attrs=read-write",
+            ),
+            (
+                "postgres://admission@db1,db2/fleet?password=hunter2",
+                "postgres://admission@db1,db2/fleet?password=***",
+            ),
+        ] {
+            assert_eq!(redact_url_with(url, BareUser::Name), shown, "{url}");
         }
     }
 }
@@ -300,6 +368,23 @@ mod redaction {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_bad_sentinel_url_is_refused_by_check_without_its_password() {
+        let options = ReplicaOptions::new("redis+sentinel://:hunter2@s1:port/mymaster", "r1");
+        let err = options.check().expect_err("a bad port").to_string();
+        assert_eq!(
+            err,
+            "redis options: url redis+sentinel://:***@s1:port/mymaster: bad port \"port\" in \
+             \"s1:port\" (a number from 1 to 65535)"
+        );
+        for good in [
+            "redis+sentinel://:hunter2@s1:26379,s2:26379,s3:26379/mymaster/0",
+            "redis+cluster://n1:7000,n2:7001",
+        ] {
+            assert!(ReplicaOptions::new(good, "r1").check().is_ok(), "{good}");
+        }
+    }
 
     #[test]
     fn a_duration_past_a_year_is_refused_by_name_and_a_year_is_not() {

@@ -170,13 +170,8 @@ impl RedisController {
             }
             Err(reason) => return Err(AdmitError::Unavailable(inner.unavailable(reason))),
         };
-        // Asked to, an admission is answered only once a Redis replica holds it: not
-        // acknowledged in time, it is given back (the armed undo keeps its release).
-        if matches!(reply, AdmitReply::Admitted(_))
-            && let Err(reason) = inner.acknowledged().await
-        {
-            return Err(AdmitError::Unavailable(inner.unavailable(reason)));
-        }
+        // With `wait_replicas`, an admission no Redis replica acknowledged came back above as
+        // unavailable (`commit` waits for them), and its armed undo keeps its release.
         // A definite answer: the permit below takes the reservation over, or nothing was made.
         undo.disarm();
         match reply {
@@ -327,36 +322,6 @@ impl Inner {
                 _ => AdmitError::Refused(refused),
             },
             _ => AdmitError::Refused(refused),
-        }
-    }
-
-    /// With [`ReplicaOptions::wait_replicas`], waits (`WAIT`, on the connection the admission
-    /// was written on) until that many Redis replicas hold every write made so far, for half the
-    /// call timeout at most.
-    async fn acknowledged(&self) -> Result<(), UnavailableReason> {
-        let wanted = self.options.wait_replicas;
-        if wanted == 0 {
-            return Ok(());
-        }
-        let mut conn = self.conn.clone();
-        // Redis answers WAIT after half the call timeout at most, well within the connection's
-        // own reply timeout (the call timeout).
-        let millis = ttl_millis(self.options.call_timeout / 2);
-        let acked = tokio::time::timeout(
-            self.options.call_timeout,
-            redis::cmd("WAIT")
-                .arg(wanted)
-                .arg(millis)
-                .query_async::<u64>(&mut conn),
-        )
-        .await;
-        match acked {
-            Ok(Ok(n)) if n >= u64::from(wanted) => Ok(()),
-            Ok(Ok(n)) => Err(UnavailableReason::Redis(format!(
-                "{n} of {wanted} redis replicas acknowledged the admission in time"
-            ))),
-            Ok(Err(e)) => Err(UnavailableReason::Redis(e.to_string())),
-            Err(_) => Err(UnavailableReason::Timeout),
         }
     }
 

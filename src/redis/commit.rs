@@ -11,6 +11,12 @@
 //! most [`MOST_PER_BATCH`] at a time. One writer per replica keeps the calls in
 //! the order they were made, so a release kept after a timed-out admission always follows it.
 //!
+//! With `wait_replicas`, a batch that admits is followed by one `WAIT` on the very connection
+//! it was written on (pinned: after a failover in between, the `WAIT` fails rather than count
+//! the new primary's replicas), and its admissions are answered only once that many Redis
+//! replicas hold them; without the acknowledgement each is answered unavailable and its undo
+//! follows it, as after a lost reply.
+//!
 //! Every caller still waits for Redis's answer to its own decision. A caller that stops waiting
 //! (its future dropped, or its wait timed out) does not take its decision back: it is decided
 //! anyway, and the caller's own undo (a kept release, see `KeepOnDrop`) follows it to Redis.
@@ -19,10 +25,12 @@ use std::sync::Weak;
 
 use tokio::sync::{mpsc, oneshot};
 
+use super::connect::connection::Connection;
 use super::decision::{Decision, InForce, Job, MOST_PER_BATCH};
 use super::replica::Inner;
 use super::reply;
-use super::reply::Decided;
+use super::reply::{AdmitReply, Decided};
+use super::units::ttl_millis;
 use crate::admission::outcome::UnavailableReason;
 
 /// The writer: takes whatever is waiting (at least one, at most [`MOST_PER_BATCH`]), sends it as
@@ -119,20 +127,82 @@ impl Inner {
             .arg(self.epoch().unwrap_or_default());
         let mut asked = Vec::with_capacity(MOST_PER_BATCH);
         let mut in_force = InForce::default();
+        let mut admits = false;
         for decision in decisions {
             decision.write(&mut invocation, &mut in_force);
+            admits |= matches!(decision, Decision::Admit { .. });
             asked.push(decision.asked());
         }
-        let value = match self.call(&invocation).await {
+        let waits = admits && self.options.wait_replicas > 0;
+        let mut conn = if waits {
+            match self.pinned().await {
+                Ok(conn) => conn,
+                Err(reason) => return vec![Err(reason); asked.len()],
+            }
+        } else {
+            self.conn.clone()
+        };
+        // A write acknowledged while a failover began (or the primary changed) may be lost
+        // with the old primary: not taken for acknowledged.
+        let turns = conn.turns();
+        let value = match self.call_on(&mut conn, &invocation).await {
             Ok(value) => value,
             Err(reason) => return vec![Err(reason); asked.len()],
         };
-        match reply::parse_batch(&value, &asked) {
-            Ok(answers) => answers
-                .into_iter()
-                .map(|a| a.map_err(|e| UnavailableReason::Reply(e.to_string())))
-                .collect(),
-            Err(e) => vec![Err(UnavailableReason::Reply(e.to_string())); asked.len()],
+        let mut answers: Vec<Result<Decided, UnavailableReason>> =
+            match reply::parse_batch(&value, &asked) {
+                Ok(answers) => answers
+                    .into_iter()
+                    .map(|a| a.map_err(|e| UnavailableReason::Reply(e.to_string())))
+                    .collect(),
+                Err(e) => vec![Err(UnavailableReason::Reply(e.to_string())); asked.len()],
+            };
+        let admitted = |a: &Result<Decided, UnavailableReason>| {
+            matches!(a, Ok(Decided::Admit(AdmitReply::Admitted(_))))
+        };
+        if waits
+            && answers.iter().any(admitted)
+            && let Err(reason) = self.acknowledged(&mut conn, turns).await
+        {
+            for answer in answers.iter_mut().filter(|a| admitted(a)) {
+                *answer = Err(reason.clone());
+            }
+        }
+        answers
+    }
+
+    /// Waits (`WAIT`, on `conn`, the pinned connection the batch was written on) until
+    /// [`crate::admission::ReplicaOptions::wait_replicas`] Redis replicas hold every write made
+    /// on it so far, for half the call timeout at most; and then, that no failover began since
+    /// the batch was sent (`turns`, see [`Connection::turns`]): a primary failed over alive has
+    /// its writes acknowledged by replicas that then drop them.
+    async fn acknowledged(
+        &self,
+        conn: &mut Connection,
+        turns: u64,
+    ) -> Result<(), UnavailableReason> {
+        let wanted = self.options.wait_replicas;
+        // Redis answers WAIT after half the call timeout at most, well within the connection's
+        // own reply timeout (the call timeout).
+        let millis = ttl_millis(self.options.call_timeout / 2);
+        let acked = tokio::time::timeout(
+            self.options.call_timeout,
+            redis::cmd("WAIT")
+                .arg(wanted)
+                .arg(millis)
+                .query_async::<u64>(conn),
+        )
+        .await;
+        match acked {
+            Ok(Ok(_)) if conn.turns() != turns => Err(UnavailableReason::Redis(
+                "a failover began while the admission was acknowledged".to_owned(),
+            )),
+            Ok(Ok(n)) if n >= u64::from(wanted) => Ok(()),
+            Ok(Ok(n)) => Err(UnavailableReason::Redis(format!(
+                "{n} of {wanted} redis replicas acknowledged the admission in time"
+            ))),
+            Ok(Err(e)) => Err(UnavailableReason::Redis(e.to_string())),
+            Err(_) => Err(UnavailableReason::Timeout),
         }
     }
 }

@@ -26,6 +26,8 @@ impl RedisController {
         let weak: Weak<Inner> = Arc::downgrade(&self.inner);
         let wake = Arc::clone(&self.inner.wake);
         let period = self.inner.options.heartbeat;
+        // A failover followed: register again at once (see `primary_changed`).
+        let mut changes = self.inner.conn.changes();
         *slot = Some(tokio::spawn(async move {
             // The next beat is a deadline, not a sleep started afresh on every wake: kept
             // releases may wake this task more often than the period, and the lease must still
@@ -34,6 +36,13 @@ impl RedisController {
             loop {
                 let woken = tokio::select! {
                     _ = wake.notified() => true,
+                    Ok(()) = changes.changed() => {
+                        let Some(inner) = weak.upgrade() else { return };
+                        inner.primary_changed.store(true, Ordering::Release);
+                        // Relaxed: read by this task just below.
+                        inner.renew_now.store(true, Ordering::Relaxed);
+                        true
+                    }
                     _ = tokio::time::sleep_until(beat) => false,
                 };
                 let Some(inner) = weak.upgrade() else { return };
@@ -84,13 +93,21 @@ impl Inner {
     async fn tick(&self, next_beat: Instant) {
         let mut renewed = self.renew().await.is_ok();
         // Work taken over from a lapsed replica is counted under this one by a registration,
-        // which moves each operation's record here in one step (`scripts/replace.lua`).
-        if renewed
-            && self.adopted_unregistered.swap(false, Ordering::AcqRel)
+        // which moves each operation's record here in one step (`scripts/replace.lua`); after a
+        // failover, the same registration counts what this replica holds as it holds it, in
+        // place of whatever the new primary received of it.
+        let adopted = renewed && self.adopted_unregistered.swap(false, Ordering::AcqRel);
+        let moved = renewed && self.primary_changed.swap(false, Ordering::AcqRel);
+        if (adopted || moved)
             && let Err(err) = self.register_again().await
         {
-            tracing::warn!(error = %err, "operations taken over are not counted in redis yet; retrying");
-            self.adopted_unregistered.store(true, Ordering::Release);
+            tracing::warn!(error = %err, "what this replica holds is not counted again in redis yet; retrying");
+            if adopted {
+                self.adopted_unregistered.store(true, Ordering::Release);
+            }
+            if moved {
+                self.primary_changed.store(true, Ordering::Release);
+            }
             renewed = false;
         }
         self.drain_until(Some(next_beat)).await;

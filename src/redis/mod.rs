@@ -67,6 +67,14 @@
 //!   (`rebuild`, `scripts/rebuild.lua`), so a replica that died just before is counted at once;
 //!   a live one replaces it with its own registration.
 //!
+//! - **Failovers followed.** The URL names one server, the primary a set of Sentinels watch
+//!   (`redis+sentinel://`), or a Redis Cluster (`redis+cluster://`); `connect` alone knows
+//!   which. A replica follows a failover as a reconnection: after a connection error, a
+//!   `READONLY` or the Sentinels' `+switch-master` it finds the primary again and goes on with
+//!   it (scripts loaded again on `NOSCRIPT`); in a cluster the client follows `MOVED` and
+//!   `ASK`. A change of primary also registers this replica again (what the old primary did
+//!   not pass on is counted as held here), and moves the notices' subscription to the new one.
+//!   A promoted primary without the deployment's state is Redis forgetting, below.
 //! - **Refusals from memory.** A refusal Redis gave is remembered (`memory`) and answers the
 //!   client's next submissions here, without a call, until it can have changed: its next token,
 //!   its hint, or a release or refund heard on the deployment's notices channel (`notices`: the
@@ -85,7 +93,8 @@
 //!
 //! - `replica`: one replica's state (`Inner`) and its handle (`RedisController`), and the one
 //!   way it calls Redis (a script, with the call timeout, through the circuit, `circuit`);
-//!   `connect` sets one up;
+//!   `connect` sets one up, and is the one room that knows how Redis is reached (one server,
+//!   Sentinels, a Cluster);
 //! - `keys` and `scripts`: the deployment's key names, and the Lua scripts (files in
 //!   `scripts/`) built in;
 //! - `admit`: the decision; `quota`: the quota every answer carries; `decision` is what a

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use redis::{Script, Value};
 
+use super::connect::connection::Connection;
 use super::replica::{Inner, RedisController, random_hex};
 use super::units::{rate_micros, ttl_millis};
 use crate::admission::outcome::{Unavailable, UnavailableReason};
@@ -65,7 +66,7 @@ impl Inner {
     async fn timed<T: redis::FromRedisValue>(
         &self,
         command: &redis::Cmd,
-        conn: &mut redis::aio::ConnectionManager,
+        conn: &mut Connection,
     ) -> Result<T, Unavailable> {
         match tokio::time::timeout(self.options.call_timeout, command.query_async(conn)).await {
             Ok(Ok(value)) => Ok(value),

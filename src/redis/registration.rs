@@ -224,7 +224,7 @@ impl RedisController {
         let mut slot = crate::sync::lock(&self.inner.notices);
         if slot.is_none() {
             *slot = Some(tokio::spawn(notices::listen(
-                self.inner.client.clone(),
+                self.inner.conn.clone(),
                 self.inner.keys.notices.clone(),
                 Arc::clone(&self.inner.memory),
                 self.inner.options.heartbeat,

@@ -12,9 +12,9 @@ use std::time::Instant;
 
 use arc_swap::ArcSwap;
 use redis::Value;
-use redis::aio::ConnectionManager;
 
 use super::circuit::Circuit;
+use super::connect::connection::Connection;
 use super::decision::{Kept, Queue};
 use super::held::Held;
 use super::keys::Keys;
@@ -28,7 +28,8 @@ use crate::config::Config;
 
 /// One replica's shared state: what the files of this module each `impl` a concern of.
 pub(crate) struct Inner {
-    pub(super) conn: ConnectionManager,
+    /// Redis, whichever kind the URL names (see `connect`).
+    pub(super) conn: Connection,
     pub(super) keys: Keys,
     pub(super) options: ReplicaOptions,
     pub(super) token: String,
@@ -77,6 +78,10 @@ pub(crate) struct Inner {
     /// replica in Redis (the registration that moves them did not get through): the heartbeat
     /// registers again until it does.
     pub(super) adopted_unregistered: AtomicBool,
+    /// Redis's primary changed under this replica (a failover followed): the heartbeat
+    /// registers again until it does, so what the old primary acknowledged and did not pass on
+    /// (a release, or without `WAIT` an admission) is counted as this replica holds it.
+    pub(super) primary_changed: AtomicBool,
     /// Whether the last registration found a recovery in progress.
     pub(super) recovering: AtomicBool,
     /// Redis's refusals, answered here until they can have changed.
@@ -88,8 +93,6 @@ pub(crate) struct Inner {
     pub(super) busy: AtomicU64,
     /// The task that hears the deployment's notices.
     pub(super) notices: Mutex<Option<tokio::task::JoinHandle<()>>>,
-    /// Where the notice task connects.
-    pub(super) client: redis::Client,
     /// The replica's decisions on their way to Redis (see `commit`).
     pub(super) queue: Queue,
 }
@@ -154,10 +157,18 @@ impl Inner {
         &self,
         invocation: &redis::ScriptInvocation<'_>,
     ) -> Result<Value, UnavailableReason> {
-        let mut conn = self.conn.clone();
+        self.call_on(&mut self.conn.clone(), invocation).await
+    }
+
+    /// [`Inner::call`] on `conn` (a [`Connection::pinned`] one).
+    pub(super) async fn call_on(
+        &self,
+        conn: &mut Connection,
+        invocation: &redis::ScriptInvocation<'_>,
+    ) -> Result<Value, UnavailableReason> {
         let result = tokio::time::timeout(
             self.options.call_timeout,
-            invocation.invoke_async::<Value>(&mut conn),
+            invocation.invoke_async::<Value>(conn),
         )
         .await;
         let reason = match result {
@@ -165,6 +176,21 @@ impl Inner {
                 self.circuit.succeeded();
                 return Ok(value);
             }
+            Ok(Err(e)) => UnavailableReason::Redis(e.to_string()),
+            Err(_) => UnavailableReason::Timeout,
+        };
+        // Relaxed: a statistic.
+        self.errors.fetch_add(1, Ordering::Relaxed);
+        self.circuit.failed();
+        Err(reason)
+    }
+
+    /// The connection held to the physical one it goes through now (made now if need be), for a
+    /// write and the `WAIT` after it; a failure counts as a failed call's does.
+    pub(super) async fn pinned(&self) -> Result<Connection, UnavailableReason> {
+        let reason = match tokio::time::timeout(self.options.call_timeout, self.conn.pinned()).await
+        {
+            Ok(Ok(conn)) => return Ok(conn),
             Ok(Err(e)) => UnavailableReason::Redis(e.to_string()),
             Err(_) => UnavailableReason::Timeout,
         };

@@ -5,6 +5,8 @@
 //! - [`eventually`]: polling until a condition holds, with one bound for every test.
 //! - [`redis`]: a real `redis-server` on loopback (restarted empty or flushed on demand).
 //! - [`replicas`]: quota files and registered replicas for the replica tests.
+//! - [`redis_ha`]: Redis highly available on loopback: a primary, its replicas and three
+//!   Sentinels, or a three-primary Redis Cluster, every process stopped with its test.
 //! - [`rng`]: the deterministic generator of the model tests.
 //! - [`semantics`]: one face for the in-process and the Redis admission backends.
 //!
@@ -14,6 +16,8 @@
 pub mod corpus;
 pub mod eventually;
 pub mod redis;
+#[cfg(feature = "redis")]
+pub mod redis_ha;
 #[cfg(feature = "redis")]
 pub mod replicas;
 pub mod rng;

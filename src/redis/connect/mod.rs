@@ -1,14 +1,37 @@
-//! Setting a replica up without waiting for Redis: the options checked, the connection made by
-//! the first call (and again after each failure, so a replica starts while Redis is down), the
-//! scripts loaded, and the group commit's writer spawned.
+//! How a replica reaches Redis, and setting it up without waiting for Redis: the options
+//! checked, the connection made by the first call (and again after each failure, so a replica
+//! starts while Redis is down), the scripts loaded, and the group commit's writer spawned.
+//!
+//! The connection logic lives in this room alone; the rest of `redis/` holds a
+//! [`connection::Connection`] and never asks which kind of Redis is behind it. A failover is a
+//! reconnection, not a mode: Sentinel and Cluster are two more ways to find the Redis to talk
+//! to, and the scripts, the lease, the kept releases and recovery stay as they are.
+//!
+//! - `connection`: the one connection type (commands, pipelines, scripts; pinned for a write and
+//!   its `WAIT`; the notices' subscriber; the count of primary changes).
+//! - `following`: one primary, connected on first use and again after a connection error or a
+//!   `READONLY`: the URL's one server, or the primary its Sentinels name (`sentinel`: asking
+//!   them, the newest answer confirmed with `ROLE`; hearing each of them, calls held back from
+//!   `+try-failover` until the connection is on the primary `+switch-master` names).
+//! - `cluster`: the deployment's one slot of a Redis Cluster, through the redis crate's cluster
+//!   client (which follows `MOVED` and `ASK`).
+//! - `attempt`: one connection attempt, on a task of its own, its outcome shared; `node`: how to
+//!   reach a node found at run time.
+
+mod attempt;
+mod cluster;
+pub(crate) mod connection;
+mod following;
+mod node;
+mod sentinel;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex};
 
 use arc_swap::ArcSwap;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 
+use self::connection::Connection;
 use super::circuit::Circuit;
 use super::commit;
 use super::decision;
@@ -40,15 +63,15 @@ impl RedisController {
                     .to_owned(),
             ));
         }
-        let client = redis::Client::open(options.url.as_str())
-            .map_err(|e| SetupError::Redis(e.to_string()))?;
-        let manager_config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(options.call_timeout))
-            .set_response_timeout(Some(options.call_timeout))
-            .set_number_of_retries(1)
-            .set_max_delay(options.call_timeout);
-        let conn = ConnectionManager::new_lazy_with_config(client.clone(), manager_config)
-            .map_err(|e| SetupError::Redis(e.to_string()))?;
+        let keys = Keys::new(&options.prefix);
+        let conn = Connection::open(
+            &options.url,
+            &keys.base,
+            options.call_timeout,
+            options.heartbeat,
+            options.lease_ttl,
+        )
+        .map_err(|e| SetupError::Redis(format!("{}: {e}", options.url_redacted())))?;
         let mut token_bytes = [0u8; 16];
         fill_random(&mut token_bytes);
         let token: String = token_bytes.iter().map(|b| format!("{b:02x}")).collect();
@@ -56,7 +79,7 @@ impl RedisController {
         let inner = Inner {
             queue,
             conn,
-            keys: Keys::new(&options.prefix),
+            keys,
             circuit: Circuit::new(options.circuit_threshold, options.circuit_cool_down),
             token,
             scripts: Scripts::load(),
@@ -87,13 +110,13 @@ impl RedisController {
             source: std::sync::OnceLock::new(),
             renew_now: AtomicBool::new(false),
             adopted_unregistered: AtomicBool::new(false),
+            primary_changed: AtomicBool::new(false),
             recovering: AtomicBool::new(false),
             memory: Arc::new(RefusalMemory::default()),
             decisions: Arc::new(tokio::sync::Semaphore::new(options.decisions_in_flight)),
             client_decisions: Mutex::new(HashMap::new()),
             busy: AtomicU64::new(0),
             notices: Mutex::new(None),
-            client,
             options,
         };
         let inner = Arc::new(inner);
