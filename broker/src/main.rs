@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
-use unyolo_admission::config::{Config, Identity, Secrets};
+use unyolo_admission::config::{Config, Identity, Pool, PoolShare, Secrets};
 
 /// Admission control for agent brokers: check quota files, print the defaults, run the reference
 /// broker and its overload drill, and write the rules and dashboard that fit its metrics.
@@ -361,7 +361,7 @@ fn write_out(text: &str) -> ExitCode {
     }
 }
 
-/// Every identity's effective limits, then the globals, as aligned columns.
+/// Every identity's effective limits, then the global pools, as aligned columns.
 fn limits_table(config: &Config) -> String {
     let header = [
         "identity",
@@ -371,9 +371,9 @@ fn limits_table(config: &Config) -> String {
         "pending",
         "source",
     ];
-    let mut rows: Vec<[String; 6]> = vec![header.map(str::to_owned)];
+    let mut rows: Vec<Vec<String>> = vec![header.map(str::to_owned).to_vec()];
     for (identity, limits, source) in config.effective_all() {
-        rows.push([
+        rows.push(vec![
             identity.to_string(),
             limits.requests_per_window.to_string(),
             limits.window_seconds.to_string(),
@@ -382,31 +382,69 @@ fn limits_table(config: &Config) -> String {
             source.to_string(),
         ]);
     }
-    let mut widths = [0; 6];
-    for row in &rows {
-        for (width, cell) in widths.iter_mut().zip(row) {
-            *width = (*width).max(cell.len());
-        }
-    }
-    let mut out = String::new();
-    for row in &rows {
-        let cells: Vec<String> = row
-            .iter()
-            .zip(widths)
-            .map(|(cell, width)| format!("{cell:<width$}"))
-            .collect();
-        out.push_str(cells.join("  ").trim_end());
-        out.push('\n');
-    }
+    let mut out = columns(&rows);
     if rows.len() == 1 {
         out.push_str(
             "(no identities given: every client would be refused as client_unconfigured)\n",
         );
     }
+    out.push('\n');
+    out.push_str(&pools_table(config));
+    out
+}
+
+/// The global pools: each one's limit and, when the file has `fair_share`, its reserve, its
+/// floor and its shared part (the pool less its reserve, what the clients at or above the floor
+/// divide); without one, a line saying the pools are first come, first served.
+fn pools_table(config: &Config) -> String {
     let limits = config.limits();
-    out.push_str(&format!(
-        "\nglobal_active     {}\nglobal_executing  {}\n",
-        limits.global_active, limits.global_executing
-    ));
+    let share = config.fair_share();
+    let mut rows: Vec<Vec<String>> = vec![match share {
+        Some(_) => ["pool", "limit", "reserve", "floor", "shared"]
+            .map(str::to_owned)
+            .to_vec(),
+        None => ["pool", "limit"].map(str::to_owned).to_vec(),
+    }];
+    for pool in Pool::ALL {
+        let limit = match pool {
+            Pool::Active => limits.global_active,
+            Pool::Executing => limits.global_executing,
+        };
+        let mut row = vec![pool.limit_name().to_owned(), limit.to_string()];
+        if let Some(share) = share {
+            let PoolShare { reserve, floor } = share.pool(pool);
+            row.extend([reserve, floor, limit.saturating_sub(reserve)].map(|n| n.to_string()));
+        }
+        rows.push(row);
+    }
+    let mut out = columns(&rows);
+    out.push_str(match share {
+        Some(_) => {
+            "(fair_share: a client holding fewer than its pool's floor may take any free slot; \
+             the others divide the shared part among the clients holding in the pool)\n"
+        }
+        None => "(no fair_share: the global pools are first come, first served)\n",
+    });
+    out
+}
+
+/// `rows` as aligned columns, two spaces apart, one line each.
+fn columns(rows: &[Vec<String>]) -> String {
+    let mut widths = vec![0; rows.iter().map(Vec::len).max().unwrap_or(0)];
+    for row in rows {
+        for (width, cell) in widths.iter_mut().zip(row) {
+            *width = (*width).max(cell.len());
+        }
+    }
+    let mut out = String::new();
+    for row in rows {
+        let cells: Vec<String> = row
+            .iter()
+            .zip(&widths)
+            .map(|(cell, &width)| format!("{cell:<width$}"))
+            .collect();
+        out.push_str(cells.join("  ").trim_end());
+        out.push('\n');
+    }
     out
 }

@@ -241,3 +241,102 @@ fn output_that_cannot_be_written_exits_1_saying_why() {
         );
     }
 }
+
+/// The shipped example's top level and `automation-a`'s override (`active` 100), with `fair_share`
+/// set to `section`.
+fn with_fair_share(section: &str) -> String {
+    format!(
+        r#"{{"requests_per_window": 60, "window_seconds": 60, "client_active": 25,
+           "client_pending": 10, "global_active": 512, "global_executing": 64,
+           "clients": {{"automation-a": {{"requests_per_window": 600, "window_seconds": 60,
+                                          "active": 100, "pending": 5}}}},
+           "fair_share": {section}}}"#
+    )
+}
+
+#[test]
+fn check_prints_each_pools_reserve_floor_and_shared_part_when_the_file_has_a_fair_share() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(
+        dir.path(),
+        "quota.json",
+        &with_fair_share(
+            r#"{"active": {"reserve": 32, "floor": 2}, "executing": {"reserve": 4, "floor": 1}}"#,
+        ),
+    );
+    let out = run(&["check", "--identities", "automation-a,bot-7", &file]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(out.stderr.is_empty(), "{}", out.stderr);
+    assert_eq!(
+        out.stdout.lines().collect::<Vec<_>>(),
+        [
+            "identity      requests_per_window  window_seconds  active  pending  source",
+            "automation-a  600                  60              100     5        override",
+            "bot-7         60                   60              25      10       default",
+            "",
+            "pool              limit  reserve  floor  shared",
+            "global_active     512    32       2      480",
+            "global_executing  64     4        1      60",
+            "(fair_share: a client holding fewer than its pool's floor may take any free slot; \
+             the others divide the shared part among the clients holding in the pool)",
+        ]
+    );
+}
+
+#[test]
+fn check_says_the_pools_are_first_come_first_served_when_the_file_has_no_fair_share() {
+    let out = run(&[
+        "check",
+        "--identities",
+        "automation-a,bot-7",
+        example().to_str().unwrap(),
+    ]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let pools: Vec<&str> = out.stdout.lines().skip_while(|l| !l.is_empty()).collect();
+    assert_eq!(
+        pools,
+        [
+            "",
+            "pool              limit",
+            "global_active     512",
+            "global_executing  64",
+            "(no fair_share: the global pools are first come, first served)",
+        ]
+    );
+}
+
+#[test]
+fn an_invalid_fair_share_exits_1_with_a_one_line_error_naming_the_file_and_the_json_path() {
+    let dir = tempfile::tempdir().unwrap();
+    for (section, error) in [
+        (
+            r#"{"active": {"reserve": 32, "floor": 2}, "executing": {"reserve": 64, "floor": 1}}"#,
+            "fair_share.executing.reserve: 64 is not below global_executing 64",
+        ),
+        (
+            r#"{"active": {"reserve": 32, "floor": 26}, "executing": {"reserve": 4, "floor": 1}}"#,
+            "fair_share.active.floor: 26 is above client_active 25; that client would always \
+             count as small",
+        ),
+        (
+            r#"{"active": {"reserve": 32}, "executing": {"reserve": 4, "floor": 1}}"#,
+            "fair_share.active.floor: missing required field; a pool's entry needs both reserve \
+             and floor",
+        ),
+        (
+            r#"{"active": {"reserve": 32, "floor": 2}, "executing": {"reserve": 4, "floor": 0}}"#,
+            "fair_share.executing.floor: 0 is not allowed; a floor is a positive integer",
+        ),
+        (
+            r#"{"active": {"reserve": 32, "floor": 2}}"#,
+            "fair_share.executing: missing required field; fair_share needs both pools, active \
+             and executing",
+        ),
+    ] {
+        let file = write(dir.path(), "quota.json", &with_fair_share(section));
+        let out = run(&["check", "--identities", "automation-a,bot-7", &file]);
+        assert_eq!(out.code, 1, "{section}: {}", out.stdout);
+        assert_eq!(out.stderr, format!("error: {file}: {error}\n"), "{section}");
+        assert!(out.stdout.is_empty(), "{section}: {}", out.stdout);
+    }
+}

@@ -506,6 +506,8 @@ async fn every_metric_the_dashboard_and_rules_name_is_exported_with_its_labels()
         "admission_storage_bytes",
         "admission_storage_limit_bytes",
         "admission_config_reloads_total",
+        "admission_fair_share_refusals_total",
+        "admission_pool_holders",
         "broker_submissions_total",
         "broker_store_ready",
     ] {
