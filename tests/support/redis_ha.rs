@@ -312,6 +312,27 @@ impl SentinelSet {
         panic!("no sentinel names a primary");
     }
 
+    /// A failover as a crash makes one: the primary killed (`kill -9`), then, once the
+    /// Sentinels name another (a promoted replica), the old one started again empty on its
+    /// port as a replica of the new primary, so the set keeps its replicas for the next.
+    pub fn fail_over(&mut self) {
+        let old = self.primary_port();
+        self.server(old).kill();
+        assert!(
+            wait_until(Duration::from_secs(30), || self.primary_port() != old),
+            "the sentinels never promoted a replica"
+        );
+        let new = self.primary_port().to_string();
+        let restarted = Node::start(old, &["--replicaof", "127.0.0.1", &new])
+            .expect("the old primary starts again as a replica");
+        let place = self
+            .servers
+            .iter()
+            .position(|s| s.port == old)
+            .expect("a server of this set");
+        self.servers[place] = restarted;
+    }
+
     /// The server on `port`.
     pub fn server(&mut self, port: u16) -> &mut Node {
         self.servers

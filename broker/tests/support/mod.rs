@@ -18,6 +18,7 @@
 //! - [`quota`]: the quota fields of a submission answer, parsed back.
 //! - [`requests`]: the Operator V1 suites' requests, decisions and pages.
 //! - [`redis`]: a real `redis-server` on loopback (restarted empty or flushed on demand).
+//! - [`redis_ha`]: Redis highly available on loopback (a primary, replicas, three Sentinels).
 //! - [`postgres`]: a real PostgreSQL (`initdb` in a temporary directory) on loopback.
 //! - [`houses`]: a store of each house (SQLite, PostgreSQL) for the store conformance tests.
 //! - [`rng`]: the deterministic generator of the model tests.
@@ -42,6 +43,8 @@ pub mod postgres;
 pub mod quota;
 #[path = "../../../tests/support/redis.rs"]
 pub mod redis;
+#[path = "../../../tests/support/redis_ha.rs"]
+pub mod redis_ha;
 pub mod requests;
 #[path = "../../../tests/support/rng.rs"]
 pub mod rng;

@@ -103,6 +103,20 @@ impl Operator {
         authorization: Option<&str>,
         body: Option<(&str, Vec<u8>)>,
     ) -> Reply {
+        self.try_send_raw(method, path, authorization, body)
+            .await
+            .unwrap()
+    }
+
+    /// [`Operator::send_raw`], or the transport's error (the broker killed under the request,
+    /// say) for a caller that outlives its broker, as the chaos run's operator does.
+    pub async fn try_send_raw(
+        &self,
+        method: &str,
+        path: &str,
+        authorization: Option<&str>,
+        body: Option<(&str, Vec<u8>)>,
+    ) -> Result<Reply, reqwest::Error> {
         let verb = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
         let mut request = self.http.request(verb, format!("{}{path}", self.base));
         if let Some(value) = authorization {
@@ -114,9 +128,9 @@ impl Operator {
             }
             request = request.body(bytes);
         }
-        let reply = Reply::read(request.send().await.unwrap()).await.unwrap();
+        let reply = Reply::read(request.send().await?).await?;
         check_reply(method, path, &reply);
-        reply
+        Ok(reply)
     }
 
     /// A `GET` with this operator's bearer.

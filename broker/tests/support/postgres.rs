@@ -133,6 +133,18 @@ impl PostgresServer {
         self.url(name)
     }
 
+    /// [`PostgresServer::psql`], or `None` when it fails (the server away, say).
+    pub fn try_psql(&self, database: &str, sql: &str) -> Option<String> {
+        let out = Command::new(self.bin.join("psql"))
+            .args(["-h", "127.0.0.1", "-p", &self.port.to_string(), "-U", ROLE])
+            .args(["-d", database, "-v", "ON_ERROR_STOP=1", "-At", "-c", sql])
+            .output()
+            .ok()?;
+        out.status
+            .success()
+            .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
+    }
+
     /// Runs `sql` in `database` with `psql` and returns what it printed (unaligned, no headers).
     pub fn psql(&self, database: &str, sql: &str) -> String {
         let out = Command::new(self.bin.join("psql"))
@@ -154,6 +166,16 @@ impl PostgresServer {
     /// commit (`synchronous_standby_names = '*'`, `synchronous_commit = on`): no commit a
     /// client saw is lost when the standby takes over.
     pub fn start_standby(&self, synchronous: bool) -> PostgresServer {
+        self.standby_on(None, synchronous)
+    }
+
+    /// [`PostgresServer::start_standby`] on `port` (a failed primary's, so a multi-host URL
+    /// naming both places still names the pair).
+    pub fn start_standby_on(&self, port: u16, synchronous: bool) -> PostgresServer {
+        self.standby_on(Some(port), synchronous)
+    }
+
+    fn standby_on(&self, port: Option<u16>, synchronous: bool) -> PostgresServer {
         let dir = tempfile::tempdir().expect("a temporary directory");
         if let Some((uid, gid)) = self.user {
             std::os::unix::fs::chown(dir.path(), Some(uid), Some(gid))
@@ -180,10 +202,17 @@ impl PostgresServer {
             user: self.user,
             dir,
         };
-        let started = (0..5).any(|_| {
-            standby.port = free_port();
-            standby.run()
-        });
+        let started = match port {
+            // A port a killed server held a moment ago: its backends may still hold it.
+            Some(port) => {
+                standby.port = port;
+                standby.run_again()
+            }
+            None => (0..5).any(|_| {
+                standby.port = free_port();
+                standby.run()
+            }),
+        };
         assert!(started, "the standby did not start");
         let deadline = Instant::now() + Duration::from_secs(30);
         while self.psql(
@@ -269,6 +298,9 @@ impl PostgresServer {
             ))
             .args(["-c", "fsync=on", "-c", "synchronous_commit=on"])
             .args(["-c", "max_connections=300"])
+            // A standby whose primary restarted tries again within half a second (5 s by
+            // default): a synchronous primary's commits wait for it meanwhile.
+            .args(["-c", "wal_retrieve_retry_interval=500ms"])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()

@@ -267,6 +267,12 @@ impl Server {
         assert!(status.success());
     }
 
+    /// Sends SIGKILL: the process ends at once, as a crash would (its handle may still be held
+    /// elsewhere; dropping it later changes nothing).
+    pub fn kill(&self) {
+        self.signal("-KILL");
+    }
+
     /// Sends SIGSTOP: the whole process pauses where it is, as a stalled machine would.
     pub fn pause(&self) {
         self.signal("-STOP");
@@ -275,6 +281,15 @@ impl Server {
     /// Sends SIGCONT: a paused process goes on from where it stopped.
     pub fn resume(&self) {
         self.signal("-CONT");
+    }
+
+    /// Whether the process runs (or is stopped): not exited, not a zombie (`/proc/PID/stat`),
+    /// read through a shared handle.
+    pub fn is_running(&self) -> bool {
+        let stat =
+            std::fs::read_to_string(format!("/proc/{}/stat", self.pid())).unwrap_or_default();
+        stat.rsplit_once(") ")
+            .is_some_and(|(_, rest)| !rest.starts_with('Z') && !rest.starts_with('X'))
     }
 
     /// Whether the process is stopped (`T` in `/proc/PID/stat`): by [`Server::pause`], or by
