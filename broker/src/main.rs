@@ -134,12 +134,16 @@ struct ServeArgs {
     #[arg(long, value_name = "DURATION", default_value = "5min", value_parser = humantime::parse_duration)]
     pending_timeout: std::time::Duration,
     /// Keep operations in this PostgreSQL database instead of a SQLite file in the data dir
-    /// (a libpq URL, `sslmode` honoured; a password in it is never printed). The schema is
-    /// created or migrated at start-up.
+    /// (a libpq URL, `sslmode` honoured; a password in it is never printed). Several hosts with
+    /// `target_session_attrs=read-write` (`postgres://USER@H1:5432,H2:5432/DB?...`) follow a
+    /// standby's promotion without a restart. The schema is created or migrated at start-up.
     // A plain string, parsed in `serve`: clap's own error would echo the value, password and all.
     #[arg(long, value_name = "postgres://USER@HOST:PORT/DB")]
     store: Option<String>,
-    /// Share admission with other replicas through this Redis (`redis://host:port/db`); needs
+    /// Share admission with other replicas through this Redis: one server
+    /// (`redis://[:PASSWORD@]HOST:PORT[/DB]`), a primary found and followed through its Sentinels
+    /// (`redis+sentinel://[:PASSWORD@]HOST:PORT[,HOST:PORT...]/SERVICE[/DB]`), or a Cluster
+    /// (`redis+cluster://HOST:PORT[,HOST:PORT...]`); a password is never printed. Needs
     /// `--replica`. Without it, this process counts alone (the in-process controller).
     #[arg(long, value_name = "URL", requires = "replica")]
     redis: Option<String>,
