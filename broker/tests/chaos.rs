@@ -55,8 +55,9 @@ const KINDS: [&str; 5] = [
 const SETTLE: Duration = Duration::from_secs(60);
 
 /// A submission's answer: its status (0: none, the replica killed or paused under it), the
-/// operation's id when created, and the operation submitted.
-type Answer = (u16, Option<String>, &'static str);
+/// operation's id when created, and the operation submitted with its duration (a retry sends
+/// the very same request).
+type Answer = (u16, Option<String>, &'static str, u64);
 
 /// One replica's place: its process (none while killed), and whether it is paused.
 struct Slot {
@@ -68,7 +69,7 @@ struct Slot {
 struct Run {
     slots: RwLock<Vec<Slot>>,
     stop: AtomicBool,
-    /// Every submission's answer: key → (status, id, operation).
+    /// Every submission's answer, by key.
     answers: Mutex<BTreeMap<String, Answer>>,
     /// When each `202` was answered.
     admitted: Mutex<Vec<Instant>>,
@@ -160,7 +161,7 @@ async fn agent(run: Arc<Run>, secret: &'static str, prefix: &'static str, seed: 
             run.answers
                 .lock()
                 .unwrap()
-                .insert(key, (0, None, operation));
+                .insert(key, (0, None, operation, duration));
             n += 1;
             continue;
         };
@@ -180,7 +181,7 @@ async fn agent(run: Arc<Run>, secret: &'static str, prefix: &'static str, seed: 
         run.answers
             .lock()
             .unwrap()
-            .insert(key, (reply.status, id, operation));
+            .insert(key, (reply.status, id, operation, duration));
         n += 1;
         tokio::time::sleep(Duration::from_millis(10 + (rng.below(30) as u64))).await;
     }
@@ -432,7 +433,7 @@ async fn chaos_run_loses_nothing_runs_nothing_twice_and_settles_with_no_drift() 
         .collect();
     let mut answers = std::mem::take(&mut *run.answers.lock().unwrap());
     let mut tries = 0;
-    for (key, (status, id, operation)) in answers
+    for (key, (status, id, operation, duration)) in answers
         .iter_mut()
         .filter(|(_, (s, ..))| [0, 503].contains(s))
     {
@@ -444,7 +445,9 @@ async fn chaos_run_loses_nothing_runs_nothing_twice_and_settles_with_no_drift() 
         loop {
             let server = &slots[tries % slots.len()];
             tries += 1;
-            let reply = server.submit(secret, &request(key, operation, 0)).await;
+            let reply = server
+                .submit(secret, &request(key, operation, *duration))
+                .await;
             match reply.status {
                 200 | 202 => {
                     *status = reply.status;
@@ -474,7 +477,7 @@ async fn chaos_run_loses_nothing_runs_nothing_twice_and_settles_with_no_drift() 
         let lost: Vec<String> = answers
             .iter()
             .filter(|(_, (status, ..))| [200, 202].contains(status))
-            .filter_map(|(key, (_, id, _))| {
+            .filter_map(|(key, (_, id, ..))| {
                 let id = id.as_ref().unwrap();
                 (rows.get(key) != Some(id)).then(|| format!("{key} ({id})"))
             })
