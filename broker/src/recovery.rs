@@ -108,6 +108,15 @@ impl RecoverySource for StoreSource {
         })
     }
 
+    fn still_owning(&self, replicas: Vec<String>) -> SourceFuture<'_, Option<Vec<String>>> {
+        Box::pin(async move {
+            self.db
+                .still_owning(&replicas)
+                .await
+                .map_err(|e| e.to_string())
+        })
+    }
+
     fn owned_live(&self) -> SourceFuture<'_, Option<Vec<(String, OperationState)>>> {
         Box::pin(async move {
             self.db

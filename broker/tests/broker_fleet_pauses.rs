@@ -63,10 +63,20 @@ impl Fleet {
         database: &str,
         p1_env: &[(&str, &str)],
     ) -> Option<Fleet> {
+        Fleet::start_with(postgres, database, p1_env, LIMITS)
+    }
+
+    /// [`Fleet::start`] with the quota file `limits`.
+    fn start_with(
+        postgres: Arc<PostgresServer>,
+        database: &str,
+        p1_env: &[(&str, &str)],
+        limits: &str,
+    ) -> Option<Fleet> {
         let redis = RedisServer::start()?;
         let url = postgres.database(database);
         let tmp = tempfile::tempdir().unwrap();
-        let files = Files::write(tmp.path(), LIMITS);
+        let files = Files::write(tmp.path(), limits);
         let mut fleet = Fleet {
             redis,
             postgres,
@@ -467,4 +477,87 @@ async fn a_request_run_elsewhere_while_its_owner_was_killed_is_counted_nowhere_a
     fleet.replicas[0] = Some(restarted);
     fleet.until_p1_admits().await;
     fleet.counts_nothing().await;
+}
+
+/// A replica paused past its lease holds two executing runs, the fleet's whole execution pool;
+/// another replica has approved work waiting for a slot. Redis's lease of the paused replica
+/// lapses before the store's takeover interrupts its runs (held back here by the fleet's
+/// advisory lock, as a busy store or a slower membership would): reaped then, its slots would
+/// go to the waiting work while its rows still execute, and the store would hold three executing
+/// operations under a limit of two. A lapsed replica that still owns live rows in the shared
+/// store is reaped only once they are taken over: the store never holds more than the limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_paused_past_its_lease_keeps_its_slots_until_its_work_is_taken_over() {
+    const TWO_SLOTS: &str = r#"{"requests_per_window": 1000, "window_seconds": 60,
+      "client_active": 10, "client_pending": 5, "global_active": 100, "global_executing": 2}"#;
+    let Some(postgres) = PostgresServer::shared() else {
+        eprintln!("SKIPPED: postgres cannot be started here");
+        return;
+    };
+    let Some(fleet) = Fleet::start_with(postgres, "kept_slots", &[], TWO_SLOTS) else {
+        eprintln!("SKIPPED: redis-server cannot be started here");
+        return;
+    };
+    // A request on p2 (admitted while the pool is free), then p1 fills the pool with two long
+    // runs, then the request is approved: queued on p2.
+    let waiting = fleet
+        .replica(1)
+        .submit(AGENT_SECRET, &request("waiting", "demo.request", 3_000))
+        .await;
+    assert_eq!(waiting.status, 202, "{:?}", waiting.body);
+    let waiting = waiting.id();
+    for key in ["long-1", "long-2"] {
+        let run = fleet
+            .replica(0)
+            .submit(AGENT_SECRET, &request(key, "demo.run", 600_000))
+            .await;
+        assert_eq!(run.status, 202, "{:?}", run.body);
+    }
+    let executing = || {
+        fleet
+            .psql("SELECT count(*) FROM operations WHERE state = 'executing'")
+            .parse::<u64>()
+            .unwrap()
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while executing() < 2 {
+        assert!(Instant::now() < deadline, "p1 never started its runs");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let approved = fleet.replica(2).operator.approve(&waiting).await;
+    assert_eq!(approved.status, 200, "{:?}", approved.body);
+    // The fleet's lock (joins and takeovers: `store::postgres::schema::FLEET_LOCK`), held past
+    // the paused replica's Redis lease (10 s).
+    const FLEET_LOCK: i64 = 0x756e_796f_6c6f_0003;
+    let mut held = fleet
+        .postgres
+        .hold_advisory_lock(&fleet.database, FLEET_LOCK, 16);
+    pause(fleet.replica(0)).await;
+    // Until the waiting request has run, the store never holds more than two executing.
+    let mut most = 0;
+    let deadline = Instant::now() + LEASE_PATIENCE;
+    loop {
+        most = most.max(executing());
+        let (state, _) = fleet.row(&waiting);
+        if state == "succeeded" {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the waiting request never ran ({state})"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        most <= 2,
+        "the store held {most} executing operations under a limit of 2"
+    );
+    let _ = held.wait();
+    // p1's runs were interrupted by the takeover, never run twice.
+    let interrupted = fleet.psql(
+        "SELECT count(*) FROM operations WHERE idempotency_key LIKE 'long-%' \
+         AND state = 'failed' AND error_code = 'execution_interrupted'",
+    );
+    assert_eq!(interrupted, "2");
+    fleet.replica(0).resume();
 }

@@ -67,6 +67,21 @@ pub trait RecoverySource: Send + Sync + 'static {
         Box::pin(async { Ok(None) })
     }
 
+    /// Of `replicas` (whose leases in Redis lapsed), those that still own live operations in a
+    /// store the whole fleet shares; `None` (the default) for a store of this replica's own.
+    ///
+    /// A lapsed replica is reaped (what it held released in Redis) only once it owns no live
+    /// work in the store: until a survivor has taken that work over there (and moved it to
+    /// itself in Redis by the registration that counts it), it stays counted under the lapsed
+    /// replica's name, so no other client is admitted into the room it still takes in the
+    /// store. What it held and no longer owns (work that ended, or was interrupted by the
+    /// takeover) is released then. A store that does not answer spares every one of them this
+    /// time (the next heartbeat asks again): refusing more, never admitting more.
+    fn still_owning(&self, replicas: Vec<String>) -> SourceFuture<'_, Option<Vec<String>>> {
+        let _ = replicas;
+        Box::pin(async { Ok(None) })
+    }
+
     /// The stored state of each of `ids` now, read after a rebuild from [`fleet`]'s reading was
     /// counted, so that what moved in between (a decision taken on another replica, say) is
     /// moved in the counts too. An id missing from the answer has no row any more. The default

@@ -11,11 +11,12 @@
 //! most [`MOST_PER_BATCH`] at a time. One writer per replica keeps the calls in
 //! the order they were made, so a release kept after a timed-out admission always follows it.
 //!
-//! With `wait_replicas`, a batch that admits is followed by one `WAIT` on the very connection
-//! it was written on (pinned: after a failover in between, the `WAIT` fails rather than count
-//! the new primary's replicas), and its admissions are answered only once that many Redis
-//! replicas hold them; without the acknowledgement each is answered unavailable and its undo
-//! follows it, as after a lost reply.
+//! With `wait_replicas`, a batch that takes a slot (an admission, a start) is followed by one
+//! `WAIT` on the very connection it was written on (pinned: after a failover in between, the
+//! `WAIT` fails rather than count the new primary's replicas), and its admissions and starts are
+//! answered only once that many Redis replicas hold them; without the acknowledgement each is
+//! answered unavailable (an admission's undo follows it, as after a lost reply; a start stays
+//! queued and is tried again), so no failover gives a slot taken away once more.
 //!
 //! Every caller still waits for Redis's answer to its own decision. A caller that stops waiting
 //! (its future dropped, or its wait timed out) does not take its decision back: it is decided
@@ -26,10 +27,10 @@ use std::sync::Weak;
 use tokio::sync::{mpsc, oneshot};
 
 use super::connect::connection::Connection;
-use super::decision::{Decision, InForce, Job, MOST_PER_BATCH};
+use super::decision::{Decision, InForce, Job, MOST_PER_BATCH, Target};
 use super::replica::Inner;
 use super::reply;
-use super::reply::{AdmitReply, Decided};
+use super::reply::{AdmitReply, Decided, TransitionReply};
 use super::units::ttl_millis;
 use crate::admission::outcome::UnavailableReason;
 
@@ -127,13 +128,22 @@ impl Inner {
             .arg(self.epoch().unwrap_or_default());
         let mut asked = Vec::with_capacity(MOST_PER_BATCH);
         let mut in_force = InForce::default();
-        let mut admits = false;
+        // Which decisions take a slot (an admission, a start): with `wait_replicas`, each is
+        // answered only once a Redis replica holds it, so no failover gives its slot away again.
+        let mut takes = Vec::with_capacity(MOST_PER_BATCH);
         for decision in decisions {
             decision.write(&mut invocation, &mut in_force);
-            admits |= matches!(decision, Decision::Admit { .. });
+            takes.push(matches!(
+                decision,
+                Decision::Admit { .. }
+                    | Decision::Move {
+                        target: Target::Executing,
+                        ..
+                    }
+            ));
             asked.push(decision.asked());
         }
-        let waits = admits && self.options.wait_replicas > 0;
+        let waits = takes.contains(&true) && self.options.wait_replicas > 0;
         let mut conn = if waits {
             match self.pinned().await {
                 Ok(conn) => conn,
@@ -157,14 +167,26 @@ impl Inner {
                     .collect(),
                 Err(e) => vec![Err(UnavailableReason::Reply(e.to_string())); asked.len()],
             };
-        let admitted = |a: &Result<Decided, UnavailableReason>| {
-            matches!(a, Ok(Decided::Admit(AdmitReply::Admitted(_))))
+        // A slot taken: an admission admitted, or a start made (moved, or found made by an
+        // earlier try whose answer was unavailable: acknowledged now, or unavailable again).
+        let took = |a: &Result<Decided, UnavailableReason>| {
+            matches!(
+                a,
+                Ok(Decided::Admit(AdmitReply::Admitted(_)))
+                    | Ok(Decided::Transition(
+                        TransitionReply::Moved(_) | TransitionReply::Same
+                    ))
+            )
         };
         if waits
-            && answers.iter().any(admitted)
+            && answers.iter().zip(&takes).any(|(a, t)| *t && took(a))
             && let Err(reason) = self.acknowledged(&mut conn, turns).await
         {
-            for answer in answers.iter_mut().filter(|a| admitted(a)) {
+            for (answer, _) in answers
+                .iter_mut()
+                .zip(&takes)
+                .filter(|(a, t)| **t && took(a))
+            {
                 *answer = Err(reason.clone());
             }
         }

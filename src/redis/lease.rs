@@ -213,21 +213,52 @@ impl Inner {
     }
 
     async fn reap(&self) -> Result<u64, Unavailable> {
-        let mut invocation = self.scripts.reap.prepare_invoke();
-        invocation
-            .key(&self.keys.counts)
-            .key(&self.keys.ops)
-            .key(&self.keys.replicas)
-            .arg(&self.keys.base);
-        let value = self
-            .call(&invocation)
-            .await
-            .map_err(|r| self.unavailable(r))?;
+        // With a store the fleet shares, a lapsed replica whose live work is not taken over yet
+        // is spared (see `RecoverySource::still_owning`): asked only once some lease lapsed.
+        let mut spare: Vec<String> = Vec::new();
+        if let Some(source) = self.source.get().cloned() {
+            let lapsed = self.reap_call("?", &[]).await?;
+            let lapsed = reply::parse_names(&lapsed)
+                .map_err(|e| self.unavailable(UnavailableReason::Reply(e.to_string())))?;
+            if lapsed.is_empty() {
+                return Ok(0);
+            }
+            match source.still_owning(lapsed.clone()).await {
+                Ok(None) => {}
+                Ok(Some(owning)) => spare = owning,
+                Err(err) => {
+                    tracing::warn!(error = %err, "cannot tell whether lapsed replicas' work was taken over; they are reaped later");
+                    return Ok(0);
+                }
+            }
+            if spare.len() == lapsed.len() {
+                return Ok(0);
+            }
+        }
+        let value = self.reap_call("!", &spare).await?;
         let reaped = reply::parse_reaped(&value)
             .map_err(|e| self.unavailable(UnavailableReason::Reply(e.to_string())))?;
         let n: u64 = reaped.iter().map(|(_, n)| n).sum();
         // Relaxed: a statistic.
         self.reaped.fetch_add(n, Ordering::Relaxed);
         Ok(n)
+    }
+
+    /// One call of `scripts/reap.lua` in `mode` (`?`: name the lapsed replicas; `!`: reap them),
+    /// sparing `spare`.
+    async fn reap_call(&self, mode: &str, spare: &[String]) -> Result<redis::Value, Unavailable> {
+        let mut invocation = self.scripts.reap.prepare_invoke();
+        invocation
+            .key(&self.keys.counts)
+            .key(&self.keys.ops)
+            .key(&self.keys.replicas)
+            .arg(&self.keys.base)
+            .arg(mode);
+        for name in spare {
+            invocation.arg(name);
+        }
+        self.call(&invocation)
+            .await
+            .map_err(|r| self.unavailable(r))
     }
 }

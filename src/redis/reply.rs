@@ -458,6 +458,19 @@ pub fn parse_reaped(value: &Value) -> Result<Vec<(String, u64)>, ReplyError> {
         .collect()
 }
 
+/// Parses a reply that names replicas (the reap script asked only to name the replicas whose
+/// leases lapsed): each a non-empty name.
+pub fn parse_names(value: &Value) -> Result<Vec<String>, ReplyError> {
+    let items = array(value).ok_or_else(|| bad("names", value))?;
+    items
+        .iter()
+        .map(|item| match text(item) {
+            Some(name) if !name.is_empty() => Ok(name.to_string()),
+            _ => Err(bad("names", value)),
+        })
+        .collect()
+}
+
 /// Parses the rebuild script's reply: each replica whose work it counted and how many
 /// operations, or `None` for `moved` (nothing done: Redis holds another epoch).
 pub fn parse_rebuilt(value: &Value) -> Result<Option<Vec<(String, u64)>>, ReplyError> {

@@ -106,6 +106,13 @@ pub trait DurableStore: Send + Sync + 'static {
         Ok(None)
     }
 
+    /// Of `replicas`, those that own live operations in the store now (their work not taken
+    /// over yet); `None` (the default) for a store one process owns.
+    async fn still_owning(&self, replicas: &[String]) -> Result<Option<Vec<String>>, StoreError> {
+        let _ = replicas;
+        Ok(None)
+    }
+
     /// The state each of `ids` has now; an id without a row is left out. Read after a rebuild
     /// from [`fleet_rows`](DurableStore::fleet_rows), so only a store that answers that one
     /// needs it (the default answers nothing).

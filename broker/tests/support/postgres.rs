@@ -133,6 +133,22 @@ impl PostgresServer {
         self.url(name)
     }
 
+    /// A session of its own holding the transaction-level advisory lock `key` in `database` for
+    /// `seconds` (`pg_advisory_xact_lock`, then `pg_sleep`): whatever the broker does under that
+    /// lock waits meanwhile. The lock goes with the session when the returned process ends.
+    pub fn hold_advisory_lock(&self, database: &str, key: i64, seconds: u64) -> Child {
+        let sql = format!(
+            "BEGIN; SELECT pg_advisory_xact_lock({key}); SELECT pg_sleep({seconds}); COMMIT;"
+        );
+        Command::new(self.bin.join("psql"))
+            .args(["-h", "127.0.0.1", "-p", &self.port.to_string(), "-U", ROLE])
+            .args(["-d", database, "-v", "ON_ERROR_STOP=1", "-At", "-c", &sql])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("psql runs")
+    }
+
     /// [`PostgresServer::psql`], or `None` when it fails (the server away, say).
     pub fn try_psql(&self, database: &str, sql: &str) -> Option<String> {
         let out = Command::new(self.bin.join("psql"))

@@ -1,19 +1,27 @@
 -- Releases, exactly once, what every replica whose lease has lapsed held: the operations whose
 -- records name it (one read of the operations hash, only when some lease has lapsed).
--- KEYS: 1 counts, 2 operations, 3 the replica set. ARGV: 1 key base.
--- Reply: {replica, operations released, ...} for each replica reaped. Anything released is
--- published as `*` on the notices channel (any count may have fallen).
+-- KEYS: 1 counts, 2 operations, 3 the replica set. ARGV: 1 key base, 2 '?' to only name the
+-- replicas whose leases lapsed (nothing released), or '!' followed by the replicas to spare: a
+-- store the fleet shares still has live work of theirs, which a survivor takes over there and
+-- moves here by its registration (released now, it would be counted nowhere meanwhile).
+-- Reply: {replica, operations released, ...} for each replica reaped (with '?': the names of the
+-- replicas whose leases lapsed). Anything released is published as `*` on the notices channel
+-- (any count may have fallen).
 local base = ARGV[1]
+local spare = {}
+for n = 3, #ARGV do
+  spare[ARGV[n]] = true
+end
 local lapsed, lapsed_list = {}, {}
 for _, replica in ipairs(redis.call('SMEMBERS', KEYS[3])) do
-  if redis.call('EXISTS', base .. ':lease:' .. replica) == 0 then
+  if redis.call('EXISTS', base .. ':lease:' .. replica) == 0 and not spare[replica] then
     lapsed[replica] = true
     lapsed_list[#lapsed_list + 1] = replica
   end
 end
 local reaped = {}
-if #lapsed_list == 0 then
-  return reaped
+if #lapsed_list == 0 or ARGV[2] == '?' then
+  return lapsed_list
 end
 local by = held_by(lapsed)
 local any = false

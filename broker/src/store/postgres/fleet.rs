@@ -128,6 +128,20 @@ impl PostgresStore {
 }
 
 impl PostgresStore {
+    /// Of `replicas`, those that own live operations now.
+    pub async fn still_owning(&self, replicas: &[String]) -> Result<Vec<String>, StoreError> {
+        let client = self.client().await?;
+        let rows = client
+            .query(
+                "SELECT DISTINCT owner FROM operations \
+                 WHERE owner = ANY($1) AND state IN ('pending', 'approved', 'executing')",
+                &[&replicas],
+            )
+            .await
+            .map_err(|e| self.sorted(e))?;
+        rows.iter().map(|row| column(row, "owner")).collect()
+    }
+
     /// What this store knows of every replica, for one rebuilding the others' work in Redis
     /// (`DurableStore::fleet_rows`): the live members, every owned live operation, and every
     /// owned operation created at or after `since`. Rows no replica owns (written by schema 1)

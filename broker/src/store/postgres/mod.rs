@@ -175,6 +175,10 @@ impl DurableStore for PostgresStore {
         PostgresStore::fleet_rows(self, since).await.map(Some)
     }
 
+    async fn still_owning(&self, replicas: &[String]) -> Result<Option<Vec<String>>, StoreError> {
+        PostgresStore::still_owning(self, replicas).await.map(Some)
+    }
+
     async fn states_of(&self, ids: &[String]) -> Result<Vec<(String, OperationState)>, StoreError> {
         PostgresStore::states_of(self, ids).await
     }
