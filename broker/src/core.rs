@@ -489,6 +489,12 @@ impl PendingExpiries {
     }
 }
 
+/// How many other clients' work the executor tries when the oldest queued operation's client is
+/// refused a slot the pool still has (its fair share): see the `exec` module.
+pub(crate) const OTHER_CLIENTS_TRIED: usize = 8;
+/// How far into the queue those clients are looked for.
+pub(crate) const QUEUE_LOOKED_AT: usize = 4096;
+
 /// The queue of approved operations, oldest first, and the bell rung when work is queued or may
 /// start. The executor (the `exec` module) takes from it.
 #[derive(Default)]
@@ -523,6 +529,30 @@ impl ExecQueue {
     /// Takes the oldest queued operation out of the queue.
     pub(crate) fn pop_oldest(&self) {
         self.queue().pop_front();
+    }
+
+    /// The oldest queued operation of each client other than `refused`'s, in queue order: at
+    /// most [`OTHER_CLIENTS_TRIED`] clients, found among the first [`QUEUE_LOOKED_AT`] entries.
+    /// Each client's own work keeps its order: only a client's oldest is offered.
+    pub(crate) fn oldest_of_other_clients(&self, refused: &str) -> Vec<Arc<LiveOp>> {
+        let mut seen: Vec<&str> = vec![refused];
+        let mut found = Vec::new();
+        let queue = self.queue();
+        for op in queue.iter().take(QUEUE_LOOKED_AT) {
+            if found.len() == OTHER_CLIENTS_TRIED {
+                break;
+            }
+            if !seen.contains(&op.client_id.as_str()) {
+                seen.push(&op.client_id);
+                found.push(Arc::clone(op));
+            }
+        }
+        found
+    }
+
+    /// Takes `op` out of the queue, wherever it is in it.
+    pub(crate) fn remove(&self, op: &Arc<LiveOp>) {
+        self.queue().retain(|queued| !Arc::ptr_eq(queued, op));
     }
 
     /// Returns once the bell rings; a ring while nobody waits is kept for the next call.

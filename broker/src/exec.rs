@@ -1,7 +1,15 @@
 //! The demo executor: approved operations wait in a FIFO queue (the core's `ExecQueue`), and the
-//! oldest starts as soon as
-//! the controller has a global execution slot for it. Executing means sleeping
-//! `arguments.duration_ms`, then succeeding.
+//! oldest starts as soon as the controller has a global execution slot for it. Executing means
+//! sleeping `arguments.duration_ms`, then succeeding.
+//!
+//! **No client holds the queue up.** Under a fair share (SPEC 11) the execution pool can refuse
+//! the oldest operation's client (at its share, or past the floor with only the reserve left)
+//! while it has slots for others. Then the oldest operation of each other client queued behind
+//! it is tried, in queue order (a bounded few, each client's own work in its order), and the
+//! first that fits starts: a slot freed by finished work goes to a client below its share, as
+//! the fair share means, not back to the wait of a client at it; work queued while the oldest
+//! waits is tried as it comes. Without a fair share a refusal means the pool is full for
+//! everyone, and the executor only waits for a slot.
 //!
 //! **Waiting for a slot, without polling.** A start takes its slot under the counts gate and the
 //! operation's lock, like every transition, so no drift reading sees it half made. But the
@@ -75,8 +83,25 @@ pub(crate) async fn run(core: Arc<Core>) {
                 core.executor.pop_oldest();
             }
             Tried::PoolFull => {
+                // Full for this client may not be full: under a fair share the pool refuses a
+                // client at its share (or one past the floor, to the reserve) while it still has
+                // slots for others. Work of another client queued behind starts now, rather than
+                // the oldest holding the queue up until its own client drops below its share;
+                // and work queued later is tried as it comes.
+                let shared = core.admission.controller().config().fair_share().is_some();
+                if shared && start_another_clients(&core, &op).await {
+                    continue;
+                }
+                let queued = async {
+                    if shared {
+                        core.executor.rung().await
+                    } else {
+                        std::future::pending().await
+                    }
+                };
                 tokio::select! {
                     _ = freed => {}
+                    _ = queued => {}
                     _ = shutdown.wait_for(|stop| *stop) => return,
                 }
             }
@@ -91,7 +116,26 @@ pub(crate) async fn run(core: Arc<Core>) {
     }
 }
 
-/// Tries to start `op`, the oldest queued operation. The gate first, then the operation's lock,
+/// After the oldest queued operation was refused a slot, tries the oldest queued operation of
+/// each other client in turn (a bounded few:
+/// [`OTHER_CLIENTS_TRIED`](super::core::OTHER_CLIENTS_TRIED)), in queue order, until
+/// one leaves the queue (started, or found ended). `false` when none did: the pool is full for
+/// every one of them, or Redis did not answer.
+async fn start_another_clients(core: &Arc<Core>, oldest: &Arc<LiveOp>) -> bool {
+    for op in core.executor.oldest_of_other_clients(&oldest.client_id) {
+        match try_start(core, &op).await {
+            Tried::Done => {
+                core.executor.remove(&op);
+                return true;
+            }
+            Tried::PoolFull => {}
+            Tried::NotNow => return false,
+        }
+    }
+    false
+}
+
+/// Tries to start `op`, a queued operation (the oldest, or the oldest of its client). The gate first, then the operation's lock,
 /// as every transition takes them: from the slot taken to the row written, no drift reading sees
 /// the start half made.
 async fn try_start(core: &Arc<Core>, op: &Arc<LiveOp>) -> Tried {

@@ -17,9 +17,13 @@
 //!   ended) to the run's end ([`TURNOVERS`]); Jain's fairness index over the two averages is at
 //!   least 0.9 with `fair_share`, and without it the hammering client holds most of the pool.
 //!
+//! - **No client holds the queue up.** A client at its share whose approved request is the oldest
+//!   in the executor's queue does not keep another client's approved request, queued behind it,
+//!   out of a free slot.
+//!
 //! The run is bounded by operations ended, not by time: nothing here asserts a duration.
 //!
-//! One file past 500 lines: both scenarios stand on the same deployment of either backend and
+//! One file past 500 lines: the scenarios stand on the same deployment of either backend and
 //! the same clients, and one test binary is cheaper to build and run than two.
 
 mod support;
@@ -167,6 +171,7 @@ per_backend! {
     without_fair_share_a_batch_client_that_filled_the_execution_pool_locks_out_a_client_holding_nothing,
     a_polite_client_gets_its_share_of_the_execution_pool_against_a_hammering_one,
     without_fair_share_a_hammering_client_takes_the_execution_pool_from_a_polite_one,
+    approved_work_of_a_client_at_its_share_does_not_hold_up_another_clients_behind_it,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -322,6 +327,82 @@ async fn without_fair_share_a_batch_client_that_filled_the_execution_pool_locks_
             );
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// No client holds the queue up.
+
+/// An execution pool of 4 without a reserve (floor 1): two clients holding in it have a share
+/// of 2 each.
+fn queue_limits() -> String {
+    format!(
+        r#"{{"requests_per_window": 100000, "window_seconds": 60, "client_active": 25,
+            "client_pending": 10, "global_active": 512, "global_executing": 4,
+            "clients": {{"{BATCH}": {{"requests_per_window": 100000, "window_seconds": 60,
+                                     "active": 300, "pending": 10}}}},
+            "fair_share": {{"active": {{"reserve": 0, "floor": 1}},
+                           "executing": {{"reserve": 0, "floor": 1}}}}}}"#
+    )
+}
+
+/// Submits a long `demo.request` of `secret`'s client on `server` under `key` and asserts it
+/// waits for approval: its id.
+async fn ask_long(server: &Server, secret: &str, key: &str) -> String {
+    let reply = server
+        .submit(secret, &request(key, "demo.request", LONG_MS))
+        .await;
+    assert_eq!(
+        (reply.status, reply.state()),
+        (202, "pending"),
+        "{}",
+        reply.body
+    );
+    reply.id()
+}
+
+async fn approved_work_of_a_client_at_its_share_does_not_hold_up_another_clients_behind_it(
+    backend: Backend,
+) {
+    let Some(deployment) = Deployment::start(backend, &queue_limits()) else {
+        return;
+    };
+    // Everything on one server, so both requests wait in one executor's queue.
+    let server = deployment.server(0);
+    let batch_ask = ask_long(server, BATCH_SECRET, "batch-ask").await;
+    let interactive_ask = ask_long(server, INTERACTIVE_SECRET, "interactive-ask").await;
+    // The batch client executes 2 and the interactive one 1: two holders, a share of 2 each,
+    // one slot free.
+    for key in ["batch-0", "batch-1"] {
+        assert_eq!(run_long(server, BATCH_SECRET, key).await.status, 202);
+    }
+    assert_eq!(
+        run_long(server, INTERACTIVE_SECRET, "run").await.status,
+        202
+    );
+
+    // The batch client's request, approved first, is the oldest in the queue; its client is at
+    // its share, so it cannot start. The interactive client's, approved after it, can.
+    let approved = server.operator.approve(&batch_ask).await;
+    assert_eq!(approved.status, 200, "{}", approved.body);
+    let approved = server.operator.approve(&interactive_ask).await;
+    assert_eq!(approved.status, 200, "{}", approved.body);
+    let path = op_path(&interactive_ask);
+    assert_eventually(
+        "the interactive client's approved request starts in the free slot",
+        async || server.get(&path, INTERACTIVE_SECRET).await.state() == "executing",
+    )
+    .await;
+    assert_eq!(
+        server.get(&op_path(&batch_ask), BATCH_SECRET).await.state(),
+        "approved",
+        "the batch client's stays queued: it is at its share"
+    );
+    assert_eq!(
+        deployment
+            .sum(r#"admission_operations{state="executing"}"#)
+            .await,
+        4
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
