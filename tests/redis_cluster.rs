@@ -15,55 +15,23 @@ use std::time::{Duration, Instant};
 
 use redis::Value;
 use support::eventually::assert_eventually;
+use support::failover::{
+    CLIENT_ACTIVE, RESUME_WITHIN, assert_nothing_lost_and_all_drained, config, fleet_under_load,
+    options, replica,
+};
 use support::redis::cli;
-use support::redis_ha::{
-    Cluster, Load, assert_notices_heard, errors, missing, try_cli, wait_until,
-};
+use support::redis_ha::{Cluster, errors, try_cli, wait_until};
 use unyolo_admission::admission::{
-    Admission, AdmitError, KeyRecord, OperationHandle, RecoverySource, ReplicaOptions, SourceFuture,
+    Admission, AdmitError, KeyRecord, OperationHandle, RecoverySource, SourceFuture,
 };
-use unyolo_admission::config::Limits;
-use unyolo_admission::{Config, Controller, Identity, RefusalCode};
+use unyolo_admission::{Controller, Identity, RefusalCode};
 
 /// How long a primary may be unreachable before its replica takes over.
 const NODE_TIMEOUT: Duration = Duration::from_millis(1000);
-/// The contract's pause: admissions resume within this of the promotion.
-const RESUME_WITHIN: Duration = Duration::from_secs(2);
-const CLIENT_ACTIVE: u32 = 4;
-const GLOBAL_ACTIVE: u32 = 6;
+/// How often each replica heartbeats.
+const HEARTBEAT: Duration = Duration::from_secs(1);
 /// The deployment's hash tag (the default prefix).
 const TAG: &str = "{admission}";
-
-fn config() -> Config {
-    let limits = Limits {
-        requests_per_window: 100_000,
-        window_seconds: 60,
-        client_active: CLIENT_ACTIVE,
-        client_pending: CLIENT_ACTIVE,
-        global_active: GLOBAL_ACTIVE,
-        global_executing: GLOBAL_ACTIVE,
-    };
-    Config::new(
-        limits,
-        BTreeMap::new(),
-        ["amy", "bob"].map(|c| Identity::new(c).unwrap()),
-    )
-    .unwrap()
-}
-
-fn options(cluster: &Cluster, name: &str, fleet: &[&str]) -> ReplicaOptions {
-    let mut options = ReplicaOptions::new(cluster.url(), name);
-    options.replicas = fleet.iter().map(|r| r.to_string()).collect();
-    options.heartbeat = Duration::from_secs(1);
-    options
-}
-
-async fn replica(options: ReplicaOptions) -> Admission {
-    let admission = Admission::new(Controller::new(config()), Some(options)).unwrap();
-    let restored = admission.restore(Vec::new()).await;
-    assert!(restored.deferred.is_none(), "{:?}", restored.deferred);
-    admission
-}
 
 /// The key records a replica's store would hold.
 #[derive(Default)]
@@ -104,7 +72,7 @@ async fn every_script_runs_in_the_deployments_one_slot_and_leaves_no_key_outside
     let mut replicas = Vec::new();
     let mut stores = Vec::new();
     for name in fleet {
-        let mut options = options(&cluster, name, &fleet);
+        let mut options = options(cluster.url(), name, &fleet, HEARTBEAT);
         options.idempotency_ttl = Some(Duration::from_secs(3600));
         let admission = Admission::new(Controller::new(config()), Some(options)).unwrap();
         let store = Arc::new(Keys::default());
@@ -142,7 +110,7 @@ async fn every_script_runs_in_the_deployments_one_slot_and_leaves_no_key_outside
     // (Its rows deleted after.)
     stores[0].0.lock().unwrap().clear();
     // Reaping: a third replica holds one operation and stops; its lease lapses.
-    let mut gone = options(&cluster, "c3", &[]);
+    let mut gone = options(cluster.url(), "c3", &[], HEARTBEAT);
     gone.lease_ttl = Duration::from_secs(1);
     gone.heartbeat = Duration::from_millis(300);
     let c3 = replica(gone).await;
@@ -309,7 +277,7 @@ async fn the_slot_moving_to_another_primary_pauses_admissions_while_it_moves_and
     let fleet = ["m1", "m2"];
     let mut replicas = Vec::new();
     for name in fleet {
-        replicas.push(replica(options(&cluster, name, &fleet)).await);
+        replicas.push(replica(options(cluster.url(), name, &fleet, HEARTBEAT)).await);
     }
     let mut live = Vec::new();
     for r in &replicas {
@@ -401,19 +369,7 @@ async fn failover_under_load(failover: Failover) {
     // `WAIT 1` is answered after the failover too.
     let first_replica = cluster.replica_of(&owner_id);
     let second_replica = cluster.add_replica(&owner_id);
-    let fleet = ["k1", "k2", "k3"];
-    let mut replicas = Vec::new();
-    for name in fleet {
-        let mut options = options(&cluster, name, &fleet);
-        options.wait_replicas = 1;
-        replicas.push(replica(options).await);
-    }
-    let load = Load::start(&replicas, &["amy", "bob"], CLIENT_ACTIVE, GLOBAL_ACTIVE);
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    assert!(
-        load.admitted() > 0,
-        "nothing was admitted before the failover"
-    );
+    let (replicas, load) = fleet_under_load(&cluster.url(), &["k1", "k2", "k3"], HEARTBEAT).await;
 
     let began = Instant::now();
     // From when no admission asked can be decided by the old primary: once it is gone (kill
@@ -471,30 +427,7 @@ async fn failover_under_load(failover: Failover) {
         resume.as_secs_f64(),
         RESUME_WITHIN.as_secs()
     );
-    // The promoted primary's script cache was empty (Redis does not replicate it): the
-    // scripts were loaded again on NOSCRIPT.
-    assert!(errors(new, "NOSCRIPT") > 0, "no script was loaded again");
-    // Nothing acknowledged is lost: every key record is on the promoted primary.
-    let mut conn = redis::Client::open(format!("redis://127.0.0.1:{new}/"))
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap();
-    let lost = missing(&mut conn, &seen.key_records("admission")).await;
-    assert!(lost.is_empty(), "acknowledged and lost: {lost:?}");
-    // Refusals are remembered, and forgotten on the notices the new primary publishes.
-    assert_notices_heard(&replicas, "amy", CLIENT_ACTIVE).await;
-    for r in &replicas {
-        assert!(r.flush().await);
-    }
-    assert_eventually("the counts drained to zero", async || {
-        replicas[0].counts().await.is_ok_and(|c| c.is_idle())
-    })
-    .await;
-    for r in &replicas {
-        assert!(r.snapshot().is_idle());
-        r.shutdown().await;
-    }
+    assert_nothing_lost_and_all_drained(new, &seen, replicas).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

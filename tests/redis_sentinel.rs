@@ -8,55 +8,21 @@
 
 mod support;
 
-use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use support::eventually::assert_eventually;
-use support::redis_ha::{Load, SentinelSet, assert_notices_heard, errors, missing, try_cli};
+use support::failover::{
+    RESUME_WITHIN, assert_nothing_lost_and_all_drained, config, fleet_under_load, options, replica,
+};
+use support::redis_ha::{SentinelSet, try_cli};
 use unyolo_admission::admission::{Admission, AdmitError, ReplicaOptions};
-use unyolo_admission::config::Limits;
-use unyolo_admission::{Config, Controller, Identity, RefusalCode};
+use unyolo_admission::{Controller, RefusalCode};
 
 /// How long a primary may be silent before the Sentinels fail it over.
 const DOWN_AFTER: Duration = Duration::from_millis(1000);
-/// The contract's pause: admissions resume within this of the promotion.
-const RESUME_WITHIN: Duration = Duration::from_secs(2);
-
-const CLIENT_ACTIVE: u32 = 4;
-const GLOBAL_ACTIVE: u32 = 6;
-
-/// amy and bob: four live each, six in all.
-fn config() -> Config {
-    let limits = Limits {
-        requests_per_window: 100_000,
-        window_seconds: 60,
-        client_active: CLIENT_ACTIVE,
-        client_pending: CLIENT_ACTIVE,
-        global_active: GLOBAL_ACTIVE,
-        global_executing: GLOBAL_ACTIVE,
-    };
-    Config::new(
-        limits,
-        BTreeMap::new(),
-        ["amy", "bob"].map(|c| Identity::new(c).unwrap()),
-    )
-    .unwrap()
-}
-
-fn options(set: &SentinelSet, name: &str, fleet: &[&str]) -> ReplicaOptions {
-    let mut options = ReplicaOptions::new(set.url(), name);
-    options.replicas = fleet.iter().map(|r| r.to_string()).collect();
-    options.heartbeat = Duration::from_secs(2);
-    options
-}
-
-async fn replica(options: ReplicaOptions) -> Admission {
-    let admission = Admission::new(Controller::new(config()), Some(options)).unwrap();
-    let restored = admission.restore(Vec::new()).await;
-    assert!(restored.deferred.is_none(), "{:?}", restored.deferred);
-    admission
-}
+/// How often each replica heartbeats.
+const HEARTBEAT: Duration = Duration::from_secs(2);
 
 /// When the first of the Sentinels on `ports` announces a `+switch-master`, from now on.
 async fn heard_switch(ports: &[u16]) -> Arc<Mutex<Option<Instant>>> {
@@ -103,7 +69,7 @@ async fn a_sentinel_url_finds_the_primary_and_a_replica_admits_through_it() {
     let Some(set) = SentinelSet::start(1, DOWN_AFTER) else {
         return;
     };
-    let r1 = replica(options(&set, "r1", &["r1"])).await;
+    let r1 = replica(options(set.url(), "r1", &["r1"], HEARTBEAT)).await;
     let op = r1.admit("amy", true, Some("k1")).await.unwrap().commit();
     // Written on the primary the Sentinels name (and not on its replica: they are read-only).
     let primary = set.primary_port();
@@ -135,19 +101,7 @@ async fn failover_under_load(redis_replicas: usize, failover: Failover) {
     let Some(mut set) = SentinelSet::start(redis_replicas, DOWN_AFTER) else {
         return;
     };
-    let fleet = ["s1", "s2", "s3"];
-    let mut replicas = Vec::new();
-    for name in fleet {
-        let mut options = options(&set, name, &fleet);
-        options.wait_replicas = 1;
-        replicas.push(replica(options).await);
-    }
-    let load = Load::start(&replicas, &["amy", "bob"], CLIENT_ACTIVE, GLOBAL_ACTIVE);
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    assert!(
-        load.admitted() > 0,
-        "nothing was admitted before the failover"
-    );
+    let (replicas, load) = fleet_under_load(&set.url(), &["s1", "s2", "s3"], HEARTBEAT).await;
 
     let heard = heard_switch(&set.sentinels.iter().map(|s| s.port).collect::<Vec<_>>()).await;
     let old = set.primary_port();
@@ -235,32 +189,7 @@ async fn failover_under_load(redis_replicas: usize, failover: Failover) {
         "admissions went on after the first"
     );
 
-    // The promoted primary's script cache was empty (Redis does not replicate it): the
-    // scripts were loaded again on NOSCRIPT.
-    assert!(errors(new, "NOSCRIPT") > 0, "no script was loaded again");
-    // Nothing acknowledged is lost: every admission answered, before the failover or after,
-    // still has its key record on the new primary (one lost would be admitted again).
-    let mut conn = redis::Client::open(format!("redis://127.0.0.1:{new}/"))
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap();
-    let lost = missing(&mut conn, &seen.key_records("admission")).await;
-    assert!(lost.is_empty(), "acknowledged and lost: {lost:?}");
-
-    // Refusals are remembered, and forgotten on the notices the new primary publishes.
-    assert_notices_heard(&replicas, "amy", CLIENT_ACTIVE).await;
-    for r in &replicas {
-        assert!(r.flush().await);
-    }
-    assert_eventually("the counts drained to zero", async || {
-        replicas[0].counts().await.is_ok_and(|c| c.is_idle())
-    })
-    .await;
-    for r in &replicas {
-        assert!(r.snapshot().is_idle());
-        r.shutdown().await;
-    }
+    assert_nothing_lost_and_all_drained(new, &seen, replicas).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -289,7 +218,7 @@ async fn a_promoted_replica_without_the_deployments_state_is_redis_forgetting_an
     let fleet = ["f1", "f2", "f3"];
     let mut replicas = Vec::new();
     for name in fleet {
-        replicas.push(replica(options(&set, name, &fleet)).await);
+        replicas.push(replica(options(set.url(), name, &fleet, HEARTBEAT)).await);
     }
     // amy at her limit, spread over the three; bob with one.
     let mut live = Vec::new();

@@ -7,6 +7,8 @@
 //! - [`replicas`]: quota files and registered replicas for the replica tests.
 //! - [`redis_ha`]: Redis highly available on loopback: a primary, its replicas and three
 //!   Sentinels, or a three-primary Redis Cluster, every process stopped with its test.
+//! - [`failover`]: a fleet of replicas under load through a Redis failover, and what every
+//!   failover must leave behind.
 //! - [`rng`]: the deterministic generator of the model tests.
 //! - [`semantics`]: one face for the in-process and the Redis admission backends.
 //!
@@ -15,6 +17,8 @@
 
 pub mod corpus;
 pub mod eventually;
+#[cfg(feature = "redis")]
+pub mod failover;
 pub mod redis;
 #[cfg(feature = "redis")]
 pub mod redis_ha;
