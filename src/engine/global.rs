@@ -370,50 +370,26 @@ impl GlobalCounts {
     /// Gives back `sub`: one step per word it touches. A field never goes below zero.
     #[inline]
     pub(crate) fn release(&self, sub: Counts) {
-        let (active, executing) = (sub.active_part(), sub.executing_part());
-        if active != Counts::ZERO {
-            // Relaxed: as in try_admit.
-            let _ = self
-                .active
-                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |word| {
-                    Some(
-                        Counts::ZERO
-                            .with_active_word(word)
-                            .minus(active)
-                            .active_word(),
-                    )
-                });
-        }
-        if executing != Counts::ZERO {
-            // Relaxed: as in try_admit.
-            let _ = self
-                .executing
-                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |word| {
-                    Some(
-                        Counts::ZERO
-                            .with_executing_word(word)
-                            .minus(executing)
-                            .executing_word(),
-                    )
-                });
-        }
+        self.apply(sub, Counts::minus);
     }
 
     /// Adds `add` whatever the limits (start-up recovery, a holder counted in alone), saturating
     /// each field at its maximum.
     pub(crate) fn force(&self, add: Counts) {
-        let (active, executing) = (add.active_part(), add.executing_part());
+        self.apply(add, Counts::saturating_plus);
+    }
+
+    /// Moves each word `change` touches by `step` (the word's counts, that word's part of
+    /// `change`): one update per word, none for a word it leaves alone.
+    #[inline]
+    fn apply(&self, change: Counts, step: impl Fn(Counts, Counts) -> Counts) {
+        let (active, executing) = (change.active_part(), change.executing_part());
         if active != Counts::ZERO {
             // Relaxed: as in try_admit.
             let _ = self
                 .active
                 .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |word| {
-                    Some(
-                        Counts::ZERO
-                            .with_active_word(word)
-                            .saturating_plus(active)
-                            .active_word(),
-                    )
+                    Some(step(Counts::ZERO.with_active_word(word), active).active_word())
                 });
         }
         if executing != Counts::ZERO {
@@ -421,12 +397,7 @@ impl GlobalCounts {
             let _ = self
                 .executing
                 .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |word| {
-                    Some(
-                        Counts::ZERO
-                            .with_executing_word(word)
-                            .saturating_plus(executing)
-                            .executing_word(),
-                    )
+                    Some(step(Counts::ZERO.with_executing_word(word), executing).executing_word())
                 });
         }
     }
