@@ -76,10 +76,6 @@ enum Backend {
 /// both have registered.
 const FLEET: [&str; 2] = ["r1", "r2"];
 
-fn path(path: &std::path::Path) -> String {
-    path.to_str().unwrap().to_owned()
-}
-
 /// The `serve` processes of one scenario, and what they need alive.
 struct Deployment {
     servers: Vec<Server>,
@@ -101,19 +97,8 @@ impl Deployment {
                 let servers = FLEET
                     .iter()
                     .map(|name| {
-                        let data = dir.path().join(format!("data-{name}"));
-                        let args = [
-                            ("--redis", redis.url()),
-                            ("--replica", (*name).to_owned()),
-                            ("--replicas", FLEET.join(",")),
-                            ("--data", data.to_str().unwrap().to_owned()),
-                            ("--secrets", path(&files.secrets)),
-                            ("--operator-secrets", path(&files.operator)),
-                            ("--admission-config", path(&files.config)),
-                        ]
-                        .into_iter()
-                        .flat_map(|(flag, value)| [flag.to_owned(), value])
-                        .collect::<Vec<_>>();
+                        let mut args = vec!["--redis".to_owned(), redis.url()];
+                        args.extend(files.replica_args(dir.path(), name, &FLEET.join(",")));
                         Server::spawn(None, &args)
                     })
                     .collect();

@@ -37,28 +37,13 @@ fn replica(
     dir: &std::path::Path,
     name: &str,
 ) -> Server {
-    let data = dir.join(format!("data-{name}"));
-    let args: Vec<String> = [
-        "--store",
-        store,
-        "--redis",
-        &redis.url(),
-        "--replica",
-        name,
-        "--replicas",
-        "p1,p2",
-        "--data",
-        data.to_str().unwrap(),
-        "--secrets",
-        files.secrets.to_str().unwrap(),
-        "--operator-secrets",
-        files.operator.to_str().unwrap(),
-        "--admission-config",
-        files.config.to_str().unwrap(),
-    ]
-    .into_iter()
-    .map(str::to_owned)
-    .collect();
+    let mut args = vec![
+        "--store".to_owned(),
+        store.to_owned(),
+        "--redis".to_owned(),
+        redis.url(),
+    ];
+    args.extend(files.replica_args(dir, name, "p1,p2"));
     Server::spawn(None, &args)
 }
 

@@ -95,28 +95,13 @@ impl Fleet {
     }
 
     fn spawn(&self, name: &str, env: &[(&str, &str)]) -> Server {
-        let data = self.tmp.path().join(format!("data-{name}"));
-        let args: Vec<String> = [
-            "--store",
-            &self.url,
-            "--redis",
-            &self.redis.url(),
-            "--replica",
-            name,
-            "--replicas",
-            "p1,p2,p3",
-            "--data",
-            data.to_str().unwrap(),
-            "--secrets",
-            self.files.secrets.to_str().unwrap(),
-            "--operator-secrets",
-            self.files.operator.to_str().unwrap(),
-            "--admission-config",
-            self.files.config.to_str().unwrap(),
-        ]
-        .into_iter()
-        .map(str::to_owned)
-        .collect();
+        let mut args = vec![
+            "--store".to_owned(),
+            self.url.clone(),
+            "--redis".to_owned(),
+            self.redis.url(),
+        ];
+        args.extend(self.files.replica_args(self.tmp.path(), name, "p1,p2,p3"));
         Server::spawn_with_env(env, &args)
     }
 

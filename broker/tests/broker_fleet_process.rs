@@ -30,28 +30,10 @@ const FLEET: &str = "f1,f2,f3";
 const LEASE_PATIENCE: Duration = Duration::from_secs(60);
 
 fn replica(redis: &str, store: &str, files: &Files, dir: &Path, name: &str) -> Server {
-    let data = dir.join(format!("data-{name}"));
-    let args: Vec<String> = [
-        "--store",
-        store,
-        "--redis",
-        redis,
-        "--replica",
-        name,
-        "--replicas",
-        FLEET,
-        "--data",
-        data.to_str().unwrap(),
-        "--secrets",
-        files.secrets.to_str().unwrap(),
-        "--operator-secrets",
-        files.operator.to_str().unwrap(),
-        "--admission-config",
-        files.config.to_str().unwrap(),
-    ]
-    .into_iter()
-    .map(str::to_owned)
-    .collect();
+    let mut args: Vec<String> = ["--store", store, "--redis", redis]
+        .map(str::to_owned)
+        .into();
+    args.extend(files.replica_args(dir, name, FLEET));
     Server::spawn(None, &args)
 }
 

@@ -27,26 +27,8 @@ const FLEET: &str = "r1,r2,r3";
 /// `admission serve` as replica `name` (one of [`FLEET`]), with a data dir of its own under
 /// `dir`.
 fn replica(redis_url: &str, files: &Files, dir: &Path, name: &str) -> Server {
-    let data = dir.join(format!("data-{name}"));
-    let args: Vec<String> = [
-        "--redis",
-        redis_url,
-        "--replica",
-        name,
-        "--replicas",
-        FLEET,
-        "--data",
-        data.to_str().unwrap(),
-        "--secrets",
-        files.secrets.to_str().unwrap(),
-        "--operator-secrets",
-        files.operator.to_str().unwrap(),
-        "--admission-config",
-        files.config.to_str().unwrap(),
-    ]
-    .into_iter()
-    .map(str::to_owned)
-    .collect();
+    let mut args = vec!["--redis".to_owned(), redis_url.to_owned()];
+    args.extend(files.replica_args(dir, name, FLEET));
     Server::spawn(None, &args)
 }
 

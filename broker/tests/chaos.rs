@@ -20,7 +20,6 @@
 mod support;
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
@@ -105,30 +104,18 @@ fn seconds(name: &str, default: u64) -> u64 {
 
 /// The replica named `name`'s flags.
 fn args(store: &str, redis: &str, files: &Files, dir: &std::path::Path, name: &str) -> Vec<String> {
-    let data: PathBuf = dir.join(format!("data-{name}"));
-    [
+    let mut args: Vec<String> = [
         "--store",
         store,
         "--redis",
         redis,
         "--redis-wait-replicas",
         "1",
-        "--replica",
-        name,
-        "--replicas",
-        "c1,c2,c3",
-        "--data",
-        data.to_str().unwrap(),
-        "--secrets",
-        files.secrets.to_str().unwrap(),
-        "--operator-secrets",
-        files.operator.to_str().unwrap(),
-        "--admission-config",
-        files.config.to_str().unwrap(),
     ]
-    .into_iter()
     .map(str::to_owned)
-    .collect()
+    .into();
+    args.extend(files.replica_args(dir, name, "c1,c2,c3"));
+    args
 }
 
 /// An agent of `secret`'s client: submits runs and requests under keys `prefix-N` to replicas

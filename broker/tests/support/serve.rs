@@ -54,6 +54,24 @@ impl Files {
         .flat_map(|(flag, path)| [flag.to_owned(), path.to_str().unwrap().to_owned()])
         .collect()
     }
+
+    /// The flags of replica `name` of the deployment whose replicas are `fleet`
+    /// (comma-separated): these files, and a data dir of its own under `dir`. The caller adds
+    /// what its fleet shares (`--redis`, `--store`, ...).
+    pub fn replica_args(&self, dir: &Path, name: &str, fleet: &str) -> Vec<String> {
+        let data = dir.join(format!("data-{name}"));
+        [
+            ("--replica", Path::new(name)),
+            ("--replicas", Path::new(fleet)),
+            ("--data", &data),
+            ("--secrets", &self.secrets),
+            ("--operator-secrets", &self.operator),
+            ("--admission-config", &self.config),
+        ]
+        .into_iter()
+        .flat_map(|(flag, value)| [flag.to_owned(), value.to_str().unwrap().to_owned()])
+        .collect()
+    }
 }
 
 /// A process's memory, in bytes.
