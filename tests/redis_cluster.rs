@@ -16,8 +16,8 @@ use std::time::{Duration, Instant};
 use redis::Value;
 use support::eventually::assert_eventually;
 use support::failover::{
-    CLIENT_ACTIVE, RESUME_WITHIN, assert_nothing_lost_and_all_drained, config, fleet_under_load,
-    options, replica,
+    CLIENT_ACTIVE, RESUME_WITHIN, assert_nothing_lost_and_all_drained, config, drain,
+    fleet_under_load, options, replica,
 };
 use support::redis::cli;
 use support::redis_ha::{Cluster, errors, try_cli, wait_until};
@@ -334,13 +334,7 @@ async fn the_slot_moving_to_another_primary_pauses_admissions_while_it_moves_and
     for op in live {
         op.fail().await.unwrap();
     }
-    for r in &replicas {
-        assert!(r.flush().await);
-    }
-    assert_eventually("the counts drained to zero", async || {
-        replicas[0].counts().await.is_ok_and(|c| c.is_idle())
-    })
-    .await;
+    drain(&replicas).await;
     for r in &replicas {
         r.shutdown().await;
     }

@@ -11,9 +11,9 @@ mod support;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use support::eventually::assert_eventually;
 use support::failover::{
-    RESUME_WITHIN, assert_nothing_lost_and_all_drained, config, fleet_under_load, options, replica,
+    RESUME_WITHIN, assert_nothing_lost_and_all_drained, config, drain, fleet_under_load, options,
+    replica,
 };
 use support::redis_ha::{SentinelSet, try_cli};
 use unyolo_admission::admission::{Admission, AdmitError, ReplicaOptions};
@@ -291,13 +291,7 @@ async fn a_promoted_replica_without_the_deployments_state_is_redis_forgetting_an
     for op in live {
         op.fail().await.unwrap();
     }
-    for r in &replicas {
-        assert!(r.flush().await);
-    }
-    assert_eventually("the counts drained to zero", async || {
-        replicas[0].counts().await.is_ok_and(|c| c.is_idle())
-    })
-    .await;
+    drain(&replicas).await;
     for r in &replicas {
         r.shutdown().await;
     }

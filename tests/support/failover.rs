@@ -72,6 +72,17 @@ pub async fn fleet_under_load(
     (replicas, load)
 }
 
+/// Every replica flushes what it holds, and the counts in Redis drain to zero.
+pub async fn drain(replicas: &[Admission]) {
+    for r in replicas {
+        assert!(r.flush().await);
+    }
+    assert_eventually("the counts drained to zero", async || {
+        replicas[0].counts().await.is_ok_and(|c| c.is_idle())
+    })
+    .await;
+}
+
 /// After a failover to the primary on port `new`: its script cache was empty (Redis does not
 /// replicate it), so the scripts were loaded again on NOSCRIPT; every admission `seen`
 /// answered, before the failover or after, still has its key record there (one lost would be
@@ -87,13 +98,7 @@ pub async fn assert_nothing_lost_and_all_drained(new: u16, seen: &Seen, replicas
     let lost = missing(&mut conn, &seen.key_records("admission")).await;
     assert!(lost.is_empty(), "acknowledged and lost: {lost:?}");
     assert_notices_heard(&replicas, "amy", CLIENT_ACTIVE).await;
-    for r in &replicas {
-        assert!(r.flush().await);
-    }
-    assert_eventually("the counts drained to zero", async || {
-        replicas[0].counts().await.is_ok_and(|c| c.is_idle())
-    })
-    .await;
+    drain(&replicas).await;
     for r in &replicas {
         assert!(r.snapshot().is_idle());
         r.shutdown().await;
