@@ -352,6 +352,27 @@ fn free_cluster_port() -> u16 {
     }
 }
 
+/// A cluster-enabled `redis-server` on a free port, whose peers are failed after `timeout`
+/// milliseconds without an answer.
+fn cluster_node(timeout: &str) -> Node {
+    on_free_ports(
+        |port| {
+            Node::start(
+                port,
+                &[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    timeout,
+                ],
+            )
+        },
+        free_cluster_port,
+    )
+}
+
 /// A Redis Cluster of three primaries, each with one replica, every slot covered.
 pub struct Cluster {
     pub nodes: Vec<Node>,
@@ -365,26 +386,7 @@ impl Cluster {
             return None;
         }
         let timeout = node_timeout.as_millis().to_string();
-        let nodes: Vec<Node> = (0..6)
-            .map(|_| {
-                on_free_ports(
-                    |port| {
-                        Node::start(
-                            port,
-                            &[
-                                "--cluster-enabled",
-                                "yes",
-                                "--cluster-config-file",
-                                "nodes.conf",
-                                "--cluster-node-timeout",
-                                &timeout,
-                            ],
-                        )
-                    },
-                    free_cluster_port,
-                )
-            })
-            .collect();
+        let nodes: Vec<Node> = (0..6).map(|_| cluster_node(&timeout)).collect();
         let mut create = Command::new("redis-cli");
         create.arg("--cluster").arg("create");
         for node in &nodes {
@@ -558,22 +560,7 @@ impl Cluster {
         let timeout = try_cli(self.live_port(), &["CONFIG", "GET", "cluster-node-timeout"])
             .and_then(|o| o.lines().nth(1).map(str::to_owned))
             .expect("the node timeout");
-        let node = on_free_ports(
-            |port| {
-                Node::start(
-                    port,
-                    &[
-                        "--cluster-enabled",
-                        "yes",
-                        "--cluster-config-file",
-                        "nodes.conf",
-                        "--cluster-node-timeout",
-                        &timeout,
-                    ],
-                )
-            },
-            free_cluster_port,
-        );
+        let node = cluster_node(&timeout);
         let port = node.port;
         let seed = self.live_port().to_string();
         cli(port, &["CLUSTER", "MEET", "127.0.0.1", &seed]);
